@@ -1,0 +1,113 @@
+"""CompiledPlan: what the compiler hands the runtime (and writes to a build directory).
+
+The contract between compiler/ and backends/:
+
+* `stages[k].module` is a torch.fx.GraphModule whose parameters and buffers
+  keep the unmodified model's qualified names (its state_dict keys are a subset
+  of the model's). Its forward takes the values named by `stages[k].inputs`
+  positionally, in that order, and returns a tuple of the values named by
+  `stages[k].outputs`, in that order.
+* An input comes either from the batch (`ValueRef.source == BATCH`, field name
+  e.g. "input_ids" or "targets"), read locally by whichever rank runs the stage,
+  or from an earlier stage's output (`source == producer stage index`). Values
+  used by a later non-adjacent stage are forwarded through the stages between
+  (each stage's inputs come from the batch or from stage k-1 only).
+* The last stage returns exactly one output, "loss": the scalar loss of one
+  microbatch (mean over its tokens, MoE aux losses added), unscaled. The
+  runtime scales it by 1 / (microbatches * dp).
+* Parameters tied across stages (same Parameter object in the model, e.g. the
+  embedding and the LM head) are listed in `tied`; the runtime sums their
+  gradients between the holding ranks every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from ..dsl.ast import Plan
+
+BATCH = "batch"
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """A value crossing a stage boundary, per microbatch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "float32"
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    name: str  # the value's name (an fx node name, or a batch field)
+    source: Union[str, int]  # BATCH, or the producing stage's index
+
+
+@dataclass
+class StageSpec:
+    index: int
+    rank: int  # pipeline rank (pp coordinate) that runs this stage
+    inputs: tuple[ValueRef, ...]
+    outputs: tuple[ValueSpec, ...]
+    param_names: tuple[str, ...]  # original qualified names held by this stage
+    buffer_names: tuple[str, ...] = ()
+    module_names: tuple[str, ...] = ()  # top-level blocks in this stage, in order
+    code: str = ""  # readable generated Python of the stage's forward
+    module: Any = None  # torch.fx.GraphModule (not serialised)
+    flops: float = 0.0  # forward FLOPs per microbatch
+    activation_bytes: int = 0  # bytes saved for backward per microbatch
+
+
+@dataclass(frozen=True)
+class TiedParam:
+    """One parameter held by several stages (by possibly different names)."""
+
+    names: tuple[str, ...]  # e.g. ("tok_emb.weight", "lm_head.weight")
+    stages: tuple[int, ...]  # stage index holding each name, same order
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """For one MoE layer: the global expert indices each EP rank holds."""
+
+    module: str  # qualified module name, e.g. "layers.0.moe"
+    shards: tuple[tuple[int, ...], ...]  # shards[ep_rank] = expert indices
+
+
+@dataclass
+class RankEstimate:
+    """Bytes and FLOPs for one global rank per optimizer step."""
+
+    rank: int
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    flops: float = 0.0
+    comm_bytes: dict = field(default_factory=dict)  # {"p2p": n, "dp": n, "tp": n, "ep": n}
+
+
+@dataclass
+class Estimates:
+    ranks: list[RankEstimate]
+    bubble: float  # whole-iteration: 1 - sum busy / (ranks * makespan)
+    step_time_s: float
+    device_model: dict  # {"flops_per_s": x, "link_bytes_per_s": y, "latency_s": z}
+
+
+@dataclass
+class CompiledPlan:
+    plan: Plan
+    stages: list[StageSpec]
+    schedule: Any  # pipeplan.schedules.Schedule
+    tied: tuple[TiedParam, ...] = ()
+    experts: tuple[ExpertPlacement, ...] = ()
+    tp_rewrites: dict = field(default_factory=dict)  # qualified module -> "column"|"row"|"vocab"
+    capture: str = "fx"  # how the graph was captured, and why when auto
+    capture_reason: str = ""
+    split_text: str = ""  # the chosen split in plan syntax, to pin it
+    estimates: Optional[Estimates] = None
+
+    def stages_of_rank(self, pp_rank: int) -> list[StageSpec]:
+        return [s for s in self.stages if s.rank == pp_rank]

@@ -1,0 +1,229 @@
+"""The typed plan: what a plan file means, after parsing and semantic checks.
+
+Every later phase (compiler, schedules, backends) reads these frozen
+dataclasses, never raw text or dicts. Source positions are kept apart from the
+values in `Plan.spans` (dotted key -> Span) so two plans that say the same
+thing compare equal wherever their text sits, and any later phase can still
+point an error at the plan line through `Plan.span_of`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional, Union
+
+# A constructor/optimizer argument value as written in the plan.
+Scalar = Union[int, float, str, bool, None]
+Value = Union[Scalar, tuple]  # tuples hold Values (lists in the plan)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a node sits in its source file (1-based line and column)."""
+
+    file: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    @staticmethod
+    def unknown(file: str = "<plan>") -> "Span":
+        return Span(file, 1, 1, 1, 1)
+
+
+def _frozen_map(d: Optional[Mapping] = None) -> Mapping:
+    return MappingProxyType(dict(d or {}))
+
+
+# --------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class InputSpec:
+    """One example input of the model: shape dims are ints or symbolic names.
+
+    Symbolic dims: "batch" (the microbatch size) and "seq" (data.seq_len).
+    """
+
+    name: str
+    dtype: str  # torch dtype name: "int64", "float32", ...
+    shape: tuple[Union[int, str], ...]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str  # "path/to/file.py:Class" (relative to the plan file) or "pkg.mod:Class"
+    args: Mapping[str, Value] = field(default_factory=_frozen_map)
+    inputs: tuple[InputSpec, ...] = (InputSpec("input_ids", "int64", ("batch", "seq")),)
+    capture: str = "auto"  # auto | fx | export
+    leaf_modules: tuple[str, ...] = ()  # module-path patterns traced as leaves
+    loss: str = "cross_entropy"  # cross_entropy | mse | model (the model returns its loss)
+
+
+# ---------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class DataSpec:
+    kind: str = "synthetic"  # synthetic | file
+    seq_len: int = 128
+    seed: int = 0  # synthetic only
+    vocab: int = 256  # synthetic only
+    path: Optional[str] = None  # file only: .bin (uint16 tokens) or .npy, memory-mapped
+
+
+# ---------------------------------------------------------------------- mesh
+@dataclass(frozen=True)
+class MeshSpec:
+    """Named device-mesh axes; pp outermost, tp innermost. ep re-divides dp*tp."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+# ------------------------------------------------------------------ pipeline
+@dataclass(frozen=True)
+class LayerRange:
+    """`layers[0:6]`: modules prefix.0 .. prefix.5 (stop exclusive)."""
+
+    prefix: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    kind: str = "auto"  # auto | points | ranges
+    basis: str = "flops"  # auto only: flops | params | profile
+    points: tuple[str, ...] = ()  # points: module names where stages 1..S-1 begin
+    ranges: tuple[LayerRange, ...] = ()  # ranges: one per stage
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """Activation memory per rank: in microbatches of the rank's layers, or bytes."""
+
+    amount: float
+    in_bytes: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    schedule: str = "1f1b"  # gpipe 1f1b interleaved zbh1 zbh2 zbv vhalf vmin dualpipev auto
+    microbatches: Optional[int] = None  # count ...
+    microbatch_size: Optional[int] = None  # ... or size (exactly one is set after checks)
+    virtual: int = 1  # stages per rank
+    split: SplitSpec = field(default_factory=SplitSpec)
+    memory_limit: Optional[MemoryLimit] = None
+
+
+# ------------------------------------------------------------------- experts
+@dataclass(frozen=True)
+class ExpertsSpec:
+    modules: tuple[str, ...]  # module-path patterns of the MoE layers, e.g. "blocks.*.moe"
+    num_experts: int
+    top_k: int = 2
+    dropless: bool = True
+    capacity_factor: Optional[float] = None  # only when dropless is false
+    drop_policy: str = "probs"  # probs | position
+    aux_loss: float = 0.0  # load-balancing loss coefficient
+    z_loss: float = 0.0  # router z-loss coefficient
+    dispatcher: str = "alltoall"  # alltoall | allgather
+    shared_experts: int = 0
+
+
+# -------------------------------------------------------------------- tensor
+@dataclass(frozen=True)
+class TensorSpec:
+    column: tuple[str, ...] = ()  # module-path patterns made column-parallel
+    row: tuple[str, ...] = ()  # ... row-parallel
+    vocab: tuple[str, ...] = ()  # ... vocab-parallel (embedding, LM head)
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class RecomputeRule:
+    pattern: str
+    mode: str  # none | full | selective
+
+
+# --------------------------------------------------------------------- train
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd only
+
+
+@dataclass(frozen=True)
+class LRScheduleSpec:
+    kind: str = "constant"  # constant | cosine
+    warmup: int = 0  # steps of linear warm-up
+    min_lr: float = 0.0  # cosine floor
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    every: int
+    dir: str
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int = 10
+    global_batch: int = 8  # sequences per optimizer step, over all dp ranks
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    lr_schedule: LRScheduleSpec = field(default_factory=LRScheduleSpec)
+    grad_clip: Optional[float] = None  # max global L2 norm
+    precision: str = "fp32"  # fp32 | bf16
+    seed: int = 0
+    checkpoint: Optional[CheckpointSpec] = None
+    log_dir: Optional[str] = None
+
+
+# ---------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    data: DataSpec = field(default_factory=DataSpec)
+    mesh: MeshSpec = field(default_factory=MeshSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    experts: Optional[ExpertsSpec] = None
+    tensor: TensorSpec = field(default_factory=TensorSpec)
+    zero: int = 0
+    recompute: tuple[RecomputeRule, ...] = ()
+    train: TrainSpec = field(default_factory=TrainSpec)
+    # Where the plan came from; relative model/data paths resolve against its folder.
+    path: str = field(default="<plan>", compare=False)
+    # Dotted key ("pipeline.microbatches", "model.args.dim", "pipeline") -> Span.
+    spans: Mapping[str, Span] = field(default_factory=_frozen_map, compare=False, repr=False)
+    source_text: str = field(default="", compare=False, repr=False)
+
+    def span_of(self, key: str) -> Span:
+        """The span of `key`, else of its nearest enclosing section, else the file start."""
+        parts = key.split(".")
+        while parts:
+            k = ".".join(parts)
+            if k in self.spans:
+                return self.spans[k]
+            parts.pop()
+        return Span.unknown(self.path)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per DP rank per step (resolved from count or size)."""
+        if self.pipeline.microbatches is not None:
+            return self.pipeline.microbatches
+        per_dp = self.train.global_batch // self.mesh.dp
+        return per_dp // (self.pipeline.microbatch_size or per_dp)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.train.global_batch // (self.mesh.dp * self.microbatches)
