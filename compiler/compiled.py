@@ -36,6 +36,7 @@ class ValueSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # torch dtype name, e.g. "float32"
+    requires_grad: bool = True  # False: no gradient flows back for it (ids, masks, positions)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class StageSpec:
     module: Any = None  # torch.fx.GraphModule (not serialised)
     flops: float = 0.0  # forward FLOPs per microbatch
     activation_bytes: int = 0  # bytes saved for backward per microbatch
+    recompute_flops: float = 0.0  # forward FLOPs rerun in backward per microbatch (recompute)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Estimates:
     bubble: float  # whole-iteration: 1 - sum busy / (ranks * makespan)
     step_time_s: float
     device_model: dict  # {"flops_per_s": x, "link_bytes_per_s": y, "latency_s": z}
+    simulation: Any = field(default=None, repr=False)  # schedules.SimResult, times in seconds
 
 
 @dataclass
@@ -107,6 +110,7 @@ class CompiledPlan:
     capture: str = "fx"  # how the graph was captured, and why when auto
     capture_reason: str = ""
     split_text: str = ""  # the chosen split in plan syntax, to pin it
+    split_points: tuple[str, ...] = ()  # the same: module names where stages 1..S-1 begin
     estimates: Optional[Estimates] = None
 
     def stages_of_rank(self, pp_rank: int) -> list[StageSpec]:

@@ -1,0 +1,12 @@
+"""The plan language: grammar, typed AST with source spans, semantic checks, errors.
+
+    from pipeplan.dsl import load_plan, parse_plan, format_plan, check_plan, PlanError
+"""
+from .ast import Plan, Span
+from .checks import SCHEDULE_KINDS, SCHEDULE_RULES, check_plan
+from .errors import Diagnostic, PlanError
+from .format import format_plan
+from .load import load_plan, parse_plan
+
+__all__ = ["Plan", "Span", "PlanError", "Diagnostic", "load_plan", "parse_plan", "format_plan",
+           "check_plan", "SCHEDULE_KINDS", "SCHEDULE_RULES"]

@@ -205,6 +205,8 @@ class Plan:
     # Dotted key ("pipeline.microbatches", "model.args.dim", "pipeline") -> Span.
     spans: Mapping[str, Span] = field(default_factory=_frozen_map, compare=False, repr=False)
     source_text: str = field(default="", compare=False, repr=False)
+    # Text of every source a span may point into: the plan file and each `--set` override.
+    sources: Mapping[str, str] = field(default_factory=_frozen_map, compare=False, repr=False)
 
     def span_of(self, key: str) -> Span:
         """The span of `key`, else of its nearest enclosing section, else the file start."""

@@ -1,0 +1,117 @@
+"""Training data: the global batch of step t, and how DP ranks and microbatches share it.
+
+Step t's global batch is `train.global_batch` rows of `seq_len + 1` tokens,
+a pure function of (data spec, t): synthetic tokens from a seeded
+torch.Generator, or sequential windows of a memory-mapped token file
+(.bin of uint16, or .npy). input_ids = row[:-1], targets = row[1:].
+
+Sharing (the same for the pipelined run and the reference): DP rank d takes
+rows [d*B/dp, (d+1)*B/dp); its microbatch i is the i-th equal chunk of those.
+So chunk c = d*m + i of the global batch is DP rank d's microbatch i.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ..dsl.ast import DataSpec, Plan
+from ..errors import PipeplanError
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows of a batch; any slice of it is again a Batch."""
+
+    input_ids: torch.Tensor  # [rows, seq_len] int64
+    targets: torch.Tensor  # [rows, seq_len] int64
+
+    def field(self, name: str) -> torch.Tensor:
+        """The batch field a stage input names (ValueRef.source == BATCH)."""
+        if name == "input_ids":
+            return self.input_ids
+        if name == "targets":
+            return self.targets
+        raise PipeplanError(
+            f"a stage reads batch field {name!r}, but the runtime's data provides "
+            "only 'input_ids' and 'targets' (token data)")
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        return Batch(self.input_ids[start:stop], self.targets[start:stop])
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def _synthetic_rows(spec: DataSpec, step: int, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+    return torch.randint(0, spec.vocab, (rows, spec.seq_len + 1), generator=g, dtype=torch.int64)
+
+
+@lru_cache(maxsize=4)
+def _token_file(path: str) -> np.ndarray:
+    if not os.path.exists(path):
+        raise PipeplanError(f"data file {path!r} does not exist")
+    if path.endswith(".npy"):
+        return np.load(path, mmap_mode="r").reshape(-1)
+    if path.endswith(".bin"):
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    raise PipeplanError(f"data file {path!r}: expected a .bin (uint16 tokens) or .npy file")
+
+
+def _file_rows(path: str, spec: DataSpec, step: int, rows: int) -> torch.Tensor:
+    tokens = _token_file(path)
+    window = spec.seq_len + 1
+    windows = len(tokens) // window
+    if windows == 0:
+        raise PipeplanError(
+            f"data file {path!r} holds {len(tokens)} tokens, fewer than one window "
+            f"of seq_len + 1 = {window}")
+    first = step * rows
+    out = np.stack([tokens[((first + r) % windows) * window:][:window] for r in range(rows)])
+    return torch.from_numpy(out.astype(np.int64))
+
+
+def resolve_data_path(plan: Plan) -> str:
+    """A relative data path resolves against the plan file's folder."""
+    path = plan.data.path or ""
+    if os.path.isabs(path) or plan.path in ("", "<plan>"):
+        return path
+    return os.path.join(os.path.dirname(os.path.abspath(plan.path)), path)
+
+
+def global_batch(plan: Plan, step: int) -> Batch:
+    """Step `step`'s whole global batch (every DP rank's rows)."""
+    rows = plan.train.global_batch
+    if plan.data.kind == "file":
+        data = _file_rows(resolve_data_path(plan), plan.data, step, rows)
+    else:
+        data = _synthetic_rows(plan.data, step, rows)
+    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+
+
+def chunks(batch: Batch, count: int) -> list[Batch]:
+    """`count` equal consecutive row chunks (microbatches)."""
+    rows = batch.input_ids.shape[0]
+    if rows % count:
+        raise PipeplanError(f"a batch of {rows} rows does not split into {count} equal microbatches")
+    size = rows // count
+    return [batch.rows(i * size, (i + 1) * size) for i in range(count)]
+
+
+def concat(batches: list[Batch]) -> Batch:
+    if len(batches) == 1:
+        return batches[0]
+    return Batch(torch.cat([b.input_ids for b in batches]), torch.cat([b.targets for b in batches]))
+
+
+def dp_microbatches(plan: Plan, step: int, dp_rank: int) -> list[Batch]:
+    """DP rank `dp_rank`'s microbatches of step `step`, in microbatch order."""
+    dp, m = plan.mesh.dp, plan.microbatches
+    per_dp = plan.train.global_batch // dp
+    share = global_batch(plan, step).rows(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+    return chunks(share, m)

@@ -1,0 +1,182 @@
+"""Runs one rank's scheduled action list for one optimizer step, exactly in order.
+
+Receives are posted right before the action that needs them and waited on
+(blocking); sends are posted right after the action that produced the value,
+non-blocking (`batch_isend_irecv`), and their handles are waited at the end of
+the step. Values between two stages of this rank stay in memory. This is the
+executor semantics the schedule verifier proves deadlock-free; see comm.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..compiler.compiled import BATCH, StageSpec
+from ..errors import PipeplanError
+from .comm import Direction, PlannedAction, Transfer, carries_grad, op_name
+from .data import Batch
+from .stage import StageRunner
+
+
+class ActionError(PipeplanError):
+    """An action failed on this rank; the message names the action and the cause."""
+
+    def __init__(self, label: str, cause: BaseException):
+        self.label = label
+        super().__init__(f"{label} failed: {type(cause).__name__}: {cause}")
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    """Measured wall-clock interval of one action (seconds since the epoch)."""
+
+    op: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    recv_wait: float  # time blocked on this action's receive, before `start`
+
+
+@dataclass
+class StepResult:
+    loss: float  # this rank's share of the step loss: sum of scaled last-stage losses
+    timings: list[ActionTiming] = field(default_factory=list)
+
+
+def label(action) -> str:
+    """How an action is named everywhere (trace events, errors): 'F s0 mb3'."""
+    return f"{op_name(action)} s{action.stage} mb{action.microbatch}"
+
+
+class Executor:
+    """Executes `planned` (this rank's action list) over its stage runners.
+
+    `peer_rank(pp_rank)` maps a pipeline rank to the global rank to talk to;
+    `on_stage_done(stage)` is called after the stage's last W/BW of the step
+    (the data-parallel gradient sync hooks in there); `around_action(stage)`,
+    when given, is a context manager entered around each compute (ZeRO-3
+    gathers the stage's parameters there and frees them after).
+    """
+
+    def __init__(self, planned: Sequence[PlannedAction], runners: dict[int, StageRunner],
+                 stages: Sequence[StageSpec], microbatches: int,
+                 peer_rank: Callable[[int], int], device: torch.device = torch.device("cpu"),
+                 on_stage_done: Optional[Callable[[int], None]] = None,
+                 around_action: Optional[Callable[[int], ContextManager]] = None):
+        self.planned = list(planned)
+        self.runners = runners
+        self.stages = stages
+        self.microbatches = microbatches
+        self.peer_rank = peer_rank
+        self.device = device
+        self.on_stage_done = on_stage_done or (lambda stage: None)
+        self.around_action = around_action or (lambda stage: contextlib.nullcontext())
+        self.last_grad_action = _last_grad_actions(self.planned)
+
+    # ------------------------------------------------------------------ p2p
+    def _recv(self, t: Transfer) -> dict[str, torch.Tensor]:
+        bufs = [torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=self.device)
+                for v in t.values]
+        peer = self.peer_rank(t.peer)
+        ops = [dist.P2POp(dist.irecv, b, peer, tag=t.tag(i, self.microbatches))
+               for i, b in enumerate(bufs)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return {v.name: b for v, b in zip(t.values, bufs)}
+
+    def _send(self, t: Transfer, values: dict[str, torch.Tensor]) -> list:
+        peer = self.peer_rank(t.peer)
+        tensors = [values[v.name].detach().contiguous() for v in t.values]
+        ops = [dist.P2POp(dist.isend, x, peer, tag=t.tag(i, self.microbatches))
+               for i, x in enumerate(tensors)]
+        return [(work, tensors) for work in dist.batch_isend_irecv(ops)]
+
+    # ----------------------------------------------------------------- step
+    def run_step(self, batches: Sequence[Batch]) -> StepResult:
+        acts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (boundary, mb) -> outputs
+        grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (boundary, mb) -> grads
+        pending_sends: list = []
+        result = StepResult(loss=0.0)
+        for p in self.planned:
+            a = p.action
+            try:
+                wait_start = time.time()
+                if p.recv is not None:
+                    store = acts if p.recv.direction is Direction.ACTIVATION else grads
+                    store[(p.recv.boundary, p.recv.microbatch)] = self._recv(p.recv)
+                start = time.time()
+                with self.around_action(a.stage):
+                    produced = self._run(a, batches, acts, grads, result)
+                end = time.time()
+                if p.send is not None:
+                    pending_sends.extend(self._send(p.send, produced))
+                    key = (p.send.boundary, p.send.microbatch)
+                    (acts if p.send.direction is Direction.ACTIVATION else grads).pop(key, None)
+            except ActionError:
+                raise
+            except Exception as e:  # name the action that broke
+                raise ActionError(label(a), e) from e
+            result.timings.append(ActionTiming(op_name(a), a.stage, a.microbatch, start, end,
+                                               start - wait_start))
+            if self.last_grad_action.get(a.stage) == (op_name(a), a.microbatch):
+                self.on_stage_done(a.stage)
+        for work, _ in pending_sends:
+            work.wait()
+        return result
+
+    def _run(self, a, batches, acts, grads, result: StepResult) -> dict[str, torch.Tensor]:
+        """Run one action; returns the values it produced (outputs or input gradients)."""
+        op, s, mb = op_name(a), a.stage, a.microbatch
+        runner = self.runners[s]
+        spec = self.stages[s]
+        if op == "F":
+            upstream = acts.pop((s - 1, mb), {}) if s > 0 else {}
+            inputs = [batches[mb].field(r.name).to(self.device) if r.source == BATCH
+                      else upstream[r.name] for r in spec.inputs]
+            outputs = runner.forward(mb, inputs)
+            if runner.is_last:
+                loss = outputs[0].detach()
+                if not bool(torch.isfinite(loss).all()):
+                    raise FloatingPointError(f"the loss is {loss.item()} (not finite)")
+                result.loss += float(loss) * runner.loss_scale
+                return {}
+            produced = {v.name: o for v, o in zip(spec.outputs, outputs)}
+            acts[(s, mb)] = produced
+            return produced
+        if op in ("B", "BW"):
+            out_grads = None
+            if not runner.is_last:
+                received = grads.pop((s, mb), {})  # empty: no output carries a gradient
+                out_grads = [received.get(v.name) if carries_grad(v) else None
+                             for v in spec.outputs]
+            if op == "B":
+                by_name = runner.backward_input(mb, out_grads)
+            else:
+                by_name = runner.backward_full(mb, out_grads)
+            if s == 0:
+                return {}
+            produced = {v.name: by_name[v.name] if v.name in by_name
+                        else torch.zeros(v.shape, dtype=getattr(torch, v.dtype), device=self.device)
+                        for v in self.stages[s - 1].outputs if carries_grad(v)}
+            grads[(s - 1, mb)] = produced
+            return produced
+        if op == "W":
+            runner.backward_weight(mb)
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+
+def _last_grad_actions(planned: Sequence[PlannedAction]) -> dict[int, tuple[str, int]]:
+    """For each stage, the (op, microbatch) of its last weight-gradient action (W or BW)."""
+    last: dict[int, tuple[str, int]] = {}
+    for p in planned:
+        op = op_name(p.action)
+        if op in ("W", "BW"):
+            last[p.action.stage] = (op, p.action.microbatch)
+    return last

@@ -1,0 +1,119 @@
+"""This rank's stage modules after per-stage parallelism, and where each gradient goes.
+
+Without tensor/expert parallelism a stage module is the compiled GraphModule
+as is: every parameter is whole, reduced over the stage's DP group and
+counted once in the global norm. With them (backends/parallelize.py rewrites
+the modules in place) a parameter may be
+
+* a tensor-parallel shard: summed over nothing extra, but its squared norm
+  is summed over the TP group;
+* an expert shard: reduced over the expert-data-parallel group, its squared
+  norm summed over the EP group.
+
+`StageLayout` answers those two questions per parameter and rebuilds full
+parameters (by their reference names) for checks and `pipeplan verify`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dsl.ast import Plan
+from .topology import Topology
+
+
+def needs_stage_parallelism(plan: Plan) -> bool:
+    experts_rewritten = plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless)
+    return plan.mesh.tp > 1 or experts_rewritten or plan.zero > 0
+
+
+def with_required_leaves(plan: Plan) -> Plan:
+    """The plan to compile: module patterns the rewrites need as leaf calls added
+    (MoE layers under expert parallelism, attention under tensor parallelism),
+    so a plan need not repeat them in model.leaf_modules."""
+    if not needs_stage_parallelism(plan):
+        return plan
+    from .parallelize import required_leaf_modules
+
+    leaves = tuple(plan.model.leaf_modules)
+    extra = tuple(p for p in required_leaf_modules(plan) if p not in leaves)
+    if not extra:
+        return plan
+    return dataclasses.replace(plan, model=dataclasses.replace(plan.model,
+                                                               leaf_modules=leaves + extra))
+
+
+@dataclass
+class StageLayout:
+    topo: Topology
+    modules: dict[int, nn.Module]
+    parallel: dict = field(default_factory=dict)  # stage -> parallelize.ParallelStage
+    groups: object = None  # parallelize.ParallelGroups
+    _norm_group: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+
+    @staticmethod
+    def build(plan: Plan, topo: Topology, modules: dict[int, nn.Module]) -> "StageLayout":
+        """Collective when per-stage parallelism is on (its groups are created here)."""
+        layout = StageLayout(topo, modules)
+        if not needs_stage_parallelism(plan):
+            return layout
+        from .parallelize import build_parallel_groups, parallelize_stage
+
+        layout.groups = build_parallel_groups(plan.mesh, topo.tp_group, topo.dp_group)
+        for s in sorted(modules):
+            layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups)
+        for st in layout.parallel.values():
+            for p in st.expert_params():
+                layout._norm_group[id(p)] = st.groups.ep
+            for mod in st.module.modules():
+                for pname in getattr(mod, "tp_shard_dims", {}):
+                    p = getattr(mod, pname, None)
+                    if isinstance(p, nn.Parameter):
+                        layout._norm_group[id(p)] = st.groups.tp
+        return layout
+
+    def reduce_group(self, stage: int, p: nn.Parameter) -> Optional[dist.ProcessGroup]:
+        """The group p's gradient is summed over (None: no reduction)."""
+        if stage in self.parallel:
+            return self.parallel[stage].grad_group(p)
+        return self.topo.dp_group if self.topo.mesh.dp > 1 else None
+
+    def norm_group(self, p: nn.Parameter) -> Optional[dist.ProcessGroup]:
+        """The group over which p's squared norm is summed (None: p is whole here)."""
+        return self._norm_group.get(id(p))
+
+    def after_backward(self, stage: int) -> None:
+        """Once a stage's backwards of the step are done (sequence-parallel norm grads)."""
+        if stage in self.parallel:
+            self.parallel[stage].sync_sequence_parallel()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of this rank's stages at full (reference) shape, by reference name.
+
+        Collective over the TP and EP groups when those shard parameters.
+        """
+        from .expert_parallel import gather_experts
+        from .tensor_parallel import gather_full_state
+
+        out: dict[str, torch.Tensor] = {}
+        for s in sorted(self.modules):
+            module = self.modules[s]
+            names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+            st = self.parallel.get(s)
+            if st is not None and st.tensor is not None:
+                full = gather_full_state(module, st.groups.tp)
+            else:
+                full = dict(module.state_dict(keep_vars=False))
+            if st is not None:
+                for lname, layer in st.experts.items():
+                    for pname, value in gather_experts(layer).items():
+                        full[f"{lname}.{pname}"] = value
+            for n in sorted(names):
+                if n in full:
+                    out.setdefault(n, full[n].detach().clone())
+        return out

@@ -1,0 +1,121 @@
+"""What a run shows: rank 0's progress line, JSONL metrics, the measured Chrome trace, the bubble.
+
+The trace has the schedule engine's layout (a process per rank, one "X"
+event per action named like "F s0 mb3", times in µs), so a planned and a
+measured timeline of the same schedule overlay in Perfetto.
+
+Bubbles are whole-iteration (1 - sum busy / (ranks * makespan)), measured on
+one step of the pipeline of dp=0, and predicted by simulating the schedule
+with the measured mean per-op costs of each stage.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from statistics import mean
+from typing import Optional, Sequence, TextIO
+
+from .executor import ActionTiming
+from .trainer import StepReport
+
+
+@dataclass(frozen=True)
+class RankTimings:
+    """Everything one rank measured: its coordinates and per-step action timings."""
+
+    rank: int
+    pp: int
+    dp: int
+    steps: tuple[tuple[ActionTiming, ...], ...]
+
+
+class Progress:
+    """Rank 0's per-step line on stdout and, optionally, one JSON object per step."""
+
+    def __init__(self, total_steps: int, metrics_path: Optional[str] = None,
+                 stream: TextIO = sys.stdout):
+        self.total = total_steps
+        self.stream = stream
+        self.metrics = open(metrics_path, "w") if metrics_path else None
+
+    def step(self, r: StepReport) -> None:
+        tps = r.tokens / r.step_time if r.step_time > 0 else 0.0
+        width = len(str(self.total))
+        print(f"step {r.step + 1:>{width}}/{self.total}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
+              f"grad_norm {r.grad_norm:.3f}  {tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
+              file=self.stream, flush=True)
+        if self.metrics:
+            self.metrics.write(json.dumps({
+                "step": r.step + 1, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                "tokens_per_s": tps, "step_time_s": r.step_time, "tokens": r.tokens}) + "\n")
+            self.metrics.flush()
+
+    def close(self) -> None:
+        if self.metrics:
+            self.metrics.close()
+
+
+def chrome_trace(ranks: Sequence[RankTimings]) -> dict:
+    """Measured per-action timeline of every rank, all steps, µs from the first action."""
+    t0 = min((a.start for r in ranks for s in r.steps for a in s), default=0.0)
+    events = []
+    for r in ranks:
+        events.append({"name": "process_name", "ph": "M", "pid": r.rank,
+                       "args": {"name": f"rank {r.rank} (pp {r.pp}, dp {r.dp})"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r.rank,
+                       "args": {"sort_index": r.rank}})
+        for step, actions in enumerate(r.steps):
+            for a in actions:
+                events.append({
+                    "name": f"{a.op} s{a.stage} mb{a.microbatch}", "cat": a.op, "ph": "X",
+                    "pid": r.rank, "tid": 0, "ts": (a.start - t0) * 1e6,
+                    "dur": (a.end - a.start) * 1e6,
+                    "args": {"step": step, "stage": a.stage, "microbatch": a.microbatch,
+                             "recv_wait_us": a.recv_wait * 1e6}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def measured_bubble(step: Sequence[Sequence[ActionTiming]]) -> float:
+    """Whole-iteration bubble of one step, given each pipeline rank's timings."""
+    rows = [row for row in step if row]
+    if not rows:
+        return 0.0
+    start = min(row[0].start for row in rows)
+    makespan = max(row[-1].end for row in rows) - start
+    busy = sum(a.end - a.start for row in rows for a in row)
+    return 0.0 if makespan <= 0 else 1.0 - busy / (len(rows) * makespan)
+
+
+def measured_costs(ranks: Sequence[RankTimings], stages: int, skip_first: bool = True):
+    """Mean measured (F, B, W) seconds per stage; a BW counts as B (W = 0)."""
+    samples: dict[tuple[str, int], list[float]] = {}
+    for r in ranks:
+        steps = r.steps[1:] if skip_first and len(r.steps) > 1 else r.steps
+        for actions in steps:
+            for a in actions:
+                op = "B" if a.op == "BW" else a.op
+                samples.setdefault((op, a.stage), []).append(a.end - a.start)
+    return tuple(tuple(mean(samples.get((op, s), [0.0])) for op in ("F", "B", "W"))
+                 for s in range(stages))
+
+
+def bubble_report(schedule, ranks: Sequence[RankTimings]) -> str:
+    """'measured bubble X (step N) vs Y predicted from measured per-op costs'."""
+    from ..schedules.costs import Costs
+    from ..schedules.simulate import simulate
+
+    pipeline = sorted((r for r in ranks if r.dp == 0), key=lambda r: r.pp)
+    last = len(pipeline[0].steps) - 1
+    measured = measured_bubble([r.steps[last] for r in pipeline])
+    costs = Costs(per_stage=measured_costs(pipeline, schedule.stages))
+    predicted = simulate(schedule, costs).bubble
+    return (f"bubble (whole iteration, 1 - busy/(ranks x makespan)): measured {measured:.3f} "
+            f"on step {last + 1}, predicted {predicted:.3f} by simulating the schedule with "
+            "the measured mean per-op costs")
+
+
+def write_trace(path: str, ranks: Sequence[RankTimings]) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(ranks), f)
+

@@ -1,0 +1,385 @@
+"""The runtime's entry to per-stage parallelism: groups, stage rewrite, grad sync, ZeRO.
+
+What the runtime calls, per rank (every call marked *collective* must be made
+by every rank of the world, in the same order):
+
+1. `build_parallel_groups(mesh, coords)` (*collective*) after its DeviceMesh:
+   the tp and dp groups come from the mesh; expert parallelism re-divides the
+   dp ranks of one (pp, tp) slice into EP groups of `ep` consecutive dp ranks
+   (ep_rank = dp % ep), and the ranks holding the same experts (dp ranks with
+   the same ep_rank) form the expert-data-parallel group.
+2. `parallelize_stage(module, plan, groups)` on each of its stage modules,
+   before building the stage's runner: MoE layers matched by
+   `experts.modules` become `ExpertParallelMoE`, then the `tensor` patterns
+   are applied (tensor_parallel.py). Parameter names are unchanged.
+3. After the step's last backward: `ParallelStage.sync_sequence_parallel()`
+   (sums norm gradients over tp when sequence parallel is on), then either
+   the runtime's DP all-reduce with `grad_group(param)` per parameter
+   (experts reduce over the expert-DP group, everything else over dp), or,
+   with `zero > 0`, a `ZeroOptimizer` from `build_zero_optimizer`:
+   `gather(stage)` / `release(stage)` around each F/B/W of that stage
+   (stage 3), then `reduce_gradients()`, `step()`, `zero_grad()`.
+
+A traced stage must keep the modules pipeplan rewrites as leaf calls:
+`required_leaf_modules(plan)` lists the patterns (MoE layers, and attention
+modules whose projections are tensor parallel) the capture must not inline.
+
+The single-process reference matches expert parallelism when, for each
+microbatch, it runs the chunks of one EP group as one batch:
+`reference_chunk_groups` gives those chunk indices (see expert_parallel.py on
+"global" aux statistics).
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..dsl.ast import MeshSpec, Plan
+from ..dsl.errors import Diagnostic, PlanError
+from ..errors import PipeplanError
+from .expert_parallel import ExpertParallelMoE, gather_experts
+from .tensor_parallel import (
+    TensorParallelResult, TensorParallelRules, apply_tensor_parallel, gather_full,
+    sync_sequence_parallel_grads, tp_shard_dims)
+from .zero import FlatShard, ZeroOptimizer
+
+
+# ------------------------------------------------------- compile-time checks
+def _tp_problems(plan: Plan, model: nn.Module):
+    tp, t = plan.mesh.tp, plan.tensor
+    if tp == 1:
+        return
+    rules = TensorParallelRules.from_plan(t)
+    for name, mod in model.named_modules():
+        kind = rules.kind_of(name) if name else None
+        key = f"tensor.{kind}"
+        if kind in ("column", "vocab") and isinstance(mod, nn.Linear) and mod.out_features % tp:
+            yield key, f"tp = {tp} does not divide the {mod.out_features} output features of {name}"
+        elif kind == "row" and isinstance(mod, nn.Linear) and mod.in_features % tp:
+            yield key, f"tp = {tp} does not divide the {mod.in_features} input features of {name}"
+        elif kind == "vocab" and isinstance(mod, nn.Embedding) and mod.num_embeddings % tp:
+            yield key, f"tp = {tp} does not divide the vocabulary ({mod.num_embeddings}) of {name}"
+        elif kind is not None and not isinstance(mod, (nn.Linear, nn.Embedding)):
+            yield key, f"{name} is a {type(mod).__name__}, not a Linear or Embedding"
+        heads = getattr(mod, "heads", None)
+        if isinstance(heads, int) and heads % tp and any(
+                rules.kind_of(f"{name}.{c}") == "column" for c in ("q", "k", "v")):
+            yield "tensor.column", f"tp = {tp} does not divide the {heads} attention heads of {name}"
+    if t.sequence_parallel and plan.data.seq_len % tp:
+        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide the sequence length "
+                                           f"{plan.data.seq_len} (sequence parallel splits it)")
+
+
+def _expert_problems(plan: Plan, model: nn.Module):
+    spec = plan.experts
+    if spec is None:
+        return
+    if plan.mesh.ep > 1 and plan.mesh.dp % plan.mesh.ep:
+        yield "mesh.ep", (f"ep = {plan.mesh.ep} must divide dp = {plan.mesh.dp} (expert parallel "
+                          f"across tensor-parallel ranks is not supported yet)")
+    for name, mod in model.named_modules():
+        if not name or not _matches(name, spec.modules):
+            continue
+        count = getattr(mod, "num_experts", None)
+        if not all(hasattr(mod, a) for a in ("router", "w_up", "w_down")) or count is None:
+            yield "experts.modules", (f"{name} ({type(mod).__name__}) is not a stacked-expert MoE "
+                                      f"layer (router, w_up[E,D,H], w_down[E,H,D])")
+        elif count != spec.num_experts:
+            yield "experts.num_experts", (f"experts.num_experts = {spec.num_experts} but {name} "
+                                          f"has {count} experts")
+
+
+def check_parallel_model(plan: Plan, model: nn.Module) -> None:
+    """Compile time, before any process group: can this model be split as the plan says?
+
+    Raises a PlanError pointing at the plan lines (every problem found).
+    """
+    problems = list(_tp_problems(plan, model)) + list(_expert_problems(plan, model))
+    if problems:
+        hint = "pick sizes that divide the model's dimensions, or change the patterns"
+        raise PlanError([Diagnostic(msg, plan.span_of(key), hint) for key, msg in problems],
+                        plan.source_text or None, plan.sources)
+
+
+# ------------------------------------------------------------------ groups
+@dataclass(frozen=True)
+class ExpertCoords:
+    """Where a dp rank sits once expert parallelism re-divides the dp ranks."""
+
+    ep_rank: int  # which block of experts it holds
+    ep_block: int  # which EP group (consecutive dp ranks) it belongs to
+
+    @staticmethod
+    def of(dp_rank: int, mesh: MeshSpec) -> "ExpertCoords":
+        return ExpertCoords(dp_rank % mesh.ep, dp_rank // mesh.ep)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups one rank's stages use (None: a group of one)."""
+
+    mesh: MeshSpec
+    tp: Optional[dist.ProcessGroup] = None
+    dp: Optional[dist.ProcessGroup] = None
+    ep: Optional[dist.ProcessGroup] = None
+    expert_dp: Optional[dist.ProcessGroup] = None
+
+
+def check_expert_mesh(mesh: MeshSpec) -> None:
+    if mesh.ep > 1 and mesh.dp % mesh.ep:
+        raise PipeplanError(
+            f"expert parallel size {mesh.ep} must divide dp ({mesh.dp}): EP groups are made of "
+            f"data-parallel ranks (EP across tensor-parallel ranks, which hold the same tokens, "
+            f"is not supported yet)")
+
+
+def expert_group_ranks(mesh: MeshSpec) -> tuple[list[list[int]], list[list[int]]]:
+    """(EP groups, expert-DP groups) as global rank lists, for the whole world."""
+    def rank(pp, dp, tp):
+        return (pp * mesh.dp + dp) * mesh.tp + tp
+
+    ep_groups, edp_groups = [], []
+    for pp in range(mesh.pp):
+        for tp in range(mesh.tp):
+            for block in range(mesh.dp // mesh.ep):
+                ep_groups.append([rank(pp, block * mesh.ep + e, tp) for e in range(mesh.ep)])
+            for e in range(mesh.ep):
+                edp_groups.append([rank(pp, d, tp) for d in range(e, mesh.dp, mesh.ep)])
+    return ep_groups, edp_groups
+
+
+def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None) -> ParallelGroups:
+    """Collective. `tp_group`/`dp_group`: the runtime's DeviceMesh groups."""
+    check_expert_mesh(mesh)
+    ep = edp = None
+    if mesh.ep > 1:
+        ep_lists, edp_lists = expert_group_ranks(mesh)
+        ep, _ = dist.new_subgroups_by_enumeration(ep_lists)
+        if mesh.dp > mesh.ep:
+            edp, _ = dist.new_subgroups_by_enumeration(edp_lists)
+    else:
+        edp = dp_group
+    return ParallelGroups(mesh, tp_group if mesh.tp > 1 else None,
+                          dp_group if mesh.dp > 1 else None, ep, edp)
+
+
+# ------------------------------------------------------------ stage rewrite
+@dataclass
+class ParallelStage:
+    """A stage module after its rewrite, and what its gradient sync needs to know."""
+
+    module: nn.Module
+    groups: ParallelGroups
+    tensor: Optional[TensorParallelResult] = None
+    experts: dict = field(default_factory=dict)  # qualified name -> ExpertParallelMoE
+
+    def expert_params(self) -> list[nn.Parameter]:
+        return [p for layer in self.experts.values() for p in (layer.w_up, layer.w_down)]
+
+    def grad_group(self, param: nn.Parameter):
+        """The group this parameter's gradient is summed over (None: no reduction)."""
+        if any(param is p for p in self.expert_params()):
+            return self.groups.expert_dp
+        return self.groups.dp
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The stage's state under the reference's names and full shapes (collective over
+        the tp and ep groups; with ZeRO-3, call between `gather` and `release`)."""
+        dims = tp_shard_dims(self.module) if self.tensor is not None else {}
+        state = {k: gather_full(v, dims.get(k), self.groups.tp)
+                 for k, v in self.module.state_dict().items()}
+        for name, layer in self.experts.items():
+            for key, value in gather_experts(layer).items():
+                state[f"{name}.{key}"] = value
+        return state
+
+    def sync_sequence_parallel(self) -> None:
+        if self.tensor is not None and self.tensor.sequence_partial:
+            sync_sequence_parallel_grads(self.module, self.tensor.sequence_partial,
+                                         self.groups.tp)
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
+
+
+def _inlined_error(name: str, patterns: Sequence[str]) -> PipeplanError:
+    return PipeplanError(
+        f"MoE layer {name} was traced into the stage graph, so its experts cannot be "
+        f"sharded; capture it as a leaf module (model.leaf_modules = {list(patterns)})")
+
+
+def _apply_experts(module: nn.Module, plan: Plan, group) -> dict:
+    spec = plan.experts
+    layers = {}
+    for name, mod in list(module.named_modules()):
+        if not name or not _matches(name, spec.modules):
+            continue
+        if type(mod) is nn.Module:  # the bare attribute holder fx leaves for an inlined module
+            raise _inlined_error(name, spec.modules)
+        capacity = None if spec.dropless else spec.capacity_factor
+        layer = ExpertParallelMoE(mod, group, capacity, spec.drop_policy)
+        if layer.num_experts != spec.num_experts:
+            raise PipeplanError(f"experts.num_experts is {spec.num_experts} but {name} has "
+                                f"{layer.num_experts} experts")
+        _replace(module, name, layer)
+        layers[name] = layer
+    return layers
+
+
+def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> ParallelStage:
+    """Rewrite one stage module in place for this rank's EP and TP groups."""
+    stage = ParallelStage(module, groups)
+    if plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless):
+        stage.experts = _apply_experts(module, plan, groups.ep)
+    rules = TensorParallelRules.from_plan(plan.tensor)
+    if rules.sequence_parallel and plan.mesh.tp == 1:
+        raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
+    if plan.mesh.tp > 1:
+        stage.tensor = apply_tensor_parallel(module, rules, groups.tp)
+    return stage
+
+
+def required_leaf_modules(plan: Plan) -> tuple[str, ...]:
+    """Module patterns a traced stage must call as leaves for the rewrites to apply."""
+    leaves = list(plan.experts.modules) if plan.experts is not None else []
+    if plan.mesh.tp > 1:
+        for pattern in plan.tensor.column:
+            parent, _, leaf = pattern.rpartition(".")
+            if leaf in ("q", "k", "v") and parent and parent not in leaves:
+                leaves.append(parent)
+    return tuple(leaves)
+
+
+def reference_chunk_groups(dp: int, microbatches: int, ep: int) -> list[list[int]]:
+    """Chunk indices (chunk d*m+i: dp rank d's microbatch i) the reference runs together.
+
+    One list per (EP group, microbatch): the same microbatch of every dp rank
+    in the EP group, in EP-rank order: the tokens whose statistics the aux
+    loss of an expert-parallel run covers.
+    """
+    return [[d * microbatches + i for d in range(block * ep, (block + 1) * ep)]
+            for block in range(dp // ep) for i in range(microbatches)]
+
+
+# ------------------------------------------------------- communication meter
+# Which argument of each c10d op is the payload this rank hands in.
+_PAYLOAD_ARG = {
+    "allreduce_": 0, "allgather_": 1, "_allgather_base_": 1, "reduce_scatter_": 1,
+    "_reduce_scatter_base_": 1, "alltoall_base_": 1, "alltoall_": 1, "broadcast_": 0,
+}
+
+
+def _nbytes(x) -> int:
+    if torch.is_tensor(x):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+class CommMeter(TorchDispatchMode):
+    """Counts the bytes each collective is handed, per named group and op, at the dispatcher.
+
+    `with CommMeter({"tp": groups.tp, "ep": groups.ep}) as meter: ...` sees every
+    c10d collective issued on this thread (forward and backward), so what is
+    counted is exactly what ran. Payload = the bytes of the tensor(s) this
+    rank passes in (all-reduce: the tensor; all-gather: its shard;
+    reduce-scatter / all-to-all: its whole input). Unnamed groups count as "other".
+    """
+
+    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]):
+        super().__init__()
+        self._names = {g.group_name: n for n, g in groups.items() if g is not None}
+        self.bytes: dict[tuple[str, str], int] = {}
+        self.calls: dict[tuple[str, str], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func._opname
+        if func.namespace == "c10d" and op in _PAYLOAD_ARG:
+            pg = next((a for a in args if isinstance(a, torch.ScriptObject)
+                       and "ProcessGroup" in str(a._type())), None)
+            name = dist.ProcessGroup.unbox(pg).group_name if pg is not None else ""
+            key = (self._names.get(name, "other"), op.strip("_"))
+            self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[_PAYLOAD_ARG[op]])
+            self.calls[key] = self.calls.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def total(self, group: str) -> int:
+        return sum(b for (g, _), b in self.bytes.items() if g == group)
+
+
+# --------------------------------------------------------------------- ZeRO
+def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
+                         make_optimizer) -> "StageZero":
+    """One flat shard per (stage, group): dense over dp, experts over expert-dp.
+
+    A parameter held by two stages of this rank (a tied embedding in a V
+    schedule) lives in the first stage's shard; `gather(stage)` gathers every
+    shard the stage reads.
+    """
+    owned: set[int] = set()
+    shards: list[FlatShard] = []
+    uses: dict[int, list[FlatShard]] = {s: [] for s in stages}
+    owner_of: dict[int, FlatShard] = {}
+    for index in sorted(stages):
+        st = stages[index]
+        expert_ids = {id(p) for p in st.expert_params()}
+        dense, experts = [], []
+        for name, p in st.module.named_parameters():
+            if not p.requires_grad or id(p) in owned:
+                continue
+            owned.add(id(p))
+            (experts if id(p) in expert_ids else dense).append((name, p))
+        for named, group, spread in ((dense, st.groups.dp, None),
+                                     (experts, st.groups.expert_dp, st.groups.ep)):
+            if named:
+                shard = FlatShard(named, group, plan.zero, spread)
+                shards.append(shard)
+                for _, p in named:
+                    owner_of[id(p)] = shard
+        for p in st.module.parameters():
+            shard = owner_of.get(id(p))
+            if shard is not None and all(shard is not s for s in uses[index]):
+                uses[index].append(shard)
+    return StageZero(ZeroOptimizer(shards, make_optimizer), uses)
+
+
+@dataclass
+class StageZero:
+    """The ZeRO optimizer of one rank, with gather/release per stage."""
+
+    optimizer: ZeroOptimizer
+    uses: dict[int, list[FlatShard]]
+
+    def gather(self, stage: int) -> None:
+        for s in self.uses[stage]:
+            s.gather()
+
+    def release(self, stage: int) -> None:
+        for s in self.uses[stage]:
+            s.release()
+
+    def reduce_gradients(self) -> None:
+        self.optimizer.reduce_gradients()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def clip_grad_norm_(self, max_norm: float, pp_group=None,
+                        skip: frozenset = frozenset()) -> float:
+        return self.optimizer.clip_grad_norm_(max_norm, pp_group, skip)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()

@@ -1,0 +1,77 @@
+"""What `pipeplan run` was pointed at: a plan file, or a build directory from `pipeplan compile`.
+
+Both give the checked Plan and a `compile(plan, model)` function. A build
+directory runs exactly what it recorded: its resolved plan is recompiled
+(stage graphs need the real weights) and its `schedule.json` is pinned in
+place of the generated schedule after checking that both describe the same
+ranks, stages and microbatches.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from ..dsl.ast import Plan
+from ..errors import PipeplanError
+
+
+@dataclass(frozen=True)
+class RunSource:
+    plan: Plan
+    compile: Callable  # (plan, model) -> CompiledPlan
+    schedule_file: Optional[str] = None  # a build directory's pinned schedule
+
+
+def _compile(plan: Plan, model):
+    from ..compiler.driver import compile_plan
+
+    return compile_plan(plan, model)
+
+
+def _build_plan_file(folder: str) -> str:
+    for name in ("plan.plan", "resolved.plan"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return path
+    found = sorted(glob.glob(os.path.join(folder, "*.plan")))
+    if not found:
+        raise PipeplanError(f"{folder}: not a build directory (no .plan file in it); "
+                            "create one with `pipeplan compile PLAN -o DIR`")
+    return found[0]
+
+
+def _pinned(schedule_file: str):
+    from ..schedules import schedule_from_json
+    from ..schedules.verify import verify
+
+    def compile_pinned(plan: Plan, model):
+        compiled = _compile(plan, model)
+        with open(schedule_file, encoding="utf-8") as f:
+            pinned = schedule_from_json(f.read())
+        got, want = compiled.schedule, pinned
+        if (got.ranks, got.stages, got.microbatches, tuple(got.stage_to_rank)) != (
+                want.ranks, want.stages, want.microbatches, tuple(want.stage_to_rank)):
+            raise PipeplanError(
+                f"{schedule_file} describes {want.ranks} ranks, {want.stages} stages, "
+                f"{want.microbatches} microbatches, placement {list(want.stage_to_rank)}, but the "
+                f"plan compiles to {got.ranks}, {got.stages}, {got.microbatches}, "
+                f"{list(got.stage_to_rank)}; recompile the build directory")
+        verify(pinned)  # what runs is what the verifier proved
+        compiled.schedule = pinned
+        return compiled
+
+    return compile_pinned
+
+
+def load_source(path: str, overrides: Sequence[str], world_size: Optional[int]) -> RunSource:
+    from ..dsl.load import load_plan
+
+    if os.path.isdir(path):
+        plan = load_plan(_build_plan_file(path), overrides, world_size)
+        schedule_file = os.path.join(path, "schedule.json")
+        if os.path.isfile(schedule_file):
+            return RunSource(plan, _pinned(schedule_file), schedule_file)
+        return RunSource(plan, _compile)
+    return RunSource(load_plan(path, overrides, world_size), _compile)

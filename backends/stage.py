@@ -1,0 +1,134 @@
+"""One pipeline stage on this rank: forward, split backward (B then W) and full backward.
+
+Per microbatch the stage keeps the autograd graph from F until the backward
+that finishes with it: BW (both gradients at once), or B then W.
+
+* B computes the gradients of the stage's inputs only (what the previous stage
+  waits for) with `retain_graph=True`, so the graph stays for W.
+* W computes the weight gradients and accumulates them into `.grad`, then
+  frees the graph.
+
+W walks the retained graph again from the outputs (simple and exact; it
+recomputes the part of the backward both share). Reusing B's intermediate
+gradients as torch.distributed.pipelining's stage_backward_weight does is the
+faster variant, left for later; the schedule semantics do not change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..compiler.compiled import StageSpec
+
+
+def is_float_dtype(dtype_name: str) -> bool:
+    return getattr(torch, dtype_name).is_floating_point
+
+
+@dataclass
+class _Saved:
+    """What one microbatch's F leaves for its backward."""
+
+    inputs: list[torch.Tensor]  # inputs that receive a gradient (from the previous stage)
+    input_names: list[str]  # their value names
+    outputs: tuple[torch.Tensor, ...]  # the stage outputs (the scaled loss on the last stage)
+    roots: Optional[list[torch.Tensor]] = None  # set by B: outputs a gradient flows from ...
+    root_grads: Optional[list[torch.Tensor]] = None  # ... and those gradients, for W
+
+
+class StageRunner:
+    """Executes F / B / W / BW of one stage for any microbatch."""
+
+    def __init__(self, spec: StageSpec, module: torch.nn.Module, is_last: bool,
+                 loss_scale: float = 1.0):
+        self.spec = spec
+        self.module = module
+        self.is_last = is_last
+        self.loss_scale = loss_scale
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        # Positions of the inputs fed by the previous stage (their gradients go back).
+        self.upstream_inputs = [i for i, ref in enumerate(spec.inputs) if ref.source != "batch"]
+        self._saved: dict[int, _Saved] = {}
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, mb: int, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the stage; inputs are positional, in `spec.inputs` order."""
+        grad_inputs, names, prepared = [], [], []
+        for i, x in enumerate(inputs):
+            if i in self.upstream_inputs and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+                grad_inputs.append(x)
+                names.append(self.spec.inputs[i].name)
+            prepared.append(x)
+        outputs = self.module(*prepared)
+        if not isinstance(outputs, (tuple, list)):
+            outputs = (outputs,)
+        outputs = tuple(outputs)
+        saved = (outputs[0] * self.loss_scale,) if self.is_last else outputs
+        self._saved[mb] = _Saved(grad_inputs, names, saved)
+        return outputs
+
+    # --------------------------------------------------------------- backward
+    def _roots(self, saved: _Saved, out_grads) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs to differentiate and their incoming gradients (None: no gradient)."""
+        if self.is_last:
+            return [saved.outputs[0]], [torch.ones_like(saved.outputs[0])]
+        if out_grads is None:
+            raise RuntimeError(f"stage {self.spec.index}'s backward got no output gradients")
+        pairs = [(o, g) for o, g in zip(saved.outputs, out_grads)
+                 if g is not None and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    @staticmethod
+    def _input_grads(saved: _Saved, grads: Sequence[Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Gradient of each float upstream input by value name, zeros where autograd found no path."""
+        return {name: torch.zeros_like(x) if g is None else g
+                for name, x, g in zip(saved.input_names, saved.inputs, grads)}
+
+    def backward_input(self, mb: int, out_grads=None) -> dict[str, torch.Tensor]:
+        """B: gradients of the float upstream inputs; the graph is kept for W."""
+        saved = self._saved[mb]
+        saved.roots, saved.root_grads = self._roots(saved, out_grads)
+        if not saved.roots or not saved.inputs:
+            return self._input_grads(saved, [None] * len(saved.inputs))
+        grads = torch.autograd.grad(saved.roots, saved.inputs, saved.root_grads,
+                                    retain_graph=True, allow_unused=True)
+        return self._input_grads(saved, grads)
+
+    def backward_weight(self, mb: int) -> None:
+        """W: weight gradients, accumulated into `.grad`; frees the microbatch's graph."""
+        saved = self._saved.pop(mb)
+        if saved.roots is None:
+            raise RuntimeError(f"W(stage {self.spec.index}, mb {mb}) ran before its B")
+        if saved.roots and self.params:
+            self._accumulate(torch.autograd.grad(saved.roots, self.params, saved.root_grads,
+                                                 allow_unused=True))
+
+    def backward_full(self, mb: int, out_grads=None) -> dict[str, torch.Tensor]:
+        """BW: input and weight gradients in one pass; frees the microbatch's graph."""
+        saved = self._saved.pop(mb)
+        roots, root_grads = self._roots(saved, out_grads)
+        if not roots:
+            return self._input_grads(saved, [None] * len(saved.inputs))
+        grads = torch.autograd.grad(roots, saved.inputs + self.params, root_grads,
+                                    allow_unused=True)
+        self._accumulate(grads[len(saved.inputs):])
+        return self._input_grads(saved, grads[:len(saved.inputs)])
+
+    def _accumulate(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        for p, g in zip(self.params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.detach().clone()
+            else:
+                p.grad.add_(g)
+
+    @property
+    def pending_microbatches(self) -> list[int]:
+        return sorted(self._saved)
+
+    def clear(self) -> None:
+        self._saved.clear()

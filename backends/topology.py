@@ -1,0 +1,68 @@
+"""Where a global rank sits in the (pp, dp, tp) mesh, and the process groups it uses.
+
+pp is outermost and tp innermost, as in Megatron and torchtitan:
+global rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank. The coordinates are a
+pure function of the rank (`Coords`); the groups come from one torch DeviceMesh
+so every group any part of pipeplan uses is derived from the same layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..dsl.ast import MeshSpec
+
+
+@dataclass(frozen=True)
+class Coords:
+    """One rank's coordinates in a (pp, dp, tp) mesh."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @staticmethod
+    def of(rank: int, mesh: MeshSpec) -> "Coords":
+        tp = rank % mesh.tp
+        dp = (rank // mesh.tp) % mesh.dp
+        pp = rank // (mesh.tp * mesh.dp)
+        return Coords(pp, dp, tp)
+
+
+def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int) -> int:
+    return (pp * mesh.dp + dp) * mesh.tp + tp
+
+
+@dataclass
+class Topology:
+    """This rank's coordinates and the process groups built from one DeviceMesh.
+
+    `device_mesh` is None only in a single-process world without
+    torch.distributed (the reference trainer); every group is then None too.
+    """
+
+    mesh: MeshSpec
+    rank: int
+    coords: Coords
+    device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh
+    pp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    tp_group: Optional[dist.ProcessGroup] = None
+
+    def peer(self, pp_rank: int) -> int:
+        """The global rank holding pipeline rank `pp_rank` at this rank's dp/tp coordinates."""
+        return global_rank(self.mesh, pp_rank, self.coords.dp, self.coords.tp)
+
+
+def build_topology(mesh: MeshSpec, device_type: str = "cpu") -> Topology:
+    """Create the DeviceMesh (dims pp, dp, tp) over the initialised default group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    dm = init_device_mesh(device_type, (mesh.pp, mesh.dp, mesh.tp),
+                          mesh_dim_names=("pp", "dp", "tp"))
+    return Topology(mesh=mesh, rank=rank, coords=Coords.of(rank, mesh), device_mesh=dm,
+                    pp_group=dm.get_group("pp"), dp_group=dm.get_group("dp"),
+                    tp_group=dm.get_group("tp"))

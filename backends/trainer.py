@@ -1,0 +1,150 @@
+"""One rank's training loop: its stages, optimizer, executor and gradient sync.
+
+`PipelineTrainer(plan, compiled, topo)` keeps only this rank's stages of the
+compiled plan (see model.py for where the initial weights come from) and
+`step(t)` runs one optimizer step: the scheduled actions, the DP/tied
+gradient sync, global-norm clipping, the optimizer and LR schedule. Every
+rank of the world must construct it (tied-parameter groups are collective).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+import torch
+import torch.distributed as dist
+
+from ..compiler.compiled import CompiledPlan
+from ..dsl.ast import Plan
+from ..dsl.errors import PlanError
+from . import data
+from .comm import op_name, plan_rank
+from .executor import ActionTiming, Executor
+from .grads import GradSync, ZeroSync, build_tied_groups
+from .layout import StageLayout
+from .optim import build_lr_scheduler, build_optimizer
+from .stage import StageRunner
+from .topology import Topology
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    loss: float  # the global step loss (mean over microbatches and DP), as the reference's
+    grad_norm: float
+    lr: float
+    step_time: float  # seconds, this rank
+    tokens: int  # tokens in the global batch
+    timings: tuple[ActionTiming, ...]
+
+
+def check_supported(plan: Plan) -> None:
+    """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it."""
+    if plan.train.precision != "fp32":
+        raise PlanError.at(plan, "train.precision",
+                           f"the runtime cannot run precision = {plan.train.precision} yet "
+                           "(bf16 autocast is not wired into the pipeline executor)",
+                           "run with --set train.precision=fp32")
+    if any(r.mode != "none" for r in plan.recompute):
+        raise PlanError.at(plan, "recompute", "the runtime cannot recompute activations yet",
+                           "remove the recompute rules")
+    if plan.zero > 0 and plan.mesh.tp > 1 and plan.train.grad_clip is not None:
+        raise PlanError.at(plan, "train.grad_clip",
+                           "gradient clipping with both zero > 0 and tp > 1 is not supported yet "
+                           "(a ZeRO shard mixes TP-sharded and replicated parameters, so its "
+                           "norm cannot be summed over TP)", "drop grad_clip, zero or tp")
+
+
+def _stage_order_by_last_grad(order, stages_here) -> list[int]:
+    last = {s: -1 for s in stages_here}
+    for i, a in enumerate(order):
+        if op_name(a) in ("W", "BW"):
+            last[a.stage] = i
+    return sorted(stages_here, key=lambda s: last[s])
+
+
+class PipelineTrainer:
+    def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
+                 device: torch.device = torch.device("cpu")):
+        check_supported(plan)
+        self.plan, self.topo, self.device = plan, topo, device
+        schedule = compiled.schedule
+        pp = topo.coords.pp
+        last = len(compiled.stages) - 1
+        scale = 1.0 / (plan.microbatches * plan.mesh.dp)
+        modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
+        self.layout = StageLayout.build(plan, topo, modules)  # TP/EP rewrites, in place
+        self.runners = {s: StageRunner(compiled.stages[s], m, s == last, scale)
+                        for s, m in modules.items()}
+        # Keep the specs without the other ranks' modules so their weights can be freed.
+        self.specs = [dataclasses.replace(s, module=None) for s in compiled.stages]
+        tied = build_tied_groups(compiled.tied, self.runners, schedule.stage_to_rank, topo)
+        around = None
+        if plan.zero > 0:
+            from .parallelize import build_zero_optimizer
+
+            self.zero = build_zero_optimizer(
+                self.layout.parallel, plan, lambda ps: build_optimizer(ps, plan.train))
+            self.sync = ZeroSync(self.zero, self.layout, tied)
+            self.optimizer = self.zero.optimizer.optimizer
+            if plan.zero == 3:
+                around = self._gathered
+                for s in self.runners:
+                    self.zero.release(s)
+        else:
+            self.zero = None
+            order = _stage_order_by_last_grad(schedule.order[pp], list(self.runners))
+            self.sync = GradSync(self.runners, self.layout, tied, order)
+            self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None
+        self.scheduler = build_lr_scheduler(self.optimizer, plan.train) if self.optimizer else None
+        self.executor = Executor(plan_rank(schedule, self.specs, pp), self.runners, self.specs,
+                                 plan.microbatches, topo.peer, device, self.sync.stage_done,
+                                 around)
+        self.holds_loss = last in self.runners and topo.coords.tp == 0
+
+    @contextlib.contextmanager
+    def _gathered(self, stage: int):
+        """ZeRO-3: the stage's parameters exist only while one of its actions runs."""
+        self.zero.gather(stage)
+        try:
+            yield
+        finally:
+            self.zero.release(stage)
+
+    def step(self, t: int) -> StepReport:
+        start = time.perf_counter()
+        batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
+        result = self.executor.run_step(batches)
+        self.sync.finish()
+        norm = self.sync.clip(self.plan.train.grad_clip)
+        lr = self.plan.train.optimizer.lr
+        if self.optimizer is not None:
+            lr = self.optimizer.param_groups[0]["lr"]
+            if self.zero is not None:
+                self.zero.step()
+                self.zero.zero_grad()
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        loss = torch.tensor(result.loss if self.holds_loss else 0.0, dtype=torch.float64)
+        dist.all_reduce(loss)
+        return StepReport(t, float(loss), norm, lr, time.perf_counter() - start,
+                          self.plan.train.global_batch * self.plan.data.seq_len,
+                          tuple(result.timings))
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters at full shape by their names in the unmodified model.
+
+        Collective over TP/EP/ZeRO-3 groups when those shard parameters.
+        """
+        if self.zero is not None and self.plan.zero == 3:
+            for s in sorted(self.runners):
+                self.zero.gather(s)
+        try:
+            return self.layout.full_parameters()
+        finally:
+            if self.zero is not None and self.plan.zero == 3:
+                for s in sorted(self.runners):
+                    self.zero.release(s)

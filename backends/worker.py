@@ -1,0 +1,124 @@
+"""One rank of a run: join the process group, build this rank's stages, train, report.
+
+Entered when the environment names a rank (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT): set by torchrun, or by pipeplan's local launcher, which starts
+the same command once per rank. NCCL when CUDA is available, gloo otherwise.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..dsl.ast import Plan
+from ..errors import PipeplanError
+from .failure import Failure, FailureWatch, now, report_failure
+from .layout import with_required_leaves
+from .model import build_model
+from .observe import Progress, RankTimings, bubble_report, write_trace
+from .topology import build_topology
+from .trainer import PipelineTrainer
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int
+    trace: Optional[str] = None
+    metrics: Optional[str] = None
+    timeout_s: float = 300.0
+    dump_dir: Optional[str] = None  # `pipeplan verify`: each rank saves losses and parameters here
+    debug: bool = False
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @staticmethod
+    def from_environ() -> Optional["RankEnv"]:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        return RankEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                       int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
+def check_world(plan: Plan, world_size: int) -> None:
+    if plan.mesh.world_size != world_size:
+        m = plan.mesh
+        raise PipeplanError(
+            f"the plan needs pp*dp*tp = {m.pp}*{m.dp}*{m.tp} = {m.world_size} processes, "
+            f"but WORLD_SIZE is {world_size}; launch {m.world_size} processes in total "
+            f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
+
+
+def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
+    """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
+
+    `compile_fn(plan, model)` returns the CompiledPlan (compile_plan, or a
+    build directory's schedule pinned onto it).
+    """
+    check_world(plan, env.world_size)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
+    watch = FailureWatch(env.rank).start()
+    where = "setup"
+    try:
+        topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
+        compiled = compile_fn(with_required_leaves(plan), build_model(plan))
+        trainer = PipelineTrainer(plan, compiled, topo, device)
+        schedule = compiled.schedule
+        del compiled
+        progress = Progress(opts.steps, opts.metrics) if env.rank == 0 else None
+        steps, losses = [], []
+        for t in range(opts.steps):
+            where = f"step {t + 1}"
+            report = trainer.step(t)
+            steps.append(report.timings)
+            losses.append(report.loss)
+            if progress:
+                progress.step(report)
+        where = "finish"
+        mine = RankTimings(env.rank, topo.coords.pp, topo.coords.dp, tuple(steps))
+        gathered = [None] * env.world_size if env.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if progress:
+            progress.close()
+            if opts.steps:
+                print(bubble_report(schedule, gathered), flush=True)
+            if opts.trace:
+                write_trace(opts.trace, gathered)
+                print(f"trace of every rank's measured actions: {opts.trace}", flush=True)
+        if opts.dump_dir:
+            torch.save({"rank": env.rank, "losses": losses,
+                        "params": {k: v.cpu() for k, v in trainer.named_parameters().items()}},
+                       os.path.join(opts.dump_dir, f"rank{env.rank}.pt"))
+        dist.barrier()
+        watch.stop()
+        dist.destroy_process_group()
+        return 0
+    except BaseException as e:  # every failure stops every rank, naming this one
+        watch.stop()
+        detail = str(e) if isinstance(e, PipeplanError) else f"{type(e).__name__}: {e}"
+        message = f"rank {env.rank} failed in {where}: {detail}"
+        report_failure(Failure(env.rank, message, now()))
+        if opts.debug or not isinstance(e, PipeplanError):
+            traceback.print_exc()
+        print(message, file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)

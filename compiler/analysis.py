@@ -1,0 +1,138 @@
+"""Shape and cost propagation: run the captured graph once on meta tensors.
+
+For every node this records the value it produces (a meta tensor, or a Python
+value such as a size), its forward FLOPs (torch's FlopCounterMode, which knows
+matmul, attention, convolution and einsum through their aten decompositions),
+and the bytes autograd saves for backward (saved-tensor hooks; parameters are
+not counted, and a tensor saved by several ops counts once). Nothing is
+allocated: parameters of a real model are replaced by meta stand-ins.
+
+Attention is costed as a fused kernel would run it (FlashAttention saves q, k,
+v, the output and one float per row), not as the meta math path runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+from .compiled import ValueSpec
+
+_META = torch.device("meta")
+_SDPA = {torch.nn.functional.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: float  # forward FLOPs
+    saved_bytes: int  # activation bytes kept for backward
+
+
+class MetaRun:
+    """Executes graph nodes on meta tensors, incrementally; results stay queryable by node."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.values: dict[fx.Node, Any] = {}
+        self.costs: dict[fx.Node, NodeCost] = {}
+        self._meta: dict[int, torch.Tensor] = {}  # id(real tensor) -> meta stand-in
+        self._param_ids: set[int] = set()
+        self._saved: dict[int, torch.Tensor] = {}  # id(base) -> base, counted once
+        self._saved_now = 0
+
+    # ------------------------------------------------------------------ queries
+    def value(self, node: fx.Node) -> Any:
+        return self.values[node]
+
+    def is_tensor(self, node: fx.Node) -> bool:
+        return isinstance(self.values.get(node), torch.Tensor)
+
+    def spec(self, node: fx.Node, name: str | None = None) -> ValueSpec:
+        v = self.values[node]
+        return ValueSpec(name or node.name, tuple(v.shape), str(v.dtype).removeprefix("torch."),
+                         requires_grad=bool(v.requires_grad))
+
+    # ---------------------------------------------------------------- execution
+    def run(self, nodes: Iterable[fx.Node], inputs: dict[str, torch.Tensor]) -> None:
+        """Run `nodes` (in order) given meta tensors for placeholders by name."""
+        counter = FlopCounterMode(display=False)
+        with counter, torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            for node in nodes:
+                if node.op == "output":
+                    continue
+                before, self._saved_now = counter.get_total_flops(), 0
+                if node.op == "placeholder":
+                    value = inputs[node.target if node.target in inputs else node.name]
+                else:
+                    value = self._execute(node)
+                saved = self._saved_now
+                if node.op == "call_function" and node.target in _SDPA:
+                    saved = _fused_attention_saved_bytes(value, node.args, self.values)
+                self.values[node] = value
+                self.costs[node] = NodeCost(float(counter.get_total_flops() - before), saved)
+
+    def _execute(self, node: fx.Node) -> Any:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
+        # graphs exported from a real model name its device; run them on meta instead
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.device, lambda d: _META,
+                                                         (args, kwargs))
+        if node.op == "get_attr":
+            return self._to_meta(_fetch_attr(self.gm, node.target))
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":
+            module = self.gm.get_submodule(node.target)
+            state = {k: self._to_meta(t) for k, t in
+                     (*module.named_parameters(remove_duplicate=False),
+                      *module.named_buffers(remove_duplicate=False))}
+            return functional_call(module, state, tuple(args), kwargs, tie_weights=False)
+        raise AssertionError(f"unexpected node op {node.op}")
+
+    def _to_meta(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        cached = self._meta.get(id(t))
+        if cached is None:
+            if t.is_meta:
+                cached = t
+            else:
+                cached = torch.empty_like(t, device="meta")
+                if isinstance(t, torch.nn.Parameter):
+                    cached = torch.nn.Parameter(cached, requires_grad=t.requires_grad)
+            self._meta[id(t)] = cached
+            self._meta[id(cached)] = cached
+            if isinstance(t, torch.nn.Parameter):
+                self._param_ids.add(id(cached))
+        return cached
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in self._param_ids and id(base) not in self._saved:
+            self._saved[id(base)] = base  # keep alive so ids stay unique
+            self._saved_now += _nbytes(base)
+        return t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _fused_attention_saved_bytes(out: torch.Tensor, args: tuple, values: dict) -> int:
+    qkv = [values[a] for a in args[:3] if isinstance(a, fx.Node)]
+    rows = out.numel() // out.shape[-1]
+    return sum(_nbytes(t) for t in qkv) + _nbytes(out) + 4 * rows
+
+
+def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

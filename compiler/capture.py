@@ -1,0 +1,251 @@
+"""Capture a model as one flat FX graph whose attributes are the model's own tensors.
+
+Two front ends produce the same thing (a `Captured`):
+
+* `fx`: `torch.fx.symbolic_trace` semantics, with the plan's leaf-module patterns
+  traced as opaque calls. Readable graphs of torch-level ops; fails on
+  data-dependent Python control flow and on decorated `*args/**kwargs` forwards.
+* `export`: `torch.export.export(strict=False)`, then parameters, buffers and
+  constants turned back into `get_attr` nodes under their original names.
+  Captures current transformers models (with `use_cache=False`).
+
+`auto` tries fx first and falls back to export, recording why. When capture
+fails, the error names the module and the source line that broke it.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import inspect
+import io
+import logging
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..dsl.ast import Plan
+from ..dsl.errors import PlanError
+
+CAPTURE_METHODS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class Captured:
+    module: fx.GraphModule  # attributes are the model's tensors/modules under original names
+    inputs: tuple[str, ...]  # placeholder i is batch field inputs[i]
+    outputs: Any  # the model's output structure, with fx Nodes as leaves
+    method: str  # "fx" | "export"
+    reason: str  # why this method (auto mode: why fx was not used)
+
+
+class CaptureFailed(Exception):
+    """One front end failed; `where` names the module and source line."""
+
+    def __init__(self, method: str, error: BaseException, where: str):
+        self.method, self.error, self.where = method, error, where
+        super().__init__(f"{method}: {type(error).__name__}: {_first_line(error)} ({where})")
+
+
+def capture(plan: Plan, model: torch.nn.Module, example: dict[str, torch.Tensor]) -> Captured:
+    """Capture `model` called on `example` (batch field -> tensor) as the plan asks."""
+    method = plan.model.capture
+    if method not in CAPTURE_METHODS:
+        raise PlanError.at(plan, "model.capture", f"unknown capture method {method!r}",
+                           f"one of: {', '.join(CAPTURE_METHODS)}")
+    try:
+        if method == "fx":
+            return capture_fx(model, example, plan.model.leaf_modules, "the plan asks for fx")
+        if method == "export":
+            return capture_export(model, example, "the plan asks for export")
+    except CaptureFailed as e:
+        raise _capture_error(plan, [e]) from e.error
+    try:
+        return capture_fx(model, example, plan.model.leaf_modules,
+                          "auto: torch.fx.symbolic_trace succeeded")
+    except CaptureFailed as fx_failure:
+        try:
+            return capture_export(model, example, f"auto: fx failed ({fx_failure}), "
+                                  "captured with torch.export (non-strict)")
+        except CaptureFailed as export_failure:
+            raise _capture_error(plan, [fx_failure, export_failure]) from export_failure.error
+
+
+# ---------------------------------------------------------------------------- fx
+class _LeafTracer(fx.Tracer):
+    """symbolic_trace's tracer, also treating modules matching the plan's patterns as leaves."""
+
+    def __init__(self, patterns: tuple[str, ...]):
+        super().__init__()
+        self.patterns = patterns
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return (any(fnmatch.fnmatchcase(qualname, p) for p in self.patterns)
+                or super().is_leaf_module(m, qualname))
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        """A parameter read directly (RMSNorm.weight) becomes get_attr by its qualified name.
+        fx searches all named_parameters for each such read (quadratic in depth); this looks
+        the name up in a table built once."""
+        if isinstance(attr_val, torch.nn.Parameter):
+            if getattr(self, "_param_names", None) is None:
+                self._param_names = {id(p): n for n, p in self.root.named_parameters()}
+            name = self._param_names.get(id(attr_val))
+            if name is not None:
+                if name not in parameter_proxy_cache:
+                    parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+                return parameter_proxy_cache[name]
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+def capture_fx(model: torch.nn.Module, example: dict, leaf_modules: tuple[str, ...],
+               reason: str) -> Captured:
+    tracer = _LeafTracer(tuple(leaf_modules))
+    try:
+        graph = tracer.trace(model, concrete_args=_defaults_not_given(model, example))
+    except Exception as e:
+        raise CaptureFailed("fx", e, _where(model, e, tracer)) from e
+    _drop_specialised_arguments(graph, example)
+    names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
+    missing = [n for n in names if n.lstrip("*") not in example]
+    if missing:  # forward takes inputs the plan does not describe
+        raise CaptureFailed("fx", TypeError(
+            f"forward takes {', '.join(names)}; the plan's model.inputs give "
+            f"{', '.join(example)}"), "model.forward")
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs = output.args[0]
+    graph.erase_node(output)
+    return Captured(fx.GraphModule(model, graph), names, outputs, "fx", reason)
+
+
+def _drop_specialised_arguments(graph: fx.Graph, example: dict) -> None:
+    """Remove the placeholders fx keeps for arguments traced at their defaults, and their guards."""
+    def erase(node: fx.Node) -> None:
+        for user in list(node.users):
+            erase(user)
+        graph.erase_node(node)
+    for node in [n for n in graph.nodes
+                 if n.op == "placeholder" and n.target not in example and n.args]:
+        erase(node)
+
+
+# ------------------------------------------------------------------------ export
+def capture_export(model: torch.nn.Module, example: dict, reason: str) -> Captured:
+    try:
+        with _quiet_torch_logs():
+            ep = torch.export.export(model, (), dict(example), strict=False)
+    except Exception as e:
+        raise CaptureFailed("export", e, _where(model, e, None)) from e
+    sig = ep.graph_signature
+    from torch.export.graph_signature import InputKind, OutputKind
+    if any(s.kind not in (OutputKind.USER_OUTPUT,) for s in sig.output_specs):
+        mutated = [s.target for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT]
+        raise CaptureFailed("export", RuntimeError(
+            f"forward mutates state in place: {', '.join(map(str, mutated))}"),
+            "state updates (e.g. BatchNorm running stats) are not supported in a pipeline stage")
+    attrs = dict(model.named_parameters(remove_duplicate=False))
+    attrs.update(model.named_buffers(remove_duplicate=False))
+    attrs.update(ep.constants)
+    graph, env, inputs = fx.Graph(), {}, []
+    spec_of = {s.arg.name: s for s in sig.input_specs}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            spec = spec_of[node.name]
+            if spec.kind == InputKind.USER_INPUT:
+                name = _user_input_name(ep, spec, len(inputs))
+                env[node] = graph.placeholder(name)
+                inputs.append(name)
+            else:
+                env[node] = graph.get_attr(spec.target)
+        elif node.op == "output":
+            flat = [env[a] if isinstance(a, fx.Node) else a for a in node.args[0]]
+            outputs = pytree.tree_unflatten(flat, ep.call_spec.out_spec)
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    used = {n.target for n in graph.nodes if n.op == "get_attr"}
+    root = {t: attrs[t] for t in used}
+    return Captured(fx.GraphModule(root, graph), tuple(inputs), outputs, "export", reason)
+
+
+def _user_input_name(ep, spec, index: int) -> str:
+    """Export flattens the kwargs dict in order; its placeholders follow that order."""
+    kwargs_spec = ep.call_spec.in_spec.child(1)
+    return kwargs_spec.context[index]
+
+
+def _defaults_not_given(model: torch.nn.Module, example: dict) -> dict:
+    """forward's optional arguments the plan does not feed: traced at their defaults."""
+    params = inspect.signature(model.forward).parameters.values()
+    return {p.name: p.default for p in params
+            if p.name not in example and p.default is not inspect.Parameter.empty}
+
+
+# ------------------------------------------------------------------------ errors
+def _where(model: torch.nn.Module, error: BaseException, tracer: fx.Tracer | None) -> str:
+    """"module `layers.0.moe` (file.py:42: `if x.sum() > 0:`)" from the failure's traceback."""
+    names = {id(m): n for n, m in model.named_modules()}
+    module, line = None, None
+    ours = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            module = names[id(owner)] or "<root>"
+        if not frame.f_code.co_filename.startswith(ours):
+            line = (frame.f_code.co_filename, lineno)
+    if tracer is not None and getattr(tracer, "module_stack", None):
+        module = next(reversed(tracer.module_stack.values()))[0] or module
+    if line is None:  # failed before running user code: point at the forward itself
+        forward = inspect.unwrap(type(model).forward)
+        try:
+            line = (inspect.getsourcefile(forward), inspect.getsourcelines(forward)[1])
+        except (OSError, TypeError):
+            pass
+        module = module or "<root>"
+    parts = []
+    if module is not None:
+        parts.append(f"module `{module}`")
+    if line is not None:
+        import linecache
+        text = linecache.getline(line[0], line[1]).strip()
+        parts.append(f"{line[0]}:{line[1]}" + (f": `{text}`" if text else ""))
+    return ", ".join(parts) or "unknown location"
+
+
+def _capture_error(plan: Plan, failures: list[CaptureFailed]) -> PlanError:
+    lines = [f"cannot capture the model: " + "; ".join(str(f) for f in failures)]
+    module = next((f.where.split("`")[1] for f in failures if f.where.startswith("module `")), None)
+    hints = []
+    if any(f.method == "fx" for f in failures) and module and module != "<root>":
+        hints.append(f'mark the module as a leaf (leaf_modules = ["{module}"])')
+    if plan.model.capture != "export":
+        hints.append('try capture = "export" (needs use_cache=False-style models)')
+    if any(f.method == "export" for f in failures):
+        hints.append("make the expert dispatch traceable (dense or grouped_mm experts instead of "
+                     "a loop over nonzero()), and use torch.library.custom_op for custom autograd")
+    return PlanError.at(plan, "model.capture" if "model.capture" in plan.spans else "model.source",
+                        "\n".join(lines), "; or ".join(hints))
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch.export logs whole graphs when a guard fails; the PlanError says what matters."""
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+               if n.startswith("torch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""

@@ -1,0 +1,142 @@
+"""Per-node training cost after applying the plan: experts at top-k, recompute rules.
+
+The analysis pass measures what the graph computes. Two plan facts change what
+training really costs:
+
+* MoE layers (plan.experts.modules): a reference MoE may run every expert on
+  every token for exact dropless math, but dispatched for real each token
+  visits top_k experts, so FLOPs and saved bytes of ops reading the stacked
+  expert weights (dim 0 == num_experts) count top_k / num_experts of that.
+* recompute rules: `full` keeps only the module's inputs and reruns its forward
+  in backward; `selective` drops what non-matmul ops saved (norms, activations,
+  attention cores) and reruns those.
+
+Backward costs two forwards (grad w.r.t. inputs, B, and w.r.t. weights, W, one
+each) — the usual matmul accounting.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..dsl.ast import Plan
+from .analysis import MetaRun
+from .blocks import module_path
+
+_VIEWS = {"view", "reshape", "transpose", "permute", "t", "expand", "contiguous", "unsqueeze",
+          "squeeze", "flatten"}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One node, one microbatch."""
+
+    flops: float  # forward
+    saved_bytes: int  # kept for backward after recompute
+    recompute_flops: float = 0.0  # forward rerun during backward
+
+    @property
+    def forward(self) -> float:
+        return self.flops
+
+    @property
+    def backward_input(self) -> float:
+        return self.flops + self.recompute_flops
+
+    @property
+    def backward_weight(self) -> float:
+        return self.flops
+
+    @property
+    def total(self) -> float:
+        return 3 * self.flops + self.recompute_flops
+
+
+def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]:
+    costs = {}
+    external_inputs_seen: set[fx.Node] = set()
+    for node in graph.nodes:
+        measured = run.costs.get(node)
+        if measured is None:
+            continue
+        flops, saved = measured.flops, measured.saved_bytes
+        path = module_path(node)
+        scale = _expert_scale(plan, node, path, run)
+        flops, saved = flops * scale, int(saved * scale)
+        mode, module = _recompute_mode(plan, path)
+        recompute = 0.0
+        if mode == "full":
+            recompute, saved = flops, 0
+            for a in node.all_input_nodes:  # the module's inputs stay saved
+                if a not in external_inputs_seen and not _inside(a, module) \
+                        and run.is_tensor(a) and a.op != "get_attr":
+                    external_inputs_seen.add(a)
+                    saved += _nbytes(run.value(a))
+        elif mode == "selective" and _is_cheap(node, measured.flops):
+            recompute, saved = flops, 0
+        costs[node] = Cost(flops, saved, recompute)
+    return costs
+
+
+def _expert_scale(plan: Plan, node: fx.Node, path: Optional[str], run: MetaRun) -> float:
+    ex = plan.experts
+    if ex is None or path is None or ex.num_experts <= 0:
+        return 1.0
+    if not any(_matches(path, p) for p in ex.modules):
+        return 1.0
+    for a in _through_views(node):
+        if a.op == "get_attr":
+            v = run.value(a)
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == ex.num_experts:
+                return min(1.0, ex.top_k / ex.num_experts)
+    return 1.0
+
+
+def _through_views(node: fx.Node):
+    """The node's inputs, looking through view-like ops (a transposed expert weight...)."""
+    for a in node.all_input_nodes:
+        yield a
+        if a.op == "call_method" and a.target in _VIEWS or \
+                a.op == "call_function" and getattr(a.target, "__name__", "") in _VIEWS:
+            yield from _through_views(a)
+
+
+def _recompute_mode(plan: Plan, path: Optional[str]) -> tuple[str, Optional[str]]:
+    """The last matching rule wins; returns (mode, the matched module)."""
+    mode, module = "none", None
+    for rule in plan.recompute:
+        hit = _matching_ancestor(path, rule.pattern)
+        if hit is not None:
+            mode, module = rule.mode, hit
+    return mode, module
+
+
+def _matching_ancestor(path: Optional[str], pattern: str) -> Optional[str]:
+    while path:
+        if fnmatch.fnmatchcase(path, pattern):
+            return path
+        path = path.rpartition(".")[0]
+    return None
+
+
+def _matches(path: str, pattern: str) -> bool:
+    return _matching_ancestor(path, pattern) is not None
+
+
+def _inside(node: fx.Node, module: Optional[str]) -> bool:
+    p = module_path(node)
+    return module is not None and p is not None and (p == module or p.startswith(module + "."))
+
+
+def _is_cheap(node: fx.Node, flops: float) -> bool:
+    """Selective recompute reruns ops that are not matmuls (and the attention core)."""
+    from .analysis import _SDPA
+    return flops == 0 or (node.op == "call_function" and node.target in _SDPA)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

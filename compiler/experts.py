@@ -1,0 +1,70 @@
+"""Expert placement: which global expert indices each expert-parallel rank holds.
+
+Experts are stored stacked by global index (dim 0 of the expert weights), so a
+rank's shard is a contiguous block of that dim and a checkpoint keeps experts by
+global index. Checked against the real model: the plan's MoE patterns must match
+modules, and those modules must hold `num_experts` experts.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+
+import torch
+
+from ..dsl.ast import Plan
+from ..dsl.errors import PlanError
+from .compiled import ExpertPlacement
+
+
+def moe_modules(plan: Plan, model: torch.nn.Module) -> list[str]:
+    """Qualified names of the modules matching plan.experts.modules, in model order."""
+    if plan.experts is None:
+        return []
+    names = [n for n, _ in model.named_modules() if n]
+    found = []
+    for i, pattern in enumerate(plan.experts.modules):
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, names, n=1)
+            raise PlanError.at(plan, f"experts.modules.{i}", f"no module matches {pattern!r}",
+                               f"did you mean {close[0]!r}?" if close else
+                               "patterns are module paths such as layers.*.moe")
+        found.extend(h for h in hits if h not in found)
+    return [n for n in names if n in found]
+
+
+def expert_weights(module: torch.nn.Module, num_experts: int) -> list[str]:
+    """Names (relative to the MoE module) of the weights stacked by expert on dim 0."""
+    return [n for n, p in module.named_parameters()
+            if p.dim() >= 2 and p.shape[0] == num_experts and not _is_router(module, n)]
+
+
+def _is_router(module: torch.nn.Module, param: str) -> bool:
+    """The router's weight ([E, d] in a Linear) is replicated, not sharded."""
+    owner = module.get_submodule(param.rpartition(".")[0]) if "." in param else module
+    return isinstance(owner, torch.nn.Linear)
+
+
+def place_experts(plan: Plan, model: torch.nn.Module) -> tuple[ExpertPlacement, ...]:
+    ex = plan.experts
+    if ex is None:
+        return ()
+    ep, n = plan.mesh.ep, ex.num_experts
+    if n % ep:
+        raise PlanError.at(plan, "experts.num_experts", f"ep = {ep} does not divide "
+                           f"num_experts = {n}", "every expert-parallel rank holds as many experts")
+    placements = []
+    for name in moe_modules(plan, model):
+        module = model.get_submodule(name)
+        counts = {p.shape[0] for p in module.parameters() if p.dim() >= 2}
+        listed = [len(c) for c in module.children() if isinstance(c, torch.nn.ModuleList)]
+        if n not in counts and n not in listed:
+            have = sorted(counts | set(listed))
+            raise PlanError.at(plan, "experts.num_experts", f"{name} does not hold {n} experts "
+                               f"(its weights stack {', '.join(map(str, have)) or 'no'} on dim 0)",
+                               "num_experts must equal the model's expert count")
+        per = n // ep
+        placements.append(ExpertPlacement(name, tuple(tuple(range(r * per, (r + 1) * per))
+                                                      for r in range(ep))))
+    return tuple(placements)

@@ -1,0 +1,163 @@
+"""Build the model a plan names: `path/file.py:Class` (relative to the plan) or `pkg.mod:Class`.
+
+Compile never needs real weights, so the compiler builds the model on the meta
+device; the runtime builds it on CPU. Building on CPU is deterministic: weights
+are drawn under `plan.train.seed` without disturbing the caller's RNG, so every
+rank and the single-process reference get the same initial model.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..dsl.ast import Plan
+from ..dsl.errors import PlanError
+
+
+def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
+    """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
+    cls = resolve_model_class(plan)
+    args = dict(plan.model.args)
+    _check_args(plan, cls, args)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(plan.train.seed)
+            with torch.device(device):
+                model = cls(**args)
+    except Exception as e:  # the user's constructor failed: point at the args
+        raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
+                           f"{type(e).__name__}: {e}",
+                           "check the constructor arguments against the model's __init__") from e
+    if not isinstance(model, torch.nn.Module):
+        raise PlanError.at(plan, "model.source", f"{cls.__name__} returned "
+                           f"{type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def resolve_model_class(plan: Plan):
+    """The class (or factory function returning a module) named by plan.model.source."""
+    source = plan.model.source
+    where, sep, name = source.rpartition(":")
+    if not sep or not where or not name:
+        raise PlanError.at(plan, "model.source", f"model source {source!r} has no class name",
+                           'write "path/to/file.py:ClassName" or "package.module:ClassName"')
+    module = _import_source(plan, where)
+    cls = getattr(module, name, None)
+    if not callable(cls):
+        candidates = [k for k, v in vars(module).items()
+                      if isinstance(v, type) and issubclass(v, torch.nn.Module)
+                      and v.__module__ == module.__name__]
+        close = difflib.get_close_matches(name, candidates, n=1)
+        hint = (f"did you mean {close[0]!r}?" if close else
+                f"classes defined there: {', '.join(sorted(candidates)) or 'none'}")
+        raise PlanError.at(plan, "model.source", f"no class {name!r} in {where}", hint)
+    return cls
+
+
+def model_source_file(plan: Plan) -> Path | None:
+    """The file defining the plan's model (for the build manifest's hash), if there is one."""
+    where = plan.model.source.rpartition(":")[0]
+    if is_path_source(where):
+        path = _resolve_path(plan, where)
+        return path if path.is_file() else None
+    try:
+        spec = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def is_path_source(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or "\\" in where
+
+
+def _resolve_path(plan: Plan, where: str) -> Path:
+    base = Path(plan.path).parent if plan.path and plan.path != "<plan>" else Path.cwd()
+    return (base / where).resolve()
+
+
+def _import_source(plan: Plan, where: str) -> ModuleType:
+    if is_path_source(where):
+        path = _resolve_path(plan, where)
+        if not path.is_file():
+            raise PlanError.at(plan, "model.source", f"model file not found: {path}",
+                               "paths are relative to the plan file's folder")
+        return _import_file(plan, path)
+    try:
+        return importlib.import_module(where)
+    except ImportError as e:
+        raise PlanError.at(plan, "model.source", f"cannot import module {where!r}: {e}",
+                           "use a dotted module path importable here, or a file path ending in .py"
+                           ) from e
+
+
+def _import_file(plan: Plan, path: Path) -> ModuleType:
+    """Import a model file as part of its package when it has one (relative imports work)."""
+    dotted, top = _package_name(path)
+    try:
+        if dotted is None:
+            name = f"pipeplan_model_{abs(hash(str(path)))}"
+            if name in sys.modules:
+                return sys.modules[name]
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            return module
+        if str(top.parent) not in sys.path and not _known_package(top):
+            sys.path.insert(0, str(top.parent))
+        return importlib.import_module(dotted)
+    except Exception as e:
+        sys.modules.pop(f"pipeplan_model_{abs(hash(str(path)))}", None)
+        raise PlanError.at(plan, "model.source", f"importing {path} failed: "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def _package_name(path: Path) -> tuple[str | None, Path | None]:
+    """The dotted module name of `path` inside its package tree, or (None, None) if standalone."""
+    parts, top, d = [path.stem], None, path.parent
+    while (d / "__init__.py").is_file():
+        parts.insert(0, d.name)
+        top, d = d, d.parent
+    if top is None:
+        return None, None
+    known = _known_package(top)
+    if known:  # e.g. the repo folder is imported as `pipeplan`, not by its folder name
+        parts[0] = known
+    return ".".join(parts), top
+
+
+def _known_package(folder: Path) -> str | None:
+    for name, mod in list(sys.modules.items()):
+        if "." not in name and any(Path(p).resolve() == folder.resolve()
+                                   for p in getattr(mod, "__path__", None) or ()):
+            return name
+    return None
+
+
+def _check_args(plan: Plan, cls: type, args: dict) -> None:
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(**args)
+    except TypeError as e:
+        params = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
+        bad = [k for k in args if k not in sig.parameters]
+        key = f"model.args.{bad[0]}" if bad else "model.args"
+        close = difflib.get_close_matches(bad[0], params, n=1) if bad else []
+        hint = (f"did you mean {close[0]!r}? " if close else "") + \
+            f"{cls.__name__} takes: {', '.join(params)}"
+        raise PlanError.at(plan, key, f"wrong arguments for {cls.__name__}: {e}", hint) from e
+
+
+def _fmt_args(args: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items())

@@ -1,0 +1,126 @@
+"""report.md: what will run and what it should cost, for a person to read before launch."""
+from __future__ import annotations
+
+from .compiled import CompiledPlan
+
+GiB, MiB = 1024 ** 3, 1024 ** 2
+
+
+def render_report(compiled: CompiledPlan) -> str:
+    parts = [_header(compiled), _split(compiled), _tied(compiled), _experts(compiled),
+             _tensor(compiled), _estimates(compiled), _timeline(compiled)]
+    return "\n".join(p for p in parts if p) + "\n"
+
+
+def _header(c: CompiledPlan) -> str:
+    p = c.plan
+    m = p.mesh
+    return "\n".join([
+        f"# pipeplan build: {p.path}", "",
+        f"- model: `{p.model.source}` captured with **{c.capture}** — {c.capture_reason}",
+        f"- mesh: pp={m.pp} dp={m.dp} tp={m.tp} ep={m.ep} (world size {m.world_size}); "
+        f"schedule **{c.schedule.name}**, {len(c.stages)} stages, {p.microbatches} microbatches "
+        f"of {p.microbatch_size} × {p.data.seq_len} tokens; ZeRO-{p.zero}; {p.train.precision}",
+        ""])
+
+
+def _split(c: CompiledPlan) -> str:
+    rows = ["## Split", "", "Pin it in the plan's pipeline section:", "",
+            f"    {c.split_text or 'split = []  # one stage'}", "",
+            "| stage | rank | blocks | params | fwd GFLOP/mb | saved MiB/mb | sends |",
+            "|---|---|---|---|---|---|---|"]
+    for st in c.stages:
+        blocks = st.module_names
+        span = f"{blocks[0]} … {blocks[-1]}" if len(blocks) > 2 else ", ".join(blocks)
+        params = sum(p.numel() for p in st.module.parameters())
+        sends = ", ".join(f"{o.name} {list(o.shape)}" for o in st.outputs)
+        rows.append(f"| {st.index} | {st.rank} | {span} | {params:,} | {st.flops / 1e9:.3f} | "
+                    f"{st.activation_bytes / MiB:.2f} | {sends} |")
+    return "\n".join(rows) + "\n"
+
+
+def _tied(c: CompiledPlan) -> str:
+    if not c.tied:
+        return ""
+    rows = ["## Tied parameters (gradients summed between holders every step)", ""]
+    for t in c.tied:
+        rows.append("- " + ", ".join(f"`{n}` (stage {s})" for n, s in zip(t.names, t.stages)))
+    return "\n".join(rows) + "\n"
+
+
+def _experts(c: CompiledPlan) -> str:
+    if not c.experts:
+        return ""
+    rows = ["## Expert placement (global expert indices per EP rank)", "",
+            "| MoE layer | " + " | ".join(f"ep {r}" for r in range(len(c.experts[0].shards))) + " |",
+            "|---|" + "---|" * len(c.experts[0].shards)]
+    for e in c.experts:
+        rows.append(f"| {e.module} | " + " | ".join(_range(s) for s in e.shards) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _range(idx: tuple[int, ...]) -> str:
+    return f"{idx[0]}–{idx[-1]}" if len(idx) > 1 else str(idx[0])
+
+
+def _tensor(c: CompiledPlan) -> str:
+    if not c.tp_rewrites:
+        return ""
+    counts: dict[str, int] = {}
+    for kind in c.tp_rewrites.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    rows = [f"## Tensor parallelism (tp = {c.plan.mesh.tp})", "",
+            ", ".join(f"{n} {k}-parallel layers" for k, n in sorted(counts.items())), ""]
+    return "\n".join(rows)
+
+
+def _estimates(c: CompiledPlan) -> str:
+    e = c.estimates
+    if e is None:
+        return ""
+    m = c.plan.mesh
+    rows = ["## Estimates per rank (one step)", "",
+            "Ranks of one pipeline rank (its dp × tp replicas) are alike; one row each.", "",
+            "| pp rank | params GiB | grads GiB | optimizer GiB | activations GiB | total GiB "
+            "| TFLOP | p2p MiB | dp MiB | tp MiB | ep MiB | tied MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in range(m.pp):
+        x = e.ranks[r * m.dp * m.tp]
+        total = x.param_bytes + x.grad_bytes + x.optimizer_bytes + x.activation_bytes
+        cb = x.comm_bytes
+        rows.append(f"| {r} | {x.param_bytes / GiB:.3f} | {x.grad_bytes / GiB:.3f} | "
+                    f"{x.optimizer_bytes / GiB:.3f} | {x.activation_bytes / GiB:.3f} | "
+                    f"{total / GiB:.3f} | {x.flops / 1e12:.2f} | "
+                    + " | ".join(f"{cb.get(k, 0) / MiB:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied"))
+                    + " |")
+    d = e.device_model
+    rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
+             f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP all-reduce, "
+             "not overlapped)",
+             f"- device model: {d['flops_per_s'] / 1e12:g} TFLOP/s sustained per device, "
+             f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes (p2p, dp, ep), "
+             f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node (tp), "
+             f"{d['latency_s'] * 1e6:g} µs latency",
+             "- accounting: see docs/compiler.md (bytes per element by precision and ZeRO stage; "
+             "activations held from F to W/BW under this schedule)", ""]
+    return "\n".join(rows)
+
+
+def _timeline(c: CompiledPlan, width: int = 100) -> str:
+    e = c.estimates
+    sim = getattr(e, "simulation", None) if e is not None else None
+    if sim is None or sim.makespan <= 0:
+        return ""
+    scale = width / sim.makespan
+    rows = ["## Timeline (simulated; F forward, B input-grad, W weight-grad, X full backward, "
+            ". idle)", "", "```"]
+    for r, actions in enumerate(c.schedule.order):
+        line = ["."] * width
+        for a, s, t in zip(actions, sim.start[r], sim.end[r]):
+            ch = {"F": "F", "B": "B", "W": "W", "BW": "X"}[a.op]
+            for i in range(int(s * scale), max(int(s * scale) + 1, int(t * scale))):
+                if i < width:
+                    line[i] = ch
+        rows.append(f"rank {r:>2} |{''.join(line)}|")
+    rows += ["```", ""]
+    return "\n".join(rows)

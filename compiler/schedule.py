@@ -1,0 +1,51 @@
+"""The pipeline schedule for a compiled plan, from the schedule engine, costed by stage.
+
+Stage op times come from the compiler's cost model (forward FLOPs per stage;
+B = forward + recompute, W = forward), so cost-aware kinds (`auto`, the
+zero-bubble family) order ops for this model, not for equal stages.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..dsl.ast import Plan
+from ..dsl.errors import PlanError
+from ..errors import PipeplanError
+from .compiled import StageSpec
+
+
+def stage_costs(stages: list[StageSpec]):
+    """Costs with per-stage (F, B, W) in FLOPs-proportional units (largest F = 1)."""
+    from ..schedules.costs import Costs
+    scale = max((st.flops for st in stages), default=0.0) or 1.0
+    return Costs(per_stage=tuple(
+        (st.flops / scale, (st.flops + st.recompute_flops) / scale, st.flops / scale)
+        for st in stages))
+
+
+def make_schedule(plan: Plan, stages: list[StageSpec]):
+    """The verified schedule of the plan's kind, costed with this model's stages."""
+    from ..schedules import generate
+    try:
+        return generate(plan.pipeline.schedule, ranks=plan.mesh.pp, microbatches=plan.microbatches,
+                        virtual=plan.pipeline.virtual, costs=stage_costs(stages),
+                        memory_limit=_memory_limit(plan, stages))
+    except PlanError:
+        raise
+    except PipeplanError as e:  # the engine rejected the combination: point at the plan
+        raise PlanError.at(plan, "pipeline.schedule", str(e)) from e
+
+
+def _memory_limit(plan: Plan, stages: list[StageSpec]) -> Optional[float]:
+    """The plan's activation limit in the engine's unit (microbatches of a rank's layers)."""
+    lim = plan.pipeline.memory_limit
+    if lim is None:
+        return None
+    if not lim.in_bytes:
+        return lim.amount
+    per_rank: dict[int, int] = {}
+    for st in stages:  # before placement: assume the loop placement for the conversion
+        r = st.index % plan.mesh.pp
+        per_rank[r] = per_rank.get(r, 0) + st.activation_bytes
+    largest = max(per_rank.values(), default=0) or 1
+    return lim.amount / largest

@@ -1,0 +1,79 @@
+"""Which global rank holds which mesh coordinates, known before any tracing.
+
+Order (torchtitan/Megatron convention): pp outermost, then dp, tp innermost:
+rank = (pp_i * dp + dp_i) * tp + tp_i. Expert parallelism re-divides the
+dp*tp ranks of one pipeline stage: the j-th of them (j = dp_i * tp + tp_i) is
+ep rank j % ep, and j // ep numbers the expert-data-parallel replica that holds
+the same experts. ep adds no ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ast import MeshSpec
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+    edp: int  # expert-data-parallel replica: ranks with equal (pp, ep) and different edp hold the same experts
+
+
+@dataclass(frozen=True)
+class GroupSizes:
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+    edp: int  # dp*tp // ep
+
+
+def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
+    out = []
+    for rank in range(mesh.world_size):
+        pp_i, rest = divmod(rank, mesh.dp * mesh.tp)
+        dp_i, tp_i = divmod(rest, mesh.tp)
+        edp_i, ep_i = divmod(rest, mesh.ep)
+        out.append(RankCoords(rank, pp_i, dp_i, tp_i, ep_i, edp_i))
+    return tuple(out)
+
+
+def group_sizes(mesh: MeshSpec) -> GroupSizes:
+    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, mesh.dp * mesh.tp // mesh.ep)
+
+
+def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
+    """The rank groups along `axis`: ranks that differ only in that coordinate.
+
+    For ep and edp, groups live inside one pipeline stage (they re-divide dp*tp).
+    """
+    others = {"pp": ("dp", "tp"), "dp": ("pp", "tp"), "tp": ("pp", "dp"),
+              "ep": ("pp", "edp"), "edp": ("pp", "ep")}[axis]
+    found: dict[tuple[int, ...], list[int]] = {}
+    for c in layout:
+        found.setdefault(tuple(getattr(c, o) for o in others), []).append(c.rank)
+    return [tuple(g) for g in found.values()]
+
+
+def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
+    """A table of every rank's coordinates and a line per axis with its groups."""
+    layout = mesh_layout(mesh)
+    sizes = group_sizes(mesh)
+    lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} ep={mesh.ep} "
+             f"-> world size {mesh.world_size} (ep re-divides dp*tp)",
+             "  rank  pp  dp  tp  ep  edp"]
+    for c in layout[:max_rows]:
+        lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.tp:>2}  {c.ep:>2}  {c.edp:>3}")
+    if len(layout) > max_rows:
+        lines.append(f"  ... {len(layout) - max_rows} more ranks")
+    lines.append("groups:")
+    for axis in ("pp", "dp", "tp", "ep", "edp"):
+        gs = groups(layout, axis)
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in gs[:8])
+        more = f" ... ({len(gs)} groups)" if len(gs) > 8 else ""
+        lines.append(f"  {axis:<4} size {getattr(sizes, axis)}: {shown}{more}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""Costs: how long each op takes, and the point-to-point latency between ranks.
+
+Uniform costs are for a rank's whole share of the layers: with v stages per
+rank each stage's op costs F/v, B/v, W/v, so kinds with different v compare
+at equal work. `per_stage` gives absolute (F, B, W) per stage instead.
+A full backward BW costs B + W.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ScheduleError
+from .ir import B, BW, F, W
+
+
+@dataclass(frozen=True)
+class Costs:
+    F: float = 1.0
+    B: float = 1.0
+    W: float = 1.0
+    latency: float = 0.0
+    per_stage: Optional[tuple[tuple[float, float, float], ...]] = None
+
+    def __post_init__(self):
+        values = [self.F, self.B, self.W, self.latency]
+        if self.per_stage is not None:
+            object.__setattr__(self, "per_stage", tuple(tuple(float(x) for x in t) for t in self.per_stage))
+            for t in self.per_stage:
+                if len(t) != 3:
+                    raise ScheduleError(f"per-stage costs need (F, B, W) for each stage, got {t}")
+                values.extend(t)
+        if any(not (v >= 0) for v in values):  # also rejects NaN
+            raise ScheduleError(f"costs must be non-negative numbers, got {self}")
+
+    def stage_table(self, stage_to_rank: tuple[int, ...]) -> "StageCosts":
+        """Resolve to absolute per-stage op times for a given placement."""
+        stages = len(stage_to_rank)
+        if self.per_stage is not None:
+            if len(self.per_stage) != stages:
+                raise ScheduleError(
+                    f"per-stage costs list {len(self.per_stage)} stages but the schedule has {stages}")
+            table = self.per_stage
+        else:
+            per_rank: dict[int, int] = {}
+            for r in stage_to_rank:
+                per_rank[r] = per_rank.get(r, 0) + 1
+            table = tuple((self.F / per_rank[r], self.B / per_rank[r], self.W / per_rank[r])
+                          for r in stage_to_rank)
+        return StageCosts(table, self.latency)
+
+    def label(self) -> str:
+        base = f"F={self.F:g},B={self.B:g},W={self.W:g}" if self.per_stage is None else "per-stage"
+        return base + (f",c={self.latency:g}" if self.latency else "")
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Absolute op times per stage; `time(op, stage)` is what the simulator charges."""
+
+    table: tuple[tuple[float, float, float], ...]
+    latency: float
+
+    def time(self, op: str, stage: int) -> float:
+        f, b, w = self.table[stage]
+        if op == F:
+            return f
+        if op == B:
+            return b
+        if op == W:
+            return w
+        if op == BW:
+            return b + w
+        raise ScheduleError(f"unknown op {op!r}")
+
+
+def parse_costs(text: str, latency: float = 0.0) -> Costs:
+    """'F=1,B=1.5,W=0.5' → Costs; a one-line error for anything else."""
+    fields = {"F": 1.0, "B": 1.0, "W": 1.0}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().upper()
+        if not sep or key not in fields:
+            raise ScheduleError(f"bad cost {part!r}: expected F=x,B=y,W=z")
+        try:
+            fields[key] = float(value)
+        except ValueError:
+            raise ScheduleError(f"bad cost {part!r}: {value!r} is not a number") from None
+    return Costs(fields["F"], fields["B"], fields["W"], latency)

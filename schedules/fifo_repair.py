@@ -1,0 +1,86 @@
+"""Make a reference order consistent with pipeplan's FIFO rank-pair channels.
+
+Some published orders (DualPipeV) post receives ahead of time and match them by
+tag, so run as-is under blocking in-order receives they would take a message
+meant for a later action. `follow_fifo` keeps each rank's reference order but,
+when the message at the head of the channel an action waits on belongs to a
+later action of the same rank, runs that later action first (if its own
+same-rank prerequisite is done). Ranks otherwise wait; the result is verified
+by the caller.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .errors import ScheduleError
+from .ir import B, BW, F, W, Action, Schedule
+
+
+def follow_fifo(schedule: Schedule) -> Schedule:
+    p, S = schedule.ranks, schedule.stages
+    s2r = schedule.stage_to_rank
+    backward = {(a.stage, a.microbatch): a.op for row in schedule.order for a in row if a.op in (B, BW)}
+
+    def source(a: Action):
+        """(producing rank, message key) of the input a receives from another rank, or None."""
+        if a.op == F and a.stage > 0 and s2r[a.stage - 1] != s2r[a.stage]:
+            return s2r[a.stage - 1], ("act", a.stage - 1, a.microbatch)
+        if a.op in (B, BW) and a.stage + 1 < S and s2r[a.stage + 1] != s2r[a.stage]:
+            return s2r[a.stage + 1], ("grad", a.stage + 1, a.microbatch)
+        return None
+
+    def local_ready(a: Action, done: set) -> bool:
+        if a.op == F:
+            return a.stage == 0 or s2r[a.stage - 1] != s2r[a.stage] or (F, a.stage - 1, a.microbatch) in done
+        if a.op == W:
+            return (B, a.stage, a.microbatch) in done
+        if (F, a.stage, a.microbatch) not in done:
+            return False
+        nxt = a.stage + 1
+        return nxt == S or s2r[nxt] != s2r[a.stage] or (backward.get((nxt, a.microbatch)), nxt, a.microbatch) in done
+
+    consumer = {}  # message key -> the action that receives it
+    for row in schedule.order:
+        for a in row:
+            src = source(a)
+            if src:
+                consumer[src[1]] = a
+    channels: dict[tuple[int, int], deque] = {}
+    remaining = [list(row) for row in schedule.order]
+    out: list[list[Action]] = [[] for _ in range(p)]
+    done: set = set()
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while remaining[r]:
+                a = remaining[r][0]
+                src = source(a)
+                run = None
+                if src is None:
+                    run = a if local_ready(a, done) else None
+                else:
+                    q = channels.get((src[0], r))
+                    if q:
+                        want = consumer[q[0]]
+                        if want == a or (local_ready(want, done) and want in remaining[r]):
+                            run = want
+                            q.popleft()
+                if run is None:
+                    break
+                remaining[r].remove(run)
+                out[r].append(run)
+                key = (run.op, run.stage, run.microbatch)
+                done.add(key)
+                _send(run, s2r, S, channels)
+                progress = True
+    if any(remaining):
+        raise ScheduleError(f"{schedule.name}: the order cannot be made consistent with in-order channels")
+    return Schedule(schedule.name, p, S, schedule.microbatches, s2r, tuple(tuple(o) for o in out))
+
+
+def _send(a: Action, s2r, S: int, channels) -> None:
+    if a.op == F and a.stage + 1 < S and s2r[a.stage + 1] != s2r[a.stage]:
+        channels.setdefault((s2r[a.stage], s2r[a.stage + 1]), deque()).append(("act", a.stage, a.microbatch))
+    if a.op in (B, BW) and a.stage > 0 and s2r[a.stage - 1] != s2r[a.stage]:
+        channels.setdefault((s2r[a.stage], s2r[a.stage - 1]), deque()).append(("grad", a.stage, a.microbatch))

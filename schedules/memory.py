@@ -1,0 +1,41 @@
+"""Activation memory accounting, one definition for the verifier, simulator and generators.
+
+Unit: one microbatch's activations for a rank's whole share of the layers.
+With n stages on a rank, F of one stage adds 1/n. The activations stay until
+the stage's weight gradient is done: W (or BW) frees them; B frees nothing,
+because autograd keeps the whole saved graph alive until the weight gradient
+has used it. So a split backward trades bubble for memory held between B and W.
+"""
+from __future__ import annotations
+
+from .ir import BW, F, W, Schedule
+
+
+def stage_share(schedule: Schedule) -> tuple[float, ...]:
+    """Activation units one stage's F adds: 1 / (stages on its rank)."""
+    per_rank = schedule.stages_per_rank()
+    return tuple(1.0 / per_rank[r] for r in schedule.stage_to_rank)
+
+
+def delta(op: str, share: float) -> float:
+    """Change in held activations when an op of a stage with this share runs."""
+    if op == F:
+        return share
+    if op in (W, BW):
+        return -share
+    return 0.0
+
+
+def peak_per_rank(schedule: Schedule) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Peak held activations per rank, and the position in the rank's list where it is first reached."""
+    share = stage_share(schedule)
+    peaks, where = [], []
+    for actions in schedule.order:
+        held, peak, at = 0.0, 0.0, -1
+        for i, a in enumerate(actions):
+            held += delta(a.op, share[a.stage])
+            if held > peak + 1e-9:
+                peak, at = held, i
+        peaks.append(round(peak, 9))
+        where.append(at)
+    return tuple(peaks), tuple(where)

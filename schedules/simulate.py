@@ -1,0 +1,180 @@
+"""simulate(): time a schedule under the runtime's semantics with per-op costs and p2p latency.
+
+Bubble definitions (both reported, always named):
+  bubble      = 1 - sum(busy) / (ranks * makespan)       whole iteration, idle/total
+  span_bubble = 1 - sum(busy) / sum(last end - first start per rank)   each rank's own span
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .costs import Costs, StageCosts
+from .execution import NONE, Execution, analyze
+from .ir import Action, Schedule
+from .memory import peak_per_rank
+
+
+@dataclass(frozen=True)
+class Idle:
+    """A gap on a rank and what it waited for."""
+
+    rank: int
+    start: float
+    duration: float
+    waiting_for: Optional[Action]  # None: the rank had finished and waits for the iteration end
+    on_rank: Optional[int]
+
+    def __str__(self) -> str:
+        if self.waiting_for is None:
+            return f"rank {self.rank} idle {self.duration:g} at t={self.start:g} after its last op"
+        return (f"rank {self.rank} idle {self.duration:g} at t={self.start:g} waiting for "
+                f"{self.waiting_for.describe()} on rank {self.on_rank}")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: Schedule
+    costs: Costs
+    makespan: float
+    bubble: float  # whole iteration: 1 - sum busy / (ranks * makespan)
+    span_bubble: float  # each rank from its first to its last op
+    busy: tuple[float, ...]
+    idle: tuple[float, ...]  # makespan - busy, per rank
+    peak_activations: tuple[float, ...]
+    lower_bound: float  # no schedule of this placement and these costs can be shorter
+    critical_path: tuple[tuple[int, Action], ...]
+    idle_attribution: tuple[Idle, ...]
+    start: tuple[tuple[float, ...], ...]  # per rank, aligned with schedule.order[rank]
+    end: tuple[tuple[float, ...], ...]
+
+    @property
+    def lower_bound_bubble(self) -> float:
+        return _bubble(self.busy, self.lower_bound)
+
+    def metrics(self) -> dict:
+        """The JSON schema's "metrics" object."""
+        return {"makespan": self.makespan, "bubble": self.bubble, "span_bubble": self.span_bubble,
+                "peak_activations": list(self.peak_activations), "lower_bound": self.lower_bound}
+
+
+def _bubble(busy, makespan: float) -> float:
+    return 0.0 if makespan <= 0 else 1.0 - sum(busy) / (len(busy) * makespan)
+
+
+def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
+    costs = costs or Costs()
+    table = costs.stage_table(schedule.stage_to_rank)
+    ex = analyze(schedule)
+    start, end, waited = _time(ex, table)
+    p = schedule.ranks
+    busy = tuple(sum(e - s for s, e in zip(start[r], end[r])) for r in range(p))
+    makespan = max((row[-1] for row in end if row), default=0.0)
+    spans = [row_e[-1] - row_s[0] if row_s else 0.0 for row_s, row_e in zip(start, end)]
+    span_bubble = 1.0 - sum(busy) / sum(spans) if sum(spans) > 0 else 0.0
+    idle = tuple(makespan - b for b in busy)
+    return SimResult(
+        schedule=schedule, costs=costs, makespan=makespan, bubble=_bubble(busy, makespan),
+        span_bubble=span_bubble, busy=busy, idle=idle,
+        peak_activations=peak_per_rank(schedule)[0],
+        lower_bound=lower_bound(schedule, table, busy),
+        critical_path=_critical_path(ex, table, start, end),
+        idle_attribution=_idle_attribution(ex, start, end, waited, makespan),
+        start=tuple(map(tuple, start)), end=tuple(map(tuple, end)))
+
+
+def time_actions(ex: Execution, table: StageCosts):
+    """(start, end) per rank and position, without the reports (the local search's inner loop)."""
+    start, end, _ = _time(ex, table)
+    return start, end
+
+
+def _time(ex: Execution, table: StageCosts):
+    """Start/end of every action: after its rank's previous action and its input's arrival."""
+    order, stride, lat = ex.schedule.order, ex.stride, table.latency
+    start = [[0.0] * len(o) for o in order]
+    end = [[0.0] * len(o) for o in order]
+    waited = [[False] * len(o) for o in order]  # True: the start was set by an input arrival
+    free = [0.0] * len(order)
+    durations = {}
+    for code in ex.topo:
+        r, i = divmod(code, stride)
+        a = order[r][i]
+        t = free[r]
+        dep = ex.producer[r][i]
+        if dep != NONE:
+            q, j = divmod(dep, stride)
+            arrive = end[q][j] + (lat if q != r else 0.0)
+            if arrive > t:
+                t = arrive
+                waited[r][i] = True
+        key = (a.op, a.stage)
+        d = durations.get(key)
+        if d is None:
+            d = durations[key] = table.time(a.op, a.stage)
+        start[r][i] = t
+        free[r] = end[r][i] = t + d
+    return start, end, waited
+
+
+def _idle_attribution(ex: Execution, start, end, waited, makespan: float) -> tuple[Idle, ...]:
+    out = []
+    order = ex.schedule.order
+    for r, row in enumerate(order):
+        prev_end = 0.0
+        for i in range(len(row)):
+            gap = start[r][i] - prev_end
+            if gap > 1e-12:
+                dep = ex.producer[r][i]
+                q = dep // ex.stride
+                out.append(Idle(r, prev_end, gap, ex.action(dep), q))
+            prev_end = end[r][i]
+        if makespan - prev_end > 1e-12:
+            out.append(Idle(r, prev_end, makespan - prev_end, None, None))
+    return tuple(out)
+
+
+def _critical_path(ex: Execution, table: StageCosts, start, end) -> tuple[tuple[int, Action], ...]:
+    """Walk back from the last action to finish, following whichever constraint set each start."""
+    order = ex.schedule.order
+    candidates = [(row[-1], r) for r, row in enumerate(end) if row]
+    if not candidates:
+        return ()
+    _, r = max(candidates)
+    pos: Optional[tuple[int, int]] = (r, len(order[r]) - 1)
+    path = []
+    while pos is not None:
+        r, i = pos
+        path.append((r, order[r][i]))
+        dep = ex.producer[r][i]
+        if dep != NONE:
+            q, j = ex.pos(dep)
+            arrive = end[q][j] + (table.latency if q != r else 0.0)
+            if arrive >= start[r][i] - 1e-12 and (i == 0 or arrive >= end[r][i - 1]):
+                pos = (q, j)
+                continue
+        pos = (r, i - 1) if i > 0 else None
+    return tuple(reversed(path))
+
+
+def lower_bound(schedule: Schedule, table: StageCosts, busy) -> float:
+    """max(one microbatch's dependency chain, each rank's earliest start + its total work).
+
+    The chain is every stage's F, every stage's B, then W of stage 0 (or BW), with
+    latency at each rank change; a rank cannot start before the first of its stages
+    can receive microbatch 0's forward.
+    """
+    s2r, lat = schedule.stage_to_rank, table.latency
+    arrive = [0.0] * schedule.stages  # earliest start of F(s, mb 0)
+    t = 0.0
+    for s in range(schedule.stages):
+        if s > 0:
+            t += table.time("F", s - 1) + (lat if s2r[s - 1] != s2r[s] else 0.0)
+        arrive[s] = t
+    chain = t + table.time("F", schedule.stages - 1)
+    for s in range(schedule.stages - 1, -1, -1):
+        chain += table.time("B", s) + (lat if s > 0 and s2r[s - 1] != s2r[s] else 0.0)
+    chain += table.time("W", 0)
+    head = [min((arrive[s] for s in schedule.stages_of_rank(r)), default=0.0)
+            for r in range(schedule.ranks)]
+    return max([chain] + [h + b for h, b in zip(head, busy)])

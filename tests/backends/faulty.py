@@ -1,0 +1,38 @@
+"""A tiny GPT whose chosen block raises on its N-th real (non-meta) call: a rank failure on demand."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeplan.examples.models.gpt import GPT
+
+
+class Bomb(nn.Module):
+    """Identity that raises on call number `after` + 1 with real tensors (traced as a leaf)."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.after, self.calls = after, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            self.calls += 1
+            if self.calls > self.after:
+                raise RuntimeError("injected fault")
+        return x
+
+
+class FaultyGPT(GPT):
+    def __init__(self, fail_layer: int = 2, fail_after: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.bomb = Bomb(fail_after)
+        self.fail_layer = fail_layer
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1]
+        x = self.tok_emb(input_ids) + self.pos_emb(torch.arange(t, device=input_ids.device))
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == self.fail_layer:
+                x = self.bomb(x)
+        return self.lm_head(self.ln_f(x))

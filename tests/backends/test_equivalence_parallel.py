@@ -1,0 +1,73 @@
+"""Equivalence with per-stage parallelism inside the pipeline: TP, ZeRO 1-3, expert parallel.
+
+The rewrites themselves are issue 6's (backends/parallelize.py); this checks
+that the runtime wires them in so a whole pipelined run still equals
+single-process training (3 steps, fp32, SGD with momentum; see
+test_equivalence.py on why not AdamW).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeplan.backends.compare import compare
+from pipeplan.backends.model import build_model
+from pipeplan.backends.reference import train_reference
+from pipeplan.backends.topology import build_topology
+from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.compiler.driver import compile_plan
+from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, TensorSpec
+
+from .test_equivalence import STEPS, make_plan  # noqa: E402
+
+TENSOR = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v",
+                            "layers.*.mlp.up"),
+                    row=("layers.*.attn.proj", "layers.*.mlp.down"), vocab=("tok_emb", "lm_head"))
+EXPERTS = ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2, aux_loss=0.01,
+                      z_loss=0.001)
+
+
+def parallel_plan(name: str):
+    if name.startswith("tp2"):
+        plan = make_plan("gpt", "1f1b", 2, 1)
+        tensor = dataclasses.replace(TENSOR, sequence_parallel=name.endswith("-sp"))
+        return dataclasses.replace(
+            plan, mesh=MeshSpec(pp=2, tp=2), tensor=tensor,
+            model=dataclasses.replace(plan.model, leaf_modules=("layers.*.attn",)))
+    if name.startswith("zero"):
+        plan = make_plan("gpt", "1f1b", 2, 2)
+        return dataclasses.replace(plan, zero=int(name[-1]))
+    kind = name.split("-")[1]
+    plan = make_plan("moe", kind, 2, 2)
+    return dataclasses.replace(
+        plan, mesh=MeshSpec(pp=2, dp=2, ep=2), experts=EXPERTS,
+        model=dataclasses.replace(plan.model, leaf_modules=("layers.*.moe",)))
+
+
+CONFIGS = ("tp2", "tp2-sp", "zero1", "zero2", "zero3", "ep2-1f1b", "ep2-zbv")
+
+
+def _worker(rank, world):
+    out = []
+    for name in CONFIGS:
+        plan = parallel_plan(name)
+        trainer = PipelineTrainer(plan, compile_plan(plan, build_model(plan)),
+                                  build_topology(plan.mesh))
+        losses = [trainer.step(t).loss for t in range(STEPS)]
+        out.append((losses, trainer.named_parameters()))
+    return out
+
+
+@pytest.mark.slow
+def test_stage_parallelism_inside_the_pipeline(spawn):
+    results = spawn(_worker, 4, timeout=400)
+    failures = []
+    for k, name in enumerate(CONFIGS):
+        plan = parallel_plan(name)
+        ref = train_reference(plan, STEPS)
+        got = compare(ref.losses, ref.params, [r[k][0] for r in results],
+                      [r[k][1] for r in results], rtol=1e-5, atol=1e-6)
+        if not got.within:
+            failures.append(f"{name}: " + got.render(1e-5, 1e-6))
+    assert not failures, "\n".join(failures)

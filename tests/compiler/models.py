@@ -1,0 +1,165 @@
+"""Small test-only models with the traits the compiler must handle."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SkipNet(nn.Module):
+    """An embedding whose output is added back after the last layer: with 4 stages the
+    skip crosses three stage boundaries and must be forwarded through stages 1 and 2."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x0 = self.emb(input_ids)
+        x = x0
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x + x0)
+
+
+class Uniform(nn.Module):
+    """`layers` identical blocks between a tiny input and output projection; the head
+    can be made `head_scale` times wider to weigh more."""
+
+    def __init__(self, dim: int = 32, layers: int = 16, vocab: int = 8, head_scale: int = 1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab * head_scale)
+        self.vocab = vocab
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: symbolic_trace cannot capture it."""
+
+    def __init__(self, dim: int = 8, vocab: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.gate = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        if x.sum() > 0:
+            x = self.gate(x)
+        return self.head(x)
+
+
+class Regressor(nn.Module):
+    """A float-input model for the mse loss."""
+
+    def __init__(self, dim: int = 8, layers: int = 2):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def tiny_llama(vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+               tie: bool = False):
+    """A transformers Llama from a tiny config (decorated forward, mask code: fx cannot trace)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=64, use_cache=False,
+                      tie_word_embeddings=tie, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_mixtral(vocab: int = 64, dim: int = 32, layers: int = 2, experts: int = 4, top_k: int = 2):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=experts, num_experts_per_tok=top_k,
+                        max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")
+    return MixtralForCausalLM(cfg)
+
+
+class Mixed(nn.Module):
+    """Part traceable, part not: the branchy inner block breaks fx, the rest is plain."""
+
+    def __init__(self, dim: int = 8, vocab: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.block = Branchy(dim, vocab)
+        self.head = nn.Linear(vocab, vocab)
+
+    def forward(self, input_ids):
+        return self.head(self.block(input_ids))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.attn = LlamaAttention(dim, heads, kv_heads)
+        self.mlp_norm = RMSNorm(dim)
+        self.gate = nn.Linear(dim, ffn, bias=False)
+        self.up = nn.Linear(dim, ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """Llama-shaped (RMSNorm, GQA attention, SwiGLU, untied head), fx-traceable; defaults are
+    the 70B shape: 80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256."""
+
+    def __init__(self, vocab: int = 128256, dim: int = 8192, layers: int = 80, heads: int = 64,
+                 kv_heads: int = 8, ffn: int = 28672):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.tok_emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))

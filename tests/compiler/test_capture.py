@@ -1,0 +1,82 @@
+"""Capture: fx, export for transformers models, auto fallback with its reason, clear failures."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeplan.compiler import compile_plan, load_model, reference_loss
+from pipeplan.dsl.ast import ExpertsSpec, SplitSpec
+from pipeplan.dsl.errors import PlanError
+
+pytest.importorskip("transformers")
+
+
+def _batch(vocab, b, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, vocab, (b, t), generator=g),
+            "targets": torch.randint(0, vocab, (b, t), generator=g)}
+
+
+@pytest.mark.parametrize("factory,args", [
+    ("tiny_llama", {"layers": 4}),
+    ("tiny_llama", {"layers": 4, "tie": True}),
+    ("tiny_mixtral", {"layers": 4}),
+])
+def test_transformers_model_through_export_matches_eager(make_plan, chain, factory, args):
+    plan = make_plan(f"tests/compiler/models.py:{factory}", args, pp=4, seq_len=16)
+    model = load_model(plan, "cpu")
+    compiled = compile_plan(plan, model)
+    assert compiled.capture == "export"
+    assert "fx failed" in compiled.capture_reason and "co_varnames" in compiled.capture_reason
+    batch = _batch(64, plan.microbatch_size, 16)
+    got = chain(compiled, batch)
+    want = reference_loss("cross_entropy", model(input_ids=batch["input_ids"]), batch["targets"])
+    assert torch.equal(got, want)
+    assert compiled.stages[1].module_names[0] == "model.layers.1"
+    if args.get("tie"):
+        assert len(compiled.tied) == 1 and compiled.tied[0].stages == (0, 3)
+
+
+def test_export_on_meta_compiles_without_weights(make_plan):
+    plan = make_plan("tests/compiler/models.py:tiny_llama", {"layers": 4}, pp=2)
+    compiled = compile_plan(plan)
+    assert compiled.capture == "export"
+    assert all(p.is_meta for st in compiled.stages for p in st.module.parameters())
+
+
+def test_fx_chosen_when_it_works(make_plan):
+    plan = make_plan("examples/models/gpt.py:GPT", {"layers": 2, "seq_len": 16})
+    compiled = compile_plan(plan)
+    assert compiled.capture == "fx" and "symbolic_trace succeeded" in compiled.capture_reason
+
+
+def test_leaf_modules_are_kept_whole(make_plan, chain):
+    plan = make_plan("examples/models/moe_gpt.py:MoEGPT", {"layers": 2, "seq_len": 16},
+                     model_fields={"leaf_modules": ("layers.*.moe",), "capture": "fx"})
+    model = load_model(plan, "cpu")
+    compiled = compile_plan(plan, model)
+    targets = [n.target for st in compiled.stages for n in st.module.graph.nodes
+               if n.op == "call_module"]
+    assert "layers.0.moe" in targets and "layers.1.moe" in targets
+    batch = _batch(256, plan.microbatch_size, 16)
+    assert torch.equal(chain(compiled, batch),
+                       reference_loss("cross_entropy", model(batch["input_ids"]), batch["targets"]))
+
+
+def test_uncapturable_model_names_module_and_line(make_plan):
+    plan = make_plan("tests/compiler/models.py:Mixed", {}, pp=1)
+    with pytest.raises(PlanError) as e:
+        compile_plan(plan)
+    text = str(e.value)
+    assert "module `block`" in text and "models.py:" in text and "if x.sum() > 0" in text
+    assert 'leaf_modules = ["block"]' in text
+    assert "fx:" in text and "export:" in text
+
+
+def test_fx_only_failure_on_transformers_points_at_forward(make_plan):
+    plan = make_plan("tests/compiler/models.py:tiny_llama", {"layers": 2},
+                     model_fields={"capture": "fx"})
+    with pytest.raises(PlanError) as e:
+        compile_plan(plan)
+    assert "co_varnames" in str(e.value) and "modeling_llama.py" in str(e.value)
+    assert 'capture = "export"' in str(e.value)

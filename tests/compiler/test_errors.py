@@ -1,0 +1,180 @@
+"""Bad input: each error points at the plan line and says how to fix it."""
+from __future__ import annotations
+
+import pytest
+
+from pipeplan.compiler import compile_plan, load_model
+from pipeplan.dsl import load_plan
+from pipeplan.dsl.ast import SplitSpec
+from pipeplan.dsl.errors import PlanError
+
+GPT = """model {{
+  source = "{source}"
+  args = {{ vocab = 64, dim = 32, layers = 4, heads = 4, seq_len = 16{extra} }}
+  inputs = {{ input_ids = int64[batch, seq] }}
+}}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh {{ pp = 2 }}
+pipeline {{
+  schedule = 1f1b
+  microbatches = 2
+  split = {split}
+}}
+train {{ global_batch = 4 }}
+"""
+
+
+def _plan(tmp_path, source="models/gpt.py:GPT", extra="", split="auto(flops)"):
+    import shutil
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    models = tmp_path / "models"
+    if not models.exists():
+        shutil.copytree(repo / "examples" / "models", models)
+    path = tmp_path / "p.plan"
+    path.write_text(GPT.format(source=source, extra=extra, split=split))
+    return load_plan(str(path))
+
+
+def _error(fn, *args):
+    with pytest.raises(PlanError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def test_missing_file(tmp_path):
+    text = _error(load_model, _plan(tmp_path, source="models/nope.py:GPT"))
+    assert "p.plan:2:" in text and "model file not found" in text and "^" in text
+
+
+def test_unknown_class_did_you_mean(tmp_path):
+    text = _error(load_model, _plan(tmp_path, source="models/gpt.py:GTP"))
+    assert "p.plan:2:" in text and "no class 'GTP'" in text and "did you mean 'GPT'" in text
+
+
+def test_wrong_constructor_args(tmp_path):
+    text = _error(load_model, _plan(tmp_path, extra=", layerz = 2"))
+    assert "p.plan:3:" in text and "layerz" in text and "did you mean 'layers'" in text
+
+
+def test_constructor_failure_points_at_args(tmp_path):
+    text = _error(load_model, _plan(tmp_path, extra=", hidden = -5"))
+    assert "p.plan:3:" in text and "GPT(" in text and "failed" in text
+
+
+def test_unknown_split_name_did_you_mean(tmp_path):
+    text = _error(compile_plan, _plan(tmp_path, split='["layer.2"]'))
+    assert "p.plan:11:" in text and "no module named 'layer.2'" in text
+    assert "did you mean 'layers.2'" in text
+
+
+def test_split_points_out_of_order(make_plan):
+    plan = make_plan("examples/models/gpt.py:GPT", {"layers": 4, "seq_len": 16}, pp=3,
+                     microbatches=3, global_batch=6,
+                     split=SplitSpec(kind="points", points=("layers.3", "layers.1")))
+    assert "runs before" in _error(compile_plan, plan)
+
+
+def test_too_many_stages_for_blocks(make_plan):
+    plan = make_plan("tests/compiler/models.py:SkipNet", {"layers": 1}, pp=8, microbatches=8,
+                     global_batch=8)
+    assert "too few" in _error(compile_plan, plan)
+
+
+def test_cli_compile_exit_code_2_no_traceback(tmp_path, capsys):
+    from pipeplan.cli import main
+    plan = _plan(tmp_path, source="models/gpt.py:GTP")
+    code = main(["compile", plan.path, "-o", str(tmp_path / "build")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "did you mean 'GPT'" in err
+
+
+TP_PLAN = """model {{
+  source = "models/gpt.py:GPT"
+  args = {{ vocab = 64, dim = 64, layers = 2, heads = 4, seq_len = 16 }}
+}}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh {{ tp = {tp} }}
+pipeline {{ microbatches = 1 }}
+tensor {{
+  column = [layers.*.attn.q, {extra}]
+  row = [layers.*.attn.proj]
+}}
+train {{ global_batch = 2 }}
+"""
+
+
+def _tp_plan(tmp_path, tp=8, extra="layers.*.mlp.up"):
+    _plan(tmp_path)  # copies the example models next to the plan
+    path = tmp_path / "tp.plan"
+    path.write_text(TP_PLAN.format(tp=tp, extra=extra))
+    return load_plan(str(path))
+
+
+def test_tp_not_dividing_heads(tmp_path):
+    text = _error(compile_plan, _tp_plan(tmp_path, tp=8))
+    assert "tp.plan:9:" in text and "does not divide the 4 heads of layers.0.attn.q" in text
+
+
+def test_tp_pattern_matching_nothing(tmp_path):
+    text = _error(compile_plan, _tp_plan(tmp_path, tp=2, extra="layers.*.mlp.upp"))
+    assert "tp.plan:9:" in text and "no module matches 'layers.*.mlp.upp'" in text
+
+
+def test_tp_annotations_recorded(tmp_path):
+    compiled = compile_plan(_tp_plan(tmp_path, tp=2))
+    assert compiled.tp_rewrites["layers.1.attn.q"] == "column"
+    assert compiled.tp_rewrites["layers.0.attn.proj"] == "row"
+
+
+MOE_PLAN = """model {{
+  source = "models/moe_gpt.py:MoEGPT"
+  args = {{ vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16, num_experts = 4 }}
+}}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh {{
+  dp = 4
+  ep = {ep}
+}}
+pipeline {{ microbatches = 1 }}
+experts {{
+  modules = [{modules}]
+  num_experts = {experts}
+}}
+train {{ global_batch = 4 }}
+"""
+
+
+def _moe_plan(tmp_path, ep=2, modules="layers.*.moe", experts=4):
+    _plan(tmp_path)
+    path = tmp_path / "moe.plan"
+    path.write_text(MOE_PLAN.format(ep=ep, modules=modules, experts=experts))
+    return load_plan(str(path))
+
+
+def test_ep_not_dividing_experts(tmp_path, make_plan):
+    from dataclasses import replace
+    from pipeplan.dsl.ast import MeshSpec
+    plan = _moe_plan(tmp_path)
+    plan = replace(plan, mesh=MeshSpec(dp=3, ep=3))  # past the plan checks: the compiler's own
+    text = _error(compile_plan, plan)
+    assert "moe.plan:13:" in text and "ep = 3 does not divide num_experts = 4" in text
+
+
+def test_expert_count_checked_against_model(tmp_path):
+    from dataclasses import replace
+    plan = _moe_plan(tmp_path)
+    plan = replace(plan, experts=replace(plan.experts, num_experts=8))
+    text = _error(compile_plan, plan)
+    assert "layers.0.moe does not hold 8 experts" in text
+
+
+def test_moe_pattern_matching_nothing(tmp_path):
+    text = _error(compile_plan, _moe_plan(tmp_path, modules="layers.*.mo"))
+    assert "moe.plan:12:" in text and "no module matches 'layers.*.mo'" in text
+
+
+def test_expert_placement_contiguous_blocks(tmp_path):
+    compiled = compile_plan(_moe_plan(tmp_path, ep=2))
+    assert [e.module for e in compiled.experts] == ["layers.0.moe", "layers.1.moe"]
+    assert all(e.shards == ((0, 1), (2, 3)) for e in compiled.experts)

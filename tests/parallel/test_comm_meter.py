@@ -1,0 +1,72 @@
+"""Bytes through each collective, counted at the dispatcher, equal the hand-derived counts."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeplan.backends.expert_parallel import ExpertParallelMoE
+from pipeplan.backends.parallelize import CommMeter
+from pipeplan.backends.tensor_parallel import TensorParallelRules, apply_tensor_parallel
+from pipeplan.examples.models.gpt import Block
+from pipeplan.examples.models.moe_gpt import MoE
+
+B, T, D = 2, 4, 16
+ACT = B * T * D * 4  # bytes of one [b, t, d] fp32 activation
+
+
+def _tp_worker(rank, world, sequence_parallel):
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    block = Block(D, 2, 2 * D)
+    rules = TensorParallelRules(column=("attn.q", "attn.k", "attn.v", "mlp.up"),
+                                row=("attn.proj", "mlp.down"), sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(block, rules, group)
+    x = torch.randn(B, T, D, requires_grad=True)
+    with CommMeter({"tp": group}) as meter:
+        block(x).sum().backward()
+    if not sequence_parallel:
+        # forward: g after attn.proj and mlp.down; backward: f before attention (q, k, v
+        # share one) and before mlp.up.
+        assert meter.bytes == {("tp", "allreduce"): 4 * ACT}, meter.bytes
+        assert meter.calls == {("tp", "allreduce"): 4}
+    else:
+        shard = ACT // world
+        # all-gathers: 2 region entries + the module exit forward; their mirrors backward
+        # (row reduce-scatters' backward, module entry's backward). Reduce-scatters: the 2
+        # row outputs forward, the 2 region entries backward, each of a full activation.
+        assert meter.bytes == {("tp", "allgather"): 6 * shard,
+                               ("tp", "reduce_scatter"): 4 * ACT}, meter.bytes
+
+
+def _ep_worker(rank, world):
+    group = dist.group.WORLD
+    experts, k, tokens = 8, 2, B * T
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(MoE(D, 2 * D, experts, k), group)
+    x = torch.randn(B, T, D, requires_grad=True)
+    with CommMeter({"ep": group}) as meter:
+        out, aux = layer(x)
+        (out.sum() + aux).backward()
+    rows = tokens * k * D * 4  # every routed slot's row, dropless
+    # Per rank: counts (int64 per expert) once; rows out and back forward, and both
+    # transposes backward. Only the group total of rows received is fixed by the
+    # routing, so the all-to-all bytes are checked summed over the group.
+    a2a = torch.tensor(meter.bytes[("ep", "alltoall_base")])
+    dist.all_reduce(a2a)
+    assert int(a2a) == world * (experts * 8 + 4 * rows)
+    # aux: the probability/z sums (with their backward) and the routed counts.
+    assert meter.bytes[("ep", "allreduce")] == 3 * (experts + 1) * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_block_bytes(run_workers, sequence_parallel):
+    run_workers(_tp_worker, 2, sequence_parallel)
+
+
+@pytest.mark.slow
+def test_expert_parallel_bytes(run_workers):
+    run_workers(_ep_worker, 2)

@@ -1,0 +1,88 @@
+"""`pipeplan schedule`: formats, compare, load, and one-line errors with exit code 2."""
+import json
+
+import pytest
+
+from pipeplan.cli import main
+from pipeplan.schedules import generate, schedule_to_csv, schedule_to_json
+
+
+def run(capsys, *argv):
+    code = main(["schedule", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_states_bubble_definition(capsys):
+    code, out, _ = run(capsys, "zbv", "-p", "4", "-m", "8")
+    assert code == 0
+    assert "0.0588" in out and "whole iteration" in out and "critical path" in out
+
+
+def test_ascii_timeline_has_a_row_per_rank(capsys):
+    code, out, _ = run(capsys, "1f1b", "-p", "3", "-m", "4", "--format", "ascii")
+    assert code == 0
+    assert [line[:6] for line in out.splitlines() if line.startswith("rank ")] == ["rank 0", "rank 1", "rank 2"]
+
+
+def test_json_output_matches_schema(capsys):
+    code, out, _ = run(capsys, "zbh1", "-p", "4", "-m", "8", "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["schedule"] == "zbh1" and abs(data["metrics"]["bubble"] - 1 / 9) < 1e-9
+
+
+def test_trace_and_svg(capsys, tmp_path):
+    out_file = tmp_path / "t.json"
+    assert run(capsys, "zbv", "-p", "2", "-m", "4", "-f", "trace", "-o", str(out_file))[0] == 0
+    trace = json.loads(out_file.read_text())
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}
+    assert any(e["ph"] == "C" for e in trace["traceEvents"]) and any(e["ph"] == "s" for e in trace["traceEvents"])
+    code, out, _ = run(capsys, "zbv", "-p", "2", "-m", "4", "-f", "svg")
+    assert code == 0 and out.startswith("<svg") and out.count("<rect") == 2 * 2 * 4 * 3
+
+
+def test_compare_prints_one_table_and_skips_what_does_not_fit(capsys):
+    code, out, _ = run(capsys, "--compare", "gpipe,1f1b,zbv,auto", "-p", "4", "-m", "8", "--memory-limit", "4")
+    assert code == 0
+    assert "gpipe: skipped, gpipe needs 8" in out
+    rows = [line.split()[0] for line in out.splitlines()[2:] if line.startswith(("1f1b", "zbv", "auto"))]
+    assert rows[:2] == ["1f1b", "zbv"] and rows[2].startswith("auto")
+
+
+def test_load_json_and_csv(capsys, tmp_path):
+    s = generate("zbh1", 4, 8)
+    (tmp_path / "s.json").write_text(schedule_to_json(s))
+    (tmp_path / "s.csv").write_text(schedule_to_csv(s))
+    for name in ("s.json", "s.csv"):
+        code, out, _ = run(capsys, "--load", str(tmp_path / name))
+        assert code == 0 and "0.1111" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["nope", "-p", "4", "-m", "8"], "unknown schedule kind 'nope'"),
+    (["zbv", "-p", "4", "-m", "8", "-v", "3"], "zbv needs virtual=2"),
+    (["1f1b", "-p", "4", "-m", "0"], "microbatches must be an integer >= 1"),
+    (["1f1b", "-p", "0", "-m", "4"], "ranks must be an integer >= 1"),
+    (["zbh2", "-p", "4", "-m", "8", "--memory-limit", "2"], "above the memory limit 2"),
+    (["1f1b", "-p", "4", "-m", "8", "--costs", "F=x"], "bad cost 'F=x'"),
+    (["1f1b"], "--ranks and --microbatches are required"),
+    ([], "name a schedule kind"),
+    (["--load", "/nonexistent.json"], "cannot read /nonexistent.json"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_malformed_files_exit_2(capsys, tmp_path):
+    bad_json, bad_csv = tmp_path / "b.json", tmp_path / "b.csv"
+    bad_json.write_text('{"ranks": 2')
+    bad_csv.write_text("0F0,0Z0\n")
+    deadlock = tmp_path / "d.csv"
+    deadlock.write_text("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n")
+    for path, message in ((bad_json, "malformed schedule JSON"), (bad_csv, "malformed schedule CSV"),
+                          (deadlock, "deadlock: rank 0 blocks at BW(stage 0, mb 0)")):
+        code, _, err = run(capsys, "--load", str(path))
+        assert code == 2 and message in err and "Traceback" not in err

@@ -1,0 +1,70 @@
+"""The simulator: timing semantics, bounds, idle attribution, critical path."""
+import pytest
+
+from pipeplan.schedules import Action, Costs, Schedule, generate, simulate
+
+
+def test_uniform_costs_are_per_rank_share():
+    # v=2: each stage op costs half, so interleaved and 1f1b do equal work per rank.
+    a, b = simulate(generate("1f1b", 4, 8)), simulate(generate("interleaved", 4, 8))
+    assert a.busy == b.busy == (24.0,) * 4
+
+
+def test_latency_only_on_cross_rank_edges():
+    s = Schedule("v1", 1, 2, 1, (0, 0), ((Action("F", 0, 0), Action("F", 1, 0), Action("BW", 1, 0),
+                                          Action("BW", 0, 0)),))
+    assert simulate(s, Costs(latency=5)).makespan == pytest.approx(3.0)  # all on one rank
+    two = generate("gpipe", 2, 1)
+    assert simulate(two, Costs(latency=0.5)).makespan == pytest.approx(6.0 + 2 * 0.5)
+
+
+def test_per_stage_costs_are_absolute():
+    s = generate("gpipe", 2, 1)
+    r = simulate(s, Costs(per_stage=((2, 1, 1), (1, 1, 1))))
+    assert r.busy == (4.0, 3.0)
+    assert r.makespan == pytest.approx(2 + 1 + 2 + 2)
+
+
+def test_bubble_definitions():
+    r = simulate(generate("1f1b", 4, 8))
+    assert r.bubble == pytest.approx(1 - sum(r.busy) / (4 * r.makespan))
+    spans = [row_e[-1] - row_s[0] for row_s, row_e in zip(r.start, r.end)]
+    assert r.span_bubble == pytest.approx(1 - sum(r.busy) / sum(spans))
+    assert r.idle == tuple(r.makespan - b for b in r.busy)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv", "vhalf", "dualpipev"])
+@pytest.mark.parametrize("costs", [Costs(), Costs(1, 1.5, 0.5), Costs(1, 2, 1, latency=0.1)])
+def test_lower_bound_never_exceeds_makespan(kind, costs):
+    r = simulate(generate(kind, 4, 8), costs)
+    assert r.lower_bound <= r.makespan + 1e-9
+    assert r.lower_bound_bubble <= r.bubble + 1e-9
+
+
+def test_zbv_reaches_the_lower_bound_at_unit_costs():
+    r = simulate(generate("zbv", 4, 8))
+    assert r.makespan == pytest.approx(r.lower_bound)
+
+
+def test_idle_attribution_accounts_for_all_idle_time():
+    r = simulate(generate("1f1b", 4, 8), Costs(latency=0.1))
+    for rank in range(4):
+        gaps = [g for g in r.idle_attribution if g.rank == rank]
+        assert sum(g.duration for g in gaps) == pytest.approx(r.idle[rank])
+    first = next(g for g in r.idle_attribution if g.rank == 3)
+    assert str(first) == "rank 3 idle 3.3 at t=0 waiting for F(stage 2, mb 0) on rank 2"
+
+
+def test_critical_path_is_a_chain_from_time_zero_to_makespan():
+    r = simulate(generate("1f1b", 4, 8))
+    path = r.critical_path
+    assert path[0] == (0, Action("F", 0, 0))
+    assert path[-1][1] == r.schedule.order[path[-1][0]][-1]
+    index = {(rank, a): i for rank, row in enumerate(r.schedule.order) for i, a in enumerate(row)}
+    total = sum(r.end[rk][index[(rk, a)]] - r.start[rk][index[(rk, a)]] for rk, a in path)
+    assert total == pytest.approx(r.makespan)  # no latency: the path is busy all the way
+
+
+def test_peak_activations_held_until_w():
+    r = simulate(generate("zbh1", 4, 8))
+    assert r.peak_activations == (4.0, 4.0, 4.0, 4.0)
