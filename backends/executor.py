@@ -50,7 +50,7 @@ class StepResult:
 
 
 def label(action) -> str:
-    """How an action is named everywhere (trace events, errors): 'F s0 mb3'."""
+    """How an action is named in errors: 'F s0 mb3' (F of stage 0, microbatch 3)."""
     return f"{op_name(action)} s{action.stage} mb{action.microbatch}"
 
 
@@ -128,6 +128,10 @@ class Executor:
                 self.on_stage_done(a.stage)
         for work, _ in pending_sends:
             work.wait()
+        for s, runner in self.runners.items():
+            if runner.pending_microbatches:  # the verifier rules this out; never carry graphs over
+                raise PipeplanError(f"the schedule left stage {s} microbatches "
+                                    f"{runner.pending_microbatches} without their backward")
         return result
 
     def _run(self, a, batches, acts, grads, result: StepResult) -> dict[str, torch.Tensor]:

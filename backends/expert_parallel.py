@@ -53,7 +53,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..compiler.compiled import ExpertPlacement
 from ..errors import PipeplanError
 
 DROP_POLICIES = ("probs", "position")
@@ -91,11 +90,6 @@ def expert_shard(num_experts: int, ep_size: int, ep_rank: int) -> ExpertShard:
             f"(choose mesh.ep among the divisors of {num_experts})")
     return ExpertShard(num_experts, ep_size, ep_rank)
 
-
-def expert_placement(module: str, num_experts: int, ep_size: int) -> ExpertPlacement:
-    """The compiler-facing placement of one MoE layer (the same contiguous blocks)."""
-    shards = [expert_shard(num_experts, ep_size, r) for r in range(ep_size)]
-    return ExpertPlacement(module, tuple(tuple(range(s.first, s.stop)) for s in shards))
 
 
 # ------------------------------------------------- autograd-aware collectives

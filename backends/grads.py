@@ -97,12 +97,13 @@ def sum_tied(tied: Sequence[TiedGroup]) -> None:
             dist.all_reduce(t.param.grad, group=t.group)
 
 
-def global_norm(terms: Sequence[tuple[torch.Tensor, tuple]], topo: Topology) -> float:
+def global_norm(terms: Sequence[tuple[torch.Tensor, tuple]], topo: Topology,
+                device: torch.device) -> float:
     """sqrt of the sum of squared-norm terms; each term is first summed over its groups
     (the groups sharding it on this pipeline rank), then everything over the pipeline."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for sq, groups in terms:
-        sq = sq.detach().double().clone()
+        sq = sq.detach().to(device=device, dtype=torch.float64).clone()
         for g in groups:
             if g is not None:
                 dist.all_reduce(sq, group=g)
@@ -124,6 +125,7 @@ class GradSync:
                  tied: Sequence[TiedGroup], stage_order: Sequence[int]):
         self.topo = layout.topo
         self.layout = layout
+        self.device = layout.device
         self.tied = list(tied)
         # A parameter is ready once every local stage holding it is done; it goes
         # with the stage finishing last (stage_order: stages by their last W/BW).
@@ -175,7 +177,7 @@ class GradSync:
         skip = {id(t.param) for t in self.tied if not t.counts_in_norm}
         terms = [(p.grad.pow(2).sum(), (self.layout.norm_group(p),))
                  for p in self.params if p.grad is not None and id(p) not in skip]
-        norm = global_norm(terms, self.topo)
+        norm = global_norm(terms, self.topo, self.device)
         coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
             for p in self.params:
@@ -198,6 +200,7 @@ class ZeroSync:
         self.zero = zero  # parallelize.StageZero
         self.layout = layout
         self.topo = layout.topo
+        self.device = layout.device
         self.tied = list(tied)
         self._tied_excess = torch.zeros((), dtype=torch.float64)
 
@@ -206,7 +209,7 @@ class ZeroSync:
 
     def finish(self) -> None:
         sum_tied(self.tied)
-        self._tied_excess = torch.zeros((), dtype=torch.float64)
+        self._tied_excess = torch.zeros((), dtype=torch.float64, device=self.device)
         for t in self.tied:
             if not t.counts_in_norm:
                 g = t.param.grad.detach().double().clone()
@@ -228,7 +231,7 @@ class ZeroSync:
                 groups += (pg.ep,)  # an expert shard: other EP ranks hold other experts
             terms.append((g.pow(2).sum(), groups))
         terms.append((-self._tied_excess, ()))
-        norm = global_norm(terms, self.topo)
+        norm = global_norm(terms, self.topo, self.device)
         coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
             for s in shards:

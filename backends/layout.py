@@ -52,14 +52,16 @@ def with_required_leaves(plan: Plan) -> Plan:
 class StageLayout:
     topo: Topology
     modules: dict[int, nn.Module]
+    device: torch.device = torch.device("cpu")
     parallel: dict = field(default_factory=dict)  # stage -> parallelize.ParallelStage
     groups: object = None  # parallelize.ParallelGroups
     _norm_group: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict)
 
     @staticmethod
-    def build(plan: Plan, topo: Topology, modules: dict[int, nn.Module]) -> "StageLayout":
+    def build(plan: Plan, topo: Topology, modules: dict[int, nn.Module],
+              device: torch.device = torch.device("cpu")) -> "StageLayout":
         """Collective when per-stage parallelism is on (its groups are created here)."""
-        layout = StageLayout(topo, modules)
+        layout = StageLayout(topo, modules, device)
         if not needs_stage_parallelism(plan):
             return layout
         from .parallelize import build_parallel_groups, parallelize_stage

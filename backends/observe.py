@@ -1,8 +1,10 @@
 """What a run shows: rank 0's progress line, JSONL metrics, the measured Chrome trace, the bubble.
 
-The trace has the schedule engine's layout (a process per rank, one "X"
-event per action named like "F s0 mb3", times in µs), so a planned and a
-measured timeline of the same schedule overlay in Perfetto.
+The trace has the schedule engine's layout (schedules/render.py: a process
+per rank with a "compute" thread, one "X" event per action named like the
+IR prints it, "F0.3" = F of stage 0, microbatch 3, with op/stage/microbatch
+args, times in µs), so a planned and a measured timeline of the same
+schedule overlay in Perfetto.
 
 Bubbles are whole-iteration (1 - sum busy / (ranks * makespan)), measured on
 one step of the pipeline of dp=0, and predicted by simulating the schedule
@@ -63,16 +65,16 @@ def chrome_trace(ranks: Sequence[RankTimings]) -> dict:
     for r in ranks:
         events.append({"name": "process_name", "ph": "M", "pid": r.rank,
                        "args": {"name": f"rank {r.rank} (pp {r.pp}, dp {r.dp})"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": r.rank,
-                       "args": {"sort_index": r.rank}})
+        events.append({"name": "thread_name", "ph": "M", "pid": r.rank, "tid": 0,
+                       "args": {"name": "compute"}})
         for step, actions in enumerate(r.steps):
             for a in actions:
                 events.append({
-                    "name": f"{a.op} s{a.stage} mb{a.microbatch}", "cat": a.op, "ph": "X",
+                    "name": f"{a.op}{a.stage}.{a.microbatch}", "cat": a.op, "ph": "X",
                     "pid": r.rank, "tid": 0, "ts": (a.start - t0) * 1e6,
                     "dur": (a.end - a.start) * 1e6,
-                    "args": {"step": step, "stage": a.stage, "microbatch": a.microbatch,
-                             "recv_wait_us": a.recv_wait * 1e6}})
+                    "args": {"op": a.op, "stage": a.stage, "microbatch": a.microbatch,
+                             "step": step + 1, "recv_wait_us": a.recv_wait * 1e6}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

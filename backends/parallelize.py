@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -46,63 +47,41 @@ from ..errors import PipeplanError
 from .expert_parallel import ExpertParallelMoE, gather_experts
 from .tensor_parallel import (
     TensorParallelResult, TensorParallelRules, apply_tensor_parallel, gather_full,
-    sync_sequence_parallel_grads, tp_shard_dims)
-from .zero import FlatShard, ZeroOptimizer
+    sync_sequence_parallel_grads, tp_shard_dims, vocab_parallel_loss)
+from .zero import FlatShard, PrefetchWindow, StageZero, ZeroOptimizer  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------- compile-time checks
-def _tp_problems(plan: Plan, model: nn.Module):
-    tp, t = plan.mesh.tp, plan.tensor
-    if tp == 1:
-        return
-    rules = TensorParallelRules.from_plan(t)
-    for name, mod in model.named_modules():
-        kind = rules.kind_of(name) if name else None
-        key = f"tensor.{kind}"
-        if kind in ("column", "vocab") and isinstance(mod, nn.Linear) and mod.out_features % tp:
-            yield key, f"tp = {tp} does not divide the {mod.out_features} output features of {name}"
-        elif kind == "row" and isinstance(mod, nn.Linear) and mod.in_features % tp:
-            yield key, f"tp = {tp} does not divide the {mod.in_features} input features of {name}"
-        elif kind == "vocab" and isinstance(mod, nn.Embedding) and mod.num_embeddings % tp:
-            yield key, f"tp = {tp} does not divide the vocabulary ({mod.num_embeddings}) of {name}"
-        elif kind is not None and not isinstance(mod, (nn.Linear, nn.Embedding)):
-            yield key, f"{name} is a {type(mod).__name__}, not a Linear or Embedding"
-        heads = getattr(mod, "heads", None)
-        if isinstance(heads, int) and heads % tp and any(
-                rules.kind_of(f"{name}.{c}") == "column" for c in ("q", "k", "v")):
-            yield "tensor.column", f"tp = {tp} does not divide the {heads} attention heads of {name}"
-    if t.sequence_parallel and plan.data.seq_len % tp:
+# What only the rewrites here know; tp dividing features, heads and vocabulary,
+# and the expert count, are checked by compiler/tensor_parallel.py and
+# compiler/experts.py.
+def _parallel_problems(plan: Plan, model: nn.Module):
+    tp, spec = plan.mesh.tp, plan.experts
+    if plan.tensor.sequence_parallel and tp > 1 and plan.data.seq_len % tp:
         yield "tensor.sequence_parallel", (f"tp = {tp} does not divide the sequence length "
                                            f"{plan.data.seq_len} (sequence parallel splits it)")
-
-
-def _expert_problems(plan: Plan, model: nn.Module):
-    spec = plan.experts
     if spec is None:
         return
     if plan.mesh.ep > 1 and plan.mesh.dp % plan.mesh.ep:
         yield "mesh.ep", (f"ep = {plan.mesh.ep} must divide dp = {plan.mesh.dp} (expert parallel "
-                          f"across tensor-parallel ranks is not supported yet)")
+                          f"across tensor-parallel ranks, which hold the same tokens, is not "
+                          f"supported yet)")
     for name, mod in model.named_modules():
-        if not name or not _matches(name, spec.modules):
-            continue
-        count = getattr(mod, "num_experts", None)
-        if not all(hasattr(mod, a) for a in ("router", "w_up", "w_down")) or count is None:
+        if name and _matches(name, spec.modules) and not all(
+                hasattr(mod, a) for a in ("router", "w_up", "w_down", "num_experts", "top_k")):
             yield "experts.modules", (f"{name} ({type(mod).__name__}) is not a stacked-expert MoE "
-                                      f"layer (router, w_up[E,D,H], w_down[E,H,D])")
-        elif count != spec.num_experts:
-            yield "experts.num_experts", (f"experts.num_experts = {spec.num_experts} but {name} "
-                                          f"has {count} experts")
+                                      f"layer (router, w_up[E,D,H], w_down[E,H,D]) that expert "
+                                      f"parallel can shard")
 
 
 def check_parallel_model(plan: Plan, model: nn.Module) -> None:
-    """Compile time, before any process group: can this model be split as the plan says?
+    """Compile time, before any process group: can the rewrites split this model as planned?
 
-    Raises a PlanError pointing at the plan lines (every problem found).
+    Raises one PlanError pointing at the plan lines of every problem found.
     """
-    problems = list(_tp_problems(plan, model)) + list(_expert_problems(plan, model))
+    problems = list(_parallel_problems(plan, model))
     if problems:
-        hint = "pick sizes that divide the model's dimensions, or change the patterns"
+        hint = "pick sizes that divide the model's dimensions, or change the plan"
         raise PlanError([Diagnostic(msg, plan.span_of(key), hint) for key, msg in problems],
                         plan.source_text or None, plan.sources)
 
@@ -238,9 +217,20 @@ def _apply_experts(module: nn.Module, plan: Plan, group) -> dict:
     return layers
 
 
+def _refuse_unimplemented(spec) -> None:
+    if spec.dispatcher != "alltoall":
+        raise PipeplanError(f"experts.dispatcher = {spec.dispatcher} is not implemented yet "
+                            f"(use alltoall)")
+    if spec.shared_experts:
+        raise PipeplanError("experts.shared_experts is not implemented yet by expert parallel "
+                            "(model the shared experts as a dense MLP beside the MoE layer)")
+
+
 def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> ParallelStage:
     """Rewrite one stage module in place for this rank's EP and TP groups."""
     stage = ParallelStage(module, groups)
+    if plan.experts is not None:
+        _refuse_unimplemented(plan.experts)
     if plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless):
         stage.experts = _apply_experts(module, plan, groups.ep)
     rules = TensorParallelRules.from_plan(plan.tensor)
@@ -248,6 +238,9 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> 
         raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
     if plan.mesh.tp > 1:
         stage.tensor = apply_tensor_parallel(module, rules, groups.tp)
+        if isinstance(module, fx.GraphModule):
+            for head in vocab_parallel_loss(module, groups.tp):
+                stage.tensor.rewrites[head] = "vocab+loss"
     return stage
 
 
@@ -321,9 +314,26 @@ class CommMeter(TorchDispatchMode):
 
 
 # --------------------------------------------------------------------- ZeRO
+def _zero_classes(st: ParallelStage) -> list[tuple[Optional[dist.ProcessGroup],
+                                                   Optional[dist.ProcessGroup], set[int]]]:
+    """(reduce group, spread group, parameter ids) of each kind of parameter in a stage.
+
+    Spread group: the ranks holding *other* parts of the same kind (TP shards:
+    the TP group; experts: the EP group), over which the global norm sums.
+    """
+    experts = {id(p) for p in st.expert_params()}
+    tp_sharded = {id(getattr(mod, name)) for mod in st.module.modules()
+                  for name in getattr(mod, "tp_shard_dims", {})
+                  if isinstance(getattr(mod, name, None), nn.Parameter)}
+    dense = {id(p) for p in st.module.parameters()} - experts - tp_sharded
+    return [(st.groups.dp, None, dense), (st.groups.dp, st.groups.tp, tp_sharded),
+            (st.groups.expert_dp, st.groups.ep, experts)]
+
+
 def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
                          make_optimizer) -> "StageZero":
-    """One flat shard per (stage, group): dense over dp, experts over expert-dp.
+    """One flat shard per (stage, kind): replicated and TP-sharded parameters over dp,
+    experts over expert-dp, so each shard's norm sums over one spread group.
 
     A parameter held by two stages of this rank (a tied embedding in a V
     schedule) lives in the first stage's shard; `gather(stage)` gathers every
@@ -335,51 +345,18 @@ def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
     owner_of: dict[int, FlatShard] = {}
     for index in sorted(stages):
         st = stages[index]
-        expert_ids = {id(p) for p in st.expert_params()}
-        dense, experts = [], []
-        for name, p in st.module.named_parameters():
-            if not p.requires_grad or id(p) in owned:
-                continue
-            owned.add(id(p))
-            (experts if id(p) in expert_ids else dense).append((name, p))
-        for named, group, spread in ((dense, st.groups.dp, None),
-                                     (experts, st.groups.expert_dp, st.groups.ep)):
+        for group, spread, ids in _zero_classes(st):
+            named = []
+            for name, p in st.module.named_parameters():
+                if p.requires_grad and id(p) in ids and id(p) not in owned:
+                    owned.add(id(p))
+                    named.append((name, p))
             if named:
                 shard = FlatShard(named, group, plan.zero, spread)
                 shards.append(shard)
-                for _, p in named:
-                    owner_of[id(p)] = shard
+                owner_of.update((id(p), shard) for _, p in named)
         for p in st.module.parameters():
             shard = owner_of.get(id(p))
             if shard is not None and all(shard is not s for s in uses[index]):
                 uses[index].append(shard)
     return StageZero(ZeroOptimizer(shards, make_optimizer), uses)
-
-
-@dataclass
-class StageZero:
-    """The ZeRO optimizer of one rank, with gather/release per stage."""
-
-    optimizer: ZeroOptimizer
-    uses: dict[int, list[FlatShard]]
-
-    def gather(self, stage: int) -> None:
-        for s in self.uses[stage]:
-            s.gather()
-
-    def release(self, stage: int) -> None:
-        for s in self.uses[stage]:
-            s.release()
-
-    def reduce_gradients(self) -> None:
-        self.optimizer.reduce_gradients()
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def clip_grad_norm_(self, max_norm: float, pp_group=None,
-                        skip: frozenset = frozenset()) -> float:
-        return self.optimizer.clip_grad_norm_(max_norm, pp_group, skip)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()

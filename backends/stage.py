@@ -8,10 +8,11 @@ that finishes with it: BW (both gradients at once), or B then W.
 * W computes the weight gradients and accumulates them into `.grad`, then
   frees the graph.
 
-W walks the retained graph again from the outputs (simple and exact; it
-recomputes the part of the backward both share). Reusing B's intermediate
-gradients as torch.distributed.pipelining's stage_backward_weight does is the
-faster variant, left for later; the schedule semantics do not change.
+W does not redo B's work: B saves the gradient entering each node where a
+weight's branch leaves the input path, and W starts from there
+(split_backward.py). Where that split could count a weight twice (a weight
+used twice in one stage, one use below the other) W walks the retained
+graph again from the outputs instead: exact, only slower.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..compiler.compiled import StageSpec
+from . import split_backward
+from .split_backward import SplitPlan, plan_split
 
 
 def is_float_dtype(dtype_name: str) -> bool:
@@ -36,14 +39,16 @@ class _Saved:
     outputs: tuple[torch.Tensor, ...]  # the stage outputs (the scaled loss on the last stage)
     roots: Optional[list[torch.Tensor]] = None  # set by B: outputs a gradient flows from ...
     root_grads: Optional[list[torch.Tensor]] = None  # ... and those gradients, for W
+    split: Optional[SplitPlan] = None  # what B saved for W (None: W walks the whole graph)
 
 
 class StageRunner:
     """Executes F / B / W / BW of one stage for any microbatch."""
 
     def __init__(self, spec: StageSpec, module: torch.nn.Module, is_last: bool,
-                 loss_scale: float = 1.0):
+                 loss_scale: float = 1.0, split_weights: bool = True):
         self.spec = spec
+        self.split_weights = split_weights  # W reuses B's work (split_backward.py)
         self.module = module
         self.is_last = is_last
         self.loss_scale = loss_scale
@@ -91,10 +96,18 @@ class StageRunner:
         """B: gradients of the float upstream inputs; the graph is kept for W."""
         saved = self._saved[mb]
         saved.roots, saved.root_grads = self._roots(saved, out_grads)
-        if not saved.roots or not saved.inputs:
+        if not saved.roots:
             return self._input_grads(saved, [None] * len(saved.inputs))
-        grads = torch.autograd.grad(saved.roots, saved.inputs, saved.root_grads,
-                                    retain_graph=True, allow_unused=True)
+        if self.split_weights and self.params:
+            saved.split = plan_split(saved.roots, saved.inputs, self.params)
+        if not saved.inputs:
+            return {}
+        if saved.split is not None:
+            grads = split_backward.backward_input(saved.split, saved.roots, saved.root_grads,
+                                                  saved.inputs)
+        else:
+            grads = torch.autograd.grad(saved.roots, saved.inputs, saved.root_grads,
+                                        retain_graph=True, allow_unused=True)
         return self._input_grads(saved, grads)
 
     def backward_weight(self, mb: int) -> None:
@@ -102,7 +115,12 @@ class StageRunner:
         saved = self._saved.pop(mb)
         if saved.roots is None:
             raise RuntimeError(f"W(stage {self.spec.index}, mb {mb}) ran before its B")
-        if saved.roots and self.params:
+        if not saved.roots or not self.params:
+            return
+        if saved.split is not None:
+            by_id = split_backward.backward_weight(saved.split, saved.roots, saved.root_grads)
+            self._accumulate([by_id.get(id(p)) for p in self.params])
+        else:
             self._accumulate(torch.autograd.grad(saved.roots, self.params, saved.root_grads,
                                                  allow_unused=True))
 
@@ -129,6 +147,3 @@ class StageRunner:
     @property
     def pending_microbatches(self) -> list[int]:
         return sorted(self._saved)
-
-    def clear(self) -> None:
-        self._saved.clear()

@@ -36,6 +36,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -231,6 +232,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         self.weight = sliced(linear.weight, 0)
         self.bias = sliced(linear.bias, 0)
+        self.out_start = _rank(group) * (linear.out_features // _size(group))
         self.tp_shard_dims = {"weight": 0, "bias": 0}
 
     def enter(self, x):
@@ -360,6 +362,71 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     flat = logits.reshape(-1, logits.shape[-1])
     loss = _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), vocab_start, group)
     return loss.view(targets.shape)
+
+
+IGNORE_INDEX = -100  # F.cross_entropy's default
+
+
+class VocabParallelLoss(nn.Module):
+    """`F.cross_entropy(logits, targets)` (mean, ignore_index -100) on vocab-split logits."""
+
+    def __init__(self, vocab_start: int, group):
+        super().__init__()
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, logits, targets):
+        valid = targets != IGNORE_INDEX
+        per_token = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
+        return (per_token * valid).sum() / valid.sum()
+
+
+def _is_flatten_to_rows(node: fx.Node, source: fx.Node) -> bool:
+    """`source.flatten(0, -2)`: rows of logits, the vocabulary dim kept last."""
+    return (node.op == "call_method" and node.target == "flatten"
+            and tuple(node.args) == (source, 0, -2) and not node.kwargs)
+
+
+def _is_plain_cross_entropy(node: fx.Node, logits: fx.Node) -> bool:
+    defaults = {"weight": None, "size_average": None, "ignore_index": IGNORE_INDEX,
+                "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
+    return (node.op == "call_function" and node.target is F.cross_entropy
+            and len(node.args) == 2 and node.args[0] is logits
+            and all(defaults.get(k, object()) == v for k, v in node.kwargs.items()))
+
+
+def vocab_parallel_loss(gm: fx.GraphModule, group) -> list[str]:
+    """Keep a vocab-parallel LM head's logits split when the graph only takes their loss.
+
+    Rewrites `F.cross_entropy(head(x).flatten(0, -2), t)` to a `VocabParallelLoss`
+    on the local logits: the [tokens, vocab] logits are never gathered. Heads
+    whose logits are used otherwise keep gathering them. Returns the heads rewritten.
+    """
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        head = gm.get_submodule(node.target)
+        if not (isinstance(head, ColumnParallelLinear) and head.gather_output):
+            continue
+        users = list(node.users)
+        if len(users) != 1 or not _is_flatten_to_rows(users[0], node):
+            continue
+        flat = users[0]
+        losses = list(flat.users)
+        if len(losses) != 1 or not _is_plain_cross_entropy(losses[0], flat):
+            continue
+        ce = losses[0]
+        name = node.target.replace(".", "_") + "_vocab_loss"
+        gm.add_submodule(name, VocabParallelLoss(head.out_start, group))
+        with gm.graph.inserting_before(ce):
+            new = gm.graph.call_module(name, ce.args)
+        ce.replace_all_uses_with(new)
+        gm.graph.erase_node(ce)
+        head.gather_output = False
+        done.append(node.target)
+    if done:
+        gm.recompile()
+    return done
 
 
 # ------------------------------------------------------------------ rewriting

@@ -74,7 +74,7 @@ class PipelineTrainer:
         last = len(compiled.stages) - 1
         scale = 1.0 / (plan.microbatches * plan.mesh.dp)
         modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
-        self.layout = StageLayout.build(plan, topo, modules)  # TP/EP rewrites, in place
+        self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         self.runners = {s: StageRunner(compiled.stages[s], m, s == last, scale)
                         for s, m in modules.items()}
         # Keep the specs without the other ranks' modules so their weights can be freed.
@@ -128,7 +128,8 @@ class PipelineTrainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        loss = torch.tensor(result.loss if self.holds_loss else 0.0, dtype=torch.float64)
+        loss = torch.tensor(result.loss if self.holds_loss else 0.0, dtype=torch.float64,
+                            device=self.device)
         dist.all_reduce(loss)
         return StepReport(t, float(loss), norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,

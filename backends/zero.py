@@ -28,8 +28,9 @@ Why not torch's FSDP2 (`fully_shard`) for stage 3: see docs/parallelism.md.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,8 @@ class FlatShard:
         for p, off in zip(self.params, self.layout.offsets):
             self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
         self._point_params_at_full()
+        self.present = True  # the full buffer holds current values
+        self._pending = None  # an all-gather in flight (a stage-3 prefetch)
         start, stop = self.layout.shard_range(self.rank if stage > 0 else 0)
         if stage == 3:
             self.shard = nn.Parameter(self.full[start:stop].clone())
@@ -136,22 +139,41 @@ class FlatShard:
             p.data = self.full[off:off + p.numel()].view(shape)
 
     # -- stage 3: parameters present only around use
-    def gather(self) -> None:
-        """Stage 3: rebuild the full buffer from every rank's shard (no-op otherwise)."""
+    def gather(self, async_op: bool = False) -> None:
+        """Stage 3: rebuild the full buffer from every rank's shard (no-op otherwise).
+
+        `async_op`: start the all-gather and return (a prefetch); a later
+        `gather()` waits for it. A buffer already present is not gathered again.
+        """
         if self.stage != 3:
+            return
+        if self._pending is not None:
+            if not async_op:
+                self._pending.wait()
+                self._pending = None
+            return
+        if self.present:
             return
         storage = self.full.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.layout.padded * self.full.element_size())
+        self.present = True
         if self.world == 1:
             self.full.copy_(self.shard.detach())
-        else:
-            dist.all_gather_single(self.full, self.shard.detach(), group=self.group)
+            return
+        work = dist.all_gather_single(self.full, self.shard.detach(), group=self.group,
+                                      async_op=async_op)
+        self._pending = work if async_op else None
 
     def release(self) -> None:
         """Stage 3: free the full buffer's memory; the parameters keep their (empty) views."""
-        if self.stage == 3:
-            self.full.untyped_storage().resize_(0)
+        if self.stage != 3:
+            return
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        self.full.untyped_storage().resize_(0)
+        self.present = False
 
     # -- one step
     def _flat_grad(self) -> torch.Tensor:
@@ -199,9 +221,12 @@ class FlatShard:
         return g.pow(2).sum()
 
     def after_step(self) -> None:
-        """Stages 1-2: every rank's updated slice back into everyone's full buffer."""
+        """Every rank's updated slice back into everyone's full buffer (stage 3: if present)."""
         if self.stage in (1, 2) and self.world > 1:
             dist.all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
+        if self.stage == 3 and self.present:
+            self.release()
+            self.gather()
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -303,3 +328,78 @@ class ZeroOptimizer:
                   for t in state.values() if torch.is_tensor(t))
         return MemoryBytes(params, grads, opt)
 
+
+@dataclass
+class StageZero:
+    """The ZeRO optimizer of one rank, with gather/release per stage."""
+
+    optimizer: ZeroOptimizer
+    uses: dict[int, list[FlatShard]]
+
+    def gather(self, stage: int) -> None:
+        """Stage 3: the stage's full parameters, now (waiting for a prefetch if one runs)."""
+        for s in self.uses[stage]:
+            s.gather()
+
+    def prefetch(self, stage: int) -> None:
+        """Stage 3: start gathering the stage's parameters without waiting."""
+        for s in self.uses[stage]:
+            s.gather(async_op=True)
+
+    def release(self, stage: int, keep: Optional[int] = None) -> None:
+        """Stage 3: free the stage's full parameters, except those stage `keep` reads."""
+        kept = self.uses.get(keep, []) if keep is not None else []
+        for s in self.uses[stage]:
+            if all(s is not k for k in kept):
+                s.release()
+
+    def reduce_gradients(self) -> None:
+        self.optimizer.reduce_gradients()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def grad_sq_norm(self, skip: frozenset = frozenset()) -> torch.Tensor:
+        """This pipeline rank's squared gradient norm, complete over dp, tp and ep."""
+        return self.optimizer.grad_sq_norm(skip)
+
+    def clip_grad_norm_(self, max_norm: float, pp_group=None,
+                        skip: frozenset = frozenset()) -> float:
+        return self.optimizer.clip_grad_norm_(max_norm, pp_group, skip)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+
+class PrefetchWindow:
+    """ZeRO-3 around each action of one step, in this rank's action order.
+
+    Before action i: its stage's parameters are gathered (waiting for the
+    prefetch started one action earlier), and the gather of action i+1's
+    stage is started, so it overlaps action i. After it: what action i+1 does
+    not read is released. At most two stages' full parameters exist at once;
+    nothing is prefetched across the optimizer step (the shards change there).
+    Use as the runtime's `around(stage)` context manager, once per action.
+    """
+
+    def __init__(self, zero: StageZero, stages_in_order: Sequence[int]):
+        self.zero, self.order = zero, list(stages_in_order)
+        self.position = 0
+        self.prefetches = 0  # how many gathers were started ahead (for tests and reports)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: int):
+        i = self.position
+        if self.order[i] != stage:
+            raise RuntimeError(f"ZeRO-3 window: action {i} runs stage {stage}, "
+                               f"the schedule says stage {self.order[i]}")
+        nxt = self.order[i + 1] if i + 1 < len(self.order) else None
+        self.zero.gather(stage)
+        if nxt is not None and nxt != stage:
+            self.zero.prefetch(nxt)
+            self.prefetches += 1
+        try:
+            yield
+        finally:
+            self.zero.release(stage, keep=nxt)
+            self.position = (i + 1) % len(self.order)

@@ -1,8 +1,22 @@
-"""The compiler: plan + model -> CompiledPlan (stage graphs, placement, schedule, estimates)."""
+"""The compiler: plan + model -> CompiledPlan (stage graphs, placement, schedule, estimates).
+
+    from pipeplan.compiler import compile_plan, load_model
+    compiled = compile_plan(plan)               # on the meta device: no weights allocated
+    compiled = compile_plan(plan, model)        # stages hold `model`'s own parameters
+"""
 from .compiled import CompiledPlan, StageSpec, ValueRef, ValueSpec
 from .driver import compile_plan
+from .estimates import DeviceModel
 from .loading import load_model
 from .loss import reference_loss
+from .report import render_summary
+from .stages import move_stage
 
-__all__ = ["compile_plan", "load_model", "reference_loss", "CompiledPlan", "StageSpec",
-           "ValueRef", "ValueSpec"]
+
+def estimates_summary(plan) -> str:
+    """`pipeplan check`'s estimate lines: compile on meta and summarise (raises PlanError)."""
+    return render_summary(compile_plan(plan))
+
+
+__all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary", "move_stage",
+           "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel"]

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .compiled import ValueSpec
 
 _META = torch.device("meta")
-_SDPA = {torch.nn.functional.scaled_dot_product_attention,
+SDPA = {torch.nn.functional.scaled_dot_product_attention,
          torch.ops.aten.scaled_dot_product_attention.default}
 
 
@@ -72,10 +72,13 @@ class MetaRun:
                 else:
                     value = self._execute(node)
                 saved = self._saved_now
-                if node.op == "call_function" and node.target in _SDPA:
+                if node.op == "call_function" and node.target in SDPA:
                     saved = _fused_attention_saved_bytes(value, node.args, self.values)
+                flops = float(counter.get_total_flops() - before)
+                if flops == 0 and _is_grouped_mm(node):
+                    flops = _grouped_mm_flops(value, node.args, self.values)
                 self.values[node] = value
-                self.costs[node] = NodeCost(float(counter.get_total_flops() - before), saved)
+                self.costs[node] = NodeCost(flops, saved)
 
     def _execute(self, node: fx.Node) -> Any:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
@@ -129,6 +132,20 @@ def _fused_attention_saved_bytes(out: torch.Tensor, args: tuple, values: dict) -
     qkv = [values[a] for a in args[:3] if isinstance(a, fx.Node)]
     rows = out.numel() // out.shape[-1]
     return sum(_nbytes(t) for t in qkv) + _nbytes(out) + 4 * rows
+
+
+def _is_grouped_mm(node: fx.Node) -> bool:
+    """A grouped matmul (torch._grouped_mm, or a library's custom op for it) that torch's
+    flop counter has no formula for: experts dispatched by token groups."""
+    return node.op == "call_function" and "grouped_mm" in str(node.target)
+
+
+def _grouped_mm_flops(out: Any, args: tuple, values: dict) -> float:
+    """2 · rows · K · N: each output row is one token's product with its expert's [K, N]."""
+    first = values.get(args[0]) if args and isinstance(args[0], fx.Node) else None
+    if not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor):
+        return 0.0
+    return 2.0 * out.numel() * first.shape[-1]
 
 
 def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:

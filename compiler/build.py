@@ -61,7 +61,7 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=pinned))
     source = model_source_file(plan)
     where, _, cls = plan.model.source.rpartition(":")
-    if source is not None and is_path_source(where):
+    if source is not None and is_path_source(where) and not os.path.isabs(where):
         rel = os.path.relpath(source, out.resolve())
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model,
                                                                    source=f"{rel}:{cls}"))

@@ -15,7 +15,6 @@ fails, the error names the module and the source line that broke it.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import inspect
 import io
 import logging
@@ -30,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
+from .patterns import matches
 
 CAPTURE_METHODS = ("auto", "fx", "export")
 
@@ -84,7 +84,7 @@ class _LeafTracer(fx.Tracer):
         self.patterns = patterns
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return (any(fnmatch.fnmatchcase(qualname, p) for p in self.patterns)
+        return (any(matches(qualname, p) for p in self.patterns)
                 or super().is_leaf_module(m, qualname))
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
@@ -164,6 +164,8 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str) -> Captur
         elif node.op == "output":
             flat = [env[a] if isinstance(a, fx.Node) else a for a in node.args[0]]
             outputs = pytree.tree_unflatten(flat, ep.call_spec.out_spec)
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
+            continue  # export's own guards; they pin the capture device and say nothing new
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     used = {n.target for n in graph.nodes if n.op == "get_attr"}
@@ -216,7 +218,7 @@ def _where(model: torch.nn.Module, error: BaseException, tracer: fx.Tracer | Non
 
 
 def _capture_error(plan: Plan, failures: list[CaptureFailed]) -> PlanError:
-    lines = [f"cannot capture the model: " + "; ".join(str(f) for f in failures)]
+    lines = ["cannot capture the model: " + "; ".join(str(f) for f in failures)]
     module = next((f.where.split("`")[1] for f in failures if f.where.startswith("module `")), None)
     hints = []
     if any(f.method == "fx" for f in failures) and module and module != "<root>":

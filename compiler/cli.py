@@ -10,8 +10,8 @@ from .estimates import DeviceModel
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    c = sub.add_parser("compile", help="capture, split and schedule a plan; write a build directory "
-                                       "(stage code, schedule.json, report.md, manifest.json)")
+    c = sub.add_parser("compile", help="capture, split and schedule a plan; write a build "
+                       "directory (stage code, schedule.json, report.md, manifest.json)")
     c.add_argument("plan", help="the plan file")
     c.add_argument("-o", "--out", default=None, help="build directory (default: build/<plan name>)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -29,23 +29,15 @@ def run_compile(args: argparse.Namespace) -> int:
     from ..dsl import load_plan
     from .build import write_build
     from .driver import compile_plan
+    from .report import render_summary
     started = time.perf_counter()
     plan = load_plan(args.plan, args.overrides)
     device = DeviceModel(flops_per_s=args.tflops * 1e12, link_bytes_per_s=args.link_gbps * 1e9)
     compiled = compile_plan(plan, device=device)
     out = Path(args.out) if args.out else Path("build") / Path(args.plan).stem
     write_build(compiled, out)
-    e = compiled.estimates
-    lines = [f"compiled {args.plan} in {time.perf_counter() - started:.1f} s "
-             f"({compiled.capture}: {compiled.capture_reason})",
-             f"  {compiled.split_text or 'one stage'}",
-             f"  schedule {compiled.schedule.name}: stages on ranks "
-             f"{list(compiled.schedule.stage_to_rank)}"]
-    if e is not None:
-        peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
-                   for r in e.ranks)
-        lines.append(f"  predicted bubble {e.bubble:.3f} (whole iteration), step "
-                     f"{e.step_time_s:.4g} s, peak memory {peak / 2 ** 30:.2f} GiB/rank")
+    lines = [f"compiled {args.plan} in {time.perf_counter() - started:.1f} s"]
+    lines += ["  " + line for line in render_summary(compiled).splitlines()]
     lines.append(f"  wrote {out}/ (report.md, schedule.json, stages/, plan.plan, manifest.json)")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

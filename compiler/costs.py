@@ -6,7 +6,9 @@ training really costs:
 * MoE layers (plan.experts.modules): a reference MoE may run every expert on
   every token for exact dropless math, but dispatched for real each token
   visits top_k experts, so FLOPs and saved bytes of ops reading the stacked
-  expert weights (dim 0 == num_experts) count top_k / num_experts of that.
+  expert weights (dim 0 == num_experts) and producing an every-expert axis
+  count top_k / num_experts of that. Grouped-matmul experts (transformers'
+  default) already compute routed tokens only and are counted as they are.
 * recompute rules: `full` keeps only the module's inputs and reruns its forward
   in backward; `selective` drops what non-matmul ops saved (norms, activations,
   attention cores) and reruns those.
@@ -16,7 +18,6 @@ each) — the usual matmul accounting.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,8 +25,9 @@ import torch
 import torch.fx as fx
 
 from ..dsl.ast import Plan
-from .analysis import MetaRun
+from .analysis import SDPA, MetaRun
 from .blocks import module_path
+from .patterns import outermost_match
 
 _VIEWS = {"view", "reshape", "transpose", "permute", "t", "expand", "contiguous", "unsqueeze",
           "squeeze", "flatten"}
@@ -40,19 +42,8 @@ class Cost:
     recompute_flops: float = 0.0  # forward rerun during backward
 
     @property
-    def forward(self) -> float:
-        return self.flops
-
-    @property
-    def backward_input(self) -> float:
-        return self.flops + self.recompute_flops
-
-    @property
-    def backward_weight(self) -> float:
-        return self.flops
-
-    @property
     def total(self) -> float:
+        """Forward + backward (B and W, one forward each) + recompute."""
         return 3 * self.flops + self.recompute_flops
 
 
@@ -86,8 +77,11 @@ def _expert_scale(plan: Plan, node: fx.Node, path: Optional[str], run: MetaRun) 
     ex = plan.experts
     if ex is None or path is None or ex.num_experts <= 0:
         return 1.0
-    if not any(_matches(path, p) for p in ex.modules):
+    if not any(outermost_match(path, p) for p in ex.modules):
         return 1.0
+    out = run.values.get(node)
+    if not isinstance(out, torch.Tensor) or ex.num_experts not in out.shape:
+        return 1.0  # no every-expert axis: already computed per routed token (grouped mm)
     for a in _through_views(node):
         if a.op == "get_attr":
             v = run.value(a)
@@ -109,22 +103,10 @@ def _recompute_mode(plan: Plan, path: Optional[str]) -> tuple[str, Optional[str]
     """The last matching rule wins; returns (mode, the matched module)."""
     mode, module = "none", None
     for rule in plan.recompute:
-        hit = _matching_ancestor(path, rule.pattern)
+        hit = outermost_match(path, rule.pattern)
         if hit is not None:
             mode, module = rule.mode, hit
     return mode, module
-
-
-def _matching_ancestor(path: Optional[str], pattern: str) -> Optional[str]:
-    while path:
-        if fnmatch.fnmatchcase(path, pattern):
-            return path
-        path = path.rpartition(".")[0]
-    return None
-
-
-def _matches(path: str, pattern: str) -> bool:
-    return _matching_ancestor(path, pattern) is not None
 
 
 def _inside(node: fx.Node, module: Optional[str]) -> bool:
@@ -134,9 +116,28 @@ def _inside(node: fx.Node, module: Optional[str]) -> bool:
 
 def _is_cheap(node: fx.Node, flops: float) -> bool:
     """Selective recompute reruns ops that are not matmuls (and the attention core)."""
-    from .analysis import _SDPA
-    return flops == 0 or (node.op == "call_function" and node.target in _SDPA)
+    return flops == 0 or (node.op == "call_function" and node.target in SDPA)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def param_bytes_per_node(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Parameter bytes per compute node (the `params` split basis); each parameter counts once,
+    at its first use (a call_module's own weights, or a get_attr read)."""
+    params = {n: p for n, p in gm.named_parameters(remove_duplicate=False)}
+    out: dict[fx.Node, int] = {}
+    seen: set[int] = set()
+    for node in nodes:
+        tensors = list(gm.get_submodule(node.target).parameters()) \
+            if node.op == "call_module" else []
+        tensors += [params[a.target] for a in node.all_input_nodes
+                    if a.op == "get_attr" and a.target in params]
+        total = 0
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += _nbytes(t)
+        out[node] = total
+    return out

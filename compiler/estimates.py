@@ -28,13 +28,14 @@ Accounting (stated in the report, so a reader can check it):
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 
 from ..dsl.ast import Plan
 from .compiled import Estimates, RankEstimate, StageSpec, TiedParam
+from .traffic import Traffic
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,6 @@ class DeviceModel:
     link_bytes_per_s: float = 50e9  # between nodes (p2p, dp, ep), e.g. 400 Gb/s InfiniBand
     latency_s: float = 10e-6
     tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """What one module's collective carries per microbatch, before the collective's factor:
-    a TP layer's all-reduced tensor, or a MoE layer's input tokens."""
-
-    module: str
-    stage: int
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -93,44 +84,59 @@ def param_facts(plan: Plan, stage: StageSpec, tp_kinds: dict[str, str],
 def estimate(plan: Plan, stages: list[StageSpec], schedule, tied: tuple[TiedParam, ...],
              tp_kinds: dict[str, str], expert_params: set[str], tp_traffic: list[Traffic],
              moe_traffic: list[Traffic], device: DeviceModel = DeviceModel()) -> Estimates:
-    m, pp, dp, tp, ep = plan.microbatches, plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.mesh.ep
-    wb, gb, ob = element_bytes(plan)
+    """Estimates for every global rank (pp outermost, tp innermost; a pipeline rank's dp × tp
+    ranks hold the same shares, so they get equal numbers)."""
+    mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    act_div = tp if plan.tensor.sequence_parallel else 1
-    act = [st.activation_bytes * float_scale / act_div for st in stages]
-    peaks = activation_peaks(schedule, act)
-    expert_group = max(1, dp * tp // ep)
+    act_div = mesh.tp if plan.tensor.sequence_parallel else 1
+    peaks = activation_peaks(schedule, [st.activation_bytes * float_scale / act_div
+                                        for st in stages])
     per_pp = []
-    for r in range(pp):
+    for r in range(mesh.pp):
         mine = [st for st in stages if st.rank == r]
         facts: dict[int, ParamFacts] = {}
         for st in mine:
             facts.update(param_facts(plan, st, tp_kinds, expert_params))
-        dense = sum(f.numel / (tp if f.tp_sharded else 1) for f in facts.values() if not f.expert)
-        experts = sum(f.numel / ep / (tp if f.tp_sharded else 1)
-                      for f in facts.values() if f.expert)
-        z = plan.zero
-        shard = lambda n, group, level: n / group if z >= level else n  # noqa: E731
-        params = shard(dense, dp, 3) * wb + shard(experts, expert_group, 3) * wb
-        grads = shard(dense, dp, 2) * gb + shard(experts, expert_group, 2) * gb
-        optim = shard(dense, dp, 1) * ob + shard(experts, expert_group, 1) * ob
-        comm = {"p2p": _p2p_bytes(stages, r, m, float_scale),
-                "dp": _ring(dense * gb, dp, 3 if z >= 3 else 2)
-                + _ring(experts * gb, expert_group, 3 if z >= 3 else 2),
-                "tp": _tp_bytes(plan, tp_traffic, mine, float_scale) * m,
-                "ep": _ep_bytes(plan, moe_traffic, mine, float_scale) * m,
-                "tied": _tied_bytes(tied, stages, r, gb)}
-        flops = sum(3 * st.flops + st.recompute_flops for st in mine) * m / tp
-        per_pp.append((params, grads, optim, peaks[r], flops, comm))
-    ranks = []
-    for g in range(pp * dp * tp):
-        params, grads, optim, a, flops, comm = per_pp[g // (dp * tp)]
-        ranks.append(RankEstimate(g, int(params), int(grads), int(optim), int(a), flops,
-                                  {k: int(v) for k, v in comm.items()}))
+        est = _state_bytes(plan, facts)
+        est.rank, est.activation_bytes = r, int(peaks[r])
+        est.flops = sum(3 * st.flops + st.recompute_flops for st in mine) * plan.microbatches \
+            / mesh.tp
+        est.comm_bytes.update({
+            "p2p": int(_p2p_bytes(stages, r, plan.microbatches, float_scale)),
+            "tp": int(_tp_bytes(plan, tp_traffic, mine, float_scale) * plan.microbatches),
+            "ep": int(_ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
+            "tied": int(_tied_bytes(tied, stages, r, element_bytes(plan)[1]))})
+        per_pp.append(est)
+    per_replica = mesh.dp * mesh.tp
+    ranks = [dataclasses.replace(per_pp[g // per_replica], rank=g,
+                                 comm_bytes=dict(per_pp[g // per_replica].comm_bytes))
+             for g in range(mesh.pp * per_replica)]
     sim = simulate_step(plan, stages, schedule, tp_traffic, moe_traffic, device)
     dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / device.link_bytes_per_s
     return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
                      device_model=asdict(device), simulation=sim)
+
+
+def _state_bytes(plan: Plan, facts: dict[int, ParamFacts]) -> RankEstimate:
+    """Weights, grads and optimizer state of one rank's parameters, and their DP traffic."""
+    mesh, z = plan.mesh, plan.zero
+    wb, gb, ob = element_bytes(plan)
+    dense = sum(f.numel / (mesh.tp if f.tp_sharded else 1) for f in facts.values()
+                if not f.expert)
+    experts = sum(f.numel / mesh.ep / (mesh.tp if f.tp_sharded else 1) for f in facts.values()
+                  if f.expert)
+    expert_group = max(1, mesh.dp * mesh.tp // mesh.ep)  # ranks holding the same experts
+
+    def held(level: int, nbytes: int) -> float:
+        """ZeRO at or above `level` shards this state over each parameter's replicas."""
+        if z >= level:
+            return (dense / mesh.dp + experts / expert_group) * nbytes
+        return (dense + experts) * nbytes
+
+    passes = 3 if z >= 3 else 2
+    dp = _ring(dense * gb, mesh.dp, passes) + _ring(experts * gb, expert_group, passes)
+    return RankEstimate(rank=0, param_bytes=int(held(3, wb)), grad_bytes=int(held(2, gb)),
+                        optimizer_bytes=int(held(1, ob)), comm_bytes={"dp": int(dp)})
 
 
 def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:

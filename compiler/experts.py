@@ -8,12 +8,12 @@ modules, and those modules must hold `num_experts` experts.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 
 import torch
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
+from .patterns import matches
 from .compiled import ExpertPlacement
 
 
@@ -24,7 +24,7 @@ def moe_modules(plan: Plan, model: torch.nn.Module) -> list[str]:
     names = [n for n, _ in model.named_modules() if n]
     found = []
     for i, pattern in enumerate(plan.experts.modules):
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        hits = [n for n in names if matches(n, pattern)]
         if not hits:
             close = difflib.get_close_matches(pattern, names, n=1)
             raise PlanError.at(plan, f"experts.modules.{i}", f"no module matches {pattern!r}",
@@ -35,15 +35,14 @@ def moe_modules(plan: Plan, model: torch.nn.Module) -> list[str]:
 
 
 def expert_weights(module: torch.nn.Module, num_experts: int) -> list[str]:
-    """Names (relative to the MoE module) of the weights stacked by expert on dim 0."""
+    """Names (relative to the MoE module) of the expert weights EP shards: weights stacked by
+    expert on dim 0 ([E, d, h]), or everything under a ModuleList of E experts. The router's
+    [E, d] matrix is replicated, not sharded."""
+    lists = [n for n, c in module.named_modules()
+             if isinstance(c, torch.nn.ModuleList) and len(c) == num_experts and n]
     return [n for n, p in module.named_parameters()
-            if p.dim() >= 2 and p.shape[0] == num_experts and not _is_router(module, n)]
-
-
-def _is_router(module: torch.nn.Module, param: str) -> bool:
-    """The router's weight ([E, d] in a Linear) is replicated, not sharded."""
-    owner = module.get_submodule(param.rpartition(".")[0]) if "." in param else module
-    return isinstance(owner, torch.nn.Linear)
+            if (p.dim() >= 3 and p.shape[0] == num_experts)
+            or any(n.startswith(prefix + ".") for prefix in lists)]
 
 
 def place_experts(plan: Plan, model: torch.nn.Module) -> tuple[ExpertPlacement, ...]:

@@ -83,7 +83,8 @@ def _weights(plan: Plan, nodes: list[fx.Node], costs: dict[fx.Node, Cost],
     if basis == "params":
         return [float(param_bytes.get(n, 0)) for n in nodes]
     raise PlanError.at(plan, "pipeline.split", f"split basis {basis!r} is not supported by the "
-                       "compiler yet (it needs a measured profile)", 'use basis "flops" or "params"')
+                       "compiler yet (it needs a measured profile)",
+                       'use basis "flops" or "params"')
 
 
 def _stage_sums(weight: list[float], positions: tuple[int, ...]) -> tuple[float, ...]:

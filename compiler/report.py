@@ -51,9 +51,10 @@ def _tied(c: CompiledPlan) -> str:
 def _experts(c: CompiledPlan) -> str:
     if not c.experts:
         return ""
+    ep = len(c.experts[0].shards)
     rows = ["## Expert placement (global expert indices per EP rank)", "",
-            "| MoE layer | " + " | ".join(f"ep {r}" for r in range(len(c.experts[0].shards))) + " |",
-            "|---|" + "---|" * len(c.experts[0].shards)]
+            "| MoE layer | " + " | ".join(f"ep {r}" for r in range(ep)) + " |",
+            "|---|" + "---|" * ep]
     for e in c.experts:
         rows.append(f"| {e.module} | " + " | ".join(_range(s) for s in e.shards) + " |")
     return "\n".join(rows) + "\n"
@@ -79,24 +80,27 @@ def _estimates(c: CompiledPlan) -> str:
     if e is None:
         return ""
     m = c.plan.mesh
+    per_pp = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    unit, size = _unit(max(_total(x) for x in per_pp))
+    cunit, csize = _unit(max(max(x.comm_bytes.values(), default=0) for x in per_pp))
     rows = ["## Estimates per rank (one step)", "",
             "Ranks of one pipeline rank (its dp × tp replicas) are alike; one row each.", "",
-            "| pp rank | params GiB | grads GiB | optimizer GiB | activations GiB | total GiB "
-            "| TFLOP | p2p MiB | dp MiB | tp MiB | ep MiB | tied MiB |",
+            f"| pp rank | params {unit} | grads {unit} | optimizer {unit} | activations {unit} "
+            f"| total {unit} | TFLOP | p2p {cunit} | dp {cunit} | tp {cunit} | ep {cunit} "
+            f"| tied {cunit} |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in range(m.pp):
-        x = e.ranks[r * m.dp * m.tp]
-        total = x.param_bytes + x.grad_bytes + x.optimizer_bytes + x.activation_bytes
+    for r, x in enumerate(per_pp):
         cb = x.comm_bytes
-        rows.append(f"| {r} | {x.param_bytes / GiB:.3f} | {x.grad_bytes / GiB:.3f} | "
-                    f"{x.optimizer_bytes / GiB:.3f} | {x.activation_bytes / GiB:.3f} | "
-                    f"{total / GiB:.3f} | {x.flops / 1e12:.2f} | "
-                    + " | ".join(f"{cb.get(k, 0) / MiB:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied"))
-                    + " |")
+        rows.append(f"| {r} | " + " | ".join(
+            f"{v / size:.3f}" for v in (x.param_bytes, x.grad_bytes, x.optimizer_bytes,
+                                         x.activation_bytes, _total(x)))
+            + f" | {x.flops / 1e12:.4g} | "
+            + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied"))
+            + " |")
     d = e.device_model
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
-             f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP all-reduce, "
-             "not overlapped)",
+             f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
+             "all-reduce, not overlapped)",
              f"- device model: {d['flops_per_s'] / 1e12:g} TFLOP/s sustained per device, "
              f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes (p2p, dp, ep), "
              f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node (tp), "
@@ -104,6 +108,15 @@ def _estimates(c: CompiledPlan) -> str:
              "- accounting: see docs/compiler.md (bytes per element by precision and ZeRO stage; "
              "activations held from F to W/BW under this schedule)", ""]
     return "\n".join(rows)
+
+
+def _total(x) -> int:
+    return x.param_bytes + x.grad_bytes + x.optimizer_bytes + x.activation_bytes
+
+
+def _unit(largest: float) -> tuple[str, int]:
+    """GiB for big numbers, MiB otherwise, so a table reads without a column of zeros."""
+    return ("GiB", GiB) if largest >= GiB else ("MiB", MiB)
 
 
 def _timeline(c: CompiledPlan, width: int = 100) -> str:
@@ -124,3 +137,24 @@ def _timeline(c: CompiledPlan, width: int = 100) -> str:
         rows.append(f"rank {r:>2} |{''.join(line)}|")
     rows += ["```", ""]
     return "\n".join(rows)
+
+
+def render_summary(compiled: CompiledPlan) -> str:
+    """A few terminal lines: the split, per-pipeline-rank memory and the predicted step."""
+    e = compiled.estimates
+    m = compiled.plan.mesh
+    lines = [f"capture: {compiled.capture} ({compiled.capture_reason})",
+             f"split:   {compiled.split_text or 'one stage'}",
+             f"stages on pipeline ranks: {[st.rank for st in compiled.stages]}"]
+    if e is None:
+        return "\n".join(lines) + "\n"
+    rows = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    unit, size = _unit(max(_total(x) for x in rows))
+    lines.append(f"pp rank   params   grads   optim   activ   total {unit}   TFLOP/step")
+    for r, x in enumerate(rows):
+        parts = (x.param_bytes, x.grad_bytes, x.optimizer_bytes, x.activation_bytes)
+        lines.append(f"{r:>7} " + " ".join(f"{v / size:>7.2f}" for v in parts)
+                     + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
+    lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
+                 f"{e.step_time_s:.4g} s at {e.device_model['flops_per_s'] / 1e12:g} TFLOP/s")
+    return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from .analysis import MetaRun
 from .blocks import block_of, module_path
-from .compiled import BATCH, StageSpec, ValueRef, ValueSpec
+from .compiled import BATCH, StageSpec, ValueRef
 from .partition import Split, compute_nodes
 
 LOSS = "loss"
@@ -30,7 +30,10 @@ class _Layout:
 
 
 def build_stages(gm: fx.GraphModule, split: Split, run: MetaRun, loss: fx.Node,
-                 blocks: set[str]) -> list[StageSpec]:
+                 blocks: set[str], non_persistent: frozenset[str] = frozenset()
+                 ) -> list[StageSpec]:
+    """One StageSpec per stage. `non_persistent` names the model's buffers kept out of its
+    state_dict (e.g. rotary inv_freq); the stages keep them out too."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     layout = _layout(graph, split, run, order)
@@ -38,7 +41,7 @@ def build_stages(gm: fx.GraphModule, split: Split, run: MetaRun, loss: fx.Node,
     stages = []
     for k in range(count):
         sends = layout.received[k + 1] if k + 1 < count else ()
-        stages.append(_stage(gm, k, layout, sends, run, order, loss, blocks))
+        stages.append(_stage(gm, k, layout, sends, run, order, loss, blocks, non_persistent))
     return stages
 
 
@@ -71,7 +74,8 @@ def _layout(graph: fx.Graph, split: Split, run: MetaRun, order: dict) -> _Layout
 
 
 def _stage(gm: fx.GraphModule, k: int, layout: _Layout, sends: tuple, run: MetaRun,
-           order: dict, loss: fx.Node, blocks: set[str]) -> StageSpec:
+           order: dict, loss: fx.Node, blocks: set[str], non_persistent: frozenset[str]
+           ) -> StageSpec:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = []
@@ -99,6 +103,10 @@ def _stage(gm: fx.GraphModule, k: int, layout: _Layout, sends: tuple, run: MetaR
         outputs = tuple(run.spec(n) for n in sends)
     g.output(out_nodes)
     module = fx.GraphModule(gm, g, class_name=f"Stage{k}")
+    for name, buf in list(module.named_buffers(remove_duplicate=False)):
+        if name in non_persistent:
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner).register_buffer(leaf, buf, persistent=False)
     return StageSpec(
         index=k, rank=k, inputs=tuple(inputs), outputs=outputs,
         param_names=tuple(n for n, _ in module.named_parameters(remove_duplicate=False)),
@@ -113,3 +121,20 @@ def _blocks_in(nodes: list[fx.Node], blocks: set[str]) -> tuple[str, ...]:
         if b is not None:
             seen.setdefault(b, None)
     return tuple(seen)
+
+
+def move_stage(module: fx.GraphModule, device) -> fx.GraphModule:
+    """Move a stage to `device`, including the device its graph names as constants.
+
+    Graphs captured with torch.export spell out the capture device in factory ops
+    (`arange(..., device=cpu)`); moving only the parameters would leave those
+    on the old device. Returns `module`, moved in place.
+    """
+    import torch
+    target = torch.device(device)
+    module.to(target)
+    for node in module.graph.nodes:
+        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
+            torch.device, lambda _: target, (node.args, node.kwargs))
+    module.recompile()
+    return module

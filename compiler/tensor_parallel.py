@@ -9,13 +9,13 @@ the real shapes, so a plan that cannot split evenly fails at its plan line.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 from typing import Optional
 
 import torch
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
+from .patterns import matches
 
 KINDS = ("column", "row", "vocab")
 _HEADS = ("heads", "num_heads", "n_heads", "num_attention_heads", "n_head")
@@ -31,7 +31,7 @@ def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
     for kind in KINDS:
         for i, pattern in enumerate(getattr(plan.tensor, kind)):
             key = f"tensor.{kind}.{i}"
-            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            hits = [n for n in names if matches(n, pattern)]
             if not hits:
                 close = difflib.get_close_matches(pattern, names, n=1)
                 raise PlanError.at(plan, key, f"no module matches {pattern!r}",

@@ -6,7 +6,10 @@ from .ast import Plan, Span
 from .checks import SCHEDULE_KINDS, SCHEDULE_RULES, check_plan
 from .errors import Diagnostic, PlanError
 from .format import format_plan
+from .layout import RankCoords, format_layout, mesh_layout
 from .load import load_plan, parse_plan
+from .report import check_report
 
 __all__ = ["Plan", "Span", "PlanError", "Diagnostic", "load_plan", "parse_plan", "format_plan",
-           "check_plan", "SCHEDULE_KINDS", "SCHEDULE_RULES"]
+           "check_plan", "SCHEDULE_KINDS", "SCHEDULE_RULES", "mesh_layout", "format_layout",
+           "RankCoords", "check_report"]

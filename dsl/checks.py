@@ -22,40 +22,37 @@ from .errors import Diagnostic, PlanError
 # ----------------------------------------------------------- schedule table
 @dataclass(frozen=True)
 class ScheduleRule:
-    """What a schedule kind needs from the plan."""
+    """What a schedule kind needs from the plan (the schedule engine's own limits)."""
 
-    virtual: Optional[int]  # exact stages per rank, or None for "any >= min_virtual"
-    min_virtual: int = 1
+    min_virtual: int = 1  # stages per rank
+    max_virtual: Optional[int] = 1  # None: no upper bound
+    natural_virtual: int = 1  # what `virtual` is when the plan does not say
     min_microbatches: Callable[[int], int] = lambda pp: 1  # as a function of pp
-    multiple_of_pp: bool = False  # microbatches must be a multiple of pp
     why: str = ""  # what goes wrong below the minimum
 
 
-_HANG_1F1B = (
-    "1F1B-style schedules keep pp microbatches in flight: in the warm-up rank r runs "
-    "pp-r-1 forwards before its first backward, so with fewer microbatches than stages a "
-    "rank waits for a microbatch that does not exist and blocks forever on a receive no "
-    "rank will send (the hang of torchtitan #775)")
+_V = dict(min_virtual=2, max_virtual=2, natural_virtual=2)  # the V placement: 2 stages per rank
 
 SCHEDULE_RULES: dict[str, ScheduleRule] = {
-    "gpipe": ScheduleRule(virtual=1),
-    "1f1b": ScheduleRule(virtual=1, min_microbatches=lambda pp: pp, why=_HANG_1F1B),
-    "interleaved": ScheduleRule(
-        virtual=None, min_virtual=2, min_microbatches=lambda pp: pp, multiple_of_pp=True,
-        why="interleaved 1F1B walks the microbatches in groups of pp per model chunk "
-            "(Megatron's rule); a partial group leaves ranks waiting on chunk transfers "
-            "that come in a different order than they are received, and the run hangs"),
-    "zbh1": ScheduleRule(virtual=1, min_microbatches=lambda pp: pp, why=_HANG_1F1B),
-    "zbh2": ScheduleRule(virtual=1, min_microbatches=lambda pp: pp, why=_HANG_1F1B),
-    "zbv": ScheduleRule(virtual=2, min_microbatches=lambda pp: pp, why=_HANG_1F1B),
-    "vhalf": ScheduleRule(virtual=2, min_microbatches=lambda pp: pp, why=_HANG_1F1B),
-    "vmin": ScheduleRule(virtual=2, min_microbatches=lambda pp: pp, why=_HANG_1F1B),
+    "gpipe": ScheduleRule(max_virtual=None),
+    # pipeplan's 1F1B-family orders clamp the warm-up (pp-r-1 forwards on rank r) to the
+    # microbatches there are, so m < pp only idles ranks; it does not hang as torch's
+    # fixed warm-up did (torchtitan #775). `pipeplan check` notes it.
+    "1f1b": ScheduleRule(),
+    "interleaved": ScheduleRule(min_virtual=2, max_virtual=None, natural_virtual=2),
+    "zbh1": ScheduleRule(),
+    "zbh2": ScheduleRule(),
+    "zbv": ScheduleRule(**_V),
+    "vhalf": ScheduleRule(**_V),
+    "vmin": ScheduleRule(**_V),
     "dualpipev": ScheduleRule(
-        virtual=2, min_microbatches=lambda pp: 2 * pp,
-        why="DualPipeV feeds microbatches from both ends of the V and overlaps a forward "
-            "of one with a backward of another; with fewer than 2*pp microbatches the two "
-            "streams never meet and a rank blocks on a transfer that is never sent"),
-    "auto": ScheduleRule(virtual=None),
+        **_V, min_microbatches=lambda pp: 2 * pp,
+        why="DualPipeV feeds microbatches into both ends of the V and pairs each forward "
+            "with a backward of a microbatch fed pp steps earlier from the other end; its "
+            "step counts are fixed for 2*pp microbatches or more, and with fewer a rank "
+            "waits for a microbatch that does not exist, blocking forever on a receive no "
+            "rank will send"),
+    "auto": ScheduleRule(max_virtual=2),  # the search tries 1 and 2 stages per rank
 }
 SCHEDULE_KINDS = tuple(SCHEDULE_RULES)
 
@@ -122,15 +119,18 @@ def _virtual_stages(plan: Plan) -> Iterator[Problem]:
     p = plan.pipeline
     rule = SCHEDULE_RULES[p.schedule]
     key = where(plan, "pipeline.virtual", "pipeline.schedule")
-    if rule.virtual is not None and p.virtual != rule.virtual:
-        need = "2 stages per rank (the V shape)" if rule.virtual == 2 else "1 stage per rank"
-        yield Problem(key, f"{p.schedule} needs virtual = {rule.virtual}, got {p.virtual}",
-                      f"{p.schedule} places {need}; set virtual = {rule.virtual}"
-                      + ("" if rule.virtual == 2 else " or use interleaved"))
+    if rule.min_virtual == rule.max_virtual and p.virtual != rule.min_virtual:
+        shape = "the V placement: 2 stages per rank" if rule.min_virtual == 2 else "1 stage per rank"
+        yield Problem(key, f"{p.schedule} needs virtual = {rule.min_virtual}, got {p.virtual}",
+                      f"{p.schedule} uses {shape}; set virtual = {rule.min_virtual}"
+                      + (", or use interleaved for more" if rule.min_virtual == 1 else ""))
     elif p.virtual < rule.min_virtual:
         yield Problem(key, f"{p.schedule} needs virtual >= {rule.min_virtual}, got {p.virtual}",
                       "interleaving needs several model chunks per rank; set virtual = 2, "
                       "or use 1f1b")
+    elif rule.max_virtual is not None and p.virtual > rule.max_virtual:
+        yield Problem(key, f"{p.schedule} takes virtual <= {rule.max_virtual}, got {p.virtual}",
+                      "auto searches 1 and 2 stages per rank; use interleaved for more")
 
 
 @check("mesh.pp", "pipeline.schedule", "pipeline.microbatches", "pipeline.microbatch_size",
@@ -142,33 +142,29 @@ def _microbatches(plan: Plan) -> Iterator[Problem]:
                       "set pipeline.microbatches or pipeline.microbatch_size, not both",
                       "the other follows from train.global_batch / (dp * this one)")
         return
-    per_dp = plan.train.global_batch / plan.mesh.dp
+    dp, batch = plan.mesh.dp, plan.train.global_batch
     if p.microbatch_size is not None:
-        if plan.train.global_batch % (plan.mesh.dp * p.microbatch_size):
-            yield Problem("train.global_batch",
-                          f"global_batch = {plan.train.global_batch} is not divisible by "
-                          f"dp * microbatch_size = {plan.mesh.dp} * {p.microbatch_size}",
+        key, count = "pipeline.microbatch_size", batch // dp // p.microbatch_size
+        if batch % (dp * p.microbatch_size):
+            yield Problem(where(plan, "train.global_batch", key),
+                          f"global_batch = {batch} is not divisible by "
+                          f"dp * microbatch_size = {dp} * {p.microbatch_size}",
                           "every dp rank runs the same whole number of microbatches")
             return
-        count, key = int(per_dp) // p.microbatch_size, "pipeline.microbatch_size"
     else:
-        count, key = plan.microbatches, "pipeline.microbatches"
-        if plan.train.global_batch % (plan.mesh.dp * count):
-            yield Problem("train.global_batch",
-                          f"global_batch = {plan.train.global_batch} is not divisible by "
-                          f"dp * microbatches = {plan.mesh.dp} * {count}",
+        key, count = "pipeline.microbatches", plan.microbatches
+        if batch % (dp * count):
+            yield Problem(where(plan, "train.global_batch", key),
+                          f"global_batch = {batch} is not divisible by "
+                          f"dp * microbatches = {dp} * {count}",
                           "every microbatch on every dp rank has the same size; pick a global "
-                          f"batch that is a multiple of {plan.mesh.dp * count}")
-    rule = SCHEDULE_RULES[p.schedule]
+                          f"batch that is a multiple of {dp * count}")
     need = min_microbatches(p.schedule, pp)
     if count < need:
         yield Problem(key, f"{p.schedule} with pp = {pp} needs at least {need} microbatches, "
                            f"got {count}",
-                      f"{rule.why}; use microbatches >= {need}"
-                      + (" or schedule = gpipe" if p.schedule != "gpipe" else ""))
-    elif rule.multiple_of_pp and pp > 1 and count % pp:
-        yield Problem(key, f"{p.schedule} needs microbatches to be a multiple of pp = {pp}, "
-                           f"got {count}", f"{rule.why}; use {count + pp - count % pp}")
+                      f"{SCHEDULE_RULES[p.schedule].why}; use microbatches >= {need} or "
+                      f"another schedule (zbv has the same V placement and takes any count)")
 
 
 @check("mesh", "pipeline.virtual", "pipeline.split", "model.args")
@@ -347,26 +343,31 @@ def find_problems(plan: Plan, world_size: Optional[int] = None,
         return any(f == r or f.startswith(r + ".") or r.startswith(f + ".")
                    for f in failed for r in c.reads)
 
+    problems: list[Problem] = []
     if plan.pipeline.schedule not in SCHEDULE_RULES:  # only a Plan built in code gets here
         failed = failed | {"pipeline.schedule"}
-        unknown = [Problem("pipeline.schedule", f"unknown schedule "
-                                 f"'{plan.pipeline.schedule}'", "one of " + " ".join(SCHEDULE_KINDS))]
-    else:
-        unknown = []
-    problems = unknown + [p for c in CHECKS if not skipped(c) for p in c.run(plan)]
+        problems.append(Problem("pipeline.schedule",
+                                f"unknown schedule '{plan.pipeline.schedule}'",
+                                "one of " + " ".join(SCHEDULE_KINDS)))
+    problems += [p for c in CHECKS if not skipped(c) for p in c.run(plan)]
     if not any(f.startswith("mesh") for f in failed):
         problems += launcher_world_size(plan, world_size)
     return [Diagnostic(p.message, plan.span_of(p.key), p.hint) for p in problems]
 
 
-def resolve(plan: Plan) -> Plan:
-    """Fill what the plan leaves open: the microbatch count defaults to the
-    schedule's minimum (so `plan.microbatches` always works)."""
+def resolve(plan: Plan, parsed: bool = False) -> Plan:
+    """Fill what the plan leaves open, from its schedule kind: the microbatch count
+    (when neither count nor size is given) becomes the kind's minimum, so
+    `plan.microbatches` always works; in a `parsed` plan, `virtual` (when the
+    file does not say) becomes the kind's natural stages per rank (2 for zbv)."""
     p = plan.pipeline
-    if p.microbatches is None and p.microbatch_size is None and p.schedule in SCHEDULE_RULES:
-        count = min_microbatches(p.schedule, plan.mesh.pp)
-        return dataclasses.replace(plan, pipeline=dataclasses.replace(p, microbatches=count))
-    return plan
+    if p.schedule not in SCHEDULE_RULES:
+        return plan
+    if parsed and "pipeline.virtual" not in plan.spans:
+        p = dataclasses.replace(p, virtual=SCHEDULE_RULES[p.schedule].natural_virtual)
+    if p.microbatches is None and p.microbatch_size is None:
+        p = dataclasses.replace(p, microbatches=min_microbatches(p.schedule, plan.mesh.pp))
+    return dataclasses.replace(plan, pipeline=p)
 
 
 def check_plan(plan: Plan, world_size: Optional[int] = None) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from .ast import Plan
 from .checks import SCHEDULE_RULES, min_microbatches
-from .schema import PLAN, Line, write_section
+from .fields import Line, write_section
+from .schema import PLAN
 
 
 def format_plan(plan: Plan, full: bool = False, comments: bool = True) -> str:
@@ -33,9 +34,12 @@ def format_plan(plan: Plan, full: bool = False, comments: bool = True) -> str:
 def resolved_defaults(plan: Plan) -> dict[str, Any]:
     """Values the resolver fills when the plan leaves them open: not worth writing."""
     p = plan.pipeline
-    if p.microbatch_size is None and p.schedule in SCHEDULE_RULES:
-        return {"pipeline.microbatches": min_microbatches(p.schedule, plan.mesh.pp)}
-    return {}
+    if p.schedule not in SCHEDULE_RULES:
+        return {}
+    filled = {"pipeline.virtual": SCHEDULE_RULES[p.schedule].natural_virtual}
+    if p.microbatch_size is None:
+        filled["pipeline.microbatches"] = min_microbatches(p.schedule, plan.mesh.pp)
+    return filled
 
 
 # ------------------------------------------------------------------ comments
@@ -79,8 +83,8 @@ class _Placed:
 
 
 def _attach(comments: list[Comment], lines: list[Line], plan: Plan) -> _Placed:
-    """Each comment goes above the first written line whose key starts after it,
-    or after the line whose key starts on its line."""
+    """A comment on its own line goes above the first written key after it; a comment
+    after code goes after the last key that starts on or before its line."""
     placed = _Placed({}, {}, [])
     starts: list[tuple[int, int]] = []  # (source line, output line index), in output order
     for index, (key, _) in enumerate(lines):
@@ -88,8 +92,8 @@ def _attach(comments: list[Comment], lines: list[Line], plan: Plan) -> _Placed:
         if span is not None and span.file == plan.path:
             starts.append((span.line, index))
     for c in comments:
-        if c.trailing:
-            same = [i for line, i in starts if line == c.line]
+        if c.trailing:  # after its line's key, or the key whose (multi-line) value it ends
+            same = [i for line, i in starts if line <= c.line]
             if same:
                 existing = placed.after.get(same[-1])
                 placed.after[same[-1]] = f"{existing} {c.text}" if existing else c.text

@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 from .ast import Plan, Span
 from .checks import find_problems, resolve
 from .errors import Diagnostic, PlanError
+from .fields import Reading, read_section
 from .overrides import apply_overrides
-from .schema import PLAN, Reading, read_section
+from .schema import PLAN
 from .syntax import Table, parse_document
 
 
@@ -26,13 +27,12 @@ def parse_plan(text: str, path: str = "<plan>", overrides: Sequence[str] = (),
     try:
         doc, override_sources = apply_overrides(doc, overrides)
     except PlanError as e:
-        raise PlanError(e.diagnostics, text, {**sources, **e.sources,
-                                              **_texts(e.diagnostics, e.source_text)}) from None
+        raise PlanError(e.diagnostics, text, {**sources, **e.sources}) from None
     sources.update(override_sources)
     plan, reading = read_plan(doc, path)
     plan = dataclasses.replace(plan, path=path, spans=_frozen(reading.spans), source_text=text,
                                sources=_frozen(sources))
-    plan = resolve(plan)
+    plan = resolve(plan, parsed=True)
     diagnostics = reading.diagnostics + find_problems(plan, world_size, frozenset(reading.failed))
     if diagnostics:
         raise PlanError(_in_order(diagnostics), text, sources)
@@ -42,7 +42,7 @@ def parse_plan(text: str, path: str = "<plan>", overrides: Sequence[str] = (),
 def load_plan(path: str, overrides: Sequence[str] = (), world_size: Optional[int] = None) -> Plan:
     """Read and check the plan file at `path` (see parse_plan)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of the plan
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise PlanError([Diagnostic(f"cannot read plan file: {e.strerror or e}",
@@ -61,10 +61,6 @@ def _in_order(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
     """Overrides first, then by position in the file: the order a reader expects."""
     return sorted(diagnostics, key=lambda d: (not d.span.file.startswith("<--set"),
                                               d.span.file, d.span.line, d.span.col))
-
-
-def _texts(diagnostics: list[Diagnostic], text: Optional[str]) -> dict[str, str]:
-    return {d.span.file: text for d in diagnostics if text is not None}
 
 
 def _frozen(d: dict) -> MappingProxyType:

@@ -37,11 +37,11 @@ def apply_overrides(doc: Table, overrides: Sequence[str]) -> tuple[Table, dict[s
     sources: dict[str, str] = {}
     for i, text in enumerate(overrides):
         sources[override_file(i)] = text
-        entry = parse_override(text, i)
         try:
+            entry = parse_override(text, i)
             doc = _set(doc, entry.key.split("."), entry, ())
-        except PlanError as e:
-            raise PlanError(e.diagnostics, text) from None
+        except PlanError as e:  # its spans point into the override's text
+            raise PlanError(e.diagnostics, text, {override_file(i): text}) from None
     return doc, sources
 
 

@@ -6,7 +6,7 @@ estimates (parameters, memory, bubble) here once the model is known.
 from __future__ import annotations
 
 from .ast import Plan
-from .checks import SCHEDULE_RULES
+from .checks import min_microbatches
 from .format import format_plan
 from .layout import format_layout
 
@@ -14,12 +14,15 @@ from .layout import format_layout
 def pipeline_summary(plan: Plan) -> str:
     p, m = plan.pipeline, plan.mesh
     stages = m.pp * p.virtual
-    rule = SCHEDULE_RULES[p.schedule]
-    need = f"; {p.schedule} needs >= {rule.min_microbatches(m.pp) if m.pp > 1 else 1}"
-    return (f"pipeline: {p.schedule}, {stages} stages ({m.pp} ranks x {p.virtual} virtual), "
-            f"{plan.microbatches} microbatches of {plan.microbatch_size} sequences per dp rank"
-            f"{need}; global batch {plan.train.global_batch} = dp {m.dp} x "
-            f"{plan.microbatches} x {plan.microbatch_size}")
+    lines = [f"pipeline: {p.schedule}, {stages} stages ({m.pp} ranks x {p.virtual} virtual), "
+             f"{plan.microbatches} microbatches of {plan.microbatch_size} sequences per dp rank "
+             f"(>= {min_microbatches(p.schedule, m.pp)} needed); global batch "
+             f"{plan.train.global_batch} = dp {m.dp} x {plan.microbatches} x {plan.microbatch_size}"]
+    if plan.microbatches < m.pp:
+        lines.append(f"note: {plan.microbatches} microbatches for {m.pp} pipeline ranks: no rank "
+                     "waits forever (warm-ups are clamped), but most ranks idle; use >= "
+                     f"{m.pp} microbatches to fill the pipeline")
+    return "\n".join(lines)
 
 
 def check_report(plan: Plan) -> str:

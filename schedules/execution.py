@@ -83,9 +83,11 @@ def _check_structure(schedule: Schedule) -> tuple[list[int], int]:
     for r, actions in enumerate(schedule.order):
         base = r * stride
         for i, a in enumerate(actions):
-            oc = _OP_CODE.get(getattr(a, "op", None))
-            s, mb = getattr(a, "stage", None), getattr(a, "microbatch", None)
-            if oc is None or type(s) is not int or type(mb) is not int or not 0 <= s < S or not 0 <= mb < m:
+            try:
+                oc, s, mb = _OP_CODE[a.op], a.stage, a.microbatch
+            except (AttributeError, KeyError, TypeError):
+                _bad_action(schedule, r, i, a)
+            if type(s) is not int or type(mb) is not int or not 0 <= s < S or not 0 <= mb < m:
                 _bad_action(schedule, r, i, a)
             if s2r[s] != r:
                 _fail(f"rank {r}, position {i}: {a.describe()} is on rank {r} but stage {s} "
@@ -114,7 +116,7 @@ def _check_structure(schedule: Schedule) -> tuple[list[int], int]:
 def _bad_action(schedule: Schedule, r: int, i: int, a) -> None:
     where = f"rank {r}, position {i}"
     op = getattr(a, "op", None)
-    if op not in _OP_CODE:
+    if not isinstance(op, str) or op not in _OP_CODE:
         _fail(f"{where}: {a!r} is not an action with op in F, B, W, BW")
     s, mb = getattr(a, "stage", None), getattr(a, "microbatch", None)
     if type(s) is not int or not 0 <= s < schedule.stages:

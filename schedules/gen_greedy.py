@@ -36,8 +36,8 @@ class Policy:
     eager_w: bool = False  # W right after its B (before forwards) instead of deferred
     fwd_seq: Optional[tuple[tuple[tuple[int, int], ...], ...]] = None  # fixed (stage, mb) order per rank
     bwd_seq: Optional[tuple[tuple[tuple[int, int], ...], ...]] = None
-    shallow_first: bool = False  # among forwards, lower stage first (breadth) instead of deeper
-    open_limits: Optional[tuple[int, ...]] = None  # per rank: microbatches entered but not yet B'd
+    w_fits_gap: bool = False  # an idle-filling W only if it ends before the next message arrives
+    forward_first: bool = False  # a ready forward (within memory) before a ready backward
 
 
 class _Local:
@@ -82,7 +82,6 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
     pending_w = [deque() for _ in range(p)]
     reserved = [0.0] * p
     held = [0.0] * p
-    opened = [0] * p
     next_f = [0] * p
     next_b = [0] * p
     orders: list[list[Action]] = [[] for _ in range(p)]
@@ -92,7 +91,7 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
 
     def f_key(s, mb):
         entering = s == first_stage[placement[s]]
-        return (entering, mb, s if policy.shallow_first else -s)
+        return (entering, mb, -s)
 
     def b_key(s, mb):
         return (mb, -s)
@@ -115,80 +114,88 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
 
     def admissible(r, s):
         if s == first_stage[r]:
-            if policy.open_limits is not None and opened[r] >= policy.open_limits[r]:
-                return False
             return reserved[r] + 1.0 <= policy.limits[r] + EPS
         return True
 
-    def pick(r, t):
-        """Choose the next action for rank r at time t, or None to wait."""
-        heads = [dq[0] for dq in inbox[r] if dq and dq[0][0] <= t + EPS]
-        seq_f = policy.fwd_seq[r] if policy.fwd_seq else None
-        seq_b = policy.bwd_seq[r] if policy.bwd_seq else None
-        # backward candidates
-        best_b = None
+    def best_backward(r, heads):
+        """The B/BW to run next on rank r: its fixed sequence's next, else oldest microbatch, deepest stage."""
+        if policy.bwd_seq is not None:
+            seq = policy.bwd_seq[r]
+            if next_b[r] >= len(seq):
+                return None
+            want = seq[next_b[r]]
+            if want in local_b[r].live:
+                return want, None
+            return next(((want, h) for h in heads if h[1] == B and (h[2], h[3]) == want), None)
+        best = None
         lb = local_b[r].top()
         if lb is not None:
-            best_b = (b_key(*lb), lb, None)
+            best = (b_key(*lb), lb, None)
         for h in heads:
-            if h[1] == B:
-                k = b_key(h[2], h[3])
-                if best_b is None or k < best_b[0]:
-                    best_b = (k, (h[2], h[3]), h)
-        if seq_b is not None:
-            best_b = None
-            if next_b[r] < len(seq_b):
-                want = seq_b[next_b[r]]
-                if want in local_b[r].live:
-                    best_b = (None, want, None)
-                else:
-                    for h in heads:
-                        if h[1] == B and (h[2], h[3]) == want:
-                            best_b = (None, want, h)
-        if best_b is not None:
-            return bwd_op, best_b[1], best_b[2]
+            if h[1] == B and (best is None or b_key(h[2], h[3]) < best[0]):
+                best = (b_key(h[2], h[3]), (h[2], h[3]), h)
+        return best[1:] if best else None
+
+    def best_forward(r, heads):
+        """The F to run next on rank r, if its activations fit the memory gate."""
+        if policy.fwd_seq is not None:
+            seq = policy.fwd_seq[r]
+            if next_f[r] >= len(seq):
+                return None
+            want = seq[next_f[r]]
+            if held[r] + share[want[0]] > policy.limits[r] + EPS:
+                return None
+            if want in local_f[r].live:
+                return want, None
+            return next(((want, h) for h in heads if h[1] == F and (h[2], h[3]) == want), None)
+        best = None
+        lf = local_f[r].top()
+        if lf is not None and admissible(r, lf[0]):
+            best = (f_key(*lf), lf, None)
+        for h in heads:
+            if h[1] == F and admissible(r, h[2]) and (best is None or f_key(h[2], h[3]) < best[0]):
+                best = (f_key(h[2], h[3]), (h[2], h[3]), h)
+        return best[1:] if best else None
+
+    def deferred_w(r, t):
+        """The oldest pending W, unless policy holds it back for a message arriving sooner."""
+        w = pending_w[r][0]
+        if policy.w_fits_gap:
+            upcoming = [dq[0][0] for dq in inbox[r] if dq and dq[0][0] > t + EPS]
+            if upcoming and t + table.time(W, w[0]) > min(upcoming) + EPS:
+                return "wait", min(upcoming), None
+        return W, w, None
+
+    def pick(r, t):
+        """Choose the next action for rank r at time t, None to wait for a message, or ("wait", until)."""
+        heads = [dq[0] for dq in inbox[r] if dq and dq[0][0] <= t + EPS]
+        bwd = best_backward(r, heads)
+        fwd = best_forward(r, heads)
+        if fwd is not None and policy.forward_first:
+            return F, fwd[0], fwd[1]
+        if bwd is not None:
+            return bwd_op, bwd[0], bwd[1]
         if policy.eager_w and pending_w[r]:
             return W, pending_w[r][0], None
-        # forward candidates
-        best_f = None
-        if seq_f is not None:
-            if next_f[r] < len(seq_f):
-                want = seq_f[next_f[r]]
-                if held[r] + share[want[0]] <= policy.limits[r] + EPS:
-                    if want in local_f[r].live:
-                        best_f = (None, want, None)
-                    else:
-                        for h in heads:
-                            if h[1] == F and (h[2], h[3]) == want:
-                                best_f = (None, want, h)
-        else:
-            lf = local_f[r].top()
-            if lf is not None and admissible(r, lf[0]):
-                best_f = (f_key(*lf), lf, None)
-            for h in heads:
-                if h[1] == F and admissible(r, h[2]):
-                    k = f_key(h[2], h[3])
-                    if best_f is None or k < best_f[0]:
-                        best_f = (k, (h[2], h[3]), h)
-        if best_f is not None:
-            return F, best_f[1], best_f[2]
+        if fwd is not None:
+            return F, fwd[0], fwd[1]
         if pending_w[r]:
-            return W, pending_w[r][0], None
+            return deferred_w(r, t)
         return None
 
     events: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
     heapq.heapify(events)
-    waiting = [False] * p
     while events:
         t, r = heapq.heappop(events)
         if t < free_at[r] - EPS:
             continue
         t = max(t, free_at[r])
         choice = pick(r, t)
-        if choice is None:
-            waiting[r] = True
+        if choice is None:  # woken again by the next message sent to this rank
             continue
-        waiting[r] = False
+        if choice[0] == "wait":  # hold the W back until the expected message arrives
+            heapq.heappush(events, (choice[1], r))
+            continue
         op, (s, mb), head = choice
         if head is not None:
             for dq in inbox[r]:
@@ -208,7 +215,6 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
         if op == F:
             if s == first_stage[r]:
                 reserved[r] += 1.0
-                opened[r] += 1
             held[r] += share[s]
             next_f[r] += 1
             if s == S - 1:
@@ -217,8 +223,6 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
                 wake = deliver(s, s + 1, F, mb, end)
         elif op in (B, BW):
             next_b[r] += 1
-            if s == first_stage[r]:
-                opened[r] -= 1
             if op == B:
                 pending_w[r].append((s, mb))
             else:
@@ -232,8 +236,6 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
             reserved[r] -= share[s]
         if wake is not None:
             heapq.heappush(events, (max(wake[1], free_at[wake[0]]), wake[0]))
-        # a rank that waited may now have memory freed or local work; same-rank cases are covered
-        # by its own end event, other ranks only by messages (pushed above).
     if count != total:
         raise Stall(f"{name}: the greedy policy stalled after {count} of {total} actions")
     return Schedule(name, p, S, m, placement, tuple(tuple(o) for o in orders))

@@ -1,9 +1,9 @@
 """Local search that polishes a verified schedule under real costs (used by `auto` on small cases).
 
-Moves swap two adjacent actions of one rank; a move is kept when the schedule
-still verifies (order, channels, deadlock, memory limit) and the simulated
-(makespan, sum of per-rank finish times) decreases. Swaps that let an action
-on the critical path start earlier are tried first. Deterministic; capped by a
+A move takes one action of a rank and runs it up to MAX_SHIFT positions
+earlier; it is kept when the schedule still verifies (order, channels,
+deadlock, memory limit) and the simulated (makespan, sum of per-rank finish
+times) decreases. Actions on the critical path are tried first. Deterministic; capped by a
 time budget and a size limit so `auto` stays fast.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .memory import peak_per_rank
 from .simulate import simulate, time_actions
 
 MAX_ACTIONS = 1500
+MAX_SHIFT = 4
 
 
 def refine(schedule: Schedule, costs: Costs, memory_limit: Optional[float], budget_s: float) -> Schedule:
@@ -31,10 +32,10 @@ def refine(schedule: Schedule, costs: Costs, memory_limit: Optional[float], budg
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
-        for r, i in _candidate_swaps(best, costs):
+        for r, i, j in _candidate_moves(best, costs):
             if time.perf_counter() >= deadline:
                 break
-            trial = _swap(best, r, i)
+            trial = _move(best, r, i, j)
             key = _try(trial, table, memory_limit)
             if key is not None and key < best_key:
                 best, best_key, improved = trial, key, True
@@ -42,9 +43,10 @@ def refine(schedule: Schedule, costs: Costs, memory_limit: Optional[float], budg
     return best
 
 
-def _swap(s: Schedule, r: int, i: int) -> Schedule:
+def _move(s: Schedule, r: int, i: int, j: int) -> Schedule:
+    """Rank r runs its action i at position j (< i)."""
     row = list(s.order[r])
-    row[i], row[i + 1] = row[i + 1], row[i]
+    row.insert(j, row.pop(i))
     return dataclasses.replace(s, order=s.order[:r] + (tuple(row),) + s.order[r + 1:])
 
 
@@ -64,15 +66,16 @@ def _score(s: Schedule, table: StageCosts) -> tuple[float, float]:
     return (round(max(finish), 9), round(sum(finish), 9))
 
 
-def _candidate_swaps(s: Schedule, costs: Costs) -> list[tuple[int, int]]:
-    """Every adjacent pair; first those whose second action lies on the critical path."""
-    critical = {(r, a) for r, a in simulate(s, costs).critical_path}
+def _candidate_moves(s: Schedule, costs: Costs) -> list[tuple[int, int, int]]:
+    """(rank, from, to) moves: critical-path actions first, then every action, each 1..MAX_SHIFT earlier."""
+    critical = [(r, a) for r, a in simulate(s, costs).critical_path]
     index = {(r, a): i for r, row in enumerate(s.order) for i, a in enumerate(row)}
-    first = [(r, index[(r, a)] - 1) for r, a in critical if index[(r, a)] > 0]
-    rest = [(r, i) for r, row in enumerate(s.order) for i in range(len(row) - 1)]
+    ordered = [(r, index[(r, a)]) for r, a in critical]
+    ordered += [(r, i) for r, row in enumerate(s.order) for i in range(len(row))]
     seen, out = set(), []
-    for pair in sorted(first) + rest:
-        if pair not in seen:
-            seen.add(pair)
-            out.append(pair)
+    for r, i in ordered:
+        if (r, i) in seen:
+            continue
+        seen.add((r, i))
+        out += [(r, i, j) for j in range(i - 1, max(-1, i - 1 - MAX_SHIFT), -1)]
     return out

@@ -7,7 +7,8 @@ memory budget plus a placement:
 
   zbh1      loop placement, 1F1B's memory (p): 1F1B order, rank r runs W(k) after B(k+r)
   zbh2      loop placement, 2p-1 units: list-scheduled (forwards fill the warm-up bubble)
-  zbv       V placement (v=2), p units: list-scheduled
+  zbv       V placement (v=2), p units: list-scheduled (the paper's hand-made ZB-V needs
+            p + r/2 on rank r on in-order channels; see zbv_paper)
   vhalf     V placement, about half of 1F1B's memory: floor(p/2)+1 units
   vmin      V placement, about a third: floor(p/3)+1 units
 
@@ -17,29 +18,30 @@ not change with the costs; `auto` is the kind that adapts to them.
 from __future__ import annotations
 
 from .costs import Costs
-from .gen_classic import one_f_one_b
-from .gen_greedy import Policy, list_schedule
+from .fifo_repair import follow_fifo
+from .gen_greedy import Policy, Stall, list_schedule
 from .ir import B, F, W, Action, Schedule, loop_placement, v_placement
+from .simulate import simulate
 
 UNIT = Costs()
 
 
 def zbh1(ranks: int, microbatches: int) -> Schedule:
     """1F1B with the backward split; rank r defers each W by r microbatches (peak stays p)."""
-    base = one_f_one_b(ranks, microbatches)
+    p, m = ranks, microbatches
     order = []
-    for r, actions in enumerate(base.order):
-        out = []
-        for a in actions:
-            if a.op == F:
-                out.append(a)
-                continue
-            out.append(Action(B, a.stage, a.microbatch))
-            if a.microbatch - r >= 0:
-                out.append(Action(W, a.stage, a.microbatch - r))
-        out += [Action(W, r, k) for k in range(max(0, microbatches - r), microbatches)]
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        out = [Action(F, r, mb) for mb in range(warm)]
+        for k in range(m):
+            if warm + k < m:
+                out.append(Action(F, r, warm + k))
+            out.append(Action(B, r, k))
+            if k - r >= 0:
+                out.append(Action(W, r, k - r))
+        out += [Action(W, r, k) for k in range(max(0, m - r), m)]
         order.append(tuple(out))
-    return Schedule("zbh1", ranks, ranks, microbatches, base.stage_to_rank, tuple(order))
+    return Schedule("zbh1", p, p, m, loop_placement(p, 1), tuple(order))
 
 
 def zbh2_limit(ranks: int) -> float:
@@ -70,7 +72,72 @@ def vmin(ranks: int, microbatches: int) -> Schedule:
     return _greedy("vmin", v_placement(ranks), microbatches, vmin_limit(ranks))
 
 
+def zbv_paper(ranks: int, microbatches: int) -> Schedule:
+    """The paper's hand-made ZB-V order (as torch implements it), made safe for in-order channels.
+
+    Rank r: 2(p-r)-1 chunk-0 forwards; r x (f1, F0); (p-r) x (f1, B1, W1); then
+    F0 B0 W0 f1 B1 W1 until done; cool-down r x (B0, B1), (p-r) x (B0, W0), the rest
+    of the W's. On in-order channels rank r+1 must run one more F0 before taking
+    rank r's first gradient, so after `follow_fifo` rank r peaks at p + r/2 (not p):
+    a candidate for `auto` when the memory limit allows, not the `zbv` kind.
+    """
+    p, m = ranks, microbatches
+    n = max(2 * p - 1, m)
+    order = []
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        ops: list[Action] = []
+        count = {"F0": 0, "F1": 0, "B0": 0, "B1": 0, "W0": 0, "W1": 0}
+
+        def add(kind: str, with_w: bool = False):
+            stage = c0 if kind[1] == "0" else c1
+            ops.append(Action(kind[0], stage, count[kind]))
+            count[kind] += 1
+            if with_w:
+                add("W" + kind[1])
+
+        for _ in range(2 * (p - r) - 1):
+            add("F0")
+        for _ in range(r):
+            add("F1")
+            add("F0")
+        for _ in range(p - r):
+            add("F1")
+            add("B1", with_w=True)
+        while count["F1"] < count["F0"] or count["F0"] < n:
+            if count["F0"] < n:
+                add("F0")
+            add("B0", with_w=True)
+            add("F1")
+            add("B1", with_w=True)
+        for _ in range(r):
+            add("B0")
+            add("B1")
+        for _ in range(p - r):
+            add("B0")
+            add("W0")
+        while count["W1"] < count["B1"]:
+            add("W1")
+        while count["W0"] < count["B0"]:
+            add("W0")
+        order.append(tuple(a for a in ops if a.microbatch < m))
+    return follow_fifo(Schedule("zbv", p, 2 * p, m, v_placement(p), tuple(order)))
+
+
 def _greedy(name: str, placement: tuple[int, ...], microbatches: int, limit: float) -> Schedule:
+    """The shorter (at unit costs) of backwards-first and forwards-first list scheduling."""
     ranks = max(placement) + 1
-    policy = Policy(split=True, limits=(limit,) * ranks)
-    return list_schedule(name, placement, microbatches, UNIT.stage_table(placement), policy)
+    table = UNIT.stage_table(placement)
+    best = None
+    for forward_first in (False, True):
+        policy = Policy(split=True, limits=(limit,) * ranks, forward_first=forward_first)
+        try:
+            schedule = list_schedule(name, placement, microbatches, table, policy)
+        except Stall:
+            continue
+        key = simulate(schedule).makespan
+        if best is None or key < best[0] - 1e-9:
+            best = (key, schedule)
+    if best is None:
+        raise Stall(f"{name}: no list-scheduling policy finishes with {microbatches} microbatches")
+    return best[1]

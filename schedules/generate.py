@@ -74,7 +74,9 @@ def generate(kind: str, ranks: int, microbatches: int, virtual: Optional[int] = 
     costs = costs or Costs()
     if kind == "auto":
         from .gen_auto import auto  # auto compares against every fixed kind
-        return auto(ranks, microbatches, virtual, costs, memory_limit)
+        schedule = auto(ranks, microbatches, virtual, costs, memory_limit)
+        verify(schedule, memory_limit)
+        return schedule
     if costs.per_stage is not None and len(costs.per_stage) != ranks * v:
         raise ScheduleError(f"per-stage costs list {len(costs.per_stage)} stages but {kind} with "
                             f"{ranks} ranks x {v} stages per rank has {ranks * v}")

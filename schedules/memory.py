@@ -8,7 +8,7 @@ has used it. So a split backward trades bubble for memory held between B and W.
 """
 from __future__ import annotations
 
-from .ir import BW, F, W, Schedule
+from .ir import B, BW, F, W, Schedule
 
 
 def stage_share(schedule: Schedule) -> tuple[float, ...]:
@@ -33,9 +33,13 @@ def peak_per_rank(schedule: Schedule) -> tuple[tuple[float, ...], tuple[int, ...
     for actions in schedule.order:
         held, peak, at = 0.0, 0.0, -1
         for i, a in enumerate(actions):
-            held += delta(a.op, share[a.stage])
-            if held > peak + 1e-9:
-                peak, at = held, i
+            op = a.op
+            if op == F:
+                held += share[a.stage]
+                if held > peak + 1e-9:
+                    peak, at = held, i
+            elif op != B:  # W or BW
+                held -= share[a.stage]
         peaks.append(round(peak, 9))
         where.append(at)
     return tuple(peaks), tuple(where)

@@ -43,10 +43,26 @@ class SimResult:
     idle: tuple[float, ...]  # makespan - busy, per rank
     peak_activations: tuple[float, ...]
     lower_bound: float  # no schedule of this placement and these costs can be shorter
-    critical_path: tuple[tuple[int, Action], ...]
-    idle_attribution: tuple[Idle, ...]
     start: tuple[tuple[float, ...], ...]  # per rank, aligned with schedule.order[rank]
     end: tuple[tuple[float, ...], ...]
+
+    @property
+    def critical_path(self) -> tuple[tuple[int, Action], ...]:
+        """(rank, action) from time 0 to the makespan, each step the constraint that set the start."""
+        return self._derived("_critical_path", lambda ex, table: _critical_path(ex, table, self.start, self.end))
+
+    @property
+    def idle_attribution(self) -> tuple[Idle, ...]:
+        """Every idle gap on every rank and the action it waited for (computed on first use)."""
+        return self._derived("_idle_attribution",
+                             lambda ex, table: _idle_attribution(ex, self.start, self.end, self.makespan))
+
+    def _derived(self, name: str, compute):
+        value = self.__dict__.get(name)
+        if value is None:
+            value = compute(analyze(self.schedule), self.costs.stage_table(self.schedule.stage_to_rank))
+            object.__setattr__(self, name, value)
+        return value
 
     @property
     def lower_bound_bubble(self) -> float:
@@ -66,7 +82,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
     costs = costs or Costs()
     table = costs.stage_table(schedule.stage_to_rank)
     ex = analyze(schedule)
-    start, end, waited = _time(ex, table)
+    start, end = _time(ex, table)
     p = schedule.ranks
     busy = tuple(sum(e - s for s, e in zip(start[r], end[r])) for r in range(p))
     makespan = max((row[-1] for row in end if row), default=0.0)
@@ -78,15 +94,12 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
         span_bubble=span_bubble, busy=busy, idle=idle,
         peak_activations=peak_per_rank(schedule)[0],
         lower_bound=lower_bound(schedule, table, busy),
-        critical_path=_critical_path(ex, table, start, end),
-        idle_attribution=_idle_attribution(ex, start, end, waited, makespan),
         start=tuple(map(tuple, start)), end=tuple(map(tuple, end)))
 
 
 def time_actions(ex: Execution, table: StageCosts):
     """(start, end) per rank and position, without the reports (the local search's inner loop)."""
-    start, end, _ = _time(ex, table)
-    return start, end
+    return _time(ex, table)
 
 
 def _time(ex: Execution, table: StageCosts):
@@ -94,7 +107,6 @@ def _time(ex: Execution, table: StageCosts):
     order, stride, lat = ex.schedule.order, ex.stride, table.latency
     start = [[0.0] * len(o) for o in order]
     end = [[0.0] * len(o) for o in order]
-    waited = [[False] * len(o) for o in order]  # True: the start was set by an input arrival
     free = [0.0] * len(order)
     durations = {}
     for code in ex.topo:
@@ -107,17 +119,16 @@ def _time(ex: Execution, table: StageCosts):
             arrive = end[q][j] + (lat if q != r else 0.0)
             if arrive > t:
                 t = arrive
-                waited[r][i] = True
         key = (a.op, a.stage)
         d = durations.get(key)
         if d is None:
             d = durations[key] = table.time(a.op, a.stage)
         start[r][i] = t
         free[r] = end[r][i] = t + d
-    return start, end, waited
+    return start, end
 
 
-def _idle_attribution(ex: Execution, start, end, waited, makespan: float) -> tuple[Idle, ...]:
+def _idle_attribution(ex: Execution, start, end, makespan: float) -> tuple[Idle, ...]:
     out = []
     order = ex.schedule.order
     for r, row in enumerate(order):

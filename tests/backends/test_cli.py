@@ -80,19 +80,27 @@ def test_verify_reports_equal(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_writes_metrics_and_trace(tmp_path):
+def test_run_build_dir_writes_metrics_and_trace(tmp_path):
+    """`pipeplan compile` then `pipeplan run BUILD/`: the reference's losses, metrics, a trace."""
+    from pipeplan.backends.reference import train_reference
+    from pipeplan.dsl.load import load_plan
+
     plan = write_plan(tmp_path)
+    r = pipeplan("compile", plan, "-o", tmp_path / "build")
+    assert r.returncode == 0, r.stdout + r.stderr
     metrics, trace = tmp_path / "m.jsonl", tmp_path / "t.json"
-    r = pipeplan("run", plan, "--metrics", metrics, "--trace", trace)
+    r = pipeplan("run", tmp_path / "build", "--metrics", metrics, "--trace", trace)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
-    assert all(row["loss"] > 0 and row["tokens_per_s"] > 0 for row in rows)
+    assert all(row["tokens_per_s"] > 0 for row in rows)
+    reference = train_reference(load_plan(str(plan)), 3).losses
+    assert [row["loss"] for row in rows] == pytest.approx(reference, rel=1e-5, abs=1e-6)
     assert "step 3/3" in r.stdout and "measured" in r.stdout and "predicted" in r.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     actions = {(e["pid"], e["name"]) for e in events if e["ph"] == "X"}
     # 1f1b, 2 microbatches: each rank runs F and BW of its stage for both, every step
-    assert {(0, "F s0 mb0"), (0, "BW s0 mb1"), (1, "F s1 mb1"), (1, "BW s1 mb0")} <= actions
+    assert {(0, "F0.0"), (0, "BW0.1"), (1, "F1.1"), (1, "BW1.0")} <= actions  # the IR's names
     assert sum(e["ph"] == "X" for e in events) == 3 * 2 * 2 * 2
 
 
@@ -112,9 +120,10 @@ def test_rank_failure_stops_every_rank(tmp_path):
 
 def test_bad_plan_is_a_one_line_error(tmp_path):
     plan = write_plan(tmp_path)
-    r = pipeplan("run", plan, "--set", "mesh.tp=2", timeout=60)
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
+    r = pipeplan("run", plan, "--set", "train.precision=bf16", timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot run precision = bf16 yet" in r.stderr and "^" in r.stderr
+    assert "Traceback" not in r.stderr and "launching" not in r.stdout
     r = pipeplan("run", tmp_path / "missing.plan", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
 

@@ -60,6 +60,7 @@ def _worker(rank, world, model):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("model", ["gpt", "moe"])
 def test_every_schedule_equals_single_process(spawn, model, world):

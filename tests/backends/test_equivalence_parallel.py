@@ -60,6 +60,7 @@ def _worker(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_stage_parallelism_inside_the_pipeline(spawn):
     results = spawn(_worker, 4, timeout=400)
     failures = []

@@ -136,3 +136,27 @@ def test_hand_split_pp2(spawn):
 
 def test_hand_split_pp2_dp2(spawn):
     _check(spawn(_worker, 4, timeout=120), 4)
+
+
+def _nan_worker(rank, world):
+    from pipeplan.backends.executor import ActionError
+
+    plan = tiny_plan(1, 1, m=2)
+    torch.manual_seed(0)
+    model = Tiny()
+    with torch.no_grad():
+        model.l2.weight.fill_(float("nan"))
+    placement = (0, 0)  # two stages on one rank: hand-offs in memory only
+    compiled = compiled_by_hand(plan, model, (["emb", "l0"], ["l1", "l2", "head"]), placement,
+                                fill_drain(placement, 2, split=True))
+    trainer = PipelineTrainer(plan, compiled, build_topology(plan.mesh))
+    try:
+        trainer.step(0)
+    except ActionError as e:
+        return str(e)
+    return "no error"
+
+
+def test_non_finite_loss_names_the_action(spawn):
+    (message,) = spawn(_nan_worker, 1, timeout=60)
+    assert message.startswith("F s1 mb0 failed: FloatingPointError: the loss is nan")

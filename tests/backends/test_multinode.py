@@ -47,6 +47,7 @@ def losses(path: Path) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_two_torchrun_nodes_match_single_node(tmp_path):
     plan = tmp_path / "mn.plan"
     plan.write_text(PLAN)

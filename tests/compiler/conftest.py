@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeplan.compiler.compiled import BATCH, CompiledPlan
-from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, InputSpec, MeshSpec, ModelSpec, PipelineSpec,
+from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, PipelineSpec,
                               Plan, SplitSpec, TrainSpec)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +20,8 @@ def build_plan(source: str, args: dict | None = None, *, pp: int = 2, virtual: i
     model = ModelSpec(source=source, args=args or {}, loss=loss,
                       **({"inputs": inputs} if inputs else {}),
                       **fields.pop("model_fields", {}))
-    return Plan(model=model, data=DataSpec(seq_len=seq_len), mesh=fields.pop("mesh", MeshSpec(pp=pp)),
+    return Plan(model=model, data=DataSpec(seq_len=seq_len),
+                mesh=fields.pop("mesh", MeshSpec(pp=pp)),
                 pipeline=PipelineSpec(schedule=schedule, microbatches=microbatches, virtual=virtual,
                                       split=split or SplitSpec()),
                 train=fields.pop("train", TrainSpec(global_batch=global_batch)),

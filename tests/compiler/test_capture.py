@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeplan.compiler import compile_plan, load_model, reference_loss
-from pipeplan.dsl.ast import ExpertsSpec, SplitSpec
+
 from pipeplan.dsl.errors import PlanError
 
 pytest.importorskip("transformers")
@@ -33,6 +33,11 @@ def test_transformers_model_through_export_matches_eager(make_plan, chain, facto
     want = reference_loss("cross_entropy", model(input_ids=batch["input_ids"]), batch["targets"])
     assert torch.equal(got, want)
     assert compiled.stages[1].module_names[0] == "model.layers.1"
+    own = {id(p) for p in model.parameters()}
+    assert [n for st in compiled.stages for n, p in st.module.named_parameters()
+            if id(p) not in own] == []
+    names = set(model.state_dict())
+    assert all(set(st.module.state_dict()) <= names for st in compiled.stages)
     if args.get("tie"):
         assert len(compiled.tied) == 1 and compiled.tied[0].stages == (0, 3)
 
@@ -80,3 +85,36 @@ def test_fx_only_failure_on_transformers_points_at_forward(make_plan):
         compile_plan(plan)
     assert "co_varnames" in str(e.value) and "modeling_llama.py" in str(e.value)
     assert 'capture = "export"' in str(e.value)
+
+
+def test_grouped_mm_experts_are_costed_per_routed_token(make_plan):
+    """transformers' Mixtral dispatches tokens to experts with a grouped matmul that torch's
+    flop counter does not know; the compiler counts 2·rows·K·N for it."""
+    from pipeplan.compiler.blocks import module_path, within
+    from pipeplan.compiler.traced import trace_with_loss
+    args = {"layers": 1, "dim": 32, "experts": 4, "top_k": 2}
+    plan = make_plan("tests/compiler/models.py:tiny_mixtral", args, pp=1, microbatches=1,
+                     global_batch=2, seq_len=16)
+    traced = trace_with_loss(plan, load_model(plan))
+    measured = sum(c.flops for n, c in traced.run.costs.items()
+                   if within(module_path(n), "model.layers.0.mlp.experts"))
+    tokens, d, inter = 2 * 16, 32, 64
+    routed = tokens * 2  # each token visits top_k = 2 experts
+    assert measured == 2 * routed * d * (2 * inter) + 2 * routed * inter * d  # gate_up, down
+
+
+def test_move_stage_retargets_device_constants(make_plan):
+    from pipeplan.compiler import move_stage
+    plan = make_plan("tests/compiler/models.py:tiny_llama", {"layers": 2}, pp=2)
+    compiled = compile_plan(plan, load_model(plan, "cpu"))
+    stage = compiled.stages[0].module
+
+    def named():
+        return {str(v) for n in stage.graph.nodes for v in n.kwargs.values()
+                if isinstance(v, torch.device)}
+    assert named() == {"cpu"}  # export spelled out the capture device (arange etc.)
+    move_stage(stage, "meta")
+    assert named() == {"meta"}
+    assert all(p.is_meta for p in stage.parameters())
+    out = stage(torch.zeros(plan.microbatch_size, 16, dtype=torch.int64, device="meta"))
+    assert all(t.is_meta for t in out)

@@ -178,3 +178,34 @@ def test_expert_placement_contiguous_blocks(tmp_path):
     compiled = compile_plan(_moe_plan(tmp_path, ep=2))
     assert [e.module for e in compiled.experts] == ["layers.0.moe", "layers.1.moe"]
     assert all(e.shards == ((0, 1), (2, 3)) for e in compiled.experts)
+
+
+def test_tp_not_dividing_kv_heads(make_plan):
+    from pipeplan.dsl.ast import MeshSpec, TensorSpec
+    # 8 query heads, 2 KV heads: tp = 4 splits the queries but not the keys/values
+    plan = make_plan("tests/compiler/models.py:Llama",
+                     {"vocab": 64, "dim": 64, "layers": 2, "heads": 8, "kv_heads": 2, "ffn": 128},
+                     pp=1, mesh=MeshSpec(tp=4),
+                     tensor=TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k"),
+                                       row=("layers.*.attn.o",)))
+    text = _error(compile_plan, plan)
+    assert "tp = 4 does not divide the 2 KV heads of layers.0.attn.k" in text
+
+
+def test_tp_not_dividing_ffn_and_vocab(make_plan):
+    from pipeplan.dsl.ast import MeshSpec, TensorSpec
+    args = {"vocab": 66, "dim": 64, "layers": 1, "heads": 8, "kv_heads": 8, "ffn": 100}
+    ffn = make_plan("tests/compiler/models.py:Llama", args, pp=1, mesh=MeshSpec(tp=8),
+                    tensor=TensorSpec(column=("layers.*.up",)))
+    assert "does not divide the 100 output features of layers.0.up" in _error(compile_plan, ffn)
+    vocab = make_plan("tests/compiler/models.py:Llama", args, pp=1, mesh=MeshSpec(tp=4),
+                      tensor=TensorSpec(vocab=("tok_emb",)))
+    assert "does not divide the vocabulary of tok_emb (66)" in _error(compile_plan, vocab)
+
+
+def test_synthetic_vocab_larger_than_model(make_plan):
+    from dataclasses import replace
+    from pipeplan.dsl.ast import DataSpec
+    plan = make_plan("examples/models/gpt.py:GPT", {"vocab": 64, "layers": 2, "seq_len": 16})
+    plan = replace(plan, data=DataSpec(seq_len=16, vocab=256))
+    assert "model predicts 64 classes" in _error(compile_plan, plan)

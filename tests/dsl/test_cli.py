@@ -45,10 +45,17 @@ def test_check_with_overrides_and_world_size(capsys):
 
 def test_check_reports_a_bad_override_at_the_override(capsys):
     path = str(ROOT / "examples/gpt_pp4_1f1b.plan")
-    assert main(["check", path, "--set", "pipeline.microbatches=2"]) == 2
+    assert main(["check", path, "--set", "train.global_batch=12"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("<--set 1>:1:23: error: 1f1b with pp = 4 needs at least 4 microbatches")
-    assert "    pipeline.microbatches=2\n" + " " * 26 + "^" in err
+    assert err.startswith("<--set 1>:1:20: error: global_batch = 12 is not divisible by dp * "
+                          "microbatches = 1 * 8")
+    assert "    train.global_batch=12\n" + " " * 23 + "^^" in err
+
+
+def test_check_notes_an_underfilled_pipeline(capsys):
+    path = str(ROOT / "examples/gpt_pp4_1f1b.plan")
+    assert main(["check", path, "--set", "pipeline.microbatches=2"]) == 0
+    assert "note: 2 microbatches for 4 pipeline ranks" in capsys.readouterr().out
 
 
 def test_fmt_prints_canonical_text_and_rewrites_in_place(tmp_path, capsys):

@@ -87,12 +87,6 @@ SCHEMA = [
 ]
 
 SEMANTIC = [
-    ("too-few-microbatches-1f1b", "base", "microbatches = 8", "microbatches = 2", "microbatches = |2",
-     "1f1b with pp = 4 needs at least 4 microbatches, got 2"),
-    ("interleaved-multiple-of-pp", "base", "schedule = 1f1b\n  microbatches = 8\n  split = "
-     "[layers[0:2], layers[2:4], layers[4:6], layers[6:8]]",
-     "schedule = interleaved\n  microbatches = 6\n  virtual = 2", "microbatches = |6",
-     "interleaved needs microbatches to be a multiple of pp = 4, got 6"),
     ("dualpipev-2p", "base", "schedule = 1f1b\n  microbatches = 8\n  split = "
      "[layers[0:2], layers[2:4], layers[4:6], layers[6:8]]",
      "schedule = dualpipev\n  microbatches = 4\n  virtual = 2", "microbatches = |4",
@@ -102,12 +96,15 @@ SEMANTIC = [
     ("count-and-size", "base", "microbatches = 8", "microbatches = 8\n  microbatch_size = 2",
      "microbatch_size = |2", "set pipeline.microbatches or pipeline.microbatch_size, not both"),
     ("zbv-needs-virtual-2", "base", "schedule = 1f1b\n  microbatches = 8\n  split = "
-     "[layers[0:2], layers[2:4], layers[4:6], layers[6:8]]", "schedule = zbv\n  microbatches = 8",
-     "zbv", "zbv needs virtual = 2, got 1"),
+     "[layers[0:2], layers[2:4], layers[4:6], layers[6:8]]",
+     "schedule = zbv\n  microbatches = 8\n  virtual = 1", "virtual = |1",
+     "zbv needs virtual = 2, got 1"),
+    ("auto-takes-virtual-up-to-2", "base", "schedule = 1f1b", "schedule = auto\n  virtual = 3",
+     "virtual = |3", "auto takes virtual <= 2, got 3"),
     ("1f1b-with-virtual", "base", "microbatches = 8", "microbatches = 8\n  virtual = 2",
      "virtual = |2", "1f1b needs virtual = 1, got 2"),
-    ("interleaved-needs-virtual", "base", "schedule = 1f1b", "schedule = interleaved", "interleaved",
-     "interleaved needs virtual >= 2, got 1"),
+    ("interleaved-needs-virtual", "base", "schedule = 1f1b", "schedule = interleaved\n  virtual = 1",
+     "virtual = |1", "interleaved needs virtual >= 2, got 1"),
     ("split-point-count", "base", "[layers[0:2], layers[2:4], layers[4:6], layers[6:8]]",
      '["layers.2"]', '["layers', "1 split points make 2 stages, but pp * virtual = 4"),
     ("split-point-twice", "base", "[layers[0:2], layers[2:4], layers[4:6], layers[6:8]]",
@@ -204,10 +201,19 @@ def test_every_error_has_a_hint_where_a_fix_is_known(base, errors_of):
 
 
 def test_too_few_microbatches_explains_the_hang(base):
+    text = base.replace("schedule = 1f1b\n  microbatches = 8", "schedule = dualpipev\n  microbatches = 4")
     with pytest.raises(PlanError) as info:
-        parse_plan(base.replace("microbatches = 8", "microbatches = 2"), "t.plan")
-    hint = info.value.diagnostics[0].hint
-    assert "blocks forever" in hint and "#775" in hint and "microbatches >= 4" in hint
+        parse_plan(text.replace("split = [layers[0:2], layers[2:4], layers[4:6], layers[6:8]]",
+                                "split = auto"), "t.plan")
+    (d,) = info.value.diagnostics
+    assert d.message == "dualpipev with pp = 4 needs at least 8 microbatches, got 4"
+    assert "blocking forever on a receive no rank will send" in d.hint and "microbatches >= 8" in d.hint
+
+
+def test_fewer_microbatches_than_ranks_is_fine_for_1f1b(base):
+    """pipeplan's 1F1B clamps its warm-up, so m < pp cannot hang (torchtitan #775): accepted."""
+    plan = parse_plan(base.replace("microbatches = 8", "microbatches = 2"), "t.plan")
+    assert (plan.microbatches, plan.microbatch_size) == (2, 8)
 
 
 def test_unexpected_end_of_file_points_past_the_last_line(base, errors_of):
@@ -265,3 +271,15 @@ def test_check_plan_rejects_options_a_file_cannot_even_write(base):
     with pytest.raises(PlanError, match="momentum does nothing with adamw"):
         check_plan(adam_momentum)
     check_plan(plan, world_size=4)
+
+
+def test_absurd_nesting_is_an_error_not_a_crash(errors_of):
+    text = 'model { source = "m.py:M"  args = { x = ' + "[" * 5000 + "]" * 5000 + " } }"
+    assert errors_of(text, path="t.plan") == [("t.plan", 1, 1, "the plan is nested too deeply")]
+
+
+def test_a_missing_plan_file_exits_2(tmp_path, capsys):
+    missing = tmp_path / "nope.plan"
+    assert main(["check", str(missing)]) == 2
+    assert f"{missing}:1:1: error: cannot read plan file: No such file or directory" in \
+        capsys.readouterr().err

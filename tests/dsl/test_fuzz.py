@@ -94,7 +94,10 @@ def outcome(text: str, overrides: tuple[str, ...] = ()) -> str:
             assert d.span.line >= 1 and d.span.col >= 1 and d.message
         assert str(e).count(": error: ") == len(e.diagnostics)
         return "error"
-    assert parse_plan(format_plan(plan), "fuzz.plan") == plan
+    canonical = format_plan(plan)
+    again = parse_plan(canonical, "fuzz.plan")
+    assert again == plan
+    assert format_plan(again) == canonical  # comments included
     return "ok"
 
 

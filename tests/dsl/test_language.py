@@ -161,6 +161,14 @@ def test_microbatches_default_to_the_schedules_minimum():
     assert plan.microbatches == 8 and plan.microbatch_size == 2
 
 
+def test_virtual_defaults_to_the_schedules_natural_stages_per_rank():
+    head = 'model { source = "m.py:M" }\nmesh { pp = 2 }\ntrain { global_batch = 4 }\n'
+    assert parse_plan(head + "pipeline { schedule = zbv }").pipeline.virtual == 2
+    assert parse_plan(head + "pipeline { schedule = interleaved }").pipeline.virtual == 2
+    assert parse_plan(head + "pipeline { schedule = interleaved  virtual = 3 }").pipeline.virtual == 3
+    assert parse_plan(head + "pipeline { schedule = 1f1b }").pipeline.virtual == 1
+
+
 def test_comments_and_separators_are_free():
     a = parse_plan('model { source = "m.py:M" } # c\nmesh { pp = 2; dp = 1, tp = 1 }  # trailing')
     b = parse_plan('model {\n  # above\n  source = "m.py:M"\n}\nmesh {\n  pp = 2\n}\n')

@@ -2,6 +2,7 @@
 on canonical text: for every example plan and for hypothesis-generated plans."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,8 @@ def plans(draw) -> A.Plan:
     ep = draw(st.sampled_from([d for d in range(1, dp * tp + 1) if dp * tp % d == 0]))
     schedule = draw(st.sampled_from(sorted(SCHEDULE_RULES)))
     rule = SCHEDULE_RULES[schedule]
-    virtual = rule.virtual or draw(st.integers(max(2, rule.min_virtual) if rule.min_virtual > 1 else 1, 3))
+    virtual = draw(st.integers(rule.min_virtual, rule.max_virtual or 3))
     m = min_microbatches(schedule, pp) * draw(st.integers(1, 3))
-    if rule.multiple_of_pp and m % pp:
-        m += pp - m % pp
     per_mb = draw(st.integers(1, 3))
     stages = pp * virtual
     split_kind = draw(st.sampled_from(["auto", "points", "ranges"]))
@@ -148,3 +147,30 @@ def test_generated_plans_round_trip(plan):
     full = format_plan(plan, full=True)
     assert parse_plan(full) == plan
     assert format_plan(parse_plan(full), full=True) == full
+
+
+def test_fmt_keeps_comments_next_to_their_keys():
+    text = ('# header\n\nmodel { source = "m.py:M" }  # the model\n'
+            "mesh { pp = 1  tp = 2 }\ntensor {\n  column = [\n    layers.*.attn.q,  # q\n"
+            "    layers.*.attn.k,\n  ]\n  # sp on\n  sequence_parallel = true\n}\n# the end\n")
+    canonical = format_plan(parse_plan(text))
+    assert canonical == (
+        '# header\n\nmodel {\n  source = "m.py:M"  # the model\n}\n\nmesh {\n  pp = 1\n  tp = 2\n}\n\n'
+        "tensor {\n  column = [layers.*.attn.q, layers.*.attn.k]  # q\n  # sp on\n"
+        "  sequence_parallel = true\n}\n\n# the end\n")
+    assert format_plan(parse_plan(canonical)) == canonical
+
+
+LEXEME = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z0-9_.*:+-]+|\S')
+SEPARATORS = st.sampled_from([" ", "\n", "\t", "  ", " # a comment\n", "\n\n"])
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True)
+@given(st.sampled_from(EXAMPLES), st.data())
+def test_layout_and_comments_do_not_change_the_plan(path, data):
+    """Any whitespace, newlines and comments between tokens give the same plan."""
+    canonical = format_plan(load_plan(str(path)), comments=False)
+    tokens = LEXEME.findall(canonical)
+    seps = data.draw(st.lists(SEPARATORS, min_size=len(tokens), max_size=len(tokens)))
+    text = "".join(t + s for t, s in zip(tokens, seps))
+    assert parse_plan(text, str(path)) == load_plan(str(path))

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.backends.expert_parallel import (
-    ExpertParallelMoE, capacity_keep, expert_capacity, expert_placement, expert_shard,
-    gather_experts)
+    ExpertParallelMoE, capacity_keep, expert_capacity, expert_shard, gather_experts)
 from pipeplan.errors import PipeplanError
 from pipeplan.examples.models.moe_gpt import MoE
 
@@ -115,10 +114,23 @@ def test_capacity_drops_something_in_the_test_cases():
 def test_shard_mapping_and_errors():
     s = expert_shard(8, 4, 2)
     assert (s.first, s.stop, s.global_index(1)) == (4, 6, 5)
-    assert expert_placement("layers.0.moe", 8, 2).shards == ((0, 1, 2, 3), (4, 5, 6, 7))
     with pytest.raises(PipeplanError, match="does not divide the 6 experts"):
         expert_shard(6, 4, 0)
     with pytest.raises(PipeplanError, match="unknown drop policy"):
         capacity_keep(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), 2, 1, "random")
     with pytest.raises(PipeplanError, match="stacked-expert MoE"):
         ExpertParallelMoE(torch.nn.Linear(2, 2))
+
+
+def test_shards_are_the_compilers_placement():
+    from pipeplan.compiler.experts import place_experts
+    from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan
+    from pipeplan.examples.models.moe_gpt import MoEGPT
+
+    plan = Plan(model=ModelSpec(source="m.py:MoEGPT"), mesh=MeshSpec(dp=4, ep=4),
+                experts=ExpertsSpec(modules=("layers.*.moe",), num_experts=8))
+    model = MoEGPT(vocab=32, dim=16, layers=2, heads=2, seq_len=8, num_experts=8)
+    for placement in place_experts(plan, model):
+        assert placement.shards == tuple(
+            tuple(range(expert_shard(8, 4, r).first, expert_shard(8, 4, r).stop))
+            for r in range(4))

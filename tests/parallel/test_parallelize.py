@@ -7,6 +7,7 @@ train like the single-process model.
 from __future__ import annotations
 
 import copy
+import fnmatch
 
 import pytest
 import torch
@@ -49,9 +50,11 @@ def _ep_worker(rank, world, zero):
     torch.manual_seed(0)
     ref = MoEGPT(vocab=32, dim=16, layers=2, heads=2, seq_len=8, num_experts=8)
     model = copy.deepcopy(ref)
+    if zero == 0:  # as a traced stage with the MoE layers as leaves
+        model = fx.GraphModule(model, _Leaves(required_leaf_modules(plan)).trace(model))
     stage = parallelize_stage(model, plan, groups)
     assert sorted(stage.experts) == ["layers.0.moe", "layers.1.moe"]
-    assert model.layers[0].moe.w_up.shape[0] == 4
+    assert model.get_submodule("layers.0.moe").w_up.shape[0] == 4
     ref_opt = sgd(ref.parameters())
     zero_opt = build_zero_optimizer({0: stage}, plan, sgd) if zero else None
     opt = None if zero else sgd(model.parameters())
@@ -115,9 +118,23 @@ def _ep_worker(rank, world, zero):
             zero_opt.release(0)
 
 
-class _AttentionLeaves(fx.Tracer):
+class _Leaves(fx.Tracer):
+    """The compiler's fx capture with extra leaf-module patterns."""
+
+    def __init__(self, patterns):
+        super().__init__()
+        self.patterns = patterns
+
     def is_leaf_module(self, m, qualname):
-        return qualname.endswith(".attn") or super().is_leaf_module(m, qualname)
+        return (any(fnmatch.fnmatchcase(qualname, p) for p in self.patterns)
+                or super().is_leaf_module(m, qualname))
+
+
+class _GPTWithLoss(GPT):
+    """The GPT with the loss in its graph, as the compiler's last stage computes it."""
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(super().forward(ids).flatten(0, -2), targets.flatten())
 
 
 def _traced_tp_worker(rank, world, sequence_parallel):
@@ -126,19 +143,24 @@ def _traced_tp_worker(rank, world, sequence_parallel):
                 tensor=TensorSpec(TENSOR.column, TENSOR.row, TENSOR.vocab, sequence_parallel))
     groups = build_parallel_groups(mesh, dist.group.WORLD, None)
     torch.manual_seed(0)
-    ref = GPT(vocab=32, dim=16, layers=2, heads=2, seq_len=8)
+    ref = _GPTWithLoss(vocab=32, dim=16, layers=2, heads=2, seq_len=8)
     model = copy.deepcopy(ref)
-    stage_module = fx.GraphModule(model, _AttentionLeaves().trace(model))
+    stage_module = fx.GraphModule(model, _Leaves(required_leaf_modules(plan)).trace(model))
     stage = parallelize_stage(stage_module, plan, groups)
     assert stage.tensor.rewrites["layers.1.attn"] == "attention"
-    ids, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
-    F.cross_entropy(ref(ids).flatten(0, 1), targets.flatten()).backward()
-    loss = F.cross_entropy(stage_module(ids).flatten(0, 1), targets.flatten())
-    loss.backward()
-    stage.sync_sequence_parallel()
+    assert stage.tensor.rewrites["lm_head"] == "vocab+loss"  # logits never gathered
+    assert not stage_module.get_submodule("lm_head").gather_output
     weights = stage.full_state_dict()
     for n, value in ref.state_dict().items():
         assert torch.equal(weights[n], value), n
+    ids, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    targets[0, :3] = -100  # ignored positions, as F.cross_entropy's default
+    ref_loss = ref(ids, targets)
+    ref_loss.backward()
+    loss = stage_module(ids, targets)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    stage.sync_sequence_parallel()
     grads = {n: p.grad for n, p in stage_module.named_parameters()}
     for n, p in stage_module.named_parameters():
         p.data = grads[n]  # gather the gradients through the parameters' shard layout
@@ -204,14 +226,15 @@ PLAN_TEXT = """model {
   source = "models/gpt.py:GPT"
   args = { vocab = 256, dim = 64, layers = 2, heads = 4, seq_len = 64 }
 }
-data = synthetic(seed = 0, vocab = 256, seq_len = 64)
+data = synthetic(seed = 0, vocab = 256, seq_len = 63)
 mesh {
   dp = 2
-  tp = 8
+  tp = 2
 }
 tensor {
   column = [layers.*.attn.q, layers.*.attn.k, layers.*.attn.v]
   row = [layers.*.attn.proj]
+  sequence_parallel = true
 }
 """
 
@@ -226,9 +249,10 @@ def test_model_checks_point_at_the_plan_line():
     with pytest.raises(PlanError) as info:
         check_parallel_model(plan, model)
     text = str(info.value)
-    assert "gpt.plan:11:" in text and "does not divide the 4 attention heads of layers.0.attn" in text
+    assert "gpt.plan:13:" in text and "does not divide the sequence length 63" in text
     assert "^" in text
-    check_parallel_model(parse_plan(PLAN_TEXT.replace("tp = 8", "tp = 2"), "gpt.plan"), model)
+    check_parallel_model(parse_plan(PLAN_TEXT.replace("seq_len = 63", "seq_len = 64"),
+                                    "gpt.plan"), model)
 
 
 def test_model_checks_experts():
@@ -236,10 +260,118 @@ def test_model_checks_experts():
     from pipeplan.backends.parallelize import check_parallel_model
 
     model = MoEGPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8, num_experts=4)
-    plan = Plan(model=MODEL, mesh=MeshSpec(dp=2, ep=2), experts=EXPERTS)  # says 8 experts
-    with pytest.raises(PlanError, match="num_experts = 8 but layers.0.moe has 4"):
-        check_parallel_model(plan, model)
     plan = Plan(model=MODEL, mesh=MeshSpec(dp=2, ep=2),
                 experts=ExpertsSpec(modules=("layers.*.attn",), num_experts=4))
     with pytest.raises(PlanError, match="not a stacked-expert MoE"):
         check_parallel_model(plan, model)
+    plan = Plan(model=MODEL, mesh=MeshSpec(dp=1, tp=2, ep=2), experts=EXPERTS)
+    with pytest.raises(PlanError, match="ep = 2 must divide dp = 1"):
+        check_parallel_model(plan, model)
+
+
+def test_unimplemented_expert_options_are_refused():
+    model = MoEGPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8, num_experts=8)
+    for spec, message in ((ExpertsSpec(("layers.*.moe",), 8, dispatcher="allgather"), "allgather"),
+                          (ExpertsSpec(("layers.*.moe",), 8, shared_experts=1), "shared_experts")):
+        plan = Plan(model=MODEL, experts=spec)
+        with pytest.raises(PipeplanError, match=message):
+            parallelize_stage(model, plan, build_parallel_groups(plan.mesh))
+
+
+def _tp_zero_worker(rank, world, zero):
+    """dp2 x tp2: ZeRO shards mixing TP-sharded and replicated parameters still give
+    the global gradient norm (for clipping) and the reference's parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = MeshSpec(dp=2, tp=2)
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = dm.get_local_rank("dp")
+    plan = Plan(model=MODEL, mesh=mesh, zero=zero,
+                tensor=TensorSpec(TENSOR.column, TENSOR.row, TENSOR.vocab))
+    groups = build_parallel_groups(mesh, dm.get_group("tp"), dm.get_group("dp"))
+    torch.manual_seed(0)
+    ref = GPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8)
+    model = copy.deepcopy(ref)
+    stage = parallelize_stage(model, plan, groups)
+    zero_opt = build_zero_optimizer({0: stage}, plan, sgd)
+    ref_opt = sgd(ref.parameters())
+    for step in range(2):
+        ids, targets = torch.randint(0, 32, (2, 2, 8)), torch.randint(0, 32, (2, 2, 8))
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(ids.flatten(0, 1)).flatten(0, 1), targets.flatten()).backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+        ref_opt.step()
+
+        zero_opt.gather(0)
+        loss = F.cross_entropy(model(ids[dp_rank]).flatten(0, 1), targets[dp_rank].flatten()) / 2
+        zero_opt.release(0)
+        zero_opt.gather(0)
+        loss.backward()
+        zero_opt.release(0)
+        zero_opt.reduce_gradients()
+        norm = zero_opt.clip_grad_norm_(0.05)
+        assert abs(norm - ref_norm) < 1e-5 * ref_norm and norm > 0.05, (norm, ref_norm)
+        zero_opt.step()
+        zero_opt.zero_grad()
+        zero_opt.gather(0)
+        full = stage.full_state_dict()
+        zero_opt.release(0)
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(full[name], value, **TOL,
+                                       msg=lambda m, n=name: f"zero={zero} step {step} {n}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_with_tensor_parallel_clips_by_the_global_norm(run_workers, zero):
+    run_workers(_tp_zero_worker, 4, zero)
+
+
+def _prefetch_worker(rank, world):
+    """ZeRO-3 over two stages on each rank: the next action's stage is gathered ahead."""
+    from pipeplan.backends.parallelize import PrefetchWindow
+
+    mesh = MeshSpec(dp=world)
+    plan = Plan(model=MODEL, mesh=mesh, zero=3)
+    groups = build_parallel_groups(mesh, None, dist.group.WORLD)
+    torch.manual_seed(0)
+    ref = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU()), torch.nn.Linear(16, 4)]
+    mods = copy.deepcopy(ref)
+    zero = build_zero_optimizer(
+        {i: parallelize_stage(m, plan, groups) for i, m in enumerate(mods)}, plan, sgd)
+    order = [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
+             ("BW", 1, 0), ("BW", 0, 0), ("BW", 1, 1), ("BW", 0, 1)]
+    window = PrefetchWindow(zero, [s for _, s, _ in order])
+    x, y = torch.randn(world, 2, 3, 8), torch.randn(world, 2, 3, 4)
+    ref_opt = sgd([p for m in ref for p in m.parameters()])
+    F.mse_loss(ref[1](ref[0](x)), y).backward()
+    ref_opt.step()
+
+    saved = {}
+    for op, s, mb in order:
+        with window(s):
+            assert sum(sh.present for sh in zero.optimizer.shards) <= 2
+            if (op, s) == ("F", 0):
+                h = mods[0](x[rank, mb])
+                saved[0, mb] = (h, h.detach().requires_grad_())
+            elif (op, s) == ("F", 1):
+                saved[1, mb] = F.mse_loss(mods[1](saved[0, mb][1]), y[rank, mb]) / (2 * world)
+            elif s == 1:
+                saved.pop((1, mb)).backward()
+            else:
+                h, h_in = saved.pop((0, mb))
+                h.backward(h_in.grad)
+    assert window.prefetches == 6 and window.position == 0  # every change of stage
+    assert not any(sh.present for sh in zero.optimizer.shards)
+    zero.reduce_gradients()
+    zero.step()
+    for i in (0, 1):
+        zero.gather(i)
+        for (name, p), q in zip(mods[i].named_parameters(), ref[i].parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=name)
+        zero.release(i)
+
+
+@pytest.mark.slow
+def test_zero3_prefetch_window_over_two_stages(run_workers):
+    run_workers(_prefetch_worker, 2)

@@ -106,3 +106,45 @@ def test_malformed_schedules_raise_one_line_errors(bad):
     with pytest.raises(ScheduleError) as info:
         verify(bad)
     assert "\n" not in str(info.value)
+
+
+# A mutated schedule is either valid or rejected with a ScheduleError: never a crash or a hang.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pipeplan.schedules import simulate  # noqa: E402
+
+BASES = [generate(k, 3, 4) for k in ("1f1b", "zbh1", "zbv", "interleaved")]
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(base=st.sampled_from(BASES), kind=st.sampled_from(["swap", "move", "drop", "dup", "retag"]),
+       seed=st.integers(0, 10_000))
+def test_mutated_schedules_verify_or_raise_schedule_error(base, kind, seed):
+    import random
+    rng = random.Random(seed)
+    order = [list(row) for row in base.order]
+    r = rng.randrange(len(order))
+    i = rng.randrange(len(order[r]))
+    if kind == "swap":
+        j = rng.randrange(len(order[r]))
+        order[r][i], order[r][j] = order[r][j], order[r][i]
+    elif kind == "move":
+        order[rng.randrange(len(order))].insert(0, order[r].pop(i))
+    elif kind == "drop":
+        order[r].pop(i)
+    elif kind == "dup":
+        order[r].insert(rng.randrange(len(order[r]) + 1), order[r][i])
+    else:
+        a = order[r][i]
+        order[r][i] = Action(rng.choice(["F", "B", "W", "BW", "X"]), a.stage, rng.randrange(-1, 6))
+    s = Schedule("mutant", base.ranks, base.stages, base.microbatches, base.stage_to_rank,
+                 tuple(tuple(row) for row in order))
+    try:
+        verify(s)
+    except ScheduleError as e:
+        assert "\n" not in str(e)
+        with pytest.raises(ScheduleError):
+            simulate(s)
+        return
+    assert simulate(s).makespan > 0

@@ -1,0 +1,93 @@
+"""The model as one graph that returns the training loss, with shapes and costs known.
+
+capture -> meta run of the model's graph -> loss appended (targets placeholder
+added) -> meta run of the loss nodes. Everything after this works on one graph
+whose last node is the scalar loss of one microbatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..dsl.ast import Plan
+from ..dsl.errors import PlanError
+from .analysis import MetaRun
+from .capture import capture
+from .loss import LOSS_KINDS, TARGETS, append_loss, split_outputs
+
+
+@dataclass(frozen=True)
+class TracedWithLoss:
+    module: fx.GraphModule  # attributes are the model's own tensors, original names
+    run: MetaRun  # per-node meta values, FLOPs and saved bytes
+    loss: fx.Node
+    method: str  # "fx" | "export"
+    reason: str  # why that capture method
+
+
+def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
+    if plan.model.loss not in LOSS_KINDS:
+        raise PlanError.at(plan, "model.loss", f"unknown loss {plan.model.loss!r}",
+                           f"one of: {', '.join(LOSS_KINDS)}")
+    example = example_inputs(plan)
+    captured = capture(plan, model, example)
+    gm = captured.module
+    run = MetaRun(gm)
+    run.run(list(gm.graph.nodes), example)
+    first, _ = split_outputs(captured.outputs)
+    _check_prediction(plan, run.values.get(first))
+    before = set(gm.graph.nodes)
+    loss = append_loss(gm.graph, plan.model.loss, captured.outputs,
+                       lambda n: run.is_tensor(n) and run.value(n).dim() == 0)
+    new = [n for n in gm.graph.nodes if n not in before]
+    run.run(new, {TARGETS: _targets_example(plan, run.value(first))})
+    gm.recompile()
+    if run.value(loss).dim() != 0:
+        raise PlanError.at(plan, "model.loss", f"loss = {plan.model.loss!r} gives a tensor of "
+                           f"shape {tuple(run.value(loss).shape)}, not a scalar",
+                           'with loss = "model" the model must return its scalar loss first')
+    return TracedWithLoss(gm, run, loss, captured.method, captured.reason)
+
+
+def example_inputs(plan: Plan) -> dict[str, torch.Tensor]:
+    """Meta tensors for the model's inputs at one microbatch (batch = microbatch size)."""
+    dims = {"batch": plan.microbatch_size, "seq": plan.data.seq_len}
+    out = {}
+    for spec in plan.model.inputs:
+        shape = []
+        for d in spec.shape:
+            if isinstance(d, str) and d not in dims:
+                raise PlanError.at(plan, "model.inputs", f"unknown dimension {d!r} in input "
+                                   f"{spec.name!r}", 'symbolic dims are "batch" and "seq"')
+            shape.append(dims[d] if isinstance(d, str) else int(d))
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise PlanError.at(plan, "model.inputs", f"unknown dtype {spec.dtype!r} for input "
+                               f"{spec.name!r}", "a torch dtype name: int64, float32, ...")
+        out[spec.name] = torch.zeros(shape, dtype=dtype, device="meta")
+    return out
+
+
+def _targets_example(plan: Plan, prediction: torch.Tensor) -> torch.Tensor:
+    if plan.model.loss == "cross_entropy":
+        return torch.zeros(prediction.shape[:-1], dtype=torch.int64, device="meta")
+    return torch.zeros_like(prediction, device="meta")
+
+
+def _check_prediction(plan: Plan, value) -> None:
+    kind = plan.model.loss
+    if not isinstance(value, torch.Tensor):
+        raise PlanError.at(plan, "model.loss", f"the model's first output is "
+                           f"{type(value).__name__}, not a tensor",
+                           "return logits (or the loss) first, then scalar aux losses")
+    if kind == "cross_entropy" and (value.dim() < 2 or not value.is_floating_point()):
+        raise PlanError.at(plan, "model.loss", f"cross_entropy needs logits [..., vocab]; the "
+                           f"model returns {str(value.dtype)[6:]} {tuple(value.shape)}",
+                           'use loss = "mse" or "model"')
+    if kind == "cross_entropy" and plan.data.kind == "synthetic" and \
+            plan.data.vocab > value.shape[-1]:
+        raise PlanError.at(plan, "data.vocab", f"synthetic tokens go up to {plan.data.vocab - 1} "
+                           f"but the model predicts {value.shape[-1]} classes",
+                           f"set data vocab = {value.shape[-1]} (or the model's vocabulary)")

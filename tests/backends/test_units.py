@@ -1,0 +1,145 @@
+"""Unit tests of the runtime's pure parts: coordinates, data, LR, transfers, comparison."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipeplan.backends import data
+from pipeplan.backends.comm import Direction, plan_rank
+from pipeplan.backends.compare import compare
+from pipeplan.backends.launcher import free_port
+from pipeplan.backends.optim import build_optimizer, lr_factor
+from pipeplan.backends.topology import Coords, global_rank
+from pipeplan.compiler.compiled import BATCH, StageSpec, ValueRef, ValueSpec
+from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec,
+                              PipelineSpec, Plan, TrainSpec)
+from pipeplan.errors import PipeplanError
+from pipeplan.schedules import generate
+
+
+def plan(dp=2, m=2, batch=8, **data_kw):
+    return Plan(model=ModelSpec("x:Y"), data=DataSpec(seq_len=5, vocab=50, seed=3, **data_kw),
+                mesh=MeshSpec(pp=2, dp=dp), pipeline=PipelineSpec(microbatches=m),
+                train=TrainSpec(global_batch=batch))
+
+
+def test_coords_round_trip_pp_outermost():
+    mesh = MeshSpec(pp=3, dp=2, tp=2)
+    seen = set()
+    for r in range(mesh.world_size):
+        c = Coords.of(r, mesh)
+        assert global_rank(mesh, c.pp, c.dp, c.tp) == r
+        seen.add((c.pp, c.dp, c.tp))
+    assert len(seen) == 12
+    assert Coords.of(5, mesh) == Coords(1, 0, 1)
+
+
+def test_synthetic_batches_are_deterministic_and_shifted():
+    p = plan()
+    a, b = data.global_batch(p, 4), data.global_batch(p, 4)
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert not torch.equal(a.input_ids, data.global_batch(p, 5).input_ids)
+    assert a.input_ids.shape == (8, 5)
+    assert torch.equal(a.input_ids[:, 1:], a.targets[:, :-1])
+    assert int(a.input_ids.max()) < 50
+
+
+def test_dp_ranks_and_microbatches_tile_the_global_batch():
+    p = plan(dp=2, m=2, batch=8)
+    whole = data.global_batch(p, 0).input_ids
+    pieces = [mb.input_ids for d in range(2) for mb in data.dp_microbatches(p, 0, d)]
+    assert [x.shape[0] for x in pieces] == [2, 2, 2, 2]
+    assert torch.equal(torch.cat(pieces), whole)  # chunk d*m+i = dp rank d's microbatch i
+
+
+def test_token_file_windows(tmp_path):
+    tokens = np.arange(100, dtype=np.uint16)
+    path = tmp_path / "tok.bin"
+    tokens.tofile(path)
+    p = plan(dp=1, m=1, batch=2, kind="file", path=str(path))
+    b0, b1 = data.global_batch(p, 0), data.global_batch(p, 1)
+    assert b0.input_ids[0].tolist() == [0, 1, 2, 3, 4] and b0.targets[0].tolist() == [1, 2, 3, 4, 5]
+    assert b0.input_ids[1, 0] == 6 and b1.input_ids[0, 0] == 12
+    np.save(tmp_path / "tok.npy", tokens.astype(np.int32))
+    q = plan(dp=1, m=1, batch=2, kind="file", path=str(tmp_path / "tok.npy"))
+    assert torch.equal(data.global_batch(q, 0).input_ids, b0.input_ids)
+    with pytest.raises(PipeplanError, match="does not exist"):
+        data.global_batch(plan(kind="file", path=str(tmp_path / "nope.bin")), 0)
+
+
+def test_lr_schedules():
+    const = LRScheduleSpec("constant", warmup=2)
+    assert [lr_factor(const, t, 10, 1.0) for t in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cos = LRScheduleSpec("cosine", warmup=0, min_lr=0.1)
+    assert lr_factor(cos, 0, 10, 1.0) == pytest.approx(1.0)
+    assert lr_factor(cos, 5, 10, 1.0) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert lr_factor(cos, 10, 10, 1.0) == pytest.approx(0.1)
+
+
+def test_optimizers_take_the_plans_arguments():
+    w = torch.nn.Parameter(torch.zeros(2))
+    sgd = build_optimizer([w], TrainSpec(optimizer=OptimizerSpec("sgd", lr=0.5, momentum=0.9)))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
+    adamw = build_optimizer([w], TrainSpec(optimizer=OptimizerSpec(lr=0.1, betas=(0.8, 0.9),
+                                                                   weight_decay=0.2)))
+    assert isinstance(adamw, torch.optim.AdamW)
+    assert adamw.param_groups[0]["betas"] == (0.8, 0.9) and adamw.param_groups[0]["weight_decay"] == 0.2
+
+
+def _stages(n, float_out=True):
+    act = ValueSpec("h", (2, 3), "float32" if float_out else "int64")
+    return [StageSpec(k, 0, (ValueRef("input_ids", BATCH),) if k == 0 else (ValueRef("h", k - 1),),
+                      (act,) if k < n - 1 else (ValueSpec("loss", (), "float32"),), ())
+            for k in range(n)]
+
+
+def test_transfers_follow_the_schedule_and_skip_same_rank_hand_offs():
+    s = generate("zbv", ranks=2, microbatches=4)  # rank 0: stages 0, 3; rank 1: stages 1, 2
+    planned = {r: plan_rank(s, _stages(4), r) for r in range(2)}
+    for r, actions in planned.items():
+        assert [p.action for p in actions] == list(s.order[r])
+        for p in actions:
+            for t in (p.recv, p.send):
+                if t is not None:
+                    assert t.peer != r
+    # stage 1 -> 2 is on rank 1: F(2) receives nothing, F(1) sends nothing
+    f1 = [p for p in planned[1] if p.action.op == "F" and p.action.stage == 1]
+    f2 = [p for p in planned[1] if p.action.op == "F" and p.action.stage == 2]
+    assert all(p.send is None for p in f1) and all(p.recv is None for p in f2)
+    # every send has exactly one matching receive on the peer, in the same order per channel
+    for src in range(2):
+        dst = 1 - src
+        sends = [(p.send.direction, p.send.boundary, p.send.microbatch)
+                 for p in planned[src] if p.send is not None]
+        recvs = [(p.recv.direction, p.recv.boundary, p.recv.microbatch)
+                 for p in planned[dst] if p.recv is not None]
+        assert sends == recvs
+    tags = {p.send.tag(0, 4) for r in planned for p in planned[r] if p.send is not None}
+    assert len(tags) == sum(p.send is not None for r in planned for p in planned[r])
+
+
+def test_integer_boundaries_carry_no_gradient():
+    s = generate("1f1b", ranks=2, microbatches=2)
+    planned = plan_rank(s, _stages(2, float_out=False), 1)
+    assert all(p.send is None for p in planned if p.action.op != "F")
+    assert all(p.recv is None or p.recv.direction is Direction.ACTIVATION for p in planned)
+
+
+def test_compare_flags_differences_and_missing_parameters():
+    ref = {"a": torch.ones(3), "b": torch.zeros(2)}
+    same = compare([1.0, 0.5], ref, [[1.0, 0.5]], [{"a": torch.ones(3)}, {"b": torch.zeros(2)}])
+    assert same.within and same.max_param_diff == 0.0
+    off = compare([1.0], ref, [[1.0]], [{"a": torch.ones(3) + 1e-3, "b": torch.zeros(2)}])
+    assert not off.within and off.worst_param == "a" and off.max_param_diff == pytest.approx(1e-3, rel=1e-3)
+    missing = compare([1.0], ref, [[1.0]], [{"a": torch.ones(3)}])
+    assert not missing.within and missing.missing == ("b",)
+    assert not compare([1.0], ref, [[1.1]], [ref]).within
+
+
+def test_free_port_is_bindable():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))
