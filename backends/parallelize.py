@@ -1,28 +1,27 @@
-"""The runtime's entry to per-stage parallelism: groups, stage rewrite, grad sync, ZeRO.
+"""The runtime's entry to per-stage parallelism: checks, groups, stage rewrite, ZeRO wiring.
 
-What the runtime calls, per rank (every call marked *collective* must be made
-by every rank of the world, in the same order):
+What the runtime calls, per rank (calls marked *collective* must be made by
+every rank of the world, in the same order):
 
-1. `build_parallel_groups(mesh, coords)` (*collective*) after its DeviceMesh:
-   the tp and dp groups come from the mesh; expert parallelism re-divides the
-   dp ranks of one (pp, tp) slice into EP groups of `ep` consecutive dp ranks
-   (ep_rank = dp % ep), and the ranks holding the same experts (dp ranks with
-   the same ep_rank) form the expert-data-parallel group.
-2. `parallelize_stage(module, plan, groups)` on each of its stage modules,
-   before building the stage's runner: MoE layers matched by
-   `experts.modules` become `ExpertParallelMoE`, then the `tensor` patterns
-   are applied (tensor_parallel.py). Parameter names are unchanged.
-3. After the step's last backward: `ParallelStage.sync_sequence_parallel()`
-   (sums norm gradients over tp when sequence parallel is on), then either
-   the runtime's DP all-reduce with `grad_group(param)` per parameter
-   (experts reduce over the expert-DP group, everything else over dp), or,
-   with `zero > 0`, a `ZeroOptimizer` from `build_zero_optimizer`:
-   `gather(stage)` / `release(stage)` around each F/B/W of that stage
-   (stage 3), then `reduce_gradients()`, `step()`, `zero_grad()`.
-
-A traced stage must keep the modules pipeplan rewrites as leaf calls:
-`required_leaf_modules(plan)` lists the patterns (MoE layers, and attention
-modules whose projections are tensor parallel) the capture must not inline.
+* compile time: `required_leaf_modules(plan)`: module patterns the capture
+  must keep as leaf calls (MoE layers; attention whose projections are tensor
+  parallel); `check_parallel_model(plan, model)`: PlanErrors at plan lines.
+* `build_parallel_groups(mesh, tp_group, dp_group)` (*collective*): tp and dp
+  come from the runtime's DeviceMesh; expert parallelism re-divides the dp
+  ranks of one (pp, tp) slice into EP groups of `ep` consecutive dp ranks
+  (ep_rank = dp % ep); dp ranks with the same ep_rank hold the same experts
+  and form the expert-data-parallel group.
+* `parallelize_stage(module, plan, groups)` on each own stage module before
+  its runner: MoE layers matched by `experts.modules` become
+  `ExpertParallelMoE`, then the `tensor` patterns apply (tensor_parallel.py;
+  a traced stage's cross-entropy on a vocab-parallel head becomes the
+  vocab-parallel loss). Parameter names are unchanged.
+* after a stage's last backward of the step: `sync_sequence_parallel()`; then
+  gradient sums per `grad_group(param)` (experts over expert-DP, the rest
+  over dp), or with zero > 0 `build_zero_optimizer(...)` -> `StageZero`
+  (zero.py): `PrefetchWindow` around each action at stage 3,
+  `reduce_gradients()`, `clip_grad_norm_()`, `step()`, `zero_grad()`.
+* `CommMeter`: bytes per group and collective, counted where they run.
 
 The single-process reference matches expert parallelism when, for each
 microbatch, it runs the chunks of one EP group as one batch:
@@ -47,7 +46,7 @@ from ..errors import PipeplanError
 from .expert_parallel import ExpertParallelMoE, gather_experts
 from .tensor_parallel import (
     TensorParallelResult, TensorParallelRules, apply_tensor_parallel, gather_full,
-    sync_sequence_parallel_grads, tp_shard_dims, vocab_parallel_loss)
+    replace_submodule, sync_sequence_parallel_grads, tp_shard_dims, vocab_parallel_loss)
 from .zero import FlatShard, PrefetchWindow, StageZero, ZeroOptimizer  # noqa: F401 (re-exported)
 
 
@@ -188,11 +187,6 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, leaf, new)
-
-
 def _inlined_error(name: str, patterns: Sequence[str]) -> PipeplanError:
     return PipeplanError(
         f"MoE layer {name} was traced into the stage graph, so its experts cannot be "
@@ -212,7 +206,7 @@ def _apply_experts(module: nn.Module, plan: Plan, group) -> dict:
         if layer.num_experts != spec.num_experts:
             raise PipeplanError(f"experts.num_experts is {spec.num_experts} but {name} has "
                                 f"{layer.num_experts} experts")
-        _replace(module, name, layer)
+        replace_submodule(module, name, layer)
         layers[name] = layer
     return layers
 

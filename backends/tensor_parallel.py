@@ -457,7 +457,8 @@ class TensorParallelResult:
     sequence_partial: tuple[str, ...] = ()  # params whose grads are partial under SP
 
 
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the submodule `name` is (its attribute on its parent)."""
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, new)
 
@@ -487,7 +488,7 @@ def _rewrite_attention(root: nn.Module, group) -> list[str]:
                 f"tensor parallel: {name or 'the module'} splits q/k/v but is not an attention "
                 f"module pipeplan can shard by heads (needs `heads`, column-parallel q, k, v and "
                 f"row-parallel proj; a traced stage must keep attention as a leaf module)")
-        _set_submodule(root, name, HeadParallelAttention(mod, group))
+        replace_submodule(root, name, HeadParallelAttention(mod, group))
         done.append(name)
     return done
 
@@ -540,7 +541,7 @@ def apply_tensor_parallel(module: nn.Module, rules: TensorParallelRules,
     for name, mod in list(module.named_modules()):
         kind = rules.kind_of(name) if name else None
         if kind is not None:
-            _set_submodule(module, name, _parallel_form(kind, name, mod, group, sliced, sp))
+            replace_submodule(module, name, _parallel_form(kind, name, mod, group, sliced, sp))
             rewrites[name] = kind
     for name in _rewrite_attention(module, group):
         rewrites[name] = "attention"

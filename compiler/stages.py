@@ -9,6 +9,7 @@ consumer recomputes them from what it has.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -48,6 +49,10 @@ def build_stages(gm: fx.GraphModule, split: Split, run: MetaRun, loss: fx.Node,
 def _layout(graph: fx.Graph, split: Split, run: MetaRun, order: dict) -> _Layout:
     nodes = compute_nodes(graph)
     home = {n: split.stage_of(i) for i, n in enumerate(nodes)}
+    for n in nodes:  # unpacking a tuple output stays with its producer: tensors cross, not tuples
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in home \
+                and isinstance(run.values.get(n.args[0]), (tuple, list)):
+            pass
     count = len(split.positions) + 1
     computes = [set() for _ in range(count)]
     last_use: dict[fx.Node, int] = {}  # tensor -> last stage that reads it

@@ -2,7 +2,7 @@
 
     pipeplan schedule zbv --ranks 4 --microbatches 8 --format ascii
     pipeplan schedule --compare gpipe,1f1b,zbv,auto --ranks 4 --microbatches 8 --costs F=1,B=1.5,W=0.5
-    pipeplan schedule --load torch_1f1b.csv --format table
+    pipeplan schedule --load torch_zbv.csv --format ascii   # a torch-exported CSV
 """
 from __future__ import annotations
 

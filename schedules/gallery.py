@@ -110,7 +110,7 @@ LIMITS = """## Known limits
   is larger than the controllable-memory paper reports under its own accounting.
 - The paper's hand-made ZB-V order needs rank r to hold p + r/2 units on in-order
   channels; `zbv` is list-scheduled to keep p, and matches the paper at p=4 but
-  not at every p (e.g. 0.054 instead of 0.035 at p=8, m=32).
+  not at every p (e.g. 0.050 instead of 0.035 at p=8, m=32).
 - torch's `Schedule1F1B.pipeline_order` (its printed order) names microbatch m on
   the last rank; loading that CSV is rejected with the out-of-range action named.
 """

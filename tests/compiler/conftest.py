@@ -20,7 +20,8 @@ def build_plan(source: str, args: dict | None = None, *, pp: int = 2, virtual: i
     model = ModelSpec(source=source, args=args or {}, loss=loss,
                       **({"inputs": inputs} if inputs else {}),
                       **fields.pop("model_fields", {}))
-    return Plan(model=model, data=DataSpec(seq_len=seq_len),
+    # synthetic tokens must stay below the model's vocabulary (the compiler checks it)
+    return Plan(model=model, data=DataSpec(seq_len=seq_len, vocab=(args or {}).get("vocab", 8)),
                 mesh=fields.pop("mesh", MeshSpec(pp=pp)),
                 pipeline=PipelineSpec(schedule=schedule, microbatches=microbatches, virtual=virtual,
                                       split=split or SplitSpec()),

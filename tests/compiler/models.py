@@ -163,3 +163,31 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(self.norm(x))
+
+
+class Pair(nn.Module):
+    """Returns a tuple; traced as a leaf its output is one fx value until indexed."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), 2.0))
+
+    def forward(self, x):
+        return x * self.scale, x + 1
+
+
+class LateIndex(nn.Module):
+    """Indexes a leaf module's tuple output two stages later."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pair = Pair(dim)
+        self.l1 = nn.Linear(dim, dim)
+        self.l2 = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        out = self.pair(self.emb(input_ids))
+        h = self.l1(out[0])
+        return self.head(self.l2(h) + out[1])

@@ -105,3 +105,14 @@ def test_mse_loss_and_float_inputs(make_plan, chain):
     batch = {"x": torch.randn(2, 8), "targets": torch.randn(2, 8)}
     assert torch.equal(chain(compiled, batch),
                        reference_loss("mse", model(batch["x"]), batch["targets"]))
+
+
+def test_tuple_output_indexed_late_is_sent_not_recomputed(make_plan, chain):
+    plan = make_plan("tests/compiler/models.py:LateIndex", {}, pp=3, schedule="gpipe",
+                     split=SplitSpec(kind="points", points=("l1", "l2")),
+                     model_fields={"leaf_modules": ("pair",), "capture": "fx"})
+    _, compiled = _check_equal(plan, chain, 16, plan.microbatch_size)
+    calls = [k for k, st in enumerate(compiled.stages) for n in st.module.graph.nodes
+             if n.op == "call_module" and n.target == "pair"]
+    assert calls == [0]  # the leaf runs once, in stage 0; its second output is forwarded
+    assert "pair.scale" not in compiled.stages[2].param_names

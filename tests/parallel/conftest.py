@@ -6,7 +6,6 @@ test with its traceback. A hung collective is killed after `timeout` seconds.
 """
 from __future__ import annotations
 
-import os
 import socket
 import time
 

@@ -1,7 +1,6 @@
 """Bytes through each collective, counted at the dispatcher, equal the hand-derived counts."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

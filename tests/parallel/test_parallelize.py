@@ -329,7 +329,7 @@ def test_zero_with_tensor_parallel_clips_by_the_global_norm(run_workers, zero):
 
 def _prefetch_worker(rank, world):
     """ZeRO-3 over two stages on each rank: the next action's stage is gathered ahead."""
-    from pipeplan.backends.parallelize import PrefetchWindow
+    from pipeplan.backends.zero import PrefetchWindow
 
     mesh = MeshSpec(dp=world)
     plan = Plan(model=MODEL, mesh=mesh, zero=3)
