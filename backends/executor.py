@@ -105,11 +105,16 @@ class Executor:
         result = StepResult(loss=0.0)
         for p in self.planned:
             a = p.action
+            wait_start = time.time()
+            if p.recv is not None:
+                try:
+                    received = self._recv(p.recv)
+                except Exception as e:  # name what never came, and from whom
+                    raise ActionError(f"{label(a)} (waiting for {_awaited(p.recv)} from pipeline "
+                                      f"rank {p.recv.peer})", e) from e
+                store = acts if p.recv.direction is Direction.ACTIVATION else grads
+                store[(p.recv.boundary, p.recv.microbatch)] = received
             try:
-                wait_start = time.time()
-                if p.recv is not None:
-                    store = acts if p.recv.direction is Direction.ACTIVATION else grads
-                    store[(p.recv.boundary, p.recv.microbatch)] = self._recv(p.recv)
                 start = time.time()
                 with self.around_action(a.stage):
                     produced = self._run(a, batches, acts, grads, result)
@@ -174,6 +179,12 @@ class Executor:
             runner.backward_weight(mb)
             return {}
         raise ValueError(f"unknown op {op!r}")
+
+
+def _awaited(t: Transfer) -> str:
+    if t.direction is Direction.ACTIVATION:
+        return f"the outputs of F s{t.boundary} mb{t.microbatch}"
+    return f"the input gradients of stage {t.boundary + 1} mb{t.microbatch}"
 
 
 def _last_grad_actions(planned: Sequence[PlannedAction]) -> dict[int, tuple[str, int]]:

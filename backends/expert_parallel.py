@@ -112,11 +112,16 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Sum over the group; the gradient of every rank's copy flows back to each input."""
+    """Sum over `group`; backward sums the gradient over `grad_group`.
+
+    `grad_group`: the ranks whose copies of the result enter *different* losses
+    (the EP group). Ranks that hold copies of one loss (tensor-parallel peers)
+    each pass back only their own copy's gradient (None: no reduction).
+    """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, grad_group):
+        ctx.grad_group = grad_group
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out
@@ -124,8 +129,9 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        if ctx.grad_group is not None:
+            dist.all_reduce(grad, group=ctx.grad_group)
+        return grad, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
@@ -133,8 +139,8 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    return _AllReduceSum.apply(x, group)
+def all_reduce_sum(x: torch.Tensor, group, grad_group) -> torch.Tensor:
+    return _AllReduceSum.apply(x, group, grad_group)
 
 
 # -------------------------------------------------------------------- routing
@@ -189,15 +195,18 @@ def capacity_keep(top_i: torch.Tensor, top_w: torch.Tensor, num_experts: int,
 
 
 def aux_loss(routing: Routing, num_experts: int, top_k: int, aux_coef: float,
-             z_coef: float, group=None) -> torch.Tensor:
-    """Load-balancing + z-loss over the tokens of every rank in `group` (None: local)."""
+             z_coef: float, group=None, grad_group=None) -> torch.Tensor:
+    """Load-balancing + z-loss over the tokens of every rank in `group` (None: local).
+
+    `grad_group`: the ranks of `group` whose losses are distinct (see _AllReduceSum).
+    """
     chosen = torch.zeros_like(routing.probs).scatter(-1, routing.top_i, 1.0)
     chosen_sum = chosen.sum(dim=0)
     probs_sum = routing.probs.sum(dim=0)
     z_sum = torch.logsumexp(routing.logits, dim=-1).pow(2).sum().reshape(1)
     count = routing.probs.new_tensor([float(routing.probs.shape[0])])
     if group is not None and dist.get_world_size(group) > 1:
-        stats = all_reduce_sum(torch.cat([probs_sum, z_sum]), group)
+        stats = all_reduce_sum(torch.cat([probs_sum, z_sum]), group, grad_group)
         probs_sum, z_sum = stats[:num_experts], stats[num_experts:]
         counts = torch.cat([chosen_sum, count])
         dist.all_reduce(counts, group=group)
@@ -222,13 +231,16 @@ class ExpertParallelMoE(nn.Module):
     """A MoE layer holding one EP rank's experts; returns (output, aux) like the reference."""
 
     def __init__(self, moe: nn.Module, group=None, capacity_factor: Optional[float] = None,
-                 drop_policy: str = "probs"):
+                 drop_policy: str = "probs", stats_group=None):
+        """`group`: the EP group. `stats_group`: the ranks whose tokens the aux statistics
+        cover when it is more than the EP group (sequence parallel: EP group x TP group)."""
         super().__init__()
         _check_moe_layout(moe)
         ep_size = dist.get_world_size(group) if group is not None else 1
         ep_rank = dist.get_rank(group) if group is not None else 0
         self.shard = expert_shard(moe.num_experts, ep_size, ep_rank)
         self.group = group
+        self.stats_group = stats_group if stats_group is not None else group
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.aux_coef, self.z_coef = moe.aux_coef, moe.z_coef
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
@@ -241,7 +253,8 @@ class ExpertParallelMoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         r = route(self.router, tokens, self.top_k)
-        aux = aux_loss(r, self.num_experts, self.top_k, self.aux_coef, self.z_coef, self.group)
+        aux = aux_loss(r, self.num_experts, self.top_k, self.aux_coef, self.z_coef,
+                       self.stats_group, self.group)
         out = self._dispatch_compute_combine(tokens, r.top_i, r.top_w)
         return out.reshape(shape), aux
 

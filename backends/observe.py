@@ -36,10 +36,10 @@ class Progress:
     """Rank 0's per-step line on stdout and, optionally, one JSON object per step."""
 
     def __init__(self, total_steps: int, metrics_path: Optional[str] = None,
-                 stream: TextIO = sys.stdout):
+                 stream: TextIO = sys.stdout, append: bool = False):
         self.total = total_steps
         self.stream = stream
-        self.metrics = open(metrics_path, "w") if metrics_path else None
+        self.metrics = open(metrics_path, "a" if append else "w") if metrics_path else None
 
     def step(self, r: StepReport) -> None:
         tps = r.tokens / r.step_time if r.step_time > 0 else 0.0

@@ -45,8 +45,9 @@ from ..dsl.errors import Diagnostic, PlanError
 from ..errors import PipeplanError
 from .expert_parallel import ExpertParallelMoE, gather_experts
 from .tensor_parallel import (
-    TensorParallelResult, TensorParallelRules, apply_tensor_parallel, gather_full,
-    replace_submodule, sync_sequence_parallel_grads, tp_shard_dims, vocab_parallel_loss)
+    ParameterSlicer, TensorParallelResult, TensorParallelRules, apply_tensor_parallel,
+    gather_full, replace_submodule, sync_sequence_parallel_grads, tp_shard_dims,
+    vocab_parallel_loss)
 from .zero import FlatShard, PrefetchWindow, StageZero, ZeroOptimizer  # noqa: F401 (re-exported)
 
 
@@ -54,8 +55,27 @@ from .zero import FlatShard, PrefetchWindow, StageZero, ZeroOptimizer  # noqa: F
 # What only the rewrites here know; tp dividing features, heads and vocabulary,
 # and the expert count, are checked by compiler/tensor_parallel.py and
 # compiler/experts.py.
+def _tied_problems(plan: Plan, model: nn.Module):
+    """A weight tied between modules must be split alike in all of them, or not at all."""
+    rules = TensorParallelRules.from_plan(plan.tensor)
+    kinds: dict[int, dict[str, Optional[str]]] = {}
+    for name, mod in model.named_modules():
+        if not name or not isinstance(mod, (nn.Linear, nn.Embedding)):
+            continue
+        # the dim of the [out, in] (Linear) or [vocab, dim] (Embedding) weight that is split
+        split = {"column": "rows", "vocab": "rows", "row": "columns"}.get(rules.kind_of(name))
+        kinds.setdefault(id(mod.weight), {})[name] = split
+    for holders in kinds.values():
+        if len(set(holders.values())) > 1:
+            listed = ", ".join(f"{n} ({k or 'not split'})" for n, k in holders.items())
+            yield "tensor.vocab", (f"a tied weight would be split differently by its modules: "
+                                   f"{listed}; list them all in the same pattern kind")
+
+
 def _parallel_problems(plan: Plan, model: nn.Module):
     tp, spec = plan.mesh.tp, plan.experts
+    if tp > 1:
+        yield from _tied_problems(plan, model)
     if plan.tensor.sequence_parallel and tp > 1 and plan.data.seq_len % tp:
         yield "tensor.sequence_parallel", (f"tp = {tp} does not divide the sequence length "
                                            f"{plan.data.seq_len} (sequence parallel splits it)")
@@ -107,6 +127,40 @@ class ParallelGroups:
     dp: Optional[dist.ProcessGroup] = None
     ep: Optional[dist.ProcessGroup] = None
     expert_dp: Optional[dist.ProcessGroup] = None
+    # Sequence parallel with MoE layers: the EP group x the TP group, whose tokens
+    # (sequence shards) the aux statistics cover.
+    expert_stats: Optional[dist.ProcessGroup] = None
+    # One per rank: slices each full parameter once over all the rank's stages ...
+    slicer: Optional[ParameterSlicer] = field(default=None, compare=False)
+    # ... and sums each partial (sequence-parallel) gradient once over them.
+    partial_grads: Optional["PartialGrads"] = field(default=None, compare=False)
+
+
+class PartialGrads:
+    """Sums partial gradients over tp once per step, after every stage holding them is done.
+
+    Under sequence parallel a replicated parameter's gradient on one TP rank
+    covers only its sequence shard. A parameter held by two stages of this
+    rank (a tied weight) is summed when the later of them finishes, not twice.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self._holders: dict[int, int] = {}
+        self._done: dict[int, int] = {}
+
+    def register(self, params: Sequence[nn.Parameter]) -> None:
+        for p in params:
+            self._holders[id(p)] = self._holders.get(id(p), 0) + 1
+
+    def stage_done(self, params: Sequence[nn.Parameter]) -> None:
+        for p in params:
+            done = self._done.get(id(p), 0) + 1
+            if done == self._holders[id(p)]:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.group)
+                done = 0
+            self._done[id(p)] = done
 
 
 def check_expert_mesh(mesh: MeshSpec) -> None:
@@ -117,25 +171,37 @@ def check_expert_mesh(mesh: MeshSpec) -> None:
             f"is not supported yet)")
 
 
+def _global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int) -> int:
+    return (pp * mesh.dp + dp) * mesh.tp + tp
+
+
 def expert_group_ranks(mesh: MeshSpec) -> tuple[list[list[int]], list[list[int]]]:
     """(EP groups, expert-DP groups) as global rank lists, for the whole world."""
-    def rank(pp, dp, tp):
-        return (pp * mesh.dp + dp) * mesh.tp + tp
-
     ep_groups, edp_groups = [], []
     for pp in range(mesh.pp):
         for tp in range(mesh.tp):
             for block in range(mesh.dp // mesh.ep):
-                ep_groups.append([rank(pp, block * mesh.ep + e, tp) for e in range(mesh.ep)])
+                ep_groups.append([_global_rank(mesh, pp, block * mesh.ep + e, tp)
+                                  for e in range(mesh.ep)])
             for e in range(mesh.ep):
-                edp_groups.append([rank(pp, d, tp) for d in range(e, mesh.dp, mesh.ep)])
+                edp_groups.append([_global_rank(mesh, pp, d, tp)
+                                   for d in range(e, mesh.dp, mesh.ep)])
     return ep_groups, edp_groups
 
 
-def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None) -> ParallelGroups:
-    """Collective. `tp_group`/`dp_group`: the runtime's DeviceMesh groups."""
+def expert_stats_ranks(mesh: MeshSpec) -> list[list[int]]:
+    """Sequence parallel: each EP group together with its TP peers, as global rank lists."""
+    return [[_global_rank(mesh, pp, block * mesh.ep + e, tp)
+             for e in range(mesh.ep) for tp in range(mesh.tp)]
+            for pp in range(mesh.pp) for block in range(mesh.dp // mesh.ep)]
+
+
+def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None,
+                          sequence_parallel_experts: bool = False) -> ParallelGroups:
+    """Collective. `tp_group`/`dp_group`: the runtime's DeviceMesh groups;
+    `sequence_parallel_experts`: the plan has MoE layers and sequence parallel on."""
     check_expert_mesh(mesh)
-    ep = edp = None
+    ep = edp = stats = None
     if mesh.ep > 1:
         ep_lists, edp_lists = expert_group_ranks(mesh)
         ep, _ = dist.new_subgroups_by_enumeration(ep_lists)
@@ -143,8 +209,13 @@ def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None) -> Paral
             edp, _ = dist.new_subgroups_by_enumeration(edp_lists)
     else:
         edp = dp_group
-    return ParallelGroups(mesh, tp_group if mesh.tp > 1 else None,
-                          dp_group if mesh.dp > 1 else None, ep, edp)
+    if sequence_parallel_experts and mesh.tp > 1:
+        stats = tp_group if mesh.ep == 1 else \
+            dist.new_subgroups_by_enumeration(expert_stats_ranks(mesh))[0]
+    tp = tp_group if mesh.tp > 1 else None
+    return ParallelGroups(mesh, tp, dp_group if mesh.dp > 1 else None, ep, edp, stats,
+                          ParameterSlicer(tp) if tp is not None else None,
+                          PartialGrads(tp) if tp is not None else None)
 
 
 # ------------------------------------------------------------ stage rewrite
@@ -178,9 +249,18 @@ class ParallelStage:
         return state
 
     def sync_sequence_parallel(self) -> None:
-        if self.tensor is not None and self.tensor.sequence_partial:
+        """Once per step, when this stage's backwards are done: partial gradients over tp."""
+        if self.tensor is None or not self.tensor.sequence_partial:
+            return
+        if self.groups.partial_grads is None:
             sync_sequence_parallel_grads(self.module, self.tensor.sequence_partial,
                                          self.groups.tp)
+            return
+        self.groups.partial_grads.stage_done(self.partial_params())
+
+    def partial_params(self) -> list[nn.Parameter]:
+        params = dict(self.module.named_parameters())
+        return [params[n] for n in (self.tensor.sequence_partial if self.tensor else ())]
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -193,8 +273,14 @@ def _inlined_error(name: str, patterns: Sequence[str]) -> PipeplanError:
         f"sharded; capture it as a leaf module (model.leaf_modules = {list(patterns)})")
 
 
-def _apply_experts(module: nn.Module, plan: Plan, group) -> dict:
+def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups) -> dict:
     spec = plan.experts
+    stats = None
+    if plan.tensor.sequence_parallel and plan.mesh.tp > 1:
+        if groups.expert_stats is None:
+            raise PipeplanError("sequence parallel with MoE layers needs the aux-statistics "
+                                "group: build_parallel_groups(..., sequence_parallel_experts=True)")
+        stats = groups.expert_stats
     layers = {}
     for name, mod in list(module.named_modules()):
         if not name or not _matches(name, spec.modules):
@@ -202,7 +288,7 @@ def _apply_experts(module: nn.Module, plan: Plan, group) -> dict:
         if type(mod) is nn.Module:  # the bare attribute holder fx leaves for an inlined module
             raise _inlined_error(name, spec.modules)
         capacity = None if spec.dropless else spec.capacity_factor
-        layer = ExpertParallelMoE(mod, group, capacity, spec.drop_policy)
+        layer = ExpertParallelMoE(mod, groups.ep, capacity, spec.drop_policy, stats)
         if layer.num_experts != spec.num_experts:
             raise PipeplanError(f"experts.num_experts is {spec.num_experts} but {name} has "
                                 f"{layer.num_experts} experts")
@@ -225,13 +311,17 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> 
     stage = ParallelStage(module, groups)
     if plan.experts is not None:
         _refuse_unimplemented(plan.experts)
-    if plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless):
-        stage.experts = _apply_experts(module, plan, groups.ep)
+    sequence_parallel = plan.tensor.sequence_parallel and plan.mesh.tp > 1
+    if plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless
+                                     or sequence_parallel):
+        stage.experts = _apply_experts(module, plan, groups)
     rules = TensorParallelRules.from_plan(plan.tensor)
     if rules.sequence_parallel and plan.mesh.tp == 1:
         raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
     if plan.mesh.tp > 1:
-        stage.tensor = apply_tensor_parallel(module, rules, groups.tp)
+        stage.tensor = apply_tensor_parallel(module, rules, groups.tp, groups.slicer)
+        if groups.partial_grads is not None:
+            groups.partial_grads.register(stage.partial_params())
         if isinstance(module, fx.GraphModule):
             for head in vocab_parallel_loss(module, groups.tp):
                 stage.tensor.rewrites[head] = "vocab+loss"

@@ -42,23 +42,31 @@ def _build_plan_file(folder: str) -> str:
     return found[0]
 
 
-def _pinned(schedule_file: str):
-    from ..schedules import schedule_from_json
-    from ..schedules.verify import verify
+def read_pinned_schedule(schedule_file: str):
+    """A build directory's schedule, verified (what runs is what the verifier proved)."""
+    from ..schedules import schedule_from_json, verify
 
+    try:
+        with open(schedule_file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise PipeplanError(f"cannot read {schedule_file}: {e.strerror or e}") from None
+    schedule = schedule_from_json(text)
+    verify(schedule)
+    return schedule
+
+
+def _pinned(pinned):
     def compile_pinned(plan: Plan, model):
         compiled = _compile(plan, model)
-        with open(schedule_file, encoding="utf-8") as f:
-            pinned = schedule_from_json(f.read())
         got, want = compiled.schedule, pinned
         if (got.ranks, got.stages, got.microbatches, tuple(got.stage_to_rank)) != (
                 want.ranks, want.stages, want.microbatches, tuple(want.stage_to_rank)):
             raise PipeplanError(
-                f"{schedule_file} describes {want.ranks} ranks, {want.stages} stages, "
+                f"the build's schedule.json describes {want.ranks} ranks, {want.stages} stages, "
                 f"{want.microbatches} microbatches, placement {list(want.stage_to_rank)}, but the "
                 f"plan compiles to {got.ranks}, {got.stages}, {got.microbatches}, "
                 f"{list(got.stage_to_rank)}; recompile the build directory")
-        verify(pinned)  # what runs is what the verifier proved
         compiled.schedule = pinned
         return compiled
 
@@ -71,7 +79,7 @@ def load_source(path: str, overrides: Sequence[str], world_size: Optional[int]) 
     if os.path.isdir(path):
         plan = load_plan(_build_plan_file(path), overrides, world_size)
         schedule_file = os.path.join(path, "schedule.json")
-        if os.path.isfile(schedule_file):
-            return RunSource(plan, _pinned(schedule_file), schedule_file)
+        if os.path.isfile(schedule_file):  # checked here, before any process starts
+            return RunSource(plan, _pinned(read_pinned_schedule(schedule_file)), schedule_file)
         return RunSource(plan, _compile)
     return RunSource(load_plan(path, overrides, world_size), _compile)

@@ -11,7 +11,12 @@ the reference's; only the shapes are local).
     vocab   Embedding rows split (ids outside the shard give 0, then summed);
             Linear (an LM head) column-split with its output gathered to full vocab
     attention modules (`heads` + q/k/v/proj children) whose q/k/v are column
-            and proj row parallel run heads // tp local heads
+            and proj row parallel run heads // tp local heads (q, k, v share
+            one entry into the TP region, as a fused QKV)
+
+`vocab_parallel_loss(graph_module, group)` then keeps a vocab-parallel LM
+head's logits split where the graph only feeds them to `F.cross_entropy`,
+computing the loss from the shards (`vocab_parallel_cross_entropy`).
 
 The conjugate operators are autograd Functions: `f` (identity forward,
 all-reduce backward) where a replicated activation enters a column-parallel
@@ -24,7 +29,8 @@ all-gathers its input (backward: reduce-scatter), a row-parallel layer
 reduce-scatters its output (backward: all-gather), a vocab embedding
 reduce-scatters, a replicated embedding keeps its rank's positions. The module
 itself enters the region by splitting its floating inputs and leaves it by
-gathering its floating outputs, so what crosses its boundary is full-sized.
+gathering the outputs that are sequence shards (dim -2 of length T / tp, T read
+from the inputs), so what crosses its boundary is full-sized.
 Replicated parameters used on sequence shards (norms, row-parallel biases) get
 partial gradients: `sync_sequence_parallel_grads` sums them over the group.
 """
@@ -202,15 +208,21 @@ def reduce_scatter_to_sequence(x, group):
 
 
 # ------------------------------------------------------------ parallel layers
-class _Sliced:
-    """Slices full parameters once per (parameter, dim), so tied weights stay tied."""
+class ParameterSlicer:
+    """Slices full parameters once per (parameter, dim), so tied weights stay tied.
+
+    Share one slicer between all stage modules of a rank: a weight tied across
+    two of its stages (embedding and LM head in a V schedule) then stays one
+    Parameter, as it was before the rewrite.
+    """
 
     def __init__(self, group):
         self.group = group
-        self._memo: dict[tuple[int, int], nn.Parameter] = {}
+        # (id(full), dim) -> (full, shard); holding `full` keeps its id from being reused
+        self._memo: dict[tuple[int, int], tuple[nn.Parameter, nn.Parameter]] = {}
 
     def shards(self) -> list[nn.Parameter]:
-        return list(self._memo.values())
+        return [shard for _, shard in self._memo.values()]
 
     def __call__(self, p: Optional[nn.Parameter], dim: int) -> Optional[nn.Parameter]:
         if p is None:
@@ -218,14 +230,14 @@ class _Sliced:
         key = (id(p), dim)
         if key not in self._memo:
             shard = _split(p.detach(), dim, self.group).clone()
-            self._memo[key] = nn.Parameter(shard, requires_grad=p.requires_grad)
-        return self._memo[key]
+            self._memo[key] = (p, nn.Parameter(shard, requires_grad=p.requires_grad))
+        return self._memo[key][1]
 
 
 class ColumnParallelLinear(nn.Module):
     """Linear with output features split; `gather_output` re-assembles them (LM head)."""
 
-    def __init__(self, linear: nn.Linear, group, sliced: _Sliced, sequence_parallel=False,
+    def __init__(self, linear: nn.Linear, group, sliced: ParameterSlicer, sequence_parallel=False,
                  gather_output=False):
         super().__init__()
         _check_divides(linear.out_features, group, "output features of a column-parallel Linear")
@@ -253,7 +265,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Linear with input features split; partial products summed, then the full bias added."""
 
-    def __init__(self, linear: nn.Linear, group, sliced: _Sliced, sequence_parallel=False):
+    def __init__(self, linear: nn.Linear, group, sliced: ParameterSlicer, sequence_parallel=False):
         super().__init__()
         _check_divides(linear.in_features, group, "input features of a row-parallel Linear")
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -273,7 +285,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split over the vocabulary; each id is looked up by its owner rank."""
 
-    def __init__(self, emb: nn.Embedding, group, sliced: _Sliced, sequence_parallel=False):
+    def __init__(self, emb: nn.Embedding, group, sliced: ParameterSlicer, sequence_parallel=False):
         super().__init__()
         _check_divides(emb.num_embeddings, group, "the vocabulary of a vocab-parallel Embedding")
         if emb.padding_idx is not None or emb.max_norm is not None:
@@ -493,9 +505,21 @@ def _rewrite_attention(root: nn.Module, group) -> list[str]:
     return done
 
 
-def _sequence_scatter_hook(group):
+def own_positions(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's sequence shard of a replicated tensor, by plain slicing.
+
+    Its backward fills the other positions with zeros: what flows back to
+    parameters is partial (summed over the group with the other replicated
+    parameters' gradients), unlike `scatter_to_sequence`, whose all-gather
+    backward suits activations that need their whole gradient.
+    """
+    n = x.shape[SEQ_DIM] // _size(group)
+    return x.narrow(SEQ_DIM, _rank(group) * n, n)
+
+
+def _own_positions_hook(group):
     def hook(module, inputs, output):
-        return scatter_to_sequence(output, group)
+        return own_positions(output, group)
     return hook
 
 
@@ -532,11 +556,14 @@ def _enter_sequence_parallel(root: nn.Module, group) -> None:
     root.register_forward_hook(post)
 
 
-def apply_tensor_parallel(module: nn.Module, rules: TensorParallelRules,
-                          group) -> TensorParallelResult:
-    """Rewrite `module` in place for the TP group; returns what was rewritten."""
+def apply_tensor_parallel(module: nn.Module, rules: TensorParallelRules, group,
+                          slicer: Optional[ParameterSlicer] = None) -> TensorParallelResult:
+    """Rewrite `module` in place for the TP group; returns what was rewritten.
+
+    `slicer`: shared by the stage modules of one rank (see ParameterSlicer).
+    """
     sp = rules.sequence_parallel
-    sliced = _Sliced(group)
+    sliced = slicer if slicer is not None else ParameterSlicer(group)
     rewrites = {}
     for name, mod in list(module.named_modules()):
         kind = rules.kind_of(name) if name else None
@@ -547,15 +574,15 @@ def apply_tensor_parallel(module: nn.Module, rules: TensorParallelRules,
         rewrites[name] = "attention"
     partial: list[str] = []
     if sp:
-        scattered = set()
-        for name, mod in module.named_modules():
+        for mod in module.modules():
             if isinstance(mod, nn.Embedding):  # a replicated embedding: keep own positions
-                mod.register_forward_hook(_sequence_scatter_hook(group))
-                scattered.update(f"{name}.{p}" if name else p for p, _ in mod.named_parameters())
+                mod.register_forward_hook(_own_positions_hook(group))
         _enter_sequence_parallel(module, group)
+        # Every replicated parameter now sees only this rank's positions (norms,
+        # row biases, embeddings, a replicated LM head, MoE layers): its gradient
+        # is partial, tied copies alike.
         sharded = {id(p) for p in sliced.shards()}
-        partial = [n for n, p in module.named_parameters()
-                   if id(p) not in sharded and n not in scattered]
+        partial = [n for n, p in module.named_parameters() if id(p) not in sharded]
     return TensorParallelResult(rewrites, tuple(partial))
 
 

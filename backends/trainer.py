@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +20,7 @@ from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
 from . import data
+from .checkpoint import check_checkpointable
 from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor
 from .grads import GradSync, ZeroSync, build_tied_groups
@@ -41,6 +43,7 @@ class StepReport:
 
 def check_supported(plan: Plan) -> None:
     """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it."""
+    check_checkpointable(plan)
     if plan.train.precision != "fp32":
         raise PlanError.at(plan, "train.precision",
                            f"the runtime cannot run precision = {plan.train.precision} yet "
@@ -134,6 +137,19 @@ class PipelineTrainer:
         return StepReport(t, float(loss), norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
                           tuple(result.timings))
+
+    def resume(self, steps_done: int) -> None:
+        """After restoring a checkpoint: the LR schedule continues where it stopped."""
+        for _ in range(steps_done if self.scheduler else 0):
+            self.scheduler.step()
+
+    def parameters_by_name(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's own parameters under every reference name they have here."""
+        out: dict[str, torch.nn.Parameter] = {}
+        for s in sorted(self.runners):
+            for name, p in self.runners[s].module.named_parameters(remove_duplicate=False):
+                out.setdefault(name, p)
+        return out
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters at full shape by their names in the unmodified model.

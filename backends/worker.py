@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..dsl.ast import Plan
 from ..errors import PipeplanError
+from .checkpoint import Checkpointer, latest_step
 from .failure import Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
 from .model import build_model
@@ -59,6 +60,29 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
 
 
+def _restore(plan: Plan, trainer: PipelineTrainer):
+    """(Checkpointer or None, steps already done): resume from the newest checkpoint."""
+    spec = plan.train.checkpoint
+    if spec is None:
+        return None, 0
+    ckpt = Checkpointer(spec, trainer.parameters_by_name(), trainer.optimizer)
+    found = [latest_step(spec.dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # rank 0's view decides for every node
+    if found[0] is None:
+        return ckpt, 0
+    done = ckpt.load(found[0])
+    trainer.resume(done)
+    return ckpt, done
+
+
+def _log_dir_metrics(plan: Plan) -> Optional[str]:
+    """Without --metrics, train.log_dir (when set) receives metrics.jsonl."""
+    if not plan.train.log_dir:
+        return None
+    os.makedirs(plan.train.log_dir, exist_ok=True)
+    return os.path.join(plan.train.log_dir, "metrics.jsonl")
+
+
 def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
 
@@ -83,22 +107,29 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         trainer = PipelineTrainer(plan, compiled, topo, device)
         schedule = compiled.schedule
         del compiled
-        progress = Progress(opts.steps, opts.metrics) if env.rank == 0 else None
+        checkpoints, first = _restore(plan, trainer)
+        metrics = opts.metrics or _log_dir_metrics(plan)
+        progress = Progress(opts.steps, metrics, append=first > 0) if env.rank == 0 else None
+        if progress and first:
+            print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
         steps, losses = [], []
-        for t in range(opts.steps):
+        for t in range(first, opts.steps):
             where = f"step {t + 1}"
             report = trainer.step(t)
             steps.append(report.timings)
             losses.append(report.loss)
             if progress:
                 progress.step(report)
+            if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
+                where = f"checkpoint after step {t + 1}"
+                checkpoints.save(t + 1)
         where = "finish"
         mine = RankTimings(env.rank, topo.coords.pp, topo.coords.dp, tuple(steps))
         gathered = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if progress:
             progress.close()
-            if opts.steps:
+            if steps:
                 print(bubble_report(schedule, gathered), flush=True)
             if opts.trace:
                 write_trace(opts.trace, gathered)

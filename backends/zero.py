@@ -120,7 +120,8 @@ class FlatShard:
         self.world, self.rank = _group_size(group), _group_rank(group)
         self.layout = FlatLayout.of(named, self.world if stage > 0 else 1)
         dtype = self.params[0].dtype if self.params else torch.float32
-        self.full = torch.zeros(self.layout.padded, dtype=dtype)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.full = torch.zeros(self.layout.padded, dtype=dtype, device=self.device)
         for p, off in zip(self.params, self.layout.offsets):
             self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
         self._point_params_at_full()
@@ -177,7 +178,7 @@ class FlatShard:
 
     # -- one step
     def _flat_grad(self) -> torch.Tensor:
-        flat = torch.zeros(self.layout.padded, dtype=self.shard.dtype)
+        flat = torch.zeros(self.layout.padded, dtype=self.shard.dtype, device=self.device)
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
@@ -208,7 +209,7 @@ class FlatShard:
         """Squared sum of the owned gradient slice, without the parameters in `skip`."""
         g = self.shard.grad
         if g is None:
-            return torch.zeros((), dtype=torch.float64)
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         g = g.detach().double()
         start, stop = self.layout.shard_range(self.rank if self.stage > 0 else 0)
         if skip:
@@ -283,7 +284,8 @@ class ZeroOptimizer:
     def grad_sq_norm(self, skip: frozenset = frozenset()) -> torch.Tensor:
         """Squared L2 norm of this rank's share of the gradient, summed over each shard's
         group (and its spread group); parameters whose id is in `skip` are left out."""
-        total = torch.zeros((), dtype=torch.float64)
+        device = self.shards[0].device if self.shards else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for s in self.shards:
             local = s.owned_grad_sq(skip)
             if s.stage > 0 and s.world > 1:

@@ -18,5 +18,5 @@ def estimates_summary(plan) -> str:
     return render_summary(compile_plan(plan))
 
 
-__all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary", "move_stage",
-           "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel"]
+__all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary",
+           "move_stage", "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel"]

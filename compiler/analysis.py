@@ -9,6 +9,9 @@ allocated: parameters of a real model are replaced by meta stand-ins.
 
 Attention is costed as a fused kernel would run it (FlashAttention saves q, k,
 v, the output and one float per row), not as the meta math path runs it.
+Ops whose output shape depends on data (`nonzero` in a leaf MoE's dispatch)
+run as if everything were selected: shapes stay computable, costs are upper
+bounds (costs.py scales a leaf MoE back to top-k).
 """
 from __future__ import annotations
 
@@ -25,6 +28,14 @@ from .compiled import ValueSpec
 _META = torch.device("meta")
 SDPA = {torch.nn.functional.scaled_dot_product_attention,
          torch.ops.aten.scaled_dot_product_attention.default}
+
+
+class MetaRunError(Exception):
+    """A node could not run on meta tensors (e.g. an op whose output shape depends on data)."""
+
+    def __init__(self, node: fx.Node, error: BaseException):
+        self.node, self.error = node, error
+        super().__init__(f"{node.format_node()}: {type(error).__name__}: {error}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,9 @@ class MetaRun:
     def run(self, nodes: Iterable[fx.Node], inputs: dict[str, torch.Tensor]) -> None:
         """Run `nodes` (in order) given meta tensors for placeholders by name."""
         counter = FlopCounterMode(display=False)
-        with counter, torch.enable_grad(), \
+        # data-dependent shapes (nonzero in a leaf MoE's dispatch) are taken at their largest:
+        # every element selected, so costs are upper bounds and shapes stay computable
+        with counter, torch.enable_grad(), _nonzero_selects_all(), \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             for node in nodes:
                 if node.op == "output":
@@ -70,7 +83,10 @@ class MetaRun:
                 if node.op == "placeholder":
                     value = inputs[node.target if node.target in inputs else node.name]
                 else:
-                    value = self._execute(node)
+                    try:
+                        value = self._execute(node)
+                    except Exception as e:
+                        raise MetaRunError(node, e) from e
                 saved = self._saved_now
                 if node.op == "call_function" and node.target in SDPA:
                     saved = _fused_attention_saved_bytes(value, node.args, self.values)
@@ -122,6 +138,11 @@ class MetaRun:
             self._saved[id(base)] = base  # keep alive so ids stay unique
             self._saved_now += _nbytes(base)
         return t
+
+
+def _nonzero_selects_all():
+    from torch.fx.experimental import _config
+    return _config.patch(meta_nonzero_assume_all_nonzero=True)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -4,6 +4,8 @@
     schedule.json      the schedule, in the schedule engine's JSON format
     stages/stage_K.py  the generated forward of each stage
     report.md          split, placement, estimates, timeline
+    trace.json         the simulated timeline for Perfetto (the runtime's measured trace
+                       uses the same format, so the two overlay)
     manifest.json      hashes of the plan and model source; what produced the build
 """
 from __future__ import annotations
@@ -31,6 +33,10 @@ def write_build(compiled: CompiledPlan, out: str | Path) -> Path:
     files = {"plan.plan": format_plan(resolved_plan(compiled, out)),
              "schedule.json": schedule_to_json(compiled.schedule, _metrics(compiled)),
              "report.md": render_report(compiled)}
+    sim = compiled.estimates.simulation if compiled.estimates is not None else None
+    if sim is not None:
+        from ..schedules.render import chrome_trace_json
+        files["trace.json"] = chrome_trace_json(sim)
     for st in compiled.stages:
         files[f"stages/stage_{st.index}.py"] = stage_source(st)
     for name, text in files.items():

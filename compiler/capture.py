@@ -137,11 +137,12 @@ def _drop_specialised_arguments(graph: fx.Graph, example: dict) -> None:
 def capture_export(model: torch.nn.Module, example: dict, reason: str) -> Captured:
     try:
         with _quiet_torch_logs():
-            ep = torch.export.export(model, (), dict(example), strict=False)
+            ep = torch.export.export(model, (), {**example, **_training_kwargs(model, example)},
+                                     strict=False)
     except Exception as e:
         raise CaptureFailed("export", e, _where(model, e, None)) from e
     sig = ep.graph_signature
-    from torch.export.graph_signature import InputKind, OutputKind
+    from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
     if any(s.kind not in (OutputKind.USER_OUTPUT,) for s in sig.output_specs):
         mutated = [s.target for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT]
         raise CaptureFailed("export", RuntimeError(
@@ -155,7 +156,9 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str) -> Captur
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = spec_of[node.name]
-            if spec.kind == InputKind.USER_INPUT:
+            if isinstance(spec.arg, ConstantArgument):  # e.g. use_cache=False: a constant
+                env[node] = spec.arg.value
+            elif spec.kind == InputKind.USER_INPUT:
                 name = _user_input_name(ep, spec, len(inputs))
                 env[node] = graph.placeholder(name)
                 inputs.append(name)
@@ -180,10 +183,19 @@ def _user_input_name(ep, spec, index: int) -> str:
 
 
 def _defaults_not_given(model: torch.nn.Module, example: dict) -> dict:
-    """forward's optional arguments the plan does not feed: traced at their defaults."""
+    """forward's optional arguments the plan does not feed: traced at their defaults
+    (and `use_cache` at False: a KV cache is for inference)."""
     params = inspect.signature(model.forward).parameters.values()
-    return {p.name: p.default for p in params
-            if p.name not in example and p.default is not inspect.Parameter.empty}
+    fixed = {p.name: p.default for p in params
+             if p.name not in example and p.default is not inspect.Parameter.empty}
+    fixed.update(_training_kwargs(model, example))
+    return fixed
+
+
+def _training_kwargs(model: torch.nn.Module, example: dict) -> dict:
+    """Keyword arguments that put a library model in training form: no KV cache."""
+    params = inspect.signature(model.forward).parameters
+    return {"use_cache": False} if "use_cache" in params and "use_cache" not in example else {}
 
 
 # ------------------------------------------------------------------------ errors
@@ -219,17 +231,33 @@ def _where(model: torch.nn.Module, error: BaseException, tracer: fx.Tracer | Non
 
 def _capture_error(plan: Plan, failures: list[CaptureFailed]) -> PlanError:
     lines = ["cannot capture the model: " + "; ".join(str(f) for f in failures)]
-    module = next((f.where.split("`")[1] for f in failures if f.where.startswith("module `")), None)
-    hints = []
-    if any(f.method == "fx" for f in failures) and module and module != "<root>":
-        hints.append(f'mark the module as a leaf (leaf_modules = ["{module}"])')
-    if plan.model.capture != "export":
-        hints.append('try capture = "export" (needs use_cache=False-style models)')
-    if any(f.method == "export" for f in failures):
-        hints.append("make the expert dispatch traceable (dense or grouped_mm experts instead of "
-                     "a loop over nonzero()), and use torch.library.custom_op for custom autograd")
     return PlanError.at(plan, "model.capture" if "model.capture" in plan.spans else "model.source",
-                        "\n".join(lines), "; or ".join(hints))
+                        "\n".join(lines), "; or ".join(_hints(failures)))
+
+
+def _hints(failures: list[CaptureFailed]) -> list[str]:
+    """What to change, from what each front end ran into."""
+    hints = []
+    fx_failure = next((f for f in failures if f.method == "fx"), None)
+    export_failure = next((f for f in failures if f.method == "export"), None)
+    if fx_failure is not None and fx_failure.where.startswith("module `"):
+        module = fx_failure.where.split("`")[1]
+        if module != "<root>":
+            hints.append(f'mark the module as a leaf (leaf_modules = ["{module}"])')
+    if export_failure is None:
+        hints.append('try capture = "export" (non-strict torch.export; use_cache=False models)')
+        return hints
+    text = f"{type(export_failure.error).__name__}: {export_failure.error}"
+    if "Cache" in text:
+        hints.append("build the model with use_cache=False (a KV cache is for inference)")
+    if "data-dependent" in text or "DataDependent" in text:
+        hints.append("make the data-dependent code traceable (for experts: dense or grouped_mm "
+                     "dispatch instead of a loop over nonzero()), or trace it as a leaf with "
+                     'capture = "fx"')
+    if not hints:
+        hints.append("use torch.library.custom_op (with registered autograd) for custom "
+                     "autograd Functions, and return aux losses as outputs")
+    return hints
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ def run_compile(args: argparse.Namespace) -> int:
     write_build(compiled, out)
     lines = [f"compiled {args.plan} in {time.perf_counter() - started:.1f} s"]
     lines += ["  " + line for line in render_summary(compiled).splitlines()]
-    lines.append(f"  wrote {out}/ (report.md, schedule.json, stages/, plan.plan, manifest.json)")
+    lines.append(f"  wrote {out}/ (report.md, schedule.json, trace.json, stages/, plan.plan, "
+                 "manifest.json)")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

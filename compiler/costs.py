@@ -9,6 +9,9 @@ training really costs:
   expert weights (dim 0 == num_experts) and producing an every-expert axis
   count top_k / num_experts of that. Grouped-matmul experts (transformers'
   default) already compute routed tokens only and are counted as they are.
+  A MoE traced as a leaf with a data-dependent dispatch loop runs with
+  everything selected, so each expert takes all T·top_k (token, slot) pairs
+  (transformers' eager pattern); it counts 1 / num_experts of that.
 * recompute rules: `full` keeps only the module's inputs and reruns its forward
   in backward; `selective` drops what non-matmul ops saved (norms, activations,
   attention cores) and reruns those.
@@ -27,7 +30,7 @@ import torch.fx as fx
 from ..dsl.ast import Plan
 from .analysis import SDPA, MetaRun
 from .blocks import module_path
-from .patterns import outermost_match
+from .patterns import matches, outermost_match
 
 _VIEWS = {"view", "reshape", "transpose", "permute", "t", "expand", "contiguous", "unsqueeze",
           "squeeze", "flatten"}
@@ -79,6 +82,11 @@ def _expert_scale(plan: Plan, node: fx.Node, path: Optional[str], run: MetaRun) 
         return 1.0
     if not any(outermost_match(path, p) for p in ex.modules):
         return 1.0
+    if node.op == "call_module" and any(matches(path, p) for p in ex.modules):
+        # a MoE block traced as a leaf: its data-dependent dispatch ran with everything
+        # selected (analysis.py): each expert took all T*top_k (token, slot) pairs, where
+        # real routing sends T*top_k pairs to the experts in total
+        return 1.0 / ex.num_experts
     out = run.values.get(node)
     if not isinstance(out, torch.Tensor) or ex.num_experts not in out.shape:
         return 1.0  # no every-expert axis: already computed per routed token (grouped mm)

@@ -15,7 +15,7 @@ from ..dsl.ast import Plan
 from .blocks import blocks_of
 from .compiled import CompiledPlan, StageSpec
 from .costs import Cost, node_costs, param_bytes_per_node
-from .estimates import DeviceModel, estimate
+from .estimates import DeviceModel, estimate, normalised, step_costs
 from .experts import expert_weights, place_experts
 from .loading import load_model
 from .partition import Split, choose_split, compute_nodes
@@ -44,17 +44,18 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
     _attach_costs(stages, split, costs, graph)
-    schedule = make_schedule(plan, stages)
+    tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
+                                                 experts)
+    times = step_costs(plan, stages, tp_traffic, moe_traffic, device)
+    schedule = make_schedule(plan, stages, normalised(times))
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]
     tied = find_tied(model, stages)
-    tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
-                                                 experts)
     expert_params = {f"{e.module}.{w}" for e in experts
                      for w in expert_weights(model.get_submodule(e.module),
                                              plan.experts.num_experts)}
-    estimates = estimate(plan, stages, schedule, tied, tp_kinds, expert_params, tp_traffic,
-                         moe_traffic, device)
+    estimates = estimate(plan, stages, schedule, times, tied, tp_kinds, expert_params,
+                         tp_traffic, moe_traffic, device)
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,

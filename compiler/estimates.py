@@ -81,11 +81,12 @@ def param_facts(plan: Plan, stage: StageSpec, tp_kinds: dict[str, str],
     return out
 
 
-def estimate(plan: Plan, stages: list[StageSpec], schedule, tied: tuple[TiedParam, ...],
+def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[TiedParam, ...],
              tp_kinds: dict[str, str], expert_params: set[str], tp_traffic: list[Traffic],
              moe_traffic: list[Traffic], device: DeviceModel = DeviceModel()) -> Estimates:
     """Estimates for every global rank (pp outermost, tp innermost; a pipeline rank's dp × tp
-    ranks hold the same shares, so they get equal numbers)."""
+    ranks hold the same shares, so they get equal numbers). `costs` (from step_costs, in
+    seconds) time the schedule."""
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     act_div = mesh.tp if plan.tensor.sequence_parallel else 1
@@ -111,7 +112,8 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, tied: tuple[TiedPara
     ranks = [dataclasses.replace(per_pp[g // per_replica], rank=g,
                                  comm_bytes=dict(per_pp[g // per_replica].comm_bytes))
              for g in range(mesh.pp * per_replica)]
-    sim = simulate_step(plan, stages, schedule, tp_traffic, moe_traffic, device)
+    from ..schedules.simulate import simulate
+    sim = simulate(schedule, costs)
     dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / device.link_bytes_per_s
     return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
                      device_model=asdict(device), simulation=sim)
@@ -154,11 +156,11 @@ def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
     return peaks
 
 
-def simulate_step(plan: Plan, stages: list[StageSpec], schedule, tp_traffic: list[Traffic],
-                  moe_traffic: list[Traffic], device: DeviceModel):
-    """The schedule simulated in seconds under the device model (a schedules.SimResult)."""
+def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
+               moe_traffic: list[Traffic], device: DeviceModel):
+    """Per-stage (F, B, W) op times in seconds and the p2p message time: a schedules.Costs.
+    The schedule is generated (normalised) and simulated with these same costs."""
     from ..schedules.costs import Costs
-    from ..schedules.simulate import simulate
     tp = plan.mesh.tp
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     table = []
@@ -169,7 +171,16 @@ def simulate_step(plan: Plan, stages: list[StageSpec], schedule, tp_traffic: lis
         table.append((f + coll, f + st.recompute_flops / tp / device.flops_per_s + coll, f))
     msg = [sum(_bytes(o) for o in st.outputs) * float_scale for st in stages[:-1]]
     latency = device.latency_s + (max(msg, default=0.0) / device.link_bytes_per_s)
-    return simulate(schedule, Costs(per_stage=tuple(table), latency=latency))
+    return Costs(per_stage=tuple(table), latency=latency)
+
+
+def normalised(costs):
+    """The same costs with the largest op time = 1 (generators compare times with a fixed
+    epsilon, so they get unit-scale numbers, not microseconds)."""
+    from ..schedules.costs import Costs
+    scale = max((max(t) for t in costs.per_stage), default=0.0) or 1.0
+    return Costs(per_stage=tuple(tuple(x / scale for x in t) for t in costs.per_stage),
+                 latency=costs.latency / scale)
 
 
 def _bytes(spec) -> int:

@@ -29,7 +29,6 @@ COMPUTE_OPS = ("call_function", "call_method", "call_module")
 class Split:
     starts: tuple[str, ...]  # module names where stages 1..S-1 begin
     positions: tuple[int, ...]  # index in compute-node order where each begins
-    stage_costs: tuple[float, ...]  # training cost per stage (FLOPs, or bytes for basis=params)
 
     def stage_of(self, index: int) -> int:
         return bisect.bisect_right(self.positions, index)
@@ -49,11 +48,10 @@ def choose_split(plan: Plan, model: torch.nn.Module, graph: fx.Graph,
     stages = plan.mesh.pp * plan.pipeline.virtual
     nodes = compute_nodes(graph)
     spec = plan.pipeline.split
-    weight = _weights(plan, nodes, costs, param_bytes)
     if stages == 1:
-        return Split((), (), (float(sum(weight)),))
+        return Split((), ())
     if spec.kind == "auto":
-        return _auto(plan, model, nodes, weight, stages)
+        return _auto(plan, model, nodes, _weights(plan, nodes, costs, param_bytes), stages)
     if spec.kind == "points":
         names, key = spec.points, "pipeline.split"
     elif spec.kind == "ranges":
@@ -72,7 +70,7 @@ def choose_split(plan: Plan, model: torch.nn.Module, graph: fx.Graph,
     if positions[0] == 0:
         raise PlanError.at(plan, key, f"split point {names[0]!r} leaves stage 0 empty",
                            "name where stage 1 begins, not stage 0")
-    return Split(tuple(names), positions, _stage_sums(weight, positions))
+    return Split(tuple(names), positions)
 
 
 def _weights(plan: Plan, nodes: list[fx.Node], costs: dict[fx.Node, Cost],
@@ -85,11 +83,6 @@ def _weights(plan: Plan, nodes: list[fx.Node], costs: dict[fx.Node, Cost],
     raise PlanError.at(plan, "pipeline.split", f"split basis {basis!r} is not supported by the "
                        "compiler yet (it needs a measured profile)",
                        'use basis "flops" or "params"')
-
-
-def _stage_sums(weight: list[float], positions: tuple[int, ...]) -> tuple[float, ...]:
-    edges = (0, *positions, len(weight))
-    return tuple(float(sum(weight[a:b])) for a, b in zip(edges, edges[1:]))
 
 
 def _first_position(plan: Plan, model, nodes: list[fx.Node], name: str, key: str) -> int:
@@ -129,8 +122,9 @@ def _auto(plan: Plan, model, nodes: list[fx.Node], weight: list[float], stages: 
             starts.append((i, b))
             seen.add(b)
         cur = b if b is not None else cur
-    if not starts or starts[0][0] != 0:
-        starts.insert(0, (0, None))
+    if not starts:
+        starts = [(0, None)]
+    starts[0] = (0, starts[0][1])  # glue before the first block (positions, sizes) joins it
     if len(starts) < stages:
         raise PlanError.at(plan, "mesh.pp", f"the model has {len(starts)} blocks, too few for "
                            f"{stages} pipeline stages", "use fewer stages (pp × virtual)")
@@ -138,7 +132,7 @@ def _auto(plan: Plan, model, nodes: list[fx.Node], weight: list[float], stages: 
     seg = np.array([sum(weight[a:b]) for a, b in zip(edges, edges[1:])], dtype=np.float64)
     cut = _min_max_partition(seg, stages)
     positions = tuple(starts[c][0] for c in cut)
-    return Split(tuple(starts[c][1] for c in cut), positions, _stage_sums(weight, positions))
+    return Split(tuple(starts[c][1] for c in cut), positions)
 
 
 def _min_max_partition(seg: np.ndarray, parts: int) -> list[int]:

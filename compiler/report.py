@@ -120,23 +120,15 @@ def _unit(largest: float) -> tuple[str, int]:
 
 
 def _timeline(c: CompiledPlan, width: int = 100) -> str:
+    from ..schedules.render import ascii_timeline, explain
     e = c.estimates
-    sim = getattr(e, "simulation", None) if e is not None else None
+    sim = e.simulation if e is not None else None
     if sim is None or sim.makespan <= 0:
         return ""
-    scale = width / sim.makespan
-    rows = ["## Timeline (simulated; F forward, B input-grad, W weight-grad, X full backward, "
-            ". idle)", "", "```"]
-    for r, actions in enumerate(c.schedule.order):
-        line = ["."] * width
-        for a, s, t in zip(actions, sim.start[r], sim.end[r]):
-            ch = {"F": "F", "B": "B", "W": "W", "BW": "X"}[a.op]
-            for i in range(int(s * scale), max(int(s * scale) + 1, int(t * scale))):
-                if i < width:
-                    line[i] = ch
-        rows.append(f"rank {r:>2} |{''.join(line)}|")
-    rows += ["```", ""]
-    return "\n".join(rows)
+    return "\n".join(["## Timeline (simulated, seconds under the device model)", "", "```",
+                      ascii_timeline(sim, width).rstrip("\n"), "", explain(sim).rstrip("\n"),
+                      "```", "", "The same timeline for Perfetto / chrome://tracing: trace.json.",
+                      ""])
 
 
 def render_summary(compiled: CompiledPlan) -> str:

@@ -1,8 +1,9 @@
 """The pipeline schedule for a compiled plan, from the schedule engine, costed by stage.
 
-Stage op times come from the compiler's cost model (forward FLOPs per stage;
-B = forward + recompute, W = forward), so cost-aware kinds (`auto`, the
-zero-bubble family) order ops for this model, not for equal stages.
+Stage op times come from the compiler's cost model under the device model
+(estimates.step_costs: F = forward FLOPs, B = forward + recompute, W = forward,
+plus collectives; p2p latency), so cost-aware kinds (`auto`, the zero-bubble
+family) order ops for this model and these links, not for equal stages.
 """
 from __future__ import annotations
 
@@ -14,21 +15,12 @@ from ..errors import PipeplanError
 from .compiled import StageSpec
 
 
-def stage_costs(stages: list[StageSpec]):
-    """Costs with per-stage (F, B, W) in FLOPs-proportional units (largest F = 1)."""
-    from ..schedules.costs import Costs
-    scale = max((st.flops for st in stages), default=0.0) or 1.0
-    return Costs(per_stage=tuple(
-        (st.flops / scale, (st.flops + st.recompute_flops) / scale, st.flops / scale)
-        for st in stages))
-
-
-def make_schedule(plan: Plan, stages: list[StageSpec]):
-    """The verified schedule of the plan's kind, costed with this model's stages."""
+def make_schedule(plan: Plan, stages: list[StageSpec], costs):
+    """The verified schedule of the plan's kind for this model's stage costs (a Costs)."""
     from ..schedules import generate
     try:
         return generate(plan.pipeline.schedule, ranks=plan.mesh.pp, microbatches=plan.microbatches,
-                        virtual=plan.pipeline.virtual, costs=stage_costs(stages),
+                        virtual=plan.pipeline.virtual, costs=costs,
                         memory_limit=_memory_limit(plan, stages))
     except PlanError:
         raise

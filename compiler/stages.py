@@ -52,7 +52,7 @@ def _layout(graph: fx.Graph, split: Split, run: MetaRun, order: dict) -> _Layout
     for n in nodes:  # unpacking a tuple output stays with its producer: tensors cross, not tuples
         if n.op == "call_function" and n.target is operator.getitem and n.args[0] in home \
                 and isinstance(run.values.get(n.args[0]), (tuple, list)):
-            pass
+            home[n] = home[n.args[0]]
     count = len(split.positions) + 1
     computes = [set() for _ in range(count)]
     last_use: dict[fx.Node, int] = {}  # tensor -> last stage that reads it

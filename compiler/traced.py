@@ -13,7 +13,8 @@ import torch.fx as fx
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
-from .analysis import MetaRun
+from .analysis import MetaRun, MetaRunError
+from .blocks import module_path
 from .capture import capture
 from .loss import LOSS_KINDS, TARGETS, append_loss, split_outputs
 
@@ -35,20 +36,35 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
     captured = capture(plan, model, example)
     gm = captured.module
     run = MetaRun(gm)
-    run.run(list(gm.graph.nodes), example)
+    _propagate(plan, run, list(gm.graph.nodes), example)
     first, _ = split_outputs(captured.outputs)
     _check_prediction(plan, run.values.get(first))
     before = set(gm.graph.nodes)
     loss = append_loss(gm.graph, plan.model.loss, captured.outputs,
                        lambda n: run.is_tensor(n) and run.value(n).dim() == 0)
     new = [n for n in gm.graph.nodes if n not in before]
-    run.run(new, {TARGETS: _targets_example(plan, run.value(first))})
+    _propagate(plan, run, new, {TARGETS: _targets_example(plan, run.value(first))})
     gm.recompile()
     if run.value(loss).dim() != 0:
         raise PlanError.at(plan, "model.loss", f"loss = {plan.model.loss!r} gives a tensor of "
                            f"shape {tuple(run.value(loss).shape)}, not a scalar",
                            'with loss = "model" the model must return its scalar loss first')
     return TracedWithLoss(gm, run, loss, captured.method, captured.reason)
+
+
+def _propagate(plan: Plan, run: MetaRun, nodes: list[fx.Node], inputs: dict) -> None:
+    try:
+        run.run(nodes, inputs)
+    except MetaRunError as e:
+        where = module_path(e.node)
+        raise PlanError.at(
+            plan, "model.source",
+            f"shape propagation failed at `{e.node.name}`"
+            + (f" in module `{where}`" if where else "") + f": {type(e.error).__name__}: "
+            + (str(e.error).strip().splitlines() or [""])[0],
+            "the compiler runs the graph on meta tensors (no data): an op whose output shape "
+            "depends on values (nonzero, masked_select, a loop over routed tokens) cannot run "
+            "there; use a dense or grouped-matmul formulation of that code") from e
 
 
 def example_inputs(plan: Plan) -> dict[str, torch.Tensor]:

@@ -10,11 +10,14 @@ head of each rank-pair channel, so channel FIFO order holds by construction.
 
 Memory gate: a microbatch entering a rank (the F of its first stage there)
 reserves the microbatch's whole share on that rank (1 unit), so the forwards
-that continue it can always run; W/BW release it stage by stage.
+that continue it can always run; W/BW release it stage by stage. A looser gate
+(reserve_whole=False) only keeps room for one more stage, warming up more
+microbatches at the risk of a Stall.
 """
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -38,6 +41,11 @@ class Policy:
     bwd_seq: Optional[tuple[tuple[tuple[int, int], ...], ...]] = None
     w_fits_gap: bool = False  # an idle-filling W only if it ends before the next message arrives
     forward_first: bool = False  # a ready forward (within memory) before a ready backward
+    reserve_whole: bool = True  # an entering microbatch reserves its whole share (never stalls);
+    # False: it needs room for itself and one more stage only, so more microbatches warm up
+    # (may Stall; callers skip such policies)
+    jitter: float = 0.0  # chance, per decision, of taking a random ready kind (F, B or W) instead
+    seed: int = 0  # of the jitter's random choices (a policy is a pure function of its fields)
 
 
 class _Local:
@@ -88,6 +96,7 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
     free_at = [0.0] * p
     total = S * m * (3 if policy.split else 2)
     count = 0
+    rng = random.Random(policy.seed) if policy.jitter > 0 else None
 
     def f_key(s, mb):
         entering = s == first_stage[placement[s]]
@@ -113,9 +122,10 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
         return r_dst, arrive
 
     def admissible(r, s):
-        if s == first_stage[r]:
-            return reserved[r] + 1.0 <= policy.limits[r] + EPS
-        return True
+        if policy.reserve_whole:
+            return s != first_stage[r] or reserved[r] + 1.0 <= policy.limits[r] + EPS
+        room = min(1.0, 2 * share[s]) if s == first_stage[r] else share[s]
+        return held[r] + room <= policy.limits[r] + EPS
 
     def best_backward(r, heads):
         """The B/BW to run next on rank r: its fixed sequence's next, else oldest microbatch, deepest stage."""
@@ -171,6 +181,12 @@ def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, tabl
         heads = [dq[0] for dq in inbox[r] if dq and dq[0][0] <= t + EPS]
         bwd = best_backward(r, heads)
         fwd = best_forward(r, heads)
+        if rng is not None and rng.random() < policy.jitter:
+            ready = [c for c in ((bwd_op, bwd), (F, fwd), (W, (pending_w[r][0], None) if pending_w[r] else None))
+                     if c[1] is not None]
+            if ready:
+                op, (item, head) = rng.choice(ready)
+                return op, item, head
         if fwd is not None and policy.forward_first:
             return F, fwd[0], fwd[1]
         if bwd is not None:

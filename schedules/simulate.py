@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .bound import makespan_bound
 from .costs import Costs, StageCosts
 from .execution import NONE, Execution, analyze
 from .ir import Action, Schedule
@@ -42,7 +43,7 @@ class SimResult:
     busy: tuple[float, ...]
     idle: tuple[float, ...]  # makespan - busy, per rank
     peak_activations: tuple[float, ...]
-    lower_bound: float  # no schedule of this placement and these costs can be shorter
+    lower_bound: float  # no schedule of this placement, costs and memory limit can be shorter
     start: tuple[tuple[float, ...], ...]  # per rank, aligned with schedule.order[rank]
     end: tuple[tuple[float, ...], ...]
 
@@ -78,7 +79,10 @@ def _bubble(busy, makespan: float) -> float:
     return 0.0 if makespan <= 0 else 1.0 - sum(busy) / (len(busy) * makespan)
 
 
-def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
+def simulate(schedule: Schedule, costs: Optional[Costs] = None,
+             memory_limit: Optional[float] = None) -> SimResult:
+    """Time the schedule. The lower bound holds for every schedule of the same placement and
+    costs within `memory_limit` activations per rank (default: this schedule's own peak)."""
     costs = costs or Costs()
     table = costs.stage_table(schedule.stage_to_rank)
     ex = analyze(schedule)
@@ -89,11 +93,12 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
     spans = [row_e[-1] - row_s[0] if row_s else 0.0 for row_s, row_e in zip(start, end)]
     span_bubble = 1.0 - sum(busy) / sum(spans) if sum(spans) > 0 else 0.0
     idle = tuple(makespan - b for b in busy)
+    peaks = peak_per_rank(schedule)[0]
     return SimResult(
         schedule=schedule, costs=costs, makespan=makespan, bubble=_bubble(busy, makespan),
         span_bubble=span_bubble, busy=busy, idle=idle,
-        peak_activations=peak_per_rank(schedule)[0],
-        lower_bound=lower_bound(schedule, table, busy),
+        peak_activations=peaks,
+        lower_bound=lower_bound(schedule, table, max(peaks) if memory_limit is None else memory_limit),
         start=tuple(map(tuple, start)), end=tuple(map(tuple, end)))
 
 
@@ -168,24 +173,9 @@ def _critical_path(ex: Execution, table: StageCosts, start, end) -> tuple[tuple[
     return tuple(reversed(path))
 
 
-def lower_bound(schedule: Schedule, table: StageCosts, busy) -> float:
-    """max(one microbatch's dependency chain, each rank's earliest start + its total work).
-
-    The chain is every stage's F, every stage's B, then W of stage 0 (or BW), with
-    latency at each rank change; a rank cannot start before the first of its stages
-    can receive microbatch 0's forward.
-    """
-    s2r, lat = schedule.stage_to_rank, table.latency
-    arrive = [0.0] * schedule.stages  # earliest start of F(s, mb 0)
-    t = 0.0
-    for s in range(schedule.stages):
-        if s > 0:
-            t += table.time("F", s - 1) + (lat if s2r[s - 1] != s2r[s] else 0.0)
-        arrive[s] = t
-    chain = t + table.time("F", schedule.stages - 1)
-    for s in range(schedule.stages - 1, -1, -1):
-        chain += table.time("B", s) + (lat if s > 0 and s2r[s - 1] != s2r[s] else 0.0)
-    chain += table.time("W", 0)
-    head = [min((arrive[s] for s in schedule.stages_of_rank(r)), default=0.0)
-            for r in range(schedule.ranks)]
-    return max([chain] + [h + b for h, b in zip(head, busy)])
+def lower_bound(schedule: Schedule, table: StageCosts, memory_limit: Optional[float] = None) -> float:
+    """No schedule of this placement and these costs, holding at most `memory_limit` activations
+    per rank (default: this schedule's own peak), can be shorter; the proof is in bound.py."""
+    if memory_limit is None:
+        memory_limit = max(peak_per_rank(schedule)[0], default=None)
+    return makespan_bound(schedule.stage_to_rank, schedule.microbatches, table, memory_limit)

@@ -1,6 +1,8 @@
 """A tiny GPT whose chosen block raises on its N-th real (non-meta) call: a rank failure on demand."""
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -8,24 +10,26 @@ from pipeplan.examples.models.gpt import GPT
 
 
 class Bomb(nn.Module):
-    """Identity that raises on call number `after` + 1 with real tensors (traced as a leaf)."""
+    """Identity that raises (or hangs) on call number `after` + 1 with real tensors (a leaf)."""
 
-    def __init__(self, after: int):
+    def __init__(self, after: int, hang: bool = False):
         super().__init__()
-        self.after, self.calls = after, 0
+        self.after, self.hang, self.calls = after, hang, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "meta":
             self.calls += 1
             if self.calls > self.after:
+                if self.hang:
+                    time.sleep(3600)
                 raise RuntimeError("injected fault")
         return x
 
 
 class FaultyGPT(GPT):
-    def __init__(self, fail_layer: int = 2, fail_after: int = 3, **kwargs):
+    def __init__(self, fail_layer: int = 2, fail_after: int = 3, hang: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.bomb = Bomb(fail_after)
+        self.bomb = Bomb(fail_after, hang)
         self.fail_layer = fail_layer
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

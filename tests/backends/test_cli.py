@@ -36,16 +36,17 @@ train {{
   global_batch = {batch}
   optimizer = sgd(lr = 0.05, momentum = 0.9)
   grad_clip = 0.5
-  seed = 0
+  seed = 0{train_extra}
 }}
 """
 
 
-def write_plan(tmp_path: Path, *, source=None, extra="", leaf="", dp=1, schedule="1f1b") -> Path:
+def write_plan(tmp_path: Path, *, source=None, extra="", leaf="", dp=1, schedule="1f1b",
+               train_extra="", name="tiny.plan") -> Path:
     source = source or str(REPO / "examples/models/gpt.py") + ":GPT"
     text = PLAN.format(source=source, extra=extra, leaf=leaf, dp=dp, schedule=schedule,
-                       batch=4 * dp)
-    path = tmp_path / "tiny.plan"
+                       batch=4 * dp, train_extra=train_extra)
+    path = tmp_path / name
     path.write_text(text)
     return path
 
@@ -138,3 +139,42 @@ def test_moe_example_trains(tmp_path):
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 6
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_tampered_build_schedule_is_refused_before_launch(tmp_path):
+    """A build whose schedule.json fails the verifier never starts a process."""
+    plan = write_plan(tmp_path)
+    r = pipeplan("compile", plan, "-o", tmp_path / "build", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    path = tmp_path / "build" / "schedule.json"
+    schedule = json.loads(path.read_text())
+    last = schedule["order"][1]
+    last[0], last[1] = last[1], last[0]  # rank 1 runs a backward before its forward
+    path.write_text(json.dumps(schedule))
+    r = pipeplan("run", tmp_path / "build", timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "launching" not in r.stdout and "Traceback" not in r.stderr
+    assert "rank 1" in r.stderr
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_continues_exactly(tmp_path):
+    """Stop after step 4 (checkpoints at 2 and 4), resume to 6: the same losses as one run."""
+    ckpt = tmp_path / "ckpt"
+    straight = write_plan(tmp_path, dp=2, name="straight.plan")
+    text = (straight.read_text().replace("steps = 3", "steps = 6")
+            .replace("sgd(lr = 0.05, momentum = 0.9)", "adamw(lr = 0.01)\n  lr_schedule = cosine(warmup = 2)"))
+    straight.write_text(text)
+    resumed = tmp_path / "resumed.plan"
+    resumed.write_text(text.replace("seed = 0", f'seed = 0\n  checkpoint {{ every = 2  dir = "{ckpt}"  keep = 1 }}'))
+    m1, m2 = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
+    for args in ((straight, "--metrics", m1), (resumed, "--steps", 4, "--metrics", m2),
+                 (resumed, "--metrics", m2)):
+        r = pipeplan("run", *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000006"]  # keep = 1
+    one = [json.loads(line)["loss"] for line in m1.read_text().splitlines()]
+    two = [json.loads(line)["loss"] for line in m2.read_text().splitlines()]
+    assert len(one) == len(two) == 6
+    assert two == pytest.approx(one, rel=1e-6, abs=1e-7)

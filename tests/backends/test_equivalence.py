@@ -9,7 +9,6 @@ and process groups per configuration, one default group).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pipeplan.backends.compare import compare
 from pipeplan.backends.model import build_model

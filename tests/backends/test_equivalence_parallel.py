@@ -17,7 +17,7 @@ from pipeplan.backends.reference import train_reference
 from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, TensorSpec
+from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, TensorSpec
 
 from .test_equivalence import STEPS, make_plan  # noqa: E402
 

@@ -70,12 +70,12 @@ class Regressor(nn.Module):
 
 
 def tiny_llama(vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2,
-               tie: bool = False):
+               tie: bool = False, use_cache: bool = False):
     """A transformers Llama from a tiny config (decorated forward, mask code: fx cannot trace)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
                       num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, max_position_embeddings=64, use_cache=False,
+                      num_key_value_heads=kv_heads, max_position_embeddings=64, use_cache=use_cache,
                       tie_word_embeddings=tie, attn_implementation="sdpa")
     return LlamaForCausalLM(cfg)
 
@@ -191,3 +191,66 @@ class LateIndex(nn.Module):
         out = self.pair(self.emb(input_ids))
         h = self.l1(out[0])
         return self.head(self.l2(h) + out[1])
+
+
+class NonzeroRouter(nn.Module):
+    """Routes tokens with nonzero(): its output shape depends on the data."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        idx = (x.sum(-1) > 0).nonzero()
+        out = x.clone()
+        out[idx[:, 0], idx[:, 1]] = self.proj(x[idx[:, 0], idx[:, 1]])
+        return out
+
+
+class DataDependentLeaf(nn.Module):
+    def __init__(self, vocab: int = 16, dim: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.router = NonzeroRouter(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        return self.head(self.router(self.emb(input_ids)))
+
+
+class LoopMoE(nn.Module):
+    """The eager MoE pattern: a Python loop over experts that skips empty ones. fx cannot
+    trace `if ...numel() == 0` (data-dependent control flow); as a leaf it runs as is."""
+
+    def __init__(self, dim: int = 8, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(num_experts))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).softmax(-1)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (top_i == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, top_p[rows, slot, None] * expert(tokens[rows]))
+        return out.reshape(x.shape)
+
+
+class LoopMoENet(nn.Module):
+    def __init__(self, vocab: int = 16, dim: int = 8, layers: int = 2, num_experts: int = 4,
+                 top_k: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LoopMoE(dim, num_experts, top_k) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)

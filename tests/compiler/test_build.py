@@ -20,7 +20,7 @@ def test_compile_writes_a_readable_build(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "split = [" in printed and "predicted bubble" in printed
     names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
-    assert names == {"plan.plan", "schedule.json", "report.md", "manifest.json",
+    assert names == {"plan.plan", "schedule.json", "report.md", "manifest.json", "trace.json",
                      "stages/stage_0.py", "stages/stage_1.py", "stages/stage_2.py",
                      "stages/stage_3.py"}
     manifest = json.loads((out / "manifest.json").read_text())
@@ -31,6 +31,8 @@ def test_compile_writes_a_readable_build(tmp_path, capsys):
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
     schedule = schedule_from_json((out / "schedule.json").read_text())
     assert schedule.stage_to_rank == (0, 1, 1, 0)
+    trace = json.loads((out / "trace.json").read_text())
+    assert any(ev.get("ph") == "X" for ev in trace["traceEvents"])
     report = (out / "report.md").read_text()
     for section in ("## Split", "## Expert placement", "## Estimates per rank", "## Timeline",
                     "## Tied parameters"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeplan.compiler import compile_plan, load_model, reference_loss
-
+from pipeplan.dsl.ast import ExpertsSpec
 from pipeplan.dsl.errors import PlanError
 
 pytest.importorskip("transformers")
@@ -20,6 +20,7 @@ def _batch(vocab, b, t, seed=0):
 @pytest.mark.parametrize("factory,args", [
     ("tiny_llama", {"layers": 4}),
     ("tiny_llama", {"layers": 4, "tie": True}),
+    ("tiny_llama", {"layers": 4, "use_cache": True}),  # the compiler passes use_cache=False
     ("tiny_mixtral", {"layers": 4}),
 ])
 def test_transformers_model_through_export_matches_eager(make_plan, chain, factory, args):
@@ -118,3 +119,31 @@ def test_move_stage_retargets_device_constants(make_plan):
     assert all(p.is_meta for p in stage.parameters())
     out = stage(torch.zeros(plan.microbatch_size, 16, dtype=torch.int64, device="meta"))
     assert all(t.is_meta for t in out)
+
+
+def test_data_dependent_moe_as_leaf(make_plan, chain):
+    """An eager expert loop breaks fx (the error names the MoE and suggests a leaf); as a
+    leaf it compiles, runs exactly, and is costed at top_k / num_experts of dense."""
+    plan = make_plan("tests/compiler/models.py:LoopMoENet", {"layers": 2}, pp=2,
+                     model_fields={"capture": "fx"})
+    with pytest.raises(PlanError) as e:
+        compile_plan(plan)
+    assert 'leaf_modules = ["layers.0"]' in str(e.value)
+    leaf = make_plan("tests/compiler/models.py:LoopMoENet", {"layers": 2}, pp=2,
+                     model_fields={"capture": "fx", "leaf_modules": ("layers.*",)})
+    model = load_model(leaf, "cpu")
+    compiled = compile_plan(leaf, model)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 16, (2, 16), generator=g),
+             "targets": torch.randint(0, 16, (2, 16), generator=g)}
+    assert torch.equal(chain(compiled, batch),
+                       reference_loss("cross_entropy", model(batch["input_ids"]), batch["targets"]))
+    from dataclasses import replace
+    routed = compile_plan(replace(leaf, experts=ExpertsSpec(modules=("layers.*",),
+                                                           num_experts=4, top_k=2)))
+    assert compiled.stages[0].module_names == ("emb", "layers.0")
+    tokens, d = 2 * 16, 8
+    # meta run with everything selected: each of the 4 experts takes all tokens * top_k pairs
+    everything = 4 * 2 * (tokens * 2) * d * d + 2 * tokens * d * 4  # experts + router
+    # routed for real, the pairs are spread over the experts: 1/4 of that
+    assert compiled.stages[0].flops - routed.stages[0].flops == pytest.approx(everything * 3 / 4)

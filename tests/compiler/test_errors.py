@@ -1,12 +1,17 @@
 """Bad input: each error points at the plan line and says how to fix it."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from pipeplan.compiler import compile_plan, load_model
 from pipeplan.dsl import load_plan
 from pipeplan.dsl.ast import SplitSpec
 from pipeplan.dsl.errors import PlanError
+
+REPO = Path(__file__).resolve().parents[2]
 
 GPT = """model {{
   source = "{source}"
@@ -81,13 +86,27 @@ def test_too_many_stages_for_blocks(make_plan):
     assert "too few" in _error(compile_plan, plan)
 
 
-def test_cli_compile_exit_code_2_no_traceback(tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["missing file", "unknown class", "wrong args",
+                                  "uncapturable", "unknown split", "tp heads", "ep experts"])
+def test_cli_compile_bad_input_exit_code_2_no_traceback(tmp_path, capsys, kind):
     from pipeplan.cli import main
-    plan = _plan(tmp_path, source="models/gpt.py:GTP")
-    code = main(["compile", plan.path, "-o", str(tmp_path / "build")])
+    mixed = (REPO / "tests" / "compiler" / "models.py").as_posix() + ":Mixed"
+    if kind == "tp heads":
+        path = _tp_plan(tmp_path, tp=8).path
+    elif kind == "ep experts":
+        path = _write_moe_plan(tmp_path, ep=4, experts=6)  # the plan checks catch it first
+    else:
+        source, extra, split = {"missing file": ("models/nope.py:GPT", "", "auto(flops)"),
+                                "unknown class": ("models/gpt.py:GTP", "", "auto(flops)"),
+                                "wrong args": ("models/gpt.py:GPT", ", layerz = 1", "auto(flops)"),
+                                "uncapturable": (mixed, "", "auto(flops)"),
+                                "unknown split": ("models/gpt.py:GPT", "", '["layer.2"]')}[kind]
+        path = _plan(tmp_path, source=source, extra=extra, split=split).path
+    code = main(["compile", path, "-o", str(tmp_path / "build")])
     err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err and "did you mean 'GPT'" in err
-
+    assert code == 2 and "Traceback" not in err
+    assert re.search(r"\.plan:\d+:\d+: error: ", err) and "^" in err, err
+    assert not (tmp_path / "build").exists()
 
 TP_PLAN = """model {{
   source = "models/gpt.py:GPT"
@@ -145,11 +164,15 @@ train {{ global_batch = 4 }}
 """
 
 
-def _moe_plan(tmp_path, ep=2, modules="layers.*.moe", experts=4):
+def _write_moe_plan(tmp_path, ep=2, modules="layers.*.moe", experts=4) -> str:
     _plan(tmp_path)
     path = tmp_path / "moe.plan"
     path.write_text(MOE_PLAN.format(ep=ep, modules=modules, experts=experts))
-    return load_plan(str(path))
+    return str(path)
+
+
+def _moe_plan(tmp_path, **kw):
+    return load_plan(_write_moe_plan(tmp_path, **kw))
 
 
 def test_ep_not_dividing_experts(tmp_path, make_plan):

@@ -30,3 +30,28 @@ def test_any_split_chains_exactly(make_plan, chain, points):
     # every parameter is held by some stage, under its own name
     held = {n for s in compiled.stages for n in s.param_names}
     assert held == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=9),
+       parts=st.integers(min_value=1, max_value=4))
+def test_auto_partition_is_optimal(costs, parts):
+    """The DP's largest group equals brute force's over every contiguous split."""
+    from itertools import combinations
+
+    import numpy as np
+
+    from pipeplan.compiler.partition import _min_max_partition
+    if parts > len(costs):
+        return
+    seg = np.array(costs, dtype=np.float64)
+    cuts = _min_max_partition(seg, parts)
+    assert len(cuts) == parts - 1 and cuts == sorted(set(cuts)) and all(0 < c < len(costs)
+                                                                        for c in cuts)
+
+    def largest(cut):
+        edges = (0, *cut, len(costs))
+        return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
+
+    best = min(largest(c) for c in combinations(range(1, len(costs)), parts - 1))
+    assert largest(cuts) == best

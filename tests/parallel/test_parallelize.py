@@ -7,6 +7,7 @@ train like the single-process model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 
 import pytest
@@ -375,3 +376,35 @@ def _prefetch_worker(rank, world):
 @pytest.mark.slow
 def test_zero3_prefetch_window_over_two_stages(run_workers):
     run_workers(_prefetch_worker, 2)
+
+
+def test_tied_weights_must_be_split_alike():
+    from pipeplan.dsl.errors import PlanError
+    from pipeplan.backends.parallelize import check_parallel_model
+
+    model = GPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8)  # tok_emb and lm_head tied
+    plan = Plan(model=MODEL, mesh=MeshSpec(tp=2), tensor=TensorSpec(vocab=("lm_head",)))
+    with pytest.raises(PlanError, match=r"tok_emb \(not split\), lm_head \(rows\)"):
+        check_parallel_model(plan, model)
+    check_parallel_model(dataclasses.replace(plan, tensor=TensorSpec(vocab=("tok_emb", "lm_head"))),
+                         model)
+
+
+def _partial_grads_worker(rank, world):
+    from pipeplan.backends.parallelize import PartialGrads
+
+    shared, own = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    registry = PartialGrads(dist.group.WORLD)
+    registry.register([shared, own])  # stage a
+    registry.register([shared])  # stage b holds the shared (tied) one too
+    for step in range(2):
+        shared.grad, own.grad = torch.full((2,), rank + 1.0), torch.full((2,), rank + 1.0)
+        registry.stage_done([shared, own])  # stage a done: own is summed, shared waits
+        assert own.grad.tolist() == [3.0, 3.0] and shared.grad.tolist() == [rank + 1.0] * 2
+        registry.stage_done([shared])  # stage b done: shared summed once
+        assert shared.grad.tolist() == [3.0, 3.0], step
+
+
+@pytest.mark.slow
+def test_partial_grads_of_a_weight_shared_by_two_stages_are_summed_once(run_workers):
+    run_workers(_partial_grads_worker, 2)
