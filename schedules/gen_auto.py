@@ -1,62 +1,113 @@
 """auto: a cost- and memory-aware search over the zero-bubble heuristic family.
 
-Candidates: every fixed kind that fits the memory limit (so auto is never worse
-than the best of them), plus the list scheduler (gen_greedy) run with the real
-per-stage costs and latency over both placements (loop and V), with the
-backward split or whole, W deferred, eager or only in gaps, backwards or forwards first,
-at the memory limit (or at p, 2p-1 and unlimited when none is given). Each
-candidate is verified and simulated; the shortest makespan wins, then the lower
-peak memory. The work is capped so the compiler can call it on large pipelines:
-above BIG actions only the most promising list-scheduler variants run, and above
-HUGE actions only the closed-form kinds (gpipe, 1f1b, interleaved, zbh1,
-dualpipev) compete, so "never worse than the best fixed kind" then holds
-against those.
+Three phases, each candidate verified and simulated, the shortest makespan
+winning (then the lower peak memory):
+  1. every fixed kind that fits the memory limit (so auto is never worse than
+     the best of them), and the list scheduler (gen_greedy) run with the real
+     per-stage costs and latency over each placement (loop, V, loop with 2
+     stages per rank): backward split or whole, W deferred, eager or only in
+     gaps, backwards or forwards first, whole or loose memory reservation, at
+     the memory limit (or at p, 2p-1 and unlimited when none is given);
+  2. the list scheduler again with seeded random deviations (a random ready
+     kind at some decisions), keeping the best per placement;
+  3. a local search (gen_refine) from the best schedule of each placement.
+Phases 2 and 3 skip a placement once its best reaches its lower bound
+(bound.py) or its bound cannot beat the best found. They run up to
+SEARCH_ACTIONS actions and are capped by work (runs x actions), not time, so
+`auto` is a pure function of its inputs and takes about a second for p <= 8,
+m <= 16 (a wall-clock cap only guards a very slow machine). Above BIG actions
+only the most promising phase-1 variants run, and above HUGE actions only the
+closed-form kinds (gpipe, 1f1b, interleaved, zbh1, dualpipev) compete, so
+"never worse than the best fixed kind" then holds against those.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional
+import time
+from typing import Iterator, Optional
 
+from .bound import makespan_bound
 from .costs import Costs
 from .errors import ScheduleError
-from .gen_refine import refine
 from .gen_greedy import Policy, Stall, list_schedule
+from .gen_refine import refine
 from .gen_zero_bubble import zbv_paper
 from .ir import Schedule, loop_placement, v_placement
 from .memory import peak_per_rank
 from .simulate import simulate
 
 FIXED_KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv", "vhalf", "vmin", "dualpipev")
-REFINE_SECONDS = 0.3  # local-search budget on small cases (gen_refine.MAX_ACTIONS)
+# Phases 2 and 3 are capped by work (runs x actions), so auto is a pure function of its inputs;
+# the wall-clock cap only binds on a machine several times slower than a busy 2-core laptop.
+JITTER_RUNS = 160  # phase 2: randomised list-scheduler runs per placement, at most
+JITTER_WORK = 30_000  # ... and at most this many actions scheduled per placement
+REFINE_WORK = 800_000  # phase 3: local-search moves x actions, shared by the open placements
+SEARCH_SECONDS = 10.0  # safety cap on the whole search
+SEARCH_ACTIONS = 1000  # phases 2 and 3 run up to this many actions (p=8, m=16 with 2 stages per rank)
 BIG = 20_000  # actions above which only the most promising greedy variants run
 HUGE = 100_000  # actions above which no list scheduling runs (seconds per run in Python)
 CLOSED_FORM = ("gpipe", "1f1b", "interleaved", "zbh1", "dualpipev")
+
+
+@dataclasses.dataclass
+class _Best:
+    """The best candidate so far, overall and per placement."""
+
+    key: tuple = ()
+    label: str = ""
+    schedule: Optional[Schedule] = None
+    per_placement: dict = dataclasses.field(default_factory=dict)  # placement -> (makespan, label, schedule)
+    tried: int = 0
+
+    def offer(self, label: str, schedule: Schedule, costs: Costs, limit: Optional[float]) -> None:
+        self.tried += 1
+        try:
+            result = simulate(schedule, costs)  # proves it runs (order, channels, no deadlock)
+        except ScheduleError:
+            return
+        peak = max(result.peak_activations)
+        if limit is not None and peak > limit + 1e-9:
+            return
+        key = (round(result.makespan, 9), peak, self.tried)
+        if self.schedule is None or key < self.key:
+            self.key, self.label, self.schedule = key, label, schedule
+        mine = self.per_placement.get(schedule.stage_to_rank)
+        if mine is None or key[0] < mine[0]:
+            self.per_placement[schedule.stage_to_rank] = (key[0], label, schedule)
+
+    @property
+    def makespan(self) -> float:
+        return self.key[0] if self.key else float("inf")
 
 
 def auto(ranks: int, microbatches: int, virtual: Optional[int], costs: Costs,
          memory_limit: Optional[float]) -> Schedule:
     p, m = ranks, microbatches
     vs = _virtuals(p, virtual, costs)
-    best = None
-    tried = 0
+    deadline = time.perf_counter() + SEARCH_SECONDS
+    best = _Best()
     for label, schedule in _candidates(p, m, vs, costs, memory_limit):
-        tried += 1
-        try:
-            result = simulate(schedule, costs)  # proves it runs (order, channels, no deadlock)
-        except ScheduleError:
-            continue
-        key = (round(result.makespan, 9), max(result.peak_activations), tried)
-        if best is None or key < best[0]:
-            best = (key, label, schedule)
-    if best is None:
+        best.offer(label, schedule, costs, memory_limit)
+    if best.schedule is None:
         raise ScheduleError(f"auto: no schedule for {p} ranks and {m} microbatches fits the memory limit "
                             f"{memory_limit:g} (every microbatch needs 1 unit on each rank)"
                             if memory_limit is not None else
                             f"auto: no schedule found for {p} ranks and {m} microbatches")
-    polished = refine(best[2], costs, memory_limit, REFINE_SECONDS)
-    label = best[1] + (" + local search" if polished is not best[2] else "")
-    return dataclasses.replace(polished, name=f"auto:{label}")
+    if 3 * p * max(vs) * m <= SEARCH_ACTIONS:
+        placements = [(name, pl, makespan_bound(pl, m, costs.stage_table(pl), memory_limit))
+                      for name, pl in _placements(p, vs)]
+        _jittered(best, placements, p, m, costs, memory_limit, deadline)
+        _polished(best, placements, costs, memory_limit, deadline)
+    return dataclasses.replace(best.schedule, name=f"auto:{best.label}")
+
+
+def auto_bound(ranks: int, microbatches: int, virtual: Optional[int], costs: Costs,
+               memory_limit: Optional[float]) -> float:
+    """A lower bound on every schedule auto could return: the least over the placements it searches."""
+    vs = _virtuals(ranks, virtual, costs)
+    return min(makespan_bound(placement, microbatches, costs.stage_table(placement), memory_limit)
+               for _, placement in _placements(ranks, vs))
 
 
 def _virtuals(p: int, virtual: Optional[int], costs: Costs) -> tuple[int, ...]:
@@ -70,7 +121,17 @@ def _virtuals(p: int, virtual: Optional[int], costs: Costs) -> tuple[int, ...]:
     return (virtual,) if virtual is not None else (1, 2)
 
 
+def _placements(p: int, vs: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    if 1 in vs:
+        out.append(("loop", loop_placement(p, 1)))
+    if 2 in vs:
+        out += [("V", v_placement(p)), ("loop2", loop_placement(p, 2))]
+    return out
+
+
 def _candidates(p: int, m: int, vs: tuple[int, ...], costs: Costs, limit: Optional[float]):
+    """Phase 1: the fixed kinds and the deterministic list-scheduler variants."""
     from .generate import generate  # the fixed kinds, verified at the same memory limit
     actions = 3 * p * max(vs) * m
     huge = actions > HUGE
@@ -95,30 +156,82 @@ def _candidates(p: int, m: int, vs: tuple[int, ...], costs: Costs, limit: Option
                 yield "ZB-V paper order (in-order channels)", schedule
         except ScheduleError:
             pass
-    placements = []
-    if 1 in vs:
-        placements.append(("loop", loop_placement(p, 1)))
-    if 2 in vs:
-        placements += [("V", v_placement(p)), ("loop2", loop_placement(p, 2))]
     limits = (limit,) if limit is not None else (float(p), float(2 * p - 1), float(m))
     big = actions > BIG
-    for name, placement in placements:
+    for name, placement in _placements(p, vs):
         table = costs.stage_table(placement)
         for split in (True, False):
             w_policies = ((False, False), (True, False), (False, True)) if split else ((False, False),)
-            for (eager, fits), forward_first in itertools.product(w_policies, (False, True)):
-                if big and (eager or fits or forward_first or not split or name == "loop2"):
+            for (eager, fits), forward_first, whole in itertools.product(w_policies, (False, True), (True, False)):
+                if big and (eager or fits or forward_first or not split or name == "loop2" or not whole):
                     continue
                 for lim in sorted(set(limits)):
                     policy = Policy(split=split, limits=(lim,) * p, eager_w=eager, w_fits_gap=fits,
-                                    forward_first=forward_first)
+                                    forward_first=forward_first, reserve_whole=whole)
                     try:
                         schedule = list_schedule("auto", placement, m, table, policy)
                     except Stall:
                         continue
-                    if limit is not None and max(peak_per_rank(schedule)[0]) > limit + 1e-9:
-                        continue
-                    label = (f"greedy {name}, {'B/W split' if split else 'BW'}"
-                             f"{', eager W' if eager else ''}{', W only in gaps' if fits else ''}"
-                             f"{', forwards first' if forward_first else ''}, limit {lim:g}")
-                    yield label, schedule
+                    yield f"greedy {name}, {_describe(policy)}", schedule
+
+
+def _describe(policy: Policy) -> str:
+    parts = ["B/W split" if policy.split else "BW"]
+    parts += [text for flag, text in ((policy.eager_w, "eager W"), (policy.w_fits_gap, "W only in gaps"),
+                                      (policy.forward_first, "forwards first"),
+                                      (not policy.reserve_whole, "loose reservation")) if flag]
+    if policy.jitter:
+        parts.append(f"jitter {policy.jitter:g} seed {policy.seed}")
+    return ", ".join(parts) + f", limit {policy.limits[0]:g}"
+
+
+def _open(best: _Best, placements) -> list[tuple[float, str, tuple[int, ...], float]]:
+    """(its best makespan, name, placement, bound) for each placement that may still hold a shorter
+    schedule: its bound is below the best makespan and its own best above its bound. Best first."""
+    out = []
+    for name, placement, bound in placements:
+        mine = best.per_placement.get(placement, (float("inf"),))[0]
+        if bound < best.makespan - 1e-9 and mine > bound + 1e-9:
+            out.append((mine, name, placement, bound))
+    return sorted(out)
+
+
+def _jittered(best: _Best, placements, p: int, m: int, costs: Costs, limit: Optional[float],
+              deadline: float) -> None:
+    """Phase 2: seeded random deviations from the list scheduler's rule, per open placement."""
+    lim = limit if limit is not None else float(2 * p - 1)
+    for _, name, placement, _ in _open(best, placements):
+        table = costs.stage_table(placement)
+        for seed, jitter, whole in _jitter_plan(min(JITTER_RUNS, JITTER_WORK // (3 * m * len(placement)))):
+            if time.perf_counter() > deadline:
+                return
+            if all(pl != placement for _, _, pl, _ in _open(best, placements)):
+                break
+            policy = Policy(split=True, limits=(lim,) * p, reserve_whole=whole, jitter=jitter, seed=seed)
+            try:
+                schedule = list_schedule("auto", placement, m, table, policy)
+            except Stall:
+                continue
+            best.offer(f"greedy {name}, {_describe(policy)}", schedule, costs, limit)
+
+
+def _jitter_plan(runs: int) -> Iterator[tuple[int, float, bool]]:
+    for seed in range((runs + 3) // 4):
+        for jitter, whole in itertools.product((0.05, 0.15), (True, False)):
+            yield seed, jitter, whole
+
+
+def _polished(best: _Best, placements, costs: Costs, limit: Optional[float], deadline: float) -> None:
+    """Phase 3: local search from each open placement's best, most promising first, sharing the time."""
+    entries = _open(best, placements)
+    for left, (_, _, placement, bound) in zip(range(len(entries), 0, -1), entries):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0 or bound >= best.makespan - 1e-9:
+            continue
+        _, label, schedule = best.per_placement[placement]
+        moves = REFINE_WORK // (len(entries) * schedule.num_actions)
+        polished = refine(schedule, costs, limit, remaining / left, moves, bound)
+        if polished is not schedule:
+            best.offer(label + " + local search", polished, costs, limit)
+
+

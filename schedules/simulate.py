@@ -150,6 +150,11 @@ def _idle_attribution(ex: Execution, start, end, makespan: float) -> tuple[Idle,
     return tuple(out)
 
 
+def critical_path(ex: Execution, table: StageCosts, start, end) -> tuple[tuple[int, Action], ...]:
+    """The critical path of timed actions (the local search's inner loop uses it directly)."""
+    return _critical_path(ex, table, start, end)
+
+
 def _critical_path(ex: Execution, table: StageCosts, start, end) -> tuple[tuple[int, Action], ...]:
     """Walk back from the last action to finish, following whichever constraint set each start."""
     order = ex.schedule.order
