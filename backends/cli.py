@@ -85,7 +85,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .compare import compare
+    from .compare import compare, noise_level
     from .launcher import launch_local
     from .reference import train_reference
     from .trainer import check_supported
@@ -104,8 +104,11 @@ def _cmd_verify(args) -> int:
                  for f in sorted(os.listdir(dump)) if f.endswith(".pt")]
     print(f"pipeplan: single-process reference, {steps} steps", flush=True)
     ref = train_reference(source.plan, steps)
+    adam = source.plan.train.optimizer.name == "adamw"
     result = compare(ref.losses, ref.params, [d["losses"] for d in dumps],
-                     [d["params"] for d in dumps], args.rtol, args.atol)
+                     [d["params"] for d in dumps], args.rtol, args.atol,
+                     noise_params=frozenset(noise_level(ref.grad_max)) if adam else frozenset(),
+                     noise_bound=source.plan.train.optimizer.lr * steps * 1.01)
     for step, (r, p) in enumerate(zip(ref.losses, dumps[0]["losses"])):
         print(f"step {step + 1}: loss {p:.6f}  reference {r:.6f}  diff {abs(p - r):.2e}")
     print(result.render(args.rtol, args.atol))

@@ -93,6 +93,12 @@ class Executor:
     def _send(self, t: Transfer, values: dict[str, torch.Tensor]) -> list:
         peer = self.peer_rank(t.peer)
         tensors = [values[v.name].detach().contiguous() for v in t.values]
+        for v, x in zip(t.values, tensors):  # the receiver sized its buffer from the plan
+            if tuple(x.shape) != tuple(v.shape) or str(x.dtype) != f"torch.{v.dtype}":
+                raise PipeplanError(
+                    f"{v.name} crossing stages {t.boundary}->{t.boundary + 1} is "
+                    f"{str(x.dtype)[6:]}{list(x.shape)}, but the compiled plan says "
+                    f"{v.dtype}{list(v.shape)} per microbatch")
         ops = [dist.P2POp(dist.isend, x, peer, tag=t.tag(i, self.microbatches))
                for i, x in enumerate(tensors)]
         return [(work, tensors) for work in dist.batch_isend_irecv(ops)]

@@ -7,7 +7,7 @@ args, times in µs), so a planned and a measured timeline of the same
 schedule overlay in Perfetto.
 
 Bubbles are whole-iteration (1 - sum busy / (ranks * makespan)), measured on
-one step of the pipeline of dp=0, and predicted by simulating the schedule
+one step of the pipeline at dp=0, tp=0, and predicted by simulating the schedule
 with the measured mean per-op costs of each stage.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ class RankTimings:
     rank: int
     pp: int
     dp: int
+    tp: int
     steps: tuple[tuple[ActionTiming, ...], ...]
 
 
@@ -64,7 +65,7 @@ def chrome_trace(ranks: Sequence[RankTimings]) -> dict:
     events = []
     for r in ranks:
         events.append({"name": "process_name", "ph": "M", "pid": r.rank,
-                       "args": {"name": f"rank {r.rank} (pp {r.pp}, dp {r.dp})"}})
+                       "args": {"name": f"rank {r.rank} (pp {r.pp}, dp {r.dp}, tp {r.tp})"}})
         events.append({"name": "thread_name", "ph": "M", "pid": r.rank, "tid": 0,
                        "args": {"name": "compute"}})
         for step, actions in enumerate(r.steps):
@@ -107,7 +108,7 @@ def bubble_report(schedule, ranks: Sequence[RankTimings]) -> str:
     from ..schedules.costs import Costs
     from ..schedules.simulate import simulate
 
-    pipeline = sorted((r for r in ranks if r.dp == 0), key=lambda r: r.pp)
+    pipeline = sorted((r for r in ranks if r.dp == 0 and r.tp == 0), key=lambda r: r.pp)
     last = len(pipeline[0].steps) - 1
     measured = measured_bubble([r.steps[last] for r in pipeline])
     costs = Costs(per_stage=measured_costs(pipeline, schedule.stages))

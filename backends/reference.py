@@ -27,6 +27,7 @@ class ReferenceResult:
     losses: list[float]  # per step
     params: dict[str, torch.Tensor]  # final parameters by qualified name
     grad_norms: list[float]
+    grad_max: dict[str, float]  # per parameter, the largest |gradient element| over all steps
 
 
 def chunk_groups(plan: Plan) -> list[list[int]]:
@@ -49,6 +50,8 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
     scheduler = build_lr_scheduler(optimizer, plan.train)
     groups = chunk_groups(plan)
     losses, norms = [], []
+    named = list(model.named_parameters(remove_duplicate=False))
+    grad_max = {n: 0.0 for n, _ in named}
     for step in range(steps):
         total = 0.0
         chunks = data.chunks(data.global_batch(plan, step), plan.mesh.dp * plan.microbatches)
@@ -57,6 +60,9 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
             loss = model_loss(plan, model(batch.input_ids), batch.targets) / len(groups)
             loss.backward()
             total += float(loss.detach())
+        for n, p in named:
+            if p.grad is not None:
+                grad_max[n] = max(grad_max[n], float(p.grad.abs().max()))
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), plan.train.grad_clip if plan.train.grad_clip else float("inf"))
         optimizer.step()
@@ -65,4 +71,4 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
         losses.append(total)
         norms.append(float(norm))
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return ReferenceResult(losses, params, norms)
+    return ReferenceResult(losses, params, norms, grad_max)

@@ -124,7 +124,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
                 where = f"checkpoint after step {t + 1}"
                 checkpoints.save(t + 1)
         where = "finish"
-        mine = RankTimings(env.rank, topo.coords.pp, topo.coords.dp, tuple(steps))
+        mine = RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp, tuple(steps))
         gathered = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if progress:

@@ -1,7 +1,7 @@
 """Module-level blocks: the units a pipeline split may start at.
 
-A model's blocks are its children, with containers (ModuleList, Sequential,
-ModuleDict) and wrappers that hold the repeated layers opened up: GPT gives
+A model's blocks are its children, with the layer stacks (containers) and the
+wrappers that hold them opened up: GPT gives
 `tok_emb, pos_emb, layers.0 .. layers.N, ln_f, lm_head`; a transformers
 `LlamaForCausalLM` gives `model.embed_tokens, model.rotary_emb, model.layers.0 ..,
 model.norm, lm_head`. Every graph node belongs to the block of the deepest
@@ -19,13 +19,26 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 def blocks_of(model: torch.nn.Module) -> list[str]:
-    """The model's block names, in registration order."""
+    """The model's block names, in registration order.
+
+    The layer stacks are the outermost containers (ModuleList, Sequential, ModuleDict with
+    two or more entries; a container inside a stack's layer, e.g. a MoE's expert list, is
+    part of that layer). Every module on the way down to a stack is opened; the stack's
+    entries and everything else along the way are blocks.
+    """
+    stacks = _outermost_containers(model)
+    opened = {p.rpartition(".")[0] if "." in p else "" for p in stacks}
+    for path in list(opened):  # the ancestors of the stacks are opened too
+        while path:
+            path = path.rpartition(".")[0]
+            opened.add(path)
+    opened |= set(stacks)
     out: list[str] = []
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if isinstance(child, _CONTAINERS) or _holds_layers(child):
+            if path in opened:
                 visit(child, path + ".")
             else:
                 out.append(path)
@@ -34,9 +47,19 @@ def blocks_of(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def _holds_layers(module: torch.nn.Module) -> bool:
-    """True for wrappers like `LlamaForCausalLM.model` that hold a stack of layers."""
-    return any(isinstance(m, _CONTAINERS) and len(m) >= 2 for m in module.modules())
+def _outermost_containers(model: torch.nn.Module) -> list[str]:
+    found: list[str] = []
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS) and len(child) >= 2:
+                found.append(path)  # do not look inside: inner containers belong to its layers
+            else:
+                visit(child, path + ".")
+
+    visit(model, "")
+    return found
 
 
 def module_path(node: fx.Node) -> Optional[str]:

@@ -21,7 +21,7 @@ from .loading import load_model
 from .partition import Split, choose_split, compute_nodes
 from .schedule import make_schedule
 from .stages import build_stages
-from .tensor_parallel import tp_annotations
+from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
 from .traced import trace_with_loss
 from .traffic import collective_traffic
@@ -38,6 +38,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
     traced = trace_with_loss(plan, model)
     graph = traced.module.graph
+    check_pairing(plan, graph, model, tp_kinds, traced.run.is_tensor)
     costs = node_costs(plan, graph, traced.run)
     split = choose_split(plan, model, graph, costs,
                          param_bytes_per_node(traced.module, compute_nodes(graph)))

@@ -23,8 +23,9 @@ Accounting (stated in the report, so a reader can check it):
 * Time: op times = FLOPs / (tp · flops_per_s), plus the stage's tp traffic
   over the node-local link and its ep traffic over the network (half in F,
   half in B); p2p messages take latency + bytes / bandwidth. The
-  schedule is simulated with those costs; step time = the simulated makespan
-  plus the DP gradient all-reduce (not overlapped).
+  schedule is generated (normalised) and simulated with those costs; step
+  time = the simulated makespan plus the DP gradient all-reduce (not
+  overlapped).
 """
 from __future__ import annotations
 

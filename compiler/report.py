@@ -27,7 +27,8 @@ def _header(c: CompiledPlan) -> str:
 def _split(c: CompiledPlan) -> str:
     rows = ["## Split", "", "Pin it in the plan's pipeline section:", "",
             f"    {c.split_text or 'split = []  # one stage'}", "",
-            "| stage | rank | blocks | params | fwd GFLOP/mb | saved MiB/mb | sends |",
+            "Per microbatch, for the whole stage as traced (fp32, before tp/ep sharding):", "",
+            "| stage | rank | blocks | params | forward GFLOP | saved for backward MiB | sends |",
             "|---|---|---|---|---|---|---|"]
     for st in c.stages:
         blocks = st.module_names

@@ -12,6 +12,7 @@ import difflib
 from typing import Optional
 
 import torch
+import torch.fx as fx
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
@@ -105,3 +106,84 @@ def _attr(obj, names: tuple[str, ...]) -> Optional[int]:
         if isinstance(v, int) and v > 0:
             return v
     return None
+
+
+def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: dict[str, str],
+                  is_tensor) -> None:
+    """Megatron pairing on the traced graph: what a column-parallel layer computes (split
+    features) must reach a row-parallel layer before any other Linear or the loss, and a
+    row-parallel layer must read what a column-parallel layer computed. Only tensor values
+    carry features (`is_tensor(node)`); sizes read off a tensor do not."""
+    if not kinds:
+        return
+    linear = _linear_calls(graph, model)
+    for node, name in linear.items():
+        kind = kinds.get(name)
+        if kind == "column":
+            for hit in _first_linears(node, linear, True, is_tensor):
+                if hit is None or kinds.get(linear[hit]) != "row":
+                    what = "the loss" if hit is None else f"{linear[hit]}, which is not row-parallel"
+                    raise PlanError.at(plan, _key_of(plan, "column", name),
+                                       f"column-parallel {name} feeds {what}",
+                                       "Megatron pairing: each column-parallel layer's output goes "
+                                       "(through elementwise ops or attention) into a row-parallel "
+                                       "layer; annotate that layer as row")
+        elif kind == "row":
+            for hit in _first_linears(node, linear, False, is_tensor):
+                if hit is None or kinds.get(linear[hit]) != "column":
+                    what = "the model input" if hit is None else \
+                        f"{linear[hit]}, which is not column-parallel"
+                    raise PlanError.at(plan, _key_of(plan, "row", name),
+                                       f"row-parallel {name} reads {what}",
+                                       "Megatron pairing: a row-parallel layer reads the split "
+                                       "features a column-parallel layer computed")
+
+
+def _linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+    """Graph nodes that apply a Linear module -> its qualified name (fx and export graphs)."""
+    modules = dict(model.named_modules())
+    out = {}
+    for n in graph.nodes:
+        if n.op == "call_module" and isinstance(modules.get(n.target), torch.nn.Linear):
+            out[n] = n.target
+        elif n.op == "call_function" and n.target in _LINEAR_FUNCTIONS and len(n.args) > 1 \
+                and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr":
+            owner = n.args[1].target.rpartition(".")[0]
+            if isinstance(modules.get(owner), torch.nn.Linear):
+                out[n] = owner
+    return out
+
+
+_LINEAR_FUNCTIONS = (torch.nn.functional.linear, torch.ops.aten.linear.default)
+
+
+def _first_linears(start: fx.Node, linear: dict[fx.Node, str], forward: bool, is_tensor):
+    """The first Linear calls reached from `start` along tensor values (None: the graph's
+    end, or the model's inputs)."""
+    seen, frontier = {start}, list(_next(start, forward, is_tensor))
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in linear:
+            yield n
+        elif n.op in ("output", "placeholder"):
+            yield None
+        elif n.op != "get_attr":  # parameters are not activations
+            following = list(_next(n, forward, is_tensor))
+            if forward and not following:
+                yield None
+            frontier.extend(following)
+
+
+def _next(n: fx.Node, forward: bool, is_tensor):
+    nodes = n.users if forward else n.all_input_nodes
+    return [m for m in nodes if m.op in ("output", "placeholder") or is_tensor(m)]
+
+
+def _key_of(plan: Plan, kind: str, name: str) -> str:
+    for i, pattern in enumerate(getattr(plan.tensor, kind)):
+        if matches(name, pattern):
+            return f"tensor.{kind}.{i}"
+    return f"tensor.{kind}"

@@ -10,6 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: small normal weights, zero biases (logits start near uniform)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -63,6 +71,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.apply(init_weights)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1]

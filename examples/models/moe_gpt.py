@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gpt import Attention
+from .gpt import Attention, init_weights
 
 
 class MoE(nn.Module):
@@ -85,6 +85,7 @@ class MoEGPT(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.apply(init_weights)
 
     def forward(self, input_ids: torch.Tensor):
         t = input_ids.shape[1]

@@ -178,3 +178,18 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
     two = [json.loads(line)["loss"] for line in m2.read_text().splitlines()]
     assert len(one) == len(two) == 6
     assert two == pytest.approx(one, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_times_out_and_is_named(tmp_path):
+    """Rank 1 hangs in F s1 mb1: rank 0's receive times out (--timeout), naming whom it waited for."""
+    plan = write_plan(tmp_path, source=str(HERE / "faulty.py") + ":FaultyGPT",
+                      extra=", fail_layer = 2, fail_after = 3, hang = true",
+                      leaf="\n  leaf_modules = [bomb]")
+    start = time.monotonic()
+    r = pipeplan("run", plan, "--timeout", 8, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ("BW s0 mb1 (waiting for the input gradients of stage 1 mb1 from pipeline rank 1)"
+            in r.stderr), r.stderr
+    assert time.monotonic() - start < 60
+    assert processes_mentioning(str(plan)) == []

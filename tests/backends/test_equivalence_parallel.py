@@ -36,8 +36,9 @@ def parallel_plan(name: str):
             plan, mesh=MeshSpec(pp=2, tp=2), tensor=tensor,
             model=dataclasses.replace(plan.model, leaf_modules=("layers.*.attn",)))
     if name.startswith("zero"):
-        plan = make_plan("gpt", "1f1b", 2, 2)
-        return dataclasses.replace(plan, zero=int(name[-1]))
+        stage, _, kind = name.partition("-")
+        plan = make_plan("gpt", kind or "1f1b", 2, 2)
+        return dataclasses.replace(plan, zero=int(stage[-1]))
     kind = name.split("-")[1]
     plan = make_plan("moe", kind, 2, 2)
     return dataclasses.replace(
@@ -45,7 +46,7 @@ def parallel_plan(name: str):
         model=dataclasses.replace(plan.model, leaf_modules=("layers.*.moe",)))
 
 
-CONFIGS = ("tp2", "tp2-sp", "zero1", "zero2", "zero3", "ep2-1f1b", "ep2-zbv")
+CONFIGS = ("tp2", "tp2-sp", "zero1", "zero2", "zero3", "zero3-zbv", "ep2-1f1b", "ep2-zbv")
 
 
 def _worker(rank, world):

@@ -254,3 +254,39 @@ class LoopMoENet(nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         return self.head(x)
+
+
+def tiny_qwen2_moe(layers: int = 4):
+    """Qwen2-MoE: routed experts plus a gated shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        use_cache=False))
+
+
+def tiny_olmoe(layers: int = 4):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+    return OlmoeForCausalLM(OlmoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0))
+
+
+def tiny_gpt2(layers: int = 4):
+    """GPT-2 keeps its dropout: the stage graphs replay it in the same order."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=layers, n_head=4,
+                                      n_positions=64, use_cache=False, bos_token_id=0,
+                                      eos_token_id=0))
+
+
+def hf_llama_70b(layers: int = 80):
+    """transformers' Llama with Llama-3-70B's shape (build it on the meta device)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, use_cache=False, bos_token_id=0, eos_token_id=0))

@@ -64,3 +64,48 @@ def test_traffic_and_flops(make_plan):
     fwd = 2 * (2 * B * D * D)  # two Linear layers, 2 FLOPs per multiply-add
     assert r0.flops == 3 * fwd * M  # forward + backward (2x) for every microbatch
     assert 0 < est.bubble < 1 and est.step_time_s > 0
+
+
+def test_tensor_parallel_traffic_and_shards(make_plan):
+    """GPT blocks with Megatron's pairing: per layer, two column groups (q/k/v read ln1's
+    output, up reads ln2's) all-reduce their input grads, two row layers their outputs."""
+    from pipeplan.dsl.ast import TensorSpec
+    b, t, d, layers, m, tp = 2, 16, 32, 2, 2, 2
+    tensor = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v",
+                                "layers.*.mlp.up"),
+                        row=("layers.*.attn.proj", "layers.*.mlp.down"))
+    args = {"vocab": 64, "dim": d, "layers": layers, "heads": 4, "seq_len": t}
+    plain = compile_plan(make_plan("examples/models/gpt.py:GPT", args, pp=1, microbatches=m,
+                                   global_batch=b * m))
+    split = compile_plan(make_plan("examples/models/gpt.py:GPT", args, pp=1, microbatches=m,
+                                   global_batch=b * m, mesh=MeshSpec(tp=tp), tensor=tensor))
+    activation = b * t * d * 4
+    ring = 2 * (tp - 1) / tp
+    assert split.estimates.ranks[0].comm_bytes["tp"] == layers * 4 * activation * ring * m
+    # the annotated weights are halved; so are the column biases (row biases are replicated)
+    q_k_v, up = 3 * (d * d + d), d * 4 * d + 4 * d
+    proj, down = d * d, 4 * d * d  # weights only
+    sharded = layers * (q_k_v + up + proj + down)
+    assert plain.estimates.ranks[0].param_bytes - split.estimates.ranks[0].param_bytes == \
+        4 * sharded // 2
+    assert len(split.estimates.ranks) == tp
+    assert split.tp_rewrites["layers.1.mlp.down"] == "row"
+
+
+def test_expert_parallel_traffic_and_shards(make_plan):
+    from pipeplan.dsl.ast import ExpertsSpec
+    b, t, d, layers, m, ep, k, e = 2, 16, 32, 2, 2, 2, 2, 4
+    args = {"vocab": 64, "dim": d, "layers": layers, "heads": 4, "seq_len": t,
+            "num_experts": e, "top_k": k}
+    experts = ExpertsSpec(modules=("layers.*.moe",), num_experts=e, top_k=k)
+    base = dict(pp=1, microbatches=m, global_batch=2 * b * m, experts=experts)
+    one = compile_plan(make_plan("examples/models/moe_gpt.py:MoEGPT", args,
+                                 mesh=MeshSpec(dp=2), **base))
+    two = compile_plan(make_plan("examples/models/moe_gpt.py:MoEGPT", args,
+                                 mesh=MeshSpec(dp=2, ep=ep), **base))
+    tokens = b * t * d * 4  # one MoE layer's input per microbatch
+    assert two.estimates.ranks[0].comm_bytes["ep"] == layers * 4 * k * tokens * (ep - 1) / ep * m
+    assert one.estimates.ranks[0].comm_bytes["ep"] == 0
+    expert_weights = layers * 2 * e * d * (2 * d) * 4  # w_up and w_down, fp32
+    assert one.estimates.ranks[0].param_bytes - two.estimates.ranks[0].param_bytes == \
+        expert_weights // ep
