@@ -2,8 +2,9 @@
 
 Step t's global batch is `train.global_batch` rows of `seq_len + 1` tokens,
 a pure function of (data spec, t): synthetic tokens from a seeded
-torch.Generator, or sequential windows of a memory-mapped token file
-(.bin of uint16, or .npy). input_ids = row[:-1], targets = row[1:].
+torch.Generator (a learnable stream, see `_synthetic_rows`), or sequential
+windows of a memory-mapped token file (.bin of uint16, or .npy).
+input_ids = row[:-1], targets = row[1:].
 
 Sharing (the same for the pipelined run and the reference): DP rank d takes
 rows [d*B/dp, (d+1)*B/dp); its microbatch i is the i-th equal chunk of those.
@@ -47,9 +48,24 @@ class Batch:
         return self.input_ids.numel()
 
 
+SYNTHETIC_NOISE = 0.1  # share of synthetic tokens drawn uniformly instead of from the table
+
+
 def _synthetic_rows(spec: DataSpec, step: int, rows: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
-    return torch.randint(0, spec.vocab, (rows, spec.seq_len + 1), generator=g, dtype=torch.int64)
+    """A learnable token stream: each next token is succ[token] (one random permutation of
+    the vocabulary per data seed), except a SYNTHETIC_NOISE share drawn uniformly. Uniform
+    tokens alone would leave nothing to learn below ln(vocab): a run could not show its
+    loss falling."""
+    succ = torch.randperm(spec.vocab, generator=torch.Generator().manual_seed(spec.seed))
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step + 1)
+    length = spec.seq_len + 1
+    out = torch.empty(rows, length, dtype=torch.int64)
+    out[:, 0] = torch.randint(0, spec.vocab, (rows,), generator=g)
+    uniform = torch.randint(0, spec.vocab, (rows, length), generator=g)
+    noisy = torch.rand(rows, length, generator=g) < SYNTHETIC_NOISE
+    for t in range(1, length):
+        out[:, t] = torch.where(noisy[:, t], uniform[:, t], succ[out[:, t - 1]])
+    return out
 
 
 @lru_cache(maxsize=4)

@@ -122,7 +122,8 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
         if kind == "column":
             for hit in _first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
-                    what = "the loss" if hit is None else f"{linear[hit]}, which is not row-parallel"
+                    what = "the loss" if hit is None else \
+                        f"{linear[hit]}, which is not row-parallel"
                     raise PlanError.at(plan, _key_of(plan, "column", name),
                                        f"column-parallel {name} feeds {what}",
                                        "Megatron pairing: each column-parallel layer's output goes "

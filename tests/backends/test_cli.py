@@ -133,12 +133,11 @@ def test_bad_plan_is_a_one_line_error(tmp_path):
 def test_moe_example_trains(tmp_path):
     """The MoE example as written (pp=2 x dp=2, expert parallel ep=2, zbv): its loss falls."""
     metrics = tmp_path / "moe.jsonl"
-    r = pipeplan("run", REPO / "examples/moe_pp2_ep2_zbv.plan", "--steps", 6, "--metrics", metrics,
-                 timeout=240)
+    r = pipeplan("run", REPO / "examples/moe_pp2_ep2_zbv.plan", "--metrics", metrics, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert len(losses) == 6
-    assert losses[-1] < 0.8 * losses[0], losses
+    assert len(losses) == 20  # train.steps
+    assert losses[-1] < 0.8 * losses[0], losses  # ~5.6 (ln 256) -> ~3.6 on the synthetic stream
 
 
 def test_tampered_build_schedule_is_refused_before_launch(tmp_path):

@@ -116,17 +116,21 @@ data = synthetic(seed = 0, vocab = 64, seq_len = 16)
 mesh {{ tp = {tp} }}
 pipeline {{ microbatches = 1 }}
 tensor {{
-  column = [layers.*.attn.q, {extra}]
-  row = [layers.*.attn.proj]
+  column = [layers.*.attn.q, {column}]
+  row = [{row}]
 }}
 train {{ global_batch = 2 }}
 """
 
 
-def _tp_plan(tmp_path, tp=8, extra="layers.*.mlp.up"):
+COLUMN = "layers.*.attn.k, layers.*.attn.v, layers.*.mlp.up"
+ROW = "layers.*.attn.proj, layers.*.mlp.down"
+
+
+def _tp_plan(tmp_path, tp=8, column=COLUMN, row=ROW):
     _plan(tmp_path)  # copies the example models next to the plan
     path = tmp_path / "tp.plan"
-    path.write_text(TP_PLAN.format(tp=tp, extra=extra))
+    path.write_text(TP_PLAN.format(tp=tp, column=column, row=row))
     return load_plan(str(path))
 
 
@@ -136,8 +140,19 @@ def test_tp_not_dividing_heads(tmp_path):
 
 
 def test_tp_pattern_matching_nothing(tmp_path):
-    text = _error(compile_plan, _tp_plan(tmp_path, tp=2, extra="layers.*.mlp.upp"))
+    text = _error(compile_plan, _tp_plan(tmp_path, tp=2, column="layers.*.mlp.upp"))
     assert "tp.plan:9:" in text and "no module matches 'layers.*.mlp.upp'" in text
+
+
+def test_tp_megatron_pairing_checked_on_the_graph(tmp_path):
+    # v left replicated: the attention output proj reads is not all split
+    text = _error(compile_plan, _tp_plan(tmp_path, tp=2,
+                                         column="layers.*.attn.k, layers.*.mlp.up"))
+    assert "tp.plan:10:" in text and "row-parallel layers.0.attn.proj reads" in text
+    # up split but down not: gelu's split output would reach a full Linear
+    text = _error(compile_plan, _tp_plan(tmp_path, tp=2, row="layers.*.attn.proj"))
+    assert "tp.plan:9:" in text and "column-parallel layers.0.mlp.up feeds layers.0.mlp.down, " \
+        "which is not row-parallel" in text
 
 
 def test_tp_annotations_recorded(tmp_path):
