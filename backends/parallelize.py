@@ -30,7 +30,6 @@ microbatch, it runs the chunks of one EP group as one batch:
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -42,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
+from ..compiler.patterns import matches_any
 from ..errors import PipeplanError
 from .expert_parallel import ExpertParallelMoE, gather_experts
 from .tensor_parallel import (
@@ -86,7 +86,7 @@ def _parallel_problems(plan: Plan, model: nn.Module):
                           f"across tensor-parallel ranks, which hold the same tokens, is not "
                           f"supported yet)")
     for name, mod in model.named_modules():
-        if name and _matches(name, spec.modules) and not all(
+        if name and matches_any(name, spec.modules) and not all(
                 hasattr(mod, a) for a in ("router", "w_up", "w_down", "num_experts", "top_k")):
             yield "experts.modules", (f"{name} ({type(mod).__name__}) is not a stacked-expert MoE "
                                       f"layer (router, w_up[E,D,H], w_down[E,H,D]) that expert "
@@ -263,10 +263,6 @@ class ParallelStage:
         return [params[n] for n in (self.tensor.sequence_partial if self.tensor else ())]
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
 def _inlined_error(name: str, patterns: Sequence[str]) -> PipeplanError:
     return PipeplanError(
         f"MoE layer {name} was traced into the stage graph, so its experts cannot be "
@@ -283,7 +279,7 @@ def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups) -> dic
         stats = groups.expert_stats
     layers = {}
     for name, mod in list(module.named_modules()):
-        if not name or not _matches(name, spec.modules):
+        if not name or not matches_any(name, spec.modules):
             continue
         if type(mod) is nn.Module:  # the bare attribute holder fx leaves for an inlined module
             raise _inlined_error(name, spec.modules)

@@ -36,7 +36,6 @@ partial gradients: `sync_sequence_parallel_grads` sums them over the group.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -46,6 +45,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..compiler.patterns import matches_any
 from ..errors import PipeplanError
 
 SEQ_DIM = -2
@@ -444,7 +444,7 @@ def vocab_parallel_loss(gm: fx.GraphModule, group) -> list[str]:
 # ------------------------------------------------------------------ rewriting
 @dataclass(frozen=True)
 class TensorParallelRules:
-    """Which submodules (qualified-name patterns, fnmatch) become which parallel form."""
+    """Which submodules (plan module-path patterns) become which parallel form."""
 
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
@@ -458,7 +458,7 @@ class TensorParallelRules:
 
     def kind_of(self, name: str) -> Optional[str]:
         for kind in ("column", "row", "vocab"):
-            if any(fnmatch.fnmatchcase(name, p) for p in getattr(self, kind)):
+            if matches_any(name, getattr(self, kind)):
                 return kind
         return None
 

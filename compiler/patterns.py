@@ -5,12 +5,16 @@
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Optional
+from typing import Iterable, Optional
 
 
 def matches(name: str, pattern: str) -> bool:
     parts, pats = name.split("."), pattern.split(".")
     return len(parts) == len(pats) and all(fnmatchcase(a, p) for a, p in zip(parts, pats))
+
+
+def matches_any(name: str, patterns: Iterable[str]) -> bool:
+    return any(matches(name, p) for p in patterns)
 
 
 def outermost_match(path: Optional[str], pattern: str) -> Optional[str]:

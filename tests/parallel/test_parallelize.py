@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 
+from pipeplan.compiler.patterns import matches_any
 from pipeplan.backends.parallelize import (
     ExpertCoords, build_parallel_groups, build_zero_optimizer, expert_group_ranks,
     parallelize_stage, reference_chunk_groups, required_leaf_modules)
@@ -127,7 +127,7 @@ class _Leaves(fx.Tracer):
         self.patterns = patterns
 
     def is_leaf_module(self, m, qualname):
-        return (any(fnmatch.fnmatchcase(qualname, p) for p in self.patterns)
+        return (matches_any(qualname, self.patterns)
                 or super().is_leaf_module(m, qualname))
 
 

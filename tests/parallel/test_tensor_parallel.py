@@ -16,9 +16,11 @@ from pipeplan.examples.models.gpt import GPT, Block
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-5)
-BLOCK_RULES = dict(column=("*attn.q", "*attn.k", "*attn.v", "*mlp.up"),
-                   row=("*attn.proj", "*mlp.down"))
-GPT_RULES = dict(BLOCK_RULES, vocab=("tok_emb", "lm_head"))
+# Plan module-path patterns: `*` matches exactly one path segment.
+BLOCK_RULES = dict(column=("attn.q", "attn.k", "attn.v", "mlp.up"), row=("attn.proj", "mlp.down"))
+GPT_RULES = dict(column=tuple(f"layers.*.{p}" for p in BLOCK_RULES["column"]),
+                 row=tuple(f"layers.*.{p}" for p in BLOCK_RULES["row"]),
+                 vocab=("tok_emb", "lm_head"))
 
 
 def _assert_grads_match(model, ref, group, result, msg, tol=TOL):
