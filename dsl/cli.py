@@ -16,6 +16,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="override a key, e.g. --set pipeline.microbatches=16 (repeatable)")
     check.add_argument("--world-size", type=int, default=None,
                        help="the launcher's world size; the plan must use exactly this many ranks")
+    check.add_argument("--no-model", action="store_true",
+                       help="skip loading and tracing the model (no per-rank estimates)")
     check.set_defaults(func=run_check)
 
     fmt = sub.add_parser("fmt", help="print a plan in canonical form (or rewrite it with -i)")
@@ -27,6 +29,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def run_check(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan, args.overrides, world_size=args.world_size)
     sys.stdout.write(check_report(plan))
+    if not args.no_model:
+        # Once the model is known: trace it on meta (no weights) and print the estimates.
+        from ..compiler import estimates_summary
+
+        sys.stdout.write("\n# after tracing the model (meta device, no weights)\n")
+        sys.stdout.write(estimates_summary(plan).rstrip("\n") + "\n")
     return 0
 
 

@@ -1,7 +1,8 @@
 """What `pipeplan check` prints: the resolved plan and what is known before tracing.
 
-`check_report(plan)` is the one place to extend: the compiler adds its
-estimates (parameters, memory, bubble) here once the model is known.
+`check_report(plan)` covers what the plan alone tells; `pipeplan check` then
+appends the compiler's estimates (parameters, memory, bubble) once the model
+is traced, unless --no-model is given.
 """
 from __future__ import annotations
 
@@ -34,5 +35,4 @@ def check_report(plan: Plan) -> str:
         "# before tracing",
         format_layout(plan.mesh),
         pipeline_summary(plan),
-        "(per-stage parameters, memory and bubble need the model: pipeplan compile)",
     ]) + "\n"
