@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dsl.ast import Plan
+from ..errors import PipeplanError
 from .topology import Topology
 
 
@@ -64,7 +65,12 @@ class StageLayout:
         layout = StageLayout(topo, modules, device)
         if not needs_stage_parallelism(plan):
             return layout
-        from .parallelize import build_parallel_groups, parallelize_stage
+        try:
+            from .parallelize import build_parallel_groups, parallelize_stage
+        except ModuleNotFoundError as e:
+            raise PipeplanError("this plan needs per-stage parallelism (tp, ep, zero or a "
+                                "capacity factor), which is not installed: backends/parallelize.py "
+                                f"is missing ({e})") from None
 
         layout.groups = build_parallel_groups(plan.mesh, topo.tp_group, topo.dp_group)
         for s in sorted(modules):

@@ -8,14 +8,15 @@ schedule overlay in Perfetto.
 
 Bubbles are whole-iteration (1 - sum busy / (ranks * makespan)), measured on
 one step of the pipeline at dp=0, tp=0, and predicted by simulating the schedule
-with the measured mean per-op costs of each stage.
+with the measured mean per-op costs of each stage and the measured median
+point-to-point latency.
 """
 from __future__ import annotations
 
 import json
 import sys
 from dataclasses import dataclass
-from statistics import mean
+from statistics import mean, median
 from typing import Optional, Sequence, TextIO
 
 from .executor import ActionTiming
@@ -31,6 +32,20 @@ class RankTimings:
     dp: int
     tp: int
     steps: tuple[tuple[ActionTiming, ...], ...]
+
+
+def describe_run(compiled, world_size: int) -> str:
+    """What is about to run, before step 1: the schedule and each rank's stages."""
+    sch = compiled.schedule
+    m = compiled.plan.mesh
+    lines = [f"{sch.name}: {sch.stages} stages on {sch.ranks} pipeline ranks, "
+             f"{sch.microbatches} microbatches per step; pp={m.pp} dp={m.dp} tp={m.tp} ep={m.ep} "
+             f"({world_size} processes); captured with {compiled.capture}"]
+    for r in range(sch.ranks):
+        parts = [f"stage {st.index} [{', '.join(st.module_names) or '-'}]"
+                 for st in compiled.stages if sch.stage_to_rank[st.index] == r]
+        lines.append(f"  pipeline rank {r}: " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 class Progress:
@@ -103,19 +118,43 @@ def measured_costs(ranks: Sequence[RankTimings], stages: int, skip_first: bool =
                  for s in range(stages))
 
 
+def measured_latency(pipeline: Sequence[RankTimings], schedule) -> float:
+    """Median point-to-point latency: from the end of the action producing a value on one
+    rank to the start of the action consuming it on another, counted only where the
+    consumer was already blocked waiting (so its own lateness is not included)."""
+    samples = []
+    for step in range(len(pipeline[0].steps)):
+        end = {(a.op, a.stage, a.microbatch): a.end for r in pipeline for a in r.steps[step]}
+        for r in pipeline:
+            for a in r.steps[step]:
+                if a.op == "F" and a.stage > 0:
+                    producers = [("F", a.stage - 1, a.microbatch)]
+                elif a.op in ("B", "BW") and a.stage + 1 < schedule.stages:
+                    producers = [(op, a.stage + 1, a.microbatch) for op in ("B", "BW")]
+                else:
+                    continue
+                if schedule.stage_to_rank[producers[0][1]] == schedule.stage_to_rank[a.stage]:
+                    continue  # a hand-over in memory
+                done = [end[p] for p in producers if p in end]
+                if done and a.recv_wait > 0 and a.start - a.recv_wait <= done[0]:
+                    samples.append(max(0.0, a.start - done[0]))
+    return median(samples) if samples else 0.0
+
+
 def bubble_report(schedule, ranks: Sequence[RankTimings]) -> str:
-    """'measured bubble X (step N) vs Y predicted from measured per-op costs'."""
+    """'measured bubble X (step N) vs Y predicted from measured per-op costs and latency'."""
     from ..schedules.costs import Costs
     from ..schedules.simulate import simulate
 
     pipeline = sorted((r for r in ranks if r.dp == 0 and r.tp == 0), key=lambda r: r.pp)
     last = len(pipeline[0].steps) - 1
     measured = measured_bubble([r.steps[last] for r in pipeline])
-    costs = Costs(per_stage=measured_costs(pipeline, schedule.stages))
+    latency = measured_latency(pipeline, schedule)
+    costs = Costs(per_stage=measured_costs(pipeline, schedule.stages), latency=latency)
     predicted = simulate(schedule, costs).bubble
     return (f"bubble (whole iteration, 1 - busy/(ranks x makespan)): measured {measured:.3f} "
             f"on step {last + 1}, predicted {predicted:.3f} by simulating the schedule with "
-            "the measured mean per-op costs")
+            f"the measured mean per-op costs and p2p latency ({latency * 1e3:.2f} ms)")
 
 
 def write_trace(path: str, ranks: Sequence[RankTimings]) -> None:

@@ -22,7 +22,7 @@ from .checkpoint import Checkpointer, latest_step
 from .failure import Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
 from .model import build_model
-from .observe import Progress, RankTimings, bubble_report, write_trace
+from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
 from .topology import build_topology
 from .trainer import PipelineTrainer
 
@@ -83,6 +83,45 @@ def _log_dir_metrics(plan: Plan) -> Optional[str]:
     return os.path.join(plan.train.log_dir, "metrics.jsonl")
 
 
+def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
+           where: list) -> tuple[list[float], list]:
+    """The step loop (resuming from a checkpoint); rank 0 prints and writes metrics."""
+    checkpoints, first = _restore(plan, trainer)
+    metrics = opts.metrics or _log_dir_metrics(plan)
+    progress = Progress(opts.steps, metrics, append=first > 0) if env.rank == 0 else None
+    if progress and first:
+        print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
+    losses, timings = [], []
+    try:
+        for t in range(first, opts.steps):
+            where[0] = f"step {t + 1}"
+            report = trainer.step(t)
+            timings.append(report.timings)
+            losses.append(report.loss)
+            if progress:
+                progress.step(report)
+            if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
+                where[0] = f"checkpoint after step {t + 1}"
+                checkpoints.save(t + 1)
+    finally:
+        if progress:
+            progress.close()
+    return losses, timings
+
+
+def _report(mine: RankTimings, schedule, env: RankEnv, opts: RunOptions) -> None:
+    """Gather every rank's timings on rank 0: the bubble line and the --trace file."""
+    gathered = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if env.rank != 0:
+        return
+    if mine.steps:
+        print(bubble_report(schedule, gathered), flush=True)
+    if opts.trace:
+        write_trace(opts.trace, gathered)
+        print(f"trace of every rank's measured actions: {opts.trace}", flush=True)
+
+
 def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
 
@@ -100,40 +139,19 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
     watch = FailureWatch(env.rank).start()
-    where = "setup"
+    where = ["setup"]  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
         compiled = compile_fn(with_required_leaves(plan), build_model(plan))
         trainer = PipelineTrainer(plan, compiled, topo, device)
+        if env.rank == 0:
+            print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule
-        del compiled
-        checkpoints, first = _restore(plan, trainer)
-        metrics = opts.metrics or _log_dir_metrics(plan)
-        progress = Progress(opts.steps, metrics, append=first > 0) if env.rank == 0 else None
-        if progress and first:
-            print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
-        steps, losses = [], []
-        for t in range(first, opts.steps):
-            where = f"step {t + 1}"
-            report = trainer.step(t)
-            steps.append(report.timings)
-            losses.append(report.loss)
-            if progress:
-                progress.step(report)
-            if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
-                where = f"checkpoint after step {t + 1}"
-                checkpoints.save(t + 1)
-        where = "finish"
-        mine = RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp, tuple(steps))
-        gathered = [None] * env.world_size if env.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if progress:
-            progress.close()
-            if steps:
-                print(bubble_report(schedule, gathered), flush=True)
-            if opts.trace:
-                write_trace(opts.trace, gathered)
-                print(f"trace of every rank's measured actions: {opts.trace}", flush=True)
+        del compiled  # other ranks' stages go with it
+        losses, timings = _train(plan, trainer, env, opts, where)
+        where[0] = "finish"
+        _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
+                            tuple(timings)), schedule, env, opts)
         if opts.dump_dir:
             torch.save({"rank": env.rank, "losses": losses,
                         "params": {k: v.cpu() for k, v in trainer.named_parameters().items()}},
@@ -145,7 +163,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     except BaseException as e:  # every failure stops every rank, naming this one
         watch.stop()
         detail = str(e) if isinstance(e, PipeplanError) else f"{type(e).__name__}: {e}"
-        message = f"rank {env.rank} failed in {where}: {detail}"
+        message = f"rank {env.rank} failed in {where[0]}: {detail}"
         report_failure(Failure(env.rank, message, now()))
         if opts.debug or not isinstance(e, PipeplanError):
             traceback.print_exc()

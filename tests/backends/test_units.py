@@ -155,7 +155,7 @@ def test_free_port_is_bindable():
 def test_measured_bubble_trace_and_costs():
     from pipeplan.backends.executor import ActionTiming
     from pipeplan.backends.observe import (RankTimings, bubble_report, chrome_trace,
-                                           measured_bubble, measured_costs)
+                                           measured_bubble, measured_costs, measured_latency)
 
     # rank 0 busy [0,1] and [3,4]; rank 1 busy [1,3]: makespan 4, busy 4 of 8 -> bubble 0.5
     r0 = (ActionTiming("F", 0, 0, 0.0, 1.0, 0.0), ActionTiming("BW", 0, 0, 3.0, 4.0, 2.0))
@@ -170,3 +170,8 @@ def test_measured_bubble_trace_and_costs():
     schedule = generate("gpipe", ranks=2, microbatches=1)
     report = bubble_report(schedule, ranks)
     assert "measured 0.500" in report and "predicted 0.500" in report
+    assert measured_latency(ranks, schedule) == 0.0
+    # rank 1 waited from t=0 but F1.0 started 0.25 after F0.0 ended; BW0.0 started the
+    # moment BW1.0 ended: samples 0.25 and 0, median 0.125
+    late = (ActionTiming("F", 1, 0, 1.25, 2.0, 1.25), r1[1])
+    assert measured_latency([ranks[0], RankTimings(1, 1, 0, 0, (late,))], schedule) == 0.125
