@@ -29,6 +29,4 @@ def model_loss(plan: Plan, output, targets: torch.Tensor) -> torch.Tensor:
     """One microbatch's unscaled loss (main loss + the model's scalar aux losses)."""
     from ..compiler.loss import reference_loss
 
-    if isinstance(output, torch.Tensor):  # a bare prediction: no aux losses
-        output = (output,)
     return reference_loss(plan.model.loss, output, targets)
