@@ -190,10 +190,10 @@ class ZeroSync:
     """The same duties under ZeRO: gradients are reduced by the ZeRO shards at step end.
 
     Tied gradients are summed first (on full per-parameter gradients), then
-    `reduce_gradients()` reduces over DP and hands each rank its slice; the
-    global norm sums each slice's squares over its shard group (and experts
-    over EP). A tied copy not counted in the norm is taken out again: its
-    DP-summed gradient's squares are subtracted.
+    `reduce_gradients()` reduces over DP and hands each rank its slice. The
+    global norm is the shards' own (`grad_sq_norm`: each owned slice summed over
+    its shard group, TP shards over tp, experts over ep), leaving out tied
+    copies another pipeline rank counts, then summed over the pipeline.
     """
 
     def __init__(self, zero, layout: StageLayout, tied: Sequence[TiedGroup]):
@@ -202,39 +202,20 @@ class ZeroSync:
         self.topo = layout.topo
         self.device = layout.device
         self.tied = list(tied)
-        self._tied_excess = torch.zeros((), dtype=torch.float64)
+        self._skip = frozenset(id(t.param) for t in self.tied if not t.counts_in_norm)
 
     def stage_done(self, stage: int) -> None:
         self.layout.after_backward(stage)
 
     def finish(self) -> None:
         sum_tied(self.tied)
-        self._tied_excess = torch.zeros((), dtype=torch.float64, device=self.device)
-        for t in self.tied:
-            if not t.counts_in_norm:
-                g = t.param.grad.detach().double().clone()
-                if self.topo.mesh.dp > 1:
-                    dist.all_reduce(g, group=self.topo.dp_group)
-                self._tied_excess += g.pow(2).sum()
         self.zero.reduce_gradients()
 
     def clip(self, max_norm: Optional[float]) -> float:
-        shards = self.zero.optimizer.shards
-        pg = self.layout.groups
-        terms = []
-        for s in shards:
-            g = s.shard.grad
-            if g is None:
-                continue
-            groups = (s.group if s.stage > 0 and s.world > 1 else None,)
-            if pg is not None and pg.ep is not None and s.group is pg.expert_dp:
-                groups += (pg.ep,)  # an expert shard: other EP ranks hold other experts
-            terms.append((g.pow(2).sum(), groups))
-        terms.append((-self._tied_excess, ()))
-        norm = global_norm(terms, self.topo, self.device)
+        norm = global_norm([(self.zero.grad_sq_norm(self._skip), ())], self.topo, self.device)
         coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
-            for s in shards:
+            for s in self.zero.optimizer.shards:
                 if s.shard.grad is not None:
                     s.shard.grad.mul_(coef)
         return norm

@@ -72,7 +72,9 @@ class StageLayout:
                                 "capacity factor), which is not installed: backends/parallelize.py "
                                 f"is missing ({e})") from None
 
-        layout.groups = build_parallel_groups(plan.mesh, topo.tp_group, topo.dp_group)
+        layout.groups = build_parallel_groups(
+            plan.mesh, topo.tp_group, topo.dp_group,
+            sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
         for s in sorted(modules):
             layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups)
         for st in layout.parallel.values():

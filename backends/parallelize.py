@@ -41,7 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
+from ..compiler.experts import experts_dispatched
 from ..compiler.patterns import matches_any
+from ..compiler.zero_layout import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
 from ..errors import PipeplanError
 from .expert_parallel import ExpertParallelMoE, gather_experts
 from .tensor_parallel import (
@@ -307,9 +309,7 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> 
     stage = ParallelStage(module, groups)
     if plan.experts is not None:
         _refuse_unimplemented(plan.experts)
-    sequence_parallel = plan.tensor.sequence_parallel and plan.mesh.tp > 1
-    if plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless
-                                     or sequence_parallel):
+    if experts_dispatched(plan):
         stage.experts = _apply_experts(module, plan, groups)
     rules = TensorParallelRules.from_plan(plan.tensor)
     if rules.sequence_parallel and plan.mesh.tp == 1:
@@ -347,10 +347,18 @@ def reference_chunk_groups(dp: int, microbatches: int, ep: int) -> list[list[int
 
 
 # ------------------------------------------------------- communication meter
-# Which argument of each c10d op is the payload this rank hands in.
+# Which argument of each c10d op is the payload this rank hands in, and the collective
+# it is (the names the compiler's estimates use: RankEstimate.collectives).
 _PAYLOAD_ARG = {
     "allreduce_": 0, "allgather_": 1, "_allgather_base_": 1, "reduce_scatter_": 1,
     "_reduce_scatter_base_": 1, "alltoall_base_": 1, "alltoall_": 1, "broadcast_": 0,
+    "send": 0,
+}
+_COLLECTIVE = {
+    "allreduce_": "allreduce", "allgather_": "allgather", "_allgather_base_": "allgather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "alltoall_base_": "alltoall", "alltoall_": "alltoall", "broadcast_": "broadcast",
+    "send": "send",  # point-to-point: what this rank sends (receives are not counted)
 }
 
 
@@ -369,7 +377,10 @@ class CommMeter(TorchDispatchMode):
     c10d collective issued on this thread (forward and backward), so what is
     counted is exactly what ran. Payload = the bytes of the tensor(s) this
     rank passes in (all-reduce: the tensor; all-gather: its shard;
-    reduce-scatter / all-to-all: its whole input). Unnamed groups count as "other".
+    reduce-scatter / all-to-all: its whole input). Keys: (group name, collective)
+    with collective in allreduce, allgather, reduce_scatter, alltoall,
+    broadcast (the list and base forms alike), or send (point-to-point).
+    Unnamed groups count as "other".
     """
 
     def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]):
@@ -384,7 +395,7 @@ class CommMeter(TorchDispatchMode):
             pg = next((a for a in args if isinstance(a, torch.ScriptObject)
                        and "ProcessGroup" in str(a._type())), None)
             name = dist.ProcessGroup.unbox(pg).group_name if pg is not None else ""
-            key = (self._names.get(name, "other"), op.strip("_"))
+            key = (self._names.get(name, "other"), _COLLECTIVE[op])
             self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[_PAYLOAD_ARG[op]])
             self.calls[key] = self.calls.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
@@ -394,49 +405,48 @@ class CommMeter(TorchDispatchMode):
 
 
 # --------------------------------------------------------------------- ZeRO
-def _zero_classes(st: ParallelStage) -> list[tuple[Optional[dist.ProcessGroup],
-                                                   Optional[dist.ProcessGroup], set[int]]]:
-    """(reduce group, spread group, parameter ids) of each kind of parameter in a stage.
-
-    Spread group: the ranks holding *other* parts of the same kind (TP shards:
-    the TP group; experts: the EP group), over which the global norm sums.
-    """
+def _zero_kind(st: ParallelStage) -> dict[int, str]:
+    """id(parameter) -> its ZeRO kind (compiler/zero_layout.py): experts, TP slices, the rest."""
     experts = {id(p) for p in st.expert_params()}
     tp_sharded = {id(getattr(mod, name)) for mod in st.module.modules()
                   for name in getattr(mod, "tp_shard_dims", {})
                   if isinstance(getattr(mod, name, None), nn.Parameter)}
-    dense = {id(p) for p in st.module.parameters()} - experts - tp_sharded
-    return [(st.groups.dp, None, dense), (st.groups.dp, st.groups.tp, tp_sharded),
-            (st.groups.expert_dp, st.groups.ep, experts)]
+    return {id(p): EXPERT if id(p) in experts else TENSOR_PARALLEL if id(p) in tp_sharded
+            else REPLICATED for p in st.module.parameters()}
+
+
+def _zero_groups(groups: ParallelGroups, kind: str):
+    """(reduce group, spread group) of a kind. Spread group: the ranks holding *other*
+    parts of the same kind (TP slices: the TP group; experts: the EP group), over which
+    the global norm sums."""
+    if kind == EXPERT:
+        return groups.expert_dp, groups.ep
+    return groups.dp, (groups.tp if kind == TENSOR_PARALLEL else None)
 
 
 def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
                          make_optimizer) -> "StageZero":
     """One flat shard per (stage, kind): replicated and TP-sharded parameters over dp,
-    experts over expert-dp, so each shard's norm sums over one spread group.
+    experts over expert-dp, so each shard's norm sums over one spread group. The grouping
+    is `zero_layout.group_shards`, the same the compiler's memory estimate uses.
 
     A parameter held by two stages of this rank (a tied embedding in a V
     schedule) lives in the first stage's shard; `gather(stage)` gathers every
     shard the stage reads.
     """
-    owned: set[int] = set()
-    shards: list[FlatShard] = []
-    uses: dict[int, list[FlatShard]] = {s: [] for s in stages}
-    owner_of: dict[int, FlatShard] = {}
-    for index in sorted(stages):
-        st = stages[index]
-        for group, spread, ids in _zero_classes(st):
-            named = []
-            for name, p in st.module.named_parameters():
-                if p.requires_grad and id(p) in ids and id(p) not in owned:
-                    owned.add(id(p))
-                    named.append((name, p))
-            if named:
-                shard = FlatShard(named, group, plan.zero, spread)
-                shards.append(shard)
-                owner_of.update((id(p), shard) for _, p in named)
-        for p in st.module.parameters():
-            shard = owner_of.get(id(p))
-            if shard is not None and all(shard is not s for s in uses[index]):
-                uses[index].append(shard)
-    return StageZero(ZeroOptimizer(shards, make_optimizer), uses)
+    params: dict[int, nn.Parameter] = {}
+    listed = []
+    for index, st in stages.items():
+        kinds = _zero_kind(st)
+        named = [p for _, p in st.module.named_parameters() if p.requires_grad]
+        params.update((id(p), p) for p in named)
+        listed.append((index, [(id(p), kinds[id(p)]) for p in named]))
+    layout, uses = group_shards(listed)
+    names = {id(p): n for st in stages.values() for n, p in st.module.named_parameters()}
+    shards = []
+    for g in layout:
+        group, spread = _zero_groups(stages[g.stage].groups, g.kind)
+        shards.append(FlatShard([(names[k], params[k]) for k in g.keys], group, plan.zero,
+                                spread))
+    return StageZero(ZeroOptimizer(shards, make_optimizer),
+                     {s: [shards[i] for i in uses.get(s, [])] for s in stages})

@@ -20,6 +20,7 @@ from ..dsl.ast import Plan
 from . import data
 from .model import build_model, model_loss
 from .optim import build_lr_scheduler, build_optimizer
+from .precision import autocast_for
 
 
 @dataclass
@@ -49,6 +50,7 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
     optimizer = build_optimizer(model.parameters(), plan.train)
     scheduler = build_lr_scheduler(optimizer, plan.train)
     groups = chunk_groups(plan)
+    autocast = autocast_for(plan.train.precision, torch.device("cpu"))  # bf16: as the stages
     losses, norms = [], []
     named = list(model.named_parameters(remove_duplicate=False))
     grad_max = {n: 0.0 for n, _ in named}
@@ -57,7 +59,8 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
         chunks = data.chunks(data.global_batch(plan, step), plan.mesh.dp * plan.microbatches)
         for group in groups:
             batch = data.concat([chunks[c] for c in group])
-            loss = model_loss(plan, model(batch.input_ids), batch.targets) / len(groups)
+            with autocast():
+                loss = model_loss(plan, model(batch.input_ids), batch.targets) / len(groups)
             loss.backward()
             total += float(loss.detach())
         for n, p in named:

@@ -13,16 +13,24 @@ weight's branch leaves the input path, and W starts from there
 (split_backward.py). Where that split could count a weight twice (a weight
 used twice in one stage, one use below the other) W walks the retained
 graph again from the outputs instead: exact, only slower.
+
+The forward runs under the plan's autocast (bf16) when given, and through a
+`StageProgram` when recompute rules match some of the stage's modules
+(recompute.py): B keeps what it recomputed for W, W and BW consume it.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
+import torch.fx as fx
 
 from ..compiler.compiled import StageSpec
+from ..dsl.ast import RecomputeRule
 from . import split_backward
+from .recompute import Phase, SavedBytes, StageProgram
 from .split_backward import SplitPlan, plan_split
 
 
@@ -46,8 +54,18 @@ class StageRunner:
     """Executes F / B / W / BW of one stage for any microbatch."""
 
     def __init__(self, spec: StageSpec, module: torch.nn.Module, is_last: bool,
-                 loss_scale: float = 1.0, split_weights: bool = True):
+                 loss_scale: float = 1.0, split_weights: bool = True,
+                 recompute: Sequence[RecomputeRule] = (),
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
         self.spec = spec
+        self.autocast = autocast
+        self.phase = Phase()
+        self.program: Optional[StageProgram] = None
+        if recompute and isinstance(module, fx.GraphModule):
+            program = StageProgram(module, recompute, autocast, self.phase)
+            if program.regions:  # the module's own hooks (sequence parallel's) still run
+                self.program = module.forward = program
+        self.saved_bytes: Optional[dict[int, int]] = None  # measure_saved(): mb -> bytes
         self.split_weights = split_weights  # W reuses B's work (split_backward.py)
         self.module = module
         self.is_last = is_last
@@ -67,7 +85,13 @@ class StageRunner:
                 grad_inputs.append(x)
                 names.append(self.spec.inputs[i].name)
             prepared.append(x)
-        outputs = self.module(*prepared)
+        meter = SavedBytes(self.params) if self.saved_bytes is not None else None
+        if self.program is not None:
+            self.program.meter = meter
+        with self.autocast(), meter.hooks() if meter else contextlib.nullcontext():
+            outputs = self.module(*prepared)
+        if meter is not None:
+            self.saved_bytes[mb] = meter.bytes
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         outputs = tuple(outputs)
@@ -95,6 +119,7 @@ class StageRunner:
     def backward_input(self, mb: int, out_grads=None) -> dict[str, torch.Tensor]:
         """B: gradients of the float upstream inputs; the graph is kept for W."""
         saved = self._saved[mb]
+        self.phase.final = False  # W still needs what a recompute produces now
         saved.roots, saved.root_grads = self._roots(saved, out_grads)
         if not saved.roots:
             return self._input_grads(saved, [None] * len(saved.inputs))
@@ -113,6 +138,7 @@ class StageRunner:
     def backward_weight(self, mb: int) -> None:
         """W: weight gradients, accumulated into `.grad`; frees the microbatch's graph."""
         saved = self._saved.pop(mb)
+        self.phase.final = True
         if saved.roots is None:
             raise RuntimeError(f"W(stage {self.spec.index}, mb {mb}) ran before its B")
         if not saved.roots or not self.params:
@@ -127,6 +153,7 @@ class StageRunner:
     def backward_full(self, mb: int, out_grads=None) -> dict[str, torch.Tensor]:
         """BW: input and weight gradients in one pass; frees the microbatch's graph."""
         saved = self._saved.pop(mb)
+        self.phase.final = True
         roots, root_grads = self._roots(saved, out_grads)
         if not roots:
             return self._input_grads(saved, [None] * len(saved.inputs))
@@ -143,6 +170,10 @@ class StageRunner:
                 p.grad = g.detach().clone()
             else:
                 p.grad.add_(g)
+
+    def measure_saved(self) -> None:
+        """From now on record, per microbatch, the bytes its forward keeps for backward."""
+        self.saved_bytes = {}
 
     @property
     def pending_microbatches(self) -> list[int]:

@@ -8,7 +8,6 @@ rank of the world must construct it (tied-parameter groups are collective).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from .executor import ActionTiming, Executor
 from .grads import GradSync, ZeroSync, build_tied_groups
 from .layout import StageLayout
 from .optim import build_lr_scheduler, build_optimizer
+from .precision import autocast_for, boundary_specs
 from .stage import StageRunner
 from .topology import Topology
 
@@ -44,19 +44,13 @@ class StepReport:
 def check_supported(plan: Plan) -> None:
     """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it."""
     check_checkpointable(plan)
-    if plan.train.precision != "fp32":
+    if plan.train.precision == "bf16" and plan.experts is not None \
+            and (plan.mesh.ep > 1 or not plan.experts.dropless):
         raise PlanError.at(plan, "train.precision",
-                           f"the runtime cannot run precision = {plan.train.precision} yet "
-                           "(bf16 autocast is not wired into the pipeline executor)",
-                           "run with --set train.precision=fp32")
-    if any(r.mode != "none" for r in plan.recompute):
-        raise PlanError.at(plan, "recompute", "the runtime cannot recompute activations yet",
-                           "remove the recompute rules")
-    if plan.zero > 0 and plan.mesh.tp > 1 and plan.train.grad_clip is not None:
-        raise PlanError.at(plan, "train.grad_clip",
-                           "gradient clipping with both zero > 0 and tp > 1 is not supported yet "
-                           "(a ZeRO shard mixes TP-sharded and replicated parameters, so its "
-                           "norm cannot be summed over TP)", "drop grad_clip, zero or tp")
+                           "bf16 with expert parallelism or a capacity factor is not supported "
+                           "yet (the expert-parallel layer combines bf16 expert outputs into an "
+                           "fp32 buffer: backends/expert_parallel.py)",
+                           "run with --set train.precision=fp32, or mesh.ep=1 with dropless experts")
 
 
 def _stage_order_by_last_grad(order, stages_here) -> list[int]:
@@ -76,12 +70,16 @@ class PipelineTrainer:
         pp = topo.coords.pp
         last = len(compiled.stages) - 1
         scale = 1.0 / (plan.microbatches * plan.mesh.dp)
+        self.autocast = autocast_for(plan.train.precision, device)
+        specs = boundary_specs(plan, compiled.stages)  # while this rank holds every stage
         modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
-        self.runners = {s: StageRunner(compiled.stages[s], m, s == last, scale)
+        rules = tuple(r for r in plan.recompute if r.mode != "none")
+        self.runners = {s: StageRunner(specs[s], m, s == last, scale,
+                                       recompute=rules, autocast=self.autocast)
                         for s, m in modules.items()}
         # Keep the specs without the other ranks' modules so their weights can be freed.
-        self.specs = [dataclasses.replace(s, module=None) for s in compiled.stages]
+        self.specs = [dataclasses.replace(s, module=None) for s in specs]
         tied = build_tied_groups(compiled.tied, self.runners, schedule.stage_to_rank, topo)
         around = None
         if plan.zero > 0:
@@ -91,8 +89,11 @@ class PipelineTrainer:
                 self.layout.parallel, plan, lambda ps: build_optimizer(ps, plan.train))
             self.sync = ZeroSync(self.zero, self.layout, tied)
             self.optimizer = self.zero.optimizer.optimizer
-            if plan.zero == 3:
-                around = self._gathered
+            if plan.zero == 3:  # gathered around each action, the next one's prefetched
+                from .zero import PrefetchWindow
+
+                around = PrefetchWindow(self.zero, [p.action.stage
+                                                    for p in plan_rank(schedule, self.specs, pp)])
                 for s in self.runners:
                     self.zero.release(s)
         else:
@@ -105,15 +106,6 @@ class PipelineTrainer:
                                  plan.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
-
-    @contextlib.contextmanager
-    def _gathered(self, stage: int):
-        """ZeRO-3: the stage's parameters exist only while one of its actions runs."""
-        self.zero.gather(stage)
-        try:
-            yield
-        finally:
-            self.zero.release(stage)
 
     def step(self, t: int) -> StepReport:
         start = time.perf_counter()

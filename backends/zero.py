@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compiler.zero_layout import MemoryBytes, StateBytes, padded, shard_memory
 from ..errors import PipeplanError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -58,42 +59,29 @@ class FlatLayout:
         sizes = [p.numel() for _, p in named]
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         numel = sum(sizes)
-        padded = -(-numel // world) * world
-        return FlatLayout(tuple(n for n, _ in named), shapes, offsets, numel, padded,
-                          padded // world)
+        full = padded(numel, world)
+        return FlatLayout(tuple(n for n, _ in named), shapes, offsets, numel, full,
+                          full // world)
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
 
 
-@dataclass(frozen=True)
-class MemoryBytes:
-    """Bytes a rank holds, by summing its local tensors' sizes."""
-
-    params: int
-    grads: int
-    optimizer: int
-
-
 def expected_memory(numel: int, dp: int, stage: int, optimizer: str = "adamw",
                     momentum: bool = False, element_size: int = 4) -> MemoryBytes:
-    """What `ZeroOptimizer.memory()` measures after a step, from sizes alone (for estimates).
+    """What `ZeroOptimizer.memory()` measures of one FlatShard after a step, from sizes alone.
 
     `numel` parameters in one flat shard group of `dp` ranks. AdamW keeps two
     moments per element plus a float32 step counter; SGD keeps a momentum
-    buffer when momentum is on, else nothing.
+    buffer when momentum is on, else nothing. The rule itself is
+    compiler/zero_layout.py's `shard_memory`, which the compiler's estimates use.
     """
-    padded = -(-numel // dp) * dp if stage > 0 else numel
-    shard = padded // dp if stage > 0 else padded
-    params = shard if stage == 3 else padded
-    grads = padded if stage <= 1 else shard
-    if optimizer == "adamw":
-        opt = 2 * shard * element_size + 4
-    elif optimizer == "sgd":
-        opt = shard * element_size if momentum else 0
-    else:
+    if optimizer not in ("adamw", "sgd"):
         raise PipeplanError(f"no memory model for optimizer {optimizer!r}")
-    return MemoryBytes(params * element_size, grads * element_size, opt)
+    per = StateBytes.of(optimizer, momentum)
+    scaled = StateBytes(element_size, element_size, per.optimizer * element_size // 4,
+                        per.counter)
+    return shard_memory(numel, dp, stage, scaled)
 
 
 def _group_size(group) -> int:

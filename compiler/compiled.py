@@ -88,6 +88,10 @@ class RankEstimate:
     activation_bytes: int = 0
     flops: float = 0.0
     comm_bytes: dict = field(default_factory=dict)  # {"p2p": n, "dp": n, "tp": n, "ep": n}
+    # Bytes handed to each collective per step, {(group, op): n} as backends' CommMeter
+    # counts them (group: "dp", "edp" (experts' data parallel), "tp", "ep"; op: "allreduce",
+    # "allgather", "reduce_scatter", "alltoall"); comm_bytes above are what travels.
+    collectives: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -2,24 +2,48 @@
 
 Accounting (stated in the report, so a reader can check it):
 
-* Bytes per parameter element: fp32 — weights 4, grads 4, AdamW 8 (two fp32
-  moments); bf16 — weights 2, grads 2, AdamW 12 (fp32 master + two moments)
-  (the ZeRO paper's 2 + 2 + 12). SGD keeps a 4-byte momentum when momentum > 0.
-  ZeRO-1 shards the optimizer state over the data-parallel group, ZeRO-2 also
-  the grads, ZeRO-3 also the weights. Tensor-parallel layers hold 1/tp of their
-  weight (row-parallel biases are replicated); experts 1/ep of each MoE layer.
-  Expert weights are replicated over dp·tp/ep ranks, their ZeRO group.
+* Parameters, gradients, optimizer states: the bytes the runtime holds after a
+  step, exactly. Each rank's parameters are laid into ZeRO flat shards as the
+  runtime lays them (`zero_layout.group_shards`: per stage, replicated /
+  tensor-parallel slices / experts), and each shard costs
+  `zero_layout.shard_memory` (padded to a multiple of its group; ZeRO-1 shards
+  optimizer states, ZeRO-2 also grads, ZeRO-3 also weights; AdamW's float32
+  step counter per tensor it steps). Groups: dp for replicated parameters and
+  TP slices (1/tp of each annotated weight; row-parallel biases replicated);
+  for experts (1/ep of each MoE layer) the expert-data-parallel group of dp/ep
+  ranks. ZeRO-0 is the runtime's plain optimizer (one counter per parameter).
+  Bytes per element: 4 / 4 / AdamW 8 (SGD 4 with momentum), with bf16 too:
+  the runtime's bf16 is autocast over fp32 master weights, so parameters,
+  gradients (and their reductions) and optimizer states stay fp32.
 * Activations: the bytes each stage saves for backward per microbatch, held
   from its F until its W (or BW) — the schedule engine's memory rule — so a
   rank's peak is found by walking its action list. bf16 halves float bytes;
   with sequence parallelism they are divided by tp (without it, the estimate
   keeps the replicated size: an upper bound).
-* Traffic per step, bytes each rank sends: p2p (activations forward, grads
-  back, per microbatch across a rank boundary); dp (ring all-reduce,
-  2(n-1)/n of the grads; 3(n-1)/n with ZeRO-3); tp (Megatron: a row-parallel
-  layer all-reduces its output in forward, a column-parallel layer its input
-  grad in backward); ep (all-to-all dispatch and combine of top_k copies of
-  each token, forward and backward); tied (the all-reduce of tied grads).
+* Collectives per step (`RankEstimate.collectives`): the bytes each rank
+  hands to each collective, {(group, op): n}, as backends' CommMeter counts
+  them at the call sites. dp/edp: ZeRO's gradient reduction (all-reduce, or
+  reduce-scatter at 2-3) of each padded shard and its all-gather of updated
+  shards (1-2), or at 3 of the shard around every action of a stage reading it;
+  ZeRO-0 all-reduces the gradients. tp: each traffic role's collectives
+  (traffic.py), and under sequence parallel the stage edges' all-gathers and
+  the once-per-step sum of partial gradients. ep: per MoE layer and
+  microbatch, the per-expert counts (int64), 4 all-to-alls of top_k copies of
+  each token (dispatch, combine and their backwards; exact for the EP group's
+  mean when dropless, a rank's share follows its routing; with a capacity
+  factor, an upper bound) and 3 all-reduces of E+1 routing
+  statistics (under sequence parallel 2 of them over the EP group x its TP
+  peers, "ep_tp"). tied: each tied gradient's all-reduce between its pipeline
+  ranks. Scalar all-reduces (norms, the logged loss) are left out.
+* Traffic per step, bytes each rank sends (`comm_bytes`): p2p (activations
+  forward, grads back, per microbatch across a rank boundary); dp (the
+  collectives above through rings: an all-reduce sends 2(n-1)/n of its
+  tensor, a reduce-scatter (n-1)/n, an all-gather n-1 times its shard); tp
+  (its collectives through rings, likewise); ep ((ep-1)/ep of the all-to-all
+  rows); tied (the all-reduce of tied grads between their pipeline ranks).
+  Every rank of a pipeline rank's dp x tp x ep slice holds and sends alike
+  (shards are padded evenly), so each global rank's entry is its pipeline
+  rank's; only a rank's share of the all-to-all rows follows its routing.
 * Time: op times = FLOPs / (tp · flops_per_s), plus the stage's tp traffic
   over the node-local link and its ep traffic over the network (half in F,
   half in B); p2p messages take latency + bytes / bandwidth. The
@@ -35,8 +59,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..dsl.ast import Plan
-from .compiled import Estimates, RankEstimate, StageSpec, TiedParam
+from .compiled import BATCH, Estimates, RankEstimate, StageSpec, TiedParam
+from .experts import experts_dispatched
 from .traffic import Traffic
+from .zero_layout import (
+    EXPERT, REPLICATED, TENSOR_PARALLEL, MemoryBytes, StateBytes, group_shards, padded,
+    shard_memory)
 
 
 @dataclass(frozen=True)
@@ -49,37 +77,51 @@ class DeviceModel:
     tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
 
 
-@dataclass(frozen=True)
-class ParamFacts:
-    """What the estimate needs about each parameter held by a stage."""
-
-    numel: int
-    tp_sharded: bool
-    expert: bool
-
-
-def element_bytes(plan: Plan) -> tuple[int, int, int]:
-    """(weight, grad, optimizer) bytes per parameter element."""
-    bf16 = plan.train.precision == "bf16"
-    w = g = 2 if bf16 else 4
+def state_bytes(plan: Plan) -> StateBytes:
     opt = plan.train.optimizer
-    if opt.name == "adamw":
-        o = 8
-    else:
-        o = 4 if opt.momentum else 0
-    return w, g, o + (4 if bf16 else 0)
+    return StateBytes.of(opt.name, bool(opt.momentum))
 
 
-def param_facts(plan: Plan, stage: StageSpec, tp_kinds: dict[str, str],
-                expert_params: set[str]) -> dict[int, ParamFacts]:
-    """id(parameter) -> facts, for the parameters a stage holds."""
-    out = {}
-    for name, p in stage.module.named_parameters(remove_duplicate=False):
-        owner, _, leaf = name.rpartition(".")
-        kind = tp_kinds.get(owner)
-        sharded = plan.mesh.tp > 1 and kind is not None and not (kind == "row" and leaf == "bias")
-        out[id(p)] = ParamFacts(p.numel(), sharded, name in expert_params)
-    return out
+@dataclass(frozen=True)
+class RankShards:
+    """One pipeline rank's parameters as the runtime's ZeRO lays them (zero_layout)."""
+
+    shards: list  # zero_layout.ShardGroup, keys: id(parameter)
+    uses: dict  # stage index -> indices into shards
+    numel: dict  # id(parameter) -> elements this rank holds of it (after tp / ep)
+
+
+def rank_shards(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
+                expert_params: set[str]) -> RankShards:
+    """Each parameter's kind and local size, grouped as `build_zero_optimizer` groups the
+    rewritten stage modules' parameters (both call zero_layout.group_shards)."""
+    mesh, dispatched = plan.mesh, experts_dispatched(plan)
+    listed, numel = [], {}
+    for st in stages:
+        params = []
+        for name, p in st.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            tp_kind = tp_kinds.get(owner) if mesh.tp > 1 else None
+            if dispatched and name in expert_params:
+                kind, n = EXPERT, p.numel() // mesh.ep
+            elif tp_kind is not None and not (tp_kind == "row" and leaf == "bias"):
+                kind, n = TENSOR_PARALLEL, p.numel() // mesh.tp
+            else:
+                kind, n = REPLICATED, p.numel()
+            numel[id(p)] = n
+            params.append((id(p), kind))
+        listed.append((st.index, params))
+    shards, uses = group_shards(listed)
+    return RankShards(shards, uses, numel)
+
+
+def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
+    """(name, size) of the group a kind's gradients are reduced over."""
+    if kind == EXPERT and plan.mesh.ep > 1:
+        return "edp", plan.mesh.dp // plan.mesh.ep
+    return "dp", plan.mesh.dp
 
 
 def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[TiedParam, ...],
@@ -96,22 +138,28 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     per_pp = []
     for r in range(mesh.pp):
         mine = [st for st in stages if st.rank == r]
-        facts: dict[int, ParamFacts] = {}
-        for st in mine:
-            facts.update(param_facts(plan, st, tp_kinds, expert_params))
-        est = _state_bytes(plan, facts)
+        layout = rank_shards(plan, mine, tp_kinds, expert_params)
+        actions = [a.stage for a in schedule.order[r]]
+        est = _state_bytes(plan, layout, {s: actions.count(s) for s in set(actions)})
         est.rank, est.activation_bytes = r, int(peaks[r])
+        est.collectives.update(_stage_collectives(plan, tp_traffic, moe_traffic, mine, stages,
+                                                  layout))
+        tied_grads = _tied_grads(tied, stages, r, layout, state_bytes(plan).grad)
+        if tied_grads:
+            est.collectives[("tied", "allreduce")] = sum(n for n, _ in tied_grads)
         est.flops = sum(3 * st.flops + st.recompute_flops for st in mine) * plan.microbatches \
             / mesh.tp
         est.comm_bytes.update({
             "p2p": int(_p2p_bytes(stages, r, plan.microbatches, float_scale)),
-            "tp": int(_tp_bytes(plan, tp_traffic, mine, float_scale) * plan.microbatches),
+            "tp": int(sum(_sent(op, n, mesh.tp) for (g, op), n in est.collectives.items()
+                          if g == "tp")),
             "ep": int(_ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
-            "tied": int(_tied_bytes(tied, stages, r, element_bytes(plan)[1]))})
+            "tied": int(sum(_sent("allreduce", n, holders) for n, holders in tied_grads))})
         per_pp.append(est)
     per_replica = mesh.dp * mesh.tp
     ranks = [dataclasses.replace(per_pp[g // per_replica], rank=g,
-                                 comm_bytes=dict(per_pp[g // per_replica].comm_bytes))
+                                 comm_bytes=dict(per_pp[g // per_replica].comm_bytes),
+                                 collectives=dict(per_pp[g // per_replica].collectives))
              for g in range(mesh.pp * per_replica)]
     from ..schedules.simulate import simulate
     sim = simulate(schedule, costs)
@@ -120,26 +168,149 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                      device_model=asdict(device), simulation=sim)
 
 
-def _state_bytes(plan: Plan, facts: dict[int, ParamFacts]) -> RankEstimate:
-    """Weights, grads and optimizer state of one rank's parameters, and their DP traffic."""
-    mesh, z = plan.mesh, plan.zero
-    wb, gb, ob = element_bytes(plan)
-    dense = sum(f.numel / (mesh.tp if f.tp_sharded else 1) for f in facts.values()
-                if not f.expert)
-    experts = sum(f.numel / mesh.ep / (mesh.tp if f.tp_sharded else 1) for f in facts.values()
-                  if f.expert)
-    expert_group = max(1, mesh.dp * mesh.tp // mesh.ep)  # ranks holding the same experts
+def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> RankEstimate:
+    """Weights, grads and optimizer states of one rank's shards, and their DP collectives.
+    `actions`: how many actions of the rank's schedule run each stage (ZeRO-3 gathers)."""
+    z, per = plan.zero, state_bytes(plan)
+    memory, coll = [], {}
 
-    def held(level: int, nbytes: int) -> float:
-        """ZeRO at or above `level` shards this state over each parameter's replicas."""
-        if z >= level:
-            return (dense / mesh.dp + experts / expert_group) * nbytes
-        return (dense + experts) * nbytes
+    def add(group: str, op: str, nbytes: float) -> None:
+        coll[(group, op)] = coll.get((group, op), 0) + int(nbytes)
 
-    passes = 3 if z >= 3 else 2
-    dp = _ring(dense * gb, mesh.dp, passes) + _ring(experts * gb, expert_group, passes)
-    return RankEstimate(rank=0, param_bytes=int(held(3, wb)), grad_bytes=int(held(2, gb)),
-                        optimizer_bytes=int(held(1, ob)), comm_bytes={"dp": int(dp)})
+    if z == 0:  # the plain optimizer over every parameter; gradients all-reduced per group
+        total = sum(layout.numel.values())
+        memory.append(shard_memory(total, 1, 0, per, tensors=len(layout.numel)))
+        for s in layout.shards:
+            group, n = _group_of(plan, s.kind)
+            if n > 1:
+                add(group, "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad)
+    for i, s in enumerate(layout.shards if z > 0 else ()):
+        numel = sum(layout.numel[k] for k in s.keys)
+        group, n = _group_of(plan, s.kind)
+        memory.append(shard_memory(numel, n, z, per))
+        if n == 1:
+            continue
+        full = padded(numel, n)
+        add(group, "allreduce" if z == 1 else "reduce_scatter", full * per.grad)
+        gathers = 1 if z < 3 else sum(actions.get(st, 0) for st, used in layout.uses.items()
+                                      if i in used)
+        add(group, "allgather", gathers * full // n * per.param)
+    held = MemoryBytes(*(sum(getattr(m, f) for m in memory)
+                         for f in ("params", "grads", "optimizer")))
+    sent = sum(_sent(op, nbytes, _size_of(plan, group)) for (group, op), nbytes in coll.items())
+    return RankEstimate(rank=0, param_bytes=held.params, grad_bytes=held.grads,
+                        optimizer_bytes=held.optimizer, comm_bytes={"dp": int(sent)},
+                        collectives=coll)
+
+
+def _size_of(plan: Plan, group: str) -> int:
+    return {"dp": plan.mesh.dp, "edp": plan.mesh.dp // plan.mesh.ep, "tp": plan.mesh.tp,
+            "ep": plan.mesh.ep, "ep_tp": plan.mesh.ep * plan.mesh.tp}[group]
+
+
+def _sent(op: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends through a ring for a collective it hands `nbytes`."""
+    if n <= 1:
+        return 0.0
+    return {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "allgather": n - 1, "alltoall": (n - 1) / n}[op] * nbytes
+
+
+def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[Traffic],
+                       mine: list[StageSpec], stages: list[StageSpec],
+                       layout: RankShards) -> dict[tuple[str, str], int]:
+    """TP and EP collectives of a rank's stages (`mine`) per step (see the module docstring)."""
+    m, tp, ep = plan.microbatches, plan.mesh.tp, plan.mesh.ep
+    sp = plan.tensor.sequence_parallel and tp > 1
+    float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
+    idx = {st.index for st in mine}
+    out: dict[tuple[str, str], int] = {}
+
+    def add(key, nbytes):
+        out[key] = out.get(key, 0) + int(nbytes)
+
+    if tp > 1:
+        per_mb = _tp_microbatch(plan, tp_traffic, idx, float_scale)
+        if sp:
+            for op, nbytes in _sequence_boundaries(plan, mine, stages, float_scale).items():
+                per_mb[op] = per_mb.get(op, 0) + nbytes
+            # Replicated parameters (and experts) saw only this rank's positions: their
+            # gradients are summed over tp once per step.
+            partial = sum(layout.numel[k] for s in layout.shards if s.kind != TENSOR_PARALLEL
+                          for k in s.keys)
+            add(("tp", "allreduce"), partial * state_bytes(plan).grad)
+        for op, nbytes in per_mb.items():
+            add(("tp", op), m * nbytes)
+    ex = plan.experts
+    if ex is None or not experts_dispatched(plan):
+        return out
+    stats = 4 * (ex.num_experts + 1)  # routing statistics: one float per expert + a count
+    for t in (t for t in moe_traffic if t.stage in idx):
+        if ep > 1:  # counts, then rows out and back, forward and backward
+            tokens = t.nbytes * float_scale // (tp if sp else 1)  # sp: each routes its shard
+            add(("ep", "alltoall"), m * (8 * ex.num_experts + 4 * ex.top_k * tokens))
+        if not sp:  # probability/z sums with their backward, and the routed counts
+            if ep > 1:
+                add(("ep", "allreduce"), m * 3 * stats)
+            continue
+        # sequence parallel: statistics over the EP group x its TP peers ("ep_tp"; the TP
+        # group itself when ep = 1); the backward of the sums over the EP group only.
+        add(("ep_tp" if ep > 1 else "tp", "allreduce"), m * 2 * stats)
+        if ep > 1:
+            add(("ep", "allreduce"), m * stats)
+    return out
+
+
+def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int]]:
+    """(collective, bytes each rank hands in) for one traffic role (traffic.py), as
+    backends/tensor_parallel.py issues them, forward and backward."""
+    if role == "output":  # row-parallel / vocab embedding
+        return [("reduce_scatter", nbytes), ("allgather", nbytes // tp)] if sp \
+            else [("allreduce", nbytes)]
+    if role == "input":  # column-parallel entry
+        return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
+            else [("allreduce", nbytes)]
+    if role == "loss":
+        return [("allreduce", nbytes)]
+    if role == "logits":
+        return [("allgather", nbytes // tp)]
+    return []
+
+
+def _tp_microbatch(plan: Plan, traffic: list[Traffic], idx: set[int],
+                   float_scale: float) -> dict[str, int]:
+    """TP collectives of the layers of stages `idx`, per microbatch: op -> bytes handed in."""
+    tp, sp = plan.mesh.tp, plan.tensor.sequence_parallel
+    out: dict[str, int] = {}
+    for t in traffic:
+        if t.stage in idx:
+            for op, nbytes in _role_collectives(t.role, int(t.nbytes * float_scale), tp, sp):
+                out[op] = out.get(op, 0) + nbytes
+    return out
+
+
+def _sequence_boundaries(plan: Plan, mine: list[StageSpec], stages: list[StageSpec],
+                         float_scale: float) -> dict[str, int]:
+    """Sequence parallel at a stage's edges, per microbatch: floating inputs are split on
+    entry (their grads all-gathered in backward), floating outputs that are sequence
+    shards ([..., seq, d]) all-gathered on exit, so stages exchange full tensors."""
+    tp, seq = plan.mesh.tp, plan.data.seq_len
+    gathered = 0
+    for st in mine:
+        for ref in st.inputs:
+            if ref.source == BATCH:
+                continue
+            spec = next(o for o in stages[ref.source].outputs if o.name == ref.name)
+            if spec.requires_grad and _is_activation(spec):
+                gathered += int(_bytes(spec) * float_scale) // tp
+        for spec in st.outputs:
+            if _is_activation(spec) and spec.shape[-2] == seq:
+                gathered += int(_bytes(spec) * float_scale) // tp
+    return {"allgather": gathered} if gathered else {}
+
+
+def _is_activation(spec) -> bool:
+    return "float" in spec.dtype and len(spec.shape) >= 2
 
 
 def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
@@ -208,16 +379,11 @@ def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float) -
     return sent * m
 
 
-def _ring(nbytes: float, n: int, passes: int) -> float:
-    """Bytes one rank sends in a ring all-reduce (passes=2) or ZeRO-3's extra gather (3)."""
-    return 0.0 if n <= 1 else passes * (n - 1) / n * nbytes
-
-
 def _tp_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
               float_scale: float) -> float:
-    idx = {st.index for st in stages}
-    total = sum(t.nbytes for t in traffic if t.stage in idx)
-    return _ring(total * float_scale, plan.mesh.tp, 2)
+    """Bytes a rank sends through the TP collectives of `stages`' layers, per microbatch."""
+    per_mb = _tp_microbatch(plan, traffic, {st.index for st in stages}, float_scale)
+    return sum(_sent(op, nbytes, plan.mesh.tp) for op, nbytes in per_mb.items())
 
 
 def _ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
@@ -228,16 +394,20 @@ def _ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
         return 0.0
     idx = {st.index for st in stages}
     tokens = sum(t.nbytes for t in traffic if t.stage in idx)
+    if plan.tensor.sequence_parallel and plan.mesh.tp > 1:
+        tokens /= plan.mesh.tp  # each TP rank routes its sequence shard
     return 4 * ex.top_k * tokens * float_scale * (ep - 1) / ep
 
 
-def _tied_bytes(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int, gb: int) -> float:
-    total = 0.0
+def _tied_grads(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int,
+                layout: RankShards, gb: int) -> list[tuple[int, int]]:
+    """(bytes, holding ranks) of each tied gradient this rank all-reduces with the other
+    pipeline ranks holding it (its local size: a vocab-parallel weight's TP slice)."""
+    out = []
     for t in tied:
-        holders = {stages[s].rank for s in t.stages}
-        if rank in holders and len(holders) > 1:
-            st = stages[t.stages[[stages[s].rank for s in t.stages].index(rank)]]
-            name = t.names[[stages[s].rank for s in t.stages].index(rank)]
-            p = st.module.get_parameter(name)
-            total += _ring(p.numel() * gb, len(holders), 2)
-    return total
+        ranks = [stages[s].rank for s in t.stages]
+        if rank in ranks and len(set(ranks)) > 1:
+            i = ranks.index(rank)
+            p = stages[t.stages[i]].module.get_parameter(t.names[i])
+            out.append((layout.numel[id(p)] * gb, len(set(ranks))))
+    return out

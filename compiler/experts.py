@@ -34,6 +34,15 @@ def moe_modules(plan: Plan, model: torch.nn.Module) -> list[str]:
     return [n for n in names if n in found]
 
 
+def experts_dispatched(plan: Plan) -> bool:
+    """Whether the runtime replaces the MoE layers by its dispatching layer (its expert
+    weights then form their own ZeRO shard): with ep > 1, token dropping, or sequence
+    parallel. Otherwise the reference layer runs as traced."""
+    ex = plan.experts
+    return ex is not None and (plan.mesh.ep > 1 or not ex.dropless
+                               or (plan.tensor.sequence_parallel and plan.mesh.tp > 1))
+
+
 def expert_weights(module: torch.nn.Module, num_experts: int) -> list[str]:
     """Names (relative to the MoE module) of the expert weights EP shards: weights stacked by
     expert on dim 0 ([E, d, h]), or everything under a ModuleList of E experts. The router's

@@ -1,9 +1,24 @@
 """What the tensor- and expert-parallel collectives carry, read off the traced graph.
 
-A TP layer's collective moves one activation-sized tensor per microbatch (its
-output for row-parallel layers and vocab-parallel embeddings, in forward; its
-input grad for column-parallel layers and a vocab-parallel head, in backward).
-A MoE layer's all-to-all moves its input tokens (top_k copies, see estimates).
+Each `Traffic` is one tensor a module's collective moves per microbatch, by
+its role (estimates.py turns roles into the collectives backends/
+tensor_parallel.py issues, with or without sequence parallel):
+
+* "output": a row-parallel layer's or vocab-parallel embedding's output
+  (all-reduced in forward; under sequence parallel reduce-scattered, and its
+  grad all-gathered in backward);
+* "input": what a column-parallel layer (or vocab-parallel LM head) reads, one
+  per distinct input (q, k and v share one, as Megatron's fused QKV): its grad
+  all-reduced in backward (under sequence parallel: all-gathered in forward,
+  its grad reduce-scattered);
+* "loss": a vocab-parallel head feeding `cross_entropy(head(x).flatten(0, -2),
+  t)` directly: the vocab-parallel cross-entropy all-reduces 3 floats per token;
+* "logits": otherwise the head all-gathers its logits (nbytes: all of them);
+* "tokens": a MoE layer's input, which its all-to-alls move (top_k copies).
+
+A module inside a leaf call (attention kept whole so the runtime can split its
+heads) is taken to read the leaf's input and, if row-parallel, to produce its
+output (attention's layout).
 """
 from __future__ import annotations
 
@@ -19,13 +34,17 @@ from .compiled import ExpertPlacement
 from .partition import Split, compute_nodes
 
 
+ROLES = ("output", "input", "loss", "logits", "tokens")
+
+
 @dataclass(frozen=True)
 class Traffic:
-    """What one module's collective carries per microbatch, before the collective's factor."""
+    """One tensor a module's collectives move per microbatch (full size, unsplit)."""
 
     module: str
     stage: int
     nbytes: int
+    role: str = "output"  # one of ROLES
 
 
 @dataclass(frozen=True)
@@ -36,6 +55,7 @@ class ModuleCall:
     in_bytes: int
     out_bytes: int
     input_node: Optional[str] = None  # the value it reads (layers sharing it: one collective)
+    loss_rows: int = 0  # rows of the cross-entropy it feeds directly (0: none)
 
 
 def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, split: Split,
@@ -43,15 +63,14 @@ def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, sp
                        ) -> tuple[list[Traffic], list[Traffic]]:
     """(tensor-parallel traffic, MoE token traffic)."""
     calls = module_calls(graph, run, split, set(tp_kinds) | {e.module for e in experts})
-    moe = [Traffic(e.module, calls[e.module].stage, calls[e.module].in_bytes)
+    moe = [Traffic(e.module, calls[e.module].stage, calls[e.module].in_bytes, "tokens")
            for e in experts if e.module in calls]
     return tensor_parallel_traffic(model, tp_kinds, calls), moe
 
 
 def tensor_parallel_traffic(model: torch.nn.Module, kinds: dict[str, str],
                             calls: dict[str, ModuleCall]) -> list[Traffic]:
-    """One all-reduce per row-parallel output, and one per distinct input of column-parallel
-    layers (q, k and v read the same input: Megatron fuses them into one collective)."""
+    """The tensors TP collectives move (see the module docstring), per microbatch."""
     out, seen_inputs = [], set()
     for name, kind in kinds.items():
         call = calls.get(name)
@@ -59,9 +78,15 @@ def tensor_parallel_traffic(model: torch.nn.Module, kinds: dict[str, str],
             continue
         if _all_reduces_output(model, name, kind):
             out.append(Traffic(name, call.stage, call.out_bytes))
-        elif call.input_node not in seen_inputs:
+            continue
+        if call.input_node not in seen_inputs:
             seen_inputs.add(call.input_node)
-            out.append(Traffic(name, call.stage, call.in_bytes))
+            out.append(Traffic(name, call.stage, call.in_bytes, "input"))
+        if kind == "vocab":  # the LM head's logits: a split loss, or gathered
+            if call.loss_rows:
+                out.append(Traffic(name, call.stage, 3 * 4 * call.loss_rows, "loss"))
+            else:
+                out.append(Traffic(name, call.stage, call.out_bytes, "logits"))
     return out
 
 
@@ -71,21 +96,46 @@ def module_calls(graph: fx.Graph, run: MetaRun, split: Split, names: set[str]
     (from outside the module) and its last node's output bytes."""
     first: dict[str, tuple[int, fx.Node]] = {}
     last: dict[str, fx.Node] = {}
+    below: dict[str, list[str]] = {}  # module -> the named modules inside it
+    for name in names:
+        parent = name.rpartition(".")[0]
+        while parent:
+            below.setdefault(parent, []).append(name)
+            parent = parent.rpartition(".")[0]
     for i, node in enumerate(compute_nodes(graph)):
         path = module_path(node)
+        inside = list(below.get(path, ())) if node.op == "call_module" else []  # a leaf call
         while path:
             if path in names:
-                first.setdefault(path, (i, node))
-                last[path] = node
+                inside.append(path)
             path = path.rpartition(".")[0]
+        for name in inside:
+            first.setdefault(name, (i, node))
+            last[name] = node
     out = {}
     for name, (i, node) in first.items():
+        leaf = node.op == "call_module" and within(name, node.target)  # a leaf holding it
+        scope = node.target if leaf else name
         inputs = [a for a in node.all_input_nodes if a.op != "get_attr" and run.is_tensor(a)
-                  and not within(module_path(a), name)]
+                  and not within(module_path(a), scope)]
+        end = last[name]
         out[name] = ModuleCall(split.stage_of(i), _nbytes(run.value(inputs[0])) if inputs else 0,
-                               _nbytes(run.value(last[name])) if run.is_tensor(last[name]) else 0,
-                               inputs[0].name if inputs else None)
+                               _nbytes(run.value(end)) if run.is_tensor(end) else 0,
+                               inputs[0].name if inputs else None,
+                               _loss_rows(end, run) if end.op == "call_module" else 0)
     return out
+
+
+def _loss_rows(node: fx.Node, run: MetaRun) -> int:
+    """Rows of `F.cross_entropy(node.flatten(0, -2), t)` if that is node's only use."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_method" or users[0].target != "flatten" \
+            or tuple(users[0].args) != (node, 0, -2):
+        return 0
+    losses = list(users[0].users)
+    if len(losses) != 1 or losses[0].target is not torch.nn.functional.cross_entropy:
+        return 0
+    return run.value(users[0]).shape[0]
 
 
 def _all_reduces_output(model: torch.nn.Module, name: str, kind: str) -> bool:

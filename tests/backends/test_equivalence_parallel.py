@@ -2,8 +2,11 @@
 
 The rewrites themselves are issue 6's (backends/parallelize.py); this checks
 that the runtime wires them in so a whole pipelined run still equals
-single-process training (3 steps, fp32, SGD with momentum; see
-test_equivalence.py on why not AdamW).
+single-process training (3 steps, fp32, SGD with momentum, gradient clipping
+at 0.5; see test_equivalence.py on why not AdamW): including sequence
+parallel with MoE layers (tp2-sp-moe), ZeRO-3 with the prefetch window,
+clipping with ZeRO and TP together (zero1-tp2), and activation recompute
+inside rewritten stages (TP/SP/MoE selective, ZeRO-3 and EP full).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from pipeplan.backends.reference import train_reference
 from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, TensorSpec
+from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, RecomputeRule, TensorSpec
 
 from .test_equivalence import STEPS, make_plan  # noqa: E402
 
@@ -29,6 +32,18 @@ EXPERTS = ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2, aux_los
 
 
 def parallel_plan(name: str):
+    if name == "tp2-sp-moe":  # MoE layers route their sequence shard; aux over the tp group
+        plan = make_plan("moe", "1f1b", 2, 1)
+        tensor = TensorSpec(column=TENSOR.column[:3], row=TENSOR.row[:1], vocab=TENSOR.vocab,
+                            sequence_parallel=True)
+        return dataclasses.replace(
+            plan, mesh=MeshSpec(pp=2, tp=2), tensor=tensor, experts=EXPERTS,
+            model=dataclasses.replace(plan.model, leaf_modules=("layers.*.attn", "layers.*.moe")))
+    if name == "zero1-tp2":  # clipping with ZeRO and TP: the shards' own global norm
+        plan = make_plan("gpt", "1f1b", 1, 2)
+        return dataclasses.replace(
+            plan, mesh=MeshSpec(pp=1, dp=2, tp=2), tensor=TENSOR, zero=1,
+            model=dataclasses.replace(plan.model, leaf_modules=("layers.*.attn",)))
     if name.startswith("tp2"):
         plan = make_plan("gpt", "1f1b", 2, 1)
         tensor = dataclasses.replace(TENSOR, sequence_parallel=name.endswith("-sp"))
@@ -46,13 +61,21 @@ def parallel_plan(name: str):
         model=dataclasses.replace(plan.model, leaf_modules=("layers.*.moe",)))
 
 
-CONFIGS = ("tp2", "tp2-sp", "zero1", "zero2", "zero3", "zero3-zbv", "ep2-1f1b", "ep2-zbv")
+CONFIGS = ("tp2", "tp2-sp", "tp2-sp-moe", "zero1", "zero2", "zero3", "zero3-zbv", "zero1-tp2",
+           "ep2-1f1b", "ep2-zbv")
+# activation recompute inside the rewritten stages (collectives rerun in backward)
+RECOMPUTE = {"tp2-sp-moe": "selective", "zero3-zbv": "full", "ep2-zbv": "full"}
 
 
-def _worker(rank, world):
+def recompute_plan(name: str):
+    return dataclasses.replace(parallel_plan(name),
+                               recompute=(RecomputeRule("layers.*", RECOMPUTE[name]),))
+
+
+def _worker(rank, world, configs=CONFIGS, make=parallel_plan):
     out = []
-    for name in CONFIGS:
-        plan = parallel_plan(name)
+    for name in configs:
+        plan = make(name)
         trainer = PipelineTrainer(plan, compile_plan(plan, build_model(plan)),
                                   build_topology(plan.mesh))
         losses = [trainer.step(t).loss for t in range(STEPS)]
@@ -62,11 +85,13 @@ def _worker(rank, world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_stage_parallelism_inside_the_pipeline(spawn):
-    results = spawn(_worker, 4, timeout=400)
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_stage_parallelism_inside_the_pipeline(spawn, recompute):
+    configs, make = (tuple(RECOMPUTE), recompute_plan) if recompute else (CONFIGS, parallel_plan)
+    results = spawn(_worker, 4, configs, make, timeout=400)
     failures = []
-    for k, name in enumerate(CONFIGS):
-        plan = parallel_plan(name)
+    for k, name in enumerate(configs):
+        plan = make(name)
         ref = train_reference(plan, STEPS)
         got = compare(ref.losses, ref.params, [r[k][0] for r in results],
                       [r[k][1] for r in results], rtol=1e-5, atol=1e-6)

@@ -21,12 +21,16 @@ def _compile(make_plan, *, zero=0, precision="fp32", schedule="1f1b", optimizer=
     return compile_plan(plan)
 
 
+# AdamW's float32 step counter: one per tensor it steps: the 4 parameters of a stage at
+# ZeRO-0 (the plain optimizer), the stage's one flat shard at ZeRO 1-3.
 @pytest.mark.parametrize("zero,precision,params,grads,optim", [
-    (0, "fp32", 4 * PARAMS_PER_STAGE, 4 * PARAMS_PER_STAGE, 8 * PARAMS_PER_STAGE),
-    (1, "fp32", 4 * PARAMS_PER_STAGE, 4 * PARAMS_PER_STAGE, 8 * PARAMS_PER_STAGE // 2),
-    (2, "fp32", 4 * PARAMS_PER_STAGE, 4 * PARAMS_PER_STAGE // 2, 8 * PARAMS_PER_STAGE // 2),
-    (3, "fp32", 4 * PARAMS_PER_STAGE // 2, 4 * PARAMS_PER_STAGE // 2, 8 * PARAMS_PER_STAGE // 2),
-    (1, "bf16", 2 * PARAMS_PER_STAGE, 2 * PARAMS_PER_STAGE, 12 * PARAMS_PER_STAGE // 2),
+    (0, "fp32", 4 * PARAMS_PER_STAGE, 4 * PARAMS_PER_STAGE, 8 * PARAMS_PER_STAGE + 4 * 4),
+    (1, "fp32", 4 * PARAMS_PER_STAGE, 4 * PARAMS_PER_STAGE, 8 * PARAMS_PER_STAGE // 2 + 4),
+    (2, "fp32", 4 * PARAMS_PER_STAGE, 4 * PARAMS_PER_STAGE // 2, 8 * PARAMS_PER_STAGE // 2 + 4),
+    (3, "fp32", 4 * PARAMS_PER_STAGE // 2, 4 * PARAMS_PER_STAGE // 2,
+     8 * PARAMS_PER_STAGE // 2 + 4),
+    # bf16 is autocast over fp32 master weights: the states stay fp32
+    (1, "bf16", 4 * PARAMS_PER_STAGE, 4 * PARAMS_PER_STAGE, 8 * PARAMS_PER_STAGE // 2 + 4),
 ])
 def test_memory_by_zero_stage(make_plan, zero, precision, params, grads, optim):
     est = _compile(make_plan, zero=zero, precision=precision).estimates
@@ -109,3 +113,28 @@ def test_expert_parallel_traffic_and_shards(make_plan):
     expert_weights = layers * 2 * e * d * (2 * d) * 4  # w_up and w_down, fp32
     assert one.estimates.ranks[0].param_bytes - two.estimates.ranks[0].param_bytes == \
         expert_weights // ep
+
+
+def test_zero_layout_groups_a_ranks_parameters_as_the_runtime():
+    """Per stage one shard per kind; a weight two stages hold (tied, V schedule) lives in
+    the first stage's shard and both stages use it."""
+    from pipeplan.compiler.zero_layout import (
+        EXPERT, REPLICATED, TENSOR_PARALLEL, ShardGroup, group_shards)
+    shards, uses = group_shards([
+        (3, [("emb", TENSOR_PARALLEL), ("head_norm", REPLICATED)]),
+        (0, [("emb", TENSOR_PARALLEL), ("w_up", EXPERT), ("ln", REPLICATED)]),
+    ])
+    assert shards == [ShardGroup(0, REPLICATED, ("ln",)), ShardGroup(0, TENSOR_PARALLEL, ("emb",)),
+                      ShardGroup(0, EXPERT, ("w_up",)), ShardGroup(3, REPLICATED, ("head_norm",))]
+    assert uses == {0: [1, 2, 0], 3: [1, 3]}
+
+
+def test_shard_memory_pads_to_the_group_and_counts_step_counters():
+    from pipeplan.compiler.zero_layout import MemoryBytes, StateBytes, shard_memory
+    # 10 elements over 4 ranks: padded to 12, 3 per rank
+    assert shard_memory(10, 4, 1) == MemoryBytes(48, 48, 8 * 3 + 4)
+    assert shard_memory(10, 4, 3) == MemoryBytes(12, 12, 8 * 3 + 4)
+    # ZeRO-0 with a plain optimizer: no padding, a step counter per parameter tensor
+    assert shard_memory(10, 4, 0, tensors=3) == MemoryBytes(40, 40, 80 + 12)
+    assert shard_memory(10, 4, 2, StateBytes.of("sgd", momentum=True)) == MemoryBytes(48, 12, 12)
+    assert StateBytes.of("adamw") == StateBytes(4, 4, 8, 4)

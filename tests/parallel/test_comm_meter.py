@@ -53,7 +53,7 @@ def _ep_worker(rank, world):
     # Per rank: counts (int64 per expert) once; rows out and back forward, and both
     # transposes backward. Only the group total of rows received is fixed by the
     # routing, so the all-to-all bytes are checked summed over the group.
-    a2a = torch.tensor(meter.bytes[("ep", "alltoall_base")])
+    a2a = torch.tensor(meter.bytes[("ep", "alltoall")])
     dist.all_reduce(a2a)
     assert int(a2a) == world * (experts * 8 + 4 * rows)
     # aux: the probability/z sums (with their backward) and the routed counts.
