@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
+from ..dsl.layout import groups, mesh_layout
 from ..compiler.experts import experts_dispatched
 from ..compiler.patterns import matches_any
 from ..compiler.zero_layout import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
@@ -178,17 +179,12 @@ def _global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int) -> int:
 
 
 def expert_group_ranks(mesh: MeshSpec) -> tuple[list[list[int]], list[list[int]]]:
-    """(EP groups, expert-DP groups) as global rank lists, for the whole world."""
-    ep_groups, edp_groups = [], []
-    for pp in range(mesh.pp):
-        for tp in range(mesh.tp):
-            for block in range(mesh.dp // mesh.ep):
-                ep_groups.append([_global_rank(mesh, pp, block * mesh.ep + e, tp)
-                                  for e in range(mesh.ep)])
-            for e in range(mesh.ep):
-                edp_groups.append([_global_rank(mesh, pp, d, tp)
-                                   for d in range(e, mesh.dp, mesh.ep)])
-    return ep_groups, edp_groups
+    """(EP groups, expert-DP groups) as global rank lists, for the whole world.
+
+    Taken from the plan's mesh layout (`pipeplan check` prints the same groups).
+    """
+    layout = mesh_layout(mesh)
+    return ([list(g) for g in groups(layout, "ep")], [list(g) for g in groups(layout, "edp")])
 
 
 def expert_stats_ranks(mesh: MeshSpec) -> list[list[int]]:

@@ -3,12 +3,14 @@
 The plan's `recompute` rules name modules (`layers.* = full`). A traced stage
 graph keeps each node's module path, so the nodes traced inside one matched
 module form a *region*, run as one unit by `StageProgram` (the stage graph
-executed node by node, an `fx.Interpreter` in spirit). Inside a region a node
-is *dropped* or *kept*:
+executed node by node, an `fx.Interpreter` in spirit, installed as the
+module's forward so its hooks, e.g. sequence parallel's, still run). Inside
+a region a node is *dropped* or *kept*:
 
 * `full`: every node is dropped; the region keeps only its inputs.
 * `selective`: nodes that do no matmul work (norms, activations, adds,
-  views; measured with torch's FlopCounterMode on their first run) and the
+  views; FLOPs counted by torch's FlopCounterMode in one dry run of the region
+  at its first call) and the
   attention core (SDPA) are dropped; matmul nodes (Linear, bmm...) keep what
   they save, and their outputs stay as recompute inputs where needed.
 
@@ -29,7 +31,6 @@ parameters excluded: the compiler's rule), to compare with the estimate.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -142,11 +143,16 @@ class StageProgram:
         self.regions = {r.nodes[0]: r for r in find_regions(module.graph, rules)}
         self._flops: dict[fx.Node, float] = {}  # selective: measured once per node
         nodes = list(module.graph.nodes)
-        self._last_use: dict[fx.Node, fx.Node] = {}
+        self._position = {n: i for i, n in enumerate(nodes)}
+        last_use = {n: n for n in nodes}
         for n in nodes:
             for a in n.all_input_nodes:
-                self._last_use[a] = n
-        self._position = {n: i for i, n in enumerate(nodes)}
+                last_use[a] = n
+        # position -> the values whose last user is that node (freed after it, as
+        # fx.Interpreter does)
+        self._dies_at: list[list[fx.Node]] = [[] for _ in nodes]
+        for n, user in last_use.items():
+            self._dies_at[self._position[user]].append(n)
         self.meter: Optional[SavedBytes] = None
 
     def __call__(self, *args):
@@ -166,14 +172,11 @@ class StageProgram:
             else:
                 env[node] = self.run_node(node, env)
                 last = node
-            self._free(env, self._position[last])
+            for p in range(self._position[node], self._position[last] + 1):
+                for n in self._dies_at[p]:
+                    env.pop(n, None)
             node = last.next
         raise RuntimeError("stage graph has no output node")
-
-    def _free(self, env: dict, position: int) -> None:
-        """Drop values whose last user has run (as fx.Interpreter does)."""
-        for n in [n for n in env if self._position[self._last_use.get(n, n)] <= position]:
-            del env[n]
 
     def run_node(self, node: fx.Node, env: dict) -> Any:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)

@@ -72,7 +72,7 @@ class DataSpec:
 # ---------------------------------------------------------------------- mesh
 @dataclass(frozen=True)
 class MeshSpec:
-    """Named device-mesh axes; pp outermost, tp innermost. ep re-divides dp*tp."""
+    """Named device-mesh axes; pp outermost, tp innermost. ep re-divides dp (adds no ranks)."""
 
     pp: int = 1
     dp: int = 1

@@ -1,10 +1,12 @@
 """Which global rank holds which mesh coordinates, known before any tracing.
 
 Order (torchtitan/Megatron convention): pp outermost, then dp, tp innermost:
-rank = (pp_i * dp + dp_i) * tp + tp_i. Expert parallelism re-divides the
-dp*tp ranks of one pipeline stage: the j-th of them (j = dp_i * tp + tp_i) is
-ep rank j % ep, and j // ep numbers the expert-data-parallel replica that holds
-the same experts. ep adds no ranks.
+rank = (pp_i * dp + dp_i) * tp + tp_i. Expert parallelism re-divides the dp
+ranks of one pipeline stage and tp coordinate (ep must divide dp; EP across
+tensor-parallel ranks is not supported yet): dp rank dp_i is ep rank
+dp_i % ep, and dp_i // ep numbers the expert-data-parallel replica that holds
+the same experts. ep adds no ranks. The runtime builds its EP groups from
+this layout.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class GroupSizes:
     dp: int
     tp: int
     ep: int
-    edp: int  # dp*tp // ep
+    edp: int  # dp // ep
 
 
 def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
@@ -37,22 +39,24 @@ def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
     for rank in range(mesh.world_size):
         pp_i, rest = divmod(rank, mesh.dp * mesh.tp)
         dp_i, tp_i = divmod(rest, mesh.tp)
-        edp_i, ep_i = divmod(rest, mesh.ep)
+        edp_i, ep_i = divmod(dp_i, mesh.ep)
         out.append(RankCoords(rank, pp_i, dp_i, tp_i, ep_i, edp_i))
     return tuple(out)
 
 
 def group_sizes(mesh: MeshSpec) -> GroupSizes:
-    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, mesh.dp * mesh.tp // mesh.ep)
+    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, mesh.dp // mesh.ep)
 
 
 def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
     """The rank groups along `axis`: ranks that differ only in that coordinate.
 
-    For ep and edp, groups live inside one pipeline stage (they re-divide dp*tp).
+    For ep and edp, groups live inside one pipeline stage and tp coordinate
+    (they re-divide dp). Ranks in a group are in increasing order, so a
+    group's i-th rank is its ep (or edp) rank i.
     """
     others = {"pp": ("dp", "tp"), "dp": ("pp", "tp"), "tp": ("pp", "dp"),
-              "ep": ("pp", "edp"), "edp": ("pp", "ep")}[axis]
+              "ep": ("pp", "tp", "edp"), "edp": ("pp", "tp", "ep")}[axis]
     found: dict[tuple[int, ...], list[int]] = {}
     for c in layout:
         found.setdefault(tuple(getattr(c, o) for o in others), []).append(c.rank)
@@ -64,7 +68,7 @@ def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
     layout = mesh_layout(mesh)
     sizes = group_sizes(mesh)
     lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} ep={mesh.ep} "
-             f"-> world size {mesh.world_size} (ep re-divides dp*tp)",
+             f"-> world size {mesh.world_size} (ep re-divides dp)",
              "  rank  pp  dp  tp  ep  edp"]
     for c in layout[:max_rows]:
         lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.tp:>2}  {c.ep:>2}  {c.edp:>3}")

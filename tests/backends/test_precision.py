@@ -74,7 +74,7 @@ def test_bf16_moe_example_tracks_fp32_and_equals_its_reference(spawn):
     assert all(r["bf16"][1] == {torch.float32} for r in results)  # fp32 master state
     ref = train_reference(example("bf16"), STEPS).losses
     gaps = [abs(a - b) / b for a, b in zip(bf16, ref)]
-    print(f"bf16 pipelined vs bf16 reference, relative loss gap per step: "
+    print("bf16 pipelined vs bf16 reference, relative loss gap per step: "
           + " ".join(f"{g:.1e}" for g in gaps))
     # the same computation: equal until rounding of the DP-summed gradients (a different
     # summation order than one process) reaches bf16 weights, then within bf16's 2^-8

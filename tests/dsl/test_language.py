@@ -17,7 +17,7 @@ model {
   loss = model
 }
 data = tokens("data/train.bin", seq_len = 32)
-mesh { pp = 2, dp = 2; tp = 2, ep = 4 }
+mesh { pp = 2, dp = 2; tp = 2, ep = 2 }
 pipeline {
   schedule = zbh2
   microbatch_size = 1
@@ -79,7 +79,7 @@ def test_model_section(plan):
 
 def test_data_mesh_pipeline(plan):
     assert (plan.data.kind, plan.data.path, plan.data.seq_len) == ("file", "data/train.bin", 32)
-    assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.mesh.ep) == (2, 2, 2, 4)
+    assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.mesh.ep) == (2, 2, 2, 2)
     assert plan.mesh.world_size == 8
     p = plan.pipeline
     assert (p.schedule, p.microbatch_size, p.microbatches) == ("zbh2", 1, None)

@@ -1,4 +1,4 @@
-"""The mesh layout `pipeplan check` prints: pp outermost, tp innermost, ep re-divides dp*tp."""
+"""The mesh layout `pipeplan check` prints: pp outermost, tp innermost, ep re-divides dp."""
 from __future__ import annotations
 
 from pipeplan.dsl.ast import MeshSpec
@@ -11,14 +11,18 @@ def test_ranks_are_pp_major_and_tp_minor():
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
 
 
-def test_expert_parallel_re_divides_dp_times_tp_without_adding_ranks():
-    mesh = MeshSpec(pp=2, dp=2, tp=2, ep=4)
+def test_expert_parallel_re_divides_dp_without_adding_ranks():
+    mesh = MeshSpec(pp=2, dp=4, tp=2, ep=2)
     layout = mesh_layout(mesh)
-    assert len(layout) == mesh.world_size == 8
-    assert layout[5] == RankCoords(rank=5, pp=1, dp=0, tp=1, ep=1, edp=0)
-    assert groups(layout, "ep") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert len(layout) == mesh.world_size == 16
+    # rank 13 = (pp 1, dp 2, tp 1): dp 2 is ep rank 0 of expert replica 1
+    assert layout[13] == RankCoords(rank=13, pp=1, dp=2, tp=1, ep=0, edp=1)
+    assert groups(layout, "ep") == [(0, 2), (1, 3), (4, 6), (5, 7),
+                                    (8, 10), (9, 11), (12, 14), (13, 15)]
+    assert groups(layout, "edp") == [(0, 4), (1, 5), (2, 6), (3, 7),
+                                     (8, 12), (9, 13), (10, 14), (11, 15)]
     sizes = group_sizes(mesh)
-    assert (sizes.ep, sizes.edp) == (4, 1)
+    assert (sizes.ep, sizes.edp) == (2, 2)
 
 
 def test_groups_along_each_axis():

@@ -53,7 +53,7 @@ plain = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10
 @st.composite
 def plans(draw) -> A.Plan:
     pp, dp, tp = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 2))
-    ep = draw(st.sampled_from([d for d in range(1, dp * tp + 1) if dp * tp % d == 0]))
+    ep = draw(st.sampled_from([d for d in range(1, dp + 1) if dp % d == 0]))
     schedule = draw(st.sampled_from(sorted(SCHEDULE_RULES)))
     rule = SCHEDULE_RULES[schedule]
     virtual = draw(st.integers(rule.min_virtual, rule.max_virtual or 3))
