@@ -42,6 +42,7 @@ from ..compiler.analysis import SDPA
 from ..compiler.blocks import module_path
 from ..compiler.patterns import outermost_match
 from ..dsl.ast import RecomputeRule
+from ..errors import PipeplanError
 
 
 # ------------------------------------------------------------ measurement
@@ -124,6 +125,21 @@ def find_regions(graph: fx.Graph, rules: Sequence[RecomputeRule]) -> list[Region
     return regions
 
 
+def _check_no_inplace_on_inputs(region: Region) -> None:
+    """A recompute reruns the region on its kept inputs: an op writing into one of them
+    in place would be applied twice."""
+    inside = set(region.nodes)
+    for n in region.nodes:
+        inplace = (n.op == "call_method" and n.target.endswith("_") and not n.target.endswith("__")
+                   or n.kwargs.get("inplace") is True)
+        target = n.args[0] if n.args else None
+        if inplace and isinstance(target, fx.Node) and target not in inside:
+            raise PipeplanError(
+                f"cannot recompute module {region.module}: `{n.format_node()}` modifies its "
+                f"input {target.name} in place, which a recompute would do twice; make the op "
+                "out of place or drop the recompute rule for this module")
+
+
 @dataclass
 class Phase:
     """Which backward is running: B keeps recomputed tensors for W; W and BW consume them."""
@@ -141,6 +157,8 @@ class StageProgram:
         self.autocast = autocast
         self.phase = phase
         self.regions = {r.nodes[0]: r for r in find_regions(module.graph, rules)}
+        for r in self.regions.values():
+            _check_no_inplace_on_inputs(r)
         self._flops: dict[fx.Node, float] = {}  # selective: measured once per node
         nodes = list(module.graph.nodes)
         self._position = {n: i for i, n in enumerate(nodes)}

@@ -5,6 +5,8 @@ compiled plan (see model.py for where the initial weights come from) and
 `step(t)` runs one optimizer step: the scheduled actions, the DP/tied
 gradient sync, global-norm clipping, the optimizer and LR schedule. Every
 rank of the world must construct it (tied-parameter groups are collective).
+The plan's precision (bf16 autocast, precision.py) and recompute rules
+(recompute.py) apply inside each stage runner.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class PipelineTrainer:
                         for s, m in modules.items()}
         # Keep the specs without the other ranks' modules so their weights can be freed.
         self.specs = [dataclasses.replace(s, module=None) for s in specs]
+        planned = plan_rank(schedule, self.specs, pp)
         tied = build_tied_groups(compiled.tied, self.runners, schedule.stage_to_rank, topo)
         around = None
         if plan.zero > 0:
@@ -92,8 +95,7 @@ class PipelineTrainer:
             if plan.zero == 3:  # gathered around each action, the next one's prefetched
                 from .zero import PrefetchWindow
 
-                around = PrefetchWindow(self.zero, [p.action.stage
-                                                    for p in plan_rank(schedule, self.specs, pp)])
+                around = PrefetchWindow(self.zero, [p.action.stage for p in planned])
                 for s in self.runners:
                     self.zero.release(s)
         else:
@@ -102,7 +104,7 @@ class PipelineTrainer:
             self.sync = GradSync(self.runners, self.layout, tied, order)
             self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None
         self.scheduler = build_lr_scheduler(self.optimizer, plan.train) if self.optimizer else None
-        self.executor = Executor(plan_rank(schedule, self.specs, pp), self.runners, self.specs,
+        self.executor = Executor(planned, self.runners, self.specs,
                                  plan.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0

@@ -6,7 +6,7 @@
 """
 from .compiled import CompiledPlan, StageSpec, ValueRef, ValueSpec
 from .driver import compile_plan
-from .estimates import DeviceModel
+from .estimates import DeviceModel, device_model
 from .loading import load_model
 from .loss import reference_loss
 from .report import render_summary
@@ -19,4 +19,5 @@ def estimates_summary(plan) -> str:
 
 
 __all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary",
-           "move_stage", "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel"]
+           "move_stage", "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel",
+           "device_model"]

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .estimates import DeviceModel
+from .estimates import DeviceModel, device_model
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -17,12 +17,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a plan key, e.g. --set mesh.pp=8 (repeatable)")
     d = DeviceModel()
-    c.add_argument("--tflops", type=float, default=d.flops_per_s / 1e12,
-                   help=f"sustained TFLOP/s per device for the time estimate "
-                        f"(default {d.flops_per_s / 1e12:g})")
-    c.add_argument("--link-gbps", type=float, default=d.link_bytes_per_s / 1e9,
-                   help=f"link bandwidth in GB/s (default {d.link_bytes_per_s / 1e9:g})")
+    c.add_argument("--tflops", type=_positive, default=None,
+                   help="sustained TFLOP/s per device for the time estimate; overrides the "
+                        f"plan's device flops x mfu (default {d.flops_per_s / 1e12:g})")
+    c.add_argument("--link-gbps", type=_positive, default=None,
+                   help="bandwidth between nodes in GB/s; overrides the plan's device "
+                        f"inter_node (default {d.link_bytes_per_s / 1e9:g})")
     c.set_defaults(func=run_compile)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -32,7 +43,7 @@ def run_compile(args: argparse.Namespace) -> int:
     from .report import render_summary
     started = time.perf_counter()
     plan = load_plan(args.plan, args.overrides)
-    device = DeviceModel(flops_per_s=args.tflops * 1e12, link_bytes_per_s=args.link_gbps * 1e9)
+    device = device_model(plan, tflops=args.tflops, link_gbps=args.link_gbps)
     compiled = compile_plan(plan, device=device)
     out = Path(args.out) if args.out else Path("build") / Path(args.plan).stem
     write_build(compiled, out)

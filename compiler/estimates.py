@@ -44,21 +44,24 @@ Accounting (stated in the report, so a reader can check it):
   Every rank of a pipeline rank's dp x tp x ep slice holds and sends alike
   (shards are padded evenly), so each global rank's entry is its pipeline
   rank's; only a rank's share of the all-to-all rows follows its routing.
-* Time: op times = FLOPs / (tp · flops_per_s), plus the stage's tp traffic
-  over the node-local link and its ep traffic over the network (half in F,
-  half in B); p2p messages take latency + bytes / bandwidth. The
+* Time, under a device model (`device_model`: the plan's `device` section,
+  then CLI flags): op times = FLOPs / (tp · sustained FLOP/s), plus the
+  stage's tp and ep traffic, each over its group's link (`mesh_links`: inside
+  a node or across; half in F, half in B); p2p messages take latency + bytes /
+  the slowest neighbouring-rank link. The
   schedule is generated (normalised) and simulated with those costs; step
-  time = the simulated makespan plus the DP gradient all-reduce (not
-  overlapped).
+  time = the simulated makespan plus the DP gradient all-reduce over the dp
+  group's link (not overlapped).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from typing import Iterable, Optional
 
 import torch
 
-from ..dsl.ast import Plan
+from ..dsl.ast import DeviceSpec, Plan
 from .compiled import BATCH, Estimates, RankEstimate, StageSpec, TiedParam
 from .experts import experts_dispatched
 from .traffic import Traffic
@@ -69,12 +72,79 @@ from .zero_layout import (
 
 @dataclass(frozen=True)
 class DeviceModel:
-    """What the time estimate assumes about one accelerator and its links."""
+    """What the time estimate assumes about one accelerator and its links.
 
-    flops_per_s: float = 400e12  # sustained, e.g. an H100 at ~40% of its dense bf16 peak
+    `device_model(plan)` builds it from the plan's `device` section (its defaults
+    where the plan is silent); `DeviceModel()` itself means "nothing said": the
+    estimate then uses the plan's. Any other instance (CLI flags) wins as given."""
+
+    flops_per_s: float = 400e12  # sustained: the plan's peak × mfu (1000 TFLOP/s × 0.4)
     link_bytes_per_s: float = 50e9  # between nodes (p2p, dp, ep), e.g. 400 Gb/s InfiniBand
     latency_s: float = 10e-6
     tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
+    ranks_per_node: Optional[int] = None  # None: tp inside a node, other groups across
+    origin: str = "built-in defaults"  # where the numbers came from, for the report
+
+    def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
+        """Bandwidth of a group of global ranks: inside a node when all share one
+        (ranks are numbered node by node); without ranks_per_node, `inside_by_default`."""
+        if self.ranks_per_node is None:
+            inside = inside_by_default
+        else:
+            inside = len({g // self.ranks_per_node for g in ranks}) <= 1
+        return self.tp_link_bytes_per_s if inside else self.link_bytes_per_s
+
+
+def device_model(plan: Plan, tflops: Optional[float] = None,
+                 link_gbps: Optional[float] = None) -> DeviceModel:
+    """The plan's device section (built-in defaults where it is silent), then the CLI's
+    `--tflops` (sustained) and `--link-gbps` (between nodes) where given."""
+    d, written = plan.device, [k for k in plan.spans if k.startswith("device.")]
+    origin = "built-in defaults"
+    if written or d != DeviceSpec():
+        span = plan.span_of("device")
+        origin = (f"plan device section ({span.file}:{span.line}), built-in defaults for "
+                  "keys it leaves out")
+    flags = [f for f, v in (("--tflops", tflops), ("--link-gbps", link_gbps)) if v is not None]
+    if flags:
+        origin += "; overridden by " + " ".join(flags)
+    return DeviceModel(
+        flops_per_s=tflops * 1e12 if tflops is not None else d.sustained_flops,
+        link_bytes_per_s=link_gbps * 1e9 if link_gbps is not None else d.inter_node,
+        latency_s=d.latency, tp_link_bytes_per_s=d.intra_node,
+        ranks_per_node=d.ranks_per_node, origin=origin)
+
+
+def for_plan(plan: Plan, device: DeviceModel) -> DeviceModel:
+    """`device`, or the plan's device model when `device` is the "nothing said" default."""
+    return device_model(plan) if device == DeviceModel() else device
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidth of each kind of group of a plan's mesh under a device model (bytes/s)."""
+
+    tp: float
+    dp: float  # dp and edp (edp groups lie within the dp group's ranks)
+    ep: float
+    p2p: float  # the slowest hop between neighbouring pipeline ranks
+
+
+def mesh_links(plan: Plan, device: DeviceModel) -> Links:
+    """Which groups stay inside a node, from the rank layout rank = (pp·dp + dp_i)·tp + tp_i
+    (the first group of each kind; the layout repeats it, node boundaries aside)."""
+    m = plan.mesh
+    per_pp = m.dp * m.tp
+    rank = lambda p, d, t: (p * m.dp + d) * m.tp + t  # noqa: E731
+    tp = min(device.link([rank(p, d, t) for t in range(m.tp)], True)
+             for p in range(m.pp) for d in range(m.dp))
+    dp = min(device.link([rank(p, d, t) for d in range(m.dp) for t in range(m.tp)])
+             for p in range(m.pp))
+    ep = min(device.link([rank(p, e * m.ep + j, t) for j in range(m.ep)])
+             for p in range(m.pp) for e in range(m.dp // m.ep) for t in range(m.tp))
+    p2p = min((device.link([g, g + per_pp]) for g in range((m.pp - 1) * per_pp)),
+              default=device.link_bytes_per_s)
+    return Links(tp=tp, dp=dp, ep=ep, p2p=p2p)
 
 
 def state_bytes(plan: Plan) -> StateBytes:
@@ -129,7 +199,8 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
              moe_traffic: list[Traffic], device: DeviceModel = DeviceModel()) -> Estimates:
     """Estimates for every global rank (pp outermost, tp innermost; a pipeline rank's dp × tp
     ranks hold the same shares, so they get equal numbers). `costs` (from step_costs, in
-    seconds) time the schedule."""
+    seconds) time the schedule; `device` as `for_plan` resolves it."""
+    device = for_plan(plan, device)
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     act_div = mesh.tp if plan.tensor.sequence_parallel else 1
@@ -163,7 +234,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
              for g in range(mesh.pp * per_replica)]
     from ..schedules.simulate import simulate
     sim = simulate(schedule, costs)
-    dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / device.link_bytes_per_s
+    dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / mesh_links(plan, device).dp
     return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
                      device_model=asdict(device), simulation=sim)
 
@@ -333,16 +404,18 @@ def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
     """Per-stage (F, B, W) op times in seconds and the p2p message time: a schedules.Costs.
     The schedule is generated (normalised) and simulated with these same costs."""
     from ..schedules.costs import Costs
+    device = for_plan(plan, device)
+    links = mesh_links(plan, device)
     tp = plan.mesh.tp
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     table = []
     for st in stages:
-        coll = (_tp_bytes(plan, tp_traffic, [st], float_scale) / device.tp_link_bytes_per_s
-                + _ep_bytes(plan, moe_traffic, [st], float_scale) / device.link_bytes_per_s) / 2
+        coll = (_tp_bytes(plan, tp_traffic, [st], float_scale) / links.tp
+                + _ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep) / 2
         f = st.flops / tp / device.flops_per_s
         table.append((f + coll, f + st.recompute_flops / tp / device.flops_per_s + coll, f))
     msg = [sum(_bytes(o) for o in st.outputs) * float_scale for st in stages[:-1]]
-    latency = device.latency_s + (max(msg, default=0.0) / device.link_bytes_per_s)
+    latency = device.latency_s + (max(msg, default=0.0) / links.p2p)
     return Costs(per_stage=tuple(table), latency=latency)
 
 

@@ -8,7 +8,8 @@ GiB, MiB = 1024 ** 3, 1024 ** 2
 
 def render_report(compiled: CompiledPlan) -> str:
     parts = [_header(compiled), _split(compiled), _tied(compiled), _experts(compiled),
-             _tensor(compiled), _estimates(compiled), _timeline(compiled)]
+             _tensor(compiled), _estimates(compiled), _collectives(compiled),
+             _timeline(compiled)]
     return "\n".join(p for p in parts if p) + "\n"
 
 
@@ -98,17 +99,61 @@ def _estimates(c: CompiledPlan) -> str:
             + f" | {x.flops / 1e12:.4g} | "
             + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied"))
             + " |")
-    d = e.device_model
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
              f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
              "all-reduce, not overlapped)",
-             f"- device model: {d['flops_per_s'] / 1e12:g} TFLOP/s sustained per device, "
-             f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes (p2p, dp, ep), "
-             f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node (tp), "
-             f"{d['latency_s'] * 1e6:g} µs latency",
+             f"- device model: {device_text(e.device_model)}",
              "- accounting: see docs/compiler.md (bytes per element by precision and ZeRO stage; "
              "activations held from F to W/BW under this schedule)", ""]
     return "\n".join(rows)
+
+
+def device_text(d: dict) -> str:
+    """The device model the estimate assumed, and where it came from."""
+    nodes = ("tp groups inside a node, p2p/dp/ep between nodes"
+             if d.get("ranks_per_node") is None else
+             f"{d['ranks_per_node']} ranks per node; a group inside one node uses its link")
+    return (f"{d['flops_per_s'] / 1e12:g} TFLOP/s sustained per device, "
+            f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node, "
+            f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes ({nodes}), "
+            f"{d['latency_s'] * 1e6:g} µs latency — from {d.get('origin', 'built-in defaults')}")
+
+
+_GROUPS = {"dp": "data parallel", "edp": "expert data parallel", "tp": "tensor parallel",
+           "ep": "expert parallel", "ep_tp": "expert × tensor parallel",
+           "tied": "tied parameters' holders"}
+
+
+def _collectives(c: CompiledPlan) -> str:
+    """Bytes each rank hands to each collective per step, one column per pipeline rank."""
+    e = c.estimates
+    if e is None:
+        return ""
+    m = c.plan.mesh
+    per_pp = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    keys = sorted({k for x in per_pp for k in x.collectives})
+    rows = ["## Collectives per step (bytes each rank hands in)", ""]
+    if not keys:
+        return "\n".join(rows + ["No collectives: every group has one rank.", ""])
+    rows += ["Counted as the runtime's CommMeter counts them at the call sites; through a "
+             "ring a rank sends 2(n−1)/n of an all-reduce, (n−1)/n of a reduce-scatter or "
+             "all-to-all, n−1 times its all-gather shard.", "",
+             "| group | collective | " + " | ".join(f"pp rank {r}" for r in range(m.pp)) + " |",
+             "|---|---|" + "---|" * m.pp]
+    for group, op in keys:
+        cells = " | ".join(human_bytes(x.collectives.get((group, op), 0)) for x in per_pp)
+        rows.append(f"| {group} ({_GROUPS.get(group, group)}) | {op} | {cells} |")
+    return "\n".join(rows + [""])
+
+
+def human_bytes(n: float) -> str:
+    """`0`, `512 B`, `1.50 KiB`, `3.20 MiB`, `1.25 GiB`: each cell in its own unit."""
+    if n == 0:
+        return "0"
+    for unit, size in (("TiB", 1024 ** 4), ("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def _total(x) -> int:
@@ -149,5 +194,6 @@ def render_summary(compiled: CompiledPlan) -> str:
         lines.append(f"{r:>7} " + " ".join(f"{v / size:>7.2f}" for v in parts)
                      + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
-                 f"{e.step_time_s:.4g} s at {e.device_model['flops_per_s'] / 1e12:g} TFLOP/s")
+                 f"{e.step_time_s:.4g} s")
+    lines.append(f"device model: {device_text(e.device_model)}")
     return "\n".join(lines) + "\n"

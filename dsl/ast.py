@@ -188,6 +188,29 @@ class TrainSpec:
     log_dir: Optional[str] = None
 
 
+# -------------------------------------------------------------------- device
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The device model the compiler's time estimate assumes (per accelerator and links).
+
+    The defaults are an H100-class node: ~1000 TFLOP/s dense bf16 peak at 40%
+    model-FLOPs utilisation (400 TFLOP/s sustained), NVLink inside a node,
+    400 Gb/s InfiniBand between nodes."""
+
+    flops: float = 1000e12  # peak FLOP/s per device
+    mfu: float = 0.4  # fraction of the peak sustained (model FLOPs utilisation)
+    intra_node: float = 450e9  # bytes/s per device inside a node
+    inter_node: float = 50e9  # bytes/s per device between nodes
+    latency: float = 10e-6  # seconds per point-to-point message
+    # ranks sharing a node (global ranks numbered node by node); None: tensor-parallel
+    # groups inside a node, every other group across nodes (the multi-node worst case)
+    ranks_per_node: Optional[int] = None
+
+    @property
+    def sustained_flops(self) -> float:
+        return self.flops * self.mfu
+
+
 # ---------------------------------------------------------------------- plan
 @dataclass(frozen=True)
 class Plan:
@@ -200,6 +223,7 @@ class Plan:
     zero: int = 0
     recompute: tuple[RecomputeRule, ...] = ()
     train: TrainSpec = field(default_factory=TrainSpec)
+    device: DeviceSpec = field(default_factory=DeviceSpec)
     # Where the plan came from; relative model/data paths resolve against its folder.
     path: str = field(default="<plan>", compare=False)
     # Dotted key ("pipeline.microbatches", "model.args.dim", "pipeline") -> Span.

@@ -15,9 +15,10 @@ from .checks import SCHEDULE_KINDS
 from .fields import (CallShape, Emit, Field, Reading, Section, call_name, join, read_call,
                      write_call)
 from .syntax import Call, Float, Int, Items, Name, Node, Pattern, RangeNode, Shaped, Size, Str, Table
-from .values import (Invalid, boolean, check_pattern, choice, did_you_mean, integer, number, patterns,
-                     plain_value, shown, text, write_float, write_pattern, write_patterns, write_plain,
-                     write_size, write_string)
+from .values import (Invalid, boolean, check_pattern, choice, did_you_mean, duration, integer,
+                     number, patterns, plain_value, rate, shown, text, write_duration, write_float,
+                     write_pattern, write_patterns, write_plain, write_rate, write_size,
+                     write_string)
 
 
 # ---------------------------------------------------------------- model
@@ -339,6 +340,16 @@ TRAIN = Section("train", A.TrainSpec, (
     Field("log_dir", text, write_string),
 ))
 
+# --------------------------------------------------------------- device
+DEVICE = Section("device", A.DeviceSpec, (
+    Field("flops", rate("flops"), write_rate("flops")),
+    Field("mfu", number(above=0, hi=1)),
+    Field("intra_node", rate("bytes"), write_rate("bytes")),
+    Field("inter_node", rate("bytes"), write_rate("bytes")),
+    Field("latency", duration, write_duration),
+    Field("ranks_per_node", integer(1)),
+))
+
 # ----------------------------------------------------------------- plan
 PLAN = Section("the plan", A.Plan, (
     Field("model", section=MODEL),
@@ -350,4 +361,5 @@ PLAN = Section("the plan", A.Plan, (
     Field("zero", integer(0, 3)),
     Field("recompute", _recompute, _write_recompute, nested=True),
     Field("train", section=TRAIN),
+    Field("device", section=DEVICE),
 ))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
@@ -38,6 +39,23 @@ class Size:
     """`40GiB`: a byte count written with a unit."""
 
     bytes: int
+    span: Span
+
+
+@dataclass(frozen=True)
+class Rate:
+    """`450GB/s`, `400Gb/s`, `989TFLOP/s`: an amount per second of bytes or FLOPs."""
+
+    per_s: float
+    what: str  # "bytes" | "flops"
+    span: Span
+
+
+@dataclass(frozen=True)
+class Duration:
+    """`10us`, `1.5ms`: a time, in seconds."""
+
+    seconds: float
     span: Span
 
 
@@ -113,17 +131,40 @@ class Shaped:
     span: Span
 
 
-Node = Union[Int, Float, Size, Str, Name, Pattern, Items, Table, Call, RangeNode, Shaped]
+Node = Union[Int, Float, Size, Rate, Duration, Str, Name, Pattern, Items, Table, Call, RangeNode,
+             Shaped]
 
 # Human names of node kinds, for "expected X, got Y" messages.
 NODE_KINDS = {
-    Int: "an integer", Float: "a number", Size: "a size", Str: "a string", Name: "a name",
+    Int: "an integer", Float: "a number", Size: "a size", Rate: "a rate",
+    Duration: "a duration", Str: "a string", Name: "a name",
     Pattern: "a module pattern", Items: "a list", Table: "a block", Call: "a call",
     RangeNode: "a layer range", Shaped: "a typed shape",
 }
 
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# Rates: bytes per second (decimal, binary, and bits: `400Gb/s` is 50GB/s) and FLOP/s.
+BYTE_RATES = {**{f"{u}/s": Decimal(n) for u, n in UNITS.items()},
+              **{f"{p}b/s": Decimal(10 ** e) / 8 for p, e in (("K", 3), ("M", 6), ("G", 9),
+                                                               ("T", 12))}}
+FLOP_RATES = {f"{p}FLOP/s": Decimal(10 ** e) for p, e in (("", 0), ("K", 3), ("M", 6),
+                                                         ("G", 9), ("T", 12), ("P", 15))}
+DURATIONS = {"s": Decimal(1), "ms": Decimal("1e-3"), "us": Decimal("1e-6"),
+             "ns": Decimal("1e-9")}
+
+
+def scaled(digits: str, unit: Decimal) -> float:
+    """`digits` × `unit` rounded once, so the shortest text of a float reads back exactly."""
+    with localcontext() as ctx:
+        ctx.prec = 80
+        return float(Decimal(digits) * unit)
+
+
+def split_quantity(text: str) -> tuple[str, str]:
+    """`450GB/s` -> ("450", "GB/s")."""
+    end = len(text) - len(text.lstrip("0123456789."))
+    return text[:end], text[end:]
 
 
 def kind_of(node: Node) -> str:
@@ -193,6 +234,16 @@ class _Build(lark.Transformer):
         unit = text[len(digits):]
         return Size(int(float(digits) * UNITS[unit]), self._s(meta))
 
+    def rate(self, meta, tok):
+        digits, unit = split_quantity(str(tok))
+        if unit in FLOP_RATES:
+            return Rate(scaled(digits, FLOP_RATES[unit]), "flops", self._s(meta))
+        return Rate(scaled(digits, BYTE_RATES[unit]), "bytes", self._s(meta))
+
+    def duration(self, meta, tok):
+        digits, unit = split_quantity(str(tok))
+        return Duration(scaled(digits, DURATIONS[unit]), self._s(meta))
+
     def string(self, meta, tok):
         try:
             return Str(json.loads(str(tok)), self._s(meta))
@@ -239,7 +290,8 @@ class _Build(lark.Transformer):
 # Human names of terminals for "expected ..." hints.
 _TERMINALS = {
     "NAME": "a name", "PATTERN": "a module pattern", "INT": "an integer",
-    "FLOAT": "a number", "SIZE": "a size", "STRING": "a string",
+    "FLOAT": "a number", "SIZE": "a size", "RATE": "a rate", "DURATION": "a duration",
+    "STRING": "a string",
     "EQUAL": "'='", "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'",
     "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "COLON": "':'", "SEMICOLON": "';'",
     "$END": "end of file",

@@ -12,10 +12,12 @@ import difflib
 import json
 import math
 import re
-from typing import Any, Callable, Optional, Sequence
+from decimal import Decimal, localcontext
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .ast import Span
-from .syntax import UNITS, Float, Int, Items, Name, Node, Pattern, Str, kind_of
+from .syntax import (BYTE_RATES, DURATIONS, FLOP_RATES, UNITS, Duration, Float, Int, Items, Name,
+                     Node, Pattern, Rate, Str, kind_of, scaled)
 
 Read = Callable[[Node, str], Any]
 
@@ -49,6 +51,8 @@ def shown(node: Node) -> str:
         return f"got {kind_of(node)} '{node.value}'"
     if isinstance(node, Str):
         return f"got the string {json.dumps(node.value)}"
+    if isinstance(node, Rate):
+        return f"got a {'FLOP' if node.what == 'flops' else 'byte'} rate"
     return f"got {kind_of(node)}"
 
 
@@ -140,6 +144,29 @@ def patterns(node: Node, key: str) -> tuple[str, ...]:
     return (pattern(node, key),)
 
 
+_RATE_EXAMPLES = {"bytes": "450GB/s (or 400Gb/s in bits)", "flops": "989TFLOP/s"}
+
+
+def rate(what: str) -> Read:
+    """A positive rate of bytes ("bytes") or FLOPs ("flops") per second."""
+    def read(node: Node, key: str) -> float:
+        if not isinstance(node, Rate) or node.what != what:
+            raise Invalid(f"{key} must be a rate like {_RATE_EXAMPLES[what]}, {shown(node)}",
+                          f"write {key.rsplit('.', 1)[-1]} = {_RATE_EXAMPLES[what].split()[0]}")
+        if node.per_s <= 0:
+            raise Invalid(f"{key} must be above 0, got {node.per_s:g}/s")
+        return node.per_s
+    return read
+
+
+def duration(node: Node, key: str) -> float:
+    """A time of at least 0, in seconds."""
+    if not isinstance(node, Duration):
+        raise Invalid(f"{key} must be a duration like 10us, {shown(node)}",
+                      "units: ns, us, ms, s")
+    return node.seconds
+
+
 def plain_value(node: Node, key: str):
     """A model constructor argument: number, string, boolean, none, or a list of them."""
     if isinstance(node, (Int, Float)):
@@ -177,7 +204,9 @@ def write_pattern(value: str) -> str:
 
 
 def _looks_numeric(value: str) -> bool:
-    return bool(re.fullmatch(r"[0-9]+([eE][+-]?[0-9]+)?(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?", value))
+    """Would lex as a number, size or duration (rates hold a '/', never bare)."""
+    return bool(re.fullmatch(r"[0-9]+([eE][+-]?[0-9]+)?(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|ns|us|ms|s)?",
+                             value))
 
 
 def write_patterns(values: Sequence[str]) -> str:
@@ -223,8 +252,32 @@ def write_scalar(value: Any) -> str:
     if isinstance(value, float):
         return write_float(value)
     if isinstance(value, str):
-        return value if _NAME.fullmatch(value) and value not in _KEYWORDS else write_string(value)
+        bare = _NAME.fullmatch(value) and value not in _KEYWORDS and not _looks_numeric(value)
+        return value if bare else write_string(value)
     if isinstance(value, tuple):
         return "[" + ", ".join(write_scalar(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} in a plan")
 
+
+
+def _quantity(value: float, units: Mapping[str, Decimal]) -> str:
+    """The shortest `<digits><unit>` that reads back as exactly `value` (first unit on ties)."""
+    with localcontext() as ctx:
+        ctx.prec = 80
+        exact = Decimal(repr(float(value)))
+        texts = [format((exact / scale).normalize(), "f") + unit for unit, scale in units.items()]
+    whole = [t for t in texts if not t.startswith("0.")]  # 500ns, not 0.5us
+    return min(whole or texts, key=len)
+
+
+def write_rate(what: str) -> Callable[[float], str]:
+    if what == "flops":
+        return lambda value: _quantity(value, FLOP_RATES)
+    bytes_first = {u: BYTE_RATES[u] for u in ("B/s", "KB/s", "MB/s", "GB/s", "TB/s", "KiB/s",
+                                              "MiB/s", "GiB/s", "TiB/s")}
+    return lambda value: _quantity(value, bytes_first)
+
+
+def write_duration(seconds: float) -> str:
+    return _quantity(seconds, {"us": DURATIONS["us"], "ms": DURATIONS["ms"], "s": DURATIONS["s"],
+                               "ns": DURATIONS["ns"]})

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import weakref
@@ -28,6 +29,7 @@ from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import RecomputeRule
+from pipeplan.errors import PipeplanError
 
 from .test_equivalence import KINDS, STEPS, make_plan
 
@@ -146,3 +148,22 @@ def test_pipelined_recompute_equals_single_process(spawn):
         if not got.within:
             failures.append(f"{kind} {rule.mode}: " + got.render(1e-5, 1e-6))
     assert not failures, "\n".join(failures)
+
+
+def test_inplace_write_into_a_region_input_is_refused():
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return x.mul_(2) + 1
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x * 1)
+
+    gm = torch.fx.symbolic_trace(Model())
+    with pytest.raises(PipeplanError, match="modifies its input .* in place"):
+        recompute.StageProgram(gm, (RecomputeRule("block", "full"),), contextlib.nullcontext,
+                               recompute.Phase())

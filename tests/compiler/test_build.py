@@ -45,3 +45,35 @@ def test_compile_writes_a_readable_build(tmp_path, capsys):
     original = compile_plan(load_plan(str(plan_path)))
     assert [s.module_names for s in rebuilt.stages] == [s.module_names for s in original.stages]
     assert rebuilt.plan.pipeline.split.kind == "points"
+
+    # the collectives table: one row per (group, op), one column per pipeline rank
+    from pipeplan.compiler.report import human_bytes
+    assert "## Collectives per step" in report
+    assert "| group | collective | pp rank 0 | pp rank 1 |" in report
+    per_pp = [original.estimates.ranks[r * 2] for r in range(2)]  # dp 2 x tp 1 per pp rank
+    keys = sorted({k for x in per_pp for k in x.collectives})
+    assert ("ep", "alltoall") in keys and ("dp", "allreduce") in keys  # edp has 1 rank
+    for group, op in keys:
+        cells = " | ".join(human_bytes(x.collectives.get((group, op), 0)) for x in per_pp)
+        assert f"| {group} (" in report and f") | {op} | {cells} |" in report
+    assert "from built-in defaults" in report
+
+
+def test_report_states_the_plans_device_model_and_flag_overrides(tmp_path, capsys):
+    plan_path = tmp_path / "r.plan"
+    plan_path.write_text(
+        f'model {{\n  source = "{REPO}/tests/compiler/models.py:Regressor"\n'
+        '  args = { layers = 4 }\n  inputs = { x = float32[batch, 8] }\n  loss = mse\n}\n'
+        "mesh { pp = 2 }\npipeline { schedule = 1f1b  microbatches = 2 }\n"
+        "train { global_batch = 4 }\n"
+        "device {\n  flops = 20TFLOP/s\n  mfu = 0.5\n  inter_node = 100Gb/s\n}\n")
+    out = tmp_path / "build"
+    assert main(["compile", str(plan_path), "-o", str(out), "--link-gbps", "25"]) == 0
+    report = (out / "report.md").read_text()
+    assert ("10 TFLOP/s sustained per device, 450 GB/s inside a node, 25 GB/s between nodes"
+            in report)
+    assert f"from plan device section ({plan_path}:10), built-in defaults for keys it leaves " \
+           "out; overridden by --link-gbps" in report
+    assert "| group | collective |" not in report  # dp = tp = 1: nothing collective
+    assert "No collectives" in report
+    assert "device {\n  flops = 20TFLOP/s" in (out / "plan.plan").read_text()

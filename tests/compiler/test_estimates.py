@@ -138,3 +138,60 @@ def test_shard_memory_pads_to_the_group_and_counts_step_counters():
     assert shard_memory(10, 4, 0, tensors=3) == MemoryBytes(40, 40, 80 + 12)
     assert shard_memory(10, 4, 2, StateBytes.of("sgd", momentum=True)) == MemoryBytes(48, 12, 12)
     assert StateBytes.of("adamw") == StateBytes(4, 4, 8, 4)
+
+
+# ------------------------------------------------------------------ device model
+FWD = 4 * (2 * B * D * D)  # Regressor(layers=4, dim=8): four Linear(8, 8) per microbatch
+
+
+def _one_stage(make_plan, device, dp=1):
+    from pipeplan.dsl.ast import MeshSpec as Mesh
+    return make_plan("tests/compiler/models.py:Regressor", {"layers": 4}, pp=1, loss="mse",
+                     inputs=(InputSpec("x", "float32", ("batch", D)),), microbatches=M,
+                     mesh=Mesh(pp=1, dp=dp), train=TrainSpec(global_batch=dp * M * B),
+                     device=device)
+
+
+def test_step_time_follows_the_plans_device_model(make_plan):
+    """One stage, one rank: the step is m microbatches of F + B + W = 3 forwards at the
+    sustained rate (peak × mfu); no link is used."""
+    from pipeplan.dsl.ast import DeviceSpec
+    for flops, mfu in ((100e12, 0.5), (1e12, 0.25), (3e9, 1.0)):
+        compiled = compile_plan(_one_stage(make_plan, DeviceSpec(flops=flops, mfu=mfu)))
+        assert compiled.stages[0].flops == FWD
+        est = compiled.estimates
+        assert est.step_time_s == pytest.approx(M * 3 * FWD / (flops * mfu), rel=1e-12)
+        assert est.device_model["flops_per_s"] == flops * mfu
+        assert est.device_model["origin"].startswith("plan device section")
+
+
+def test_dp_all_reduce_uses_the_link_its_group_sits_on(make_plan):
+    """dp = 2 all-reduces the 4 layers' fp32 grads: a ring sends 2(n-1)/n of them, after the
+    pipeline (not overlapped), over the network unless both ranks share a node."""
+    from pipeplan.dsl.ast import DeviceSpec
+    grads = 4 * 4 * (D * D + D)
+    sent = 2 * (2 - 1) / 2 * grads
+    for ranks_per_node, link in ((None, 20e9), (1, 20e9), (2, 400e9), (8, 400e9)):
+        device = DeviceSpec(intra_node=400e9, inter_node=20e9, ranks_per_node=ranks_per_node)
+        est = compile_plan(_one_stage(make_plan, device, dp=2)).estimates
+        assert est.ranks[0].comm_bytes["dp"] == sent
+        assert est.step_time_s - est.simulation.makespan == pytest.approx(sent / link, rel=1e-9)
+
+
+def test_flags_override_the_plan_and_the_report_says_so(make_plan):
+    from pipeplan.compiler import DeviceModel, device_model
+    from pipeplan.compiler.report import render_summary
+    from pipeplan.dsl.ast import DeviceSpec
+    plan = _one_stage(make_plan, DeviceSpec(flops=100e12, mfu=0.5, inter_node=20e9))
+    model = device_model(plan, tflops=10)
+    assert (model.flops_per_s, model.link_bytes_per_s) == (10e12, 20e9)
+    assert model.origin.endswith("overridden by --tflops")
+    compiled = compile_plan(plan, device=model)
+    assert compiled.estimates.step_time_s == pytest.approx(M * 3 * FWD / 10e12, rel=1e-12)
+    assert "overridden by --tflops" in render_summary(compiled)
+    # DeviceModel() says nothing: the plan's own model is used
+    assert compile_plan(plan, device=DeviceModel()).estimates.device_model["flops_per_s"] == 50e12
+    # no device section: the built-in defaults, stated as such
+    bare = compile_plan(_one_stage(make_plan, DeviceSpec())).estimates
+    assert bare.device_model["flops_per_s"] == 400e12
+    assert bare.device_model["origin"] == "built-in defaults"

@@ -45,6 +45,8 @@ segments = st.one_of(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,5}", fullmatch=True
 patterns = st.lists(segments, min_size=1, max_size=4).map(".".join)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 positive = st.floats(min_value=1e-6, max_value=10.0, allow_nan=False)
+rates = st.one_of(st.floats(min_value=1e-3, max_value=1e18), st.integers(1, 10**6).map(
+    lambda n: n * 10.0 ** 9), st.integers(1, 4096).map(lambda n: float(n * 2**30)))
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 plain = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), finite, texts),
                      lambda inner: st.lists(inner, max_size=3).map(tuple), max_leaves=6)
@@ -131,9 +133,13 @@ def plans(draw) -> A.Plan:
     rules = draw(st.lists(patterns, max_size=3, unique=True))
     recompute = tuple(A.RecomputeRule(p, draw(st.sampled_from(["none", "full", "selective"])))
                       for p in rules)
+    device = draw(st.one_of(st.just(A.DeviceSpec()), st.builds(
+        A.DeviceSpec, flops=rates, mfu=st.floats(1e-3, 1.0), intra_node=rates, inter_node=rates,
+        latency=st.one_of(st.just(0.0), st.floats(1e-12, 10.0)),
+        ranks_per_node=st.one_of(st.none(), st.integers(1, 64)))))
     return A.Plan(model=model, data=data, mesh=A.MeshSpec(pp, dp, tp, ep), pipeline=pipeline,
                   experts=experts, tensor=tensor, zero=draw(st.integers(0, 3)) if dp > 1 else 0,
-                  recompute=recompute, train=train)
+                  recompute=recompute, train=train, device=device)
 
 
 @settings(max_examples=200, deadline=None, database=None, derandomize=True,
@@ -161,7 +167,7 @@ def test_fmt_keeps_comments_next_to_their_keys():
     assert format_plan(parse_plan(canonical)) == canonical
 
 
-LEXEME = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z0-9_.*:+-]+|\S')
+LEXEME = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z0-9_.*:+/-]+|\S')
 SEPARATORS = st.sampled_from([" ", "\n", "\t", "  ", " # a comment\n", "\n\n"])
 
 
