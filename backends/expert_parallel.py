@@ -284,7 +284,8 @@ class ExpertParallelMoE(nn.Module):
         back = self._exchange(rows_out, send_splits, recv_splits)
 
         weighted = back * slot_gate.unsqueeze(-1).to(back.dtype)
-        return tokens.new_zeros(tokens.shape).index_add(0, slot_token, weighted)
+        # In the experts' dtype (bf16 under autocast), as the dense reference's mix is.
+        return weighted.new_zeros(tokens.shape).index_add(0, slot_token, weighted)
 
     def _exchange_counts(self, send_per_expert: torch.Tensor) -> torch.Tensor:
         s = self.shard

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
-from ..dsl.errors import PlanError
 from . import data
 from .checkpoint import check_checkpointable
 from .comm import op_name, plan_rank
@@ -46,13 +45,6 @@ class StepReport:
 def check_supported(plan: Plan) -> None:
     """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it."""
     check_checkpointable(plan)
-    if plan.train.precision == "bf16" and plan.experts is not None \
-            and (plan.mesh.ep > 1 or not plan.experts.dropless):
-        raise PlanError.at(plan, "train.precision",
-                           "bf16 with expert parallelism or a capacity factor is not supported "
-                           "yet (the expert-parallel layer combines bf16 expert outputs into an "
-                           "fp32 buffer: backends/expert_parallel.py)",
-                           "run with --set train.precision=fp32, or mesh.ep=1 with dropless experts")
 
 
 def _stage_order_by_last_grad(order, stages_here) -> list[int]:

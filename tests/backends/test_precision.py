@@ -1,12 +1,14 @@
 """bf16: autocast compute over fp32 master weights, activations crossing stages as produced.
 
-* The MoE example plan (pp2 x dp2, zbv, AdamW, 20 steps; at ep=1: see
-  trainer.check_supported on bf16 with expert parallelism): every step's
-  bf16 loss within 5% of the fp32 run's (the documented tolerance; the
-  measured gap is in docs/runtime.md), and the bf16 pipelined run tracks the
-  bf16 single-process reference (same autocast): equal for two steps, then
-  within bf16's unit roundoff 2^-8 (AdamW amplifies the summation-order
-  differences once they reach bf16 weights; the fp32 run stays within 1e-7).
+* The MoE example plan as written (pp2 x dp2 with ep2, zbv, AdamW, 20 steps):
+  every step's bf16 loss within 5% of the fp32 run's (the documented
+  tolerance; the measured gap is in docs/runtime.md), and the bf16 pipelined
+  run tracks the bf16 single-process reference (same autocast): within 1e-3
+  for two steps (expert parallelism runs each expert's matmul on its routed
+  rows only, the dense reference on all rows: other shapes, other bf16
+  roundings; measured 2.7e-5 and 2.5e-4), then within 1% (AdamW amplifies
+  those differences once they reach the weights: measured at most 3.8e-3,
+  about bf16's unit roundoff 2^-8; the fp32 run stays within 1e-7).
   Parameters, gradients and optimizer state stay fp32.
 * A dense GPT cut inside an MLP (a bf16 value crosses the boundary): bf16
   pipelined runs under 1f1b and under zbh1 with full recompute equal the
@@ -37,9 +39,8 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "moe_p
 STEPS = 20
 
 
-def example(precision: str, ep: int = 1):
-    return load_plan(EXAMPLE, [f"train.precision={precision}", f"train.steps={STEPS}",
-                               f"mesh.ep={ep}"])
+def example(precision: str):
+    return load_plan(EXAMPLE, [f"train.precision={precision}", f"train.steps={STEPS}"])
 
 
 def trained(plan, steps):
@@ -76,9 +77,9 @@ def test_bf16_moe_example_tracks_fp32_and_equals_its_reference(spawn):
     gaps = [abs(a - b) / b for a, b in zip(bf16, ref)]
     print("bf16 pipelined vs bf16 reference, relative loss gap per step: "
           + " ".join(f"{g:.1e}" for g in gaps))
-    # the same computation: equal until rounding of the DP-summed gradients (a different
-    # summation order than one process) reaches bf16 weights, then within bf16's 2^-8
-    assert max(gaps[:2]) <= 1e-6 and max(gaps) <= 2 ** -8
+    # the same computation up to bf16 rounding of differently shaped expert matmuls and
+    # DP-summed gradients (see the module docstring)
+    assert max(gaps[:2]) <= 1e-3 and max(gaps) <= 1e-2
 
 
 CUT = SplitSpec(kind="points", points=("layers.1.mlp.down",))  # gelu's bf16 output crosses

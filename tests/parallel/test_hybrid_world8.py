@@ -33,8 +33,7 @@ TENSOR = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn
 def _plan(moe: bool) -> Plan:
     args = {"vocab": 64, "dim": 32, "layers": 4, "heads": 4, "seq_len": 16}
     source = "pipeplan.examples.models.gpt:GPT"
-    # The runtime refuses clipping with zero > 0 and tp > 1 (yet): the dense run does not clip.
-    experts, tensor, zero, clip = None, TENSOR, 1, None
+    experts, tensor, zero, clip = None, TENSOR, 1, 0.5
     if moe:
         args.update(num_experts=4, top_k=2, aux_loss=0.01, z_loss=0.001)
         source = "pipeplan.examples.models.moe_gpt:MoEGPT"
