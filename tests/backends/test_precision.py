@@ -28,9 +28,9 @@ from pipeplan.backends.model import build_model
 from pipeplan.backends.precision import boundary_specs
 from pipeplan.backends.reference import train_reference
 from pipeplan.backends.topology import build_topology
-from pipeplan.backends.trainer import PipelineTrainer, check_supported
+from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.dsl import PlanError, load_plan
+from pipeplan.dsl import load_plan
 from pipeplan.dsl.ast import RecomputeRule, SplitSpec
 
 from .test_equivalence import STEPS as SHORT, make_plan
@@ -128,7 +128,3 @@ def test_boundary_dtypes_are_derived_once_from_the_precision():
     fp32 = dataclasses.replace(plan, train=dataclasses.replace(plan.train, precision="fp32"))
     assert boundary_specs(fp32, compiled.stages) == list(compiled.stages)
 
-
-def test_bf16_with_expert_parallelism_is_refused_at_the_plan_line():
-    with pytest.raises(PlanError, match="bf16 with expert parallelism"):
-        check_supported(example("bf16", ep=2))
