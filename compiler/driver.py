@@ -15,7 +15,7 @@ from ..dsl.ast import Plan
 from .blocks import blocks_of
 from .compiled import CompiledPlan, StageSpec
 from .costs import Cost, node_costs, param_bytes_per_node
-from .estimates import DeviceModel, estimate, normalised, step_costs
+from .estimates import DeviceModel, device_model, estimate, normalised, step_costs
 from .experts import expert_weights, place_experts
 from .loading import load_model
 from .partition import Split, choose_split, compute_nodes
@@ -28,10 +28,12 @@ from .traffic import collective_traffic
 
 
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
-                 device: DeviceModel = DeviceModel()) -> CompiledPlan:
+                 device: Optional[DeviceModel] = None) -> CompiledPlan:
     """Compile `plan`. Without `model` it is built on the meta device (no weights allocated);
     with one, each stage GraphModule holds that model's own parameter tensors.
-    `device` is the accelerator model the time estimate assumes."""
+    `device` is the accelerator model the time estimate assumes (default: the plan's
+    device section, see `device_model`)."""
+    device = device or device_model(plan)
     if model is None:
         model = load_model(plan, "meta")
     experts = place_experts(plan, model)

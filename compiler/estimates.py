@@ -75,8 +75,8 @@ class DeviceModel:
     """What the time estimate assumes about one accelerator and its links.
 
     `device_model(plan)` builds it from the plan's `device` section (its defaults
-    where the plan is silent); `DeviceModel()` itself means "nothing said": the
-    estimate then uses the plan's. Any other instance (CLI flags) wins as given."""
+    where the plan is silent) and the CLI's flags; the field defaults here are
+    those built-in defaults."""
 
     flops_per_s: float = 400e12  # sustained: the plan's peak × mfu (1000 TFLOP/s × 0.4)
     link_bytes_per_s: float = 50e9  # between nodes (p2p, dp, ep), e.g. 400 Gb/s InfiniBand
@@ -113,11 +113,6 @@ def device_model(plan: Plan, tflops: Optional[float] = None,
         link_bytes_per_s=link_gbps * 1e9 if link_gbps is not None else d.inter_node,
         latency_s=d.latency, tp_link_bytes_per_s=d.intra_node,
         ranks_per_node=d.ranks_per_node, origin=origin)
-
-
-def for_plan(plan: Plan, device: DeviceModel) -> DeviceModel:
-    """`device`, or the plan's device model when `device` is the "nothing said" default."""
-    return device_model(plan) if device == DeviceModel() else device
 
 
 @dataclass(frozen=True)
@@ -196,11 +191,10 @@ def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
 
 def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[TiedParam, ...],
              tp_kinds: dict[str, str], expert_params: set[str], tp_traffic: list[Traffic],
-             moe_traffic: list[Traffic], device: DeviceModel = DeviceModel()) -> Estimates:
+             moe_traffic: list[Traffic], device: DeviceModel) -> Estimates:
     """Estimates for every global rank (pp outermost, tp innermost; a pipeline rank's dp × tp
     ranks hold the same shares, so they get equal numbers). `costs` (from step_costs, in
-    seconds) time the schedule; `device` as `for_plan` resolves it."""
-    device = for_plan(plan, device)
+    seconds) time the schedule under `device`."""
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     act_div = mesh.tp if plan.tensor.sequence_parallel else 1
@@ -404,7 +398,6 @@ def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
     """Per-stage (F, B, W) op times in seconds and the p2p message time: a schedules.Costs.
     The schedule is generated (normalised) and simulated with these same costs."""
     from ..schedules.costs import Costs
-    device = for_plan(plan, device)
     links = mesh_links(plan, device)
     tp = plan.mesh.tp
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
