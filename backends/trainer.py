@@ -56,6 +56,19 @@ def _stage_order_by_last_grad(order, stages_here) -> list[int]:
 
 
 class PipelineTrainer:
+    @classmethod
+    def for_plan(cls, plan: Plan, device: torch.device = torch.device("cpu")) -> "PipelineTrainer":
+        """This rank's trainer, built as `pipeplan run` builds it: the reference model under
+        the plan's seed, compiled with the leaves the stage rewrites need (collective:
+        every rank of the process group calls it)."""
+        from ..compiler.driver import compile_plan
+        from .layout import with_required_leaves
+        from .model import build_model
+        from .topology import build_topology
+
+        compiled = compile_plan(with_required_leaves(plan), build_model(plan))
+        return cls(plan, compiled, build_topology(plan.mesh, device.type), device)
+
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
                  device: torch.device = torch.device("cpu")):
         check_supported(plan)

@@ -13,11 +13,8 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.backends.compare import compare, noise_level
-from pipeplan.backends.model import build_model
 from pipeplan.backends.reference import train_reference
-from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
-from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan,
                               TrainSpec)
 
@@ -59,8 +56,7 @@ def _worker(rank, world, model):
     out = []
     for kind, pp, dp, opt in configs(world):
         plan = make_plan(model, kind, pp, dp, opt)
-        trainer = PipelineTrainer(plan, compile_plan(plan, build_model(plan)),
-                                  build_topology(plan.mesh))
+        trainer = PipelineTrainer.for_plan(plan)
         losses = [trainer.step(t).loss for t in range(STEPS)]
         out.append((losses, trainer.named_parameters()))
     return out

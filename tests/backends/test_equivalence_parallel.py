@@ -15,11 +15,8 @@ import dataclasses
 import pytest
 
 from pipeplan.backends.compare import compare
-from pipeplan.backends.model import build_model
 from pipeplan.backends.reference import train_reference
-from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
-from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, RecomputeRule, TensorSpec
 
 from .test_equivalence import STEPS, make_plan  # noqa: E402
@@ -76,8 +73,7 @@ def _worker(rank, world, configs=CONFIGS, make=parallel_plan):
     out = []
     for name in configs:
         plan = make(name)
-        trainer = PipelineTrainer(plan, compile_plan(plan, build_model(plan)),
-                                  build_topology(plan.mesh))
+        trainer = PipelineTrainer.for_plan(plan)
         losses = [trainer.step(t).loss for t in range(STEPS)]
         out.append((losses, trainer.named_parameters()))
     return out

@@ -23,11 +23,9 @@ import pytest
 import torch
 
 from pipeplan.backends.compare import compare
-from pipeplan.backends.layout import with_required_leaves
 from pipeplan.backends.model import build_model
 from pipeplan.backends.precision import boundary_specs
 from pipeplan.backends.reference import train_reference
-from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl import load_plan
@@ -44,8 +42,7 @@ def example(precision: str):
 
 
 def trained(plan, steps):
-    trainer = PipelineTrainer(plan, compile_plan(with_required_leaves(plan), build_model(plan)),
-                              build_topology(plan.mesh))
+    trainer = PipelineTrainer.for_plan(plan)
     losses = [trainer.step(t).loss for t in range(steps)]
     return trainer, losses
 

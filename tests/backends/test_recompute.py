@@ -25,7 +25,6 @@ from pipeplan.backends.compare import compare
 from pipeplan.backends.model import build_model
 from pipeplan.backends.reference import train_reference
 from pipeplan.backends.stage import StageRunner
-from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import RecomputeRule
@@ -128,8 +127,7 @@ def _worker(rank, world):
     out = []
     for kind, rule in CONFIGS:
         plan = recompute_plan(kind, rule)
-        trainer = PipelineTrainer(plan, compile_plan(plan, build_model(plan)),
-                                  build_topology(plan.mesh))
+        trainer = PipelineTrainer.for_plan(plan)
         assert any(r.program is not None for r in trainer.runners.values())
         losses = [trainer.step(t).loss for t in range(STEPS)]
         out.append((losses, trainer.named_parameters()))

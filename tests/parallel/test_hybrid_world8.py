@@ -14,11 +14,8 @@ import torch.distributed as dist
 
 from pipeplan.backends.compare import compare
 from pipeplan.backends.layout import with_required_leaves
-from pipeplan.backends.model import build_model
 from pipeplan.backends.reference import train_reference
-from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
-from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import (
     DataSpec, ExpertsSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TensorSpec,
     TrainSpec)
@@ -54,8 +51,7 @@ def _plan(moe: bool) -> Plan:
 def _worker(rank, world):
     for moe in (False, True):
         plan = with_required_leaves(_plan(moe))  # as the runtime's worker compiles it
-        trainer = PipelineTrainer(plan, compile_plan(plan, build_model(plan)),
-                                  build_topology(plan.mesh))
+        trainer = PipelineTrainer.for_plan(plan)
         losses = [trainer.step(t).loss for t in range(STEPS)]
         mine = (losses, trainer.named_parameters())
         gathered = [None] * world if rank == 0 else None
