@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .ast import Span
 from .syntax import (BYTE_RATES, DURATIONS, FLOP_RATES, UNITS, Duration, Float, Int, Items, Name,
-                     Node, Pattern, Rate, Str, kind_of, scaled)
+                     Node, Pattern, Rate, Str, kind_of)
 
 Read = Callable[[Node, str], Any]
 
