@@ -31,21 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ..dsl.ast import CheckpointSpec, Plan
-from ..dsl.errors import PlanError
+from ..compiler.checks import check_checkpointable  # noqa: F401 (compile-time, re-exported)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def check_checkpointable(plan: Plan) -> None:
-    spec = plan.train.checkpoint
-    if spec is None:
-        return
-    if plan.zero > 0 or plan.mesh.tp > 1 or plan.mesh.ep > 1:
-        raise PlanError.at(plan, "train.checkpoint",
-                           "checkpoints of ZeRO, tensor-parallel or expert-parallel shards are "
-                           "not supported yet", "drop the checkpoint, or run without zero/tp/ep")
-    if spec.every < 1 or spec.keep < 1:
-        raise PlanError.at(plan, "train.checkpoint", "checkpoint every and keep must be >= 1")
 
 
 def step_dir(folder: str, step: int) -> str:

@@ -1,4 +1,11 @@
-"""Mixed precision: bf16 autocast compute over fp32 master weights.
+"""Precision: fp32 (default), bf16 autocast over fp32 master weights, or fp64 throughout.
+
+`train.precision = fp64` (what `pipeplan verify` runs by default) converts the
+model to float64 before it is captured (compiler/precision.py's `to_precision`,
+called by the compiler's driver and by the reference), so every dtype the runtime derives
+from the trace follows: stage boundary specs and receive buffers, gradients,
+DP/tied all-reduces, ZeRO flat buffers, optimizer states and expert
+all-to-alls all carry float64. No autocast runs.
 
 `train.precision = bf16` runs every stage forward (and every recompute) under
 `torch.autocast(device, bfloat16)`. Parameters, their gradients and the
@@ -26,13 +33,14 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from ..compiler.compiled import BATCH, StageSpec
+from ..compiler.precision import PRECISIONS, param_dtype, to_precision  # noqa: F401
 from ..dsl.ast import Plan
 from . import data
 
 
 def autocast_for(precision: str, device: torch.device) -> Callable[[], ContextManager]:
-    """A factory of the forward's autocast context (a no-op for fp32)."""
-    if precision == "fp32":
+    """A factory of the forward's autocast context (a no-op for fp32 and fp64)."""
+    if precision in ("fp32", "fp64"):
         return contextlib.nullcontext
     if precision == "bf16":
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
@@ -41,7 +49,7 @@ def autocast_for(precision: str, device: torch.device) -> Callable[[], ContextMa
 
 def boundary_specs(plan: Plan, stages: Sequence[StageSpec]) -> list[StageSpec]:
     """The stage specs with each output's dtype as produced under the plan's autocast."""
-    if plan.train.precision == "fp32":
+    if plan.train.precision != "bf16":
         return list(stages)
     autocast = autocast_for(plan.train.precision, torch.device("cpu"))
     batch = data.dp_microbatches(plan, 0, 0)[0]

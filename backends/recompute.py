@@ -125,7 +125,7 @@ def find_regions(graph: fx.Graph, rules: Sequence[RecomputeRule]) -> list[Region
     return regions
 
 
-def _check_no_inplace_on_inputs(region: Region) -> None:
+def check_no_inplace_on_inputs(region: Region) -> None:
     """A recompute reruns the region on its kept inputs: an op writing into one of them
     in place would be applied twice."""
     inside = set(region.nodes)
@@ -158,7 +158,7 @@ class StageProgram:
         self.phase = phase
         self.regions = {r.nodes[0]: r for r in find_regions(module.graph, rules)}
         for r in self.regions.values():
-            _check_no_inplace_on_inputs(r)
+            check_no_inplace_on_inputs(r)
         self._flops: dict[fx.Node, float] = {}  # selective: measured once per node
         nodes = list(module.graph.nodes)
         self._position = {n: i for i, n in enumerate(nodes)}

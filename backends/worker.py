@@ -25,6 +25,7 @@ from .model import build_model
 from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
 from .topology import build_topology
 from .trainer import PipelineTrainer
+from .verify import FirstStepGrads, dump_rank
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,13 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
             print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule
         del compiled  # other ranks' stages go with it
+        grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         losses, timings = _train(plan, trainer, env, opts, where)
         where[0] = "finish"
         _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
                             tuple(timings)), schedule, env, opts)
         if opts.dump_dir:
-            torch.save({"rank": env.rank, "losses": losses,
-                        "params": {k: v.cpu() for k, v in trainer.named_parameters().items()}},
-                       os.path.join(opts.dump_dir, f"rank{env.rank}.pt"))
+            dump_rank(opts.dump_dir, env.rank, losses, trainer, grads)
         dist.barrier()
         watch.stop()
         dist.destroy_process_group()

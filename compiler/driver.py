@@ -1,8 +1,11 @@
 """compile_plan: plan (+ model) -> CompiledPlan, phase by phase.
 
-    load (meta) -> expert shards, TP annotations (checked on the model)
+    plan-value checks -> load (meta) -> precision (fp64: the model in float64 before capture)
+    -> expert shards, TP annotations (checked on the model)
     -> capture + loss + shape/cost propagation (traced.py) -> split
-    -> stage graphs -> schedule -> placement -> tied parameters -> estimates
+    -> stage graphs -> runtime checks (checks.py: what the runtime would refuse after
+    launch, refused here at the plan line) -> schedule -> placement -> tied parameters
+    -> estimates
 """
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ import torch.fx as fx
 
 from ..dsl.ast import Plan
 from .blocks import blocks_of
+from .checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
 from .costs import Cost, node_costs, param_bytes_per_node
 from .estimates import DeviceModel, device_model, estimate, normalised, step_costs
 from .experts import expert_weights, place_experts
 from .loading import load_model
+from .precision import to_precision
 from .partition import Split, choose_split, compute_nodes
 from .schedule import make_schedule
 from .stages import build_stages
@@ -30,15 +35,18 @@ from .traffic import collective_traffic
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                  device: Optional[DeviceModel] = None) -> CompiledPlan:
     """Compile `plan`. Without `model` it is built on the meta device (no weights allocated);
-    with one, each stage GraphModule holds that model's own parameter tensors.
+    with one, each stage GraphModule holds that model's own parameter tensors (converted
+    in place to the plan's precision first: float64 under `train.precision = fp64`).
     `device` is the accelerator model the time estimate assumes (default: the plan's
     device section, see `device_model`)."""
     device = device or device_model(plan)
+    check_plan_values(plan)
     if model is None:
         model = load_model(plan, "meta")
+    to_precision(model, plan.train.precision)
     experts = place_experts(plan, model)
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
-    traced = trace_with_loss(plan, model)
+    traced = trace_with_loss(_capture_plan(plan), model)
     graph = traced.module.graph
     check_pairing(plan, graph, model, tp_kinds, traced.run.is_tensor)
     costs = node_costs(plan, graph, traced.run)
@@ -46,6 +54,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                          param_bytes_per_node(traced.module, compute_nodes(graph)))
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
+    check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
@@ -63,6 +72,14 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,
                         estimates=estimates)
+
+
+def _capture_plan(plan: Plan) -> Plan:
+    """The plan the capture sees: with the leaf modules the runtime's stage rewrites need
+    (backends/layout.py), so `check` and `compile` trace exactly what `run` will."""
+    from ..backends.layout import with_required_leaves
+
+    return with_required_leaves(plan)
 
 
 def _attach_costs(stages: list[StageSpec], split: Split, costs: dict[fx.Node, Cost],

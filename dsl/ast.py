@@ -182,7 +182,7 @@ class TrainSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     lr_schedule: LRScheduleSpec = field(default_factory=LRScheduleSpec)
     grad_clip: Optional[float] = None  # max global L2 norm
-    precision: str = "fp32"  # fp32 | bf16
+    precision: str = "fp32"  # fp32 | bf16 | fp64
     seed: int = 0
     checkpoint: Optional[CheckpointSpec] = None
     log_dir: Optional[str] = None

@@ -334,7 +334,7 @@ TRAIN = Section("train", A.TrainSpec, (
     Field("optimizer", _optimizer, _write_optimizer, nested=True),
     Field("lr_schedule", _lr_schedule, _write_lr_schedule, nested=True),
     Field("grad_clip", number(above=0)),
-    Field("precision", choice("fp32", "bf16")),
+    Field("precision", choice("fp32", "bf16", "fp64")),
     Field("seed", integer(0)),
     Field("checkpoint", section=CHECKPOINT),
     Field("log_dir", text, write_string),
