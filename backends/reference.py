@@ -34,7 +34,6 @@ class ReferenceResult:
     losses: list[float]  # per step
     params: dict[str, torch.Tensor]  # final parameters by qualified name
     grad_norms: list[float]
-    grad_max: dict[str, float]  # per parameter, the largest |gradient element| over all steps
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # after step 1's clipping
     aliases: dict[str, str] = field(default_factory=dict)  # every name -> canonical name
     grad_scale: float = 0.0  # max |gradient element| of step 1 (after clipping)
@@ -70,7 +69,6 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
     autocast = autocast_for(plan.train.precision, torch.device("cpu"))  # bf16: as the stages
     losses, norms = [], []
     named = list(model.named_parameters(remove_duplicate=False))
-    grad_max = {n: 0.0 for n, _ in named}
     aliases = alias_map(model)
     reach = _Reach(optimizer, plan.train, dict(model.named_parameters()))
     first_grads: dict[str, torch.Tensor] = {}
@@ -84,9 +82,6 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
                 loss = model_loss(plan, model(batch.input_ids), batch.targets) / len(groups)
             loss.backward()
             total += float(loss.detach())
-        for n, p in named:
-            if p.grad is not None:
-                grad_max[n] = max(grad_max[n], float(p.grad.abs().max()))
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), plan.train.grad_clip if plan.train.grad_clip else float("inf"))
         if step == 0:
@@ -102,7 +97,7 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
         losses.append(total)
         norms.append(float(norm))
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return ReferenceResult(losses, params, norms, grad_max, first_grads, aliases, grad_scale,
+    return ReferenceResult(losses, params, norms, first_grads, aliases, grad_scale,
                            reach.total)
 
 

@@ -69,14 +69,42 @@ class FirstStepGrads:
                 p.data = data
 
 
-def dump_rank(path: str, rank: int, losses, trainer, grads: Optional[FirstStepGrads]) -> None:
-    """Collective: what this rank hands the judge."""
+def rank_result(losses, trainer, grads: Optional[FirstStepGrads]) -> dict:
+    """Collective: what this rank hands the judge (losses, step-1 gradients, parameters),
+    on CPU at full shape by reference names."""
     full_grads = grads.full() if grads is not None else {}
     params = trainer.named_parameters()
-    torch.save({"rank": rank, "losses": losses,
-                "grads": {k: v.cpu() for k, v in full_grads.items()},
-                "params": {k: v.cpu() for k, v in params.items()}},
+    return {"losses": list(losses), "grads": {k: v.cpu() for k, v in full_grads.items()},
+            "params": {k: v.cpu() for k, v in params.items()}}
+
+
+def dump_rank(path: str, rank: int, losses, trainer, grads: Optional[FirstStepGrads]) -> None:
+    torch.save(dict(rank_result(losses, trainer, grads), rank=rank),
                os.path.join(path, f"rank{rank}.pt"))
+
+
+def train_for_judge(plan: Plan, steps: int) -> dict:
+    """One rank of an in-process world (tests): train as `pipeplan run` does, then hand over
+    `rank_result` (collective: every rank of the default group calls it)."""
+    from .trainer import PipelineTrainer
+
+    trainer = PipelineTrainer.for_plan(plan)
+    grads = FirstStepGrads(trainer)
+    losses = [trainer.step(t).loss for t in range(steps)]
+    return rank_result(losses, trainer, grads)
+
+
+def judge(ref, results, precision: str = "fp64"):
+    """The verdict (compare.Comparison) on every rank's `rank_result` against the reference
+    (reference.ReferenceResult), by the rule of `precision`."""
+    from .compare import FP64, compare
+
+    rule = FP64 if precision == "fp64" else ref.fp32_rule()
+    with_grads = bool(ref.grads)
+    return compare(ref.losses, ref.params, [r["losses"] for r in results],
+                   [r["params"] for r in results], rule=rule, aliases=ref.aliases,
+                   ref_grads=ref.grads if with_grads else None,
+                   grads_per_rank=[r["grads"] for r in results] if with_grads else None)
 
 
 def judged_plan(plan: Plan, precision: str) -> Plan:
@@ -87,7 +115,6 @@ def judged_plan(plan: Plan, precision: str) -> Plan:
 def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
     """Run `launch(dump_dir)` (the pipelined ranks, at `precision`), the reference, judge and
     print; 0 when EQUAL, 1 when DIFFERENT, the launcher's code when a rank failed."""
-    from .compare import FP64, compare
     from .reference import train_reference
 
     with tempfile.TemporaryDirectory(prefix="pipeplan-verify-") as dump:
@@ -98,11 +125,7 @@ def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
                  for f in sorted(os.listdir(dump)) if f.endswith(".pt")]
     print(f"pipeplan: single-process reference, {steps} steps ({precision})", flush=True)
     ref = train_reference(judged_plan(plan, precision), steps)
-    rule = FP64 if precision == "fp64" else ref.fp32_rule()
-    result = compare(ref.losses, ref.params, [d["losses"] for d in dumps],
-                     [d["params"] for d in dumps], rule=rule, aliases=ref.aliases,
-                     ref_grads=ref.grads if steps else None,
-                     grads_per_rank=[d["grads"] for d in dumps] if steps else None)
+    result = judge(ref, dumps, precision)
     for step, (r, p) in enumerate(zip(ref.losses, dumps[0]["losses"])):
         print(f"step {step + 1}: loss {p:.10f}  reference {r:.10f}  diff {abs(p - r):.2e}")
     print(result.render())

@@ -107,7 +107,8 @@ def _check_moe_calls(plan: Plan, stages: Sequence[StageSpec]) -> None:
                     plan, "experts.modules",
                     f"MoE layer {name} was traced into stage {st.index}'s graph, so expert "
                     f"parallel cannot replace its call",
-                    f"capture it as one call: add it to model.leaf_modules (capture = fx)")
+                    "capture = fx keeps the experts.modules layers as single calls (export "
+                    "inlines every module); the model must be fx-traceable for that")
 
 
 def _check_recompute(plan: Plan, rules, stages: Sequence[StageSpec]) -> None:

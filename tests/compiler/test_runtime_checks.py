@@ -1,0 +1,134 @@
+"""What the runtime would refuse after launch is refused at compile time, at the plan line.
+
+compiler/checks.py runs inside `compile_plan`, so `pipeplan check` (after
+tracing), `compile`, and `run` / `verify` before they spawn a process all
+refuse these plans with a PlanError pointing at the line that asks for it.
+Each case compiles on the meta device; no process group is ever created.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeplan.compiler import compile_plan
+from pipeplan.dsl import PlanError, parse_plan
+
+from .test_parallel_plan_errors import _position
+
+MOE = """\
+model {
+  source = "pipeplan.examples.models.moe_gpt:MoEGPT"
+  args = { vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16, num_experts = 4 }
+}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh { pp = 2  dp = 2  ep = 2 }
+pipeline { microbatches = 2 }
+experts {
+  modules = [layers.*.moe]
+  num_experts = 4
+}
+train { global_batch = 8 }
+"""
+DENSE = """\
+model {
+  source = "pipeplan.examples.models.gpt:GPT"
+  args = { vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16 }
+}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh { pp = 2  dp = 2 }
+pipeline { microbatches = 2 }
+zero = 1
+train {
+  global_batch = 8
+}
+"""
+CHECKPOINT = DENSE.replace("  global_batch = 8\n", "  global_batch = 8\n"
+                           "  checkpoint { every = 1  dir = \"ck\" }\n")
+MISSING_DATA = DENSE.replace("data = synthetic(seed = 0, vocab = 64, seq_len = 16)",
+                             'data = tokens("no-such-tokens.bin", seq_len = 16)')
+ALLGATHER = MOE.replace("  num_experts = 4\n}", "  num_experts = 4\n  dispatcher = allgather\n}")
+SHARED = MOE.replace("  num_experts = 4\n}", "  num_experts = 4\n  shared_experts = 1\n}")
+INLINED = MOE.replace("  args = {", "  capture = export\n  args = {")
+
+# (id, plan text, needle: where the error points ("|" marks the column), message start)
+CASES = [
+    ("checkpoint-of-zero-shards", CHECKPOINT, "checkpoint { every",
+     "checkpoints of ZeRO, tensor-parallel or expert-parallel shards are not supported"),
+    ("missing-data-file", MISSING_DATA, 'data = tokens(|"no-such', "data file '/"),
+    ("allgather-dispatcher", ALLGATHER, "dispatcher = |allgather",
+     "experts.dispatcher = allgather is not implemented"),
+    ("shared-experts", SHARED, "shared_experts = |1", "experts.shared_experts is not implemented"),
+    ("moe-inlined-by-export", INLINED, "modules = |[layers.*.moe]",
+     "MoE layer layers.0.moe was traced into stage 0's graph"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_runtime_refusal_is_a_plan_error_at_compile_time(case, tmp_path):
+    _, text, needle, message = case
+    with pytest.raises(PlanError) as info:
+        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
+    assert not dist.is_initialized()
+    found = [(d.span.line, d.span.col, d.message) for d in info.value.diagnostics]
+    line, col = _position(text, needle)
+    assert (line, col, message) in [(ln, c, m[:len(message)]) for ln, c, m in found], found
+
+
+def test_the_unedited_plans_compile(tmp_path):
+    assert compile_plan(parse_plan(MOE, str(tmp_path / "t.plan"))).experts
+    assert compile_plan(parse_plan(DENSE, str(tmp_path / "t.plan"))).stages
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(2 * 17 * 8))
+    ok = MISSING_DATA.replace("no-such-tokens.bin", "tokens.bin")
+    assert compile_plan(parse_plan(ok, str(tmp_path / "t.plan"))).stages
+
+
+def test_recompute_writing_its_input_in_place_is_refused(tmp_path):
+    """backends/recompute.py's check, on the compiled stage graphs."""
+    text = DENSE.replace("zero = 1\n", "zero = 1\nrecompute { inplace = full }\n").replace(
+        "pipeplan.examples.models.gpt:GPT", "pipeplan.tests.compiler.test_runtime_checks:Inplace"
+    ).replace("args = { vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16 }",
+              "args = { vocab = 64 }")
+    with pytest.raises(PlanError) as info:
+        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(text, "recompute {")
+    assert "modifies its input" in d.message
+
+
+@pytest.mark.parametrize("command", ["check", "compile", "run", "verify"])
+def test_every_command_refuses_before_launch_with_exit_2(command, tmp_path):
+    """The CLI: the plan-line message on stderr, exit 2, no traceback, no process started."""
+    plan = tmp_path / "t.plan"
+    plan.write_text(ALLGATHER)
+    args = [command, str(plan)] + (["-o", str(tmp_path / "build")] if command == "compile" else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-m", "pipeplan", *args], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line, col = _position(ALLGATHER, "dispatcher = |allgather")
+    assert f"t.plan:{line}:{col}" in r.stderr and "allgather is not implemented" in r.stderr
+    assert "Traceback" not in r.stderr and "launching" not in r.stdout
+
+
+class Inplace(torch.nn.Module):
+    """A model whose block adds to its input in place (a recompute would do it twice)."""
+
+    def __init__(self, vocab: int = 64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, 8)
+        self.inplace = _AddInPlace()
+        self.head = torch.nn.Linear(8, vocab)
+
+    def forward(self, input_ids):
+        return self.head(self.inplace(self.emb(input_ids)))
+
+
+class _AddInPlace(torch.nn.Module):
+    def forward(self, x):
+        return x.add_(1.0) * 2
