@@ -1,8 +1,9 @@
 """The `pipeplan` command: one sub-command per job, each owned by its subpackage.
 
 Each subpackage's `cli` module exposes `add_commands(subparsers)`; a command's
-handler returns an exit code. User errors (PipeplanError, PlanError) print
-their message and exit 2, never a traceback unless --debug is given.
+handler returns an exit code. User errors (PipeplanError, PlanError, and an
+OSError on a file the user named) print their message and exit 2, never a
+traceback unless --debug is given.
 """
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(str(e), file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a file the user named cannot be read or written
+        if args.debug:
+            traceback.print_exc()
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"pipeplan: {where}{e.strerror or e}", file=sys.stderr)
+        return PipeplanError.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

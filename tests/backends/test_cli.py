@@ -76,8 +76,10 @@ def test_verify_reports_equal(tmp_path):
     plan = write_plan(tmp_path, dp=2, schedule="gpipe")
     r = pipeplan("verify", plan, "--steps", 3)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "EQUAL to single-process training" in r.stdout
+    assert "EQUAL to single-process training (fp64)" in r.stdout
+    assert "rule fp64: every element within rtol=1e-09, atol=1e-12" in r.stdout
     assert "max |param - reference param|" in r.stdout
+    assert "max |grad - reference grad|" in r.stdout and "after step 1" in r.stdout
 
 
 @pytest.mark.slow
