@@ -2,8 +2,8 @@
 pp2 x dp2 x tp2 with ep2 (MoE), 3 steps each, equal single-process training.
 
 Uses the runtime's PipelineTrainer as is (issue 5's wiring of parallelize.py);
-rank 0 trains the reference and judges every rank's losses and full
-parameters with the runtime's own `compare` (rtol 1e-5, atol 1e-6).
+rank 0 trains the reference and judges every rank's losses, step-1 gradients and
+full parameters with the runtime's own judge in float64 (rtol 1e-9, atol 1e-12).
 """
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from pipeplan.backends.compare import compare
 from pipeplan.backends.layout import with_required_leaves
 from pipeplan.backends.reference import train_reference
-from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.backends.verify import judge, train_for_judge
 from pipeplan.dsl.ast import (
     DataSpec, ExpertsSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TensorSpec,
     TrainSpec)
@@ -44,6 +43,7 @@ def _plan(moe: bool) -> Plan:
                 pipeline=PipelineSpec(schedule="1f1b", microbatches=4), experts=experts,
                 tensor=tensor, zero=zero,
                 train=TrainSpec(steps=STEPS, global_batch=8, grad_clip=clip, seed=11,
+                                precision="fp64",
                                 optimizer=OptimizerSpec(name="sgd", lr=0.05, momentum=0.9,
                                                           weight_decay=0.1)))
 
@@ -51,15 +51,12 @@ def _plan(moe: bool) -> Plan:
 def _worker(rank, world):
     for moe in (False, True):
         plan = with_required_leaves(_plan(moe))  # as the runtime's worker compiles it
-        trainer = PipelineTrainer.for_plan(plan)
-        losses = [trainer.step(t).loss for t in range(STEPS)]
-        mine = (losses, trainer.named_parameters())
+        mine = train_for_judge(plan, STEPS)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if rank == 0:
             ref = train_reference(plan, STEPS)
-            got = compare(ref.losses, ref.params, [g[0] for g in gathered],
-                          [g[1] for g in gathered], rtol=1e-5, atol=1e-6)
+            got = judge(ref, gathered)
             assert got.within, f"moe={moe}\n" + got.render()
         dist.barrier()
 

@@ -1,4 +1,8 @@
-"""ZeRO 0-3: three AdamW steps over dp ranks equal single-process training; memory adds up."""
+"""ZeRO 0-3: three AdamW steps over dp ranks equal single-process training; memory adds up.
+
+In float64 (the project's judge: rtol 1e-9, atol 1e-12 per element), so the flat
+buffers, reduce-scatters and all-gathers are exercised in float64 too.
+"""
 from __future__ import annotations
 
 import copy
@@ -13,13 +17,16 @@ from pipeplan.backends.zero import (
     FlatLayout, FlatShard, MemoryBytes, ZeroOptimizer, expected_memory)
 from pipeplan.errors import PipeplanError
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = dict(rtol=1e-9, atol=1e-12)
+DTYPE = torch.float64
+SIZE = 8  # bytes per element
 MICROBATCHES = 2
 
 
 def make_model() -> nn.Module:
     # 839 parameters: not a multiple of 2 or 4, so the flat buffer is padded.
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 7))
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32),
+                         nn.Linear(32, 7)).to(DTYPE)
 
 
 def adamw(params):
@@ -30,9 +37,9 @@ def _expected_bytes(stage: int, world: int, numel: int):
     """Written out by hand here, independently of zero.expected_memory."""
     padded = -(-numel // world) * world if stage > 0 else numel
     shard = padded // world if stage > 0 else padded
-    params = shard * 4 if stage == 3 else padded * 4
-    grads = padded * 4 if stage <= 1 else shard * 4
-    optimizer = 2 * shard * 4 + 4  # exp_avg, exp_avg_sq, and the float32 step counter
+    params = shard * SIZE if stage == 3 else padded * SIZE
+    grads = padded * SIZE if stage <= 1 else shard * SIZE
+    optimizer = 2 * shard * SIZE + 4  # exp_avg, exp_avg_sq, and the float32 step counter
     return params, grads, optimizer
 
 
@@ -45,8 +52,8 @@ def _zero_worker(rank, world, stage, clip):
     shard = FlatShard(list(model.named_parameters()), group, stage)
     opt = ZeroOptimizer([shard], adamw)
     for step in range(3):
-        x = torch.randn(world, MICROBATCHES, 4, 16)
-        y = torch.randn(world, MICROBATCHES, 4, 7)
+        x = torch.randn(world, MICROBATCHES, 4, 16, dtype=DTYPE)
+        y = torch.randn(world, MICROBATCHES, 4, 7, dtype=DTYPE)
         ref_opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
         if clip:
@@ -69,7 +76,7 @@ def _zero_worker(rank, world, stage, clip):
         mem = opt.memory()
         assert (mem.params, mem.grads, mem.optimizer) == _expected_bytes(stage, world, 839), \
             f"stage {stage} rank {rank}: {mem}"
-        assert mem == expected_memory(839, world, stage, "adamw")
+        assert mem == expected_memory(839, world, stage, "adamw", element_size=SIZE)
         opt.gather()
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL,
