@@ -95,3 +95,45 @@ def _send(a: Action, s2r, S: int, channels) -> tuple[int, ...]:
         channels.setdefault((s2r[a.stage], s2r[a.stage - 1]), deque()).append(("grad", a.stage, a.microbatch))
         return (s2r[a.stage - 1],)
     return ()
+
+
+def delay_senders(schedule: Schedule) -> Schedule:
+    """The other repair: keep every receiver's order and reorder the senders instead.
+
+    On each rank pair whose receiver takes messages in another order than they are sent, the
+    sender runs the forward it sent too early just after the action the receiver wants first
+    (or, when that early message is a gradient, runs the wanted backward before it). A forward
+    run later holds its activations for less time, so no rank's peak memory grows (unlike
+    follow_fifo, which makes the receiver run forwards early). One fix per rank per round;
+    raises ScheduleError when the rounds run out (the caller skips the candidate).
+    """
+    S, s2r = schedule.stages, schedule.stage_to_rank
+    rows = [list(row) for row in schedule.order]
+    for _ in range(4 * sum(map(len, rows)) // max(1, schedule.ranks) + 8):
+        where = {a: (r, i) for r, row in enumerate(rows) for i, a in enumerate(row)}
+        backward = {(a.stage, a.microbatch): a for a in where if a.op in (B, BW)}
+        received: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> send positions, receive order
+        for r, row in enumerate(rows):
+            for a in row:
+                if a.op == F and a.stage > 0 and s2r[a.stage - 1] != r:
+                    src = where[Action(F, a.stage - 1, a.microbatch)]
+                elif a.op in (B, BW) and a.stage + 1 < S and s2r[a.stage + 1] != r:
+                    src = where[backward[(a.stage + 1, a.microbatch)]]
+                else:
+                    continue
+                received.setdefault((src[0], r), []).append(src[1])
+        fixes: dict[int, tuple[int, int]] = {}
+        for (q, _), got in received.items():
+            early = next(((x, y) for x, y in zip(sorted(got), got) if x != y), None)
+            if early is not None and q not in fixes:
+                fixes[q] = early
+        if not fixes:
+            return Schedule(schedule.name, schedule.ranks, S, schedule.microbatches, s2r,
+                            tuple(tuple(row) for row in rows))
+        for q, (sent, wanted) in fixes.items():
+            row = rows[q]
+            if row[sent].op == F:
+                row.insert(wanted, row.pop(sent))  # the early forward runs right after the wanted send
+            else:
+                row.insert(sent, row.pop(wanted))  # the wanted backward runs before the early one
+    raise ScheduleError(f"{schedule.name}: the senders could not be put in their receivers' order")

@@ -88,6 +88,11 @@ def zbv_paper(ranks: int, microbatches: int) -> Schedule:
     of the W's. On in-order channels rank r+1 must run one more F0 before taking
     rank r's first gradient, so after `follow_fifo` rank r peaks at p + r/2 (not p).
     """
+    return follow_fifo(zbv_tagged(ranks, microbatches))
+
+
+def zbv_tagged(ranks: int, microbatches: int) -> Schedule:
+    """The paper's ZB-V order exactly as torch writes it (for receives matched by tag)."""
     p, m = ranks, microbatches
     n = max(2 * p - 1, m)
     order = []
@@ -128,7 +133,7 @@ def zbv_paper(ranks: int, microbatches: int) -> Schedule:
         while count["W0"] < count["B0"]:
             add("W0")
         order.append(tuple(a for a in ops if a.microbatch < m))
-    return follow_fifo(Schedule("zbv", p, 2 * p, m, v_placement(p), tuple(order)))
+    return Schedule("zbv", p, 2 * p, m, v_placement(p), tuple(order))
 
 
 def _greedy(name: str, placement: tuple[int, ...], microbatches: int, limit: float) -> Schedule:
