@@ -77,10 +77,10 @@ def makespan_bound(placement: Sequence[int], microbatches: int, table: StageCost
 
     release = _forward_releases(f, lat, S, m)
     best = chain
-    for r in range(max(placement) + 1):
-        mine = [s for s in range(S) if placement[s] == r]
-        if not mine:
-            continue
+    stages_of: dict[int, list[int]] = {}
+    for s, r in enumerate(placement):  # linear in stages (a file may name thousands of ranks)
+        stages_of.setdefault(r, []).append(s)
+    for mine in stages_of.values():
         n = len(mine)
         work = m * sum(f[s] + b[s] + w[s] for s in mine)
         cap = m * n if memory_limit is None else min(m * n, math.floor(memory_limit * n + EPS))

@@ -49,8 +49,12 @@ def add_commands(subparsers) -> None:
 def run(args) -> int:
     costs = parse_costs(args.costs, args.latency)
     if args.load:
-        schedule = adapt_to_channels(load(args.load))
-        verify(schedule, args.memory_limit)
+        schedule = load(args.load)
+        try:
+            schedule = adapt_to_channels(schedule)
+            verify(schedule, args.memory_limit)
+        except ScheduleError as e:
+            raise ScheduleError(f"{args.load}: {e}") from None
         return _emit(args, [simulate(schedule, costs)])
     if args.compare:
         kinds = [k.strip() for k in args.compare.split(",") if k.strip()]
@@ -83,14 +87,25 @@ def _generate(kind: str, args, costs: Costs) -> Schedule:
 
 
 def load(path: str) -> Schedule:
-    """A schedule from pipeplan JSON or torch CSV, chosen by extension (JSON if it starts with '{')."""
+    """A schedule from pipeplan JSON or torch CSV, chosen by extension (JSON if it starts with '{').
+
+    Every problem is one line naming the file: unreadable, not UTF-8, or malformed (serialize.py
+    bounds the work by the file's size)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise ScheduleError(f"cannot read {path}: {e.strerror}") from None
-    if path.endswith(".json") or text.lstrip().startswith("{"):
-        return schedule_from_json(text)
-    return schedule_from_csv(text, name=Path(path).stem)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ScheduleError(f"{path}: not a UTF-8 text file (byte {e.start} is {raw[e.start]:#04x}); "
+                            f"a schedule is pipeplan JSON or torch's CSV") from None
+    try:
+        if path.endswith(".json") or text.lstrip().startswith("{"):
+            return schedule_from_json(text)
+        return schedule_from_csv(text, name=Path(path).stem)
+    except ScheduleError as e:
+        raise ScheduleError(f"{path}: {e}") from None
 
 
 def adapt_to_channels(schedule: Schedule) -> Schedule:

@@ -39,12 +39,18 @@ class Execution:
         return self.schedule.order[r][i]
 
 
-def analyze(schedule: Schedule) -> Execution:
-    """Prove the schedule runs; the proof is kept on the (immutable) schedule object."""
-    ex = schedule.__dict__.get(CACHE_ATTR)
+def analyze(schedule: Schedule, in_order: bool = True) -> Execution:
+    """Prove the schedule runs; the proof is kept on the (immutable) schedule object.
+
+    in_order=False models tag-matched receives (torch.distributed.pipelining's runtime): the
+    rank-pair FIFO check is skipped, everything else (each op once, dependencies, no deadlock)
+    holds. pipeplan's runtime is in-order; the tagged model only times other runtimes' orders.
+    """
+    attr = CACHE_ATTR if in_order else CACHE_ATTR + "_tagged"
+    ex = schedule.__dict__.get(attr)
     if ex is None:
-        ex = _analyze(schedule)
-        object.__setattr__(schedule, CACHE_ATTR, ex)
+        ex = _analyze(schedule, in_order)
+        object.__setattr__(schedule, attr, ex)
     return ex
 
 
@@ -52,10 +58,11 @@ def _fail(msg: str):
     raise ScheduleError(msg)
 
 
-def _analyze(schedule: Schedule) -> Execution:
+def _analyze(schedule: Schedule, in_order: bool = True) -> Execution:
     where, stride = _check_structure(schedule)
     producer = _resolve(schedule, where, stride)
-    _check_channels(schedule, producer, stride)
+    if in_order:
+        _check_channels(schedule, producer, stride)
     topo = _walk(schedule, producer, stride)
     return Execution(schedule, stride, producer, topo)
 

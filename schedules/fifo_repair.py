@@ -46,41 +46,94 @@ def follow_fifo(schedule: Schedule) -> Schedule:
             if src:
                 consumer[src[1]] = a
     channels: dict[tuple[int, int], deque] = {}
-    remaining = [list(row) for row in schedule.order]
+    rows = [list(row) for row in schedule.order]
+    head = [0] * p  # rows[r][:head[r]] are all run; later ones may have run early (in `done`)
     out: list[list[Action]] = [[] for _ in range(p)]
     done: set = set()
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while remaining[r]:
-                a = remaining[r][0]
-                src = source(a)
-                run = None
-                if src is None:
-                    run = a if local_ready(a, done) else None
-                else:
-                    q = channels.get((src[0], r))
-                    if q:
-                        want = consumer[q[0]]
-                        if want == a or (local_ready(want, done) and want in remaining[r]):
-                            run = want
-                            q.popleft()
-                if run is None:
-                    break
-                remaining[r].remove(run)
-                out[r].append(run)
-                key = (run.op, run.stage, run.microbatch)
-                done.add(key)
-                _send(run, s2r, S, channels)
-                progress = True
-    if any(remaining):
+    stack = list(range(p - 1, -1, -1))  # ranks that may make progress (a message arrived)
+    queued = [True] * p
+    while stack:
+        r = stack.pop()
+        queued[r] = False
+        row = rows[r]
+        while True:
+            while head[r] < len(row) and (row[head[r]].op, row[head[r]].stage, row[head[r]].microbatch) in done:
+                head[r] += 1
+            if head[r] == len(row):
+                break
+            a = row[head[r]]
+            src = source(a)
+            run = None
+            if src is None:
+                run = a if local_ready(a, done) else None
+            else:
+                q = channels.get((src[0], r))
+                if q:
+                    want = consumer[q[0]]
+                    if want == a or local_ready(want, done):  # want is r's and not yet run
+                        run = want
+                        q.popleft()
+            if run is None:
+                break
+            out[r].append(run)
+            done.add((run.op, run.stage, run.microbatch))
+            for dst in _send(run, s2r, S, channels):
+                if not queued[dst]:
+                    queued[dst] = True
+                    stack.append(dst)
+    if sum(map(len, out)) != sum(map(len, rows)):
         raise ScheduleError(f"{schedule.name}: the order cannot be made consistent with in-order channels")
     return Schedule(schedule.name, p, S, schedule.microbatches, s2r, tuple(tuple(o) for o in out))
 
 
-def _send(a: Action, s2r, S: int, channels) -> None:
+def _send(a: Action, s2r, S: int, channels) -> tuple[int, ...]:
+    """Post a's output on its channel, if another rank consumes it; returns that rank."""
     if a.op == F and a.stage + 1 < S and s2r[a.stage + 1] != s2r[a.stage]:
         channels.setdefault((s2r[a.stage], s2r[a.stage + 1]), deque()).append(("act", a.stage, a.microbatch))
+        return (s2r[a.stage + 1],)
     if a.op in (B, BW) and a.stage > 0 and s2r[a.stage - 1] != s2r[a.stage]:
         channels.setdefault((s2r[a.stage], s2r[a.stage - 1]), deque()).append(("grad", a.stage, a.microbatch))
+        return (s2r[a.stage - 1],)
+    return ()
+
+
+def delay_senders(schedule: Schedule) -> Schedule:
+    """The other repair: keep every receiver's order and reorder the senders instead.
+
+    On each rank pair whose receiver takes messages in another order than they are sent, the
+    sender runs the forward it sent too early just after the action the receiver wants first
+    (or, when that early message is a gradient, runs the wanted backward before it). A forward
+    run later holds its activations for less time, so no rank's peak memory grows (unlike
+    follow_fifo, which makes the receiver run forwards early). One fix per rank per round;
+    raises ScheduleError when the rounds run out (the caller skips the candidate).
+    """
+    S, s2r = schedule.stages, schedule.stage_to_rank
+    rows = [list(row) for row in schedule.order]
+    for _ in range(4 * sum(map(len, rows)) // max(1, schedule.ranks) + 8):
+        where = {a: (r, i) for r, row in enumerate(rows) for i, a in enumerate(row)}
+        backward = {(a.stage, a.microbatch): a for a in where if a.op in (B, BW)}
+        received: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> send positions, receive order
+        for r, row in enumerate(rows):
+            for a in row:
+                if a.op == F and a.stage > 0 and s2r[a.stage - 1] != r:
+                    src = where[Action(F, a.stage - 1, a.microbatch)]
+                elif a.op in (B, BW) and a.stage + 1 < S and s2r[a.stage + 1] != r:
+                    src = where[backward[(a.stage + 1, a.microbatch)]]
+                else:
+                    continue
+                received.setdefault((src[0], r), []).append(src[1])
+        fixes: dict[int, tuple[int, int]] = {}
+        for (q, _), got in received.items():
+            early = next(((x, y) for x, y in zip(sorted(got), got) if x != y), None)
+            if early is not None and q not in fixes:
+                fixes[q] = early
+        if not fixes:
+            return Schedule(schedule.name, schedule.ranks, S, schedule.microbatches, s2r,
+                            tuple(tuple(row) for row in rows))
+        for q, (sent, wanted) in fixes.items():
+            row = rows[q]
+            if row[sent].op == F:
+                row.insert(wanted, row.pop(sent))  # the early forward runs right after the wanted send
+            else:
+                row.insert(sent, row.pop(wanted))  # the wanted backward runs before the early one
+    raise ScheduleError(f"{schedule.name}: the senders could not be put in their receivers' order")

@@ -1,50 +1,49 @@
-"""auto: a cost- and memory-aware search over the zero-bubble heuristic family.
+"""auto: a cost- and memory-aware search over orders and placements (loop v=1, V, loop v=2).
 
-Three phases, each candidate verified and simulated, the shortest makespan
-winning (then the lower peak memory):
-  1. every fixed kind that fits the memory limit (so auto is never worse than
-     the best of them), and the list scheduler (gen_greedy) run with the real
-     per-stage costs and latency over each placement (loop, V, loop with 2
-     stages per rank): backward split or whole, W deferred, eager or only in
-     gaps, backwards or forwards first, whole or loose memory reservation, at
-     the memory limit (or at p, 2p-1 and unlimited when none is given);
-  2. the list scheduler again with seeded random deviations (a random ready
-     kind at some decisions), keeping the best per placement;
-  3. a local search (gen_refine) from the best schedule of each placement.
-Phases 2 and 3 skip a placement once its best reaches its lower bound
-(bound.py) or its bound cannot beat the best found. They run up to
-SEARCH_ACTIONS actions and are capped by work (runs x actions), not time, so
-`auto` is a pure function of its inputs and takes about a second for p <= 8,
-m <= 16 (a wall-clock cap only guards a very slow machine). Above BIG actions
-only the most promising phase-1 variants run, and above HUGE actions only the
-closed-form kinds (gpipe, 1f1b, interleaved, zbh1, dualpipev) compete, so
-"never worse than the best fixed kind" then holds against those.
+Three phases, each candidate verified and simulated, the shortest makespan winning (then
+the lower peak memory):
+  1. every fixed kind within the memory limit; the paper's ZB-V order with its senders put
+     in their receivers' order (fifo_repair.delay_senders: p units, unlike the zbv kind's
+     receiver-side repair); and the list scheduler (gen_greedy) with the real per-stage
+     costs and latency over each placement: backward split or whole, W deferred, eager or
+     only in gaps, backwards or forwards first, whole or loose memory reservation, at the
+     memory limit (or at p, 2p-1 and unlimited when none is given);
+  2. the list scheduler again with seeded random deviations, per placement (JITTER_RUNS);
+  3. a critical-path local search (gen_search) from the best distinct candidates, sharing
+     SEARCH_WORK // actions evaluations, stopping at the placement's lower bound (bound.py).
+Phases 2 and 3 skip a placement once its best reaches its bound or its bound cannot beat
+the best found. Everything is bounded by counts, never by time, so `auto` is a pure
+function of its inputs (every rank of a run computes the same schedule). Above BIG
+actions only the most promising phase-1 variants run, and above HUGE actions only the
+closed-form kinds compete.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from typing import Iterator, Optional
 
 from .bound import makespan_bound
 from .costs import Costs
 from .errors import ScheduleError
+from .fifo_repair import delay_senders
 from .gen_greedy import Policy, Stall, list_schedule
-from .gen_refine import refine
-from .gen_zero_bubble import zbv_paper
+from .gen_search import search
+from .gen_zero_bubble import zbv_paper, zbv_tagged
 from .ir import Schedule, loop_placement, v_placement
 from .memory import peak_per_rank
 from .simulate import simulate
 
 FIXED_KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv", "vhalf", "vmin", "dualpipev")
-# Phases 2 and 3 are capped by work (runs x actions), so auto is a pure function of its inputs;
-# the wall-clock cap only binds on a machine several times slower than a busy 2-core laptop.
 JITTER_RUNS = 160  # phase 2: randomised list-scheduler runs per placement, at most
-JITTER_WORK = 30_000  # ... and at most this many actions scheduled per placement
-REFINE_WORK = 800_000  # phase 3: local-search moves x actions, shared by the open placements
-SEARCH_SECONDS = 10.0  # safety cap on the whole search
-SEARCH_ACTIONS = 1000  # phases 2 and 3 run up to this many actions (p=8, m=16 with 2 stages per rank)
+JITTER_WORK = 12_000  # ... and at most this many actions scheduled per placement
+JITTER_ACTIONS = 1000  # phase 2 runs up to this many actions (above, the local search does better)
+SEARCH_WORK = 10_000_000  # phase 3: evaluations x actions, shared by the starts
+MAX_EVALUATIONS = 8000  # phase 3 on small cases
+STARTS = (0.8, 0.1, 0.1)  # shares of the evaluations: the senders-repaired ZB-V first (the best
+# start measured: from it the search reaches the bound at p=8, m=32), then the best two others
+SENDERS = "ZB-V paper order, senders in channel order"
+SEARCH_ACTIONS = 8000  # phases 2 and 3 run up to this many actions (p=16, m=64 with 2 stages per rank)
 BIG = 20_000  # actions above which only the most promising greedy variants run
 HUGE = 100_000  # actions above which no list scheduling runs (seconds per run in Python)
 CLOSED_FORM = ("gpipe", "1f1b", "interleaved", "zbh1", "dualpipev")
@@ -59,6 +58,7 @@ class _Best:
     schedule: Optional[Schedule] = None
     per_placement: dict = dataclasses.field(default_factory=dict)  # placement -> (makespan, label, schedule)
     tried: int = 0
+    ranked: list = dataclasses.field(default_factory=list)  # (makespan, tried, label, schedule), valid ones
 
     def offer(self, label: str, schedule: Schedule, costs: Costs, limit: Optional[float]) -> None:
         self.tried += 1
@@ -70,6 +70,7 @@ class _Best:
         if limit is not None and peak > limit + 1e-9:
             return
         key = (round(result.makespan, 9), peak, self.tried)
+        self.ranked.append((key[0], self.tried, label, schedule))
         if self.schedule is None or key < self.key:
             self.key, self.label, self.schedule = key, label, schedule
         mine = self.per_placement.get(schedule.stage_to_rank)
@@ -85,7 +86,6 @@ def auto(ranks: int, microbatches: int, virtual: Optional[int], costs: Costs,
          memory_limit: Optional[float]) -> Schedule:
     p, m = ranks, microbatches
     vs = _virtuals(p, virtual, costs)
-    deadline = time.perf_counter() + SEARCH_SECONDS
     best = _Best()
     for label, schedule in _candidates(p, m, vs, costs, memory_limit):
         best.offer(label, schedule, costs, memory_limit)
@@ -97,8 +97,9 @@ def auto(ranks: int, microbatches: int, virtual: Optional[int], costs: Costs,
     if 3 * p * max(vs) * m <= SEARCH_ACTIONS:
         placements = [(name, pl, makespan_bound(pl, m, costs.stage_table(pl), memory_limit))
                       for name, pl in _placements(p, vs)]
-        _jittered(best, placements, p, m, costs, memory_limit, deadline)
-        _polished(best, placements, costs, memory_limit, deadline)
+        if 3 * p * max(vs) * m <= JITTER_ACTIONS:
+            _jittered(best, placements, p, m, costs, memory_limit)
+        _searched(best, placements, costs, memory_limit)
     return dataclasses.replace(best.schedule, name=f"auto:{best.label}")
 
 
@@ -150,12 +151,14 @@ def _candidates(p: int, m: int, vs: tuple[int, ...], costs: Costs, limit: Option
     if huge:
         return
     if 2 in vs:
-        try:
-            schedule = zbv_paper(p, m)
-            if limit is None or max(peak_per_rank(schedule)[0]) <= limit + 1e-9:
-                yield "ZB-V paper order (in-order channels)", schedule
-        except ScheduleError:
-            pass
+        paper = zbv_paper(p, m)  # receivers repaired (p + r/2); the senders' repair keeps p
+        if limit is None or max(peak_per_rank(paper)[0]) <= limit + 1e-9:
+            yield "ZB-V paper order, receivers in channel order", paper
+        if 3 * p * 2 * m <= SEARCH_ACTIONS:
+            try:
+                yield SENDERS, delay_senders(zbv_tagged(p, m))
+            except ScheduleError:
+                pass
     limits = (limit,) if limit is not None else (float(p), float(2 * p - 1), float(m))
     big = actions > BIG
     for name, placement in _placements(p, vs):
@@ -196,15 +199,12 @@ def _open(best: _Best, placements) -> list[tuple[float, str, tuple[int, ...], fl
     return sorted(out)
 
 
-def _jittered(best: _Best, placements, p: int, m: int, costs: Costs, limit: Optional[float],
-              deadline: float) -> None:
+def _jittered(best: _Best, placements, p: int, m: int, costs: Costs, limit: Optional[float]) -> None:
     """Phase 2: seeded random deviations from the list scheduler's rule, per open placement."""
     lim = limit if limit is not None else float(2 * p - 1)
     for _, name, placement, _ in _open(best, placements):
         table = costs.stage_table(placement)
         for seed, jitter, whole in _jitter_plan(min(JITTER_RUNS, JITTER_WORK // (3 * m * len(placement)))):
-            if time.perf_counter() > deadline:
-                return
             if all(pl != placement for _, _, pl, _ in _open(best, placements)):
                 break
             policy = Policy(split=True, limits=(lim,) * p, reserve_whole=whole, jitter=jitter, seed=seed)
@@ -221,17 +221,21 @@ def _jitter_plan(runs: int) -> Iterator[tuple[int, float, bool]]:
             yield seed, jitter, whole
 
 
-def _polished(best: _Best, placements, costs: Costs, limit: Optional[float], deadline: float) -> None:
-    """Phase 3: local search from each open placement's best, most promising first, sharing the time."""
-    entries = _open(best, placements)
-    for left, (_, _, placement, bound) in zip(range(len(entries), 0, -1), entries):
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0 or bound >= best.makespan - 1e-9:
+def _searched(best: _Best, placements, costs: Costs, limit: Optional[float]) -> None:
+    """Phase 3: local search from the best distinct candidates whose placement is still open."""
+    bounds = {pl: bound for _, pl, bound in placements}
+    starts, seen = [], set()
+    for makespan, _, label, schedule in sorted(best.ranked, key=lambda e: (e[2] != SENDERS, e[:2])):
+        if schedule.order in seen or bounds[schedule.stage_to_rank] >= best.makespan - 1e-9:
             continue
-        _, label, schedule = best.per_placement[placement]
-        moves = REFINE_WORK // (len(entries) * schedule.num_actions)
-        polished = refine(schedule, costs, limit, remaining / left, moves, bound)
-        if polished is not schedule:
-            best.offer(label + " + local search", polished, costs, limit)
-
-
+        if makespan <= bounds[schedule.stage_to_rank] + 1e-9:
+            continue  # nothing of this placement is shorter
+        seen.add(schedule.order)
+        starts.append((label, schedule))
+        if len(starts) == len(STARTS):
+            break
+    for seed, ((label, schedule), share) in enumerate(zip(starts, STARTS)):
+        evaluations = int(share * min(MAX_EVALUATIONS, SEARCH_WORK // schedule.num_actions))
+        found = search(schedule, costs, limit, evaluations, bounds[schedule.stage_to_rank], seed)
+        if found is not schedule:
+            best.offer(label + " + local search", found, costs, limit)

@@ -7,8 +7,11 @@ memory budget plus a placement:
 
   zbh1      loop placement, 1F1B's memory (p): 1F1B order, rank r runs W(k) after B(k+r)
   zbh2      loop placement, 2p-1 units: list-scheduled (forwards fill the warm-up bubble)
-  zbv       V placement (v=2), p units: list-scheduled (the paper's hand-made ZB-V needs
-            p + r/2 on rank r on in-order channels; see zbv_paper)
+  zbv       V placement (v=2): the paper's hand-made ZB-V (torch's ScheduleZBVZeroBubble
+            order), bubble (p-1)F/2 at equal costs and m >= 2p. Written for tag-matched
+            receives (p units); on pipeplan's in-order channels rank r runs one more
+            forward early and holds p + r/2. Under a lower memory limit, zbv_within
+            list-schedules the V at the limit instead.
   vhalf     V placement, about half of 1F1B's memory: floor(p/2)+1 units
   vmin      V placement, about a third: floor(p/3)+1 units
 
@@ -61,7 +64,12 @@ def zbh2(ranks: int, microbatches: int) -> Schedule:
 
 
 def zbv(ranks: int, microbatches: int) -> Schedule:
-    return _greedy("zbv", v_placement(ranks), microbatches, float(ranks))
+    return zbv_paper(ranks, microbatches)
+
+
+def zbv_within(ranks: int, microbatches: int, limit: float) -> Schedule:
+    """The V list-scheduled within `limit` activations per rank (zbv when the paper's order does not fit)."""
+    return _greedy("zbv", v_placement(ranks), microbatches, limit)
 
 
 def vhalf(ranks: int, microbatches: int) -> Schedule:
@@ -78,9 +86,13 @@ def zbv_paper(ranks: int, microbatches: int) -> Schedule:
     Rank r: 2(p-r)-1 chunk-0 forwards; r x (f1, F0); (p-r) x (f1, B1, W1); then
     F0 B0 W0 f1 B1 W1 until done; cool-down r x (B0, B1), (p-r) x (B0, W0), the rest
     of the W's. On in-order channels rank r+1 must run one more F0 before taking
-    rank r's first gradient, so after `follow_fifo` rank r peaks at p + r/2 (not p):
-    a candidate for `auto` when the memory limit allows, not the `zbv` kind.
+    rank r's first gradient, so after `follow_fifo` rank r peaks at p + r/2 (not p).
     """
+    return follow_fifo(zbv_tagged(ranks, microbatches))
+
+
+def zbv_tagged(ranks: int, microbatches: int) -> Schedule:
+    """The paper's ZB-V order exactly as torch writes it (for receives matched by tag)."""
     p, m = ranks, microbatches
     n = max(2 * p - 1, m)
     order = []
@@ -121,7 +133,7 @@ def zbv_paper(ranks: int, microbatches: int) -> Schedule:
         while count["W0"] < count["B0"]:
             add("W0")
         order.append(tuple(a for a in ops if a.microbatch < m))
-    return follow_fifo(Schedule("zbv", p, 2 * p, m, v_placement(p), tuple(order)))
+    return Schedule("zbv", p, 2 * p, m, v_placement(p), tuple(order))
 
 
 def _greedy(name: str, placement: tuple[int, ...], microbatches: int, limit: float) -> Schedule:

@@ -13,7 +13,7 @@ from .errors import ScheduleError
 from .gen_classic import gpipe, interleaved, one_f_one_b
 from .gen_dualpipev import dualpipev
 from .gen_greedy import Stall
-from .gen_zero_bubble import vhalf, vmin, zbh1, zbh2, zbv
+from .gen_zero_bubble import vhalf, vmin, zbh1, zbh2, zbv, zbv_within
 from .ir import Schedule
 from .memory import peak_per_rank
 from .verify import verify
@@ -82,6 +82,8 @@ def generate(kind: str, ranks: int, microbatches: int, virtual: Optional[int] = 
                             f"{ranks} ranks x {v} stages per rank has {ranks * v}")
     try:
         schedule = _FIXED[kind][2](ranks, microbatches, v)
+        if kind == "zbv" and memory_limit is not None and max(peak_per_rank(schedule)[0]) > memory_limit + 1e-9:
+            schedule = zbv_within(ranks, microbatches, memory_limit)  # the paper's order holds p + r/2
     except Stall as e:
         raise ScheduleError(f"{kind}: no order found for {ranks} ranks, {microbatches} microbatches ({e})") from None
     if memory_limit is not None:

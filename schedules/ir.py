@@ -45,7 +45,7 @@ class Schedule:
 
     def __getstate__(self):
         """Pickle only the fields (the cached analysis is rebuilt on demand)."""
-        return {k: v for k, v in self.__dict__.items() if k != CACHE_ATTR}
+        return {k: v for k, v in self.__dict__.items() if not k.startswith(CACHE_ATTR)}
 
     def __setstate__(self, state):
         self.__dict__.update(state)

@@ -5,6 +5,12 @@ JSON: {"schedule", "ranks", "stages", "microbatches", "stage_to_rank",
 CSV: one row per rank, one cell per action, torch's spelling `{stage}{F|I|W|B}{mb}`:
 torch's I (input grad) is our B, torch's B (full backward) is our BW. torch rows
 carry no placement; it is inferred from which rank runs each stage.
+
+Loading is bounded by the file: nesting deeper than MAX_DEPTH is refused before
+parsing, CSV numbers longer than MAX_DIGITS are refused, and the declared sizes
+(ranks, stages, microbatches) must be backed by the actions the file lists
+(each stage-microbatch needs an F and a backward), so nothing is allocated
+beyond a constant times the file's size, and every check is linear in it.
 """
 from __future__ import annotations
 
@@ -18,6 +24,9 @@ from .ir import B, BW, F, OPS, W, Action, Schedule
 _TO_TORCH = {F: "F", B: "I", W: "W", BW: "B"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _TORCH_ACTION = re.compile(r"^\s*(\d+)\s*([FIWB])\s*(\d+)\s*$")
+MAX_DEPTH = 32  # the schema nests 4 deep (metrics 3); anything deeper is not a schedule
+MAX_DIGITS = 12  # stage and microbatch numbers: no schedule has 10**12 of anything
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 def schedule_to_dict(schedule: Schedule, metrics: Optional[dict] = None) -> dict:
@@ -38,11 +47,27 @@ def schedule_to_json(schedule: Schedule, metrics: Optional[dict] = None, indent:
 
 def schedule_from_json(text: str) -> Schedule:
     """Parse the JSON schema; structural problems become one-line ScheduleErrors (verify separately)."""
+    _check_json_shape(text)
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise ScheduleError(f"malformed schedule JSON: {e}") from None
     return schedule_from_dict(data)
+
+
+def _check_json_shape(text: str) -> None:
+    """Refuse deep nesting in one linear scan, before the parser recurses (json refuses integers
+    over 4300 digits itself, as a ValueError)."""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(text):
+        c = token.group()[0]
+        if c in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ScheduleError(f"malformed schedule JSON: nested deeper than {MAX_DEPTH} levels "
+                                    f"(at character {token.start()})")
+        elif c in "]}":
+            depth -= 1
 
 
 def schedule_from_dict(data) -> Schedule:
@@ -70,8 +95,25 @@ def schedule_from_dict(data) -> Schedule:
                                     f'{{"op": F|B|W|BW, "stage": int, "mb": int}}, got {item!r}')
             actions.append(Action(item["op"], item["stage"], item["mb"]))
         order.append(tuple(actions))
+    _check_sizes(data, len(s2r), rows)
     return Schedule(str(data.get("schedule", "loaded")), data["ranks"], data["stages"],
                     data["microbatches"], tuple(s2r), tuple(order))
+
+
+def _check_sizes(data: dict, placed: int, rows: list) -> None:
+    """The declared sizes must be backed by the listed actions (bounds every later allocation)."""
+    listed = sum(len(r) for r in rows)
+    if data["ranks"] != len(rows):
+        raise ScheduleError(f"malformed schedule JSON: 'ranks' is {data['ranks']} but 'order' lists "
+                            f"{len(rows)} ranks")
+    if data["stages"] != placed:
+        raise ScheduleError(f"malformed schedule JSON: 'stages' is {data['stages']} but 'stage_to_rank' "
+                            f"places {placed}")
+    m = data["microbatches"]
+    if m > 0 and placed * m * 2 > listed:
+        raise ScheduleError(f"malformed schedule JSON: 'microbatches' = {m} with {placed} stages needs at "
+                            f"least {2 * placed * m} actions (an F and a backward each), the file lists "
+                            f"{listed}")
 
 
 def _is_int(x) -> bool:
@@ -107,11 +149,13 @@ def schedule_from_csv(text: str, name: str = "csv", stage_to_rank: Optional[tupl
                 actions.append(Action(op, stage, mb))
         order.append(tuple(actions))
     if stage_to_rank is None:
-        stages = max(placement) + 1 if placement else 0
-        missing = [s for s in range(stages) if s not in placement]
-        if missing or not stages:
-            raise ScheduleError(f"malformed schedule CSV: stage {missing[0] if missing else 0} has no actions")
-        stage_to_rank = tuple(placement[s] for s in range(stages))
+        if not placement:
+            raise ScheduleError("malformed schedule CSV: stage 0 has no actions")
+        if max(placement) >= len(placement):  # some stage below the largest is never run
+            missing = next(s for s, t in enumerate(sorted(placement)) if s != t)
+            raise ScheduleError(f"malformed schedule CSV: stage {missing} has no actions (the file names "
+                                f"stage {max(placement)} but only {len(placement)} distinct stages)")
+        stage_to_rank = tuple(placement[s] for s in range(len(placement)))
     microbatches = sum(1 for row in order for a in row if a.op == F and a.stage == 0)
     for r, row in enumerate(order):
         for i, a in enumerate(row):
@@ -137,5 +181,8 @@ def _parse_cell(cell: str, rank: int, index: int) -> list[tuple[int, str, int]]:
         if not m:
             raise ScheduleError(f"malformed schedule CSV: rank {rank} action {index} {cell!r} is "
                                 f"not {{stage}}{{F|I|W|B}}{{microbatch}} (e.g. 0F0)")
+        if max(len(m.group(1)), len(m.group(3))) > MAX_DIGITS:
+            raise ScheduleError(f"malformed schedule CSV: rank {rank} action {index} {cell[:40]!r} has a "
+                                f"number with more than {MAX_DIGITS} digits")
         out.append((int(m.group(1)), _FROM_TORCH[m.group(2)], int(m.group(3))))
     return out

@@ -46,6 +46,7 @@ class SimResult:
     lower_bound: float  # no schedule of this placement, costs and memory limit can be shorter
     start: tuple[tuple[float, ...], ...]  # per rank, aligned with schedule.order[rank]
     end: tuple[tuple[float, ...], ...]
+    in_order: bool = True  # False: timed under tag-matched receives (another runtime's semantics)
 
     @property
     def critical_path(self) -> tuple[tuple[int, Action], ...]:
@@ -61,7 +62,7 @@ class SimResult:
     def _derived(self, name: str, compute):
         value = self.__dict__.get(name)
         if value is None:
-            value = compute(analyze(self.schedule), self.costs.stage_table(self.schedule.stage_to_rank))
+            value = compute(analyze(self.schedule, self.in_order), self.costs.stage_table(self.schedule.stage_to_rank))
             object.__setattr__(self, name, value)
         return value
 
@@ -80,12 +81,13 @@ def _bubble(busy, makespan: float) -> float:
 
 
 def simulate(schedule: Schedule, costs: Optional[Costs] = None,
-             memory_limit: Optional[float] = None) -> SimResult:
+             memory_limit: Optional[float] = None, in_order: bool = True) -> SimResult:
     """Time the schedule. The lower bound holds for every schedule of the same placement and
-    costs within `memory_limit` activations per rank (default: this schedule's own peak)."""
+    costs within `memory_limit` activations per rank (default: this schedule's own peak).
+    in_order=False times it under tag-matched receives (torch's runtime; see execution.analyze)."""
     costs = costs or Costs()
     table = costs.stage_table(schedule.stage_to_rank)
-    ex = analyze(schedule)
+    ex = analyze(schedule, in_order)
     start, end = _time(ex, table)
     p = schedule.ranks
     busy = tuple(sum(e - s for s, e in zip(start[r], end[r])) for r in range(p))
@@ -99,7 +101,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None,
         span_bubble=span_bubble, busy=busy, idle=idle,
         peak_activations=peaks,
         lower_bound=lower_bound(schedule, table, max(peaks) if memory_limit is None else memory_limit),
-        start=tuple(map(tuple, start)), end=tuple(map(tuple, end)))
+        start=tuple(map(tuple, start)), end=tuple(map(tuple, end)), in_order=in_order)
 
 
 def time_actions(ex: Execution, table: StageCosts):

@@ -59,7 +59,10 @@ def test_malformed_csv(text, pattern):
     ('{"ranks": "a", "stages": 1, "microbatches": 1, "stage_to_rank": [0], "order": [[]]}', "'ranks' must be an integer"),
     ('{"ranks": 1, "stages": 1, "microbatches": 1, "stage_to_rank": [0], "order": [[{"op": "Q", "stage": 0, "mb": 0}]]}',
      "rank 0 action 0 must be"),
-    ('{"ranks": 1, "stages": 1, "microbatches": 1, "stage_to_rank": [0], "order": [[]]}', None),
+    ('{"ranks": 1, "stages": 1, "microbatches": 1, "stage_to_rank": [0], "order": [[]]}',
+     "needs at least 2 actions"),
+    ('{"ranks": 1, "stages": 1, "microbatches": 1, "stage_to_rank": [0], "order": '
+     '[[{"op": "W", "stage": 0, "mb": 0}, {"op": "B", "stage": 0, "mb": 0}]]}', None),
 ])
 def test_malformed_json(text, pattern):
     if pattern is None:  # parses, then the verifier names what is missing

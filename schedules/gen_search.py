@@ -1,0 +1,275 @@
+"""Local search over per-rank orders, guided by the critical path (auto's last phase).
+
+The schedule is re-encoded as one int per action with flat arrays (duration, producer,
+channel, memory delta), so one evaluation (validity + timing) is a few linear passes.
+
+A move takes an action X on the critical path that started as soon as its rank was free
+(its input had arrived earlier: the rank, not the data, held it back) and runs it up to
+MAX_SHIFT positions earlier on its rank; only such moves can shorten that path. A move is
+kept when the order stays valid (same-rank prerequisites first, each rank pair's messages
+received in the order sent, no deadlock, activations within the limit until W frees them)
+and (makespan, sum of rank finish times) does not grow, so the walk crosses plateaus.
+Moves are drawn from a seeded generator and capped by evaluations: the result is a pure
+function of the inputs. It stops at `target` (a lower bound: nothing shorter exists).
+"""
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+from .costs import Costs
+from .ir import B, BW, F, W, Action, Schedule
+from .memory import stage_share
+
+MAX_SHIFT = 8
+EPS = 1e-9
+
+
+class _Problem:
+    """Flat arrays over action ids for one placement, microbatch count and cost table."""
+
+    def __init__(self, schedule: Schedule, costs: Costs):
+        self.schedule = schedule
+        table = costs.stage_table(schedule.stage_to_rank)
+        s2r, S = schedule.stage_to_rank, schedule.stages
+        share = stage_share(schedule)
+        self.actions: list[Action] = [a for row in schedule.order for a in row]
+        ident = {(a.op, a.stage, a.microbatch): k for k, a in enumerate(self.actions)}
+        n = len(self.actions)
+        self.dur = [table.time(a.op, a.stage) for a in self.actions]
+        self.mem = [share[a.stage] if a.op == F else (-share[a.stage] if a.op in (W, BW) else 0.0)
+                    for a in self.actions]
+        self.rank = [s2r[a.stage] for a in self.actions]
+        self.prod = [-1] * n  # the action whose output this one consumes
+        self.lat = [0.0] * n
+        self.chan = [-1] * n  # channel id (src rank * p + dst rank) of a cross-rank input
+        self.pre = [()] * n  # same-rank actions that must come earlier (inputs and prerequisites)
+        p = schedule.ranks
+        for k, a in enumerate(self.actions):
+            s, mb, r = a.stage, a.microbatch, self.rank[k]
+            need = []
+            if a.op == F:
+                src = ident.get((F, s - 1, mb)) if s > 0 else None
+            elif a.op == W:
+                src, need = None, [ident[(B, s, mb)]]
+            else:
+                need = [ident[(F, s, mb)]]
+                src = None
+                if s + 1 < S:
+                    src = ident.get((B, s + 1, mb), ident.get((BW, s + 1, mb)))
+            if src is not None:
+                self.prod[k] = src
+                if self.rank[src] != r:
+                    self.lat[k] = table.latency
+                    self.chan[k] = self.rank[src] * p + r
+                else:
+                    need.append(src)
+            self.pre[k] = tuple(need)
+        self.out = [-1] * n  # channel id the action's output is sent on, -1 when consumed locally
+        self.dependents = [[] for _ in range(n)]  # same-rank actions listing this one in `pre`
+        for k in range(n):
+            if self.chan[k] >= 0:
+                self.out[self.prod[k]] = self.chan[k]
+            for q in self.pre[k]:
+                self.dependents[q].append(k)
+
+    def move_valid(self, row: list[int], i: int, j: int, limit: Optional[float]) -> bool:
+        """Would running row[i] at position j keep this rank's prerequisites, channel order and
+        memory valid? (Only this rank changes; a deadlock shows up in the timing.)"""
+        k = row[i]
+        passed = row[j:i] if j < i else row[i + 1:j + 1]
+        blocked = set(self.pre[k]) if j < i else set(self.dependents[k])
+        chan, out = self.chan[k], self.out[k]
+        for x in passed:
+            if x in blocked or (chan >= 0 and self.chan[x] == chan) or (out >= 0 and self.out[x] == out):
+                return False
+        if limit is None or self.mem[k] == 0.0:
+            return True
+        moved = row[:]
+        moved.insert(j, moved.pop(i))
+        held, mem = 0.0, self.mem
+        for x in moved:
+            held += mem[x]
+            if held > limit + EPS:
+                return False
+        return True
+
+    def encode(self, schedule: Schedule) -> list[list[int]]:
+        ident = {a: k for k, a in enumerate(self.actions)}
+        return [[ident[a] for a in row] for row in schedule.order]
+
+    def decode(self, rows: list[list[int]], name: str) -> Schedule:
+        s = self.schedule
+        return Schedule(name, s.ranks, s.stages, s.microbatches, s.stage_to_rank,
+                        tuple(tuple(self.actions[k] for k in row) for row in rows))
+
+    def evaluate(self, rows, limit: Optional[float], soft: bool = False):
+        """(makespan, sum of finish times), start and end per action id; None when the order is invalid.
+
+        soft: memory above the limit is not refused but counted, the key becomes (excess, makespan, sum)
+        (a start holding too much is walked down to the limit first)."""
+        n = len(self.dur)
+        index = [0] * n
+        for row in rows:
+            for i, k in enumerate(row):
+                index[k] = i
+        pre, prod, chan, mem = self.pre, self.prod, self.chan, self.mem
+        last_sent: dict[int, int] = {}
+        excess = 0.0
+        peaks = []  # (peak, position) per rank
+        for row in rows:
+            held, peak, at = 0.0, 0.0, -1
+            for i, k in enumerate(row):
+                for q in pre[k]:
+                    if index[q] > i:
+                        return None
+                c = chan[k]
+                if c >= 0:
+                    sent = index[prod[k]]
+                    if sent < last_sent.get(c, -1):
+                        return None
+                    last_sent[c] = sent
+                held += mem[k]
+                if held > peak + EPS:
+                    peak, at = held, i
+            if limit is not None and peak > limit + EPS:
+                if not soft:
+                    return None
+                excess += peak - limit
+            peaks.append((peak, at))
+        timed = self._time(rows, index)
+        if timed is None:
+            return None
+        key = ((round(excess, 9),) if soft else ()) + timed[0]
+        return key, timed[1], timed[2], peaks
+
+    def _time(self, rows, index):
+        n, p = len(self.dur), len(rows)
+        end = [-1.0] * n
+        start = [0.0] * n
+        ptr = [0] * p
+        free = [0.0] * p
+        waiting: dict[int, int] = {}
+        prod, lat, dur, rank = self.prod, self.lat, self.dur, self.rank
+        stack = list(range(p - 1, -1, -1))
+        done = 0
+        while stack:
+            r = stack.pop()
+            row, i, t_free = rows[r], ptr[r], free[r]
+            while i < len(row):
+                k = row[i]
+                q = prod[k]
+                t = t_free
+                if q >= 0:
+                    e = end[q]
+                    if e < 0:
+                        waiting[q] = r
+                        break
+                    e += lat[k]
+                    if e > t:
+                        t = e
+                start[k] = t
+                t_free = end[k] = t + dur[k]
+                done += 1
+                w = waiting.pop(k, None)
+                if w is not None:
+                    stack.append(w)
+                i += 1
+            ptr[r], free[r] = i, t_free
+        if done != n:
+            return None  # deadlock
+        finish = [free[r] for r in range(p)]
+        return (round(max(finish), 9), round(sum(finish), 9)), start, end
+
+    def slack_moves(self, rows, start, end) -> list[tuple[int, int]]:
+        """(rank, position) of critical-path actions held back by their rank, not their input."""
+        index = [0] * len(self.dur)
+        for row in rows:
+            for j, k in enumerate(row):
+                index[k] = j
+        r = max((q for q in range(len(rows)) if rows[q]), key=lambda q: end[rows[q][-1]])
+        i = len(rows[r]) - 1
+        out = []
+        while i >= 0:
+            k = rows[r][i]
+            q = self.prod[k]
+            if q >= 0 and end[q] + self.lat[k] >= start[k] - EPS:  # its input set its start
+                r, i = self.rank[q], index[q]
+            elif i > 0 and end[rows[r][i - 1]] >= start[k] - EPS:  # its rank was busy
+                out.append((r, i))
+                i -= 1
+            else:
+                break
+        return out
+
+
+def search(schedule: Schedule, costs: Costs, limit: Optional[float], evaluations: int,
+           target: float = 0.0, seed: int = 0) -> Schedule:
+    """The best order found from `schedule` within `evaluations` evaluated moves.
+
+    A start above the memory limit is walked down first: the key is (activations above the
+    limit, makespan, sum of finish times), so memory moves (a forward before a rank's peak run
+    later, a W after it run earlier) win until the excess is 0. Returns `schedule` itself when
+    nothing valid and shorter was found."""
+    prob = _Problem(schedule, costs)
+    rows = prob.encode(schedule)
+    found = prob.evaluate(rows, limit, soft=True)
+    if found is None:
+        return schedule
+    key, start, end, peaks = found
+    initial = key
+    best_key, best_rows = key, [list(r) for r in rows]
+    rng = random.Random(seed)
+    moves = prob.slack_moves(rows, start, end)
+    used = 0
+    for _ in range(8 * evaluations):  # moves refused by the cheap check cost no evaluation
+        if used >= evaluations or (best_key[0] <= EPS and best_key[1] <= target + EPS):
+            break
+        move = _memory_move(prob, rows, peaks, limit, rng) if key[0] > EPS else _critical_move(rows, moves, rng)
+        if move is None:
+            break
+        r, i, j = move
+        row = rows[r]
+        if key[0] <= EPS and not prob.move_valid(row, i, j, limit):
+            continue
+        row.insert(j, row.pop(i))
+        used += 1
+        trial = prob.evaluate(rows, limit, soft=True)
+        if trial is not None and trial[0] <= key:
+            key, start, end, peaks = trial
+            moves = prob.slack_moves(rows, start, end)
+            if key < best_key:
+                best_key, best_rows = key, [list(x) for x in rows]
+        else:
+            row.insert(i, row.pop(j))
+    if best_key[0] > EPS or best_key >= initial:
+        return schedule
+    return prob.decode(best_rows, schedule.name)
+
+
+def _critical_move(rows, moves, rng):
+    """A critical-path action held back by its rank, run up to MAX_SHIFT positions earlier."""
+    if not moves:
+        return None
+    r, i = moves[rng.randrange(len(moves))]
+    d = rng.randint(1, min(MAX_SHIFT, i))
+    if rng.random() < 0.5:
+        return r, i, i - d  # X earlier, past the d actions before it
+    return r, i - d, min(len(rows[r]) - 1, i + rng.randint(0, MAX_SHIFT))  # one of them after X
+
+
+def _memory_move(prob: _Problem, rows, peaks, limit: float, rng):
+    """On a rank above the limit: a forward before its peak later, or a W after it earlier."""
+    over = [r for r, (peak, _) in enumerate(peaks) if peak > limit + EPS]
+    r = over[rng.randrange(len(over))]
+    at, row = peaks[r][1], rows[r]
+    if rng.random() < 0.5:
+        forwards = [i for i in range(max(0, at - 4 * MAX_SHIFT), at + 1) if prob.actions[row[i]].op == F]
+        if forwards:
+            i = forwards[rng.randrange(len(forwards))]
+            return r, i, min(len(row) - 1, at + rng.randint(1, MAX_SHIFT))
+    frees = [i for i in range(at + 1, min(len(row), at + 4 * MAX_SHIFT)) if prob.mem[row[i]] < 0]
+    if not frees:
+        return None
+    i = frees[rng.randrange(len(frees))]
+    return r, i, max(0, at - rng.randint(0, MAX_SHIFT))
