@@ -16,7 +16,8 @@ from .blocks import blocks_of
 from .compiled import CompiledPlan, StageSpec
 from .costs import Cost, node_costs, param_bytes_per_node
 from .estimates import DeviceModel, device_model, estimate, normalised, step_costs
-from .experts import expert_weights, place_experts
+from .experts import expert_weights, experts_modules, place_experts
+from .experts_checks import check_experts
 from .loading import load_model
 from .partition import Split, choose_split, compute_nodes
 from .schedule import make_schedule
@@ -40,6 +41,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
     traced = trace_with_loss(plan, model)
     graph = traced.module.graph
+    check_experts(plan, graph, traced.run, experts_modules(plan, model))
     check_pairing(plan, graph, model, tp_kinds, traced.run.is_tensor)
     costs = node_costs(plan, graph, traced.run)
     split = choose_split(plan, model, graph, costs,
