@@ -15,9 +15,11 @@ import pytest
 from pipeplan.backends.compare import compare
 from pipeplan.backends.reference import train_reference
 from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.dsl import parse_plan
 from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, MeshSpec, ModelSpec, OptimizerSpec,
                               PipelineSpec, Plan, TrainSpec)
 
+from ..compiler.test_experts_plan_errors import _extra
 from ..parallel.moe_models import MOE_LAYERS
 
 STEPS = 3
@@ -71,3 +73,20 @@ def test_mixtral_pp2_dp2_ep2_1f1b_equals_reference(spawn):
 @pytest.mark.timeout(900)
 def test_real_moe_models_pp2_dp2_ep2_equal_reference(spawn):
     _check(spawn(_worker, 4, CONFIGS, timeout=880), CONFIGS)
+
+
+def _capacity_worker(rank, world, factors):
+    out = []
+    for factor in factors:
+        line = f"dropless = false\n  capacity_factor = {factor}" if factor else "top_k = 2"
+        plan = parse_plan(_extra(line, ep=1).replace("dp = 2", "dp = 1")
+                          .replace("global_batch = 4", "global_batch = 2"), "t.plan")
+        trainer = PipelineTrainer.for_plan(plan)
+        out.append([trainer.step(t).loss for t in range(2)])
+    return out
+
+
+def test_capacity_factor_changes_the_run(spawn):
+    dropless, tight, loose = spawn(_capacity_worker, 1, (None, 0.5, 8.0))[0]
+    assert tight != dropless  # slots over capacity dropped
+    assert loose == dropless  # a capacity nothing exceeds drops nothing
