@@ -88,5 +88,6 @@ def _capacity_worker(rank, world, factors):
 
 def test_capacity_factor_changes_the_run(spawn):
     dropless, tight, loose = spawn(_capacity_worker, 1, (None, 0.5, 8.0))[0]
-    assert tight != dropless  # slots over capacity dropped
-    assert loose == dropless  # a capacity nothing exceeds drops nothing
+    # fp32 example model: the dispatched sum differs from the dense one only by rounding
+    assert tight[1] != pytest.approx(dropless[1], rel=1e-4)  # slots over capacity dropped
+    assert loose == pytest.approx(dropless, rel=1e-6)  # a capacity nothing exceeds drops nothing
