@@ -11,6 +11,11 @@ Two front ends produce the same thing (a `Captured`):
 
 `auto` tries fx first and falls back to export, recording why. When capture
 fails, the error names the module and the source line that broke it.
+
+Both keep the experts module of each MoE layer (compiler/experts.py) as one
+`call_module` node calling the model's own module: a leaf under fx; under
+export a custom-op placeholder while tracing, turned back into the module call
+(compiler/experts_call.py).
 """
 from __future__ import annotations
 
