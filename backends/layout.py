@@ -35,8 +35,9 @@ def needs_stage_parallelism(plan: Plan) -> bool:
 
 def with_required_leaves(plan: Plan) -> Plan:
     """The plan to compile: module patterns the rewrites need as leaf calls added
-    (MoE layers under expert parallelism, attention under tensor parallelism),
-    so a plan need not repeat them in model.leaf_modules."""
+    (attention under tensor parallelism; the experts calls of MoE layers are kept
+    opaque by the capture itself), so a plan need not repeat them in
+    model.leaf_modules."""
     if not needs_stage_parallelism(plan):
         return plan
     from .parallelize import required_leaf_modules

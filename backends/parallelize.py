@@ -12,8 +12,9 @@ every rank of the world, in the same order):
   (ep_rank = dp % ep); dp ranks with the same ep_rank hold the same experts
   and form the expert-data-parallel group.
 * `parallelize_stage(module, plan, groups)` on each own stage module before
-  its runner: MoE layers matched by `experts.modules` become
-  `ExpertParallelMoE`, then the `tensor` patterns apply (tensor_parallel.py;
+  its runner: the experts module of each MoE layer (the call the capture kept
+  opaque, compiler/experts.py) becomes `ExpertParallelExperts` around the
+  model's own experts code (expert_parallel.py), then the `tensor` patterns apply (tensor_parallel.py;
   a traced stage's cross-entropy on a vocab-parallel head becomes the
   vocab-parallel loss). Parameter names are unchanged.
 * after a stage's last backward of the step: `sync_sequence_parallel()`; then
@@ -23,10 +24,9 @@ every rank of the world, in the same order):
   `reduce_gradients()`, `clip_grad_norm_()`, `step()`, `zero_grad()`.
 * `CommMeter`: bytes per group and collective, counted where they run.
 
-The single-process reference matches expert parallelism when, for each
-microbatch, it runs the chunks of one EP group as one batch:
-`reference_chunk_groups` gives those chunk indices (see expert_parallel.py on
-"global" aux statistics).
+Aux losses are the model's own, computed by its code over the tokens of one
+call (one microbatch of one dp rank), so the reference runs one chunk at a
+time (`reference_chunk_groups`).
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
 from ..dsl.layout import groups, mesh_layout
-from ..compiler.experts import experts_dispatched
+from ..compiler.experts import experts_dispatched, find_experts
 from ..compiler.patterns import matches_any
 from ..compiler.zero_layout import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
 from ..errors import PipeplanError
-from .expert_parallel import ExpertParallelMoE, gather_experts
+from .expert_parallel import ExpertParallelExperts, gather_experts
 from .tensor_parallel import (
     ParameterSlicer, TensorParallelResult, TensorParallelRules, apply_tensor_parallel,
     gather_full, replace_submodule, sync_sequence_parallel_grads, tp_shard_dims,
@@ -88,12 +88,6 @@ def _parallel_problems(plan: Plan, model: nn.Module):
         yield "mesh.ep", (f"ep = {plan.mesh.ep} must divide dp = {plan.mesh.dp} (expert parallel "
                           f"across tensor-parallel ranks, which hold the same tokens, is not "
                           f"supported yet)")
-    for name, mod in model.named_modules():
-        if name and matches_any(name, spec.modules) and not all(
-                hasattr(mod, a) for a in ("router", "w_up", "w_down", "num_experts", "top_k")):
-            yield "experts.modules", (f"{name} ({type(mod).__name__}) is not a stacked-expert MoE "
-                                      f"layer (router, w_up[E,D,H], w_down[E,H,D]) that expert "
-                                      f"parallel can shard")
 
 
 def check_parallel_model(plan: Plan, model: nn.Module) -> None:
@@ -224,10 +218,10 @@ class ParallelStage:
     module: nn.Module
     groups: ParallelGroups
     tensor: Optional[TensorParallelResult] = None
-    experts: dict = field(default_factory=dict)  # qualified name -> ExpertParallelMoE
+    experts: dict = field(default_factory=dict)  # experts module name -> ExpertParallelExperts
 
     def expert_params(self) -> list[nn.Parameter]:
-        return [p for layer in self.experts.values() for p in (layer.w_up, layer.w_down)]
+        return [p for layer in self.experts.values() for p in layer.parameters()]
 
     def grad_group(self, param: nn.Parameter):
         """The group this parameter's gradient is summed over (None: no reduction)."""
@@ -261,50 +255,28 @@ class ParallelStage:
         return [params[n] for n in (self.tensor.sequence_partial if self.tensor else ())]
 
 
-def _inlined_error(name: str, patterns: Sequence[str]) -> PipeplanError:
-    return PipeplanError(
-        f"MoE layer {name} was traced into the stage graph, so its experts cannot be "
-        f"sharded; capture it as a leaf module (model.leaf_modules = {list(patterns)})")
-
-
 def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups) -> dict:
+    """Each experts module this stage calls (compiler/experts.py) becomes its EP shard."""
     spec = plan.experts
-    stats = None
-    if plan.tensor.sequence_parallel and plan.mesh.tp > 1:
-        if groups.expert_stats is None:
-            raise PipeplanError("sequence parallel with MoE layers needs the aux-statistics "
-                                "group: build_parallel_groups(..., sequence_parallel_experts=True)")
-        stats = groups.expert_stats
+    called = {n.target for n in module.graph.nodes if n.op == "call_module"} \
+        if isinstance(module, fx.GraphModule) else {n for n, _ in module.named_modules()}
+    capacity = None if spec.dropless else spec.capacity_factor
     layers = {}
-    for name, mod in list(module.named_modules()):
-        if not name or not matches_any(name, spec.modules):
+    for moe, mod in list(module.named_modules()):
+        found = find_experts(mod, spec.num_experts) if matches_any(moe, spec.modules) else None
+        name = (f"{moe}.{found}" if found else moe) if found is not None else None
+        if name is None or name not in called:
             continue
-        if type(mod) is nn.Module:  # the bare attribute holder fx leaves for an inlined module
-            raise _inlined_error(name, spec.modules)
-        capacity = None if spec.dropless else spec.capacity_factor
-        layer = ExpertParallelMoE(mod, groups.ep, capacity, spec.drop_policy, stats)
-        if layer.num_experts != spec.num_experts:
-            raise PipeplanError(f"experts.num_experts is {spec.num_experts} but {name} has "
-                                f"{layer.num_experts} experts")
+        layer = ExpertParallelExperts(module.get_submodule(name), spec.num_experts, groups.ep,
+                                      capacity, spec.drop_policy)
         replace_submodule(module, name, layer)
         layers[name] = layer
     return layers
 
 
-def _refuse_unimplemented(spec) -> None:
-    if spec.dispatcher != "alltoall":
-        raise PipeplanError(f"experts.dispatcher = {spec.dispatcher} is not implemented yet "
-                            f"(use alltoall)")
-    if spec.shared_experts:
-        raise PipeplanError("experts.shared_experts is not implemented yet by expert parallel "
-                            "(model the shared experts as a dense MLP beside the MoE layer)")
-
-
 def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> ParallelStage:
     """Rewrite one stage module in place for this rank's EP and TP groups."""
     stage = ParallelStage(module, groups)
-    if plan.experts is not None:
-        _refuse_unimplemented(plan.experts)
     if experts_dispatched(plan):
         stage.experts = _apply_experts(module, plan, groups)
     rules = TensorParallelRules.from_plan(plan.tensor)
@@ -322,7 +294,7 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> 
 
 def required_leaf_modules(plan: Plan) -> tuple[str, ...]:
     """Module patterns a traced stage must call as leaves for the rewrites to apply."""
-    leaves = list(plan.experts.modules) if plan.experts is not None else []
+    leaves = []  # (experts modules are kept opaque by the capture itself)
     if plan.mesh.tp > 1:
         for pattern in plan.tensor.column:
             parent, _, leaf = pattern.rpartition(".")
@@ -334,12 +306,11 @@ def required_leaf_modules(plan: Plan) -> tuple[str, ...]:
 def reference_chunk_groups(dp: int, microbatches: int, ep: int) -> list[list[int]]:
     """Chunk indices (chunk d*m+i: dp rank d's microbatch i) the reference runs together.
 
-    One list per (EP group, microbatch): the same microbatch of every dp rank
-    in the EP group, in EP-rank order: the tokens whose statistics the aux
-    loss of an expert-parallel run covers.
+    One chunk at a time, whatever `ep`: expert parallelism moves tokens to
+    experts and back but every aux loss is the model's own, computed over the
+    tokens of one call (one microbatch of one dp rank), as in the reference.
     """
-    return [[d * microbatches + i for d in range(block * ep, (block + 1) * ep)]
-            for block in range(dp // ep) for i in range(microbatches)]
+    return [[c] for c in range(dp * microbatches)]
 
 
 # ------------------------------------------------------- communication meter

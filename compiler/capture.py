@@ -11,6 +11,11 @@ Two front ends produce the same thing (a `Captured`):
 
 `auto` tries fx first and falls back to export, recording why. When capture
 fails, the error names the module and the source line that broke it.
+
+Both keep the experts module of each MoE layer (compiler/experts.py) as one
+`call_module` node calling the model's own module: a leaf under fx; under
+export a custom-op placeholder while tracing, turned back into the module call
+(compiler/experts_call.py).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import torch.utils._pytree as pytree
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
+from .experts_call import opaque_experts, restore_experts_calls
 from .patterns import matches
 
 CAPTURE_METHODS = ("auto", "fx", "export")
@@ -52,25 +58,32 @@ class CaptureFailed(Exception):
 
 
 def capture(plan: Plan, model: torch.nn.Module, example: dict[str, torch.Tensor]) -> Captured:
-    """Capture `model` called on `example` (batch field -> tensor) as the plan asks."""
+    """Capture `model` called on `example` (batch field -> tensor) as the plan asks.
+
+    The experts modules of the plan's MoE layers (compiler/experts.py) stay one opaque
+    call each under both front ends (compiler/experts_call.py)."""
+    from .experts import experts_modules
+
+    experts = tuple(experts_modules(plan, model).values())
     method = plan.model.capture
     if method not in CAPTURE_METHODS:
         raise PlanError.at(plan, "model.capture", f"unknown capture method {method!r}",
                            f"one of: {', '.join(CAPTURE_METHODS)}")
     try:
         if method == "fx":
-            return capture_fx(model, example, plan.model.leaf_modules, "the plan asks for fx")
+            return capture_fx(model, example, plan.model.leaf_modules, "the plan asks for fx",
+                              experts)
         if method == "export":
-            return capture_export(model, example, "the plan asks for export")
+            return capture_export(model, example, "the plan asks for export", experts)
     except CaptureFailed as e:
         raise _capture_error(plan, [e]) from e.error
     try:
         return capture_fx(model, example, plan.model.leaf_modules,
-                          "auto: torch.fx.symbolic_trace succeeded")
+                          "auto: torch.fx.symbolic_trace succeeded", experts)
     except CaptureFailed as fx_failure:
         try:
             return capture_export(model, example, f"auto: fx failed ({fx_failure}), "
-                                  "captured with torch.export (non-strict)")
+                                  "captured with torch.export (non-strict)", experts)
         except CaptureFailed as export_failure:
             raise _capture_error(plan, [fx_failure, export_failure]) from export_failure.error
 
@@ -79,12 +92,12 @@ def capture(plan: Plan, model: torch.nn.Module, example: dict[str, torch.Tensor]
 class _LeafTracer(fx.Tracer):
     """symbolic_trace's tracer, also treating modules matching the plan's patterns as leaves."""
 
-    def __init__(self, patterns: tuple[str, ...]):
+    def __init__(self, patterns: tuple[str, ...], names: tuple[str, ...] = ()):
         super().__init__()
-        self.patterns = patterns
+        self.patterns, self.names = patterns, frozenset(names)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return (any(matches(qualname, p) for p in self.patterns)
+        return (qualname in self.names or any(matches(qualname, p) for p in self.patterns)
                 or super().is_leaf_module(m, qualname))
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
@@ -103,8 +116,9 @@ class _LeafTracer(fx.Tracer):
 
 
 def capture_fx(model: torch.nn.Module, example: dict, leaf_modules: tuple[str, ...],
-               reason: str) -> Captured:
-    tracer = _LeafTracer(tuple(leaf_modules))
+               reason: str, experts: tuple[str, ...] = ()) -> Captured:
+    """`experts`: qualified names of experts modules, traced as leaf calls."""
+    tracer = _LeafTracer(tuple(leaf_modules), experts)
     try:
         graph = tracer.trace(model, concrete_args=_defaults_not_given(model, example))
     except Exception as e:
@@ -134,9 +148,11 @@ def _drop_specialised_arguments(graph: fx.Graph, example: dict) -> None:
 
 
 # ------------------------------------------------------------------------ export
-def capture_export(model: torch.nn.Module, example: dict, reason: str) -> Captured:
+def capture_export(model: torch.nn.Module, example: dict, reason: str,
+                   experts: tuple[str, ...] = ()) -> Captured:
+    """`experts`: qualified names of experts modules, kept as call_module nodes."""
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), opaque_experts(model, experts):
             ep = torch.export.export(model, (), {**example, **_training_kwargs(model, example)},
                                      strict=False)
     except Exception as e:
@@ -171,8 +187,10 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str) -> Captur
             continue  # export's own guards; they pin the capture device and say nothing new
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
+    called = restore_experts_calls(graph)
     used = {n.target for n in graph.nodes if n.op == "get_attr"}
     root = {t: attrs[t] for t in used}
+    root.update((name, model.get_submodule(name)) for name in called)
     return Captured(fx.GraphModule(root, graph), tuple(inputs), outputs, "export", reason)
 
 

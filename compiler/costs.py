@@ -53,14 +53,20 @@ class Cost:
 def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]:
     costs = {}
     external_inputs_seen: set[fx.Node] = set()
+    experts_calls = _experts_calls(plan, graph, run)
     for node in graph.nodes:
         measured = run.costs.get(node)
         if measured is None:
             continue
         flops, saved = measured.flops, measured.saved_bytes
         path = module_path(node)
-        scale = _expert_scale(plan, node, path, run)
-        flops, saved = flops * scale, int(saved * scale)
+        routed = experts_calls.get(node)
+        if routed is not None:  # an experts call (compiler/experts_cost.py)
+            scale = routed / flops if flops else 1.0
+            flops, saved = routed, int(saved * min(1.0, scale))
+        else:
+            scale = _expert_scale(plan, node, path, run)
+            flops, saved = flops * scale, int(saved * scale)
         mode, module = _recompute_mode(plan, path)
         recompute = 0.0
         if mode == "full":
@@ -74,6 +80,24 @@ def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]
             recompute, saved = flops, 0
         costs[node] = Cost(flops, saved, recompute)
     return costs
+
+
+def _experts_calls(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, float]:
+    """Routed forward FLOPs of each experts call of the plan's MoE layers."""
+    if plan.experts is None:
+        return {}
+    from .experts import find_experts
+    from .experts_cost import experts_call_flops
+    out = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or len(node.args) < 3:
+            continue
+        if find_experts(run.gm.get_submodule(node.target), plan.experts.num_experts) != "":
+            continue
+        flops = experts_call_flops(node, run, plan.experts.num_experts)
+        if flops is not None:
+            out[node] = flops
+    return out
 
 
 def _expert_scale(plan: Plan, node: fx.Node, path: Optional[str], run: MetaRun) -> float:

@@ -20,7 +20,8 @@ from .checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
 from .costs import Cost, node_costs, param_bytes_per_node
 from .estimates import DeviceModel, device_model, estimate, normalised, step_costs
-from .experts import expert_weights, place_experts
+from .experts import expert_weights, experts_modules, place_experts
+from .experts_checks import check_experts
 from .loading import load_model
 from .precision import to_precision
 from .partition import Split, choose_split, compute_nodes
@@ -48,6 +49,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
     traced = trace_with_loss(_capture_plan(plan), model)
     graph = traced.module.graph
+    check_experts(plan, graph, traced.run, experts_modules(plan, model))
     check_pairing(plan, graph, model, tp_kinds, traced.run.is_tensor)
     costs = node_costs(plan, graph, traced.run)
     split = choose_split(plan, model, graph, costs,

@@ -309,20 +309,12 @@ def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[
     ex = plan.experts
     if ex is None or not experts_dispatched(plan):
         return out
-    stats = 4 * (ex.num_experts + 1)  # routing statistics: one float per expert + a count
-    for t in (t for t in moe_traffic if t.stage in idx):
-        if ep > 1:  # counts, then rows out and back, forward and backward
-            tokens = t.nbytes * float_scale // (tp if sp else 1)  # sp: each routes its shard
-            add(("ep", "alltoall"), m * (8 * ex.num_experts + 4 * ex.top_k * tokens))
-        if not sp:  # probability/z sums with their backward, and the routed counts
-            if ep > 1:
-                add(("ep", "allreduce"), m * 3 * stats)
-            continue
-        # sequence parallel: statistics over the EP group x its TP peers ("ep_tp"; the TP
-        # group itself when ep = 1); the backward of the sums over the EP group only.
-        add(("ep_tp" if ep > 1 else "tp", "allreduce"), m * 2 * stats)
-        if ep > 1:
-            add(("ep", "allreduce"), m * stats)
+    for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
+        if t.role == "tokens":  # counts, then rows out and back, forward and backward
+            rows = 4 * ex.top_k * t.nbytes * float_scale
+            add(("ep", "alltoall"), m * (8 * ex.num_experts + rows))
+        else:  # the top-k weights out, and their gradient back
+            add(("ep", "alltoall"), m * 2 * t.nbytes * float_scale)
     return out
 
 
@@ -454,15 +446,15 @@ def _tp_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
 
 def _ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
               float_scale: float) -> float:
-    """Dispatch + combine of top_k copies of each token, forward and backward."""
+    """Dispatch + combine of top_k copies of each token (and its weights), forward and
+    backward."""
     ex, ep = plan.experts, plan.mesh.ep
     if ex is None or ep <= 1:
         return 0.0
     idx = {st.index for st in stages}
-    tokens = sum(t.nbytes for t in traffic if t.stage in idx)
-    if plan.tensor.sequence_parallel and plan.mesh.tp > 1:
-        tokens /= plan.mesh.tp  # each TP rank routes its sequence shard
-    return 4 * ex.top_k * tokens * float_scale * (ep - 1) / ep
+    tokens = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "tokens")
+    weights = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "weights")
+    return (4 * ex.top_k * tokens + 2 * weights) * float_scale * (ep - 1) / ep
 
 
 def _tied_grads(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int,

@@ -1,28 +1,57 @@
-"""Expert placement: which global expert indices each expert-parallel rank holds.
+"""The MoE interface expert parallelism distributes, and where each expert lives.
 
-Experts are stored stacked by global index (dim 0 of the expert weights), so a
-rank's shard is a contiguous block of that dim and a checkpoint keeps experts by
-global index. Checked against the real model: the plan's MoE patterns must match
-modules, and those modules must hold `num_experts` experts.
+The interface (docs/parallelism.md, "The MoE interface"): each MoE layer the
+plan names (`experts.modules`) holds, as itself or as its shallowest submodule
+offering it, an *experts module* such that
+
+* every parameter of it is stacked by expert: its dim 0 is `num_experts`, at
+  least one is at least 3-D (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`),
+  and its submodules hold no parameters;
+* its forward is `forward(hidden [T, d], top_k_index [T, k], top_k_weights [T, k])
+  -> [T, d]`, and a token's output is the sum over its k slots of a term that
+  depends only on (hidden[t], top_k_index[t, j], top_k_weights[t, j]).
+
+This is transformers 5's seam (Mixtral, Qwen2-MoE, OLMoE, ...: the router, the
+shared expert and the normalisation of the top-k weights are the layer's own
+code around `self.experts(h, top_k_index, top_k_weights)`). Detection is
+structural (shapes and the call signature), never by attribute names. The
+capture keeps that call opaque (experts_call.py); expert parallelism runs the
+model's own experts module on each rank's slice of experts (backends/
+expert_parallel.py). A layer without it is refused at `experts.modules`.
+
+Experts are stored stacked by global index (dim 0), so a rank's shard is a
+contiguous block of that dim and a checkpoint keeps experts by global index.
 """
 from __future__ import annotations
 
 import difflib
+import inspect
+from typing import Optional
 
 import torch
 
 from ..dsl.ast import Plan
-from ..dsl.errors import PlanError
+from ..dsl.errors import Diagnostic, PlanError
 from .patterns import matches
 from .compiled import ExpertPlacement
+
+INTERFACE = ("an experts module whose parameters are all stacked by expert (dim 0 = "
+             "num_experts, one at least 3-D) and whose forward(hidden [T, d], top_k_index [T, k], "
+             "top_k_weights [T, k]) returns [T, d], as transformers' MixtralExperts "
+             "(docs/parallelism.md, 'The MoE interface')")
 
 
 def moe_modules(plan: Plan, model: torch.nn.Module) -> list[str]:
     """Qualified names of the modules matching plan.experts.modules, in model order."""
+    return [n for n, _ in _moe_modules(plan, model)]
+
+
+def _moe_modules(plan: Plan, model: torch.nn.Module) -> list[tuple[str, int]]:
+    """(name, index of the first pattern matching it), in model order."""
     if plan.experts is None:
         return []
     names = [n for n, _ in model.named_modules() if n]
-    found = []
+    first: dict[str, int] = {}
     for i, pattern in enumerate(plan.experts.modules):
         hits = [n for n in names if matches(n, pattern)]
         if not hits:
@@ -30,28 +59,73 @@ def moe_modules(plan: Plan, model: torch.nn.Module) -> list[str]:
             raise PlanError.at(plan, f"experts.modules.{i}", f"no module matches {pattern!r}",
                                f"did you mean {close[0]!r}?" if close else
                                "patterns are module paths such as layers.*.moe")
-        found.extend(h for h in hits if h not in found)
-    return [n for n in names if n in found]
+        for h in hits:
+            first.setdefault(h, i)
+    return [(n, first[n]) for n in names if n in first]
+
+
+def offers_interface(module: torch.nn.Module, num_experts: int) -> bool:
+    """Whether `module` is an experts module of the MoE interface (structure only)."""
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.dim() < 2 or p.shape[0] != num_experts for p in params):
+        return False
+    if not any(p.dim() >= 3 for p in params):
+        return False
+    if any(True for c in module.children() for _ in c.parameters()):
+        return False
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 and all(p.default is not p.empty for p in positional[3:])
+
+
+def find_experts(module: torch.nn.Module, num_experts: int) -> Optional[str]:
+    """The relative name ("" for itself) of the shallowest experts module in `module`."""
+    found = [n for n, m in module.named_modules() if offers_interface(m, num_experts)]
+    return min(found, key=lambda n: (n.count(".") + bool(n), n)) if found else None
+
+
+def experts_modules(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
+    """MoE layer name -> qualified name of its experts module. Layers without one are
+    refused at `experts.modules` when the plan distributes the experts (ep > 1 or a
+    capacity), and left out otherwise (they then run as the model's code, whole)."""
+    if plan.experts is None:
+        return {}
+    out, problems = {}, []
+    for name, i in _moe_modules(plan, model):
+        found = find_experts(model.get_submodule(name), plan.experts.num_experts)
+        if found is not None:
+            out[name] = f"{name}.{found}" if found else name
+        elif experts_dispatched(plan):
+            kind = type(model.get_submodule(name)).__name__
+            problems.append(Diagnostic(
+                f"{name} ({kind}) offers no experts module to distribute: expert parallelism "
+                f"needs {INTERFACE}", plan.span_of(f"experts.modules.{i}"),
+                "stack the experts' weights by expert and call them once with the routing "
+                "(e.g. a loop over hit experts with nonzero/index_add does not qualify)"))
+    if problems:
+        raise PlanError(problems, plan.source_text or None, plan.sources)
+    return out
 
 
 def experts_dispatched(plan: Plan) -> bool:
-    """Whether the runtime replaces the MoE layers by its dispatching layer (its expert
-    weights then form their own ZeRO shard): with ep > 1, token dropping, or sequence
-    parallel. Otherwise the reference layer runs as traced."""
+    """Whether the runtime dispatches the experts' tokens itself (experts sharded over ep,
+    or slots over capacity dropped). Otherwise the experts module runs as captured."""
     ex = plan.experts
-    return ex is not None and (plan.mesh.ep > 1 or not ex.dropless
-                               or (plan.tensor.sequence_parallel and plan.mesh.tp > 1))
+    return ex is not None and (plan.mesh.ep > 1 or not ex.dropless)
 
 
 def expert_weights(module: torch.nn.Module, num_experts: int) -> list[str]:
-    """Names (relative to the MoE module) of the expert weights EP shards: weights stacked by
-    expert on dim 0 ([E, d, h]), or everything under a ModuleList of E experts. The router's
-    [E, d] matrix is replicated, not sharded."""
-    lists = [n for n, c in module.named_modules()
-             if isinstance(c, torch.nn.ModuleList) and len(c) == num_experts and n]
-    return [n for n, p in module.named_parameters()
-            if (p.dim() >= 3 and p.shape[0] == num_experts)
-            or any(n.startswith(prefix + ".") for prefix in lists)]
+    """Names (relative to the MoE module) of the expert weights EP shards: the parameters of
+    its experts module. The router is replicated, not sharded."""
+    found = find_experts(module, num_experts)
+    if found is None:
+        return []
+    prefix = f"{found}." if found else ""
+    return [prefix + n for n, _ in module.get_submodule(found).named_parameters()]
 
 
 def place_experts(plan: Plan, model: torch.nn.Module) -> tuple[ExpertPlacement, ...]:

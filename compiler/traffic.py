@@ -14,7 +14,8 @@ tensor_parallel.py issues, with or without sequence parallel):
 * "loss": a vocab-parallel head feeding `cross_entropy(head(x).flatten(0, -2),
   t)` directly: the vocab-parallel cross-entropy all-reduces 3 floats per token;
 * "logits": otherwise the head all-gathers its logits (nbytes: all of them);
-* "tokens": a MoE layer's input, which its all-to-alls move (top_k copies).
+* "tokens": an experts call's hidden rows, which its all-to-alls move (top_k
+  copies); "weights": its top-k weights [T, k], moved along.
 
 A module inside a leaf call (attention kept whole so the runtime can split its
 heads) is taken to read the leaf's input and, if row-parallel, to produce its
@@ -34,7 +35,7 @@ from .compiled import ExpertPlacement
 from .partition import Split, compute_nodes
 
 
-ROLES = ("output", "input", "loss", "logits", "tokens")
+ROLES = ("output", "input", "loss", "logits", "tokens", "weights")
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,17 @@ class ModuleCall:
 def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, split: Split,
                        tp_kinds: dict[str, str], experts: tuple[ExpertPlacement, ...]
                        ) -> tuple[list[Traffic], list[Traffic]]:
-    """(tensor-parallel traffic, MoE token traffic)."""
-    calls = module_calls(graph, run, split, set(tp_kinds) | {e.module for e in experts})
-    moe = [Traffic(e.module, calls[e.module].stage, calls[e.module].in_bytes, "tokens")
-           for e in experts if e.module in calls]
+    """(tensor-parallel traffic, MoE traffic: each experts call's hidden rows ("tokens") and
+    top-k weights ("weights"), what its all-to-alls move)."""
+    calls = module_calls(graph, run, split, set(tp_kinds))
+    moe = []
+    for i, node in enumerate(compute_nodes(graph)):
+        if node.op == "call_module" and len(node.args) >= 3 and any(
+                within(node.target, e.module) for e in experts):
+            hidden, _, weights = (run.values.get(a) for a in node.args[:3])
+            if isinstance(hidden, torch.Tensor) and isinstance(weights, torch.Tensor):
+                moe += [Traffic(node.target, split.stage_of(i), _nbytes(hidden), "tokens"),
+                        Traffic(node.target, split.stage_of(i), _nbytes(weights), "weights")]
     return tensor_parallel_traffic(model, tp_kinds, calls), moe
 
 

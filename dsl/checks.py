@@ -242,8 +242,8 @@ def _experts(plan: Plan) -> Iterator[Problem]:
                       "dropless = false needs a capacity_factor",
                       "add capacity_factor = 1.25 (tokens per expert = factor * tokens * "
                       "top_k / num_experts)")
-    for arg, value in (("num_experts", e.num_experts), ("top_k", e.top_k),
-                       ("aux_loss", e.aux_loss), ("z_loss", e.z_loss)):
+    # (aux_loss / z_loss are the model's own; compiler/experts_checks.py refuses them here)
+    for arg, value in (("num_experts", e.num_experts), ("top_k", e.top_k)):
         given = plan.model.args.get(arg)
         if isinstance(given, (int, float)) and not isinstance(given, bool) and given != value:
             yield Problem(where(plan, f"experts.{arg}", "experts"),

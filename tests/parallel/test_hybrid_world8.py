@@ -33,8 +33,7 @@ def _plan(moe: bool) -> Plan:
     if moe:
         args.update(num_experts=4, top_k=2, aux_loss=0.01, z_loss=0.001)
         source = "pipeplan.examples.models.moe_gpt:MoEGPT"
-        experts = ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2, aux_loss=0.01,
-                              z_loss=0.001)
+        experts = ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2)
         tensor = dataclasses.replace(TENSOR, column=TENSOR.column[:3], row=TENSOR.row[:1],
                                      sequence_parallel=False)
         zero, clip = 0, 0.5

@@ -51,7 +51,7 @@ def _run_order(runner, inputs, out_grads, zero=None):
 
 def _moe_worker(rank, world, zero):
     mesh = MeshSpec(dp=world, ep=world)
-    experts = ExpertsSpec(modules=("moe",), num_experts=4, top_k=2, aux_loss=0.01, z_loss=0.001)
+    experts = ExpertsSpec(modules=("moe",), num_experts=4, top_k=2)
     plan = Plan(model=MODEL, mesh=mesh, experts=experts, zero=zero)
     groups = build_parallel_groups(mesh, None, dist.group.WORLD)
     torch.manual_seed(0)
@@ -64,9 +64,10 @@ def _moe_worker(rank, world, zero):
     g = torch.randn(world, MB, B, T, D)
 
     xr = x.clone().requires_grad_()
-    for i in range(MB):  # the reference: one EP group's microbatch i as one batch
-        y, aux = ref(xr[:, i].reshape(world * B, T, D), torch.zeros(()))
-        ((y * g[:, i].reshape(world * B, T, D)).sum() + aux).backward()
+    for i in range(MB):  # the reference: each rank's microbatch i (the model's aux per call)
+        for r in range(world):
+            y, aux = ref(xr[r, i], torch.zeros(()))
+            ((y * g[r, i]).sum() + aux / world).backward()
 
     runner = StageRunner(_spec(("x", "aux")), block, is_last=False)
     inputs = [[x[rank, i], torch.zeros(())] for i in range(MB)]
@@ -83,8 +84,8 @@ def _moe_worker(rank, world, zero):
         expected = {n: p.detach() - 0.1 * p.grad for n, p in ref.named_parameters()}
         for name, p in block.named_parameters():
             want = expected[name]
-            if name.startswith("moe.w_"):
-                want = want[stage.experts["moe"].shard.first:stage.experts["moe"].shard.stop]
+            if name.startswith("moe.experts.w_"):
+                want = want[stage.experts["moe.experts"].shard.first:stage.experts["moe.experts"].shard.stop]
             torch.testing.assert_close(p.detach(), want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
         return
     ref_params = dict(ref.named_parameters())
@@ -94,8 +95,8 @@ def _moe_worker(rank, world, zero):
         if group is not None:
             dist.all_reduce(grad, group=group)
         want = ref_params[name].grad
-        if name.startswith("moe.w_"):
-            s = stage.experts["moe"].shard
+        if name.startswith("moe.experts.w_"):
+            s = stage.experts["moe.experts"].shard
             want = want[s.first:s.stop]
         torch.testing.assert_close(grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
