@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 from ..dsl.ast import Plan
 from ..errors import PipeplanError
+from .agreement import check_agreement, compile_shared
 from .checkpoint import Checkpointer, latest_step
 from .failure import Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
-from .model import build_model
+from .model import own_stages
 from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
 from .topology import build_topology
 from .trainer import PipelineTrainer
@@ -142,7 +143,10 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     where = ["setup"]  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
-        compiled = compile_fn(with_required_leaves(plan), build_model(plan))
+        leaves = with_required_leaves(plan)
+        compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
+        check_agreement(leaves, compiled)  # every rank runs the same, or none starts
+        own_stages(plan, compiled, topo.coords.pp, device)  # only this rank's part
         trainer = PipelineTrainer(plan, compiled, topo, device)
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)

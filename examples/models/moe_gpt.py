@@ -27,6 +27,12 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.randn(num_experts, dim, hidden) * dim ** -0.5)
         self.w_down = nn.Parameter(torch.randn(num_experts, hidden, dim) * hidden ** -0.5)
 
+    def reset_parameters(self) -> None:
+        """The experts' init (as in __init__): normal, std 1/sqrt(fan in)."""
+        with torch.no_grad():
+            self.w_up.normal_(0.0, self.w_up.shape[1] ** -0.5)
+            self.w_down.normal_(0.0, self.w_down.shape[1] ** -0.5)
+
     def route(self, tokens: torch.Tensor):
         """(gates [T, E] zero outside each token's top-k, aux loss scalar)."""
         logits = self.router(tokens)
@@ -86,6 +92,10 @@ class MoEGPT(nn.Module):
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The per-module rule pipeplan applies after each module's reset_parameters()."""
+        init_weights(module)
 
     def forward(self, input_ids: torch.Tensor):
         t = input_ids.shape[1]
