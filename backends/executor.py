@@ -2,12 +2,12 @@
 
 Sends are posted right after the action that produced the value, non-blocking
 (`batch_isend_irecv`), and their handles are waited at the end of the step.
-The receive an action needs is posted one action early, so the transfer runs
-while the previous action computes, and waited on (blocking) right before the
-action: before the previous action's compute when that action sends to another
-peer (or sends nothing), else in one batch with its send (Megatron's fused
-send-and-receive: on NCCL, p2p to one peer is one FIFO stream, so a receive
-queued before a send the peer is waiting for would deadlock). Values between
+The receive an action needs is posted one action early and waited on
+(blocking) right before the action: before the previous action's compute when
+that action sends to another peer (or sends nothing), so the transfer runs
+while it computes; else right after that action's send (on NCCL, p2p to one
+peer is one FIFO stream, so a receive queued before a send the peer is waiting
+for would deadlock). Values between
 two stages of this rank stay in memory. Receiving earlier only relaxes the
 blocking semantics the schedule verifier proves deadlock-free (comm.py); the
 values and the arithmetic are unchanged.
@@ -165,14 +165,9 @@ class Executor:
                 end = time.time()
                 if p.send is not None:
                     ops, tensors = self._send_ops(p.send, produced)
-                    fused = nxt is not None and i + 1 not in posted
-                    if fused:  # the next receive from the same peer goes in the same batch
-                        recv_ops, bufs = self._recv_ops(nxt)
-                        ops = ops + recv_ops
-                    works = dist.batch_isend_irecv(ops)
-                    pending_sends.extend((w, tensors) for w in works)
-                    if fused:
-                        posted[i + 1] = (works, bufs)
+                    pending_sends.extend((w, tensors) for w in dist.batch_isend_irecv(ops))
+                    if nxt is not None and i + 1 not in posted:  # same peer: after the send
+                        posted[i + 1] = self._post([nxt])
                     key = (p.send.boundary, p.send.microbatch)
                     (acts if p.send.direction is Direction.ACTIVATION else grads).pop(key, None)
             except ActionError:

@@ -6,8 +6,10 @@ the same command once per rank. NCCL when CUDA is available, gloo otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +24,7 @@ from .agreement import check_agreement, compile_shared
 from .checkpoint import Checkpointer, latest_step
 from .failure import Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
+from .memory import RankMemory, memory_lines, peak_rss_bytes
 from .model import own_stages
 from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
 from .topology import build_topology
@@ -129,6 +132,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     `compile_fn(plan, model)` returns the CompiledPlan (compile_plan, or a
     build directory's schedule pinned onto it).
     """
+    started = time.perf_counter()
     check_world(plan, env.world_size)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
@@ -146,18 +150,25 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         leaves = with_required_leaves(plan)
         compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
         check_agreement(leaves, compiled)  # every rank runs the same, or none starts
-        own_stages(plan, compiled, topo.coords.pp, device)  # only this rank's part
+        param_bytes = own_stages(plan, compiled, topo.coords.pp, device)  # only this rank's
         trainer = PipelineTrainer(plan, compiled, topo, device)
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule
         del compiled  # other ranks' stages go with it
+        startup = (time.perf_counter() - started, peak_rss_bytes())
         losses, timings = _train(plan, trainer, env, opts, where)
         where[0] = "finish"
+        memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
+                            peak_rss_bytes())
+        every = [None] * env.world_size if env.rank == 0 else None
+        dist.gather_object(memory, every, dst=0)
+        if env.rank == 0:
+            print(memory_lines(every), flush=True)
         _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
                             tuple(timings)), schedule, env, opts)
         if opts.dump_dir:
-            torch.save({"rank": env.rank, "losses": losses,
+            torch.save({"rank": env.rank, "losses": losses, "memory": dataclasses.asdict(memory),
                         "params": {k: v.cpu() for k, v in trainer.named_parameters().items()}},
                        os.path.join(opts.dump_dir, f"rank{env.rank}.pt"))
         dist.barrier()
