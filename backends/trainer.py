@@ -96,7 +96,7 @@ class PipelineTrainer:
 
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
                  device: torch.device = torch.device("cpu")):
-        check_supported(plan)
+        check_checkpointable(plan)  # the model's init is checked before launch (check_supported)
         self.plan, self.topo, self.device = plan, topo, device
         schedule = compiled.schedule
         pp = topo.coords.pp
