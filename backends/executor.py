@@ -1,10 +1,21 @@
 """Runs one rank's scheduled action list for one optimizer step, exactly in order.
 
-Receives are posted right before the action that needs them and waited on
-(blocking); sends are posted right after the action that produced the value,
-non-blocking (`batch_isend_irecv`), and their handles are waited at the end of
-the step. Values between two stages of this rank stay in memory. This is the
-executor semantics the schedule verifier proves deadlock-free; see comm.py.
+Sends are posted right after the action that produced the value, non-blocking
+(`batch_isend_irecv`), and their handles are waited at the end of the step.
+The receive an action needs is posted one action early and waited on
+(blocking) right before the action: before the previous action's compute when
+that action sends to another peer (or sends nothing), so the transfer runs
+while it computes; else right after that action's send (on NCCL, p2p to one
+peer is one FIFO stream, so a receive queued before a send the peer is waiting
+for would deadlock). Values between
+two stages of this rank stay in memory. Receiving earlier only relaxes the
+blocking semantics the schedule verifier proves deadlock-free (comm.py); the
+values and the arithmetic are unchanged.
+
+Nothing in the step synchronises with the host: the loss is summed on the
+device, and each action leaves device-side flags (NaN in the values it sends,
+non-finite gradients it produced, see `Flag`) that the trainer reads only when
+the step's loss or gradient norm turned out non-finite (`first_non_finite`).
 """
 from __future__ import annotations
 
@@ -43,10 +54,31 @@ class ActionTiming:
     recv_wait: float  # time blocked on this action's receive, before `start`
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A device-side check left by one action, read only on the failure path."""
+
+    label: str  # the action, as errors name it
+    stage: int
+    microbatch: int
+    what: str  # "the loss", "activation", "input gradient", "weight gradients"
+    names: tuple[str, ...]  # one name per element of `bad`
+    bad: torch.Tensor  # bool [len(names)] on the device: True where non-finite
+    end: float  # when the action ended (orders flags across ranks)
+
+
 @dataclass
 class StepResult:
-    loss: float  # this rank's share of the step loss: sum of scaled last-stage losses
+    loss: torch.Tensor  # float64 on the device: sum of this rank's scaled last-stage losses
     timings: list[ActionTiming] = field(default_factory=list)
+    flags: list[Flag] = field(default_factory=list)
+
+    def first_non_finite(self) -> Optional[Flag]:
+        """The first flagged action of the step on this rank (host sync: failure path only)."""
+        for f in self.flags:
+            if bool(f.bad.any()):
+                return f
+        return None
 
 
 def label(action) -> str:
@@ -61,15 +93,18 @@ class Executor:
     `on_stage_done(stage)` is called after the stage's last W/BW of the step
     (the data-parallel gradient sync hooks in there); `around_action(stage)`,
     when given, is a context manager entered around each compute (ZeRO-3
-    gathers the stage's parameters there and frees them after).
+    gathers the stage's parameters there and frees them after). `prefetch=False`
+    posts each receive only right before its action (for comparison).
     """
 
     def __init__(self, planned: Sequence[PlannedAction], runners: dict[int, StageRunner],
                  stages: Sequence[StageSpec], microbatches: int,
                  peer_rank: Callable[[int], int], device: torch.device = torch.device("cpu"),
                  on_stage_done: Optional[Callable[[int], None]] = None,
-                 around_action: Optional[Callable[[int], ContextManager]] = None):
+                 around_action: Optional[Callable[[int], ContextManager]] = None,
+                 prefetch: bool = True):
         self.planned = list(planned)
+        self.prefetch = prefetch  # False: each receive posted right before its action
         self.runners = runners
         self.stages = stages
         self.microbatches = microbatches
@@ -80,17 +115,14 @@ class Executor:
         self.last_grad_action = _last_grad_actions(self.planned)
 
     # ------------------------------------------------------------------ p2p
-    def _recv(self, t: Transfer) -> dict[str, torch.Tensor]:
+    def _recv_ops(self, t: Transfer) -> tuple[list, list[torch.Tensor]]:
         bufs = [torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=self.device)
                 for v in t.values]
         peer = self.peer_rank(t.peer)
-        ops = [dist.P2POp(dist.irecv, b, peer, tag=t.tag(i, self.microbatches))
-               for i, b in enumerate(bufs)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return {v.name: b for v, b in zip(t.values, bufs)}
+        return [dist.P2POp(dist.irecv, b, peer, tag=t.tag(i, self.microbatches))
+                for i, b in enumerate(bufs)], bufs
 
-    def _send(self, t: Transfer, values: dict[str, torch.Tensor]) -> list:
+    def _send_ops(self, t: Transfer, values: dict[str, torch.Tensor]) -> tuple[list, list]:
         peer = self.peer_rank(t.peer)
         tensors = [values[v.name].detach().contiguous() for v in t.values]
         for v, x in zip(t.values, tensors):  # the receiver sized its buffer from the plan
@@ -99,40 +131,50 @@ class Executor:
                     f"{v.name} crossing stages {t.boundary}->{t.boundary + 1} is "
                     f"{str(x.dtype)[6:]}{list(x.shape)}, but the compiled plan says "
                     f"{v.dtype}{list(v.shape)} per microbatch")
-        ops = [dist.P2POp(dist.isend, x, peer, tag=t.tag(i, self.microbatches))
-               for i, x in enumerate(tensors)]
-        return [(work, tensors) for work in dist.batch_isend_irecv(ops)]
+        return [dist.P2POp(dist.isend, x, peer, tag=t.tag(i, self.microbatches))
+                for i, x in enumerate(tensors)], tensors
 
     # ----------------------------------------------------------------- step
     def run_step(self, batches: Sequence[Batch]) -> StepResult:
         acts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (boundary, mb) -> outputs
         grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (boundary, mb) -> grads
         pending_sends: list = []
-        result = StepResult(loss=0.0)
-        for p in self.planned:
+        result = StepResult(loss=torch.zeros((), dtype=torch.float64, device=self.device))
+        posted: dict[int, tuple[list, list]] = {}  # action index -> (recv works, buffers)
+        for i, p in enumerate(self.planned):
             a = p.action
             wait_start = time.time()
             if p.recv is not None:
                 try:
-                    received = self._recv(p.recv)
+                    works, bufs = posted.pop(i) if i in posted else self._post([p.recv])
+                    for work in works:
+                        work.wait()
                 except Exception as e:  # name what never came, and from whom
                     raise ActionError(f"{label(a)} (waiting for {_awaited(p.recv)} from pipeline "
                                       f"rank {p.recv.peer})", e) from e
                 store = acts if p.recv.direction is Direction.ACTIVATION else grads
-                store[(p.recv.boundary, p.recv.microbatch)] = received
+                store[(p.recv.boundary, p.recv.microbatch)] = dict(
+                    zip((v.name for v in p.recv.values), bufs))
+            nxt = self.planned[i + 1].recv if self.prefetch and i + 1 < len(self.planned) else None
+            if nxt is not None and (p.send is None or p.send.peer != nxt.peer):
+                posted[i + 1] = self._post([nxt])  # in flight while this action computes
             try:
                 start = time.time()
                 with self.around_action(a.stage):
                     produced = self._run(a, batches, acts, grads, result)
                 end = time.time()
                 if p.send is not None:
-                    pending_sends.extend(self._send(p.send, produced))
+                    ops, tensors = self._send_ops(p.send, produced)
+                    pending_sends.extend((w, tensors) for w in dist.batch_isend_irecv(ops))
+                    if nxt is not None and i + 1 not in posted:  # same peer: after the send
+                        posted[i + 1] = self._post([nxt])
                     key = (p.send.boundary, p.send.microbatch)
                     (acts if p.send.direction is Direction.ACTIVATION else grads).pop(key, None)
             except ActionError:
                 raise
             except Exception as e:  # name the action that broke
                 raise ActionError(label(a), e) from e
+            self._flag(a, produced, result, end)
             result.timings.append(ActionTiming(op_name(a), a.stage, a.microbatch, start, end,
                                                start - wait_start))
             if self.last_grad_action.get(a.stage) == (op_name(a), a.microbatch):
@@ -145,6 +187,31 @@ class Executor:
                                     f"{runner.pending_microbatches} without their backward")
         return result
 
+    def _post(self, transfers: Sequence[Transfer]) -> tuple[list, list[torch.Tensor]]:
+        ops, bufs = [], []
+        for t in transfers:
+            o, b = self._recv_ops(t)
+            ops += o
+            bufs += b
+        return dist.batch_isend_irecv(ops), bufs
+
+    def _flag(self, a, produced: dict[str, torch.Tensor], result: StepResult, end: float) -> None:
+        """Device-side checks of what the action produced (no host sync)."""
+        op, s, mb = op_name(a), a.stage, a.microbatch
+        runner = self.runners[s]
+        floats = {k: v for k, v in produced.items() if v.is_floating_point()}
+        if op == "F" and runner.is_last:
+            result.flags.append(Flag(label(a), s, mb, "the loss", ("loss",),
+                                     ~torch.isfinite(runner.last_loss).reshape(1), end))
+        elif floats:  # activations may hold -inf (masks): only NaN is flagged there
+            what = "activation" if op == "F" else "input gradient"
+            check = torch.isnan if op == "F" else (lambda x: ~torch.isfinite(x))
+            result.flags.append(Flag(label(a), s, mb, what, tuple(floats),
+                                     torch.stack([check(v).any() for v in floats.values()]), end))
+        if op in ("W", "BW") and runner.last_grad_max is not None:
+            result.flags.append(Flag(label(a), s, mb, "weight gradients", ("",),
+                                     ~torch.isfinite(runner.last_grad_max).reshape(1), end))
+
     def _run(self, a, batches, acts, grads, result: StepResult) -> dict[str, torch.Tensor]:
         """Run one action; returns the values it produced (outputs or input gradients)."""
         op, s, mb = op_name(a), a.stage, a.microbatch
@@ -155,11 +222,8 @@ class Executor:
             inputs = [batches[mb].field(r.name).to(self.device) if r.source == BATCH
                       else upstream[r.name] for r in spec.inputs]
             outputs = runner.forward(mb, inputs)
-            if runner.is_last:
-                loss = outputs[0].detach()
-                if not bool(torch.isfinite(loss).all()):
-                    raise FloatingPointError(f"the loss is {loss.item()} (not finite)")
-                result.loss += float(loss) * runner.loss_scale
+            if runner.is_last:  # summed in float64 on the device, read once per step
+                result.loss += runner.last_loss.double() * runner.loss_scale
                 return {}
             produced = {v.name: o for v, o in zip(spec.outputs, outputs)}
             acts[(s, mb)] = produced

@@ -1,12 +1,12 @@
 """The model both sides start from, and the loss the reference computes on its output.
 
-Initial weights: every process (each pipeline rank and the reference) builds
-the whole unmodified model on CPU under `plan.train.seed` (the compiler's
-`load_model`), so all start from identical tensors; a rank then keeps only
-its own stages' parameters. This needs each host to hold the whole model
-once at start-up: it does not scale past one host's memory (the scalable
-path, building on the meta device and initialising each owned parameter
-deterministically from its name, is future work).
+Initial weights are a function of (plan seed, module path), drawn by the model's
+own per-module init (backends/materialize.py). `build_model` materialises the
+whole model that way (the single-process reference); `own_stages` gives a
+rank's compiled stages (compiled on the meta device) real tensors for exactly
+the parameters and buffers they hold, drawn the same way, so a rank never
+holds, or initialises, another rank's part and still starts from the
+reference's weights.
 
 The loss is the compiler's own `reference_loss`: the same function that
 appended the loss to the captured graph, so both sides compute the same ops.
@@ -15,14 +15,37 @@ from __future__ import annotations
 
 import torch
 
+from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
 
 
 def build_model(plan: Plan) -> torch.nn.Module:
     """The unmodified model with the plan's initial weights, on CPU."""
-    from ..compiler.loading import load_model
+    from ..compiler.loading import load_skeleton
+    from .materialize import materialize
 
-    return load_model(plan, device="cpu")
+    model = load_skeleton(plan)
+    materialize(model, plan.train.seed)
+    return model
+
+
+def own_stages(plan: Plan, compiled: CompiledPlan, pp_rank: int,
+               device: torch.device = torch.device("cpu")) -> int:
+    """Materialise the stages of pipeline rank `pp_rank` in place (their tensors were meta),
+    on `device`; the other stages stay on meta. Returns the parameter bytes materialised."""
+    from ..compiler.loading import load_skeleton
+    from ..compiler.stages import move_stage
+    from .materialize import install, materialize
+
+    stages = compiled.stages_of_rank(pp_rank)
+    skeleton = load_skeleton(plan)
+    params = {n for s in stages for n in s.param_names}
+    nbytes = materialize(skeleton, plan.train.seed,
+                         params | {n for s in stages for n in s.buffer_names}, device)
+    for s in stages:
+        install(s.module, skeleton, s.param_names + s.buffer_names, params.__contains__)
+        move_stage(s.module, device)  # graph constants captured on meta name the device
+    return nbytes
 
 
 def model_loss(plan: Plan, output, targets: torch.Tensor) -> torch.Tensor:

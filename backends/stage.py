@@ -74,6 +74,9 @@ class StageRunner:
         # Positions of the inputs fed by the previous stage (their gradients go back).
         self.upstream_inputs = [i for i, ref in enumerate(spec.inputs) if ref.source != "batch"]
         self._saved: dict[int, _Saved] = {}
+        # Device-side values the executor's non-finite flags read (never synced per action):
+        self.last_loss: Optional[torch.Tensor] = None  # the last F's unscaled loss (last stage)
+        self.last_grad_max: Optional[torch.Tensor] = None  # max |weight grad| of the last W/BW
 
     # ---------------------------------------------------------------- forward
     def forward(self, mb: int, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -95,6 +98,8 @@ class StageRunner:
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         outputs = tuple(outputs)
+        if self.is_last:
+            self.last_loss = outputs[0].detach()
         saved = (outputs[0] * self.loss_scale,) if self.is_last else outputs
         self._saved[mb] = _Saved(grad_inputs, names, saved)
         return outputs
@@ -139,6 +144,7 @@ class StageRunner:
         """W: weight gradients, accumulated into `.grad`; frees the microbatch's graph."""
         saved = self._saved.pop(mb)
         self.phase.final = True
+        self.last_grad_max = None
         if saved.roots is None:
             raise RuntimeError(f"W(stage {self.spec.index}, mb {mb}) ran before its B")
         if not saved.roots or not self.params:
@@ -154,6 +160,7 @@ class StageRunner:
         """BW: input and weight gradients in one pass; frees the microbatch's graph."""
         saved = self._saved.pop(mb)
         self.phase.final = True
+        self.last_grad_max = None
         roots, root_grads = self._roots(saved, out_grads)
         if not roots:
             return self._input_grads(saved, [None] * len(saved.inputs))
@@ -163,6 +170,9 @@ class StageRunner:
         return self._input_grads(saved, grads[:len(saved.inputs)])
 
     def _accumulate(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+        self.last_grad_max = (torch.nn.utils.get_total_norm(local, float("inf"))
+                              if local else None)
         for p, g in zip(self.params, grads):
             if g is None:
                 continue

@@ -11,6 +11,7 @@ The plan's precision (bf16 autocast, precision.py) and recompute rules
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor
 from .grads import GradSync, ZeroSync, build_tied_groups
 from .layout import StageLayout
+from .nonfinite import NonFiniteError, locate_non_finite
 from .optim import build_lr_scheduler, build_optimizer
 from .precision import autocast_for, boundary_specs
 from .stage import StageRunner
@@ -43,8 +45,28 @@ class StepReport:
 
 
 def check_supported(plan: Plan) -> None:
-    """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it."""
+    """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it:
+    also a model whose initial weights cannot be drawn per module (materialize.py)."""
+    from ..compiler.loading import check_init, load_model
+
     check_checkpointable(plan)
+    check_init(plan, load_model(plan, "meta"))
+
+
+def _boundary_specs(plan: Plan, stages) -> list:
+    """The stage specs with the dtypes crossing stages under the plan's autocast, derived on
+    fake copies of every stage (shapes and dtypes only: other ranks' stages have no weights
+    here)."""
+    if plan.train.precision == "fp32":
+        return list(stages)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .materialize import fake_copy
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        specs = boundary_specs(plan, [dataclasses.replace(s, module=fake_copy(s.module))
+                                      for s in stages])
+    return [dataclasses.replace(spec, module=s.module) for spec, s in zip(specs, stages)]
 
 
 def _stage_order_by_last_grad(order, stages_here) -> list[int]:
@@ -58,27 +80,30 @@ def _stage_order_by_last_grad(order, stages_here) -> list[int]:
 class PipelineTrainer:
     @classmethod
     def for_plan(cls, plan: Plan, device: torch.device = torch.device("cpu")) -> "PipelineTrainer":
-        """This rank's trainer, built as `pipeplan run` builds it: the reference model under
-        the plan's seed, compiled with the leaves the stage rewrites need (collective:
-        every rank of the process group calls it)."""
+        """This rank's trainer, built as `pipeplan run` builds it: the plan compiled on the
+        meta device with the leaves the stage rewrites need, then only this rank's stages
+        materialised with the reference's initial weights (collective: every rank of the
+        process group calls it)."""
         from ..compiler.driver import compile_plan
         from .layout import with_required_leaves
-        from .model import build_model
+        from .model import own_stages
         from .topology import build_topology
 
-        compiled = compile_plan(with_required_leaves(plan), build_model(plan))
-        return cls(plan, compiled, build_topology(plan.mesh, device.type), device)
+        topo = build_topology(plan.mesh, device.type)
+        compiled = compile_plan(with_required_leaves(plan))  # meta: no weights anywhere
+        own_stages(plan, compiled, topo.coords.pp, device)  # this rank's part, from the seed
+        return cls(plan, compiled, topo, device)
 
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
                  device: torch.device = torch.device("cpu")):
-        check_supported(plan)
+        check_checkpointable(plan)  # the model's init is checked before launch (check_supported)
         self.plan, self.topo, self.device = plan, topo, device
         schedule = compiled.schedule
         pp = topo.coords.pp
         last = len(compiled.stages) - 1
         scale = 1.0 / (plan.microbatches * plan.mesh.dp)
         self.autocast = autocast_for(plan.train.precision, device)
-        specs = boundary_specs(plan, compiled.stages)  # while this rank holds every stage
+        specs = _boundary_specs(plan, compiled.stages)
         modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         rules = tuple(r for r in plan.recompute if r.mode != "none")
@@ -115,11 +140,19 @@ class PipelineTrainer:
         self.holds_loss = last in self.runners and topo.coords.tp == 0
 
     def step(self, t: int) -> StepReport:
+        """One optimizer step. The host waits on the device once for the gradient norm and
+        once for the loss; when either is not finite the step stops before the optimizer,
+        naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
         result = self.executor.run_step(batches)
         self.sync.finish()
         norm = self.sync.clip(self.plan.train.grad_clip)
+        loss = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+        dist.all_reduce(loss)
+        loss_value = float(loss)
+        if not (math.isfinite(norm) and math.isfinite(loss_value)):
+            raise NonFiniteError(locate_non_finite(t, result, loss_value, norm, self.runners))
         lr = self.plan.train.optimizer.lr
         if self.optimizer is not None:
             lr = self.optimizer.param_groups[0]["lr"]
@@ -130,10 +163,7 @@ class PipelineTrainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        loss = torch.tensor(result.loss if self.holds_loss else 0.0, dtype=torch.float64,
-                            device=self.device)
-        dist.all_reduce(loss)
-        return StepReport(t, float(loss), norm, lr, time.perf_counter() - start,
+        return StepReport(t, loss_value, norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
                           tuple(result.timings))
 

@@ -6,8 +6,10 @@ the same command once per rank. NCCL when CUDA is available, gloo otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,10 +20,12 @@ import torch.distributed as dist
 
 from ..dsl.ast import Plan
 from ..errors import PipeplanError
+from .agreement import check_agreement, compile_shared
 from .checkpoint import Checkpointer, latest_step
 from .failure import Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
-from .model import build_model
+from .memory import RankMemory, memory_lines, peak_rss_bytes
+from .model import own_stages
 from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
 from .topology import build_topology
 from .trainer import PipelineTrainer
@@ -129,6 +133,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     `compile_fn(plan, model)` returns the CompiledPlan (compile_plan, or a
     build directory's schedule pinned onto it).
     """
+    started = time.perf_counter()
     check_world(plan, env.world_size)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
@@ -143,15 +148,25 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     where = ["setup"]  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
-        compiled = compile_fn(with_required_leaves(plan), build_model(plan))
+        leaves = with_required_leaves(plan)
+        compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
+        check_agreement(leaves, compiled)  # every rank runs the same, or none starts
+        param_bytes = own_stages(plan, compiled, topo.coords.pp, device)  # only this rank's
         trainer = PipelineTrainer(plan, compiled, topo, device)
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
+        startup = (time.perf_counter() - started, peak_rss_bytes())
         losses, timings = _train(plan, trainer, env, opts, where)
         where[0] = "finish"
+        memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
+                            peak_rss_bytes())
+        every = [None] * env.world_size if env.rank == 0 else None
+        dist.gather_object(memory, every, dst=0)
+        if env.rank == 0:
+            print(memory_lines(every), flush=True)
         _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
                             tuple(timings)), schedule, env, opts)
         if opts.dump_dir:

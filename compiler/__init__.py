@@ -14,8 +14,13 @@ from .stages import move_stage
 
 
 def estimates_summary(plan) -> str:
-    """`pipeplan check`'s estimate lines: compile on meta and summarise (raises PlanError)."""
-    return render_summary(compile_plan(plan))
+    """`pipeplan check`'s estimate lines: compile on meta and summarise (raises PlanError,
+    also when the model's initial weights cannot be drawn per module: loading.check_init)."""
+    from .loading import check_init
+
+    model = load_model(plan, "meta")
+    check_init(plan, model)
+    return render_summary(compile_plan(plan, model))
 
 
 __all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary",

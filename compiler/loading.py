@@ -161,3 +161,87 @@ def _check_args(plan: Plan, cls: type, args: dict) -> None:
 
 def _fmt_args(args: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in args.items())
+
+
+# --------------------------------------------------------------------------- init
+# The runtime never builds the whole model with weights: `load_skeleton` constructs it
+# with every parameter on the meta device and every buffer where the constructor computed
+# it (CPU), and backends/materialize.py initialises only the modules a rank owns, each by
+# the model's own per-module rule (`check_init` below says which) under a seed derived
+# from the module's path.
+
+INIT_HOOK = "_init_weights"  # model-level `_init_weights(module)` (Hugging Face's convention)
+
+
+def load_skeleton(plan: Plan) -> torch.nn.Module:
+    """The plan's model with its parameters on the meta device (nothing allocated) and its
+    buffers computed on CPU by the constructor (rotary inv_freq, causal masks)."""
+    cls = resolve_model_class(plan)
+    args = dict(plan.model.args)
+    _check_args(plan, cls, args)
+    try:
+        with torch.random.fork_rng(devices=[]), _parameters_on_meta():
+            torch.manual_seed(plan.train.seed)
+            model = cls(**args)
+    except Exception as e:
+        raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
+                           f"{type(e).__name__}: {e}",
+                           "check the constructor arguments against the model's __init__") from e
+    if not isinstance(model, torch.nn.Module):
+        raise PlanError.at(plan, "model.source", f"{cls.__name__} returned "
+                           f"{type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+class _parameters_on_meta:
+    """While active, every parameter a module registers is moved to the meta device at
+    once, so the init the constructor runs on it afterwards costs nothing (the trick of
+    accelerate's `init_empty_weights(include_buffers=False)`)."""
+
+    def __enter__(self):
+        self._orig = orig = torch.nn.Module.register_parameter
+
+        def register_parameter(module, name, param):
+            orig(module, name, param)
+            if param is not None and param.device.type != "meta":
+                module._parameters[name] = torch.nn.Parameter(
+                    param.to("meta"), requires_grad=param.requires_grad)
+
+        torch.nn.Module.register_parameter = register_parameter
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.register_parameter = self._orig
+        return False
+
+
+def init_rule(model: torch.nn.Module, module: torch.nn.Module) -> list:
+    """How `module`'s own parameters are initialised, in the constructor's order: the
+    module's `reset_parameters()` (what torch layers run in their __init__), then the
+    model's `_init_weights(module)` (what a model applies to every module after
+    construction, e.g. Hugging Face's `post_init`). Empty: no rule."""
+    steps = []
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        steps.append(reset)
+    hook = getattr(model, INIT_HOOK, None)
+    if callable(hook):
+        steps.append(lambda: hook(module))
+    return steps
+
+
+def check_init(plan: Plan, model: torch.nn.Module) -> None:
+    """Refuse (at the plan's model line) a model whose initial weights cannot be drawn per
+    module: a module owning parameters directly with no rule for them."""
+    for path, module in model.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False)]
+        if own and not init_rule(model, module):
+            where = f"module `{path}`" if path else f"the model ({type(module).__name__}) itself"
+            raise PlanError.at(
+                plan, "model.source",
+                f"{where} ({type(module).__name__}) owns parameters {', '.join(own)} but has "
+                f"no reset_parameters(), and {type(model).__name__} has no "
+                f"{INIT_HOOK}(module): pipeplan cannot initialise them per module",
+                f"give {type(module).__name__} a reset_parameters() that initialises "
+                f"{', '.join(own)}, or give {type(model).__name__} an {INIT_HOOK}(self, module) "
+                "method (see docs/runtime.md, Initial weights)")

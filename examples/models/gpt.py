@@ -73,6 +73,10 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.apply(init_weights)
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """The per-module rule pipeplan applies after each module's reset_parameters()."""
+        init_weights(module)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1]
         pos = torch.arange(t, device=input_ids.device)

@@ -50,6 +50,12 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(dim, hidden, num_experts, activation)
 
+    def reset_parameters(self) -> None:
+        """The experts' init (as in __init__): normal, std 1/sqrt(fan in)."""
+        with torch.no_grad():
+            self.w_up.normal_(0.0, self.w_up.shape[1] ** -0.5)
+            self.w_down.normal_(0.0, self.w_down.shape[1] ** -0.5)
+
     def route(self, tokens: torch.Tensor):
         """(top-k weights renormalised [T, k], top-k experts [T, k], aux loss scalar)."""
         logits = self.router(tokens)
@@ -104,6 +110,10 @@ class MoEGPT(nn.Module):
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The per-module rule pipeplan applies after each module's reset_parameters()."""
+        init_weights(module)
 
     def forward(self, input_ids: torch.Tensor):
         t = input_ids.shape[1]

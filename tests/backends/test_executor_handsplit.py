@@ -139,7 +139,7 @@ def test_hand_split_pp2_dp2(spawn):
 
 
 def _nan_worker(rank, world):
-    from pipeplan.backends.executor import ActionError
+    from pipeplan.backends.nonfinite import NonFiniteError
 
     plan = tiny_plan(1, 1, m=2)
     torch.manual_seed(0)
@@ -152,11 +152,13 @@ def _nan_worker(rank, world):
     trainer = PipelineTrainer(plan, compiled, build_topology(plan.mesh))
     try:
         trainer.step(0)
-    except ActionError as e:
+    except NonFiniteError as e:
         return str(e)
     return "no error"
 
 
 def test_non_finite_loss_names_the_action(spawn):
+    """Checked once per step, before the optimizer; the first non-finite value is named."""
     (message,) = spawn(_nan_worker, 1, timeout=60)
-    assert message.startswith("F s1 mb0 failed: FloatingPointError: the loss is nan")
+    assert message.startswith("step 1: non-finite values (loss nan")
+    assert "the first: the loss of stage 1 microbatch 0 (F s1 mb0)" in message

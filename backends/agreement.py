@@ -1,0 +1,88 @@
+"""One compiled plan for every rank: rank 0 decides, every rank proves it runs the same.
+
+`compile_shared` compiles on rank 0 of the world and broadcasts its decisions
+(the split points and the verified schedule); every other rank compiles the
+same plan with that split and schedule pinned, so searches (`auto`) never run
+to different answers on different ranks. `check_agreement` then hashes, on
+every rank, what it is about to run (the plan, the schedule, each stage's
+boundaries, parameters and code, the tied parameters, the expert placement and
+the TP rewrites), gathers the hashes and stops every rank before step 1 when
+they differ, naming the part that differs and which ranks hold which version
+(a rank started with another plan file, another model file or another
+pipeplan).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch.distributed as dist
+
+from ..compiler.compiled import CompiledPlan
+from ..dsl.ast import Plan, SplitSpec
+from ..errors import PipeplanError
+
+
+def compile_shared(plan: Plan, compile_fn) -> CompiledPlan:
+    """`compile_fn(plan, None)` on rank 0; rank 0's split and schedule pinned everywhere."""
+    from ..schedules import schedule_from_json, schedule_to_json
+
+    rank = dist.get_rank()
+    decided = [None]
+    if rank == 0:
+        compiled = compile_fn(plan, None)
+        decided = [(tuple(compiled.split_points), schedule_to_json(compiled.schedule))]
+    dist.broadcast_object_list(decided, src=0)
+    if rank == 0:
+        return compiled
+    points, schedule_json = decided[0]
+    pinned = plan
+    if points:
+        pinned = dataclasses.replace(plan, pipeline=dataclasses.replace(
+            plan.pipeline, split=SplitSpec(kind="points", points=points)))
+    compiled = compile_fn(pinned, None)
+    compiled.schedule = schedule_from_json(schedule_json)
+    for st in compiled.stages:
+        st.rank = compiled.schedule.stage_to_rank[st.index]
+    return compiled
+
+
+def fingerprint(plan: Plan, compiled: CompiledPlan) -> dict[str, str]:
+    """Part name -> short hash of what this rank runs."""
+    from ..schedules import schedule_to_json
+
+    parts = {
+        "plan": repr(plan),
+        "schedule": schedule_to_json(compiled.schedule),
+        "stages": repr([(s.index, s.rank, s.inputs, s.outputs, s.param_names, s.buffer_names,
+                         s.code) for s in compiled.stages]),
+        "tied parameters": repr(compiled.tied),
+        "expert placement": repr(compiled.experts),
+        "tensor-parallel rewrites": repr(sorted(compiled.tp_rewrites.items())),
+    }
+    return {k: hashlib.sha256(v.encode()).hexdigest()[:12] for k, v in parts.items()}
+
+
+def check_agreement(plan: Plan, compiled: CompiledPlan) -> None:
+    """Collective over the world: raise on every rank unless all fingerprints are equal."""
+    mine = fingerprint(plan, compiled)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [k for k in mine if len({fp[k] for fp in every}) > 1]
+    if not differ:
+        return
+    lines = []
+    for k in differ:
+        versions: dict[str, list[int]] = {}
+        for r, fp in enumerate(every):
+            versions.setdefault(fp[k], []).append(r)
+        lines.append(f"the {k} differ: " + "; ".join(
+            f"{_ranks(rs)} {h}" for h, rs in versions.items()))
+    raise PipeplanError(
+        "the ranks would not run one compiled plan (stopped before step 1): "
+        + ", and ".join(lines)
+        + "; start every rank with the same plan, model file and pipeplan version")
+
+
+def _ranks(rs: list[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))

@@ -1,0 +1,69 @@
+"""A step whose loss or gradient norm is not finite stops before the optimizer, named.
+
+The hot path checks once per step: the trainer reads the global gradient norm
+and the all-reduced loss (it needs both anyway) and only when one of them is
+NaN or infinite comes here. Every rank arrives together (both values are the
+same on every rank), reads the device-side flags its executor left per action
+(executor.Flag: NaN in a value sent on, a non-finite input gradient, a
+non-finite loss, non-finite weight gradients), and the ranks agree on the
+earliest flagged action in time: where the first non-finite value appeared.
+Every rank raises the same message, so the launcher prints it once.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PipeplanError
+from .executor import Flag, StepResult
+
+
+class NonFiniteError(PipeplanError):
+    """A non-finite loss or gradient; the optimizer step was not applied."""
+
+
+def locate_non_finite(t: int, result: StepResult, loss: float, norm: float,
+                      runners: dict) -> str:
+    """The message naming the step, stage, microbatch and value (collective over the world)."""
+    flag = result.first_non_finite()
+    mine = None if flag is None else (flag.end, dist.get_rank(), _describe(flag, runners))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    found = sorted(x for x in every if x is not None)
+    head = (f"step {t + 1}: non-finite values (loss {_fmt(loss)}, grad_norm {_fmt(norm)}); "
+            "the optimizer step was not applied")
+    if not found:
+        return head + ("; no action produced one, so it arose in the gradient reduction or "
+                       "the norm")
+    _, rank, where = found[0]
+    return f"{head}; the first: {where} (rank {rank})"
+
+
+def _describe(flag: Flag, runners: dict) -> str:
+    at = f"stage {flag.stage} microbatch {flag.microbatch} ({flag.label})"
+    if flag.what == "the loss":
+        return f"the loss of {at}"
+    if flag.what == "weight gradients":
+        name = _first_bad_parameter(runners[flag.stage].module)
+        return (f"the gradient of parameter `{name}`" if name else "a weight gradient") + \
+            f" in {at}"
+    bad = [n for n, b in zip(flag.names, flag.bad.tolist()) if b]
+    kind = "NaN in activation" if flag.what == "activation" else "non-finite input gradient"
+    return f"{kind} `{bad[0]}` produced by {at}"
+
+
+def _first_bad_parameter(module: torch.nn.Module) -> Optional[str]:
+    for name, p in module.named_parameters():
+        g = p.grad
+        if g is not None:
+            g = g.to_local() if hasattr(g, "to_local") else g
+            if not bool(torch.isfinite(g).all()):
+                return name
+    return None
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}" if math.isfinite(x) else str(x)
