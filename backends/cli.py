@@ -14,6 +14,7 @@ import tempfile
 import torch
 
 from ..errors import PipeplanError
+from .data_check import check_data
 from .source import RunSource, load_source
 from .worker import RankEnv, RunOptions, run_worker
 
@@ -74,6 +75,7 @@ def _cmd_run(args) -> int:
     steps = _steps(args, source)
     if env is None:
         check_supported(source.plan)  # fail before spawning anything
+        check_data(source.plan, steps)
         m = source.plan.mesh
         print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
@@ -96,6 +98,7 @@ def _cmd_verify(args) -> int:
     source = load_source(args.plan, args.set, None)
     check_supported(source.plan)
     steps = _steps(args, source)
+    check_data(source.plan, steps)
     with tempfile.TemporaryDirectory(prefix="pipeplan-verify-") as dump:
         code = launch_local(_rank_argv(args, steps, dump), source.plan.mesh.world_size)
         if code:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..dsl.ast import Plan
 from ..errors import PipeplanError
 from .checkpoint import Checkpointer, latest_step
-from .failure import Failure, FailureWatch, now, report_failure
+from .failure import Beacon, Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
 from .model import build_model
 from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
@@ -139,11 +139,12 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
     watch = FailureWatch(env.rank).start()
-    where = ["setup"]  # what this rank is doing, for the failure message
+    where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
         compiled = compile_fn(with_required_leaves(plan), build_model(plan))
         trainer = PipelineTrainer(plan, compiled, topo, device)
+        trainer.executor.on_action = where.action  # the launcher names a killed rank's action
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 # A constructor/optimizer argument value as written in the plan.
 Scalar = Union[int, float, str, bool, None]
@@ -67,6 +67,18 @@ class DataSpec:
     seed: int = 0  # synthetic only
     vocab: int = 256  # synthetic only
     path: Optional[str] = None  # file only: .bin (uint16 tokens) or .npy, memory-mapped
+    # file only: read past the file's end from its start again (else a file too short
+    # for the run is refused by `pipeplan check`)
+    wrap: bool = False
+    # (model input, data field) pairs: which field of the data each model input reads
+    # (fields: tokens positions mask targets, see backends/data.py); a model input not
+    # named here reads `tokens` if it is the first, and is an error otherwise
+    inputs: tuple[tuple[str, str], ...] = ()
+
+    def feeds(self, names: "Sequence[str]") -> tuple[tuple[str, Optional[str]], ...]:
+        """(model input, data field or None when unbound) for the model's input `names`."""
+        given = dict(self.inputs)
+        return tuple((n, given.get(n, "tokens" if i == 0 else None)) for i, n in enumerate(names))
 
 
 # ---------------------------------------------------------------------- mesh
