@@ -5,9 +5,9 @@ starts) refuse the same plans at their plan line, every problem at once:
 
 * each `model.inputs` entry is a parameter of the model's forward, and every
   forward parameter without a default is among them;
-* each module pattern (recompute, leaf_modules, experts.modules, tensor lists)
-  matches at least one module of the model (a pattern matching nothing would
-  silently do nothing).
+* each recompute and leaf_modules pattern matches at least one module of the
+  model (a pattern matching nothing would silently do nothing; experts.modules
+  and the tensor lists are checked where they are used).
 """
 from __future__ import annotations
 
@@ -59,12 +59,7 @@ def _patterns(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, st
     lists = [(f"recompute.{i}", r.pattern, "recompute") for i, r in enumerate(plan.recompute)]
     lists += [(f"model.leaf_modules.{i}", p, "leaf_modules")
               for i, p in enumerate(plan.model.leaf_modules)]
-    if plan.experts is not None:
-        lists += [(f"experts.modules.{i}", p, "experts.modules")
-                  for i, p in enumerate(plan.experts.modules)]
-    for kind in ("column", "row", "vocab"):
-        lists += [(f"tensor.{kind}.{i}", p, f"tensor.{kind}")
-                  for i, p in enumerate(getattr(plan.tensor, kind))]
+    # experts.modules and the tensor lists: compiler/experts.py, compiler/tensor_parallel.py
     for key, pattern, what in lists:
         if not any(matches(n, pattern) for n in names):
             yield (_key(plan, key, key.rsplit(".", 1)[0]),
