@@ -13,7 +13,6 @@ So chunk c = d*m + i of the global batch is DP rank d's microbatch i.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,10 +123,7 @@ def _file_rows(path: str, spec: DataSpec, step: int, rows: int) -> torch.Tensor:
 
 def resolve_data_path(plan: Plan) -> str:
     """A relative data path resolves against the plan file's folder."""
-    path = plan.data.path or ""
-    if os.path.isabs(path) or plan.path in ("", "<plan>"):
-        return path
-    return os.path.join(os.path.dirname(os.path.abspath(plan.path)), path)
+    return plan.resolve_path(plan.data.path or "")
 
 
 def global_batch(plan: Plan, step: int) -> Batch:

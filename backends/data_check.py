@@ -51,6 +51,8 @@ def token_stats(path: str) -> TokenStats:
 def _stat(path: str) -> os.stat_result:
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        raise DataFileError(f"data file {path} does not exist") from None
     except OSError as e:
         raise DataFileError(f"data file {path} cannot be read: {e.strerror or e}") from None
     if not os.path.isfile(path):

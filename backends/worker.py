@@ -84,11 +84,12 @@ def _log_dir_metrics(plan: Plan) -> Optional[str]:
 
 
 def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
-           where: list) -> tuple[list[float], list]:
+           where: list) -> tuple[list[float], list, int]:
     """The step loop (resuming from a checkpoint); rank 0 prints and writes metrics."""
     checkpoints, first = _restore(plan, trainer)
     metrics = opts.metrics or _log_dir_metrics(plan)
-    progress = Progress(opts.steps, metrics, append=first > 0) if env.rank == 0 else None
+    progress = Progress(opts.steps, metrics, append=first > 0, resumed_after=first) \
+        if env.rank == 0 else None
     if progress and first:
         print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
     losses, timings = [], []
@@ -106,7 +107,7 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
     finally:
         if progress:
             progress.close()
-    return losses, timings
+    return losses, timings, first
 
 
 def _report(mine: RankTimings, schedule, env: RankEnv, opts: RunOptions) -> None:
@@ -149,10 +150,10 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
             print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule
         del compiled  # other ranks' stages go with it
-        losses, timings = _train(plan, trainer, env, opts, where)
+        losses, timings, first = _train(plan, trainer, env, opts, where)
         where[0] = "finish"
         _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
-                            tuple(timings)), schedule, env, opts)
+                            tuple(timings), first), schedule, env, opts)
         if opts.dump_dir:
             torch.save({"rank": env.rank, "losses": losses,
                         "params": {k: v.cpu() for k, v in trainer.named_parameters().items()}},

@@ -83,8 +83,7 @@ def is_path_source(where: str) -> bool:
 
 
 def _resolve_path(plan: Plan, where: str) -> Path:
-    base = Path(plan.path).parent if plan.path and plan.path != "<plan>" else Path.cwd()
-    return (base / where).resolve()
+    return Path(plan.resolve_path(where)).resolve()
 
 
 def _import_source(plan: Plan, where: str) -> ModuleType:
