@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
-import torch
 
 from ..errors import PipeplanError
+from .data_check import check_data
 from .source import RunSource, load_source
 from .worker import RankEnv, RunOptions, run_worker
 
@@ -86,6 +85,7 @@ def _cmd_run(args) -> int:
     steps = _steps(args, source)
     if env is None:
         precompile(source.plan, source)  # fail before spawning anything
+        check_data(source.plan, steps)
         m = source.plan.mesh
         print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
@@ -106,6 +106,7 @@ def _cmd_verify(args) -> int:
     source = load_source(args.plan, args.set, None)
     steps = _steps(args, source)
     precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
+    check_data(source.plan, steps)
     world = source.plan.mesh.world_size
     print(f"pipeplan: verify {args.plan} in {args.precision}: launching {world} local "
           f"processes (gloo), {steps} steps", flush=True)

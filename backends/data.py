@@ -3,8 +3,9 @@
 Step t's global batch is `train.global_batch` rows of `seq_len + 1` tokens,
 a pure function of (data spec, t): synthetic tokens from a seeded
 torch.Generator (a learnable stream, see `_synthetic_rows`), or sequential
-windows of a memory-mapped token file (.bin of uint16, or .npy).
-input_ids = row[:-1], targets = row[1:].
+windows of a memory-mapped token file (.bin of uint16, or .npy; checked before
+launch by backends/data_check.py). input_ids = row[:-1], targets = row[1:]; the
+model's inputs are fields made from them (see Batch).
 
 Sharing (the same for the pipelined run and the reference): DP rank d takes
 rows [d*B/dp, (d+1)*B/dp); its microbatch i is the i-th equal chunk of those.
@@ -12,40 +13,74 @@ So chunk c = d*m + i of the global batch is DP rank d's microbatch i.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from ..dsl.ast import DataSpec, Plan
 from ..errors import PipeplanError
+from .data_check import open_token_file
 
 
 @dataclass(frozen=True)
 class Batch:
-    """Rows of a batch; any slice of it is again a Batch."""
+    """Rows of a batch; any slice of it is again a Batch.
 
-    input_ids: torch.Tensor  # [rows, seq_len] int64
+    A batch is a token window per row; every other field a stage reads is made
+    from it (`DATA_FIELDS` in dsl/schema.py, bound to the model's inputs by
+    `DataSpec.feeds`): tokens (row[:-1]), targets (row[1:]), positions
+    (0..seq_len-1 in every row) and mask (ones of the input's declared shape).
+    """
+
+    input_ids: torch.Tensor  # [rows, seq_len] int64: the `tokens` field
     targets: torch.Tensor  # [rows, seq_len] int64
+    # (model input, data field, dtype, declared shape) for each model input
+    feeds: tuple[tuple[str, str, str, tuple], ...] = (
+        ("input_ids", "tokens", "int64", ("batch", "seq")),)
 
     def field(self, name: str) -> torch.Tensor:
         """The batch field a stage input names (ValueRef.source == BATCH)."""
-        if name == "input_ids":
-            return self.input_ids
         if name == "targets":
             return self.targets
+        for model_input, source, dtype, shape in self.feeds:
+            if model_input == name:
+                return self._make(source, getattr(torch, dtype), shape)
         raise PipeplanError(
-            f"a stage reads batch field {name!r}, but the runtime's data provides "
-            "only 'input_ids' and 'targets' (token data)")
+            f"a stage reads batch field {name!r}, but the data feeds only "
+            f"{', '.join(f[0] for f in self.feeds)} and targets; name it in model.inputs")
+
+    def _make(self, source: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        rows, seq = self.input_ids.shape
+        if source == "tokens":
+            return self.input_ids.to(dtype)
+        if source == "targets":
+            return self.targets.to(dtype)
+        if source == "positions":
+            return torch.arange(seq, dtype=dtype).expand(rows, seq).contiguous()
+        if source == "mask":
+            dims = {"batch": rows, "seq": seq}
+            return torch.ones([dims.get(d, d) for d in shape], dtype=dtype)
+        raise PipeplanError(f"unknown data field {source!r}")
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The model's inputs by name: what the unmodified model's forward takes."""
+        return {name: self.field(name) for name, *_ in self.feeds}
 
     def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(self.input_ids[start:stop], self.targets[start:stop])
+        return Batch(self.input_ids[start:stop], self.targets[start:stop], self.feeds)
 
     @property
     def tokens(self) -> int:
         return self.input_ids.numel()
+
+
+def feeds_of(plan: Plan) -> tuple[tuple[str, str, str, tuple], ...]:
+    """(model input, data field, dtype, shape) per model input (checked by dsl/checks.py)."""
+    specs = plan.model.inputs
+    bound = dict(plan.data.feeds([s.name for s in specs]))
+    return tuple((s.name, bound[s.name] or "tokens", s.dtype, tuple(s.shape)) for s in specs)
 
 
 SYNTHETIC_NOISE = 0.1  # share of synthetic tokens drawn uniformly instead of from the table
@@ -68,19 +103,8 @@ def _synthetic_rows(spec: DataSpec, step: int, rows: int) -> torch.Tensor:
     return out
 
 
-@lru_cache(maxsize=4)
-def _token_file(path: str) -> np.ndarray:
-    if not os.path.exists(path):
-        raise PipeplanError(f"data file {path!r} does not exist")
-    if path.endswith(".npy"):
-        return np.load(path, mmap_mode="r").reshape(-1)
-    if path.endswith(".bin"):
-        return np.memmap(path, dtype=np.uint16, mode="r")
-    raise PipeplanError(f"data file {path!r}: expected a .bin (uint16 tokens) or .npy file")
-
-
 def _file_rows(path: str, spec: DataSpec, step: int, rows: int) -> torch.Tensor:
-    tokens = _token_file(path)
+    tokens = open_token_file(path)
     window = spec.seq_len + 1
     windows = len(tokens) // window
     if windows == 0:
@@ -88,16 +112,18 @@ def _file_rows(path: str, spec: DataSpec, step: int, rows: int) -> torch.Tensor:
             f"data file {path!r} holds {len(tokens)} tokens, fewer than one window "
             f"of seq_len + 1 = {window}")
     first = step * rows
+    if not spec.wrap and first + rows > windows:
+        raise PipeplanError(
+            f"data file {path!r} holds {windows} windows of seq_len + 1 = {window} tokens; "
+            f"step {step + 1} needs windows up to {first + rows} (set wrap = true in "
+            "data = tokens(...) to read the file again from its start)")
     out = np.stack([tokens[((first + r) % windows) * window:][:window] for r in range(rows)])
     return torch.from_numpy(out.astype(np.int64))
 
 
 def resolve_data_path(plan: Plan) -> str:
     """A relative data path resolves against the plan file's folder."""
-    path = plan.data.path or ""
-    if os.path.isabs(path) or plan.path in ("", "<plan>"):
-        return path
-    return os.path.join(os.path.dirname(os.path.abspath(plan.path)), path)
+    return plan.resolve_path(plan.data.path or "")
 
 
 def global_batch(plan: Plan, step: int) -> Batch:
@@ -107,7 +133,7 @@ def global_batch(plan: Plan, step: int) -> Batch:
         data = _file_rows(resolve_data_path(plan), plan.data, step, rows)
     else:
         data = _synthetic_rows(plan.data, step, rows)
-    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous(), feeds_of(plan))
 
 
 def chunks(batch: Batch, count: int) -> list[Batch]:
@@ -122,7 +148,8 @@ def chunks(batch: Batch, count: int) -> list[Batch]:
 def concat(batches: list[Batch]) -> Batch:
     if len(batches) == 1:
         return batches[0]
-    return Batch(torch.cat([b.input_ids for b in batches]), torch.cat([b.targets for b in batches]))
+    return Batch(torch.cat([b.input_ids for b in batches]), torch.cat([b.targets for b in batches]),
+                 batches[0].feeds)
 
 
 def dp_microbatches(plan: Plan, step: int, dp_rank: int) -> list[Batch]:

@@ -112,6 +112,7 @@ class Executor:
         self.device = device
         self.on_stage_done = on_stage_done or (lambda stage: None)
         self.around_action = around_action or (lambda stage: contextlib.nullcontext())
+        self.on_action = None  # called with each action's label before it runs (failure.Beacon)
         self.last_grad_action = _last_grad_actions(self.planned)
 
     # ------------------------------------------------------------------ p2p
@@ -143,6 +144,8 @@ class Executor:
         posted: dict[int, tuple[list, list]] = {}  # action index -> (recv works, buffers)
         for i, p in enumerate(self.planned):
             a = p.action
+            if self.on_action is not None:
+                self.on_action(label(a))
             wait_start = time.time()
             if p.recv is not None:
                 try:

@@ -11,10 +11,16 @@ A failing worker (an exception in an action, a non-finite loss) records
   watches them.
 
 torch.distributed's own timeout (`--timeout`) stays as the last backstop.
+
+A rank killed by a signal reports nothing, so each rank also keeps a `Beacon`:
+a small memory-mapped file in $PIPEPLAN_ERROR_DIR holding what it is doing
+now ("step 21: F s1 mb0"), rewritten per action (a memory write, no syscall).
+It survives the process, so the launcher can name a dead rank's last action.
 """
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import threading
@@ -122,3 +128,104 @@ class FailureWatch:
 
 def now() -> float:
     return time.time()
+
+
+BEACON_BYTES = 256
+
+
+class Beacon:
+    """What this rank is doing, readable by the launcher after the rank is gone.
+
+    Indexed like the one-element list the worker used before (`where[0] = "step 3"`);
+    `action(label)` adds the action inside the current phase.
+    """
+
+    def __init__(self, rank: int, phase: str):
+        self.phase, self._map = phase, None
+        folder = os.environ.get(ERROR_DIR_ENV)
+        if folder:
+            try:
+                with open(os.path.join(folder, f"rank{rank}.where"), "w+b") as f:
+                    f.write(b"\0" * BEACON_BYTES)
+                    f.flush()
+                    self._map = mmap.mmap(f.fileno(), BEACON_BYTES)
+            except (OSError, ValueError):
+                self._map = None
+        self._write(phase)
+
+    def __getitem__(self, i: int) -> str:
+        return self.phase
+
+    def __setitem__(self, i: int, phase: str) -> None:
+        self.phase = phase
+        self._write(phase)
+
+    def action(self, label: str) -> None:
+        self._write(f"{self.phase}: {label}")
+
+    def _write(self, text: str) -> None:
+        if self._map is not None:
+            data = text.encode("utf-8", "replace")[:BEACON_BYTES - 1]
+            self._map[:len(data) + 1] = data + b"\0"
+
+
+def read_beacon(folder: str, rank: int) -> Optional[str]:
+    """The last thing rank `rank` said it was doing, if it kept a beacon."""
+    try:
+        with open(os.path.join(folder, f"rank{rank}.where"), "rb") as f:
+            text = f.read(BEACON_BYTES).split(b"\0", 1)[0].decode("utf-8", "replace")
+    except OSError:
+        return None
+    return text or None
+
+
+def _signal_name(code: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def explain(codes: dict[int, Optional[int]], reports: list[Failure],
+            beacons: dict[int, Optional[str]]) -> list[str]:
+    """The launcher's lines about a failed run: the rank that failed first, then the rest.
+
+    The cause is, in order: a rank that died by a signal (it cannot report, and every
+    report after it is a consequence: a neighbour's "connection closed"); else the
+    earliest report by time; else a rank that exited non-zero without a report.
+    `codes`: each rank's exit code when the launcher decided (None: still running,
+    negative: killed by that signal); `beacons`: each rank's last recorded action.
+    """
+    world = len(codes)
+    killed = [r for r, c in codes.items() if c is not None and c < 0]
+    silent = [r for r, c in codes.items() if c not in (None, 0) and c > 0
+              and r not in {f.rank for f in reports}]
+    if killed:
+        cause = killed[0]
+        where = beacons.get(cause)
+        lines = [f"run failed: rank {cause} was killed by {_signal_name(codes[cause])}"
+                 + (f" in {where}" if where else "") + " (it reported no error)"]
+    elif reports:
+        cause, lines = reports[0].rank, [f"run failed: {reports[0].message}"]
+    elif silent:
+        cause = silent[0]
+        where = beacons.get(cause)
+        lines = [f"run failed: rank {cause} exited with code {codes[cause]} without reporting "
+                 f"an error" + (f" (last seen in {where})" if where else "")]
+    else:
+        return [f"run failed; stopped all {world} ranks"]
+    after = [f for f in reports if f.rank != cause]
+    if after:
+        first = after[0]
+        more = len({f.rank for f in after}) - 1
+        lines.append(f"consequence: {_short(first.message)}"
+                     + (f" (and {more} more rank{'s' if more > 1 else ''})" if more else ""))
+    lines.append(f"stopped all {world} ranks")
+    return lines
+
+
+def _short(message: str, limit: int = 240) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else message
+    return line if len(line) <= limit else line[:limit - 3] + "..."

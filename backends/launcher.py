@@ -3,7 +3,9 @@
 Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so the worker path is the same
 as under torchrun. The launcher watches them: when one exits non-zero it
-names the first rank that reported a failure, kills the rest and returns 1.
+names the rank that failed first (one killed by a signal, else the earliest
+error report; see failure.explain) with its last action, and what the others
+reported as a consequence, kills the rest and returns 1.
 Children die with the launcher (PR_SET_PDEATHSIG on Linux) and are killed in
 a `finally`, so no process outlives a run.
 """
@@ -19,7 +21,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from .failure import ERROR_DIR_ENV, read_failures
+from .failure import ERROR_DIR_ENV, explain, read_beacon, read_failures
 
 GRACE_S = 2.0  # after the first failure, how long the others may take to report theirs
 
@@ -43,7 +45,11 @@ def _threads_per_rank(world: int) -> int:
 
 
 def launch_local(argv: Sequence[str], world: int) -> int:
-    """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded."""
+    """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded.
+
+    The ranks run in their own session, so a Ctrl-C in the terminal reaches only the
+    launcher: it stops every rank at once (see `_kill_all`) and the KeyboardInterrupt
+    goes on to the CLI, which prints one "interrupted" line."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors:
         procs: list[subprocess.Popen] = []
@@ -55,7 +61,7 @@ def launch_local(argv: Sequence[str], world: int) -> int:
                 env[ERROR_DIR_ENV] = errors
                 env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(world)))
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "pipeplan", *argv], env=env,
+                    [sys.executable, "-m", "pipeplan", *argv], env=env, start_new_session=True,
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
             return _watch(procs, errors)
         finally:
@@ -67,37 +73,57 @@ def _watch(procs: list[subprocess.Popen], errors: str) -> int:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return 0
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
+        if any(c not in (None, 0) for c in codes):
+            # the others report what they saw (or stop) within the grace period
             deadline = time.monotonic() + GRACE_S
-            while time.monotonic() < deadline and not read_failures(errors):
+            while time.monotonic() < deadline and not _settled(procs, errors):
                 time.sleep(0.05)
+            final = {r: p.poll() for r, p in enumerate(procs)}
+            codes_then = {r: (c if c is not None else final[r]) for r, c in enumerate(codes)}
             _kill_all(procs)
-            reports = read_failures(errors)
-            if reports:
-                first = reports[0]
-                print(f"pipeplan: run failed: {first.message}", file=sys.stderr)
-                others = len({f.rank for f in reports if f.rank != first.rank})
-                print(f"pipeplan: stopped all {len(procs)} ranks"
-                      + (f" ({others} more reported errors after it)" if others else ""),
-                      file=sys.stderr)
-            else:
-                r = failed[0]
-                print(f"pipeplan: run failed: rank {r} exited with code {codes[r]} "
-                      f"without reporting an error; stopped all {len(procs)} ranks",
-                      file=sys.stderr)
+            beacons = {r: read_beacon(errors, r) for r in range(len(procs))}
+            for line in explain(codes_then, read_failures(errors), beacons):
+                print(f"pipeplan: {line}", file=sys.stderr)
             return 1
         time.sleep(0.05)
 
 
+def _settled(procs: list[subprocess.Popen], errors: str) -> bool:
+    """Every rank has exited, or a signal death or an error report names the cause."""
+    codes = [p.poll() for p in procs]
+    if all(c is not None for c in codes):
+        return True
+    return any(c is not None and c < 0 for c in codes) or bool(read_failures(errors))
+
+
 def _kill_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    """Stop every live rank at once: SIGSTOP them all first (a stopped rank keeps its
+    sockets open, so none sees a peer vanish and prints gloo's C++ errors), then SIGKILL.
+    Ctrl-C is held off meanwhile so a second one cannot leave ranks behind."""
+    live = [p for p in procs if p.poll() is None]
+    previous = _hold_sigint()
+    try:
+        for p in live:
+            _signal(p, signal.SIGSTOP)
+        for p in live:
+            _signal(p, signal.SIGKILL)
+        for p in live:
             p.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _hold_sigint():
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.SIG_IGN)

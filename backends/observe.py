@@ -14,6 +14,7 @@ point-to-point latency.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from statistics import mean, median
@@ -32,6 +33,7 @@ class RankTimings:
     dp: int
     tp: int
     steps: tuple[tuple[ActionTiming, ...], ...]
+    first_step: int = 0  # steps done before these (a resumed run starts after its checkpoint)
 
 
 def describe_run(compiled, world_size: int) -> str:
@@ -52,9 +54,14 @@ class Progress:
     """Rank 0's per-step line on stdout and, optionally, one JSON object per step."""
 
     def __init__(self, total_steps: int, metrics_path: Optional[str] = None,
-                 stream: TextIO = sys.stdout, append: bool = False):
+                 stream: TextIO = sys.stdout, append: bool = False, resumed_after: int = 0):
+        """`append`: continue the metrics file of a resumed run; the rows it holds for
+        steps after `resumed_after` (written after the checkpoint the run resumes from,
+        and about to be trained again) are dropped so no step appears twice."""
         self.total = total_steps
         self.stream = stream
+        if metrics_path and append:
+            _keep_rows_through(metrics_path, resumed_after)
         self.metrics = open(metrics_path, "a" if append else "w") if metrics_path else None
 
     def step(self, r: StepReport) -> None:
@@ -72,6 +79,27 @@ class Progress:
     def close(self) -> None:
         if self.metrics:
             self.metrics.close()
+
+
+def _keep_rows_through(path: str, step: int) -> None:
+    """Rewrite a metrics file keeping only its rows for steps <= `step` (atomically)."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a row cut short by a crash
+        if row_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def chrome_trace(ranks: Sequence[RankTimings]) -> dict:
@@ -153,7 +181,7 @@ def bubble_report(schedule, ranks: Sequence[RankTimings]) -> str:
     costs = Costs(per_stage=measured_costs(pipeline, schedule.stages), latency=latency)
     predicted = simulate(schedule, costs).bubble
     return (f"bubble (whole iteration, 1 - busy/(ranks x makespan)): measured {measured:.3f} "
-            f"on step {last + 1}, predicted {predicted:.3f} by simulating the schedule with "
+            f"on step {pipeline[0].first_step + last + 1}, predicted {predicted:.3f} by simulating the schedule with "
             f"the measured mean per-op costs and p2p latency ({latency * 1e3:.2f} ms)")
 
 

@@ -79,7 +79,7 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
         for group in groups:
             batch = data.concat([chunks[c] for c in group])
             with autocast():
-                loss = model_loss(plan, model(batch.input_ids), batch.targets) / len(groups)
+                loss = model_loss(plan, model(**batch.inputs), batch.targets) / len(groups)
             loss.backward()
             total += float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(

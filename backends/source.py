@@ -8,6 +8,7 @@ ranks, stages and microbatches.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -74,6 +75,13 @@ def _pinned(pinned):
 
 
 def load_source(path: str, overrides: Sequence[str], world_size: Optional[int]) -> RunSource:
+    """What `run`/`verify` runs; the plan's checkpoint.dir and log_dir come back absolute
+    (relative to the plan file, as model and data paths are)."""
+    source = _load_source(path, overrides, world_size)
+    return dataclasses.replace(source, plan=source.plan.with_resolved_paths())
+
+
+def _load_source(path: str, overrides: Sequence[str], world_size: Optional[int]) -> RunSource:
     from ..dsl.load import load_plan
 
     if os.path.isdir(path):

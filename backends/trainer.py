@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -169,8 +170,11 @@ class PipelineTrainer:
 
     def resume(self, steps_done: int) -> None:
         """After restoring a checkpoint: the LR schedule continues where it stopped."""
-        for _ in range(steps_done if self.scheduler else 0):
-            self.scheduler.step()
+        with warnings.catch_warnings():  # no optimizer step ran yet in this process: torch
+            warnings.filterwarnings(  # warns, but replaying the schedule's steps is exact
+                "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            for _ in range(steps_done if self.scheduler else 0):
+                self.scheduler.step()
 
     def parameters_by_name(self) -> dict[str, torch.nn.Parameter]:
         """This rank's own parameters under every reference name they have here."""

@@ -6,7 +6,6 @@ the same command once per rank. NCCL when CUDA is available, gloo otherwise.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ from ..dsl.ast import Plan
 from ..errors import PipeplanError
 from .agreement import check_agreement, compile_shared
 from .checkpoint import Checkpointer, latest_step
-from .failure import Failure, FailureWatch, now, report_failure
+from .failure import Beacon, Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes
 from .model import own_stages
@@ -89,11 +88,12 @@ def _log_dir_metrics(plan: Plan) -> Optional[str]:
 
 
 def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
-           where: list) -> tuple[list[float], list]:
+           where: list) -> tuple[list[float], list, int]:
     """The step loop (resuming from a checkpoint); rank 0 prints and writes metrics."""
     checkpoints, first = _restore(plan, trainer)
     metrics = opts.metrics or _log_dir_metrics(plan)
-    progress = Progress(opts.steps, metrics, append=first > 0) if env.rank == 0 else None
+    progress = Progress(opts.steps, metrics, append=first > 0, resumed_after=first) \
+        if env.rank == 0 else None
     if progress and first:
         print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
     losses, timings = [], []
@@ -111,7 +111,7 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
     finally:
         if progress:
             progress.close()
-    return losses, timings
+    return losses, timings, first
 
 
 def _report(mine: RankTimings, schedule, env: RankEnv, opts: RunOptions) -> None:
@@ -145,7 +145,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
     watch = FailureWatch(env.rank).start()
-    where = ["setup"]  # what this rank is doing, for the failure message
+    where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
         leaves = with_required_leaves(plan)
@@ -153,13 +153,14 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         check_agreement(leaves, compiled)  # every rank runs the same, or none starts
         param_bytes = own_stages(plan, compiled, topo.coords.pp, device)  # only this rank's
         trainer = PipelineTrainer(plan, compiled, topo, device)
+        trainer.executor.on_action = where.action  # the launcher names a killed rank's action
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         startup = (time.perf_counter() - started, peak_rss_bytes())
-        losses, timings = _train(plan, trainer, env, opts, where)
+        losses, timings, first = _train(plan, trainer, env, opts, where)
         where[0] = "finish"
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes())
@@ -168,7 +169,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(memory_lines(every), flush=True)
         _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
-                            tuple(timings)), schedule, env, opts)
+                            tuple(timings), first), schedule, env, opts)
         if opts.dump_dir:
             dump_rank(opts.dump_dir, env.rank, losses, trainer, grads)
         dist.barrier()

@@ -7,10 +7,12 @@ rank and the single-process reference get the same initial model.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
 import inspect
+import io
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +21,7 @@ import torch
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
+from .model_checks import check_model_against_plan
 
 
 def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
@@ -31,13 +34,14 @@ def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
             torch.manual_seed(plan.train.seed)
             with torch.device(device):
                 model = cls(**args)
-    except Exception as e:  # the user's constructor failed: point at the args
+    except (Exception, SystemExit) as e:  # the user's constructor failed: point at the args
         raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
                            f"{type(e).__name__}: {e}",
                            "check the constructor arguments against the model's __init__") from e
     if not isinstance(model, torch.nn.Module):
         raise PlanError.at(plan, "model.source", f"{cls.__name__} returned "
                            f"{type(model).__name__}, not a torch.nn.Module")
+    check_model_against_plan(plan, model)
     return model
 
 
@@ -79,8 +83,7 @@ def is_path_source(where: str) -> bool:
 
 
 def _resolve_path(plan: Plan, where: str) -> Path:
-    base = Path(plan.path).parent if plan.path and plan.path != "<plan>" else Path.cwd()
-    return (base / where).resolve()
+    return Path(plan.resolve_path(where)).resolve()
 
 
 def _import_source(plan: Plan, where: str) -> ModuleType:
@@ -91,7 +94,8 @@ def _import_source(plan: Plan, where: str) -> ModuleType:
                                "paths are relative to the plan file's folder")
         return _import_file(plan, path)
     try:
-        return importlib.import_module(where)
+        with _import_guard(plan, where):
+            return importlib.import_module(where)
     except ImportError as e:
         raise PlanError.at(plan, "model.source", f"cannot import module {where!r}: {e}",
                            "use a dotted module path importable here, or a file path ending in .py"
@@ -102,22 +106,60 @@ def _import_file(plan: Plan, path: Path) -> ModuleType:
     """Import a model file as part of its package when it has one (relative imports work)."""
     dotted, top = _package_name(path)
     try:
-        if dotted is None:
-            name = f"pipeplan_model_{abs(hash(str(path)))}"
-            if name in sys.modules:
-                return sys.modules[name]
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-            return module
-        if str(top.parent) not in sys.path and not _known_package(top):
-            sys.path.insert(0, str(top.parent))
-        return importlib.import_module(dotted)
+        with _import_guard(plan, str(path)):
+            return _exec_file(path, dotted, top)
+    except PlanError:
+        raise
     except Exception as e:
         sys.modules.pop(f"pipeplan_model_{abs(hash(str(path)))}", None)
         raise PlanError.at(plan, "model.source", f"importing {path} failed: "
                            f"{type(e).__name__}: {e}") from e
+
+
+def _exec_file(path: Path, dotted: str | None, top: Path | None) -> ModuleType:
+    if dotted is None:
+        name = f"pipeplan_model_{abs(hash(str(path)))}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return module
+    if str(top.parent) not in sys.path and not _known_package(top):
+        sys.path.insert(0, str(top.parent))
+    return importlib.import_module(dotted)
+
+
+@contextlib.contextmanager
+def _import_guard(plan: Plan, what: str):
+    """Import the user's model code as a library: with sys.argv holding only the file (so
+    pipeplan's own arguments are not parsed as the model's), and an exit at import reported
+    at the plan's model.source line instead of ending pipeplan (SystemExit is no Exception)."""
+    argv, err, exited = sys.argv, io.StringIO(), False
+    sys.argv = [what]
+    try:
+        with contextlib.redirect_stderr(err):
+            yield
+    except SystemExit as e:
+        exited = True
+        said = [line for line in err.getvalue().splitlines() if line.strip()]
+        if any(line.startswith("usage:") for line in said):
+            kind = "parses command-line arguments at import and exits"
+        else:
+            kind = f"calls sys.exit({e.code!r}) at import"
+        raise PlanError.at(plan, "model.source", f"{what} {kind}"
+                           + (f": {said[-1].strip()}" if said else ""),
+                           "a model file is imported as a library: move script code (argument "
+                           "parsing, sys.exit) under `if __name__ == \"__main__\":`") from None
+    finally:
+        sys.argv = argv
+        if not exited:
+            sys.stderr.write(err.getvalue())  # what the import printed (warnings) still shows
 
 
 def _package_name(path: Path) -> tuple[str | None, Path | None]:

@@ -8,9 +8,10 @@ point an error at the plan line through `Plan.span_of`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 # A constructor/optimizer argument value as written in the plan.
 Scalar = Union[int, float, str, bool, None]
@@ -67,6 +68,18 @@ class DataSpec:
     seed: int = 0  # synthetic only
     vocab: int = 256  # synthetic only
     path: Optional[str] = None  # file only: .bin (uint16 tokens) or .npy, memory-mapped
+    # file only: read past the file's end from its start again (else a file too short
+    # for the run is refused by `pipeplan check`)
+    wrap: bool = False
+    # (model input, data field) pairs: which field of the data each model input reads
+    # (fields: tokens positions mask targets, see backends/data.py); a model input not
+    # named here reads `tokens` if it is the first, and is an error otherwise
+    inputs: tuple[tuple[str, str], ...] = ()
+
+    def feeds(self, names: "Sequence[str]") -> tuple[tuple[str, Optional[str]], ...]:
+        """(model input, data field or None when unbound) for the model's input `names`."""
+        given = dict(self.inputs)
+        return tuple((n, given.get(n, "tokens" if i == 0 else None)) for i, n in enumerate(names))
 
 
 # ---------------------------------------------------------------------- mesh
@@ -231,6 +244,27 @@ class Plan:
     source_text: str = field(default="", compare=False, repr=False)
     # Text of every source a span may point into: the plan file and each `--set` override.
     sources: Mapping[str, str] = field(default_factory=_frozen_map, compare=False, repr=False)
+
+    def resolve_path(self, path: str) -> str:
+        """A path the plan gives (model file, data, checkpoint.dir, log_dir), absolute: a
+        relative one is relative to the plan file's folder (the working directory for a
+        plan that has no file), so a plan means the same from any directory."""
+        if os.path.isabs(path):
+            return path
+        base = os.path.dirname(os.path.abspath(self.path)) if self.path not in ("", "<plan>") \
+            else os.getcwd()
+        return os.path.normpath(os.path.join(base, path))
+
+    def with_resolved_paths(self) -> "Plan":
+        """This plan with checkpoint.dir and log_dir absolute (what the runtime writes to)."""
+        import dataclasses
+
+        t = self.train
+        ckpt = t.checkpoint and dataclasses.replace(t.checkpoint,
+                                                    dir=self.resolve_path(t.checkpoint.dir))
+        log_dir = t.log_dir and self.resolve_path(t.log_dir)
+        return dataclasses.replace(self, train=dataclasses.replace(t, checkpoint=ckpt,
+                                                                   log_dir=log_dir))
 
     def span_of(self, key: str) -> Span:
         """The span of `key`, else of its nearest enclosing section, else the file start."""

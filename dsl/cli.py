@@ -27,7 +27,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    from ..backends.data_check import check_data
+
     plan = load_plan(args.plan, args.overrides, world_size=args.world_size)
+    check_data(plan)  # the token file: exists, integer ids in range, long enough
     sys.stdout.write(check_report(plan))
     if not args.no_model:
         # Once the model is known: trace it on meta (no weights) and print the estimates.

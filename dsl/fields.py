@@ -237,6 +237,6 @@ def write_call(name: str, obj: Any, section: Section, key: str, emit: Emit,
         value = getattr(obj, f.key)
         if value is None or not emit(join(key, f.key), value, _default(section.cls, f.key)):
             continue
-        text_ = f.write(value)
+        text_ = f.write(value, join(key, f.key), emit) if f.nested else f.write(value)
         parts.append(text_ if f.key in positional else f"{f.key} = {text_}")
     return f"{name}({', '.join(parts)})"

@@ -42,12 +42,41 @@ def parse_plan(text: str, path: str = "<plan>", overrides: Sequence[str] = (),
 def load_plan(path: str, overrides: Sequence[str] = (), world_size: Optional[int] = None) -> Plan:
     """Read and check the plan file at `path` (see parse_plan)."""
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of the plan
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PLAN_BYTES + 1)
+    except OSError as e:
         raise PlanError([Diagnostic(f"cannot read plan file: {e.strerror or e}",
                                     _file_start(path))], "") from None
-    return parse_plan(text, path, overrides, world_size)
+    if len(raw) > MAX_PLAN_BYTES:
+        raise PlanError([Diagnostic(f"plan file is larger than {MAX_PLAN_BYTES // 2**20} MiB",
+                                    _file_start(path), "a plan is a short text file; is this "
+                                    "the right file?")], "")
+    return parse_plan(decode_plan(raw, path), path, overrides, world_size)
+
+
+MAX_PLAN_BYTES = 4 * 2**20
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def decode_plan(raw: bytes, path: str) -> str:
+    """A plan file's text: UTF-8 (a leading byte-order mark is dropped). Anything else is a
+    PlanError at the first byte that is not UTF-8, naming the encoding when it is UTF-16."""
+    if raw.startswith(_UTF16_BOMS) or (len(raw) > 1 and b"\x00" in raw[:2]):
+        raise PlanError([Diagnostic("plan file is UTF-16, not UTF-8", _file_start(path),
+                                    "save the plan as UTF-8")], "")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        before = raw[:e.start].decode("utf-8", errors="replace")
+        line = before.count("\n") + 1
+        col = len(before) - (before.rfind("\n") + 1) + 1
+        shown = raw[:e.start].decode("utf-8", errors="replace").rsplit("\n", 1)[-1]
+        rest = raw[e.start:].split(b"\n", 1)[0].decode("utf-8", errors="replace")
+        span = Span(path, line, col, line, col + 1)
+        raise PlanError([Diagnostic(f"plan file is not UTF-8: byte 0x{raw[e.start]:02x} "
+                                    f"at line {line}, column {col} is not valid UTF-8",
+                                    span, "save the plan as UTF-8")],
+                        "\n" * (line - 1) + shown + rest) from None
 
 
 def read_plan(doc: Table, path: str) -> tuple[Plan, Reading]:

@@ -12,6 +12,8 @@ from typing import Mapping
 
 from . import ast as A
 from .checks import SCHEDULE_KINDS
+from .limits import (MAX_BATCH, MAX_DIM, MAX_EXPERTS, MAX_LAYER, MAX_MICROBATCHES, MAX_RANKS,
+                     MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, MAX_VIRTUAL, MAX_VOCAB)
 from .fields import (CallShape, Emit, Field, Reading, Section, call_name, join, read_call,
                      write_call)
 from .syntax import Call, Float, Int, Items, Name, Node, Pattern, RangeNode, Shaped, Size, Str, Table
@@ -90,6 +92,9 @@ def _inputs(r: Reading, node: Node, key: str) -> tuple[A.InputSpec, ...]:
                     sub)
         elif any(isinstance(d, int) and d < 1 for d in e.value.dims):
             r.error(e.value.span, f"input {e.key} has a dimension below 1", None, sub)
+        elif any(isinstance(d, int) and d > MAX_DIM for d in e.value.dims):
+            r.error(e.value.span, f"input {e.key} has a dimension above {MAX_DIM:,}",
+                    "pipeplan bounds every size in a plan before it allocates anything", sub)
         else:
             out.append(A.InputSpec(e.key, e.value.dtype, tuple(e.value.dims)))
     if not out and not node.entries:
@@ -112,10 +117,39 @@ MODEL = Section("model", A.ModelSpec, (
 ))
 
 # ----------------------------------------------------------------- data
+DATA_FIELDS = ("tokens", "positions", "mask", "targets")  # what the runtime's data provides
+
+
+def _data_inputs(r: Reading, node: Node, key: str) -> tuple[tuple[str, str], ...]:
+    """`inputs = { tokens = tokens, pos = positions }`: model input -> data field."""
+    if not isinstance(node, Table):
+        raise Invalid(f"{key} must be a block of model_input = data field, {shown(node)}",
+                      "e.g. inputs = { tokens = tokens, position_ids = positions }")
+    out: list[tuple[str, str]] = []
+    field = choice(*DATA_FIELDS)
+    for e in node.entries:
+        sub = join(key, e.key)
+        r.spans[sub] = e.key_span
+        if any(name == e.key for name, _ in out):
+            r.error(e.key_span, f"duplicate input '{e.key}' in {key}", "keep one", sub)
+            continue
+        try:
+            out.append((e.key, field(e.value, "data field")))
+        except Invalid as err:
+            r.error(e.value.span, err.message, err.hint, sub)
+    return tuple(out)
+
+
+def _write_data_inputs(inputs: tuple[tuple[str, str], ...], key: str, emit: Emit) -> str:
+    return "{ " + ", ".join(f"{k} = {v}" for k, v in inputs) + " }"
+
+
+_INPUTS = Field("inputs", _data_inputs, _write_data_inputs, nested=True)
 _SYNTHETIC = CallShape(Section("synthetic()", A.DataSpec, (
-    Field("seed", integer(0)),
-    Field("vocab", integer(2)),
-    Field("seq_len", integer(1)),
+    Field("seed", integer(0, MAX_SEED)),
+    Field("vocab", integer(2, MAX_VOCAB)),
+    Field("seq_len", integer(1, MAX_SEQ_LEN)),
+    _INPUTS,
 ), noun="argument"))
 _DATA_FILE_EXTENSIONS = (".bin", ".npy")
 
@@ -130,7 +164,9 @@ def _token_path(node: Node, key: str) -> str:
 
 _TOKENS = CallShape(Section("tokens()", A.DataSpec, (
     Field("path", _token_path, write_string),
-    Field("seq_len", integer(1)),
+    Field("seq_len", integer(1, MAX_SEQ_LEN)),
+    Field("wrap", boolean),
+    _INPUTS,
 ), noun="argument"), positional=("path",))
 _DATA_SHAPES = {"synthetic": _SYNTHETIC, "tokens": _TOKENS}
 
@@ -149,7 +185,7 @@ def _write_data(data: A.DataSpec, key: str, emit: Emit) -> str:
 
 
 # ----------------------------------------------------------------- mesh
-MESH = Section("mesh", A.MeshSpec, tuple(Field(axis, integer(1)) for axis in ("pp", "dp", "tp", "ep")))
+MESH = Section("mesh", A.MeshSpec, tuple(Field(axis, integer(1, MAX_RANKS)) for axis in ("pp", "dp", "tp", "ep")))
 
 # ------------------------------------------------------------- pipeline
 SPLIT_BASES = ("flops", "params", "profile")
@@ -168,6 +204,11 @@ def _split(r: Reading, node: Node, key: str) -> A.SplitSpec:
                       f"stages begin, or a list of layer ranges; {shown(node)}",
                       'e.g. split = ["layers.4"] or split = [layers[0:4], layers[4:8]]')
     if all(isinstance(i, RangeNode) for i in node.items):
+        big = next((i for i in node.items if max(abs(i.start), abs(i.stop)) > MAX_LAYER), None)
+        if big is not None:
+            raise Invalid(f"layer range {big.prefix}[{big.start}:{big.stop}] has a bound above "
+                          f"{MAX_LAYER:,}", "pipeplan bounds every size in a plan before it "
+                          "allocates anything", big.span)
         return A.SplitSpec(kind="ranges", ranges=tuple(
             A.LayerRange(i.prefix, i.start, i.stop) for i in node.items))
     if all(isinstance(i, (Str, Pattern, Name)) for i in node.items):
@@ -215,9 +256,9 @@ def _write_memory_limit(limit: A.MemoryLimit) -> str:
 
 PIPELINE = Section("pipeline", A.PipelineSpec, (
     Field("schedule", choice(*SCHEDULE_KINDS)),
-    Field("microbatches", integer(1)),
-    Field("microbatch_size", integer(1)),
-    Field("virtual", integer(1)),
+    Field("microbatches", integer(1, MAX_MICROBATCHES)),
+    Field("microbatch_size", integer(1, MAX_BATCH)),
+    Field("virtual", integer(1, MAX_VIRTUAL)),
     Field("split", _split, _write_split, nested=True),
     Field("memory_limit", _memory_limit, _write_memory_limit),
 ))
@@ -225,15 +266,15 @@ PIPELINE = Section("pipeline", A.PipelineSpec, (
 # -------------------------------------------------------------- experts
 EXPERTS = Section("experts", A.ExpertsSpec, (
     Field("modules", patterns, write_patterns),
-    Field("num_experts", integer(1)),
-    Field("top_k", integer(1)),
+    Field("num_experts", integer(1, MAX_EXPERTS)),
+    Field("top_k", integer(1, MAX_EXPERTS)),
     Field("dropless", boolean),
     Field("capacity_factor", number(above=0)),
     Field("drop_policy", choice("probs", "position")),
     Field("aux_loss", number(lo=0)),
     Field("z_loss", number(lo=0)),
     Field("dispatcher", choice("alltoall", "allgather")),
-    Field("shared_experts", integer(0)),
+    Field("shared_experts", integer(0, MAX_EXPERTS)),
 ))
 
 # --------------------------------------------------------------- tensor
@@ -307,9 +348,9 @@ def _write_optimizer(opt: A.OptimizerSpec, key: str, emit: Emit) -> str:
 
 _LR_SCHEDULES = {
     "constant": CallShape(Section("constant()", A.LRScheduleSpec, (
-        Field("warmup", integer(0)),), noun="argument")),
+        Field("warmup", integer(0, MAX_STEPS)),), noun="argument")),
     "cosine": CallShape(Section("cosine()", A.LRScheduleSpec, (
-        Field("warmup", integer(0)), Field("min_lr", number(lo=0))), noun="argument")),
+        Field("warmup", integer(0, MAX_STEPS)), Field("min_lr", number(lo=0))), noun="argument")),
 }
 
 
@@ -323,19 +364,19 @@ def _write_lr_schedule(s: A.LRScheduleSpec, key: str, emit: Emit) -> str:
 
 
 CHECKPOINT = Section("checkpoint", A.CheckpointSpec, (
-    Field("every", integer(1)),
+    Field("every", integer(1, MAX_STEPS)),
     Field("dir", text, write_string),
-    Field("keep", integer(1)),
+    Field("keep", integer(1, MAX_STEPS)),
 ))
 
 TRAIN = Section("train", A.TrainSpec, (
-    Field("steps", integer(1)),
-    Field("global_batch", integer(1)),
+    Field("steps", integer(1, MAX_STEPS)),
+    Field("global_batch", integer(1, MAX_BATCH)),
     Field("optimizer", _optimizer, _write_optimizer, nested=True),
     Field("lr_schedule", _lr_schedule, _write_lr_schedule, nested=True),
     Field("grad_clip", number(above=0)),
     Field("precision", choice("fp32", "bf16", "fp64")),
-    Field("seed", integer(0)),
+    Field("seed", integer(0, MAX_SEED)),
     Field("checkpoint", section=CHECKPOINT),
     Field("log_dir", text, write_string),
 ))
@@ -347,7 +388,7 @@ DEVICE = Section("device", A.DeviceSpec, (
     Field("intra_node", rate("bytes"), write_rate("bytes")),
     Field("inter_node", rate("bytes"), write_rate("bytes")),
     Field("latency", duration, write_duration),
-    Field("ranks_per_node", integer(1)),
+    Field("ranks_per_node", integer(1, MAX_RANKS)),
 ))
 
 # ----------------------------------------------------------------- plan

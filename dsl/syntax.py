@@ -142,6 +142,7 @@ NODE_KINDS = {
     RangeNode: "a layer range", Shaped: "a typed shape",
 }
 
+MAX_INT_DIGITS = 30  # far above any plan size; keeps the literal's conversion cheap
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 # Rates: bytes per second (decimal, binary, and bits: `400Gb/s` is 50GB/s) and FLOP/s.
@@ -220,7 +221,16 @@ class _Build(lark.Transformer):
         return Entry(key[0], key[1], Table(tuple(entries), self._s(meta)))
 
     def integer(self, meta, tok):
-        return Int(int(tok), self._s(meta))
+        return Int(self._int(tok, self._s(meta)), self._s(meta))
+
+    @staticmethod
+    def _int(tok, span: Span) -> int:
+        """An integer literal; one with more digits than any plan size could need is refused
+        here (Python would not even convert 5000 digits)."""
+        if len(str(tok).lstrip("-")) > MAX_INT_DIGITS:
+            raise _Bad(f"integer {str(tok)[:12]}... ({len(str(tok).lstrip('-'))} digits) is too "
+                       "large", span, f"plan integers have at most {MAX_INT_DIGITS} digits")
+        return int(tok)
 
     def real(self, meta, tok):
         value = float(tok)
@@ -232,7 +242,10 @@ class _Build(lark.Transformer):
         text = str(tok)
         digits = text.rstrip("BKMGTi")
         unit = text[len(digits):]
-        return Size(int(float(digits) * UNITS[unit]), self._s(meta))
+        value = float(digits) * UNITS[unit]
+        if value == float("inf"):
+            raise _Bad(f"size {text[:12]}... is too large", self._s(meta), "write a finite size")
+        return Size(int(value), self._s(meta))
 
     def rate(self, meta, tok):
         digits, unit = split_quantity(str(tok))
@@ -278,10 +291,11 @@ class _Build(lark.Transformer):
         return Call(str(name), positional, keywords, self._s(meta))
 
     def range(self, meta, prefix, start, stop):
-        return RangeNode(str(prefix), int(start), int(stop), self._s(meta))
+        span = self._s(meta)
+        return RangeNode(str(prefix), self._int(start, span), self._int(stop, span), span)
 
     def dim(self, meta, tok):
-        return int(tok) if tok.type == "INT" else str(tok)
+        return self._int(tok, self._s(meta)) if tok.type == "INT" else str(tok)
 
     def shaped(self, meta, dtype, *dims):
         return Shaped(str(dtype), tuple(dims), self._s(meta))

@@ -58,9 +58,15 @@ def shown(node: Node) -> str:
 
 # ------------------------------------------------------------------- readers
 def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Read:
+    """An integer in [lo, hi]; `hi` is how the plan's sizes stay bounded before anything
+    is allocated (see LIMITS in dsl/schema.py)."""
     def read(node: Node, key: str) -> int:
         if not isinstance(node, Int):
             raise Invalid(f"{key} must be an integer, {shown(node)}")
+        if hi is not None and node.value > hi:
+            raise Invalid(f"{key} must be at most {hi:,}, got {node.value:,}",
+                          "pipeplan bounds every size in a plan before it allocates anything; "
+                          "the bounds are listed in docs/plan-language.md")
         _in_range(node.value, key, lo, hi)
         return node.value
     return read

@@ -66,7 +66,8 @@ def test_report_states_the_plans_device_model_and_flag_overrides(tmp_path, capsy
         '  args = { layers = 4 }\n  inputs = { x = float32[batch, 8] }\n  loss = mse\n}\n'
         "mesh { pp = 2 }\npipeline { schedule = 1f1b  microbatches = 2 }\n"
         "train { global_batch = 4 }\n"
-        "device {\n  flops = 20TFLOP/s\n  mfu = 0.5\n  inter_node = 100Gb/s\n}\n")
+        "device {\n  flops = 20TFLOP/s\n  mfu = 0.5\n  inter_node = 100Gb/s\n}\n"
+        "data = synthetic(inputs = { x = mask })\n")  # the one data field of any shape
     out = tmp_path / "build"
     assert main(["compile", str(plan_path), "-o", str(out), "--link-gbps", "25"]) == 0
     report = (out / "report.md").read_text()

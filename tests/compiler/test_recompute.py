@@ -1,7 +1,10 @@
 """Recompute rules change what a stage saves and what its backward reruns."""
 from __future__ import annotations
 
+import pytest
+
 from pipeplan.compiler import compile_plan
+from pipeplan.dsl import PlanError
 from pipeplan.dsl.ast import RecomputeRule
 
 B, T, D, V = 2, 16, 32, 64  # microbatch, seq, width, vocab
@@ -37,6 +40,7 @@ def test_selective_recompute_reruns_only_cheap_ops(make_plan):
 
 
 def test_pattern_star_matches_one_segment(make_plan):
-    # `*.mlp` names no module (the MLPs sit at layers.N.mlp): nothing is recomputed
-    assert _stage(make_plan, RecomputeRule("*.mlp", "full")).recompute_flops == 0
+    # `*.mlp` names no module (the MLPs sit at layers.N.mlp): refused, not silently ignored
+    with pytest.raises(PlanError, match=r"recompute pattern '\*\.mlp' matches no module"):
+        _stage(make_plan, RecomputeRule("*.mlp", "full"))
     assert _stage(make_plan, RecomputeRule("layers.*.mlp", "full")).recompute_flops > 0

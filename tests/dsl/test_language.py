@@ -16,7 +16,7 @@ model {
   leaf_modules = [layers.*.attn, rotary]
   loss = model
 }
-data = tokens("data/train.bin", seq_len = 32)
+data = tokens("data/train.bin", seq_len = 32, inputs = { mask = mask })
 mesh { pp = 2, dp = 2; tp = 2, ep = 2 }
 pipeline {
   schedule = zbh2
@@ -79,6 +79,7 @@ def test_model_section(plan):
 
 def test_data_mesh_pipeline(plan):
     assert (plan.data.kind, plan.data.path, plan.data.seq_len) == ("file", "data/train.bin", 32)
+    assert plan.data.feeds(["input_ids", "mask"]) == (("input_ids", "tokens"), ("mask", "mask"))
     assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.mesh.ep) == (2, 2, 2, 2)
     assert plan.mesh.world_size == 8
     p = plan.pipeline

@@ -115,15 +115,23 @@ def plans(draw) -> A.Plan:
                         lr_schedule=lr_schedule, grad_clip=draw(st.one_of(st.none(), positive)),
                         precision=draw(st.sampled_from(["fp32", "bf16"])), seed=draw(st.integers(0, 2**31)),
                         checkpoint=checkpoint, log_dir=draw(st.one_of(st.none(), texts)))
+    # the first input reads the token stream; a second one reads a field the data names
+    inputs = [A.InputSpec("in0", draw(st.sampled_from(["int64", "int32"])), ("batch", "seq"))]
+    feeds = ()
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(["positions", "mask", "tokens"]))
+        shape = tuple(draw(st.lists(st.one_of(st.sampled_from(["batch", "seq"]), st.integers(1, 9)),
+                                    min_size=1, max_size=3))) if field == "mask" else ("batch", "seq")
+        dtype = draw(st.sampled_from(["int64", "float32", "bool"])) if field == "mask" else "int64"
+        inputs.append(A.InputSpec("in1", dtype, shape))
+        feeds = (("in1", field),)
     data = draw(st.one_of(
         st.builds(A.DataSpec, kind=st.just("synthetic"), seq_len=st.integers(1, 64),
-                  seed=st.integers(0, 99), vocab=st.integers(2, 1000)),
+                  seed=st.integers(0, 99), vocab=st.integers(2, 1000), inputs=st.just(feeds)),
         st.builds(A.DataSpec, kind=st.just("file"), seq_len=st.integers(1, 64),
-                  path=st.sampled_from(["a.bin", "data/tokens.npy", "x y.bin"]))))
-    inputs = tuple(A.InputSpec(f"in{i}", draw(st.sampled_from(["int64", "float32", "bool"])),
-                               tuple(draw(st.lists(st.one_of(st.sampled_from(["batch", "seq"]),
-                                                             st.integers(1, 9)), min_size=1, max_size=3))))
-                   for i in range(draw(st.integers(1, 2))))
+                  path=st.sampled_from(["a.bin", "data/tokens.npy", "x y.bin"]),
+                  wrap=st.booleans(), inputs=st.just(feeds))))
+    inputs = tuple(inputs)
     model = A.ModelSpec(
         source=draw(st.sampled_from(["models/gpt.py:GPT", "pkg.mod:Net", "../m.py:M"])),
         args=A._frozen_map(args), inputs=inputs,
