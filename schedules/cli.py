@@ -3,7 +3,7 @@
     pipeplan schedule zbv --ranks 4 --microbatches 8 --format ascii
     pipeplan schedule --compare gpipe,1f1b,zbv,auto --ranks 4 --microbatches 8 --costs F=1,B=1.5,W=0.5
     pipeplan schedule --load torch_zbv.csv --format ascii   # a torch-exported CSV
-    pipeplan schedule auto -p 4 -m 8 --memory-limit 4 --stage-costs '1,1,1;.5,.5,.5;.5,.5,.5;.5,.5,.5;.5,.5,.5;.5,.5,.5;.5,.5,.5;1,1,1'
+    pipeplan schedule auto -p 2 -m 8 --memory-limit 2 --stage-costs '2,2,2;1,1,1;1,1,1;2,2,2'  # F,B,W per stage
 """
 from __future__ import annotations
 
