@@ -3,11 +3,13 @@
     pipeplan schedule zbv --ranks 4 --microbatches 8 --format ascii
     pipeplan schedule --compare gpipe,1f1b,zbv,auto --ranks 4 --microbatches 8 --costs F=1,B=1.5,W=0.5
     pipeplan schedule --load torch_zbv.csv --format ascii   # a torch-exported CSV
+    pipeplan schedule auto -p 2 -m 8 --memory-limit 2 --stage-costs '2,2,2;1,1,1;1,1,1;2,2,2'  # F,B,W per stage
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +17,7 @@ from .costs import Costs, parse_costs
 from .errors import ScheduleError
 from .execution import analyze
 from .fifo_repair import follow_fifo
+from .gen_auto import auto_bound
 from .generate import KINDS, generate
 from .ir import Schedule
 from .render import ascii_timeline, chrome_trace_json, explain, metrics_table, svg_gantt
@@ -36,6 +39,9 @@ def add_commands(subparsers) -> None:
                    help="stages per rank (default: the kind's own; 2 for V kinds and interleaved)")
     p.add_argument("--costs", default="F=1,B=1,W=1",
                    help="op costs for a rank's whole share of layers, e.g. F=1,B=1.5,W=0.5")
+    p.add_argument("--stage-costs", metavar="F,B,W;...",
+                   help="absolute F,B,W per stage, stages separated by ';' (ranks x v of them), e.g. "
+                        "'2,2,2;1,1,1;1,1,1;2,2,2' for a heavy embedding and head; replaces --costs")
     p.add_argument("--latency", type=float, default=0.0, help="point-to-point latency between ranks")
     p.add_argument("--memory-limit", type=float, default=None,
                    help="activation memory per rank, in microbatches of the rank's activations")
@@ -48,6 +54,8 @@ def add_commands(subparsers) -> None:
 
 def run(args) -> int:
     costs = parse_costs(args.costs, args.latency)
+    if args.stage_costs:
+        costs = parse_stage_costs(args.stage_costs, args.latency)
     if args.load:
         schedule = load(args.load)
         try:
@@ -64,7 +72,7 @@ def run(args) -> int:
         results, skipped = [], []
         for kind in kinds:
             try:
-                results.append(simulate(_generate(kind, args, costs), costs))
+                results.append(simulate(_generate(kind, args, costs), costs, args.memory_limit))
             except ScheduleError as e:
                 if kind not in KINDS:
                     raise
@@ -74,7 +82,7 @@ def run(args) -> int:
     if not args.kind:
         raise ScheduleError(f"name a schedule kind ({', '.join(KINDS)}), or use --compare or --load")
     _need_size(args)
-    return _emit(args, [simulate(_generate(args.kind, args, costs), costs)])
+    return _emit(args, [simulate(_generate(args.kind, args, costs), costs, args.memory_limit)])
 
 
 def _need_size(args) -> None:
@@ -83,7 +91,35 @@ def _need_size(args) -> None:
 
 
 def _generate(kind: str, args, costs: Costs) -> Schedule:
-    return generate(kind, args.ranks, args.microbatches, args.virtual, costs, args.memory_limit)
+    if kind != "auto":
+        return generate(kind, args.ranks, args.microbatches, args.virtual, costs, args.memory_limit)
+    t0 = time.process_time()  # reported only: the search is bounded by counts, never by time
+    schedule = generate(kind, args.ranks, args.microbatches, args.virtual, costs, args.memory_limit)
+    spent = time.process_time() - t0
+    bound = auto_bound(args.ranks, args.microbatches, args.virtual, costs, args.memory_limit)
+    r = simulate(schedule, costs, args.memory_limit)
+    bound_bubble = 1 - sum(r.busy) / (schedule.ranks * bound) if bound > 0 else 0.0
+    print(f"auto: {spent:.2f} s of CPU; bubble {r.bubble:.4f}, bound over the placements searched "
+          f"{bound_bubble:.4f} (makespan {r.makespan:.4g} vs {bound:.4g}, gap {r.makespan - bound:.4g})",
+          file=sys.stderr)
+    return schedule
+
+
+def parse_stage_costs(text: str, latency: float = 0.0) -> Costs:
+    """'2,2,2;1,1,1' -> Costs with per-stage (F, B, W); a one-line error for anything else."""
+    table = []
+    for k, part in enumerate(p for p in text.split(";") if p.strip()):
+        fields = part.split(",")
+        try:
+            values = tuple(float(x) for x in fields)
+        except ValueError:
+            values = ()
+        if len(values) != 3:
+            raise ScheduleError(f"--stage-costs: stage {k} is {part.strip()!r}; expected three numbers F,B,W")
+        table.append(values)
+    if not table:
+        raise ScheduleError("--stage-costs: no stages given (expected F,B,W;F,B,W;...)")
+    return Costs(per_stage=tuple(table), latency=latency)
 
 
 def load(path: str) -> Schedule:

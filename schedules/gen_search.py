@@ -150,7 +150,7 @@ class _Problem:
         ptr = [0] * p
         free = [0.0] * p
         waiting: dict[int, int] = {}
-        prod, lat, dur, rank = self.prod, self.lat, self.dur, self.rank
+        prod, lat, dur = self.prod, self.lat, self.dur
         stack = list(range(p - 1, -1, -1))
         done = 0
         while stack:

@@ -43,3 +43,20 @@ def peak_per_rank(schedule: Schedule) -> tuple[tuple[float, ...], tuple[int, ...
         peaks.append(round(peak, 9))
         where.append(at)
     return tuple(peaks), tuple(where)
+
+
+def peak_until_b(schedule: Schedule) -> tuple[float, ...]:
+    """Peak per rank if activations were freed at B (BW) instead of W: the count frameworks that
+    free the input-gradient graph early report; shown next to pipeplan's own (until W)."""
+    share = stage_share(schedule)
+    peaks = []
+    for actions in schedule.order:
+        held = peak = 0.0
+        for a in actions:
+            if a.op == F:
+                held += share[a.stage]
+                peak = max(peak, held)
+            elif a.op != W:  # B or BW
+                held -= share[a.stage]
+        peaks.append(round(peak, 9))
+    return tuple(peaks)

@@ -7,26 +7,29 @@ from typing import Sequence
 
 from .execution import NONE, analyze
 from .ir import B, BW, F, W
-from .memory import delta, stage_share
+from .memory import delta, peak_until_b, stage_share
 from .simulate import SimResult
 
 BUBBLE_DEFINITION = ("bubble = 1 - sum(busy) / (ranks x makespan), whole iteration; "
                      "span bubble = 1 - sum(busy) / sum(each rank's first-to-last-op span); "
-                     "memory in microbatches of a rank's activations (F adds, W/BW frees)")
+                     "bound: no order of this placement within the memory limit is shorter, gap = bubble - "
+                     "bound bubble; memory in microbatches of a rank's activations (F adds, W/BW frees; "
+                     "until B: if B freed them)")
 
 
 def metrics_table(results: Sequence[SimResult]) -> str:
     """One row per schedule: bubble, span bubble, makespan, lower bound, peak memory."""
-    header = ("schedule", "p", "m", "v", "costs", "makespan", "bound", "bubble", "bound bubble",
-              "span bubble", "peak mem")
+    header = ("schedule", "p", "m", "v", "costs", "makespan", "bound", "bubble", "bound bubble", "gap",
+              "span bubble", "peak mem", "until B")
     rows = [header]
     for r in results:
         s = r.schedule
         v = max(s.stages_per_rank())
         rows.append((s.name, str(s.ranks), str(s.microbatches), str(v), r.costs.label(),
                      f"{r.makespan:.4g}", f"{r.lower_bound:.4g}", f"{r.bubble:.4f}",
-                     f"{r.lower_bound_bubble:.4f}", f"{r.span_bubble:.4f}",
-                     f"{max(r.peak_activations, default=0):g}"))
+                     f"{r.lower_bound_bubble:.4f}", f"{r.bubble - r.lower_bound_bubble:.4f}",
+                     f"{r.span_bubble:.4f}", f"{max(r.peak_activations, default=0):g}",
+                     f"{max(peak_until_b(s), default=0):g}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]

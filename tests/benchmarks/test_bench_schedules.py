@@ -2,6 +2,9 @@
 
 Run with timings:  python -m pytest tests/benchmarks/test_bench_schedules.py --benchmark-enable
 Aim: < 1 s for (64, 1024) with the closed-form kinds, linear in the number of actions.
+Every kind at (64, 1024), auto against torch's ZBV and the optimum at p=4/8, and auto at
+(16, 64) are in the on-demand script tests/benchmarks/bench_schedules.py (minutes; numbers
+in BENCHMARKS.md and docs/schedules.md).
 """
 import pytest
 

@@ -25,7 +25,8 @@ SETTINGS = {"F=1,B=1,W=1": Costs(), "F=1,B=1.5,W=0.5": Costs(1, 1.5, 0.5),
 def v_optimum(p: int, m: int, c: Costs) -> float:
     """The issue's memory-aware bound for a V at uniform costs, m >= p, memory p, freed at W."""
     F, B, W, lat = c.F, c.B, c.W, c.latency
-    return m * (F + B + W) + (p - 1) * max(F / 2 + lat, B / 2 + 3 * lat) + max(0, (p - 1) * (B / 2 + lat) + W / 2 - p * W)
+    return (m * (F + B + W) + (p - 1) * max(F / 2 + lat, B / 2 + 3 * lat)
+            + max(0, (p - 1) * (B / 2 + lat) + W / 2 - p * W))
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))

@@ -127,3 +127,17 @@ def test_forward_rate_limits_a_rank_behind_a_slow_stage():
     placement = loop_placement(4, 2)
     bound = makespan_bound(placement, 8, Costs(per_stage=tuple(table)).stage_table(placement), 4.0)
     assert bound == pytest.approx(36 + 3.0)
+
+
+def test_v_bound_is_at_least_the_closed_form_optimum():
+    """For a V at uniform costs, m >= p and memory p (freed at W), the bound is never below the
+    issue's T* = m(F+B+W) + (p-1) max(F/2+c, B/2+3c) + max(0, (p-1)(B/2+c) + W/2 - pW)."""
+    for p in range(2, 9):
+        for m in (p, 2 * p, 3 * p):
+            for F, B, W in ((1, 1, 1), (1, 1.5, 0.5), (1, 2, 1), (2, 1, 1), (1, 1, 3), (1, 3, 0.2)):
+                for c in (0.0, 0.1, 0.5):
+                    t_star = (m * (F + B + W) + (p - 1) * max(F / 2 + c, B / 2 + 3 * c)
+                              + max(0, (p - 1) * (B / 2 + c) + W / 2 - p * W))
+                    placement = v_placement(p)
+                    bound = makespan_bound(placement, m, Costs(F, B, W, c).stage_table(placement), float(p))
+                    assert bound >= t_star - 1e-9, (p, m, F, B, W, c)

@@ -69,6 +69,8 @@ def test_load_json_and_csv(capsys, tmp_path):
     (["1f1b"], "--ranks and --microbatches are required"),
     ([], "name a schedule kind"),
     (["--load", "/nonexistent.json"], "cannot read /nonexistent.json"),
+    (["1f1b", "-p", "2", "-m", "4", "--stage-costs", "1,1;1,1,1"], "stage 0 is '1,1'; expected three numbers"),
+    (["1f1b", "-p", "2", "-m", "4", "--stage-costs", "1,1,1"], "per-stage costs list 1 stages"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -86,3 +88,16 @@ def test_malformed_files_exit_2(capsys, tmp_path):
                           (deadlock, "deadlock: rank 0 blocks at BW(stage 0, mb 0)")):
         code, _, err = run(capsys, "--load", str(path))
         assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_stage_costs_change_the_timing_and_auto_reports_its_search(capsys):
+    """A heavy first and last stage: 1f1b's makespan follows them; auto prints its time and bound gap."""
+    heavy = "2,2,2;1,1,1;1,1,1;2,2,2"
+    code, out, _ = run(capsys, "1f1b", "-p", "4", "-m", "4", "--stage-costs", heavy, "--format", "json")
+    timed = json.loads(out)["metrics"]["makespan"]
+    code, out, _ = run(capsys, "1f1b", "-p", "4", "-m", "4", "--format", "json")
+    assert timed > json.loads(out)["metrics"]["makespan"]
+    code, out, err = run(capsys, "auto", "-p", "4", "-m", "4", "-v", "1", "--stage-costs", heavy,
+                         "--memory-limit", "4")
+    assert code == 0 and "per-stage" in out and "gap" in out
+    assert err.startswith("auto: ") and "s of CPU" in err and "bound over the placements searched" in err
