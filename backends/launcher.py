@@ -89,11 +89,9 @@ def _watch(procs: list[subprocess.Popen], errors: str) -> int:
 
 
 def _settled(procs: list[subprocess.Popen], errors: str) -> bool:
-    """Every rank has exited, or a signal death or an error report names the cause."""
-    codes = [p.poll() for p in procs]
-    if all(c is not None for c in codes):
-        return True
-    return any(c is not None and c < 0 for c in codes) or bool(read_failures(errors))
+    """Every rank has exited, or one has reported an error: the cause's own report, or
+    (after a signal death) a neighbour's, which says what the death did to the others."""
+    return all(p.poll() is not None for p in procs) or bool(read_failures(errors))
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:

@@ -57,8 +57,9 @@ def _inputs(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, str]
 def _patterns(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, str]]:
     names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
     lists = [(f"recompute.{i}", r.pattern, "recompute") for i, r in enumerate(plan.recompute)]
-    lists += [(f"model.leaf_modules.{i}", p, "leaf_modules")
-              for i, p in enumerate(plan.model.leaf_modules)]
+    lists += [(f"model.leaf_modules.{i}", p, "leaf_modules")  # those the plan file wrote, not
+              for i, p in enumerate(plan.model.leaf_modules)  # the runtime's additions
+              if f"model.leaf_modules.{i}" in plan.spans or not plan.spans]
     # experts.modules and the tensor lists: compiler/experts.py, compiler/tensor_parallel.py
     for key, pattern, what in lists:
         if not any(matches(n, pattern) for n in names):

@@ -269,7 +269,7 @@ EXPERTS = Section("experts", A.ExpertsSpec, (
     Field("num_experts", integer(1, MAX_EXPERTS)),
     Field("top_k", integer(1, MAX_EXPERTS)),
     Field("dropless", boolean),
-    Field("capacity_factor", number(above=0)),
+    Field("capacity_factor", number(above=0, hi=MAX_EXPERTS)),  # capacity <= all tokens
     Field("drop_policy", choice("probs", "position")),
     Field("aux_loss", number(lo=0)),
     Field("z_loss", number(lo=0)),
