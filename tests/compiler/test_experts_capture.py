@@ -18,13 +18,23 @@ from pipeplan.dsl.ast import ExpertsSpec
 from ..parallel.moe_models import MODELS, MOE_LAYERS
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "moe_gpt"])
+def _grouped_mm_mixtral():
+    """transformers' default experts kernel (grouped_mm, float32: no float64 CPU kernel);
+    its meta kernel demands bf16, so the meta run takes the captured value."""
+    from tests.compiler.models import tiny_mixtral
+    return tiny_mixtral(layers=2)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "moe_gpt", "grouped_mm"])
 def test_one_call_of_the_models_experts_module(make_plan, chain, name):
-    plan = make_plan(f"tests/parallel/moe_models.py:{name}", {}, pp=2, seq_len=8,
-                     experts=ExpertsSpec(modules=(MOE_LAYERS[name],), num_experts=4, top_k=2),
+    source = "tests/compiler/models.py:tiny_mixtral" if name == "grouped_mm" else \
+        f"tests/parallel/moe_models.py:{name}"
+    plan = make_plan(source, {"layers": 2} if name == "grouped_mm" else {}, pp=2, seq_len=8,
+                     experts=ExpertsSpec(modules=(MOE_LAYERS.get(name, "model.layers.*.mlp"),),
+                                         num_experts=4, top_k=2),
                      model_fields={"capture": "fx" if name == "moe_gpt" else "export"})
     torch.manual_seed(0)
-    model = MODELS[name]()
+    model = _grouped_mm_mixtral() if name == "grouped_mm" else MODELS[name]()
     compiled = compile_plan(plan, model)
     assert compiled.capture == ("fx" if name == "moe_gpt" else "export")
     experts = {n: m for n, m in model.named_modules() if n.endswith(".experts")}
@@ -47,6 +57,7 @@ def test_one_call_of_the_models_experts_module(make_plan, chain, name):
     model.zero_grad()
     want = reference_loss("cross_entropy", model(batch["input_ids"]), batch["targets"])
     want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-6) if name == "grouped_mm" else dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(loss, want, **tol)
     for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+        torch.testing.assert_close(got[n], p.grad, **tol, msg=n)
