@@ -17,7 +17,8 @@ code around `self.experts(h, top_k_index, top_k_weights)`). Detection is
 structural (shapes and the call signature), never by attribute names. The
 capture keeps that call opaque (experts_call.py); expert parallelism runs the
 model's own experts module on each rank's slice of experts (backends/
-expert_parallel.py). A layer without it is refused at `experts.modules`.
+expert_parallel.py). A layer without it is refused at `experts.modules` when the
+plan distributes experts (ep > 1 or a capacity); otherwise it runs as written.
 
 Experts are stored stacked by global index (dim 0), so a rank's shard is a
 contiguous block of that dim and a checkpoint keeps experts by global index.

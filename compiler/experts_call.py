@@ -86,3 +86,15 @@ def restore_experts_calls(graph: fx.Graph) -> set[str]:
             call._rename(node.name)
             called.add(name)
     return called
+
+
+
+def captured_value(node: fx.Node):
+    """A meta stand-in for an experts call's output, from the value export recorded for the
+    placeholder op (for the meta run when the module's kernels cannot run on meta: torch's
+    grouped_mm demands bf16 there, so transformers' default experts fail). None: no record."""
+    val = node.meta.get("val")
+    if node.op != "call_module" or not isinstance(val, torch.Tensor):
+        return None
+    return torch.empty(val.shape, dtype=val.dtype, device="meta").requires_grad_(
+        val.is_floating_point())

@@ -12,6 +12,7 @@ top_k / num_experts of what it measured.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -22,20 +23,45 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .analysis import MetaRun
 
 
-def _flops(module: torch.nn.Module, args: tuple) -> Optional[float]:
+class _Call(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, *xs):
+        return self.inner(*xs)
+
+
+def _graph(module: torch.nn.Module, args: tuple) -> fx.GraphModule:
+    """The module's ops on meta: make_fx, or torch.export when a kernel cannot run on meta
+    (transformers then picks its grouped-matmul custom op, which can)."""
     state = {n: torch.empty_like(t, device="meta") for n, t in
              (*module.named_parameters(), *module.named_buffers())}
-
-    def call(*xs):
-        return functional_call(module, state, xs)
     try:
-        gm = make_fx(call)(*args)
-        run = MetaRun(gm)
-        names = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        run.run(list(gm.graph.nodes), {n.target: a for n, a in zip(names, args)})
-    except Exception:
-        return None  # not traceable on meta (a data-dependent loop): keep the measurement
-    return sum(c.flops for c in run.costs.values())
+        return make_fx(lambda *xs: functional_call(module, state, xs))(*args)
+    except RuntimeError:
+        meta = copy.copy(module)
+        meta._parameters = {n: torch.nn.Parameter(state[n]) for n in module._parameters}
+        return torch.export.export(_Call(meta), args, strict=False).module()
+
+
+def _flops(module: torch.nn.Module, args: tuple) -> Optional[float]:
+    key = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
+           tuple((tuple(a.shape), a.dtype) for a in args))
+    if key not in _CACHE:
+        try:
+            gm = _graph(module, args)
+            run = MetaRun(gm)
+            names = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            run.run([n for n in gm.graph.nodes if n.op != "output"],
+                    {n.target: a for n, a in zip(names, args)})
+            _CACHE[key] = sum(c.flops for c in run.costs.values())
+        except Exception:
+            _CACHE[key] = None  # not traceable on meta (a data-dependent loop)
+    return _CACHE[key]
+
+
+_CACHE: dict = {}
 
 
 def routed_experts_flops(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor,

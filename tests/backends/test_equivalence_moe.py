@@ -63,6 +63,7 @@ def _check(results, configs):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mixtral_pp2_dp2_ep2_1f1b_equals_reference(spawn):
     configs = [("mixtral", "1f1b")]
@@ -70,9 +71,9 @@ def test_mixtral_pp2_dp2_ep2_1f1b_equals_reference(spawn):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_real_moe_models_pp2_dp2_ep2_equal_reference(spawn):
-    _check(spawn(_worker, 4, CONFIGS, timeout=880), CONFIGS)
+    _check(spawn(_worker, 4, CONFIGS, timeout=1780), CONFIGS)
 
 
 def _capacity_worker(rank, world, factors):

@@ -108,7 +108,9 @@ def test_expert_parallel_traffic_and_shards(make_plan):
     two = compile_plan(make_plan("examples/models/moe_gpt.py:MoEGPT", args,
                                  mesh=MeshSpec(dp=2, ep=ep), **base))
     tokens = b * t * d * 4  # one MoE layer's input per microbatch
-    assert two.estimates.ranks[0].comm_bytes["ep"] == layers * 4 * k * tokens * (ep - 1) / ep * m
+    weights = b * t * k * 4  # its top-k weights, moved along (out, and the gradient back)
+    assert two.estimates.ranks[0].comm_bytes["ep"] == \
+        layers * (4 * k * tokens + 2 * weights) * (ep - 1) / ep * m
     assert one.estimates.ranks[0].comm_bytes["ep"] == 0
     expert_weights = layers * 2 * e * d * (2 * d) * 4  # w_up and w_down, fp32
     assert one.estimates.ranks[0].param_bytes - two.estimates.ranks[0].param_bytes == \

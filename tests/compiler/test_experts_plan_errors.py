@@ -76,8 +76,11 @@ def test_refused_at_the_plan_line(text, needle, message):
     assert (hits[0].span.line, hits[0].span.col) == _position(text, needle)
 
 
-def test_the_plan_compiles_without_the_refused_values():
-    compiled = compile_plan(parse_plan(_extra("top_k = 2"), "t.plan"))
+@pytest.mark.parametrize("modules", ["layers.*.moe", "layers.*.moe.experts"])
+def test_the_plan_compiles_without_the_refused_values(modules):
+    """The MoE layers, or their experts modules named directly: one opaque call each."""
+    text = _extra("top_k = 2").replace("[layers.*.moe]", f"[{modules}]")
+    compiled = compile_plan(parse_plan(text, "t.plan"))
     calls = [n.target for st in compiled.stages for n in st.module.graph.nodes
              if n.op == "call_module"]
-    assert "layers.0.moe.experts" in calls and "layers.1.moe.experts" in calls
+    assert calls.count("layers.0.moe.experts") == 1 and calls.count("layers.1.moe.experts") == 1
