@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
-
-import torch
 
 from ..errors import PipeplanError
 from .source import RunSource, load_source
