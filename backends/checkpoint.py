@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..dsl.ast import CheckpointSpec, Plan
+from ..dsl.ast import CheckpointSpec
 from ..compiler.checks import check_checkpointable  # noqa: F401 (compile-time, re-exported)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 
-
 from ..errors import PipeplanError
 from .data_check import check_data
 from .source import RunSource, load_source

@@ -33,7 +33,6 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from ..compiler.compiled import BATCH, StageSpec
-from ..compiler.precision import PRECISIONS, param_dtype, to_precision  # noqa: F401
 from ..dsl.ast import Plan
 from . import data
 

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compiler.precision import to_precision
 from ..dsl.ast import Plan
 from . import data
 from .compare import alias_map
 from .model import build_model, model_loss
 from .optim import build_lr_scheduler, build_optimizer
-from .precision import autocast_for, to_precision
+from .precision import autocast_for
 
 
 @dataclass

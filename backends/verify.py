@@ -28,8 +28,9 @@ JUDGE_PRECISIONS = ("fp64", "fp32")
 
 
 class FirstStepGrads:
-    """Records this rank's step-1 gradients at the optimizer's pre-step hook (collective
-    over ZeRO groups at stage >= 2, where gradients exist only as shards)."""
+    """Records this rank's step-1 gradients at the optimizer's pre-step hook. Under ZeRO the
+    optimizer sees only each rank's owned slice (the only one clipped; at stage >= 2 the
+    only one there), so the slices are all-gathered over the shard's group (collective)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -44,8 +45,8 @@ class FirstStepGrads:
                 self.by_param[id(p)] = p.grad.detach().clone()
         zero = self.trainer.zero
         for fs in (zero.optimizer.shards if zero is not None else ()):
-            if fs.stage < 2 or fs.shard.grad is None:
-                continue
+            if fs.stage < 1 or fs.shard.grad is None:
+                continue  # stage >= 1: only the owned slice is clipped and stepped
             flat = fs.shard.grad.detach()
             if fs.world > 1:
                 full = flat.new_empty(fs.layout.padded)

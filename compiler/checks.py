@@ -15,8 +15,9 @@ whose refusal it moves forward:
 * the per-stage rewrites' model checks (backends/parallelize.py's
   `check_parallel_model`: tied weights split alike, sequence-parallel length,
   MoE layers the expert-parallel layer can shard);
-* a MoE layer the capture inlined into a stage graph (backends/parallelize.py
-  refuses it at setup: the dispatching layer needs it as one call);
+* a MoE layer that export inlined into a stage graph (backends/parallelize.py
+  refuses it at setup: the dispatching layer needs it as one call; under fx
+  the runtime keeps experts.modules as leaf calls);
 * recompute rules whose region writes its own input in place
   (backends/recompute.py's check, run on the compiled stage graphs).
 """
@@ -77,13 +78,17 @@ def _check_data(plan: Plan) -> None:
                            "paths are relative to the plan file's folder") from None
 
 
-def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec]) -> None:
-    """Every runtime refusal that needs the model or the stage graphs."""
+def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec],
+                   method: str) -> None:
+    """Every runtime refusal that needs the model or the stage graphs (`method`: how the
+    model was captured, "fx" or "export")."""
     if _rewrites_stages(plan):
         from ..backends.parallelize import check_parallel_model
 
         check_parallel_model(plan, model)
-    if experts_dispatched(plan):
+    if experts_dispatched(plan) and method == "export":
+        # fx: the runtime compiles with experts.modules as leaf modules
+        # (backends/layout.py's with_required_leaves); export inlines every module.
         _check_moe_calls(plan, stages)
     rules = tuple(r for r in plan.recompute if r.mode != "none")
     if rules:

@@ -47,7 +47,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     to_precision(model, plan.train.precision)
     experts = place_experts(plan, model)
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
-    traced = trace_with_loss(_capture_plan(plan), model)
+    traced = trace_with_loss(plan, model)
     graph = traced.module.graph
     check_experts(plan, graph, traced.run, experts_modules(plan, model))
     check_pairing(plan, graph, model, tp_kinds, traced.run.is_tensor)
@@ -56,7 +56,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                          param_bytes_per_node(traced.module, compute_nodes(graph)))
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
-    check_runnable(plan, model, stages)
+    check_runnable(plan, model, stages, traced.method)
     _attach_costs(stages, split, costs, graph)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
@@ -74,14 +74,6 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,
                         estimates=estimates)
-
-
-def _capture_plan(plan: Plan) -> Plan:
-    """The plan the capture sees: with the leaf modules the runtime's stage rewrites need
-    (backends/layout.py), so `check` and `compile` trace exactly what `run` will."""
-    from ..backends.layout import with_required_leaves
-
-    return with_required_leaves(plan)
 
 
 def _attach_costs(stages: list[StageSpec], split: Split, costs: dict[fx.Node, Cost],
