@@ -56,7 +56,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                          param_bytes_per_node(traced.module, compute_nodes(graph)))
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
-    check_runnable(plan, model, stages, traced.method)
+    check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)

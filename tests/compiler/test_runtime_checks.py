@@ -53,18 +53,15 @@ MISSING_DATA = DENSE.replace("data = synthetic(seed = 0, vocab = 64, seq_len = 1
                              'data = tokens("no-such-tokens.bin", seq_len = 16)')
 ALLGATHER = MOE.replace("  num_experts = 4\n}", "  num_experts = 4\n  dispatcher = allgather\n}")
 SHARED = MOE.replace("  num_experts = 4\n}", "  num_experts = 4\n  shared_experts = 1\n}")
-INLINED = MOE.replace("  args = {", "  capture = export\n  args = {")
 
 # (id, plan text, needle: where the error points ("|" marks the column), message start)
 CASES = [
     ("checkpoint-of-zero-shards", CHECKPOINT, "checkpoint { every",
      "checkpoints of ZeRO, tensor-parallel or expert-parallel shards are not supported"),
-    ("missing-data-file", MISSING_DATA, 'data = tokens(|"no-such', "data file '/"),
+    ("missing-data-file", MISSING_DATA, 'data = |tokens("no-such', "data file /"),
     ("allgather-dispatcher", ALLGATHER, "dispatcher = |allgather",
      "experts.dispatcher = allgather is not implemented"),
     ("shared-experts", SHARED, "shared_experts = |1", "experts.shared_experts is not implemented"),
-    ("moe-inlined-by-export", INLINED, "modules = |[layers.*.moe]",
-     "MoE layer layers.0.moe was traced into stage 0's graph"),
 ]
 
 
