@@ -58,7 +58,7 @@ SHARED = MOE.replace("  num_experts = 4\n}", "  num_experts = 4\n  shared_expert
 CASES = [
     ("checkpoint-of-zero-shards", CHECKPOINT, "checkpoint { every",
      "checkpoints of ZeRO, tensor-parallel or expert-parallel shards are not supported"),
-    ("missing-data-file", MISSING_DATA, 'data = |tokens("no-such', "data file /"),
+    ("missing-data-file", MISSING_DATA, 'data = tokens(|"no-such', "data file /"),
     ("allgather-dispatcher", ALLGATHER, "dispatcher = |allgather",
      "experts.dispatcher = allgather is not implemented"),
     ("shared-experts", SHARED, "shared_experts = |1", "experts.shared_experts is not implemented"),
