@@ -151,10 +151,10 @@ class StageRunner:
             return
         if saved.split is not None:
             by_id = split_backward.backward_weight(saved.split, saved.roots, saved.root_grads)
-            self._accumulate([by_id.get(id(p)) for p in self.params])
-        else:
-            self._accumulate(torch.autograd.grad(saved.roots, self.params, saved.root_grads,
-                                                 allow_unused=True))
+            self._accumulate([by_id.get(id(p)) for p in self.params], saved.root_grads)
+        else:  # autograd adds each weight's gradient into .grad as it is produced
+            torch.autograd.backward(saved.roots, saved.root_grads, inputs=self.params)
+            self._grads_done()
 
     def backward_full(self, mb: int, out_grads=None) -> dict[str, torch.Tensor]:
         """BW: input and weight gradients in one pass; frees the microbatch's graph."""
@@ -164,20 +164,40 @@ class StageRunner:
         roots, root_grads = self._roots(saved, out_grads)
         if not roots:
             return self._input_grads(saved, [None] * len(saved.inputs))
-        grads = torch.autograd.grad(roots, saved.inputs + self.params, root_grads,
-                                    allow_unused=True)
-        self._accumulate(grads[len(saved.inputs):])
-        return self._input_grads(saved, grads[:len(saved.inputs)])
+        if not saved.inputs and not self.params:
+            return {}
+        # Into .grad as each is produced (the inputs are this microbatch's own leaves): never
+        # a second copy of the stage's weight gradients alive at once.
+        torch.autograd.backward(roots, root_grads, inputs=saved.inputs + self.params)
+        self._grads_done()
+        return self._input_grads(saved, [x.grad for x in saved.inputs])
 
-    def _accumulate(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def _grads_done(self) -> None:
+        """The non-finite flag after a backward that accumulated into .grad: once a .grad is
+        NaN or infinite it stays so, so the first flagged action is where it went bad."""
+        local = [g.to_local() if hasattr(g, "to_local") else g
+                 for g in (p.grad for p in self.params) if g is not None]
+        self.last_grad_max = (torch.nn.utils.get_total_norm(local, float("inf"))
+                              if local else None)
+
+    def _accumulate(self, grads: Sequence[Optional[torch.Tensor]],
+                    others: Sequence[Optional[torch.Tensor]] = ()) -> None:
+        """Add one microbatch's weight gradients into `.grad`. A first gradient is taken
+        as `.grad` without a copy (so a stage never holds its gradients twice) unless its
+        storage is shared with another gradient or with `others` (incoming or input
+        gradients that are sent on): later microbatches add into `.grad` in place."""
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
         self.last_grad_max = (torch.nn.utils.get_total_norm(local, float("inf"))
                               if local else None)
+        taken = {_storage(t) for t in others if t is not None}
         for p, g in zip(self.params, grads):
             if g is None:
                 continue
             if p.grad is None:
-                p.grad = g.detach().clone()
+                g = g.detach()
+                key = _storage(g)
+                p.grad = g if key not in taken and g._base is None else g.clone()
+                taken.add(key)
             else:
                 p.grad.add_(g)
 
@@ -188,3 +208,8 @@ class StageRunner:
     @property
     def pending_microbatches(self) -> list[int]:
         return sorted(self._saved)
+
+
+def _storage(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.untyped_storage().data_ptr()

@@ -29,33 +29,34 @@ def plan_for(source=GPT, pp=2, dp=1, seed=11, args=None, capture="auto"):
                 train=TrainSpec(steps=1, global_batch=4 * pp * dp, seed=seed))
 
 
-def _check_rank(plan, rank, ref):
+def _check_ranks(plan, ref, pp_ranks):
+    """Materialise pipeline ranks one after the other on one compiled plan: each gets exactly
+    its estimate, the reference's tensors, and leaves the stages of the later ranks meta."""
     compiled = compile_plan(plan)
-    pp = rank // plan.mesh.dp
-    nbytes = own_stages(plan, compiled, pp)
-    assert nbytes == compiled.estimates.ranks[rank].param_bytes  # exactly the estimate
     params = dict(ref.named_parameters(remove_duplicate=False))
     buffers = dict(ref.named_buffers())
-    held = 0
-    for st in compiled.stages:
-        for name, p in st.module.named_parameters(remove_duplicate=False):
+    for pp in pp_ranks:
+        nbytes = own_stages(plan, compiled, pp)
+        for dp in range(plan.mesh.dp):  # exactly the estimate of each rank at this pp
+            assert nbytes == compiled.estimates.ranks[pp * plan.mesh.dp + dp].param_bytes
+        held = 0
+        for st in compiled.stages:
+            for name, p in st.module.named_parameters(remove_duplicate=False):
+                if st.rank == pp:
+                    assert torch.equal(p, params[name]), name
+                    held += 1
+                elif st.rank in pp_ranks[pp_ranks.index(pp) + 1:]:
+                    assert p.device.type == "meta", name  # never materialised here
             if st.rank == pp:
-                assert torch.equal(p, params[name]), name
-                held += 1
-            else:
-                assert p.device.type == "meta", name  # never materialised here
-        if st.rank == pp:
-            for name, b in st.module.named_buffers():
-                assert torch.equal(b, buffers[name]), name
-    assert held
+                for name, b in st.module.named_buffers():
+                    assert torch.equal(b, buffers[name]), name
+        assert held
 
 
 @pytest.mark.parametrize("source,pp,dp", [(GPT, 2, 1), (GPT, 4, 1), (GPT, 2, 2), (MOE, 2, 1)])
 def test_each_rank_holds_exactly_its_estimate_with_the_reference_weights(source, pp, dp):
     plan = plan_for(source, pp, dp)
-    ref = build_model(plan)
-    for rank in range(pp * dp):
-        _check_rank(plan, rank, ref)
+    _check_ranks(plan, build_model(plan), list(range(pp)))
 
 
 def test_hf_llama_rotary_buffers_and_own_init():
@@ -64,8 +65,7 @@ def test_hf_llama_rotary_buffers_and_own_init():
     from transformers import LlamaConfig, LlamaForCausalLM
     plan = plan_for(LLAMA, pp=2, args={"vocab": 64, "dim": 32, "layers": 2})
     ref = build_model(plan)
-    _check_rank(plan, 1, ref)
-    _check_rank(plan, 0, ref)
+    _check_ranks(plan, ref, [1, 0])
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     theirs = LlamaForCausalLM(cfg)
