@@ -35,7 +35,7 @@ def needs_stage_parallelism(plan: Plan) -> bool:
 
 def with_required_leaves(plan: Plan) -> Plan:
     """The plan to compile: module patterns the rewrites need as leaf calls added
-    (MoE layers under expert parallelism, attention under tensor parallelism),
+    (MoE layers under expert parallelism),
     so a plan need not repeat them in model.leaf_modules."""
     if not needs_stage_parallelism(plan):
         return plan
@@ -67,6 +67,7 @@ class StageLayout:
             return layout
         try:
             from .parallelize import build_parallel_groups, parallelize_stage
+            from .tp import tp_shard_dims
         except ModuleNotFoundError as e:
             raise PipeplanError("this plan needs per-stage parallelism (tp, ep, zero or a "
                                 "capacity factor), which is not installed: backends/parallelize.py "
@@ -80,11 +81,10 @@ class StageLayout:
         for st in layout.parallel.values():
             for p in st.expert_params():
                 layout._norm_group[id(p)] = st.groups.ep
-            for mod in st.module.modules():
-                for pname in getattr(mod, "tp_shard_dims", {}):
-                    p = getattr(mod, pname, None)
-                    if isinstance(p, nn.Parameter):
-                        layout._norm_group[id(p)] = st.groups.tp
+            params = dict(st.module.named_parameters(remove_duplicate=False))
+            for pname in tp_shard_dims(st.module):
+                if pname in params:
+                    layout._norm_group[id(params[pname])] = st.groups.tp
         return layout
 
     def reduce_group(self, stage: int, p: nn.Parameter) -> Optional[dist.ProcessGroup]:
@@ -108,7 +108,7 @@ class StageLayout:
         Collective over the TP and EP groups when those shard parameters.
         """
         from .expert_parallel import gather_experts
-        from .tensor_parallel import gather_full_state
+        from .tp import gather_full_state
 
         out: dict[str, torch.Tensor] = {}
         for s in sorted(self.modules):

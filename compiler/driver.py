@@ -40,7 +40,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
     traced = trace_with_loss(plan, model)
     graph = traced.module.graph
-    check_pairing(plan, graph, model, tp_kinds, traced.run.is_tensor)
+    check_pairing(plan, graph, model, tp_kinds, traced.run)
     costs = node_costs(plan, graph, traced.run)
     split = choose_split(plan, model, graph, costs,
                          param_bytes_per_node(traced.module, compute_nodes(graph)))
