@@ -133,14 +133,14 @@ def _is_size_query(n: fx.Node) -> bool:
     return False
 
 
-def _graph_made(graph: fx.Graph) -> list[fx.Node]:
+def _graph_made(graph: fx.Graph, holds_tensors) -> list[fx.Node]:
     """Values computed from no stage input or parameter (factories such as `arange`, masks
     built from sizes) where they meet DTensors: they enter there as Replicate."""
     tainted: set[fx.Node] = set()
     made = []
     for n in graph.nodes:
-        if n.op in ("placeholder", "get_attr"):
-            tainted.add(n)
+        if n.op in ("placeholder", "get_attr") or n.op == "call_module" and holds_tensors(n):
+            tainted.add(n)  # (a leaf call with parameters computes with DTensors)
         elif n.op in ("call_function", "call_method", "call_module"):
             if any(a in tainted for a in n.all_input_nodes):
                 if not _is_size_query(n):
@@ -246,7 +246,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
                 partial.append(node.target)
             else:
                 b.after(node, "replicate", b.to_dtensor("replicate"))
-    for node in _graph_made(g):
+    def holds_tensors(n):
+        mod = gm.get_submodule(n.target)
+        return any(True for _ in mod.parameters()) or any(True for _ in mod.buffers())
+
+    for node in _graph_made(g, holds_tensors):
         if node.users:
             b.after(node, "replicate", b.to_dtensor("replicate"))
 
