@@ -2,7 +2,7 @@
 
 Each `Traffic` is one tensor a module's collective moves per microbatch, by
 its role (estimates.py turns roles into the collectives backends/
-tensor_parallel.py issues, with or without sequence parallel):
+tp/rewrite.py places, with or without sequence parallel):
 
 * "output": a row-parallel layer's or vocab-parallel embedding's output
   (all-reduced in forward; under sequence parallel reduce-scattered, and its

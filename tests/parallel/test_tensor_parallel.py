@@ -95,3 +95,43 @@ def test_window_pp2_tp2_sequence_parallel_zbv(run_workers):
 def test_llama_pp2_tp2_equals_reference(run_workers):
     run_workers(_worker, 4, ["llama-pp2-tp2", "llama-pp2-tp2-sp", "llama-pp2-tp2-zbv"],
                 timeout=1780)
+
+
+# ------------------------------------------------------- refused at the plan line
+REFUSED = """\
+model {
+  source = "pipeplan.tests.parallel.tp_models:WindowLM"
+  args = { vocab = 64, dim = 32, heads = 4, layers = 2 }
+}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh { tp = 2 }
+pipeline { microbatches = 1 }
+tensor {
+  column = [layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, layers.*.mlp.gate, layers.*.mlp.up]
+  row = [layers.*.attn.proj, layers.*.mlp.down]
+  vocab = [embed, head]
+}
+train { global_batch = 4 }
+"""
+
+
+@pytest.mark.parametrize("edit, line, message", [
+    # 4 heads over tp = 8: the graph views q's 32 features as [.., 4 heads, 8]
+    (("tp = 2", "tp = 8"), 9, r"tp = 8 does not divide the 4 heads"),
+    # tp = 3 divides no width of the model
+    (("tp = 2", "tp = 3"), 9, r"tp = 3 does not divide the 32 output features of layers.0.attn.q"),
+    # the tied head split but its embedding not
+    (("vocab = [embed, head]", "vocab = [head]"), 11, r"tied weight would be split differently"),
+    # a norm has no 2-d weight to split
+    (("row = [", "row = [layers.*.norm1, "), 10, r"layers.0.norm1 \(RMSNorm\) has no 2-d `weight`"),
+    # q's output must reach a row layer: proj not annotated
+    (("row = [layers.*.attn.proj, ", "row = ["), 9, r"column-parallel layers.0.attn.q feeds"),
+])
+def test_what_cannot_be_split_is_refused_at_the_plan_line(edit, line, message):
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import PlanError, parse_plan
+
+    plan = parse_plan(REFUSED.replace(*edit), "plan.plan")
+    with pytest.raises(PlanError, match=message) as err:
+        compile_plan(plan)
+    assert f"plan.plan:{line}:" in str(err.value), str(err.value)
