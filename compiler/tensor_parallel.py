@@ -131,7 +131,9 @@ def _check_shape(plan: Plan, key: str, kind: str, name: str, module: torch.nn.Mo
     what = {"column": "output features", "row": "input features",
             "vocab": "vocabulary"}[kind]
     if size % tp:
-        raise PlanError.at(plan, key, f"tp = {tp} does not divide the {size} {what} of {name}",
+        said = f"the vocabulary of {name} ({size})" if kind == "vocab" else \
+            f"the {size} {what} of {name}"
+        raise PlanError.at(plan, key, f"tp = {tp} does not divide {said}",
                            "pad the vocabulary to a multiple of tp" if kind == "vocab" else
                            "pick tp among the divisors of the layer width")
 
@@ -215,8 +217,8 @@ def _check_heads(plan: Plan, node: fx.Node, name: str, run) -> None:
         if len(after) == len(before) + 1 and after[:-2] == before[:-1] \
                 and after[-2] * after[-1] == before[-1] and after[-2] % tp:
             raise PlanError.at(plan, _key_of(plan, "column", name),
-                               f"tp = {tp} does not divide the {after[-2]} heads the graph "
-                               f"views {name}'s output as ({user.name}: {list(after)})",
+                               f"tp = {tp} does not divide the {after[-2]} heads of {name} "
+                               f"(the graph views its output as {list(after)} at {user.name})",
                                "each tensor-parallel rank must hold whole attention heads "
                                "(GQA: tp must divide the key/value heads too)")
 
