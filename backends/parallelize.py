@@ -4,8 +4,8 @@ What the runtime calls, per rank (calls marked *collective* must be made by
 every rank of the world, in the same order):
 
 * compile time: `required_leaf_modules(plan)`: module patterns the capture
-  must keep as leaf calls (MoE layers; attention whose projections are tensor
-  parallel); `check_parallel_model(plan, model)`: PlanErrors at plan lines.
+  must keep as leaf calls (MoE layers; tensor parallel needs none);
+  `check_parallel_model(plan, model)`: PlanErrors at plan lines.
 * `build_parallel_groups(mesh, tp_group, dp_group)` (*collective*): tp and dp
   come from the runtime's DeviceMesh; expert parallelism re-divides the dp
   ranks of one (pp, tp) slice into EP groups of `ep` consecutive dp ranks
@@ -13,9 +13,8 @@ every rank of the world, in the same order):
   and form the expert-data-parallel group.
 * `parallelize_stage(module, plan, groups)` on each own stage module before
   its runner: MoE layers matched by `experts.modules` become
-  `ExpertParallelMoE`, then the `tensor` patterns apply (tensor_parallel.py;
-  a traced stage's cross-entropy on a vocab-parallel head becomes the
-  vocab-parallel loss). Parameter names are unchanged.
+  `ExpertParallelMoE`, then the `tensor` patterns apply (backends/tp/: a
+  DTensor rewrite of the stage graph). Parameter names are unchanged.
 * after a stage's last backward of the step: `sync_sequence_parallel()`; then
   gradient sums per `grad_group(param)` (experts over expert-DP, the rest
   over dp), or with zero > 0 `build_zero_optimizer(...)` -> `StageZero`

@@ -14,14 +14,20 @@ at rtol 1e-9, atol 1e-12.
 * transformers' LlamaForCausalLM (RoPE, GQA with 2 KV heads for 4 heads),
   captured through torch.export: pp2 x tp2, with sequence parallel, and under
   zbv (split B/W backward on sharded parameters); slow tier.
+* examples/hybrid_pp2_dp2_tp2.plan (tied GPT, fx, interleaved, ZeRO-1, 8 ranks),
+  smaller and at constant LR; slow tier.
 """
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
-from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan,
-                              TensorSpec, TrainSpec)
+from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec,
+                              PipelineSpec, Plan, TensorSpec, TrainSpec)
+from pipeplan.dsl.load import load_plan
 
 from .tp_reference import reference_run
 
@@ -38,8 +44,18 @@ LLAMA = TensorSpec(column=tuple(f"model.layers.*.{m}" for m in (
     vocab=("model.embed_tokens", "lm_head"))
 
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hybrid_pp2_dp2_tp2.plan"
+SMALL = ["model.args.dim=32", "model.args.layers=4", "model.args.seq_len=16", "data.seq_len=16",
+         "model.args.vocab=64", "data.vocab=64", "train.global_batch=16", "train.grad_clip=0.5"]
+
+
 def make_plan(name: str) -> Plan:
-    """name: "<model>-pp<P>-tp<T>[-sp][-<schedule>]" with model window | llama."""
+    """name: "<model>-pp<P>-tp<T>[-sp][-<schedule>]" with model window | llama, or "hybrid":
+    the example plan (pp2 x dp2 x tp2, interleaved, ZeRO-1), smaller, constant LR."""
+    if name == "hybrid":
+        plan = load_plan(str(EXAMPLE), overrides=SMALL)
+        return dataclasses.replace(plan, train=dataclasses.replace(
+            plan.train, steps=STEPS, lr_schedule=LRScheduleSpec()))
     parts = name.split("-")
     model, pp, tp = parts[0], int(parts[1][2:]), int(parts[2][2:])
     sp = "sp" in parts
@@ -95,6 +111,13 @@ def test_window_pp2_tp2_sequence_parallel_zbv(run_workers):
 def test_llama_pp2_tp2_equals_reference(run_workers):
     run_workers(_worker, 4, ["llama-pp2-tp2", "llama-pp2-tp2-sp", "llama-pp2-tp2-zbv"],
                 timeout=1780)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_example_hybrid_plan_equals_reference(run_workers):
+    """examples/hybrid_pp2_dp2_tp2.plan on 8 ranks (dp2: the reference averages all 16 rows)."""
+    run_workers(_worker, 8, ["hybrid"], timeout=880)
 
 
 # ------------------------------------------------------- refused at the plan line
