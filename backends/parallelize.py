@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
@@ -368,6 +369,10 @@ class CommMeter(TorchDispatchMode):
         self.calls: dict[tuple[str, str], int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # let DTensor run the op with this mode still active, so the collectives it
+            # issues inside (redistributions, loss_parallel's all-reduces) are counted
+            return NotImplemented
         op = func._opname
         if func.namespace == "_c10d_functional" and op in _FUNCTIONAL:  # DTensor's collectives
             name = next(a for a in reversed(args) if isinstance(a, str))
