@@ -297,7 +297,8 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> 
     if rules.sequence_parallel and plan.mesh.tp == 1:
         raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
     if plan.mesh.tp > 1:
-        stage.tensor = apply_tensor_parallel(module, rules, groups.tp, groups.slicer)
+        stage.tensor = apply_tensor_parallel(module, rules, groups.tp, groups.slicer,
+                                             frozenset(stage.experts))
         if groups.partial_grads is not None:
             groups.partial_grads.register(stage.partial_params())
     return stage

@@ -332,6 +332,8 @@ def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[s
     if role == "output":  # row-parallel / vocab embedding
         return [("reduce_scatter", nbytes), ("allgather", nbytes // tp)] if sp \
             else [("allreduce", nbytes)]
+    if role == "whole_input":  # column entry reading whole values (see traffic.py)
+        return [("allreduce", nbytes)]
     if role == "input":  # column-parallel entry
         return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
             else [("allreduce", nbytes)]

@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ...compiler.tensor_parallel import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight,
@@ -169,11 +170,39 @@ def _leaf_hooks(mod: nn.Module, convert) -> None:
     mod.register_forward_hook(post)
 
 
+def _local_hooks(mod: nn.Module) -> None:
+    """A leaf that communicates by itself (pipeplan's expert-parallel layer) runs on this
+    rank's local tensors; its tensor outputs take its first input's placement back."""
+    seen = []
+
+    def pre(m, args):
+        first = next((a for a in args if isinstance(a, DTensor)), None)
+        seen.append(first)
+        return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+
+    def post(m, args, out):
+        like = seen.pop()
+        if like is None:
+            return out
+
+        def back(o):
+            if not isinstance(o, torch.Tensor) or isinstance(o, DTensor):
+                return o
+            p = like.placements if o.dim() == like.dim() else [Replicate()]
+            return DTensor.from_local(o, like.device_mesh, p, run_check=False)
+        return tuple(back(o) for o in out) if isinstance(out, tuple) else back(out)
+
+    mod.register_forward_pre_hook(pre)
+    mod.register_forward_hook(post)
+
+
 def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
-                          slicer: Optional[ParameterSlicer] = None) -> TensorParallelResult:
+                          slicer: Optional[ParameterSlicer] = None,
+                          local_modules: frozenset = frozenset()) -> TensorParallelResult:
     """Rewrite stage `gm` in place for the TP group; returns what was split.
 
-    `slicer`: shared by the stage modules of one rank (see ParameterSlicer).
+    `slicer`: shared by the stage modules of one rank (see ParameterSlicer);
+    `local_modules`: leaf calls that run on local tensors (expert-parallel layers).
     """
     if not isinstance(gm, fx.GraphModule):
         raise PipeplanError("tensor parallel rewrites a captured stage graph (fx.GraphModule); "
@@ -256,7 +285,13 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
 
     # 5. leaf calls see their own parameters as DTensors
     for node in list(g.nodes):
-        if node.op == "call_module" and not node.target.startswith("tp_"):
+        if node.op == "call_module" and node.target in local_modules:
+            _local_hooks(gm.get_submodule(node.target))
+            if sp:
+                partial += [node.target + "." + n for n, p in
+                            gm.get_submodule(node.target).named_parameters(remove_duplicate=False)
+                            if p.requires_grad]
+        elif node.op == "call_module" and not node.target.startswith("tp_"):
             mod = gm.get_submodule(node.target)
             prefix = node.target + "."
             rep = ReplicatedParameter(mesh) if sp else ToDTensor(mesh)
