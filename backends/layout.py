@@ -35,9 +35,9 @@ def needs_stage_parallelism(plan: Plan) -> bool:
 
 def with_required_leaves(plan: Plan) -> Plan:
     """The plan to compile: module patterns the rewrites need as leaf calls added
-    (attention under tensor parallelism; the experts calls of MoE layers are kept
-    opaque by the capture itself), so a plan need not repeat them in
-    model.leaf_modules."""
+    (none today: the capture keeps the experts calls of MoE layers opaque itself, and
+    tensor parallelism works on the graph as captured), so a plan need not repeat them
+    in model.leaf_modules."""
     if not needs_stage_parallelism(plan):
         return plan
     from .parallelize import required_leaf_modules
@@ -68,6 +68,7 @@ class StageLayout:
             return layout
         try:
             from .parallelize import build_parallel_groups, parallelize_stage
+            from .tp import tp_shard_dims
         except ModuleNotFoundError as e:
             raise PipeplanError("this plan needs per-stage parallelism (tp, ep, zero or a "
                                 "capacity factor), which is not installed: backends/parallelize.py "
@@ -81,11 +82,10 @@ class StageLayout:
         for st in layout.parallel.values():
             for p in st.expert_params():
                 layout._norm_group[id(p)] = st.groups.ep
-            for mod in st.module.modules():
-                for pname in getattr(mod, "tp_shard_dims", {}):
-                    p = getattr(mod, pname, None)
-                    if isinstance(p, nn.Parameter):
-                        layout._norm_group[id(p)] = st.groups.tp
+            params = dict(st.module.named_parameters(remove_duplicate=False))
+            for pname in tp_shard_dims(st.module):
+                if pname in params:
+                    layout._norm_group[id(params[pname])] = st.groups.tp
         return layout
 
     def reduce_group(self, stage: int, p: nn.Parameter) -> Optional[dist.ProcessGroup]:
@@ -109,7 +109,7 @@ class StageLayout:
         Collective over the TP and EP groups when those shard parameters.
         """
         from .expert_parallel import gather_experts
-        from .tensor_parallel import gather_full_state
+        from .tp import gather_full_state
 
         out: dict[str, torch.Tensor] = {}
         for s in sorted(self.modules):

@@ -4,8 +4,8 @@ What the runtime calls, per rank (calls marked *collective* must be made by
 every rank of the world, in the same order):
 
 * compile time: `required_leaf_modules(plan)`: module patterns the capture
-  must keep as leaf calls (MoE layers; attention whose projections are tensor
-  parallel); `check_parallel_model(plan, model)`: PlanErrors at plan lines.
+  must keep as leaf calls (MoE layers; tensor parallel needs none);
+  `check_parallel_model(plan, model)`: PlanErrors at plan lines.
 * `build_parallel_groups(mesh, tp_group, dp_group)` (*collective*): tp and dp
   come from the runtime's DeviceMesh; expert parallelism re-divides the dp
   ranks of one (pp, tp) slice into EP groups of `ep` consecutive dp ranks
@@ -14,9 +14,9 @@ every rank of the world, in the same order):
 * `parallelize_stage(module, plan, groups)` on each own stage module before
   its runner: the experts module of each MoE layer (the call the capture kept
   opaque, compiler/experts.py) becomes `ExpertParallelExperts` around the
-  model's own experts code (expert_parallel.py), then the `tensor` patterns apply (tensor_parallel.py;
-  a traced stage's cross-entropy on a vocab-parallel head becomes the
-  vocab-parallel loss). Parameter names are unchanged.
+  model's own experts code (expert_parallel.py), then the `tensor` patterns
+  apply (backends/tp/: a DTensor rewrite of the stage graph). Parameter names
+  are unchanged.
 * after a stage's last backward of the step: `sync_sequence_parallel()`; then
   gradient sums per `grad_group(param)` (experts over expert-DP, the rest
   over dp), or with zero > 0 `build_zero_optimizer(...)` -> `StageZero`
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
@@ -47,38 +48,24 @@ from ..compiler.patterns import matches_any
 from ..compiler.zero_layout import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
 from ..errors import PipeplanError
 from .expert_parallel import ExpertParallelExperts, gather_experts
-from .tensor_parallel import (
-    ParameterSlicer, TensorParallelResult, TensorParallelRules, apply_tensor_parallel,
-    gather_full, replace_submodule, sync_sequence_parallel_grads, tp_shard_dims,
-    vocab_parallel_loss)
+from .tp import (ParameterSlicer, TensorParallelResult, TensorParallelRules,
+                 apply_tensor_parallel, gather_full, tp_shard_dims)
+from .tp.params import sync_partial_grads
 from .zero import FlatShard, PrefetchWindow, StageZero, ZeroOptimizer  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------- compile-time checks
 # What only the rewrites here know; tp dividing features, heads and vocabulary,
-# and the expert count, are checked by compiler/tensor_parallel.py and
-# compiler/experts.py.
-def _tied_problems(plan: Plan, model: nn.Module):
-    """A weight tied between modules must be split alike in all of them, or not at all."""
-    rules = TensorParallelRules.from_plan(plan.tensor)
-    kinds: dict[int, dict[str, Optional[str]]] = {}
-    for name, mod in model.named_modules():
-        if not name or not isinstance(mod, (nn.Linear, nn.Embedding)):
-            continue
-        # the dim of the [out, in] (Linear) or [vocab, dim] (Embedding) weight that is split
-        split = {"column": "rows", "vocab": "rows", "row": "columns"}.get(rules.kind_of(name))
-        kinds.setdefault(id(mod.weight), {})[name] = split
-    for holders in kinds.values():
-        if len(set(holders.values())) > 1:
-            listed = ", ".join(f"{n} ({k or 'not split'})" for n, k in holders.items())
-            yield "tensor.vocab", (f"a tied weight would be split differently by its modules: "
-                                   f"{listed}; list them all in the same pattern kind")
+# tied weights split alike, and the expert count, are checked by
+# compiler/tensor_parallel.py and compiler/experts.py.
+def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the submodule `name` is (its attribute on its parent)."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
 
 
 def _parallel_problems(plan: Plan, model: nn.Module):
     tp, spec = plan.mesh.tp, plan.experts
-    if tp > 1:
-        yield from _tied_problems(plan, model)
     if plan.tensor.sequence_parallel and tp > 1 and plan.data.seq_len % tp:
         yield "tensor.sequence_parallel", (f"tp = {tp} does not divide the sequence length "
                                            f"{plan.data.seq_len} (sequence parallel splits it)")
@@ -245,14 +232,14 @@ class ParallelStage:
         if self.tensor is None or not self.tensor.sequence_partial:
             return
         if self.groups.partial_grads is None:
-            sync_sequence_parallel_grads(self.module, self.tensor.sequence_partial,
-                                         self.groups.tp)
+            sync_partial_grads(self.partial_params(), self.groups.tp)
             return
         self.groups.partial_grads.stage_done(self.partial_params())
 
     def partial_params(self) -> list[nn.Parameter]:
-        params = dict(self.module.named_parameters())
-        return [params[n] for n in (self.tensor.sequence_partial if self.tensor else ())]
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        found = [params[n] for n in (self.tensor.sequence_partial if self.tensor else ())]
+        return list({id(p): p for p in found}.values())
 
 
 def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups) -> dict:
@@ -283,24 +270,18 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> 
     if rules.sequence_parallel and plan.mesh.tp == 1:
         raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
     if plan.mesh.tp > 1:
-        stage.tensor = apply_tensor_parallel(module, rules, groups.tp, groups.slicer)
+        stage.tensor = apply_tensor_parallel(module, rules, groups.tp, groups.slicer,
+                                             frozenset(stage.experts))
         if groups.partial_grads is not None:
             groups.partial_grads.register(stage.partial_params())
-        if isinstance(module, fx.GraphModule):
-            for head in vocab_parallel_loss(module, groups.tp):
-                stage.tensor.rewrites[head] = "vocab+loss"
     return stage
 
 
 def required_leaf_modules(plan: Plan) -> tuple[str, ...]:
     """Module patterns a traced stage must call as leaves for the rewrites to apply."""
-    leaves = []  # (experts modules are kept opaque by the capture itself)
-    if plan.mesh.tp > 1:
-        for pattern in plan.tensor.column:
-            parent, _, leaf = pattern.rpartition(".")
-            if leaf in ("q", "k", "v") and parent and parent not in leaves:
-                leaves.append(parent)
-    return tuple(leaves)
+    # None: the capture keeps experts calls opaque itself (compiler/experts_call.py), and
+    # tensor parallelism shards parameters on the graph as captured (backends/tp/).
+    return ()
 
 
 def reference_chunk_groups(dp: int, microbatches: int, ep: int) -> list[list[int]]:
@@ -327,6 +308,12 @@ _COLLECTIVE = {
     "alltoall_base_": "alltoall", "alltoall_": "alltoall", "broadcast_": "broadcast",
     "send": "send",  # point-to-point: what this rank sends (receives are not counted)
 }
+
+
+# torch's functional collectives (what DTensor issues): payload = the input, args[0]
+_FUNCTIONAL = {"all_reduce": "allreduce", "all_reduce_": "allreduce",
+               "all_gather_into_tensor": "allgather", "reduce_scatter_tensor": "reduce_scatter",
+               "all_to_all_single": "alltoall", "broadcast": "broadcast"}
 
 
 def _nbytes(x) -> int:
@@ -357,8 +344,17 @@ class CommMeter(TorchDispatchMode):
         self.calls: dict[tuple[str, str], int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # let DTensor run the op with this mode still active, so the collectives it
+            # issues inside (redistributions, loss_parallel's all-reduces) are counted
+            return NotImplemented
         op = func._opname
-        if func.namespace == "c10d" and op in _PAYLOAD_ARG:
+        if func.namespace == "_c10d_functional" and op in _FUNCTIONAL:  # DTensor's collectives
+            name = next(a for a in reversed(args) if isinstance(a, str))
+            key = (self._names.get(name, "other"), _FUNCTIONAL[op])
+            self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[0])
+            self.calls[key] = self.calls.get(key, 0) + 1
+        elif func.namespace == "c10d" and op in _PAYLOAD_ARG:
             pg = next((a for a in args if isinstance(a, torch.ScriptObject)
                        and "ProcessGroup" in str(a._type())), None)
             name = dist.ProcessGroup.unbox(pg).group_name if pg is not None else ""
@@ -375,9 +371,8 @@ class CommMeter(TorchDispatchMode):
 def _zero_kind(st: ParallelStage) -> dict[int, str]:
     """id(parameter) -> its ZeRO kind (compiler/zero_layout.py): experts, TP slices, the rest."""
     experts = {id(p) for p in st.expert_params()}
-    tp_sharded = {id(getattr(mod, name)) for mod in st.module.modules()
-                  for name in getattr(mod, "tp_shard_dims", {})
-                  if isinstance(getattr(mod, name, None), nn.Parameter)}
+    params = dict(st.module.named_parameters(remove_duplicate=False))
+    tp_sharded = {id(params[n]) for n in tp_shard_dims(st.module) if n in params}
     return {id(p): EXPERT if id(p) in experts else TENSOR_PARALLEL if id(p) in tp_sharded
             else REPLICATED for p in st.module.parameters()}
 

@@ -50,7 +50,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     traced = trace_with_loss(plan, model)
     graph = traced.module.graph
     check_experts(plan, graph, traced.run, experts_modules(plan, model))
-    check_pairing(plan, graph, model, tp_kinds, traced.run.is_tensor)
+    check_pairing(plan, graph, model, tp_kinds, traced.run)
     costs = node_costs(plan, graph, traced.run)
     split = choose_split(plan, model, graph, costs,
                          param_bytes_per_node(traced.module, compute_nodes(graph)))

@@ -320,10 +320,12 @@ def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[
 
 def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int]]:
     """(collective, bytes each rank hands in) for one traffic role (traffic.py), as
-    backends/tensor_parallel.py issues them, forward and backward."""
+    backends/tp/rewrite.py places them, forward and backward."""
     if role == "output":  # row-parallel / vocab embedding
         return [("reduce_scatter", nbytes), ("allgather", nbytes // tp)] if sp \
             else [("allreduce", nbytes)]
+    if role == "whole_input":  # column entry reading whole values (see traffic.py)
+        return [("allreduce", nbytes)]
     if role == "input":  # column-parallel entry
         return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
             else [("allreduce", nbytes)]

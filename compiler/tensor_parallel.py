@@ -1,30 +1,101 @@
-"""Tensor-parallel annotations: which Linear/Embedding layers are column-, row- or vocab-parallel.
+"""Tensor-parallel annotations: which parameters the plan's `tensor` patterns split, checked.
 
-Megatron's pairing: a column-parallel layer splits its output features (each
-rank computes whole attention heads or a slice of the FFN), the row-parallel
-layer after it splits its input features and all-reduces its output; the
-embedding and LM head split the vocabulary. Every annotation is checked against
-the real shapes, so a plan that cannot split evenly fails at its plan line.
+The patterns name modules (`model.layers.*.self_attn.q_proj`); what is split
+is that module's own parameters as the captured graph uses them:
+
+    column  `<m>.weight` [out, in] and `<m>.bias` split on dim 0 (output features)
+    row     `<m>.weight` split on dim 1 (input features); the bias stays whole
+    vocab   `<m>.weight` split on dim 0: an embedding table's rows or an LM
+            head's output features (its bias too)
+
+A parameter counts as used "Linear-like" where the graph applies it as
+`linear(x, weight, bias)` (an fx `call_module` of a Linear, `F.linear`,
+`aten.linear`) or as an embedding table (`F.embedding`, `aten.embedding`).
+Everything is checked at compile time against the real shapes and the graph,
+so a plan that cannot be split fails at its plan line: tp not dividing the
+features, the heads (where the graph views a column output as [..., heads,
+head_dim]) or the vocabulary; a pattern whose modules have no Linear-like use;
+a weight tied between modules that would split it differently; Megatron's
+pairing broken (a column output reaching anything but a row layer or the loss).
 """
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
-from .patterns import matches
+from .patterns import matches, matches_any
 
 KINDS = ("column", "row", "vocab")
-_HEADS = ("heads", "num_heads", "n_heads", "num_attention_heads", "n_head")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
+LINEARS = (F.linear, torch.ops.aten.linear.default)
+EMBEDDINGS = (F.embedding, torch.ops.aten.embedding.default)
+_FLATTENS = (torch.ops.aten.flatten.using_ints, torch.flatten)
 
 
+@dataclass(frozen=True)
+class TensorParallelRules:
+    """Which modules (plan module-path patterns) split their parameters which way."""
+
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+    sequence_parallel: bool = False
+
+    @staticmethod
+    def from_plan(tensor_spec) -> "TensorParallelRules":
+        return TensorParallelRules(tuple(tensor_spec.column), tuple(tensor_spec.row),
+                                   tuple(tensor_spec.vocab), tensor_spec.sequence_parallel)
+
+    def kind_of(self, name: str) -> Optional[str]:
+        for kind in KINDS:
+            if matches_any(name, getattr(self, kind)):
+                return kind
+        return None
+
+
+def shard_dim(kind: str, leaf: str) -> Optional[int]:
+    """The dim a module's parameter `leaf` is split on (None: kept whole)."""
+    if leaf == "weight":
+        return 1 if kind == "row" else 0
+    if leaf == "bias" and kind != "row":
+        return 0
+    return None
+
+
+def embedding_weight(node: fx.Node):
+    return node.args[1] if node.target is F.embedding else node.args[0]
+
+
+def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:
+    """The `cross_entropy(node.flatten(0, -2), t)` that is node's only use, if it is."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    flat = users[0]
+    is_flat = (flat.op == "call_method" and flat.target == "flatten"
+               or flat.op == "call_function" and flat.target in _FLATTENS)
+    if not is_flat or tuple(flat.args[1:]) != (0, -2):
+        return None
+    losses = list(flat.users)
+    if len(losses) != 1:
+        return None
+    ce = losses[0]
+    if ce.op != "call_function" or ce.target is not F.cross_entropy or ce.args[0] is not flat:
+        return None
+    if ce.kwargs.get("weight") is not None or ce.kwargs.get("label_smoothing", 0.0) != 0.0:
+        return None
+    return ce
+
+
+# ------------------------------------------------------------ compile-time checks
 def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
-    """qualified module -> "column" | "row" | "vocab", checked against the model's shapes."""
+    """qualified module -> "column" | "row" | "vocab", checked against the parameters' shapes."""
     tp = plan.mesh.tp
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
@@ -39,87 +110,75 @@ def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
                                    f"did you mean {close[0]!r}?" if close else
                                    "patterns are module paths such as layers.*.attn.q")
             for name in hits:
-                _check(plan, key, kind, name, modules[name], tp, _head_dim(model, modules, name))
-                out[name] = kind
+                _check_shape(plan, key, kind, name, modules[name], tp)
+                out.setdefault(name, kind)
+    _check_tied(plan, model, out)
     return out
 
 
-def _check(plan: Plan, key: str, kind: str, name: str, module: torch.nn.Module, tp: int,
-           head_dim: Optional[tuple[int, str]]) -> None:
-    if kind == "vocab":
-        if isinstance(module, torch.nn.Embedding):
-            size = module.num_embeddings
-        elif isinstance(module, torch.nn.Linear):
-            size = module.out_features
-        else:
-            raise PlanError.at(plan, key, f"{name} is a {type(module).__name__}; vocab-parallel "
-                               "needs an Embedding or the LM head Linear")
-        if size % tp:
-            raise PlanError.at(plan, key, f"tp = {tp} does not divide the vocabulary of {name} "
-                               f"({size})", "pad the vocabulary to a multiple of tp")
-        return
-    if not isinstance(module, torch.nn.Linear):
-        raise PlanError.at(plan, key, f"{name} is a {type(module).__name__}; {kind}-parallel "
-                           "needs a Linear", "annotate the Linear layers inside it")
-    features = module.out_features if kind == "column" else module.in_features
-    what = "output" if kind == "column" else "input"
-    if features % tp:
-        raise PlanError.at(plan, key, f"tp = {tp} does not divide the {features} {what} "
-                           f"features of {name}", "pick tp among the divisors of the layer width")
-    if head_dim is not None:
-        dim, label = head_dim
-        if features % dim == 0 and (features // dim) % tp:
-            raise PlanError.at(plan, key, f"tp = {tp} does not divide the {features // dim} "
-                               f"{label} of {name}",
-                               "each tensor-parallel rank must hold whole attention heads")
+def _check_shape(plan: Plan, key: str, kind: str, name: str, module: torch.nn.Module,
+                 tp: int) -> None:
+    w = module._parameters.get("weight")
+    if w is None or w.dim() != 2:
+        raise PlanError.at(plan, key, f"{name} ({type(module).__name__}) has no 2-d `weight` "
+                           f"for {kind}-parallel to split",
+                           "name the Linear (or Embedding) modules themselves")
+    if getattr(module, "max_norm", None) is not None:
+        raise PlanError.at(plan, key, f"{name} renormalises its rows (max_norm); a split "
+                           "embedding table cannot", "drop max_norm or leave it unsplit")
+    dim = shard_dim(kind, "weight")
+    size = w.shape[dim]
+    what = {"column": "output features", "row": "input features",
+            "vocab": "vocabulary"}[kind]
+    if size % tp:
+        said = f"the vocabulary of {name} ({size})" if kind == "vocab" else \
+            f"the {size} {what} of {name}"
+        raise PlanError.at(plan, key, f"tp = {tp} does not divide {said}",
+                           "pad the vocabulary to a multiple of tp" if kind == "vocab" else
+                           "pick tp among the divisors of the layer width")
 
 
-def _head_dim(model: torch.nn.Module, modules: dict, name: str) -> Optional[tuple[int, str]]:
-    """(head size, "heads"/"KV heads") if `name` sits in an attention module that says so."""
-    parent = name.rpartition(".")[0]
-    config = getattr(model, "config", None)
-    owner = modules.get(parent)
-    attention = _attr(owner, _HEADS) or "attention" in type(owner).__name__.lower()
-    if not attention:
-        return None
-    heads = _attr(owner, _HEADS) or _attr(config, _HEADS)
-    if not heads:
-        return None
-    dim = _attr(owner, ("head_dim",)) or _attr(config, ("head_dim",))
-    if not dim:
-        hidden = _attr(config, ("hidden_size", "d_model", "n_embd"))
-        q = next((m for n, m in modules.items() if n.startswith(parent + ".")
-                  and isinstance(m, torch.nn.Linear)), None)
-        width = hidden or (q.out_features if q is not None else None)
-        if not width or width % heads:
-            return None
-        dim = width // heads
-    leaf = name.rpartition(".")[2]
-    kv = _attr(owner, _KV_HEADS) or _attr(config, _KV_HEADS)
-    label = "KV heads" if kv and kv != heads and leaf.startswith(("k", "v")) else "heads"
-    return dim, label
-
-
-def _attr(obj, names: tuple[str, ...]) -> Optional[int]:
-    for n in names:
-        v = getattr(obj, n, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+def _check_tied(plan: Plan, model: torch.nn.Module, kinds: dict[str, str]) -> None:
+    """A weight tied between modules must be split alike in all of them, or not at all."""
+    holders: dict[int, dict[str, Optional[int]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        kind = kinds.get(owner)
+        holders.setdefault(id(p), {})[owner] = shard_dim(kind, leaf) if kind else None
+    for owners in holders.values():
+        if len(set(owners.values())) > 1:
+            listed = ", ".join(f"{n} ({'dim %d' % d if d is not None else 'not split'})"
+                               for n, d in owners.items())
+            split = next(n for n, d in owners.items() if d is not None)
+            raise PlanError.at(plan, _key_of(plan, kinds[split], split),
+                               f"a tied weight would be split differently by its modules: "
+                               f"{listed}", "list them all in the same pattern kind")
 
 
 def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: dict[str, str],
-                  is_tensor) -> None:
-    """Megatron pairing on the traced graph: what a column-parallel layer computes (split
-    features) must reach a row-parallel layer before any other Linear or the loss, and a
-    row-parallel layer must read what a column-parallel layer computed. Only tensor values
-    carry features (`is_tensor(node)`); sizes read off a tensor do not."""
+                  run) -> None:
+    """On the captured graph: every split module has a Linear-like use; tp divides the heads
+    a column output is viewed as; Megatron's pairing (a column output reaches a row layer,
+    or the cross-entropy as vocab-parallel logits; a row layer reads a column output).
+    Only tensor values carry features (`run.is_tensor(node)`); sizes read off a tensor do not."""
     if not kinds:
         return
-    linear = _linear_calls(graph, model)
+    linear = linear_calls(graph, model)
+    used = set(linear.values()) | set(_embedding_calls(graph, model).values())
+    for name, kind in kinds.items():
+        if name not in used:
+            raise PlanError.at(plan, _key_of(plan, kind, name),
+                               f"{name} matches a {kind} pattern but the graph never applies "
+                               f"its weight as a Linear or an embedding table",
+                               "tensor patterns name modules whose weight the model uses in "
+                               "linear(x, weight) or embedding(ids, weight)")
+    is_tensor = run.is_tensor
     for node, name in linear.items():
         kind = kinds.get(name)
+        if kind in ("column", "vocab") and loss_of_logits(node) is not None:
+            continue  # vocab-parallel cross-entropy on the split logits
         if kind == "column":
+            _check_heads(plan, node, name, run)
             for hit in _first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
                     what = "the loss" if hit is None else \
@@ -140,22 +199,56 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                        "features a column-parallel layer computed")
 
 
-def _linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
-    """Graph nodes that apply a Linear module -> its qualified name (fx and export graphs)."""
+_VIEWS = {"view", "reshape", "unflatten"}
+_VIEW_FNS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+             torch.ops.aten._unsafe_view.default, torch.reshape)
+
+
+def _check_heads(plan: Plan, node: fx.Node, name: str, run) -> None:
+    """Where the graph views a column output's features as [..., heads, head_dim], tp must
+    divide heads (each rank then holds whole heads: DTensor keeps the split)."""
+    tp = plan.mesh.tp
+    for user in node.users:
+        is_view = (user.op == "call_method" and user.target in _VIEWS
+                   or user.op == "call_function" and user.target in _VIEW_FNS)
+        if not (is_view and run.is_tensor(user)):
+            continue
+        before, after = tuple(run.value(node).shape), tuple(run.value(user).shape)
+        if len(after) == len(before) + 1 and after[:-2] == before[:-1] \
+                and after[-2] * after[-1] == before[-1] and after[-2] % tp:
+            raise PlanError.at(plan, _key_of(plan, "column", name),
+                               f"tp = {tp} does not divide the {after[-2]} heads of {name} "
+                               f"(the graph views its output as {list(after)} at {user.name})",
+                               "each tensor-parallel rank must hold whole attention heads "
+                               "(GQA: tp must divide the key/value heads too)")
+
+
+def linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+    """Graph nodes applying a module's weight as a Linear -> the module's qualified name
+    (fx `call_module` of a Linear; `linear(x, <m>.weight)` in fx and export graphs)."""
     modules = dict(model.named_modules())
     out = {}
     for n in graph.nodes:
         if n.op == "call_module" and isinstance(modules.get(n.target), torch.nn.Linear):
             out[n] = n.target
-        elif n.op == "call_function" and n.target in _LINEAR_FUNCTIONS and len(n.args) > 1 \
-                and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr":
-            owner = n.args[1].target.rpartition(".")[0]
-            if isinstance(modules.get(owner), torch.nn.Linear):
-                out[n] = owner
+        elif n.op == "call_function" and n.target in LINEARS and len(n.args) > 1 \
+                and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr" \
+                and n.args[1].target.endswith(".weight"):
+            out[n] = n.args[1].target.rpartition(".")[0]
     return out
 
 
-_LINEAR_FUNCTIONS = (torch.nn.functional.linear, torch.ops.aten.linear.default)
+def _embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+    modules = dict(model.named_modules())
+    out = {}
+    for n in graph.nodes:
+        if n.op == "call_module" and isinstance(modules.get(n.target), torch.nn.Embedding):
+            out[n] = n.target
+        elif n.op == "call_function" and n.target in EMBEDDINGS:
+            w = embedding_weight(n)
+            if isinstance(w, fx.Node) and w.op == "get_attr" and w.target.endswith(".weight"):
+                out[n] = w.target.rpartition(".")[0]
+    return out
 
 
 def _first_linears(start: fx.Node, linear: dict[fx.Node, str], forward: bool, is_tensor):

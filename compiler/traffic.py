@@ -2,7 +2,7 @@
 
 Each `Traffic` is one tensor a module's collective moves per microbatch, by
 its role (estimates.py turns roles into the collectives backends/
-tensor_parallel.py issues, with or without sequence parallel):
+tp/rewrite.py places, with or without sequence parallel):
 
 * "output": a row-parallel layer's or vocab-parallel embedding's output
   (all-reduced in forward; under sequence parallel reduce-scattered, and its
@@ -11,6 +11,9 @@ tensor_parallel.py issues, with or without sequence parallel):
   per distinct input (q, k and v share one, as Megatron's fused QKV): its grad
   all-reduced in backward (under sequence parallel: all-gathered in forward,
   its grad reduce-scattered);
+* "whole_input": under sequence parallel, a column input computed in its stage
+  from whole values only (the stage's inputs arrive whole; no row output or
+  vocab embedding before it in the stage): nothing to gather, its grad all-reduced;
 * "loss": a vocab-parallel head feeding `cross_entropy(head(x).flatten(0, -2),
   t)` directly: the vocab-parallel cross-entropy all-reduces 3 floats per token;
 * "logits": otherwise the head all-gathers its logits (nbytes: all of them);
@@ -35,7 +38,7 @@ from .compiled import ExpertPlacement
 from .partition import Split, compute_nodes
 
 
-ROLES = ("output", "input", "loss", "logits", "tokens", "weights")
+ROLES = ("output", "input", "whole_input", "loss", "logits", "tokens", "weights")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class ModuleCall:
     out_bytes: int
     input_node: Optional[str] = None  # the value it reads (layers sharing it: one collective)
     loss_rows: int = 0  # rows of the cross-entropy it feeds directly (0: none)
+    output_node: Optional[str] = None  # its last node
 
 
 def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, split: Split,
@@ -73,7 +77,28 @@ def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, sp
             if isinstance(hidden, torch.Tensor) and isinstance(weights, torch.Tensor):
                 moe += [Traffic(node.target, split.stage_of(i), _nbytes(hidden), "tokens"),
                         Traffic(node.target, split.stage_of(i), _nbytes(weights), "weights")]
-    return tensor_parallel_traffic(model, tp_kinds, calls), moe
+    traffic = tensor_parallel_traffic(model, tp_kinds, calls)
+    sharded = _sequence_sharded(graph, split, model, tp_kinds, calls)
+    traffic = [Traffic(t.module, t.stage, t.nbytes, "whole_input")
+               if t.role == "input" and calls[t.module].input_node not in sharded else t
+               for t in traffic]
+    return traffic, moe
+
+
+def _sequence_sharded(graph: fx.Graph, split: Split, model, kinds: dict[str, str],
+                      calls: dict[str, ModuleCall]) -> set[str]:
+    """Node names that carry sequence shards under sequence parallel: everything computed in
+    a stage from a row output or a vocab embedding of that stage (inputs arrive whole)."""
+    nodes = compute_nodes(graph)
+    stage_of = {n: split.stage_of(i) for i, n in enumerate(nodes)}
+    seeds = {c.output_node for n, c in calls.items()
+             if n in kinds and _all_reduces_output(model, n, kinds[n])}
+    sharded: set[str] = set()
+    for n in nodes:
+        if n.name in seeds or any(a.name in sharded and stage_of.get(a) == stage_of[n]
+                                  for a in n.all_input_nodes):
+            sharded.add(n.name)
+    return sharded
 
 
 def tensor_parallel_traffic(model: torch.nn.Module, kinds: dict[str, str],
@@ -130,7 +155,8 @@ def module_calls(graph: fx.Graph, run: MetaRun, split: Split, names: set[str]
         out[name] = ModuleCall(split.stage_of(i), _nbytes(run.value(inputs[0])) if inputs else 0,
                                _nbytes(run.value(end)) if run.is_tensor(end) else 0,
                                inputs[0].name if inputs else None,
-                               _loss_rows(end, run) if end.op == "call_module" else 0)
+                               _loss_rows(end, run) if end.op == "call_module" else 0,
+                               end.name)
     return out
 
 

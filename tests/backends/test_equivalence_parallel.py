@@ -30,15 +30,11 @@ EXPERTS = ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2)
 def parallel_plan(name: str):
     if name == "zero1-tp2":  # clipping with ZeRO and TP: the shards' own global norm
         plan = make_plan("gpt", "1f1b", 1, 2)
-        return dataclasses.replace(
-            plan, mesh=MeshSpec(pp=1, dp=2, tp=2), tensor=TENSOR, zero=1,
-            model=dataclasses.replace(plan.model, leaf_modules=("layers.*.attn",)))
+        return dataclasses.replace(plan, mesh=MeshSpec(pp=1, dp=2, tp=2), tensor=TENSOR, zero=1)
     if name.startswith("tp2"):
         plan = make_plan("gpt", "1f1b", 2, 1)
         tensor = dataclasses.replace(TENSOR, sequence_parallel=name.endswith("-sp"))
-        return dataclasses.replace(
-            plan, mesh=MeshSpec(pp=2, tp=2), tensor=tensor,
-            model=dataclasses.replace(plan.model, leaf_modules=("layers.*.attn",)))
+        return dataclasses.replace(plan, mesh=MeshSpec(pp=2, tp=2), tensor=tensor)
     if name.startswith("zero"):
         stage, _, kind = name.partition("-")
         plan = make_plan("gpt", kind or "1f1b", 2, 2, *ADAM_ON.get(name, ()))

@@ -227,7 +227,7 @@ def test_tp_not_dividing_kv_heads(make_plan):
                      tensor=TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k"),
                                        row=("layers.*.attn.o",)))
     text = _error(compile_plan, plan)
-    assert "tp = 4 does not divide the 2 KV heads of layers.0.attn.k" in text
+    assert "tp = 4 does not divide the 2 heads of layers.0.attn.k" in text  # the key/value heads
 
 
 def test_tp_not_dividing_ffn_and_vocab(make_plan):

@@ -27,7 +27,7 @@ from pipeplan.backends.model import model_loss
 from pipeplan.backends.parallelize import (
     build_parallel_groups, parallelize_stage, reference_chunk_groups, required_leaf_modules)
 from pipeplan.backends.stage import StageRunner
-from pipeplan.backends.tensor_parallel import gather_full, tp_shard_dims
+from pipeplan.backends.tp import gather_full, tp_shard_dims
 from pipeplan.compiler.compiled import BATCH
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.compiler.loading import load_model

@@ -19,7 +19,7 @@ from pipeplan.compiler.patterns import matches_any
 from pipeplan.backends.parallelize import (
     ExpertCoords, build_parallel_groups, build_zero_optimizer, expert_group_ranks,
     parallelize_stage, reference_chunk_groups, required_leaf_modules)
-from pipeplan.backends.tensor_parallel import gather_full_state
+from pipeplan.backends.tp import gather_full_state
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan, TensorSpec
 from pipeplan.errors import PipeplanError
 from pipeplan.examples.models.gpt import GPT
@@ -147,9 +147,8 @@ def _traced_tp_worker(rank, world, sequence_parallel):
     model = copy.deepcopy(ref)
     stage_module = fx.GraphModule(model, _Leaves(required_leaf_modules(plan)).trace(model))
     stage = parallelize_stage(stage_module, plan, groups)
-    assert stage.tensor.rewrites["layers.1.attn"] == "attention"
+    assert stage.tensor.rewrites["layers.1.attn.q"] == "column"
     assert stage.tensor.rewrites["lm_head"] == "vocab+loss"  # logits never gathered
-    assert not stage_module.get_submodule("lm_head").gather_output
     weights = stage.full_state_dict()
     for n, value in ref.state_dict().items():
         assert torch.equal(weights[n], value), n
@@ -197,7 +196,7 @@ def test_reference_chunks_and_leaves():
     assert reference_chunk_groups(dp=4, microbatches=2, ep=2) == [[c] for c in range(8)]
     assert reference_chunk_groups(dp=2, microbatches=3, ep=1) == [[0], [1], [2], [3], [4], [5]]
     plan = Plan(model=MODEL, mesh=MeshSpec(tp=2, dp=2, ep=2), experts=EXPERTS, tensor=TENSOR)
-    assert required_leaf_modules(plan) == ("layers.*.attn",)  # experts: kept by the capture
+    assert required_leaf_modules(plan) == ()  # experts: kept by the capture; TP: none
 
 
 def test_bad_meshes_are_errors():
@@ -271,7 +270,7 @@ def _tp_zero_worker(rank, world, zero):
     groups = build_parallel_groups(mesh, dm.get_group("tp"), dm.get_group("dp"))
     torch.manual_seed(0)
     ref = GPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8)
-    model = copy.deepcopy(ref)
+    model = fx.symbolic_trace(copy.deepcopy(ref))
     stage = parallelize_stage(model, plan, groups)
     zero_opt = build_zero_optimizer({0: stage}, plan, sgd)
     ref_opt = sgd(ref.parameters())
@@ -359,14 +358,14 @@ def test_zero3_prefetch_window_over_two_stages(run_workers):
 
 def test_tied_weights_must_be_split_alike():
     from pipeplan.dsl.errors import PlanError
-    from pipeplan.backends.parallelize import check_parallel_model
+    from pipeplan.compiler.tensor_parallel import tp_annotations
 
     model = GPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8)  # tok_emb and lm_head tied
     plan = Plan(model=MODEL, mesh=MeshSpec(tp=2), tensor=TensorSpec(vocab=("lm_head",)))
-    with pytest.raises(PlanError, match=r"tok_emb \(not split\), lm_head \(rows\)"):
-        check_parallel_model(plan, model)
-    check_parallel_model(dataclasses.replace(plan, tensor=TensorSpec(vocab=("tok_emb", "lm_head"))),
-                         model)
+    with pytest.raises(PlanError, match=r"tok_emb \(not split\), lm_head \(dim 0\)"):
+        tp_annotations(plan, model)
+    tp_annotations(dataclasses.replace(plan, tensor=TensorSpec(vocab=("tok_emb", "lm_head"))),
+                   model)
 
 
 def _partial_grads_worker(rank, world):

@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 from pipeplan.backends.parallelize import (
     build_parallel_groups, build_zero_optimizer, parallelize_stage)
 from pipeplan.backends.stage import StageRunner
-from pipeplan.backends.tensor_parallel import tp_shard_dims, gather_full
+from pipeplan.backends.tp import tp_shard_dims, gather_full
 from pipeplan.compiler.compiled import StageSpec, ValueRef, ValueSpec
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan, TensorSpec
 from pipeplan.examples.models.gpt import Block
@@ -109,7 +110,7 @@ def _tp_worker(rank, world, sequence_parallel):
     groups = build_parallel_groups(mesh, dist.group.WORLD, None)
     torch.manual_seed(0)
     ref = Block(D, 2, 2 * D)
-    block = copy.deepcopy(ref)
+    block = fx.symbolic_trace(copy.deepcopy(ref))  # the rewrite acts on a captured graph
     stage = parallelize_stage(block, plan, groups)
     x = torch.randn(MB, B, T, D)
     g = torch.randn(MB, B, T, D)

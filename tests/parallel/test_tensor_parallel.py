@@ -1,151 +1,160 @@
-"""Tensor parallel (and sequence parallel) GPT block / whole GPT equal the single-process model."""
+"""Tensor parallel (+ sequence parallel) on captured graphs equals the unmodified model, float64.
+
+Each case runs the pipeline runtime (PipelineTrainer on gloo processes) on the
+plan's model built in float64 (`model.double()` before compiling: the runtime
+has no float64 switch of its own yet), 3 AdamW steps with gradient clipping,
+and compares every step's loss and every parameter with `tp_reference.py`'s
+single-process run of the unmodified model (no pipeplan code on that side)
+at rtol 1e-9, atol 1e-12.
+
+* WindowLM (tp_models.py): attention under a NON-causal window mask (by hand
+  and through SDPA's attn_mask), RMSNorm, SwiGLU, tied embedding/LM head split
+  over the vocabulary: the model the old substitute causal attention trained
+  wrongly.
+* transformers' LlamaForCausalLM (RoPE, GQA with 2 KV heads for 4 heads),
+  captured through torch.export: pp2 x tp2, with sequence parallel, and under
+  zbv (split B/W backward on sharded parameters); slow tier.
+* examples/hybrid_pp2_dp2_tp2.plan (tied GPT, fx, interleaved, ZeRO-1, 8 ranks),
+  smaller and at constant LR; slow tier.
+"""
 from __future__ import annotations
 
-import copy
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from pipeplan.backends.tensor_parallel import (
-    TensorParallelRules, apply_tensor_parallel, gather_full, gather_full_state,
-    sync_sequence_parallel_grads, tp_shard_dims, vocab_parallel_cross_entropy)
-from pipeplan.errors import PipeplanError
-from pipeplan.examples.models.gpt import GPT, Block
+from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec,
+                              PipelineSpec, Plan, TensorSpec, TrainSpec)
+from pipeplan.dsl.load import load_plan
 
-TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_TOL = dict(rtol=1e-5, atol=1e-5)
-# Plan module-path patterns: `*` matches exactly one path segment.
-BLOCK_RULES = dict(column=("attn.q", "attn.k", "attn.v", "mlp.up"), row=("attn.proj", "mlp.down"))
-GPT_RULES = dict(column=tuple(f"layers.*.{p}" for p in BLOCK_RULES["column"]),
-                 row=tuple(f"layers.*.{p}" for p in BLOCK_RULES["row"]),
-                 vocab=("tok_emb", "lm_head"))
+from .tp_reference import reference_run
 
+STEPS = 3
+TOL = dict(rtol=1e-9, atol=1e-12)
+ADAMW = OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1)
 
-def _assert_grads_match(model, ref, group, result, msg, tol=TOL):
-    sync_sequence_parallel_grads(model, result.sequence_partial, group)
-    dims = tp_shard_dims(model)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        full = gather_full(p.grad, dims.get(name), group)
-        torch.testing.assert_close(full, ref_params[name].grad, **tol, msg=lambda m, n=name: f"{msg}: {n}: {m}")
+WINDOW = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v",
+                            "layers.*.mlp.gate", "layers.*.mlp.up"),
+                    row=("layers.*.attn.proj", "layers.*.mlp.down"), vocab=("embed", "head"))
+LLAMA = TensorSpec(column=tuple(f"model.layers.*.{m}" for m in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")),
+    row=("model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"),
+    vocab=("model.embed_tokens", "lm_head"))
 
 
-def _block_worker(rank, world, sequence_parallel):
-    group = dist.group.WORLD
-    torch.manual_seed(0)
-    ref = Block(32, 4, 64)
-    block = copy.deepcopy(ref)
-    rules = TensorParallelRules(**BLOCK_RULES, sequence_parallel=sequence_parallel)
-    result = apply_tensor_parallel(block, rules, group)
-    assert result.rewrites["attn"] == "attention" and result.rewrites["mlp.up"] == "column"
-    assert block.attn.heads == 4 // world
-    assert block.mlp.up.weight.shape == (64 // world, 32)
-
-    x_ref = torch.randn(2, 8, 32, requires_grad=True)
-    g = torch.randn(2, 8, 32)
-    (ref(x_ref) * g).sum().backward()
-    x = x_ref.detach().clone().requires_grad_()
-    y = block(x)
-    (y * g).sum().backward()
-    msg = f"block sp={sequence_parallel} rank {rank}"
-    torch.testing.assert_close(y, ref(x_ref).detach(), **TOL, msg=msg)
-    torch.testing.assert_close(x.grad, x_ref.grad, **TOL, msg=msg)
-    if sequence_parallel:
-        assert "ln1.weight" in result.sequence_partial and "mlp.down.bias" in result.sequence_partial
-        assert "mlp.up.weight" not in result.sequence_partial
-    _assert_grads_match(block, ref, group, result, msg)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hybrid_pp2_dp2_tp2.plan"
+SMALL = ["model.args.dim=32", "model.args.layers=4", "model.args.seq_len=16", "data.seq_len=16",
+         "model.args.vocab=64", "data.vocab=64", "train.global_batch=16", "train.grad_clip=0.5"]
 
 
-def _gpt_worker(rank, world, sequence_parallel):
-    """Three SGD-momentum steps of the whole tied-embedding GPT: losses and parameters equal.
-
-    Not AdamW here: the key bias has a mathematically zero gradient (softmax
-    ignores a shift shared by all keys), so its float32 gradient is rounding
-    noise whose sign depends on the summation order, and AdamW's first step
-    (about lr * sign(grad)) turns that noise into a 1e-2 difference.
-    """
-    group = dist.group.WORLD
-    torch.manual_seed(0)
-    ref = GPT(vocab=64, dim=32, layers=2, heads=4, seq_len=8)
-    model = copy.deepcopy(ref)
-    rules = TensorParallelRules(**GPT_RULES, sequence_parallel=sequence_parallel)
-    result = apply_tensor_parallel(model, rules, group)
-    assert model.lm_head.weight is model.tok_emb.weight  # still tied, now a vocab shard
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        ids = torch.randint(0, 64, (2, 8))
-        targets = torch.randint(0, 64, (2, 8))
-        losses = []
-        for m, o in ((ref, opt_ref), (model, opt)):
-            o.zero_grad()
-            loss = F.cross_entropy(m(ids).flatten(0, 1), targets.flatten())
-            loss.backward()
-            losses.append(loss.detach())
-        msg = f"gpt sp={sequence_parallel} step {step} rank {rank}"
-        torch.testing.assert_close(losses[1], losses[0], **TOL, msg=msg)
-        # Gradients are sums over tokens, summed in another order across ranks: allow
-        # float32 reassociation noise on near-zero entries; parameters stay at TOL.
-        _assert_grads_match(model, ref, group, result, msg, GRAD_TOL)
-        opt_ref.step()
-        opt.step()
-        full = gather_full_state(model, group)
-        for name, value in ref.state_dict().items():
-            torch.testing.assert_close(full[name], value, **TOL, 
-                                       msg=lambda m, n=name: f"{n} after step {step}: {m}")
+def make_plan(name: str) -> Plan:
+    """name: "<model>-pp<P>-tp<T>[-sp][-<schedule>]" with model window | llama, or "hybrid":
+    the example plan (pp2 x dp2 x tp2, interleaved, ZeRO-1), smaller, constant LR."""
+    if name == "hybrid":
+        plan = load_plan(str(EXAMPLE), overrides=SMALL)
+        return dataclasses.replace(plan, train=dataclasses.replace(
+            plan.train, steps=STEPS, lr_schedule=LRScheduleSpec()))
+    parts = name.split("-")
+    model, pp, tp = parts[0], int(parts[1][2:]), int(parts[2][2:])
+    sp = "sp" in parts
+    kind = parts[-1] if parts[-1] not in ("sp",) and not parts[-1].startswith("tp") else "1f1b"
+    if model == "window":
+        spec = ModelSpec("pipeplan.tests.parallel.tp_models:WindowLM", capture="fx")
+        tensor = WINDOW
+    else:
+        spec = ModelSpec("pipeplan.tests.compiler.models:tiny_llama", capture="export")
+        tensor = LLAMA
+    return Plan(model=spec, data=DataSpec(seq_len=16, vocab=64, seed=7),
+                mesh=MeshSpec(pp=pp, tp=tp),
+                pipeline=PipelineSpec(schedule=kind, microbatches=2 * pp,
+                                      virtual=2 if kind == "zbv" else 1),
+                tensor=TensorSpec(tensor.column, tensor.row, tensor.vocab, sequence_parallel=sp),
+                train=TrainSpec(steps=STEPS, global_batch=8, grad_clip=0.5, seed=11,
+                                optimizer=ADAMW))
 
 
-def _vocab_ce_worker(rank, world):
-    group = dist.group.WORLD
-    torch.manual_seed(0)
-    logits = torch.randn(6, 16, requires_grad=True)
-    targets = torch.randint(0, 16, (6,))
-    ref = F.cross_entropy(logits, targets, reduction="none")
-    ref.sum().backward()
-    per = 16 // world
-    local = logits.detach()[:, rank * per:(rank + 1) * per].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, targets, rank * per, group)
-    loss.sum().backward()
-    torch.testing.assert_close(loss, ref.detach(), **TOL)
-    torch.testing.assert_close(local.grad, logits.grad[:, rank * per:(rank + 1) * per], **TOL)
+def _worker(rank, world, names):
+    from pipeplan.backends.model import build_model
+    from pipeplan.backends.topology import build_topology
+    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.compiler.driver import compile_plan
+
+    for name in names:
+        plan = make_plan(name)
+        ref_losses, ref_params = reference_run(plan, build_model(plan), STEPS)
+        compiled = compile_plan(plan, build_model(plan).double())
+        trainer = PipelineTrainer(plan, compiled, build_topology(plan.mesh, "cpu"))
+        losses = [trainer.step(t).loss for t in range(STEPS)]
+        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                                   torch.tensor(ref_losses, dtype=torch.float64), **TOL, msg=lambda m: f"{name}: losses {losses} vs {ref_losses}: {m}")
+        params = trainer.named_parameters()
+        assert params, name
+        for n, value in params.items():
+            torch.testing.assert_close(value, ref_params[n], **TOL,
+                                       msg=lambda m, n=n: f"{name}: {n}: {m}")
 
 
-def _errors_worker(rank, world):
-    group = dist.group.WORLD
-    with pytest.raises(PipeplanError, match="does not divide the attention heads"):
-        apply_tensor_parallel(Block(30, 3, 64), TensorParallelRules(**BLOCK_RULES), group)
-    with pytest.raises(PipeplanError, match="does not divide output features"):
-        apply_tensor_parallel(Block(32, 4, 65), TensorParallelRules(**BLOCK_RULES), group)
-    with pytest.raises(PipeplanError, match="cannot make LayerNorm"):
-        apply_tensor_parallel(Block(32, 4, 64), TensorParallelRules(column=("ln1",)), group)
-    with pytest.raises(PipeplanError, match="shard by heads"):
-        apply_tensor_parallel(Block(32, 4, 64), TensorParallelRules(column=("attn.q",)), group)
+def test_non_causal_window_attention_tp2_equals_reference(run_workers):
+    run_workers(_worker, 2, ["window-pp1-tp2", "window-pp1-tp2-sp"], timeout=280)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_block_equals_reference(run_workers, sequence_parallel):
-    run_workers(_block_worker, 2, sequence_parallel)
+@pytest.mark.timeout(900)
+def test_window_pp2_tp2_sequence_parallel_zbv(run_workers):
+    run_workers(_worker, 4, ["window-pp2-tp2-sp-zbv"], timeout=880)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_gpt_three_steps_equal_reference(run_workers, sequence_parallel):
-    run_workers(_gpt_worker, 2, sequence_parallel)
+@pytest.mark.timeout(1800)
+def test_llama_pp2_tp2_equals_reference(run_workers):
+    run_workers(_worker, 4, ["llama-pp2-tp2", "llama-pp2-tp2-sp", "llama-pp2-tp2-zbv"],
+                timeout=1780)
 
 
 @pytest.mark.slow
-def test_block_tp4(run_workers):
-    run_workers(_block_worker, 4, True)
+@pytest.mark.timeout(900)
+def test_example_hybrid_plan_equals_reference(run_workers):
+    """examples/hybrid_pp2_dp2_tp2.plan on 8 ranks (dp2: the reference averages all 16 rows)."""
+    run_workers(_worker, 8, ["hybrid"], timeout=880)
 
 
-@pytest.mark.slow
-def test_vocab_parallel_cross_entropy(run_workers):
-    run_workers(_vocab_ce_worker, 2)
+# ------------------------------------------------------- refused at the plan line
+REFUSED = """\
+model {
+  source = "pipeplan.tests.parallel.tp_models:WindowLM"
+  args = { vocab = 64, dim = 32, heads = 4, layers = 2 }
+}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh { tp = 2 }
+pipeline { microbatches = 1 }
+tensor {
+  column = [layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, layers.*.mlp.gate, layers.*.mlp.up]
+  row = [layers.*.attn.proj, layers.*.mlp.down]
+  vocab = [embed, head]
+}
+train { global_batch = 4 }
+"""
 
 
-@pytest.mark.slow
-def test_bad_shapes_are_clear_errors(run_workers):
-    run_workers(_errors_worker, 2)
+@pytest.mark.parametrize("edit, line, message", [
+    # 4 heads over tp = 8: the graph views q's 32 features as [.., 4 heads, 8]
+    (("tp = 2", "tp = 8"), 9, r"tp = 8 does not divide the 4 heads"),
+    # tp = 3 divides no width of the model
+    (("tp = 2", "tp = 3"), 9, r"tp = 3 does not divide the 32 output features of layers.0.attn.q"),
+    # the tied head split but its embedding not
+    (("vocab = [embed, head]", "vocab = [head]"), 11, r"tied weight would be split differently"),
+    # a norm has no 2-d weight to split
+    (("row = [", "row = [layers.*.norm1, "), 10, r"layers.0.norm1 \(RMSNorm\) has no 2-d `weight`"),
+    # q's output must reach a row layer: proj not annotated
+    (("row = [layers.*.attn.proj, ", "row = ["), 9, r"column-parallel layers.0.attn.q feeds"),
+])
+def test_what_cannot_be_split_is_refused_at_the_plan_line(edit, line, message):
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import PlanError, parse_plan
+
+    plan = parse_plan(REFUSED.replace(*edit), "plan.plan")
+    with pytest.raises(PlanError, match=message) as err:
+        compile_plan(plan)
+    assert f"plan.plan:{line}:" in str(err.value), str(err.value)

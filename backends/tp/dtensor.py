@@ -1,0 +1,191 @@
+"""The graph nodes tensor parallelism inserts: where plain tensors become DTensors and back.
+
+Each is a small parameter-free module the stage GraphModule calls
+(`call_module`), so the rewritten stage reads as code (`python build/stage_0.py`)
+and runs the same under recompute's node-by-node program. They hold the TP
+DeviceMesh; everything between them is the model's own ops on DTensors.
+
+    ToDTensor(placement)   a local tensor -> DTensor (stage inputs, constants,
+                           buffers: Replicate; sharded parameters: Shard(d))
+    ReplicatedParameter    a replicated parameter -> Replicate DTensor whose
+                           gradient stays this rank's partial sum (sequence
+                           parallel: summed over tp once per step)
+    Redistribute(p)        DTensor.redistribute at a column input / row output
+                           (the collective the style implies, and its conjugate
+                           in backward)
+    ToLocal                a stage output -> its full local tensor (all-gather or
+                           all-reduce only if it is not replicated already)
+    VocabParallelLoss      cross-entropy on vocab-sharded logits under torch's
+                           loss_parallel, forward and backward
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+
+def placement(spec: str):
+    """"replicate" | "shard:<dim>" (dims may be negative: counted at use) -> a Placement."""
+    if spec == "replicate":
+        return Replicate()
+    kind, _, dim = spec.partition(":")
+    assert kind == "shard", spec
+    return int(dim)  # resolved against the tensor's rank at use
+
+
+def _resolve(spec, ndim: int):
+    return Shard(spec % ndim) if isinstance(spec, int) else spec
+
+
+class ToDTensor(nn.Module):
+    """Wrap this rank's local tensor as a DTensor with the given placement (autograd-aware:
+    the gradient comes back as this rank's local part of that placement)."""
+
+    def __init__(self, mesh: DeviceMesh, spec: str = "replicate"):
+        super().__init__()
+        self.mesh, self.spec = mesh, spec
+        self._placement = placement(spec)
+
+    def extra_repr(self) -> str:
+        return self.spec
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        p = _resolve(self._placement, x.dim())
+        return DTensor.from_local(x, self.mesh, [p], run_check=False)
+
+
+class _PartialGradReplicate(torch.autograd.Function):
+    """Forward: a Replicate DTensor of `p`. Backward: this rank's share of the gradient as
+    a partial sum (Partial: its local value; Replicate: the value on rank 0, zeros
+    elsewhere), so one all-reduce per step completes it."""
+
+    @staticmethod
+    def forward(ctx, p, mesh):
+        ctx.mesh = mesh
+        return DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placement_ = grad.placements[0]
+        local = grad._local_tensor
+        if isinstance(placement_, Partial):
+            return local, None
+        if isinstance(placement_, Replicate):
+            return (local if ctx.mesh.get_local_rank() == 0 else torch.zeros_like(local)), None
+        raise RuntimeError(f"a replicated parameter got a {placement_} gradient")
+
+
+class ReplicatedParameter(nn.Module):
+    """A replicated parameter used on sequence shards: its gradient is left partial."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, p):
+        if isinstance(p, DTensor):
+            return p
+        return _PartialGradReplicate.apply(p, self.mesh)
+
+
+class Redistribute(nn.Module):
+    """`x.redistribute(mesh, [placement])`; backward moves the gradient back to x's
+    placement (Replicate -> all-reduce of a partial gradient; Shard(seq) -> reduce-scatter)."""
+
+    def __init__(self, mesh: DeviceMesh, spec: str):
+        super().__init__()
+        self.mesh, self.spec = mesh, spec
+        self._placement = placement(spec)
+
+    def extra_repr(self) -> str:
+        return self.spec
+
+    def forward(self, x):
+        if not isinstance(x, DTensor):
+            return x
+        return x.redistribute(self.mesh, [_resolve(self._placement, x.dim())])
+
+
+class ToLocal(nn.Module):
+    """A stage output as a full local tensor (what the next stage or the loss reads)."""
+
+    def forward(self, x):
+        if not isinstance(x, DTensor):
+            return x
+        if not x.placements[0].is_replicate():
+            x = x.redistribute(x.device_mesh, [Replicate()])
+        return x.to_local()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """torch's loss_parallel around one cross-entropy: forward and backward inside it."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, kwargs):
+        leaf = logits.detach().requires_grad_(True)
+        with torch.enable_grad(), loss_parallel():
+            loss = F.cross_entropy(leaf, targets, **kwargs)
+        ctx.leaf, ctx.loss = leaf, loss
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with loss_parallel():  # retained: a split backward may walk this node twice
+            (g,) = torch.autograd.grad(ctx.loss, ctx.leaf, grad, retain_graph=True)
+        return g, None, None
+
+
+class VocabParallelLoss(nn.Module):
+    """`F.cross_entropy(logits, targets, **kwargs)` with logits sharded over the vocabulary:
+    torch's loss_parallel computes it from the shards (never gathering the logits)."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, logits, targets):
+        if isinstance(targets, DTensor):
+            targets = targets.to_local()
+        return _VocabParallelCrossEntropy.apply(logits, targets, self.kwargs)
+
+
+class HeadLocal(nn.Module):
+    """Attention (`scaled_dot_product_attention`) on this rank's heads: the model's own op,
+    called on the local blocks when q, k and v are split on the heads dim (1).
+
+    SDPA treats every (batch, head) independently, so on head shards it is exactly
+    the op on the local heads; a mask with a heads dim is sliced to the same heads.
+    (DTensor would reach the same by propagating through the op's decomposition,
+    which is far slower on CPU.) Any other placement runs the op on the DTensors.
+    """
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, q, k, v, *args, **kwargs):
+        heads = [isinstance(t, DTensor) and t.placements[0] == Shard(1) for t in (q, k, v)]
+        if not all(heads):
+            return self.op(q, k, v, *args, **kwargs)
+        mesh = q.device_mesh
+        size, rank = mesh.size(), mesh.get_local_rank()
+
+        def local(t):
+            if not isinstance(t, DTensor):
+                return t
+            if t.placements[0] == Shard(1):
+                return t.to_local()
+            full = t.redistribute(mesh, [Replicate()]).to_local()
+            if full.dim() == 4 and full.shape[1] == q.shape[1]:  # a per-head mask
+                return full.chunk(size, dim=1)[rank]
+            return full
+
+        args = [local(a) for a in args]
+        kwargs = {n: local(a) for n, a in kwargs.items()}
+        out = self.op(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
+        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)

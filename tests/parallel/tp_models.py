@@ -1,0 +1,90 @@
+"""Test models for tensor parallelism whose maths pipeplan's old substitute attention lacked.
+
+`WindowLM`: attention with a NON-causal mask (each token sees the tokens within
+`window` positions on both sides), computed by hand (scores, masked_fill,
+softmax) in one block and through SDPA with a boolean `attn_mask` in the
+other; RMSNorm, a SwiGLU MLP, a per-head learned temperature, and an LM head
+tied to the embedding. Traceable by fx.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool):
+        super().__init__()
+        self.heads, self.window, self.use_sdpa = heads, window, use_sdpa
+        # the attribute names the old substitute attention keyed on (heads, q, k, v, proj)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q = self.q(x).view(b, t, h, d // h).transpose(1, 2)
+        k = self.k(x).view(b, t, h, d // h).transpose(1, 2)
+        v = self.v(x).view(b, t, h, d // h).transpose(1, 2)
+        pos = torch.arange(t, device=x.device)
+        mask = (pos[:, None] - pos[None, :]).abs() <= self.window  # sees both sides
+        if self.use_sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / (d // h) ** 0.5
+            y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.attn = WindowAttention(dim, heads, window, use_sdpa)
+        self.mlp = SwiGLU(dim, 2 * dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class WindowLM(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2,
+                 window: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, window, use_sdpa=i % 2 == 1)
+                                    for i in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
