@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -70,6 +71,8 @@ class SavedBytes:
 
 
 def _storage(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):  # a tensor-parallel stage's values: the local tensor's storage
+        t = t._local_tensor
     return t.untyped_storage().data_ptr()
 
 
