@@ -34,6 +34,7 @@ def own_stages(plan: Plan, compiled: CompiledPlan, pp_rank: int,
     """Materialise the stages of pipeline rank `pp_rank` in place (their tensors were meta),
     on `device`; the other stages stay on meta. Returns the parameter bytes materialised."""
     from ..compiler.loading import load_skeleton
+    from ..compiler.precision import to_precision
     from ..compiler.stages import move_stage
     from .materialize import install, materialize
 
@@ -42,6 +43,11 @@ def own_stages(plan: Plan, compiled: CompiledPlan, pp_rank: int,
     params = {n for s in stages for n in s.param_names}
     nbytes = materialize(skeleton, plan.train.seed,
                          params | {n for s in stages for n in s.buffer_names}, device)
+    to_precision(skeleton, plan.train.precision)  # as compile_plan and the reference do
+    if plan.train.precision == "fp64":  # the bytes after conversion
+        owned = {id(p): p for n, p in skeleton.named_parameters(remove_duplicate=False)
+                 if n in params}
+        nbytes = sum(p.numel() * p.element_size() for p in owned.values())
     for s in stages:
         install(s.module, skeleton, s.param_names + s.buffer_names, params.__contains__)
         move_stage(s.module, device)  # graph constants captured on meta name the device

@@ -32,6 +32,12 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.randn(num_experts, dim, hidden) * dim ** -0.5)
         self.w_down = nn.Parameter(torch.randn(num_experts, hidden, dim) * hidden ** -0.5)
 
+    def reset_parameters(self) -> None:
+        """The experts' init (as in __init__): normal, std 1/sqrt(fan in)."""
+        with torch.no_grad():
+            self.w_up.normal_(0.0, self.w_up.shape[1] ** -0.5)
+            self.w_down.normal_(0.0, self.w_down.shape[1] ** -0.5)
+
     def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         experts = self.w_up.shape[0]
@@ -49,12 +55,6 @@ class MoE(nn.Module):
         self.aux_coef, self.z_coef = aux_loss, z_loss
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(dim, hidden, num_experts, activation)
-
-    def reset_parameters(self) -> None:
-        """The experts' init (as in __init__): normal, std 1/sqrt(fan in)."""
-        with torch.no_grad():
-            self.w_up.normal_(0.0, self.w_up.shape[1] ** -0.5)
-            self.w_down.normal_(0.0, self.w_down.shape[1] ** -0.5)
 
     def route(self, tokens: torch.Tensor):
         """(top-k weights renormalised [T, k], top-k experts [T, k], aux loss scalar)."""
