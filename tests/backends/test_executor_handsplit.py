@@ -26,8 +26,8 @@ class Tiny(nn.Module):
         self.head = nn.Linear(D, V, bias=False)
         self.head.weight = self.emb.weight
 
-    def forward(self, ids):
-        h = self.emb(ids)
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
         for l in (self.l0, self.l1, self.l2):
             h = torch.tanh(l(h))
         return self.head(h)
