@@ -41,8 +41,8 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         experts = self.w_up.shape[0]
-        gates = tokens.new_zeros(tokens.shape[0], experts).scatter(-1, top_k_index,
-                                                                     top_k_weights)
+        gates = tokens.new_zeros(tokens.shape[0], experts).scatter(  # in the tokens' dtype
+            -1, top_k_index, top_k_weights.to(tokens.dtype))  # (bf16 autocast: fp32 weights)
         h = ACTIVATIONS[self.activation](torch.einsum("td,edh->teh", tokens, self.w_up))
         return torch.einsum("te,ted->td", gates, torch.einsum("teh,ehd->ted", h, self.w_down))
 

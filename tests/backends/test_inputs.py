@@ -46,9 +46,9 @@ train { steps = 3  global_batch = 4  optimizer = sgd(lr = 0.1) }
 def _hand_fed_losses(plan, steps: int) -> list[float]:
     """The unmodified model, fed tokens = row[:-1] and positions = 0..seq-1 by hand."""
     from pipeplan.backends import data
-    from pipeplan.compiler import load_model
+    from pipeplan.backends.model import build_model
 
-    model = load_model(plan, "cpu")
+    model = build_model(plan)  # the plan's initial weights (per-module init from the seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
