@@ -80,7 +80,7 @@ def test_the_unedited_plans_compile(tmp_path):
     assert compile_plan(parse_plan(MOE, str(tmp_path / "t.plan"))).experts
     assert compile_plan(parse_plan(DENSE, str(tmp_path / "t.plan"))).stages
     tokens = tmp_path / "tokens.bin"
-    tokens.write_bytes(bytes(2 * 17 * 8))
+    tokens.write_bytes(bytes(2 * 17 * 8 * 10))  # 10 steps (the default) of 8 windows
     ok = MISSING_DATA.replace("no-such-tokens.bin", "tokens.bin")
     assert compile_plan(parse_plan(ok, str(tmp_path / "t.plan"))).stages
 
