@@ -70,7 +70,7 @@ def test_mixtral_pp2_dp2_ep2_1f1b_equals_reference(spawn):
     _check(spawn(_worker, 4, configs, timeout=280), configs)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_real_moe_models_pp2_dp2_ep2_equal_reference(spawn):
     _check(spawn(_worker, 4, CONFIGS, timeout=1780), CONFIGS)

@@ -106,7 +106,7 @@ def test_window_pp2_tp2_sequence_parallel_zbv(run_workers):
     run_workers(_worker, 4, ["window-pp2-tp2-sp-zbv"], timeout=880)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_llama_pp2_tp2_equals_reference(run_workers):
     run_workers(_worker, 4, ["llama-pp2-tp2", "llama-pp2-tp2-sp", "llama-pp2-tp2-zbv"],

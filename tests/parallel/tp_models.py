@@ -18,6 +18,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:  # the per-module init pipeplan applies
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
