@@ -26,14 +26,21 @@ from .model_checks import check_model_against_plan
 
 def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
     """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
+    model = _construct(plan, lambda: torch.device(device))
+    check_model_against_plan(plan, model)
+    return model
+
+
+def _construct(plan: Plan, context) -> torch.nn.Module:
+    """`cls(**plan.model.args)` under the plan's seed inside `context()`; a failing
+    constructor (an exception or sys.exit) is a PlanError at the model's args."""
     cls = resolve_model_class(plan)
     args = dict(plan.model.args)
     _check_args(plan, cls, args)
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), context():
             torch.manual_seed(plan.train.seed)
-            with torch.device(device):
-                model = cls(**args)
+            model = cls(**args)
     except (Exception, SystemExit) as e:  # the user's constructor failed: point at the args
         raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
                            f"{type(e).__name__}: {e}",
@@ -41,7 +48,6 @@ def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise PlanError.at(plan, "model.source", f"{cls.__name__} returned "
                            f"{type(model).__name__}, not a torch.nn.Module")
-    check_model_against_plan(plan, model)
     return model
 
 
@@ -218,21 +224,7 @@ INIT_HOOK = "_init_weights"  # model-level `_init_weights(module)` (Hugging Face
 def load_skeleton(plan: Plan) -> torch.nn.Module:
     """The plan's model with its parameters on the meta device (nothing allocated) and its
     buffers computed on CPU by the constructor (rotary inv_freq, causal masks)."""
-    cls = resolve_model_class(plan)
-    args = dict(plan.model.args)
-    _check_args(plan, cls, args)
-    try:
-        with torch.random.fork_rng(devices=[]), _parameters_on_meta():
-            torch.manual_seed(plan.train.seed)
-            model = cls(**args)
-    except Exception as e:
-        raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
-                           f"{type(e).__name__}: {e}",
-                           "check the constructor arguments against the model's __init__") from e
-    if not isinstance(model, torch.nn.Module):
-        raise PlanError.at(plan, "model.source", f"{cls.__name__} returned "
-                           f"{type(model).__name__}, not a torch.nn.Module")
-    return model
+    return _construct(plan, _parameters_on_meta)
 
 
 class _parameters_on_meta:
