@@ -25,7 +25,7 @@ from .experts_checks import check_experts
 from .loading import load_model
 from .precision import to_precision
 from .partition import Split, choose_split, compute_nodes
-from .schedule import make_schedule
+from .schedule import make_schedule, stage_costs
 from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
@@ -60,7 +60,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     _attach_costs(stages, split, costs, graph)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
-    times = step_costs(plan, stages, tp_traffic, moe_traffic, device)
+    times = stage_costs(plan, step_costs(plan, stages, tp_traffic, moe_traffic, device))
     schedule = make_schedule(plan, stages, normalised(times))
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]

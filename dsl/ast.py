@@ -131,6 +131,7 @@ class PipelineSpec:
     virtual: int = 1  # stages per rank
     split: SplitSpec = field(default_factory=SplitSpec)
     memory_limit: Optional[MemoryLimit] = None
+    costs: Optional[tuple[tuple[float, float, float], ...]] = None  # relative [F, B, W] per stage
 
 
 # ------------------------------------------------------------------- experts
