@@ -126,7 +126,7 @@ evaluations at most), so the result is the same on every rank and every run.
 
 `--stage-costs` gives absolute F,B,W per stage (p·v stages, `;`-separated), e.g. a
 heavy embedding and LM head; `pipeplan run`/`compile` feed the compiler's estimated
-per-stage costs the same way, or a plan's own `pipeline { costs = [[F, B, W], ...] }`
+per-stage costs the same way, or a plan's own `pipeline {{ costs = [[F, B, W], ...] }}`
 (relative, one triple per stage; see plan-language.md). `--load` refuses, with one line naming the file, a
 file that is not UTF-8, nests deeper than 32, declares more microbatches or ranks
 than its actions back, or names numbers over 12 digits; the work is linear in the
