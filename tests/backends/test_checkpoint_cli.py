@@ -16,24 +16,11 @@ import pytest
 
 from pipeplan.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
+from .test_resume_paths import PLAN as BASE
 
-PLAN = f"""\
-model {{
-  source = "{REPO / 'examples/models/gpt.py'}:GPT"
-  args = {{ vocab = 32, dim = 16, layers = 2, heads = 2, seq_len = 8 }}
-  capture = fx
-}}
-data = synthetic(seed = 2, vocab = 32, seq_len = 8)
-mesh {{ pp = 2 }}
-pipeline {{ schedule = 1f1b  microbatches = 2 }}
-train {{
-  steps = 4
-  global_batch = 4
-  optimizer = adamw(lr = 0.01)
-  checkpoint {{ every = 2  dir = "ckpt" }}
-}}
-"""
+# test_resume_paths' tiny GPT on pp = 2 (AdamW), 4 steps, a checkpoint every 2
+PLAN = (BASE.replace("steps = 5", "steps = 4").replace("  keep = 1", "")
+        .replace('  log_dir = "logs"\n', ""))
 # another plan: dp instead of pp, ZeRO-1 (reshards on load)
 DP2 = PLAN.replace("mesh { pp = 2 }", "mesh { dp = 2 }\nzero = 1")
 
@@ -80,8 +67,8 @@ def test_resume_refusals_reset_optimizer_and_plan_diff(tmp_path, capsys):
     assert "parameter(s) the checkpoint lacks: layers.2." in err and err.count("\n  - ") == 1
 
     # plan-diff: the differences side by side; whether the checkpoint loads under B
-    assert main(["plan-diff", str(plan), str(DP2 and write(tmp_path, "dp2.plan", DP2)),
-                 "--checkpoint", str(tmp_path / "ckpt")]) == 0
+    dp2 = write(tmp_path, "dp2.plan", DP2)
+    assert main(["plan-diff", str(plan), str(dp2), "--checkpoint", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     rows = {line.split("  ")[0]: line for line in out.splitlines()}
     assert rows["mesh"].split() == ["mesh", "pp=2", "dp=1", "tp=1", "ep=1",
