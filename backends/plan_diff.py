@@ -39,7 +39,7 @@ def plan_rows(compiled) -> dict[str, str]:
             "precision": s["precision"], "optimizer": plan.train.optimizer.name}
     est = compiled.estimates
     if est is not None:
-        rows["bubble (estimated)"] = f"{est.bubble:.3f}"
+        rows["predicted bubble"] = f"{est.bubble:.3f}"
         for r in est.ranks:
             total = r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
             rows[f"rank {r.rank} estimate"] = (f"{total / MIB:.2f} MiB, "
