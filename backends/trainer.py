@@ -23,10 +23,10 @@ from ..compiler.checks import check_checkpointable
 from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
 from . import data
+from .checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor
 from .grads import GradSync, ZeroSync, build_tied_groups
-from .checkpoint import parameter_shapes
 from .layout import StageLayout
 from .nonfinite import NonFiniteError, locate_non_finite
 from .optim import build_lr_scheduler, build_optimizer

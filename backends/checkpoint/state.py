@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...compiler.compiled import CompiledPlan
@@ -61,6 +60,7 @@ class Placed:
 def placed_parameters(trainer) -> list[Placed]:
     """Every parameter of this rank's stages, placed in the global tensors."""
     from ..tp import tp_shard_dims
+    from ..tp.params import shard_offset
 
     out: dict[int, Placed] = {}
     for s in sorted(trainer.runners):
@@ -77,8 +77,7 @@ def placed_parameters(trainer) -> list[Placed]:
             offset = [0] * len(shape)
             if name in dims:
                 d = dims[name] % len(shape)
-                per = -(-shape[d] // dist.get_world_size(st.groups.tp))
-                offset[d] = dist.get_rank(st.groups.tp) * per
+                offset[d] = shard_offset(shape[d], st.groups.tp)
             if name in experts:
                 offset[0] = experts[name]
             entry = out.setdefault(id(p), Placed(p, [], shape, tuple(offset), []))
