@@ -35,8 +35,8 @@ def write_build(compiled: CompiledPlan, out: str | Path) -> Path:
              "report.md": render_report(compiled)}
     sim = compiled.estimates.simulation if compiled.estimates is not None else None
     if sim is not None:
-        from ..schedules.render import chrome_trace_json
-        files["trace.json"] = chrome_trace_json(sim)
+        from ..schedules.render import SECONDS, chrome_trace_json
+        files["trace.json"] = chrome_trace_json(sim, SECONDS)  # estimates are in s
     for st in compiled.stages:
         files[f"stages/stage_{st.index}.py"] = stage_source(st)
     for name, text in files.items():
