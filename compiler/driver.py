@@ -45,6 +45,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     device section, see `device_model`)."""
     device = device or device_model(plan)
     check_plan_values(plan)
+    profile = load_profile(plan)  # measured op times, when the plan names a cost file
     if model is None:
         model = load_model(plan, "meta")
     to_precision(model, plan.train.precision)
@@ -55,7 +56,6 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     check_experts(plan, graph, traced.run, experts_modules(plan, model))
     check_pairing(plan, graph, model, tp_kinds, traced.run)
     costs = node_costs(plan, graph, traced.run)
-    profile = load_profile(plan)  # measured op times, when the plan names a cost file
     measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None
     split = choose_split(plan, model, graph, costs,
                          param_bytes_per_node(traced.module, compute_nodes(graph)),
