@@ -178,3 +178,34 @@ def test_measured_bubble_trace_and_costs():
     # moment BW1.0 ended: samples 0.25 and 0, median 0.125
     late = (ActionTiming("F", 1, 0, 1.25, 2.0, 1.25), r1[1])
     assert measured_latency([ranks[0], RankTimings(1, 1, 0, 0, (late,))], schedule) == 0.125
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise():
+    """Rank 0's progress: a live bar (step, loss, tokens/s, ETA) on a terminal; the plain
+    per-step line scripts parse when stdout is not one."""
+    import dataclasses
+    import io
+
+    from pipeplan.backends.observe import Progress
+    from pipeplan.backends.trainer import StepReport
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    first = StepReport(0, 2.5, 1.0, 0.01, 0.5, 1000, ())
+    tty = Terminal()
+    bar = Progress(3, stream=tty)
+    bar.step(first)
+    bar.step(dataclasses.replace(first, step=1, loss=2.25))
+    bar.close()
+    shown = tty.getvalue().split("\r")[-1]
+    assert shown.startswith("train:") and "2/3" in shown and "loss 2.2500" in shown
+    assert "2,000 tok/s" in shown and "<" in shown  # elapsed<ETA
+    assert "step 1/3" not in tty.getvalue()
+    pipe = io.StringIO()
+    plain = Progress(3, stream=pipe)
+    plain.step(first)
+    plain.close()
+    assert plain.bar is None and pipe.getvalue() == (
+        "step 1/3  loss 2.5000  lr 1.00e-02  grad_norm 1.000  2,000 tok/s  500 ms\n")
