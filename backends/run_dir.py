@@ -165,13 +165,14 @@ def _timeline_section(trace, bubble) -> str:
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     rows = []
     for pid in sorted({e["pid"] for e in mine}):
-        rows.append((f"{names.get(pid, pid)} measured", _boxes(mine, pid, t0)))
         pp_pid = _planned_pid(names.get(pid, ""))
+        pp = f" (pp {pp_pid - PLANNED_PID})" if pp_pid is not None else ""
+        rows.append((f"rank {pid}{pp} measured", _boxes(mine, pid, t0)))
         if pp_pid is not None and any(e["pid"] == pp_pid for e in planned):
-            rows.append((f"planned pp rank {pp_pid - PLANNED_PID}", _boxes(planned, pp_pid, t0)))
+            rows.append((f"pp {pp_pid - PLANNED_PID} planned", _boxes(planned, pp_pid, t0)))
     legend = op_legend() + [(c, k) for k, c in _OTHER.items()]
     svg = gantt_svg(f"step {step}, ms from its first action", rows, (t1 - t0) / 1e3, "ms",
-                    legend)
+                    legend, max_width=2400)
     return head + text + f'<div class="scroll">{svg}</div>'
 
 

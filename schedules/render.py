@@ -152,14 +152,16 @@ def nice_ticks(span: float, target: int = 10) -> list[float]:
 
 
 def gantt_svg(title: str, rows: Sequence[tuple[str, Sequence[tuple]]], span: float,
-              unit: str = "", legend: Sequence[tuple[str, str]] = (), row_h: int = 28) -> str:
+              unit: str = "", legend: Sequence[tuple[str, str]] = (), row_h: int = 28,
+              max_width: float = MAX_WIDTH_PX) -> str:
     """A standalone SVG Gantt: `rows` = (name, boxes), a box = (t0, t1, fill, text, tooltip,
-    opacity). Wide enough that the shortest labelled box shows its text (capped), a time axis
-    with round ticks in `unit`, a legend of (colour, meaning)."""
+    opacity). Wide enough that the shortest labelled box shows its text (up to `max_width`
+    px; a box too narrow for its text keeps it as a tooltip), a time axis with round ticks in
+    `unit`, a legend of (colour, meaning)."""
     span = span or 1.0
     need = [(len(b[3]) * CHAR_PX + 4) / (b[1] - b[0]) for _, boxes in rows for b in boxes
             if b[3] and b[1] > b[0]]
-    scale = min(max(1200.0 / span, max(need, default=0.0)), MAX_WIDTH_PX / span)
+    scale = min(max(1200.0 / span, max(need, default=0.0)), max_width / span)
     left = 8 + CHAR_PX * max((len(n) for n, _ in rows), default=6)
     top = 40
     width = int(left + span * scale + 60)
@@ -198,8 +200,9 @@ def gantt_svg(title: str, rows: Sequence[tuple[str, Sequence[tuple]]], span: flo
     return "\n".join(out) + "\n"
 
 
-def op_legend(ops: Sequence[str] = (F, B, W, BW)) -> list[tuple[str, str]]:
-    return [(_COLORS[o], _NAMES[o]) for o in ops] + [("#888888", "paler: a rank's later stage")]
+def op_legend(ops: Sequence[str] = (F, B, W, BW), later: bool = True) -> list[tuple[str, str]]:
+    paler = [("#888888", "paler: a rank's later stage")] if later else []
+    return [(_COLORS[o], _NAMES[o]) for o in ops] + paler
 
 
 def svg_gantt(result: SimResult, unit: str = "cost units") -> str:
@@ -217,4 +220,5 @@ def svg_gantt(result: SimResult, unit: str = "cost units") -> str:
              f"iteration) span={result.span_bubble:.4f} makespan={result.makespan:g} "
              f"bound={result.lower_bound:g}")
     used = [o for o in (F, B, W, BW) if any(a.op == o for row in s.order for a in row)]
-    return gantt_svg(title, rows, result.makespan, unit, op_legend(used))
+    return gantt_svg(title, rows, result.makespan, unit,
+                     op_legend(used, later=max(s.stages_per_rank()) > 1))

@@ -168,7 +168,8 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
     assert len(points) == 3 and loss.get("data-name") == "loss"
     assert len(step_time.find(ns + "polyline").get("points").split()) == 3
     rows_drawn = [t.text for t in svgs[2].iter(ns + "text") if t.text and "rank" in t.text]
-    assert any("measured" in t for t in rows_drawn) and "planned pp rank 1" in rows_drawn
+    assert rows_drawn == ["rank 0 (pp 0) measured", "pp 0 planned", "rank 1 (pp 1) measured",
+                          "pp 1 planned"]
     assert len([r for r in svgs[3].iter(ns + "rect") if r.get("class") == "peak"]) == 2
 
 
