@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 import os
 from statistics import median
 from typing import Optional, Sequence
@@ -108,15 +109,15 @@ def line_chart(name: str, xs: Sequence[float], ys: Sequence[float], xlabel: str,
     """An SVG line chart with ticked axes (class="curve" on the polyline)."""
     left, right, top, bottom = 60, 20, 24, 40
     x0, x1 = min(xs), max(xs)
-    y0, y1 = min(0.0, min(ys)), max(ys)
+    pad = (max(ys) - min(ys)) * 0.05 or abs(max(ys)) * 0.05 or 1.0
+    y0, y1 = min(ys) - pad, max(ys) + pad  # the data's own range, not from 0
     if x1 == x0:
         x1 = x0 + 1
-    if y1 == y0:
-        y1 = y0 + 1
     sx = lambda x: left + (x - x0) / (x1 - x0) * (w - left - right)  # noqa: E731
     sy = lambda y: h - bottom - (y - y0) / (y1 - y0) * (h - top - bottom)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-name="{html.escape(name)}"'
            f' width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
            f'<text x="{left}" y="14" font-size="13">{html.escape(name)}</text>',
            f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>']
@@ -125,7 +126,9 @@ def line_chart(name: str, xs: Sequence[float], ys: Sequence[float], xlabel: str,
         out.append(f'<line class="tick" x1="{x:.1f}" y1="{h - bottom}" x2="{x:.1f}" '
                    f'y2="{h - bottom + 4}" stroke="black"/><text x="{x:.1f}" '
                    f'y="{h - bottom + 15}" text-anchor="middle">{x0 + t:g}</text>')
-    for t in nice_ticks(y1 - y0, 5):
+    step = nice_ticks(y1 - y0, 5)[1] if len(nice_ticks(y1 - y0, 5)) > 1 else y1 - y0
+    first = math.ceil(y0 / step) * step
+    for t in [first + k * step - y0 for k in range(int((y1 - first) / step + 1e-9) + 1)]:
         y = sy(y0 + t)
         out.append(f'<line class="tick" x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" '
                    f'stroke="black"/><text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
@@ -211,7 +214,7 @@ def _memory_section(memory) -> str:
             f'height="{len(memory) * (bar_h + 6) + 10}" font-family="sans-serif" font-size="11">']
     for k, m in enumerate(memory):
         y = 5 + k * (bar_h + 6)
-        bars.append(f'<text x="0" y="{y + 13}">rank {m["rank"]}</text>'
+        bars.append(f'<text x="4" y="{y + 13}">rank {m["rank"]}</text>'
                     f'<rect class="peak" x="60" y="{y}" width="{m["peak"] / top * w:.1f}" '
                     f'height="{bar_h}" fill="#4e79a7"><title>peak RSS {m["peak"] / mb:.0f} MiB'
                     f'</title></rect><rect class="params" x="60" y="{y}" '
