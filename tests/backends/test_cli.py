@@ -167,7 +167,7 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
     points = loss.find(ns + "polyline").get("points").split()
     assert len(points) == 3 and loss.get("data-name") == "loss"
     assert len(step_time.find(ns + "polyline").get("points").split()) == 3
-    rows_drawn = [t.text for t in svgs[2].iter(ns + "text") if t.text and "rank" in t.text]
+    rows_drawn = [t.text for t in svgs[2].iter(ns + "text") if t.get("x") == "4"][1:]  # 0: title
     assert rows_drawn == ["rank 0 (pp 0) measured", "pp 0 planned", "rank 1 (pp 1) measured",
                           "pp 1 planned"]
     assert len([r for r in svgs[3].iter(ns + "rect") if r.get("class") == "peak"]) == 2
