@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ..compiler.profile import OPS, Profile, StageProfile
+from ..compiler.profile import OPS, Profile, StageProfile, workload
 from .observe import RankTimings, measured_latency
 
 
@@ -47,7 +47,7 @@ def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequen
     return Profile(hashlib.sha256(plan.source_text.encode()).hexdigest(), describe_device(),
                    schedule.name, tuple(split_points), tuple(stages),
                    measured_latency(steady, schedule), keep.start,
-                   tuple(first + k + 1 for k in keep))
+                   tuple(first + k + 1 for k in keep), workload(plan))
 
 
 def _sent_bytes(spec) -> int:

@@ -5,12 +5,15 @@ A cost file is JSON written by `pipeplan profile PLAN -o costs.json` (backends/p
     {"version": 1, "plan_sha256": ..., "device": "cpu: x86_64, 2 threads, torch 2.13",
      "schedule": "1f1b", "split_points": ["layers.4"], "warmup_steps": 2,
      "measured_steps": [3, 4, 5], "p2p_latency_s": 0.0003,
+     "shape": {"sequences_per_microbatch": 2, "seq_len": 64, "precision": "fp32", "tp": 1},
      "stages": [{"index": 0, "F": 0.01, "B": null, "W": null, "BW": 0.02, "samples": 24,
                  "activation_bytes": 32768}, ...]}
 
 Seconds per microbatch, means over the measured (post-warm-up) steps; B/W are
 null when the schedule ran full backwards (BW), BW null when it split them;
-activation_bytes: what the stage sends forward per microbatch.
+activation_bytes: what the stage sends forward per microbatch; shape: the
+workload the times hold for (a plan with another microbatch size, sequence
+length, precision or tp is refused, naming the file).
 
 A plan names one with `pipeline { profile = "costs.json" }` (relative to the plan
 file). Then the op times of the split and the schedule come from it, not from
@@ -68,6 +71,7 @@ class Profile:
     p2p_latency_s: float
     warmup_steps: int
     measured_steps: tuple[int, ...]
+    shape: dict  # what per-microbatch times depend on (`workload`); a plan must match it
     version: int = VERSION
 
     def to_json(self) -> str:
@@ -89,7 +93,8 @@ class Profile:
             profile = Profile(str(d["plan_sha256"]), str(d["device"]), str(d["schedule"]),
                               tuple(str(p) for p in d["split_points"]), stages,
                               _seconds(d["p2p_latency_s"], "p2p_latency_s", path),
-                              int(d["warmup_steps"]), tuple(int(s) for s in d["measured_steps"]))
+                              int(d["warmup_steps"]), tuple(int(s) for s in d["measured_steps"]),
+                              dict(d["shape"]))
         except KeyError as e:
             raise ProfileError(path, f"missing key {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -122,8 +127,16 @@ def _stage(s: dict, path: str) -> StageProfile:
                         int(s["activation_bytes"]))
 
 
+def workload(plan: Plan) -> dict:
+    """What one microbatch's op times depend on besides the split: its size, the precision,
+    the tensor-parallel degree (a cost file measured under other values does not apply)."""
+    return {"sequences_per_microbatch": plan.microbatch_size, "seq_len": plan.data.seq_len,
+            "precision": plan.train.precision, "tp": plan.mesh.tp}
+
+
 def load_profile(plan: Plan) -> Optional[Profile]:
-    """The plan's cost file (`pipeline.profile`), read and checked; None when it names none."""
+    """The plan's cost file (`pipeline.profile`), read and checked (also against the plan's
+    workload); None when it names none."""
     if not plan.pipeline.profile:
         return None
     path = plan.resolve_path(plan.pipeline.profile)
@@ -133,7 +146,14 @@ def load_profile(plan: Plan) -> Optional[Profile]:
     except OSError as e:
         raise ProfileError(path, f"cannot read the plan's cost file ({e.strerror or e})") \
             from None
-    return Profile.from_json(text, path)
+    profile = Profile.from_json(text, path)
+    mine = workload(plan)
+    differ = [f"{k} {profile.shape.get(k)!r} (the plan: {v!r})" for k, v in mine.items()
+              if profile.shape.get(k) != v]
+    if differ:
+        raise ProfileError(path, "measured under another workload: " + ", ".join(differ)
+                           + "; profile this plan again")
+    return profile
 
 
 def node_times(plan: Plan, model, nodes: list[fx.Node], costs: dict[fx.Node, Cost],

@@ -41,10 +41,13 @@ train {{ steps = 1
     return path
 
 
-def _profile(stages, points=("layers.4",), latency=1e-4) -> Profile:
+SHAPE = {"sequences_per_microbatch": 2, "seq_len": 16, "precision": "fp32", "tp": 1}
+
+
+def _profile(stages, points=("layers.4",), latency=1e-4, shape=SHAPE) -> Profile:
     return Profile("0" * 64, "cpu: test", "1f1b", tuple(points),
                    tuple(StageProfile(i, *t, samples=8, activation_bytes=4096)
-                         for i, t in enumerate(stages)), latency, 2, (3, 4, 5))
+                         for i, t in enumerate(stages)), latency, 2, (3, 4, 5), dict(shape))
 
 
 def _write(tmp_path: Path, profile: Profile, name: str = "costs.json") -> Path:
@@ -102,7 +105,8 @@ def test_costly_w_moves_w_placement_and_costs_are_the_profiles(tmp_path):
     ('{"version": 1, "plan_sha256": "", "device": "", "schedule": "", "split_points": [],'
      ' "p2p_latency_s": 0, "warmup_steps": 0, "measured_steps": []}', "missing key 'stages'"),
     ('{"version": 1, "plan_sha256": "", "device": "", "schedule": "", "split_points": [],'
-     ' "p2p_latency_s": -1, "warmup_steps": 0, "measured_steps": [], "stages": []}',
+     ' "p2p_latency_s": -1, "warmup_steps": 0, "measured_steps": [], "stages": [],'
+     ' "shape": {}}',
      "p2p_latency_s must be a non-negative number"),
 ])
 def test_bad_cost_files_name_the_file_and_the_reason(tmp_path, capsys, content, reason):
@@ -122,6 +126,12 @@ def test_a_missing_cost_file_and_a_foreign_split_point(tmp_path, capsys):
     assert main(["check", str(plan)]) == 2
     err = capsys.readouterr().err
     assert "no module named 'blocks.9'" in err and "profile" in err
+    # measured with 4 sequences per microbatch; the plan runs 2
+    _write(tmp_path, _profile([(0.01, 0.01, 0.01, None)] * 2,
+                              shape={**SHAPE, "sequences_per_microbatch": 4}))
+    assert main(["check", str(plan)]) == 2
+    assert "measured under another workload: sequences_per_microbatch 4 (the plan: 2)" in \
+        capsys.readouterr().err
     with pytest.raises(ProfileError):
         Profile.from_json(json.dumps({**json.loads(_profile([(1, 1, 1, None)] * 2).to_json()),
                                       "split_points": []}), "x.json")
