@@ -9,6 +9,7 @@ per microbatch (its outputs as the compiled plan sizes them).
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 from statistics import mean
 from typing import Sequence
@@ -41,8 +42,9 @@ def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequen
     stages = []
     for s in range(schedule.stages):
         ops = {op: mean(samples[(op, s)]) if (op, s) in samples else None for op in OPS}
+        sent = _sent_bytes(specs[s]) if s + 1 < schedule.stages else 0  # the last sends none
         stages.append(StageProfile(s, ops["F"] or 0.0, ops["B"], ops["W"], ops["BW"],
-                                   len(samples.get(("F", s), ())), _sent_bytes(specs[s]) if s + 1 < schedule.stages else 0))
+                                   len(samples.get(("F", s), ())), sent))
     first = pipeline[0].first_step
     return Profile(hashlib.sha256(plan.source_text.encode()).hexdigest(), describe_device(),
                    schedule.name, tuple(split_points), tuple(stages),
@@ -51,18 +53,12 @@ def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequen
 
 
 def _sent_bytes(spec) -> int:
-    total = 0
-    for v in spec.outputs:
-        n = 1
-        for d in v.shape:
-            n *= d
-        total += n * torch.empty((), dtype=getattr(torch, v.dtype)).element_size()
-    return total
+    from ..compiler.estimates import _bytes  # a ValueSpec's bytes, as the estimates count them
+
+    return sum(_bytes(v) for v in spec.outputs)
 
 
 def write_profile(path: str, profile: Profile) -> None:
-    import os
-
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(profile.to_json())

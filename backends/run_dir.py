@@ -119,7 +119,8 @@ def line_chart(name: str, xs: Sequence[float], ys: Sequence[float], xlabel: str,
            f' width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
            f'<rect width="{w}" height="{h}" fill="white"/>',
            f'<text x="{left}" y="14" font-size="13">{html.escape(name)}</text>',
-           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" '
+           f'stroke="black"/>',
            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>']
     for t in nice_ticks(x1 - x0, 8):
         x = sx(x0 + t)
