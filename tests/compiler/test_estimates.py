@@ -217,6 +217,11 @@ def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tm
     def no_probe():
         raise AssertionError("probed again despite the cache")
     monkeypatch.setattr(cpu_probe, "measure_flops", no_probe)
-    again = compile_plan(_one_stage(make_plan, DeviceSpec())).estimates
+    threads = torch.get_num_threads()  # a rank's thread setting does not change the model
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        again = compile_plan(_one_stage(make_plan, DeviceSpec())).estimates
+    finally:
+        torch.set_num_threads(threads)
     assert again.device_model["flops_per_s"] == cached["flops_per_s"]
     assert "cached in" in again.device_model["origin"]
