@@ -381,6 +381,43 @@ TRAIN = Section("train", A.TrainSpec, (
     Field("log_dir", text, write_string),
 ))
 
+# ----------------------------------------------------------------- sync
+_OUTER_ARGS = (Field("lr", number(above=0)), Field("momentum", number(lo=0, hi=1)))
+_OUTER = {name: CallShape(Section(f"{name}()", A.OuterOptimizerSpec, _OUTER_ARGS,
+                                  noun="argument")) for name in ("nesterov", "sgd")}
+
+
+def _outer(r: Reading, node: Node, key: str) -> A.OuterOptimizerSpec:
+    name, values = read_call(r, node, key, _OUTER)
+    return A.OuterOptimizerSpec(name=name, **values)
+
+
+def _write_outer(opt: A.OuterOptimizerSpec, key: str, emit: Emit) -> str:
+    return write_call(opt.name, opt, _OUTER[opt.name].section, key, emit)
+
+
+_SYNC = {
+    "every_step": CallShape(Section("every_step()", A.SyncSpec, (), noun="argument")),
+    "diloco": CallShape(Section("diloco()", A.SyncSpec, (
+        Field("inner_steps", integer(1, MAX_STEPS)),
+        Field("outer_optimizer", _outer, _write_outer, nested=True),
+        Field("fragments", integer(1, MAX_RANKS)),
+        Field("decoupled", boolean),
+        Field("timeout", duration, write_duration),
+    ), noun="argument")),
+}
+
+
+def _sync(r: Reading, node: Node, key: str) -> A.SyncSpec:
+    name, values = read_call(r, node, key, _SYNC)
+    return A.SyncSpec(mode=name, **values)
+
+
+def _write_sync(sync: A.SyncSpec, key: str, emit: Emit) -> str:
+    return sync.mode if sync.mode == "every_step" else \
+        write_call(sync.mode, sync, _SYNC[sync.mode].section, key, emit)
+
+
 # --------------------------------------------------------------- device
 DEVICE = Section("device", A.DeviceSpec, (
     Field("flops", rate("flops"), write_rate("flops")),
@@ -400,6 +437,7 @@ PLAN = Section("the plan", A.Plan, (
     Field("experts", section=EXPERTS),
     Field("tensor", section=TENSOR),
     Field("zero", integer(0, 3)),
+    Field("sync", _sync, _write_sync, nested=True),
     Field("recompute", _recompute, _write_recompute, nested=True),
     Field("train", section=TRAIN),
     Field("device", section=DEVICE),
