@@ -122,8 +122,10 @@ class GradSync:
     """Per step: `stage_done(s)` as stages finish, then `finish()` and `clip()`."""
 
     def __init__(self, runners: dict[int, StageRunner], layout: StageLayout,
-                 tied: Sequence[TiedGroup], stage_order: Sequence[int]):
+                 tied: Sequence[TiedGroup], stage_order: Sequence[int],
+                 reduce_over_dp: bool = True):
         self.topo = layout.topo
+        self.reduce_over_dp = reduce_over_dp  # False: DiLoCo islands keep their own gradients
         self.layout = layout
         self.device = layout.device
         self.tied = list(tied)
@@ -151,7 +153,7 @@ class GradSync:
         self.layout.after_backward(stage)
         by_group: dict[int, tuple] = {}
         for p in self._by_stage.get(stage, []):
-            group = self.layout.reduce_group(stage, p)
+            group = self.layout.reduce_group(stage, p) if self.reduce_over_dp else None
             if group is not None:
                 by_group.setdefault(id(group), (group, []))[1].append(p)
         for group, params in by_group.values():

@@ -18,7 +18,7 @@ def _sync(plan: Plan) -> Iterator[Problem]:
     s, m = plan.sync, plan.mesh
     if not s.diloco:
         return
-    if "sync.inner_steps" not in plan.spans:
+    if plan.spans and "sync.inner_steps" not in plan.spans:  # a plan read from text
         yield Problem("sync", "diloco needs inner_steps",
                       "how many optimizer steps each island takes alone between syncs, "
                       "e.g. diloco(inner_steps = 50)")
