@@ -77,6 +77,8 @@ class _Bucket:
         self.params = params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         self.flat = torch.cat([g.reshape(-1) for g in grads])
+        n = dist.get_world_size(group)  # bytes this rank sends through a ring all-reduce
+        self.sent = int(2 * (n - 1) / n * self.flat.numel() * self.flat.element_size())
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def finish(self) -> None:
@@ -143,6 +145,7 @@ class GradSync:
         for pid, s in owner.items():
             self._by_stage[s].append(self._params[pid])
         self._buckets: list[_Bucket] = []
+        self.bytes_sent = 0  # by the gradient all-reduces so far (benchmarks)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -171,6 +174,7 @@ class GradSync:
         """Wait for the DP all-reduces, then sum tied gradients between their holders."""
         for b in self._buckets:
             b.finish()
+            self.bytes_sent += b.sent
         self._buckets.clear()
         sum_tied(self.tied)
 
