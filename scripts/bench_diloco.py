@@ -8,7 +8,7 @@ or pseudo-gradients at each sync; ring all-reduce, 2(n-1)/n of each tensor), the
 estimate of the same, the mean island loss of the last step, and the loss of the final
 parameters (island 0's, which every island shares after the last sync) on 4 held-out batches.
 
-    PYTHONPATH=/path/above/pipeplan python scripts/bench_diloco.py [--steps 50] [--h 10]
+    PYTHONPATH=/path/above/pipeplan python scripts/bench_diloco.py [--steps 50] [--h 10,50]
 """
 from __future__ import annotations
 
@@ -93,11 +93,12 @@ def estimate_bytes(plan) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--h", type=int, default=10)
+    ap.add_argument("--h", default="10,50", help="inner steps H, comma-separated")
     args = ap.parse_args()
-    modes = [("every_step", "every_step"),
-             (f"diloco(H={args.h})", f"diloco(inner_steps = {args.h}, outer_optimizer = "
-                                      f"nesterov(lr = 0.7, momentum = 0.9))")]
+    modes = [("every_step", "every_step")] + [
+        (f"diloco(H={h})", f"diloco(inner_steps = {h}, outer_optimizer = "
+                           f"nesterov(lr = 0.7, momentum = 0.9))")
+        for h in map(int, args.h.split(","))]
     rows = []
     for name, sync in modes:
         plan = load(args.steps, sync)
