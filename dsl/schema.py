@@ -337,13 +337,20 @@ _OPTIMIZERS = {
 }
 
 
-def _optimizer(r: Reading, node: Node, key: str) -> A.OptimizerSpec:
-    name, values = read_call(r, node, key, _OPTIMIZERS)
-    return A.OptimizerSpec(name=name, **values)
+def named_call(shapes: Mapping[str, CallShape], cls: type):
+    """Reader and writer of a key whose value is one of `shapes`' calls, read into `cls`
+    with the function's name in its `name` field (optimizers)."""
+    def read(r: Reading, node: Node, key: str):
+        name, values = read_call(r, node, key, shapes)
+        return cls(name=name, **values)
+
+    def write(obj, key: str, emit: Emit) -> str:
+        return write_call(obj.name, obj, shapes[obj.name].section, key, emit)
+
+    return read, write
 
 
-def _write_optimizer(opt: A.OptimizerSpec, key: str, emit: Emit) -> str:
-    return write_call(opt.name, opt, _OPTIMIZERS[opt.name].section, key, emit)
+_optimizer, _write_optimizer = named_call(_OPTIMIZERS, A.OptimizerSpec)
 
 
 _LR_SCHEDULES = {
@@ -386,14 +393,7 @@ _OUTER_ARGS = (Field("lr", number(above=0)), Field("momentum", number(lo=0, hi=1
 _OUTER = {name: CallShape(Section(f"{name}()", A.OuterOptimizerSpec, _OUTER_ARGS,
                                   noun="argument")) for name in ("nesterov", "sgd")}
 
-
-def _outer(r: Reading, node: Node, key: str) -> A.OuterOptimizerSpec:
-    name, values = read_call(r, node, key, _OUTER)
-    return A.OuterOptimizerSpec(name=name, **values)
-
-
-def _write_outer(opt: A.OuterOptimizerSpec, key: str, emit: Emit) -> str:
-    return write_call(opt.name, opt, _OUTER[opt.name].section, key, emit)
+_outer, _write_outer = named_call(_OUTER, A.OuterOptimizerSpec)
 
 
 _SYNC = {

@@ -62,8 +62,10 @@ def _sync(plan: Plan) -> Iterator[Problem]:
     if s.decoupled and s.timeout <= 0:
         yield Problem(where(plan, "sync.timeout", "sync"), "timeout must be above 0s",
                       "how long a sync waits for late islands, e.g. timeout = 30s")
-    if s.decoupled and plan.train.checkpoint is not None:
-        yield Problem(where(plan, "sync.decoupled", "sync"),
-                      "a decoupled diloco cannot write checkpoints yet",
-                      "a checkpoint is written collectively by every rank, which a lost "
-                      "island would block; remove train.checkpoint or set decoupled = false")
+    if plan.train.checkpoint is not None:
+        yield Problem(where(plan, "train.checkpoint", "sync"),
+                      "diloco cannot write checkpoints yet",
+                      "a checkpoint stores one copy of a parameter that several dp ranks "
+                      "hold, but islands hold different parameters and inner optimizer "
+                      "states between syncs (and a decoupled run has no collective to write "
+                      "with); remove train.checkpoint or use sync = every_step")

@@ -54,10 +54,19 @@ def _worker(rank, world):
     for key, plan in CONFIGS.items():
         trainer = PipelineTrainer.for_plan(plan)
         reports = [trainer.step(t) for t in range(STEPS)]
+        state = {k: v.clone() for k, v in trainer.diloco.state_dict().items()}
         out[key] = dict(dp=trainer.topo.coords.dp, losses=[r.loss for r in reports],
                         params=trainer.named_parameters(),
                         syncs=[(e.step, e.fragment) for r in reports for e in r.sync_events],
-                        state=trainer.diloco.state_dict() if trainer.diloco else None)
+                        state=state)
+        for fr in trainer.diloco.fragments:  # load_state_dict restores what was saved
+            fr.global_.data.zero_()
+            fr.outer.state.clear()
+            fr.rounds = 0
+        trainer.diloco.load_state_dict(state)
+        again = trainer.diloco.state_dict()
+        assert again.keys() == state.keys() and all(torch.equal(again[k], v)
+                                                    for k, v in state.items())
     return out
 
 

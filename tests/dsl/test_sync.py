@@ -60,8 +60,8 @@ def test_refusals_point_at_the_plan_line(sync, dp, extra, zero, message, col_tex
     assert (found[0].span.line, found[0].span.col) == (line, col), found[0]
 
 
-def test_decoupled_refuses_checkpoints():
-    text = plan_text("diloco(inner_steps = 3, decoupled = true)").replace(
+def test_diloco_refuses_checkpoints():
+    text = plan_text("diloco(inner_steps = 3)").replace(
         "train { steps = 12 }", 'train { steps = 12  checkpoint { every = 3  dir = "c" } }')
-    with pytest.raises(PlanError, match="decoupled diloco cannot write checkpoints"):
+    with pytest.raises(PlanError, match="diloco cannot write checkpoints yet"):
         parse_plan(text, "p.plan")
