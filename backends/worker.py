@@ -106,8 +106,8 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
             losses.append(report.loss)
             if progress:
                 progress.step(report)
-            elif report.sync_events and trainer.topo.coords.pp == 0 \
-                    and trainer.topo.coords.tp == 0:  # each island's first rank
+            elif report.sync_events and plan.sync.decoupled and trainer.topo.coords.pp == 0 \
+                    and trainer.topo.coords.tp == 0:  # each decoupled island's first rank
                 for e in report.sync_events:
                     print(f"island {trainer.topo.coords.dp}: {e.describe()}", flush=True)
             if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
