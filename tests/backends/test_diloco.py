@@ -143,6 +143,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_diloco_equals_its_reference_and_h1_equals_data_parallel(spawn):
     results = spawn(_worker, 4, timeout=280)

@@ -31,6 +31,7 @@ train {{ steps = 20  global_batch = 8  optimizer = adamw(lr = 0.003) }}
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_late_island_is_not_waited_for_and_a_lost_one_is_dropped(tmp_path):
     # stage 0 runs the hazard once per microbatch: calls 3-4 are step 2, 9-10 step 5
