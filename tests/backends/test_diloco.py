@@ -191,3 +191,18 @@ def test_diloco_equals_its_reference_and_h1_equals_data_parallel(spawn):
             assert _close(value, dp.params[name]), f"h1 vs data parallel: rank {rank} {name}"
     mean = [(a + b) / 2 for a, b in zip(results[0]["h1"]["losses"], results[1]["h1"]["losses"])]
     assert mean == pytest.approx(dp.losses, rel=RTOL, abs=ATOL)
+
+
+def test_verify_refuses_a_diloco_plan(tmp_path):
+    """`pipeplan verify` judges against every-step training on the global batch."""
+    import subprocess
+    import sys
+
+    plan = tmp_path / "d.plan"
+    plan.write_text('model { source = "pipeplan.examples.models.gpt:GPT" }\n'
+                    "mesh { pp = 1  dp = 2 }\nsync = diloco(inner_steps = 2)\n"
+                    "train { steps = 4 }\n")
+    r = subprocess.run([sys.executable, "-m", "pipeplan", "verify", str(plan)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "which a diloco run is not" in r.stderr and "Traceback" not in r.stderr
