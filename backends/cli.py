@@ -131,7 +131,8 @@ def _cmd_run(args) -> int:
         m = source.plan.mesh
         print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
-        return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size)
+        return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
+                            islands=_islands(source.plan))
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
                       debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
@@ -161,6 +162,17 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _islands(plan):
+    """A decoupled DiLoCo run's islands (the ranks of each dp coordinate): the launcher
+    drops an island that dies instead of stopping the run (backends/decoupled.py)."""
+    if not plan.sync.decoupled:
+        return None
+    from ..dsl.layout import mesh_layout
+
+    layout = mesh_layout(plan.mesh)
+    return [[c.rank for c in layout if c.dp == d] for d in range(plan.mesh.dp)]
+
+
 def _cmd_verify(args) -> int:
     from .launcher import launch_local
     from .verify import judged_plan, verify_plan
@@ -170,6 +182,11 @@ def _cmd_verify(args) -> int:
                             "run it without torchrun")
     source = load_source(args.plan, args.set, None)
     steps = _steps(args, source)
+    if source.plan.sync.diloco:
+        raise PipeplanError("pipeplan verify compares a run with one process training on the "
+                            "global batch every step, which a diloco run is not (its islands "
+                            "train apart); tests/backends/test_diloco.py holds DiLoCo's own "
+                            "reference")
     precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
     check_data(source.plan, steps)
     world = source.plan.mesh.world_size

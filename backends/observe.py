@@ -10,6 +10,7 @@ measured mean per-op costs of each stage and median point-to-point latency.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -87,10 +88,18 @@ class Progress:
             print(f"step {r.step + 1:>{width}}/{self.total}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
                   f"grad_norm {r.grad_norm:.3f}  {tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
                   file=self.stream, flush=True)
+        for e in r.sync_events:  # DiLoCo: island 0's syncs (rank 0's fragments)
+            line = f"  island 0: {e.describe()}"
+            if self.bar is not None:
+                self.bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
         if self.metrics:
             self.metrics.write(json.dumps({
                 "step": r.step + 1, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                "tokens_per_s": tps, "step_time_s": r.step_time, "tokens": r.tokens}) + "\n")
+                "tokens_per_s": tps, "step_time_s": r.step_time, "tokens": r.tokens,
+                **({"sync": [dataclasses.asdict(e) for e in r.sync_events]}
+                   if r.sync_events else {})}) + "\n")
             self.metrics.flush()
 
     def close(self) -> None:

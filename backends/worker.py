@@ -21,12 +21,13 @@ from ..dsl.ast import Plan
 from ..errors import PipeplanError
 from .agreement import check_agreement, compile_shared, plan_hash
 from .checkpoint import Checkpointer, latest_step
-from .failure import Beacon, Failure, FailureWatch, now, report_failure
+from .failure import (STORE_KEY, Beacon, Failure, FailureWatch, island_key, now,
+                      report_failure)
 from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes
 from .model import own_stages
 from .observe import Progress, RankTimings, check_bubble, describe_run, format_bubble
-from .topology import build_topology
+from .topology import Coords, build_topology
 from .trace import write_trace
 from .trainer import PipelineTrainer
 from .verify import FirstStepGrads, dump_rank
@@ -113,6 +114,10 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
             losses.append(report.loss)
             if progress:
                 progress.step(report)
+            elif report.sync_events and plan.sync.decoupled and trainer.topo.coords.pp == 0 \
+                    and trainer.topo.coords.tp == 0:  # each decoupled island's first rank
+                for e in report.sync_events:
+                    print(f"island {trainer.topo.coords.dp}: {e.describe()}", flush=True)
             if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
                 where[0] = f"checkpoint after step {t + 1}"
                 checkpoints.save(t + 1)
@@ -169,6 +174,23 @@ def _facts(plan: Plan, compiled, specs) -> _RunFacts:
     return _RunFacts(plan, compiled.schedule, compiled.split_points, specs, planned, source)
 
 
+def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losses,
+                      watch) -> int:
+    """A decoupled DiLoCo run ends without collectives (an island may be lost): no
+    memory and bubble report; rank 0 waits for the islands still running (decoupled.py)."""
+    from ..dsl.layout import mesh_layout
+    from .decoupled import finish
+
+    if opts.dump_dir:
+        dump_rank(opts.dump_dir, env.rank, losses, trainer, None)
+    finish(env.rank, env.world_size, {c.rank: c.dp for c in mesh_layout(plan.mesh)},
+           opts.timeout_s)
+    if env.rank == 0:
+        print(f"cross-island bytes sent by rank 0: {trainer.diloco.bytes_sent:,}", flush=True)
+    watch.stop()
+    return 0
+
+
 def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
 
@@ -186,7 +208,9 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         torch.set_num_threads(int(threads))
     dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
-    watch = FailureWatch(env.rank).start()
+    # a decoupled DiLoCo island other than 0 fails on its own key (failure.island_key)
+    failure_key = island_key(Coords.of(env.rank, plan.mesh).dp if plan.sync.decoupled else None)
+    watch = FailureWatch(env.rank, keys=tuple({STORE_KEY, failure_key})).start()
     where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
@@ -206,6 +230,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         losses, (timings, spans), first = _train(plan, trainer, env, opts, where, run_hash,
                                                  run.split_points)
         where[0] = "finish"
+        if plan.sync.decoupled:  # no collective at the end: an island may be gone
+            return _finish_decoupled(plan, env, opts, trainer, losses, watch)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes())
         every = [None] * env.world_size if env.rank == 0 else None
@@ -224,7 +250,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         watch.stop()
         detail = str(e) if isinstance(e, PipeplanError) else f"{type(e).__name__}: {e}"
         message = f"rank {env.rank} failed in {where[0]}: {detail}"
-        report_failure(Failure(env.rank, message, now()))
+        report_failure(Failure(env.rank, message, now()), failure_key)
         if opts.debug or not isinstance(e, PipeplanError):
             traceback.print_exc()
         print(message, file=sys.stderr, flush=True)

@@ -101,6 +101,7 @@ class Estimates:
     step_time_s: float
     device_model: dict  # {"flops_per_s": x, "link_bytes_per_s": y, "latency_s": z}
     simulation: Any = field(default=None, repr=False)  # schedules.SimResult, times in seconds
+    sync: Any = None  # sync_estimate.SyncEstimate under DiLoCo (dp bytes per step are averaged)
 
 
 @dataclass

@@ -236,9 +236,12 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
              for g in range(mesh.pp * per_replica)]
     from ..schedules.simulate import simulate
     sim = simulate(schedule, costs)
-    dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / mesh_links(plan, device).dp
+    from .sync_estimate import sync_estimate
+    dp_link = mesh_links(plan, device).dp
+    sync = sync_estimate(plan, stages, ranks, sim.makespan, dp_link)  # DiLoCo: dp bytes / H
+    dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / dp_link
     return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
-                     device_model=asdict(device), simulation=sim)
+                     device_model=asdict(device), simulation=sim, sync=sync)
 
 
 def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> RankEstimate:

@@ -78,6 +78,8 @@ def _tensor(c: CompiledPlan) -> str:
 
 
 def _estimates(c: CompiledPlan) -> str:
+    from .sync_estimate import sync_line
+
     e = c.estimates
     if e is None:
         return ""
@@ -102,6 +104,8 @@ def _estimates(c: CompiledPlan) -> str:
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
              f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
              "all-reduce, not overlapped)",
+             *([f"- {sync_line(e.sync, human_bytes)} (dp column: average per step)"]
+               if e.sync is not None else []),
              f"- device model: {device_text(e.device_model)}",
              "- accounting: see docs/compiler.md (bytes per element by precision and ZeRO stage; "
              "activations held from F to W/BW under this schedule)", ""]
@@ -199,5 +203,8 @@ def render_summary(compiled: CompiledPlan) -> str:
                      + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
                  f"{e.step_time_s:.4g} s")
+    if e.sync is not None:
+        from .sync_estimate import sync_line
+        lines.append(sync_line(e.sync, human_bytes))
     lines.append(f"device model: {device_text(e.device_model)}")
     return "\n".join(lines) + "\n"

@@ -382,3 +382,4 @@ def check_plan(plan: Plan, world_size: Optional[int] = None) -> None:
 
 
 from . import input_checks  # noqa: E402,F401  (registers the model-input and size checks)
+from . import sync_checks  # noqa: E402,F401  (registers the checks of the sync setting)
