@@ -33,7 +33,9 @@ Accounting (stated in the report, so a reader can check it):
   mean when dropless, a rank's share follows its routing; with a capacity
   factor, an upper bound) and 3 all-reduces of E+1 routing
   statistics (under sequence parallel 2 of them over the EP group x its TP
-  peers, "ep_tp"). tied: each tied gradient's all-reduce between its pipeline
+  peers, "ep_tp"). EP across TP (dsl/layout.py): each TP rank dispatches 1/tp
+  of the rows, and tp all-gathers the output rows (forward) and the gradients
+  of the input rows and top-k weights (backward). tied: each tied gradient's all-reduce between its pipeline
   ranks. Scalar all-reduces (norms, the logged loss) are left out.
 * Traffic per step, bytes each rank sends (`comm_bytes`): p2p (activations
   forward, grads back, per microbatch across a rank boundary); dp (the
@@ -62,6 +64,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..dsl.ast import DeviceSpec, Plan
+from ..dsl.layout import ep_across_tp, group_sizes, groups, mesh_layout
 from .compiled import BATCH, Estimates, RankEstimate, StageSpec, TiedParam
 from .experts import experts_dispatched
 from .traffic import Traffic
@@ -135,8 +138,7 @@ def mesh_links(plan: Plan, device: DeviceModel) -> Links:
              for p in range(m.pp) for d in range(m.dp))
     dp = min(device.link([rank(p, d, t) for d in range(m.dp) for t in range(m.tp)])
              for p in range(m.pp))
-    ep = min(device.link([rank(p, e * m.ep + j, t) for j in range(m.ep)])
-             for p in range(m.pp) for e in range(m.dp // m.ep) for t in range(m.tp))
+    ep = min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
     p2p = min((device.link([g, g + per_pp]) for g in range((m.pp - 1) * per_pp)),
               default=device.link_bytes_per_s)
     return Links(tp=tp, dp=dp, ep=ep, p2p=p2p)
@@ -185,7 +187,7 @@ def rank_shards(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
 def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
     """(name, size) of the group a kind's gradients are reduced over."""
     if kind == EXPERT and plan.mesh.ep > 1:
-        return "edp", plan.mesh.dp // plan.mesh.ep
+        return "edp", group_sizes(plan.mesh).edp
     return "dp", plan.mesh.dp
 
 
@@ -269,7 +271,7 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
 
 
 def _size_of(plan: Plan, group: str) -> int:
-    return {"dp": plan.mesh.dp, "edp": plan.mesh.dp // plan.mesh.ep, "tp": plan.mesh.tp,
+    return {"dp": plan.mesh.dp, "edp": group_sizes(plan.mesh).edp, "tp": plan.mesh.tp,
             "ep": plan.mesh.ep, "ep_tp": plan.mesh.ep * plan.mesh.tp}[group]
 
 
@@ -309,12 +311,17 @@ def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[
     ex = plan.experts
     if ex is None or not experts_dispatched(plan):
         return out
+    # EP across TP: each TP rank dispatches its 1/tp share of the rows, then the tp group
+    # all-gathers the output rows (forward) and the rows' and weights' gradients (backward)
+    share = tp if ep_across_tp(plan.mesh) else 1
     for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
+        nbytes = t.nbytes * float_scale / share
         if t.role == "tokens":  # counts, then rows out and back, forward and backward
-            rows = 4 * ex.top_k * t.nbytes * float_scale
-            add(("ep", "alltoall"), m * (8 * ex.num_experts + rows))
+            add(("ep", "alltoall"), m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
         else:  # the top-k weights out, and their gradient back
-            add(("ep", "alltoall"), m * 2 * t.nbytes * float_scale)
+            add(("ep", "alltoall"), m * 2 * nbytes)
+        if share > 1:
+            add(("tp", "allgather"), m * (2 if t.role == "tokens" else 1) * nbytes)
     return out
 
 
@@ -456,7 +463,8 @@ def _ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
     idx = {st.index for st in stages}
     tokens = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "tokens")
     weights = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "weights")
-    return (4 * ex.top_k * tokens + 2 * weights) * float_scale * (ep - 1) / ep
+    share = plan.mesh.tp if ep_across_tp(plan.mesh) else 1  # EP across TP: 1/tp of the rows
+    return (4 * ex.top_k * tokens + 2 * weights) * float_scale * (ep - 1) / ep / share
 
 
 def _tied_grads(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int,

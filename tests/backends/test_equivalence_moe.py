@@ -58,7 +58,7 @@ def _check(results, configs):
         got = compare(ref.losses, ref.params, [r[k][0] for r in results],
                       [r[k][1] for r in results], rtol=RTOL, atol=ATOL)
         if not got.within:
-            failures.append(f"{model} {kind}: " + got.render(RTOL, ATOL))
+            failures.append(f"{model} {kind}: " + got.render())
         assert min(ref.grad_norms) > 0 and len(set(ref.losses)) == STEPS  # it trained
     assert not failures, "\n".join(failures)
 

@@ -56,8 +56,9 @@ CASES = [  # (id, plan text, where the error points ("|": the column), message)
     ("shared_experts-ep1", _extra("shared_experts = 1", ep=1), "shared_experts = |1",
      "shared_experts is not implemented"),
     ("top_k", _extra("top_k = 1"), "top_k = |1", "router of layers.0.moe picks 2 experts"),
-    ("ep-across-tp", PLAN.replace("dp = 2  ep = 2", "dp = 2  tp = 2  ep = 4")
-     .replace("global_batch = 4", "global_batch = 2"), "ep = |4", "ep = 4 does not divide dp = 2"),
+    ("ep-across-tp", PLAN.replace("dp = 2  ep = 2", "dp = 2  tp = 2  ep = 8")
+     .replace("num_experts = 4", "num_experts = 8"), "ep = |8",
+     "ep = 8 divides neither dp = 2 nor dp x tp = 4"),
     ("moe-as-leaf", PLAN.replace("capture = fx", 'capture = fx\n  leaf_modules = ["layers.*.moe"]'),
      "modules = |[layers.*.moe]\n  num", "inside the leaf module layers.0.moe"),
     ("sequence-parallel", PLAN.replace("dp = 2  ep = 2", "dp = 2  tp = 2  ep = 2")

@@ -19,8 +19,9 @@ pipeline rank:
 
 Plans: the dense GPT (pp2, interleaved with BW actions) at dp4 and dp2 x tp2
 with vocab-parallel embedding and head, with and without sequence parallel;
-the MoE GPT (pp2, zbv with split B/W) at dp4 x ep2 and dp2 x tp2 x ep2 (sequence
-parallel with MoE layers is refused at the plan line); ZeRO 0-3. Widths are odd
+the MoE GPT (pp2, zbv with split B/W) at dp4 x ep2, dp2 x tp2 x ep2 and dp2 x tp2 x
+ep4 (EP across TP; sequence parallel with MoE layers is refused at the plan line);
+ZeRO 0-3. Widths are odd
 multiples so flat shards need padding (the test checks some do). A second
 test runs the runtime's own trainer (pp2) and counts its point-to-point sends.
 """
@@ -68,6 +69,9 @@ CASES = [
     ("moe dp4 ep2", "moe_pp2_ep2_zbv.plan", ["model.args.dim=18", "mesh.dp=4"], (0, 1, 2, 3)),
     ("moe dp2 tp2 ep2", "moe_pp2_ep2_zbv.plan",
      ["model.args.dim=18", "mesh.dp=2", "mesh.tp=2"] + TENSOR, (0, 3)),
+    # EP across TP: one EP group of all 4 ranks; each TP rank dispatches half the rows
+    ("moe dp2 tp2 ep4 across tp", "moe_pp2_ep2_zbv.plan",
+     ["model.args.dim=18", "mesh.dp=2", "mesh.tp=2", "mesh.ep=4"] + TENSOR, (0, 3)),
 ]
 
 
