@@ -209,8 +209,9 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
         actions = [a.stage for a in schedule.order[r]]
         est = _state_bytes(plan, layout, {s: actions.count(s) for s in set(actions)})
         est.rank, est.activation_bytes = r, int(peaks[r])
-        est.collectives.update(_stage_collectives(plan, tp_traffic, moe_traffic, mine, stages,
-                                                  layout))
+        implied = _stage_collectives(plan, tp_traffic, moe_traffic, mine, stages, layout)
+        est.collectives.update({k: b for k, (_, b) in implied.items()})
+        est.collective_calls = {k: c for k, (c, _) in implied.items()}
         tied_grads = _tied_grads(tied, stages, r, layout, state_bytes(plan).grad)
         if tied_grads:
             est.collectives[("tied", "allreduce")] = sum(n for n, _ in tied_grads)
@@ -232,7 +233,9 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     sim = simulate(schedule, costs)
     dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / mesh_links(plan, device).dp
     return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
-                     device_model=asdict(device), simulation=sim)
+                     device_model=asdict(device), simulation=sim,
+                     stage_collectives=stage_collectives(plan, stages, tp_kinds, expert_params,
+                                                         tp_traffic, moe_traffic))
 
 
 def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> RankEstimate:
@@ -285,29 +288,31 @@ def _sent(op: str, nbytes: float, n: int) -> float:
 
 def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[Traffic],
                        mine: list[StageSpec], stages: list[StageSpec],
-                       layout: RankShards) -> dict[tuple[str, str], int]:
-    """TP and EP collectives of a rank's stages (`mine`) per step (see the module docstring)."""
+                       layout: RankShards) -> dict[tuple[str, str], tuple[int, int]]:
+    """TP and EP collectives of a rank's stages (`mine`) per step (see the module
+    docstring): {(group, op): (calls, bytes handed in)}."""
     m, tp, ep = plan.microbatches, plan.mesh.tp, plan.mesh.ep
     sp = plan.tensor.sequence_parallel and tp > 1
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     idx = {st.index for st in mine}
-    out: dict[tuple[str, str], int] = {}
+    out: dict[tuple[str, str], tuple[int, int]] = {}
 
-    def add(key, nbytes):
-        out[key] = out.get(key, 0) + int(nbytes)
+    def add(key, calls, nbytes):
+        c, b = out.get(key, (0, 0))
+        out[key] = (c + int(calls), b + int(nbytes))
 
     if tp > 1:
         per_mb = _tp_microbatch(plan, tp_traffic, idx, float_scale)
         if sp:
-            for op, nbytes in _sequence_boundaries(plan, mine, stages, float_scale).items():
-                per_mb[op] = per_mb.get(op, 0) + nbytes
+            for op, nbytes in _sequence_boundaries(plan, mine, stages, float_scale):
+                per_mb.append((op, nbytes))
             # Replicated parameters (and experts) saw only this rank's positions: their
-            # gradients are summed over tp once per step.
-            partial = sum(layout.numel[k] for s in layout.shards if s.kind != TENSOR_PARALLEL
-                          for k in s.keys)
-            add(("tp", "allreduce"), partial * state_bytes(plan).grad)
-        for op, nbytes in per_mb.items():
-            add(("tp", op), m * nbytes)
+            # gradients are summed over tp once per step, one all-reduce each.
+            keys = [k for s in layout.shards if s.kind != TENSOR_PARALLEL for k in s.keys]
+            add(("tp", "allreduce"), len(keys),
+                sum(layout.numel[k] for k in keys) * state_bytes(plan).grad)
+        for op, nbytes in per_mb:
+            add(("tp", op), m, m * nbytes)
     ex = plan.experts
     if ex is None or not experts_dispatched(plan):
         return out
@@ -317,12 +322,24 @@ def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[
     for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
         nbytes = t.nbytes * float_scale / share
         if t.role == "tokens":  # counts, then rows out and back, forward and backward
-            add(("ep", "alltoall"), m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
+            add(("ep", "alltoall"), 5 * m, m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
         else:  # the top-k weights out, and their gradient back
-            add(("ep", "alltoall"), m * 2 * nbytes)
+            add(("ep", "alltoall"), 2 * m, m * 2 * nbytes)
         if share > 1:
-            add(("tp", "allgather"), m * (2 if t.role == "tokens" else 1) * nbytes)
+            calls = 2 if t.role == "tokens" else 1
+            add(("tp", "allgather"), calls * m, m * calls * nbytes)
     return out
+
+
+def stage_collectives(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
+                      expert_params: set[str], tp_traffic: list[Traffic],
+                      moe_traffic: list[Traffic]) -> list[dict]:
+    """Per stage, the tensor- and expert-parallel collectives its rewrite implies per step
+    on each of its ranks: {(group, op): (calls, bytes handed in)} (what `pipeplan check`
+    and report.md print, so an unexpected all-gather shows before launch)."""
+    return [_stage_collectives(plan, tp_traffic, moe_traffic, [st], stages,
+                               rank_shards(plan, [st], tp_kinds, expert_params))
+            for st in stages]
 
 
 def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int]]:
@@ -336,43 +353,41 @@ def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[s
     if role == "input":  # column-parallel entry
         return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
             else [("allreduce", nbytes)]
-    if role == "loss":
-        return [("allreduce", nbytes)]
+    if role == "loss":  # loss_parallel: the max, the sum of exponentials, the target logit
+        return [("allreduce", nbytes // 3)] * 3
     if role == "logits":
         return [("allgather", nbytes // tp)]
     return []
 
 
 def _tp_microbatch(plan: Plan, traffic: list[Traffic], idx: set[int],
-                   float_scale: float) -> dict[str, int]:
-    """TP collectives of the layers of stages `idx`, per microbatch: op -> bytes handed in."""
+                   float_scale: float) -> list[tuple[str, int]]:
+    """TP collectives of the layers of stages `idx`, per microbatch: one (op, bytes handed
+    in) per call."""
     tp, sp = plan.mesh.tp, plan.tensor.sequence_parallel
-    out: dict[str, int] = {}
-    for t in traffic:
-        if t.stage in idx:
-            for op, nbytes in _role_collectives(t.role, int(t.nbytes * float_scale), tp, sp):
-                out[op] = out.get(op, 0) + nbytes
-    return out
+    return [c for t in traffic if t.stage in idx
+            for c in _role_collectives(t.role, int(t.nbytes * float_scale), tp, sp)]
 
 
 def _sequence_boundaries(plan: Plan, mine: list[StageSpec], stages: list[StageSpec],
-                         float_scale: float) -> dict[str, int]:
-    """Sequence parallel at a stage's edges, per microbatch: floating inputs are split on
-    entry (their grads all-gathered in backward), floating outputs that are sequence
-    shards ([..., seq, d]) all-gathered on exit, so stages exchange full tensors."""
+                         float_scale: float) -> list[tuple[str, int]]:
+    """Sequence parallel at a stage's edges, per microbatch, one (op, bytes) per call:
+    floating inputs are split on entry (their grads all-gathered in backward), floating
+    outputs that are sequence shards ([..., seq, d]) all-gathered on exit, so stages
+    exchange full tensors."""
     tp, seq = plan.mesh.tp, plan.data.seq_len
-    gathered = 0
+    gathered = []
     for st in mine:
         for ref in st.inputs:
             if ref.source == BATCH:
                 continue
             spec = next(o for o in stages[ref.source].outputs if o.name == ref.name)
             if spec.requires_grad and _is_activation(spec):
-                gathered += int(_bytes(spec) * float_scale) // tp
+                gathered.append(("allgather", int(_bytes(spec) * float_scale) // tp))
         for spec in st.outputs:
             if _is_activation(spec) and spec.shape[-2] == seq:
-                gathered += int(_bytes(spec) * float_scale) // tp
-    return {"allgather": gathered} if gathered else {}
+                gathered.append(("allgather", int(_bytes(spec) * float_scale) // tp))
+    return gathered
 
 
 def _is_activation(spec) -> bool:
@@ -450,7 +465,7 @@ def _tp_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
               float_scale: float) -> float:
     """Bytes a rank sends through the TP collectives of `stages`' layers, per microbatch."""
     per_mb = _tp_microbatch(plan, traffic, {st.index for st in stages}, float_scale)
-    return sum(_sent(op, nbytes, plan.mesh.tp) for op, nbytes in per_mb.items())
+    return sum(_sent(op, nbytes, plan.mesh.tp) for op, nbytes in per_mb)
 
 
 def _ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],

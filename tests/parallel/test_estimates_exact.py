@@ -17,6 +17,10 @@ pipeline rank:
   sites equal `estimates.ranks[g].collectives`; the all-to-all rows of expert
   parallel depend on the routing, so they are compared as the EP group's mean.
 
+* per stage, the tp / ep collectives (calls and bytes) each stage's actions and
+  its sequence-parallel gradient sum ran equal `estimates.stage_collectives`, which
+  `pipeplan check` prints.
+
 Plans: the dense GPT (pp2, interleaved with BW actions) at dp4 and dp2 x tp2
 with vocab-parallel embedding and head, with and without sequence parallel;
 the MoE GPT (pp2, zbv with split B/W) at dp4 x ep2, dp2 x tp2 x ep2 and dp2 x tp2 x
@@ -95,9 +99,11 @@ class _Rank:
         self.runners = {s.index: StageRunner(s, st.module, s.index == last, scale)
                         for s, st in zip(specs, self.stages.values())}
         ep = plan.mesh.ep > 1
-        self.meter = CommMeter({"dp": groups.dp, "tp": groups.tp, "ep": groups.ep,
-                                "edp": groups.expert_dp if ep else None,
-                                "ep_tp": groups.expert_stats if ep else None})
+        named = {"dp": groups.dp, "tp": groups.tp, "ep": groups.ep,
+                 "edp": groups.expert_dp if ep else None,
+                 "ep_tp": groups.expert_stats if ep else None}
+        self.meter = CommMeter(named)  # the optimizer step's
+        self.stage_meters = {s: CommMeter(named) for s in self.stages}  # each stage's actions
         make = lambda ps: build_optimizer(ps, plan.train)  # noqa: E731
         if plan.zero > 0:
             self.zero = build_zero_optimizer(self.stages, plan, make)
@@ -108,8 +114,8 @@ class _Rank:
             self.optimizer = make(self.params)
 
     def action(self, stage: int, fn):
-        """One scheduled action: counted by this rank's meter, ZeRO-3 gathered around it."""
-        with self.meter:
+        """One scheduled action: counted by its stage's meter, ZeRO-3 gathered around it."""
+        with self.stage_meters[stage]:
             if self.zero is not None and self.plan.zero == 3:
                 self.zero.gather(stage)
             try:
@@ -119,9 +125,10 @@ class _Rank:
                     self.zero.release(stage)
 
     def step(self):
-        with self.meter:
-            for st in self.stages.values():  # sequence parallel: partial grads over tp
+        for s, st in self.stages.items():  # sequence parallel: partial grads over tp
+            with self.stage_meters[s]:
                 st.sync_sequence_parallel()
+        with self.meter:
             if self.zero is not None:
                 self.zero.reduce_gradients()
                 self.zero.step()
@@ -203,6 +210,9 @@ def _worker(rank, world, cases):
             assert r.memory() == (est.param_bytes, est.grad_bytes, est.optimizer_bytes), \
                 f"{where}: measured {r.memory()}"
             measured = dict(r.meter.bytes)
+            for meter in r.stage_meters.values():
+                for k, n in meter.bytes.items():
+                    measured[k] = measured.get(k, 0) + n
             if groups.ep is not None and ("ep", "alltoall") in measured:
                 mean = torch.tensor(measured[("ep", "alltoall")], dtype=torch.float64)
                 dist.all_reduce(mean, group=groups.ep)
@@ -210,6 +220,17 @@ def _worker(rank, world, cases):
             # (tied gradients cross pipeline ranks: the runtime test below counts them)
             expected = {k: v for k, v in est.collectives.items() if k[0] != "tied"}
             assert measured == expected, f"{where}: measured {measured}"
+            # per stage, how many tp / ep collectives ran and their bytes: what the compiler
+            # derived from the graph (`pipeplan check` prints it); ep rows: the group's mean
+            for s, meter in r.stage_meters.items():
+                got = {k: (meter.calls[k], meter.bytes[k]) for k in meter.calls
+                       if k[0] in ("tp", "ep")}
+                if ("ep", "alltoall") in got:
+                    mean = torch.tensor(got[("ep", "alltoall")][1], dtype=torch.float64)
+                    dist.all_reduce(mean, group=groups.ep)
+                    got[("ep", "alltoall")] = (got[("ep", "alltoall")][0], float(mean) / m.ep)
+                assert got == compiled.estimates.stage_collectives[s], \
+                    f"{where} stage {s}: measured {got}"
             if r.zero is not None:
                 padded += sum(s.layout.padded > s.layout.numel for s in r.zero.optimizer.shards)
     assert padded > 0, "no flat shard needed padding: the padding rule went untested"
