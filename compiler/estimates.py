@@ -304,7 +304,7 @@ def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[
     if tp > 1:
         per_mb = _tp_microbatch(plan, tp_traffic, idx, float_scale)
         if sp:
-            for op, nbytes in _sequence_boundaries(plan, mine, stages, float_scale):
+            for op, nbytes in _sequence_boundaries(plan, tp_traffic, idx, float_scale):
                 per_mb.append((op, nbytes))
             # Replicated parameters (and experts) saw only this rank's positions: their
             # gradients are summed over tp once per step, one all-reduce each.
@@ -348,7 +348,7 @@ def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[s
     if role == "output":  # row-parallel / vocab embedding
         return [("reduce_scatter", nbytes), ("allgather", nbytes // tp)] if sp \
             else [("allreduce", nbytes)]
-    if role == "whole_input":  # column entry reading whole values (see traffic.py)
+    if role in ("whole_input", "partial_input"):  # grads all-reduced (see traffic.py)
         return [("allreduce", nbytes)]
     if role == "input":  # column-parallel entry
         return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
@@ -369,29 +369,15 @@ def _tp_microbatch(plan: Plan, traffic: list[Traffic], idx: set[int],
             for c in _role_collectives(t.role, int(t.nbytes * float_scale), tp, sp)]
 
 
-def _sequence_boundaries(plan: Plan, mine: list[StageSpec], stages: list[StageSpec],
+def _sequence_boundaries(plan: Plan, traffic: list[Traffic], idx: set[int],
                          float_scale: float) -> list[tuple[str, int]]:
-    """Sequence parallel at a stage's edges, per microbatch, one (op, bytes) per call:
-    floating inputs are split on entry (their grads all-gathered in backward), floating
-    outputs that are sequence shards ([..., seq, d]) all-gathered on exit, so stages
-    exchange full tensors."""
-    tp, seq = plan.mesh.tp, plan.data.seq_len
-    gathered = []
-    for st in mine:
-        for ref in st.inputs:
-            if ref.source == BATCH:
-                continue
-            spec = next(o for o in stages[ref.source].outputs if o.name == ref.name)
-            if spec.requires_grad and _is_activation(spec):
-                gathered.append(("allgather", int(_bytes(spec) * float_scale) // tp))
-        for spec in st.outputs:
-            if _is_activation(spec) and spec.shape[-2] == seq:
-                gathered.append(("allgather", int(_bytes(spec) * float_scale) // tp))
-    return gathered
-
-
-def _is_activation(spec) -> bool:
-    return "float" in spec.dtype and len(spec.shape) >= 2
+    """Sequence parallel at the edges of stages `idx`, per microbatch, one (op, bytes) per
+    call: received values meeting sequence shards are split on entry (their grads
+    all-gathered in backward), sent sequence shards are all-gathered on exit, so stages
+    exchange full tensors (traffic.py's "seq_input" / "seq_output")."""
+    tp = plan.mesh.tp
+    return [("allgather", int(t.nbytes * float_scale) // tp) for t in traffic
+            if t.stage in idx and t.role in ("seq_input", "seq_output")]
 
 
 def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
