@@ -17,12 +17,10 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from pipeplan.backends.compare import compare
-from pipeplan.backends.reference import train_reference
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.dsl.ast import MeshSpec, TensorSpec
 
-from .test_equivalence_moe import RTOL, ATOL, STEPS, moe_plan
+from .test_equivalence_moe import STEPS, _check, moe_plan
 
 TENSOR = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v"),
                     row=("layers.*.attn.proj",))
@@ -52,13 +50,4 @@ def _worker(rank, world):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_example_moe_pp2_tp2_ep2_across_tp_equals_reference(spawn):
-    results = spawn(_worker, 4, timeout=280)
-    failures = []
-    for k, kind in enumerate(KINDS):
-        ref = train_reference(across_plan(kind), STEPS)
-        got = compare(ref.losses, ref.params, [r[k][0] for r in results],
-                      [r[k][1] for r in results], rtol=RTOL, atol=ATOL)
-        if not got.within:
-            failures.append(f"{kind}: " + got.render())
-        assert min(ref.grad_norms) > 0 and len(set(ref.losses)) == STEPS  # it trained
-    assert not failures, "\n".join(failures)
+    _check(spawn(_worker, 4, timeout=280), KINDS, across_plan)

@@ -248,7 +248,7 @@ def test_memory_and_collectives_equal_the_estimates(run_workers):
     run_workers(_worker, WORLD, cases, timeout=200)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_llama_stage_collectives_equal_the_meter(run_workers):
     """transformers' Llama captured by export (RoPE, GQA, SwiGLU, vocab-parallel embedding
