@@ -25,17 +25,10 @@ Accounting (stated in the report, so a reader can check it):
   them at the call sites. dp/edp: ZeRO's gradient reduction (all-reduce, or
   reduce-scatter at 2-3) of each padded shard and its all-gather of updated
   shards (1-2), or at 3 of the shard around every action of a stage reading it;
-  ZeRO-0 all-reduces the gradients. tp: each traffic role's collectives
-  (traffic.py), and under sequence parallel the stage edges' all-gathers and
-  the once-per-step sum of partial gradients. ep: per MoE layer and
-  microbatch, the per-expert counts (int64), 4 all-to-alls of top_k copies of
-  each token (dispatch, combine and their backwards; exact for the EP group's
-  mean when dropless, a rank's share follows its routing; with a capacity
-  factor, an upper bound) and 3 all-reduces of E+1 routing
-  statistics (under sequence parallel 2 of them over the EP group x its TP
-  peers, "ep_tp"). EP across TP (dsl/layout.py): each TP rank dispatches 1/tp
-  of the rows, and tp all-gathers the output rows (forward) and the gradients
-  of the input rows and top-k weights (backward). tied: each tied gradient's all-reduce between its pipeline
+  ZeRO-0 all-reduces the gradients. tp and ep: what the rewrites imply
+  (collectives.py, from the graph's traffic roles; also per stage, with call
+  counts: `Estimates.stage_collectives`). tied: each tied gradient's all-reduce
+  between its pipeline
   ranks. Scalar all-reduces (norms, the logged loss) are left out.
 * Traffic per step, bytes each rank sends (`comm_bytes`): p2p (activations
   forward, grads back, per microbatch across a rank boundary); dp (the
@@ -64,8 +57,9 @@ from typing import Iterable, Optional
 import torch
 
 from ..dsl.ast import DeviceSpec, Plan
-from ..dsl.layout import ep_across_tp, group_sizes, groups, mesh_layout
-from .compiled import BATCH, Estimates, RankEstimate, StageSpec, TiedParam
+from ..dsl.layout import group_sizes, groups, mesh_layout
+from .collectives import ep_bytes, implied_collectives, ring_bytes, tp_bytes
+from .compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from .experts import experts_dispatched
 from .traffic import Traffic
 from .zero_layout import (
@@ -209,7 +203,8 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
         actions = [a.stage for a in schedule.order[r]]
         est = _state_bytes(plan, layout, {s: actions.count(s) for s in set(actions)})
         est.rank, est.activation_bytes = r, int(peaks[r])
-        implied = _stage_collectives(plan, tp_traffic, moe_traffic, mine, stages, layout)
+        implied = implied_collectives(plan, tp_traffic, moe_traffic, {st.index for st in mine},
+                                      _partial_grads(plan, layout))
         est.collectives.update({k: b for k, (_, b) in implied.items()})
         est.collective_calls = {k: c for k, (c, _) in implied.items()}
         tied_grads = _tied_grads(tied, stages, r, layout, state_bytes(plan).grad)
@@ -219,10 +214,10 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
             / mesh.tp
         est.comm_bytes.update({
             "p2p": int(_p2p_bytes(stages, r, plan.microbatches, float_scale)),
-            "tp": int(sum(_sent(op, n, mesh.tp) for (g, op), n in est.collectives.items()
+            "tp": int(sum(ring_bytes(op, n, mesh.tp) for (g, op), n in est.collectives.items()
                           if g == "tp")),
-            "ep": int(_ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
-            "tied": int(sum(_sent("allreduce", n, holders) for n, holders in tied_grads))})
+            "ep": int(ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
+            "tied": int(sum(ring_bytes("allreduce", n, holders) for n, holders in tied_grads))})
         per_pp.append(est)
     per_replica = mesh.dp * mesh.tp
     ranks = [dataclasses.replace(per_pp[g // per_replica], rank=g,
@@ -267,9 +262,10 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
         add(group, "allgather", gathers * full // n * per.param)
     held = MemoryBytes(*(sum(getattr(m, f) for m in memory)
                          for f in ("params", "grads", "optimizer")))
-    sent = sum(_sent(op, nbytes, _size_of(plan, group)) for (group, op), nbytes in coll.items())
+    through = sum(ring_bytes(op, nbytes, _size_of(plan, group))
+                  for (group, op), nbytes in coll.items())
     return RankEstimate(rank=0, param_bytes=held.params, grad_bytes=held.grads,
-                        optimizer_bytes=held.optimizer, comm_bytes={"dp": int(sent)},
+                        optimizer_bytes=held.optimizer, comm_bytes={"dp": int(through)},
                         collectives=coll)
 
 
@@ -278,106 +274,22 @@ def _size_of(plan: Plan, group: str) -> int:
             "ep": plan.mesh.ep, "ep_tp": plan.mesh.ep * plan.mesh.tp}[group]
 
 
-def _sent(op: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends through a ring for a collective it hands `nbytes`."""
-    if n <= 1:
-        return 0.0
-    return {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "allgather": n - 1, "alltoall": (n - 1) / n}[op] * nbytes
-
-
-def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[Traffic],
-                       mine: list[StageSpec], stages: list[StageSpec],
-                       layout: RankShards) -> dict[tuple[str, str], tuple[int, int]]:
-    """TP and EP collectives of a rank's stages (`mine`) per step (see the module
-    docstring): {(group, op): (calls, bytes handed in)}."""
-    m, tp, ep = plan.microbatches, plan.mesh.tp, plan.mesh.ep
-    sp = plan.tensor.sequence_parallel and tp > 1
-    float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    idx = {st.index for st in mine}
-    out: dict[tuple[str, str], tuple[int, int]] = {}
-
-    def add(key, calls, nbytes):
-        c, b = out.get(key, (0, 0))
-        out[key] = (c + int(calls), b + int(nbytes))
-
-    if tp > 1:
-        per_mb = _tp_microbatch(plan, tp_traffic, idx, float_scale)
-        if sp:
-            for op, nbytes in _sequence_boundaries(plan, tp_traffic, idx, float_scale):
-                per_mb.append((op, nbytes))
-            # Replicated parameters (and experts) saw only this rank's positions: their
-            # gradients are summed over tp once per step, one all-reduce each.
-            keys = [k for s in layout.shards if s.kind != TENSOR_PARALLEL for k in s.keys]
-            add(("tp", "allreduce"), len(keys),
-                sum(layout.numel[k] for k in keys) * state_bytes(plan).grad)
-        for op, nbytes in per_mb:
-            add(("tp", op), m, m * nbytes)
-    ex = plan.experts
-    if ex is None or not experts_dispatched(plan):
-        return out
-    # EP across TP: each TP rank dispatches its 1/tp share of the rows, then the tp group
-    # all-gathers the output rows (forward) and the rows' and weights' gradients (backward)
-    share = tp if ep_across_tp(plan.mesh) else 1
-    for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
-        nbytes = t.nbytes * float_scale / share
-        if t.role == "tokens":  # counts, then rows out and back, forward and backward
-            add(("ep", "alltoall"), 5 * m, m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
-        else:  # the top-k weights out, and their gradient back
-            add(("ep", "alltoall"), 2 * m, m * 2 * nbytes)
-        if share > 1:
-            calls = 2 if t.role == "tokens" else 1
-            add(("tp", "allgather"), calls * m, m * calls * nbytes)
-    return out
-
-
 def stage_collectives(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
                       expert_params: set[str], tp_traffic: list[Traffic],
                       moe_traffic: list[Traffic]) -> list[dict]:
     """Per stage, the tensor- and expert-parallel collectives its rewrite implies per step
     on each of its ranks: {(group, op): (calls, bytes handed in)} (what `pipeplan check`
     and report.md print, so an unexpected all-gather shows before launch)."""
-    return [_stage_collectives(plan, tp_traffic, moe_traffic, [st], stages,
-                               rank_shards(plan, [st], tp_kinds, expert_params))
+    return [implied_collectives(plan, tp_traffic, moe_traffic, {st.index},
+                                _partial_grads(plan, rank_shards(plan, [st], tp_kinds,
+                                                                 expert_params)))
             for st in stages]
 
 
-def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int]]:
-    """(collective, bytes each rank hands in) for one traffic role (traffic.py), as
-    backends/tp/rewrite.py places them, forward and backward."""
-    if role == "output":  # row-parallel / vocab embedding
-        return [("reduce_scatter", nbytes), ("allgather", nbytes // tp)] if sp \
-            else [("allreduce", nbytes)]
-    if role in ("whole_input", "partial_input"):  # grads all-reduced (see traffic.py)
-        return [("allreduce", nbytes)]
-    if role == "input":  # column-parallel entry
-        return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
-            else [("allreduce", nbytes)]
-    if role == "loss":  # loss_parallel: the max, the sum of exponentials, the target logit
-        return [("allreduce", nbytes // 3)] * 3
-    if role == "logits":
-        return [("allgather", nbytes // tp)]
-    return []
-
-
-def _tp_microbatch(plan: Plan, traffic: list[Traffic], idx: set[int],
-                   float_scale: float) -> list[tuple[str, int]]:
-    """TP collectives of the layers of stages `idx`, per microbatch: one (op, bytes handed
-    in) per call."""
-    tp, sp = plan.mesh.tp, plan.tensor.sequence_parallel
-    return [c for t in traffic if t.stage in idx
-            for c in _role_collectives(t.role, int(t.nbytes * float_scale), tp, sp)]
-
-
-def _sequence_boundaries(plan: Plan, traffic: list[Traffic], idx: set[int],
-                         float_scale: float) -> list[tuple[str, int]]:
-    """Sequence parallel at the edges of stages `idx`, per microbatch, one (op, bytes) per
-    call: received values meeting sequence shards are split on entry (their grads
-    all-gathered in backward), sent sequence shards are all-gathered on exit, so stages
-    exchange full tensors (traffic.py's "seq_input" / "seq_output")."""
-    tp = plan.mesh.tp
-    return [("allgather", int(t.nbytes * float_scale) // tp) for t in traffic
-            if t.stage in idx and t.role in ("seq_input", "seq_output")]
+def _partial_grads(plan: Plan, layout: RankShards) -> tuple[int, int]:
+    """(how many, bytes): the replicated gradients sequence parallel sums over tp."""
+    keys = [k for s in layout.shards if s.kind != TENSOR_PARALLEL for k in s.keys]
+    return len(keys), sum(layout.numel[k] for k in keys) * state_bytes(plan).grad
 
 
 def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
@@ -405,8 +317,8 @@ def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     table = []
     for st in stages:
-        coll = (_tp_bytes(plan, tp_traffic, [st], float_scale) / links.tp
-                + _ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep) / 2
+        coll = (tp_bytes(plan, tp_traffic, [st], float_scale) / links.tp
+                + ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep) / 2
         f = st.flops / tp / device.flops_per_s
         table.append((f + coll, f + st.recompute_flops / tp / device.flops_per_s + coll, f))
     msg = [sum(_bytes(o) for o in st.outputs) * float_scale for st in stages[:-1]]
@@ -445,27 +357,6 @@ def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float) -
             sent += sum(_bytes(grads[r.name]) * float_scale for r in st.inputs
                         if r.source == prev.index and r.name in grads)
     return sent * m
-
-
-def _tp_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
-              float_scale: float) -> float:
-    """Bytes a rank sends through the TP collectives of `stages`' layers, per microbatch."""
-    per_mb = _tp_microbatch(plan, traffic, {st.index for st in stages}, float_scale)
-    return sum(_sent(op, nbytes, plan.mesh.tp) for op, nbytes in per_mb)
-
-
-def _ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
-              float_scale: float) -> float:
-    """Dispatch + combine of top_k copies of each token (and its weights), forward and
-    backward."""
-    ex, ep = plan.experts, plan.mesh.ep
-    if ex is None or ep <= 1:
-        return 0.0
-    idx = {st.index for st in stages}
-    tokens = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "tokens")
-    weights = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "weights")
-    share = plan.mesh.tp if ep_across_tp(plan.mesh) else 1  # EP across TP: 1/tp of the rows
-    return (4 * ex.top_k * tokens + 2 * weights) * float_scale * (ep - 1) / ep / share
 
 
 def _tied_grads(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int,
