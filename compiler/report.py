@@ -9,6 +9,7 @@ GiB, MiB = 1024 ** 3, 1024 ** 2
 def render_report(compiled: CompiledPlan) -> str:
     parts = [_header(compiled), _split(compiled), _tied(compiled), _experts(compiled),
              _tensor(compiled), _estimates(compiled), _collectives(compiled),
+             _stage_collectives(compiled),
              _timeline(compiled)]
     return "\n".join(p for p in parts if p) + "\n"
 
@@ -154,6 +155,37 @@ def _collectives(c: CompiledPlan) -> str:
     return "\n".join(rows + [""])
 
 
+def _stage_collectives(c: CompiledPlan) -> str:
+    """The tp / ep collectives each stage's rewrite implies, per step on each of its ranks."""
+    e = c.estimates
+    if e is None or not any(e.stage_collectives):
+        return ""
+    rows = ["## Tensor- and expert-parallel collectives per stage", "",
+            "What each stage's rewrite implies per step on each of its ranks (derived from "
+            "the captured graph: backends/tp's redistributions, loss_parallel, the experts' "
+            "all-to-alls), forward and backward over all microbatches.", "",
+            "| stage | pp rank | group | collective | calls | bytes handed in |",
+            "|---|---|---|---|---|---|"]
+    for st, found in zip(c.stages, e.stage_collectives):
+        for (group, op), (calls, nbytes) in sorted(found.items()):
+            rows.append(f"| {st.index} | {st.rank} | {group} | {op} | {calls} | "
+                        f"{human_bytes(nbytes)} |")
+    return "\n".join(rows + [""])
+
+
+def stage_collective_lines(c: CompiledPlan) -> list[str]:
+    """`pipeplan check`'s lines: per stage, each tp / ep collective's calls and bytes."""
+    e = c.estimates
+    if e is None or not any(e.stage_collectives):
+        return []
+    lines = ["tp/ep collectives per step on each rank of a stage (calls, bytes handed in):"]
+    for st, found in zip(c.stages, e.stage_collectives):
+        cells = ", ".join(f"{g} {op} {calls}x {human_bytes(n)}"
+                          for (g, op), (calls, n) in sorted(found.items()))
+        lines.append(f"  stage {st.index} (pp rank {st.rank}): {cells or 'none'}")
+    return lines
+
+
 def human_bytes(n: float) -> str:
     """`0`, `512 B`, `1.50 KiB`, `3.20 MiB`, `1.25 GiB`: each cell in its own unit."""
     if n == 0:
@@ -207,4 +239,5 @@ def render_summary(compiled: CompiledPlan) -> str:
         from .sync_estimate import sync_line
         lines.append(sync_line(e.sync, human_bytes))
     lines.append(f"device model: {device_text(e.device_model)}")
+    lines += stage_collective_lines(compiled)
     return "\n".join(lines) + "\n"
