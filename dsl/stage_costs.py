@@ -50,6 +50,13 @@ def _num(x: float) -> str:
     return str(int(x)) if x.is_integer() else write_float(x)
 
 
+@check("pipeline.costs", "pipeline.profile")
+def _not_with_a_profile(plan: Plan) -> Iterator[Problem]:
+    if plan.pipeline.costs is not None and plan.pipeline.profile is not None:
+        yield Problem("pipeline.costs", "set pipeline.costs or pipeline.profile, not both",
+                      "a profile's measured costs already give each stage's F, B, W")
+
+
 @check("mesh.pp", "pipeline.virtual", "pipeline.costs")
 def _one_triple_per_stage(plan: Plan) -> Iterator[Problem]:
     p = plan.pipeline
