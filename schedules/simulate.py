@@ -12,7 +12,7 @@ from typing import Optional
 from .bound import makespan_bound
 from .costs import Costs, StageCosts
 from .execution import NONE, Execution, analyze
-from .ir import B, BW, F, W, Action, Schedule
+from .ir import B, BW, F, W, Action, Schedule, bulk
 from .memory import peak_per_rank
 
 
@@ -85,7 +85,11 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None,
     """Time the schedule. The lower bound holds for every schedule of the same placement and
     costs within `memory_limit` activations per rank (default: this schedule's own peak).
     in_order=False times it under tag-matched receives (torch's runtime; see execution.analyze)."""
-    costs = costs or Costs()
+    with bulk():
+        return _simulate(schedule, costs or Costs(), memory_limit, in_order)
+
+
+def _simulate(schedule: Schedule, costs: Costs, memory_limit: Optional[float], in_order: bool) -> SimResult:
     table = costs.stage_table(schedule.stage_to_rank)
     ex = analyze(schedule, in_order)
     start, end = _time(ex, table)
