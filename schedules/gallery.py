@@ -147,27 +147,27 @@ MEASURED = """## Against torch's ZBV and the optimum (measured)
 torch's own `ScheduleZBVZeroBubble` and timed by pipeplan as torch runs it (receives
 matched by tag, p units); optimum = the issue's proven values (= T* above); bound = the
 least over the placements auto searches. CPU seconds of auto on the shared 2-core machine
-(load average ~20 while measured).
+(load average ~6 while measured).
 
 | p, m | F,B,W,c | auto | bound | torch ZBV | optimum | auto CPU s |
 |---|---|---|---|---|---|---|
 | 4, 8 | 1,1,1,0 | 0.0588 | 0.0588 | 0.0588 | 0.059 | 0.0 |
-| 4, 8 | 1,1.5,0.5,0 | 0.1028 | 0.0857 | 0.1111 | 0.103 | 1.1 |
-| 4, 8 | 1,1,1,0.1 | 0.0943 | 0.0909 | 0.1045 | 0.091 | 1.1 |
-| 4, 8 | 1,2,1,0 | 0.0857 | 0.0857 | 0.0857 | 0.086 | 0.2 |
-| 8, 32 | 1,1,1,0 | 0.0352 | 0.0352 | 0.0352 | 0.035 | 4.8 |
-| 8, 32 | 1,1.5,0.5,0 | 0.0657 | 0.0519 | 0.0680 | 0.066 | 6.1 |
-| 8, 32 | 1,1,1,0.1 | 0.0588 | 0.0551 | 0.0661 | 0.055 | 8.1 |
-| 8, 32 | 1,2,1,0 | 0.0519 | 0.0519 | 0.0519 | 0.052 | 0.3 |
+| 4, 8 | 1,1.5,0.5,0 | 0.1028 | 0.0857 | 0.1111 | 0.103 | 0.9 |
+| 4, 8 | 1,1,1,0.1 | 0.0943 | 0.0909 | 0.1045 | 0.091 | 1.0 |
+| 4, 8 | 1,2,1,0 | 0.0857 | 0.0857 | 0.0857 | 0.086 | 0.1 |
+| 8, 32 | 1,1,1,0 | 0.0352 | 0.0352 | 0.0352 | 0.035 | 3.4 |
+| 8, 32 | 1,1.5,0.5,0 | 0.0657 | 0.0519 | 0.0680 | 0.066 | 3.7 |
+| 8, 32 | 1,1,1,0.1 | 0.0588 | 0.0551 | 0.0661 | 0.055 | 5.9 |
+| 8, 32 | 1,2,1,0 | 0.0519 | 0.0519 | 0.0519 | 0.052 | 0.4 |
 
 auto is at or below torch's ZBV and within 0.005 of the optimum in every row. With the
 first and last stage 2x (p=4, m=8, memory 4) it picks the loop placement with 2 stages per
-rank: 0.2308 (the V's best is 0.375).
+rank: 0.2308 (the V's best is 0.375). auto at p=16, m=64: 0.0495 (bound 0.0376) in 8.4 s
+CPU at equal costs, 0.0725 (bound 0.0554) in 5.8 s with B=1.5, W=0.5.
 
 Generation + verification + simulation at p=64, m=1024 (CPU s, F=1, B=1.5, W=0.5,
-c=0.05), at load average ~20 / at a lower load: gpipe 0.52 / 0.25, 1f1b 0.53 / 0.33, zbh1 0.64 / 0.61,
-interleaved 1.15 / 0.70, zbv 1.94 / 0.87, dualpipev 2.35 / 0.62, zbh2 3.7, vhalf 6.9,
-vmin 8.0 (BENCHMARKS.md has the command and the wall times).
+c=0.05): gpipe 0.20, 1f1b 0.21, zbh1 0.33, dualpipev 0.52, interleaved 0.53, zbv 0.73,
+zbh2 2.61, vhalf 3.88, vmin 4.46 (BENCHMARKS.md has the command and the wall times).
 """
 
 
@@ -176,10 +176,9 @@ LIMITS = """## Known limits
 - `zbv` holds p + r/2 units on rank r (in-order channels; torch's tag-matched run of
   the same order holds p). Under `memory_limit = p` it falls back to the list
   scheduler, and `auto` reaches the paper's bubble at p units (above).
-- zbh2, vhalf and vmin are list-scheduled (gen_greedy), linear in actions but 4-8 s at
-  p=64, m=1024; only the closed-form kinds (gpipe, 1f1b, interleaved, zbh1, zbv,
-  dualpipev) are near 1 s there, and zbv, interleaved and dualpipev exceed it when the
-  machine is loaded.
+- zbh2, vhalf and vmin are list-scheduled (gen_greedy), linear in actions but 2.6-4.5 s
+  at p=64, m=1024; the closed-form kinds (gpipe, 1f1b, interleaved, zbh1, zbv,
+  dualpipev) are under 1 s there.
 - At p=16, m=64 (memory 16) auto's search does not reach torch's ZBV at equal costs
   (0.0495 against 0.0376): the senders-repaired ZB-V start is 0.0702 and the
   evaluations left at that size do not close the gap.
