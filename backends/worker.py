@@ -24,7 +24,6 @@ from .checkpoint import Checkpointer, latest_step
 from .failure import Beacon, Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes
-from .model import own_stages
 from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
 from .topology import build_topology
 from .trainer import PipelineTrainer
@@ -151,8 +150,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         leaves = with_required_leaves(plan)
         compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
         check_agreement(leaves, compiled)  # every rank runs the same, or none starts
-        param_bytes = own_stages(plan, compiled, topo.coords.pp, device)  # only this rank's
-        trainer = PipelineTrainer(plan, compiled, topo, device)
+        trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
+        param_bytes = trainer.param_bytes
         trainer.executor.on_action = where.action  # the launcher names a killed rank's action
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
