@@ -129,8 +129,9 @@ def _report(mine: RankTimings, schedule, env: RankEnv, opts: RunOptions) -> None
 def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
 
-    `compile_fn(plan, model)` returns the CompiledPlan (compile_plan, or a
-    build directory's schedule pinned onto it).
+    `compile_fn(plan, model, schedule=None)` returns the CompiledPlan
+    (compile_plan, or a build directory's schedule pinned onto it); rank 0's
+    schedule reaches the others as `schedule` (agreement.compile_shared).
     """
     started = time.perf_counter()
     check_world(plan, env.world_size)
