@@ -60,13 +60,13 @@ def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu"))
                 targets.setdefault(name, []).append(p)
     buffers = [(m, n, b) for m in modules for n, b in m.named_buffers(remove_duplicate=False)
                if b.device.type == "meta"]
-    if targets or buffers:
-        skeleton = load_skeleton(plan)
-        fill(targets, initial_values(skeleton, plan.train.seed, targets), device)
-        for m, name, b in buffers:
-            owner, _, leaf = name.rpartition(".")
-            m.get_submodule(owner)._buffers[leaf] = buffer_value(skeleton, name, device,
-                                                                 b.dtype)
+    if not (targets or buffers):
+        return param_bytes(modules)  # stages compiled with their weights (tests)
+    skeleton = load_skeleton(plan)
+    fill(targets, initial_values(skeleton, plan.train.seed, targets), device)
+    for m, name, b in buffers:
+        owner, _, leaf = name.rpartition(".")
+        m.get_submodule(owner)._buffers[leaf] = buffer_value(skeleton, name, device, b.dtype)
     for m in modules:
         move_stage(m, device)  # graph constants captured on meta name the device
     return param_bytes(modules)
