@@ -23,7 +23,7 @@ from .agreement import check_agreement, compile_shared
 from .checkpoint import Checkpointer, latest_step
 from .failure import Beacon, Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
-from .memory import RankMemory, memory_lines, peak_rss_bytes
+from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
 from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
 from .topology import build_topology
 from .trainer import PipelineTrainer
@@ -61,6 +61,21 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"the plan needs pp*dp*tp = {m.pp}*{m.dp}*{m.tp} = {m.world_size} processes, "
             f"but WORLD_SIZE is {world_size}; launch {m.world_size} processes in total "
             f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
+
+
+def rank_device(env: RankEnv) -> tuple[torch.device, str]:
+    """(device, process-group backend) of this rank: `cuda:LOCAL_RANK` and NCCL when CUDA is
+    available, else the CPU and gloo. NCCL refuses two ranks on one GPU, so a LOCAL_RANK
+    without its own visible device is refused here, before the process group forms."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise PipeplanError(
+            f"rank {env.rank} has LOCAL_RANK {env.local_rank}, but this node shows {count} CUDA "
+            f"device(s): launch at most one process per GPU (--nproc-per-node {count}), or "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+    return torch.device("cuda", env.local_rank), "nccl"
 
 
 def _restore(plan: Plan, trainer: PipelineTrainer):
@@ -135,14 +150,16 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     """
     started = time.perf_counter()
     check_world(plan, env.world_size)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    device, backend = rank_device(env)
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        return_large_blocks_to_os()  # peak RSS follows what the rank holds (memory.py)
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
+    dist.init_process_group(backend, rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
     watch = FailureWatch(env.rank).start()
     where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
