@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..compiler.checks import check_checkpointable
 from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
 from . import data
-from .checkpoint import check_checkpointable
+from .checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor
 from .grads import GradSync, ZeroSync, build_tied_groups
@@ -99,7 +100,6 @@ class PipelineTrainer:
 
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
                  device: torch.device = torch.device("cpu")):
-        check_checkpointable(plan)  # the model's init is checked before launch (check_supported)
         self.plan, self.topo, self.device = plan, topo, device
         schedule = compiled.schedule
         pp = topo.coords.pp
@@ -113,6 +113,8 @@ class PipelineTrainer:
             fresh_meta(modules.values())  # fill_stages swaps storage into these objects
         else:  # stages compiled with weights (tests): moved whole, then sliced
             modules = {s: m.to(device) for s, m in modules.items()}
+        # every parameter's name and global shape, before the rewrites shard them (checkpoints)
+        self.global_shapes, self.first_stage = parameter_shapes(compiled)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         # Only now does this rank's part get storage: its TP slices and its experts, each
         # drawn by its module's init and sliced, module by module (model.fill_stages).
