@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -286,19 +286,6 @@ def param_bytes(modules: Iterable[nn.Module]) -> int:
             if p.device.type != "meta":
                 seen[id(p)] = p
     return sum(p.numel() * p.element_size() for p in seen.values())
-
-
-def install(stage: nn.Module, model: nn.Module, names: Iterable[str],
-            is_param: Callable[[str], bool]) -> None:
-    """Point `stage`'s tensors at the model's materialised ones, by qualified name (tied
-    names get the same object)."""
-    for name in names:
-        owner, _, leaf = name.rpartition(".")
-        mod = stage.get_submodule(owner)
-        if is_param(name):
-            mod._parameters[leaf] = model.get_parameter(name)
-        else:
-            mod._buffers[leaf] = model.get_buffer(name)
 
 
 def fake_copy(module: nn.Module, device: str = "cpu") -> nn.Module:
