@@ -12,6 +12,7 @@ The plan's precision (bf16 autocast, precision.py) and recompute rules
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -27,7 +28,7 @@ from ..dsl.ast import Plan
 from . import data
 from .checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
-from .executor import ActionTiming, Executor
+from .executor import ActionTiming, Executor, Span
 from .grads import GradSync, ZeroSync, build_tied_groups
 from .layout import StageLayout
 from .materialize import fresh_meta
@@ -48,6 +49,7 @@ class StepReport:
     step_time: float  # seconds, this rank
     tokens: int  # tokens in the global batch
     timings: tuple[ActionTiming, ...]
+    spans: tuple[Span, ...] = ()  # sends, gradient sync, norm, loss all-reduce, optimizer
 
 
 def check_supported(plan: Plan) -> None:
@@ -81,6 +83,26 @@ def _stage_order_by_last_grad(order, stages_here) -> list[int]:
         if op_name(a) in ("W", "BW"):
             last[a.stage] = i
     return sorted(stages_here, key=lambda s: last[s])
+
+
+class _Spans:
+    """Records the step's non-action intervals (wall clock, as the executor's) into `spans`."""
+
+    def __init__(self, spans: list):
+        self.spans, self.open = spans, None
+
+    def begin(self, kind: str, name: str) -> None:
+        self.open = (kind, name, time.time())
+
+    def end(self) -> None:
+        kind, name, t = self.open
+        self.spans.append(Span(kind, name, t, time.time()))
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str, name: str):
+        self.begin(kind, name)
+        yield
+        self.end()
 
 
 class PipelineTrainer:
@@ -159,14 +181,19 @@ class PipelineTrainer:
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
         result = self.executor.run_step(batches)
-        self.sync.finish()
-        norm = self.sync.clip(self.plan.train.grad_clip)
-        loss = result.loss if self.holds_loss else torch.zeros_like(result.loss)
-        dist.all_reduce(loss)
-        loss_value = float(loss)
+        spans = _Spans(result.spans)
+        with spans("grad sync", "finish"):
+            self.sync.finish()
+        with spans("grad sync", "grad norm"):
+            norm = self.sync.clip(self.plan.train.grad_clip)
+        with spans("grad sync", "loss all-reduce"):
+            loss = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+            dist.all_reduce(loss)
+            loss_value = float(loss)
         if not (math.isfinite(norm) and math.isfinite(loss_value)):
             raise NonFiniteError(locate_non_finite(t, result, loss_value, norm, self.runners))
         lr = self.plan.train.optimizer.lr
+        spans.begin("optimizer", "optimizer step")
         if self.optimizer is not None:
             lr = self.optimizer.param_groups[0]["lr"]
             if self.zero is not None:
@@ -176,9 +203,10 @@ class PipelineTrainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+        spans.end()
         return StepReport(t, loss_value, norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
-                          tuple(result.timings))
+                          tuple(result.timings), tuple(result.spans))
 
     def resume(self, steps_done: int) -> None:
         """After restoring a checkpoint: the LR schedule continues where it stopped."""

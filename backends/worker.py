@@ -24,8 +24,9 @@ from .checkpoint import Checkpointer, latest_step
 from .failure import Beacon, Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
-from .observe import Progress, RankTimings, bubble_report, describe_run, write_trace
+from .observe import Progress, RankTimings, check_bubble, describe_run, format_bubble
 from .topology import build_topology
+from .trace import write_trace
 from .trainer import PipelineTrainer
 from .verify import FirstStepGrads, dump_rank
 
@@ -39,6 +40,8 @@ class RunOptions:
     dump_dir: Optional[str] = None  # `pipeplan verify`: each rank saves losses and parameters here
     debug: bool = False
     reset_optimizer: bool = False  # resume the weights only, with a fresh optimizer
+    profile_out: Optional[str] = None  # `pipeplan profile`: rank 0 writes the cost file here
+    warmup: int = 1  # steps left out of the steady-state bubble and the profile
 
 
 @dataclass(frozen=True)
@@ -114,12 +117,13 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
         if env.rank == 0 else None
     if progress and first:
         print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
-    losses, timings = [], []
+    losses, timings, spans = [], [], []
     try:
         for t in range(first, opts.steps):
             where[0] = f"step {t + 1}"
             report = trainer.step(t)
             timings.append(report.timings)
+            spans.append(report.spans)
             losses.append(report.loss)
             if progress:
                 progress.step(report)
@@ -129,20 +133,54 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
     finally:
         if progress:
             progress.close()
-    return losses, timings, first
+    return losses, (tuple(timings), tuple(spans)), first
 
 
-def _report(mine: RankTimings, schedule, env: RankEnv, opts: RunOptions) -> None:
-    """Gather every rank's timings on rank 0: the bubble line and the --trace file."""
+def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
+            opts: RunOptions) -> None:
+    """Gather every rank's timings on rank 0: the bubble line, the --trace file, the cost
+    file (`pipeplan profile`) and, with train.log_dir, the run directory's files
+    (`pipeplan report` reads them)."""
+    from .run_dir import write_run_files
+
     gathered = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if env.rank != 0:
+    if env.rank != 0 or not mine.steps:
         return
-    if mine.steps:
-        print(bubble_report(schedule, gathered), flush=True)
+    check = check_bubble(run.schedule, gathered, run.planned, run.planned_source, opts.warmup)
+    print(format_bubble(check), flush=True)
     if opts.trace:
-        write_trace(opts.trace, gathered)
-        print(f"trace of every rank's measured actions: {opts.trace}", flush=True)
+        write_trace(opts.trace, gathered, check.planned)
+        print(f"trace of every rank's measured actions and the planned timeline: {opts.trace}",
+              flush=True)
+    if opts.profile_out:
+        from .profiling import profile_of, write_profile
+
+        write_profile(opts.profile_out, profile_of(run.plan, run.schedule, run.split_points,
+                                                   run.specs, gathered, opts.warmup))
+        print(f"cost file (per-stage F, B, W, BW, p2p latency): {opts.profile_out}", flush=True)
+    if run.plan.train.log_dir:
+        write_run_files(run.plan.train.log_dir, gathered, memory, check)
+
+
+@dataclass(frozen=True)
+class _RunFacts:
+    """What the end-of-run reports need from the compiled plan (which is freed before training)."""
+
+    plan: Plan
+    schedule: object
+    split_points: tuple
+    specs: list
+    planned: object  # the compiler's simulation under the plan's profile, or None
+    planned_source: str
+
+
+def _facts(plan: Plan, compiled, specs) -> _RunFacts:
+    planned, source = None, ""
+    if plan.pipeline.profile and compiled.estimates is not None:
+        planned = compiled.estimates.simulation
+        source = f"the plan's profile {plan.pipeline.profile}"
+    return _RunFacts(plan, compiled.schedule, compiled.split_points, specs, planned, source)
 
 
 def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
@@ -177,13 +215,13 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         trainer.executor.on_action = where.action  # the launcher names a killed rank's action
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
-        schedule = compiled.schedule
-        run_hash, split_points = plan_hash(leaves, compiled), compiled.split_points
+        run = _facts(plan, compiled, trainer.specs)
+        run_hash = plan_hash(leaves, compiled)
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         startup = (time.perf_counter() - started, peak_rss_bytes())
-        losses, timings, first = _train(plan, trainer, env, opts, where, run_hash,
-                                       split_points)
+        losses, (timings, spans), first = _train(plan, trainer, env, opts, where, run_hash,
+                                                 run.split_points)
         where[0] = "finish"
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes())
@@ -192,7 +230,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(memory_lines(every), flush=True)
         _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
-                            tuple(timings), first), schedule, env, opts)
+                            timings, first, spans), every, run, env, opts)
         if opts.dump_dir:
             dump_rank(opts.dump_dir, env.rank, losses, trainer, grads)
         dist.barrier()

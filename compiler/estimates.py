@@ -84,6 +84,7 @@ class DeviceModel:
     tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
     ranks_per_node: Optional[int] = None  # None: tp inside a node, other groups across
     origin: str = "built-in defaults"  # where the numbers came from, for the report
+    profile: str = ""  # op times and p2p latency measured instead: the cost file (profile.py)
 
     def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
         """Bandwidth of a group of global ranks: inside a node when all share one
@@ -98,7 +99,8 @@ class DeviceModel:
 def device_model(plan: Plan, tflops: Optional[float] = None,
                  link_gbps: Optional[float] = None) -> DeviceModel:
     """The plan's device section (built-in defaults where it is silent), then the CLI's
-    `--tflops` (sustained) and `--link-gbps` (between nodes) where given."""
+    `--tflops` (sustained) and `--link-gbps` (between nodes) where given. Without a device
+    section or flags on a machine without CUDA: this CPU's measured FLOP/s (cpu_probe.py)."""
     d, written = plan.device, [k for k in plan.spans if k.startswith("device.")]
     origin = "built-in defaults"
     if written or d != DeviceSpec():
@@ -108,8 +110,14 @@ def device_model(plan: Plan, tflops: Optional[float] = None,
     flags = [f for f, v in (("--tflops", tflops), ("--link-gbps", link_gbps)) if v is not None]
     if flags:
         origin += "; overridden by " + " ".join(flags)
+    flops = d.sustained_flops
+    if origin == "built-in defaults" and not torch.cuda.is_available():
+        from .cpu_probe import cpu_flops  # no accelerator here and none described: this CPU
+
+        flops, measured = cpu_flops()
+        origin = f"{measured}; built-in link defaults"
     return DeviceModel(
-        flops_per_s=tflops * 1e12 if tflops is not None else d.sustained_flops,
+        flops_per_s=tflops * 1e12 if tflops is not None else flops,
         link_bytes_per_s=link_gbps * 1e9 if link_gbps is not None else d.inter_node,
         latency_s=d.latency, tp_link_bytes_per_s=d.intra_node,
         ranks_per_node=d.ranks_per_node, origin=origin)

@@ -113,7 +113,11 @@ def device_text(d: dict) -> str:
     nodes = ("tp groups inside a node, p2p/dp/ep between nodes"
              if d.get("ranks_per_node") is None else
              f"{d['ranks_per_node']} ranks per node; a group inside one node uses its link")
-    return (f"{d['flops_per_s'] / 1e12:g} TFLOP/s sustained per device, "
+    measured = (f"op times and p2p latency from {d['profile']}; DP all-reduce under "
+                if d.get("profile") else "")
+    flops = d['flops_per_s']
+    rate = f"{flops / 1e12:g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+    return (f"{measured}{rate} sustained per device, "
             f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node, "
             f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes ({nodes}), "
             f"{d['latency_s'] * 1e6:g} µs latency — from {d.get('origin', 'built-in defaults')}")

@@ -131,6 +131,7 @@ class PipelineSpec:
     virtual: int = 1  # stages per rank
     split: SplitSpec = field(default_factory=SplitSpec)
     memory_limit: Optional[MemoryLimit] = None
+    profile: Optional[str] = None  # a cost file from `pipeplan profile` (relative to the plan)
 
 
 # ------------------------------------------------------------------- experts

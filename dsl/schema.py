@@ -261,6 +261,7 @@ PIPELINE = Section("pipeline", A.PipelineSpec, (
     Field("virtual", integer(1, MAX_VIRTUAL)),
     Field("split", _split, _write_split, nested=True),
     Field("memory_limit", _memory_limit, _write_memory_limit),
+    Field("profile", text, write_string),
 ))
 
 # -------------------------------------------------------------- experts
