@@ -1,7 +1,9 @@
 """One rank's training loop: its stages, optimizer, executor and gradient sync.
 
 `PipelineTrainer(plan, compiled, topo)` keeps only this rank's stages of the
-compiled plan (see model.py for where the initial weights come from) and
+compiled plan, rewrites them for TP / EP while their parameters are still meta,
+then gives storage to exactly the shards this rank holds (model.fill_stages:
+the reference's initial weights, sliced) and
 `step(t)` runs one optimizer step: the scheduled actions, the DP/tied
 gradient sync, global-norm clipping, the optimizer and LR schedule. Every
 rank of the world must construct it (tied-parameter groups are collective).
@@ -29,6 +31,8 @@ from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor, Span
 from .grads import GradSync, ZeroSync, build_tied_groups
 from .layout import StageLayout
+from .materialize import fresh_meta
+from .model import fill_stages
 from .nonfinite import NonFiniteError, locate_non_finite
 from .optim import build_lr_scheduler, build_optimizer
 from .precision import autocast_for, boundary_specs
@@ -112,13 +116,11 @@ class PipelineTrainer:
         process group calls it)."""
         from ..compiler.driver import compile_plan
         from .layout import with_required_leaves
-        from .model import own_stages
         from .topology import build_topology
 
         topo = build_topology(plan.mesh, device.type)
         compiled = compile_plan(with_required_leaves(plan))  # meta: no weights anywhere
-        own_stages(plan, compiled, topo.coords.pp, device)  # this rank's part, from the seed
-        return cls(plan, compiled, topo, device)
+        return cls(plan, compiled, topo, device)  # materialises this rank's shards only
 
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
                  device: torch.device = torch.device("cpu")):
@@ -131,10 +133,18 @@ class PipelineTrainer:
         scale = 1.0 / (plan.microbatches * (1 if islands else plan.mesh.dp))
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
-        modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
+        modules = {s.index: s.module for s in compiled.stages_of_rank(pp)}
+        deferred = any(p.device.type == "meta" for m in modules.values() for p in m.parameters())
+        if deferred:
+            fresh_meta(modules.values())  # fill_stages swaps storage into these objects
+        else:  # stages compiled with weights (tests): moved whole, then sliced
+            modules = {s: m.to(device) for s, m in modules.items()}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
+        # Only now does this rank's part get storage: its TP slices and its experts, each
+        # drawn by its module's init and sliced, module by module (model.fill_stages).
+        self.param_bytes = fill_stages(plan, modules.values(), device)
         rules = tuple(r for r in plan.recompute if r.mode != "none")
         self.runners = {s: StageRunner(specs[s], m, s == last, scale,
                                        recompute=rules, autocast=self.autocast)

@@ -24,8 +24,7 @@ from .checkpoint import Checkpointer, latest_step
 from .failure import (STORE_KEY, Beacon, Failure, FailureWatch, island_key, now,
                       report_failure)
 from .layout import with_required_leaves
-from .memory import RankMemory, memory_lines, peak_rss_bytes
-from .model import own_stages
+from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
 from .observe import Progress, RankTimings, check_bubble, describe_run, format_bubble
 from .topology import Coords, build_topology
 from .trace import write_trace
@@ -67,6 +66,21 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"the plan needs pp*dp*tp = {m.pp}*{m.dp}*{m.tp} = {m.world_size} processes, "
             f"but WORLD_SIZE is {world_size}; launch {m.world_size} processes in total "
             f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
+
+
+def rank_device(env: RankEnv) -> tuple[torch.device, str]:
+    """(device, process-group backend) of this rank: `cuda:LOCAL_RANK` and NCCL when CUDA is
+    available, else the CPU and gloo. NCCL refuses two ranks on one GPU, so a LOCAL_RANK
+    without its own visible device is refused here, before the process group forms."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise PipeplanError(
+            f"rank {env.rank} has LOCAL_RANK {env.local_rank}, but this node shows {count} CUDA "
+            f"device(s): launch at most one process per GPU (--nproc-per-node {count}), or "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+    return torch.device("cuda", env.local_rank), "nccl"
 
 
 def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash: str,
@@ -194,19 +208,22 @@ def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losse
 def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
 
-    `compile_fn(plan, model)` returns the CompiledPlan (compile_plan, or a
-    build directory's schedule pinned onto it).
+    `compile_fn(plan, model, schedule=None)` returns the CompiledPlan
+    (compile_plan, or a build directory's schedule pinned onto it); rank 0's
+    schedule reaches the others as `schedule` (agreement.compile_shared).
     """
     started = time.perf_counter()
     check_world(plan, env.world_size)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    device, backend = rank_device(env)
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        return_large_blocks_to_os()  # peak RSS follows what the rank holds (memory.py)
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
+    dist.init_process_group(backend, rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
     # a decoupled DiLoCo island other than 0 fails on its own key (failure.island_key)
     failure_key = island_key(Coords.of(env.rank, plan.mesh).dp if plan.sync.decoupled else None)
@@ -217,8 +234,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         leaves = with_required_leaves(plan)
         compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
         check_agreement(leaves, compiled)  # every rank runs the same, or none starts
-        param_bytes = own_stages(plan, compiled, topo.coords.pp, device)  # only this rank's
-        trainer = PipelineTrainer(plan, compiled, topo, device)
+        trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
+        param_bytes = trainer.param_bytes
         trainer.executor.on_action = where.action  # the launcher names a killed rank's action
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)

@@ -28,7 +28,7 @@ from .loading import load_model
 from .precision import to_precision
 from .profile import load_profile, node_times, profile_text, profiled_costs
 from .partition import Split, choose_split, compute_nodes
-from .schedule import make_schedule, stage_costs
+from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
@@ -37,12 +37,14 @@ from .traffic import collective_traffic
 
 
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
-                 device: Optional[DeviceModel] = None) -> CompiledPlan:
+                 device: Optional[DeviceModel] = None, schedule=None) -> CompiledPlan:
     """Compile `plan`. Without `model` it is built on the meta device (no weights allocated);
     with one, each stage GraphModule holds that model's own parameter tensors (converted
     in place to the plan's precision first: float64 under `train.precision = fp64`).
     `device` is the accelerator model the time estimate assumes (default: the plan's
-    device section, see `device_model`)."""
+    device section, see `device_model`). `schedule`: a schedule already decided and
+    verified (rank 0's, broadcast by backends/agreement.py, or a build directory's) used
+    instead of generating one, so no search runs again; it must fit the stages."""
     device = device or device_model(plan)
     check_plan_values(plan)
     profile = load_profile(plan)  # measured op times, when the plan names a cost file
@@ -71,7 +73,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
         device = dataclasses.replace(device, profile=profile_text(plan, profile))
     else:
         times = stage_costs(plan, step_costs(plan, stages, tp_traffic, moe_traffic, device))
-    schedule = make_schedule(plan, stages, normalised(times))
+    schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
+        decided_schedule(plan, stages, schedule)
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]
     tied = find_tied(model, stages)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
@@ -63,6 +64,8 @@ class TensorParallelResult:
 def _mesh(group, gm: nn.Module) -> DeviceMesh:
     p = next(iter(gm.parameters()), None)
     device = p.device.type if p is not None else "cpu"
+    if device == "meta":  # stages are rewritten before their storage exists (model.fill_stages)
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     return DeviceMesh.from_group(group, device)
 
 
