@@ -67,8 +67,9 @@ class Progress:
     def step(self, r: StepReport) -> None:
         tps = r.tokens / r.step_time if r.step_time > 0 else 0.0
         width = len(str(self.total))
+        norm = "" if r.grad_norm is None else f"grad_norm {r.grad_norm:.3f}  "
         print(f"step {r.step + 1:>{width}}/{self.total}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
-              f"grad_norm {r.grad_norm:.3f}  {tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
+              f"{norm}{tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
               file=self.stream, flush=True)
         if self.metrics:
             self.metrics.write(json.dumps({

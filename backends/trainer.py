@@ -15,6 +15,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from .topology import Topology
 class StepReport:
     step: int
     loss: float  # the global step loss (mean over microbatches and DP), as the reference's
-    grad_norm: float
+    grad_norm: Optional[float]  # the global norm, computed only when the plan clips
     lr: float
     step_time: float  # seconds, this rank
     tokens: int  # tokens in the global batch
@@ -141,19 +142,25 @@ class PipelineTrainer:
         self.holds_loss = last in self.runners and topo.coords.tp == 0
 
     def step(self, t: int) -> StepReport:
-        """One optimizer step. The host waits on the device once for the gradient norm and
-        once for the loss; when either is not finite the step stops before the optimizer,
-        naming where the first non-finite value appeared (`NonFiniteError`)."""
+        """One optimizer step. The host waits on the device once for the loss (and once for
+        the gradient norm when the plan clips). A rank whose weight gradients turned
+        non-finite sends NaN in place of its loss, so every rank sees it in the one
+        all-reduce: then (or when the norm or the loss is not finite) the step stops before
+        the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
         result = self.executor.run_step(batches)
         self.sync.finish()
-        norm = self.sync.clip(self.plan.train.grad_clip)
-        loss = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+        clip = self.plan.train.grad_clip
+        norm = self.sync.clip(clip) if clip is not None else None
+        mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+        loss = torch.where(result.grads_non_finite(), math.nan, mine)
         dist.all_reduce(loss)
         loss_value = float(loss)
-        if not (math.isfinite(norm) and math.isfinite(loss_value)):
-            raise NonFiniteError(locate_non_finite(t, result, loss_value, norm, self.runners))
+        if not (math.isfinite(loss_value) and (norm is None or math.isfinite(norm))):
+            dist.all_reduce(mine)  # what the loss was, and the norm, for the message
+            norm = self.sync.norm() if norm is None else norm
+            raise NonFiniteError(locate_non_finite(t, result, float(mine), norm, self.runners))
         lr = self.plan.train.optimizer.lr
         if self.optimizer is not None:
             lr = self.optimizer.param_groups[0]["lr"]
