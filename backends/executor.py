@@ -253,9 +253,9 @@ class Executor:
             check = torch.isnan if op == "F" else (lambda x: ~torch.isfinite(x))
             result.flags.append(Flag(label(a), s, mb, what, tuple(floats),
                                      torch.stack([check(v).any() for v in floats.values()]), end))
-        if op in ("W", "BW") and runner.last_grad_max is not None:
+        if op in ("W", "BW") and runner.last_grad_norm is not None:
             result.flags.append(Flag(label(a), s, mb, "weight gradients", ("",),
-                                     ~torch.isfinite(runner.last_grad_max).reshape(1), end))
+                                     ~torch.isfinite(runner.last_grad_norm).reshape(1), end))
 
     def _run(self, a, batches, acts, grads, result: StepResult) -> dict[str, torch.Tensor]:
         """Run one action; returns the values it produced (outputs or input gradients)."""

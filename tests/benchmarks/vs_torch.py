@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 MODEL = {"vocab": 256, "dim": 128, "layers": 8, "heads": 4, "seq_len": 64}
+TIED = {"1f1b": True, "interleaved": True, "zbv": False}
 MICROBATCHES, GLOBAL_BATCH = 8, 16
 SCHEDULES = {"1f1b": 1, "interleaved": 2, "zbv": 2}  # kind -> stages per rank
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 PLAN = """
 model {{
   source = "{repo}/examples/models/gpt.py:GPT"
-  args = {{ vocab = {vocab}, dim = {dim}, layers = {layers}, heads = {heads}, seq_len = {seq_len} }}
+  args = {{ vocab = {vocab}, dim = {dim}, layers = {layers}, heads = {heads}, seq_len = {seq_len}, tie_embeddings = {tie} }}
   capture = fx
   loss = cross_entropy
 }}
@@ -83,7 +84,7 @@ def make_plan(kind: str, world: int, steps: int):
     v = SCHEDULES[kind]
     split = ", ".join(f"layers[{a}:{b}]" for a, b in layer_ranges(world * v))
     text = PLAN.format(repo=REPO, pp=world, kind=kind, m=MICROBATCHES, v=v, split=split,
-                       steps=steps, gb=GLOBAL_BATCH, **MODEL)
+                       steps=steps, gb=GLOBAL_BATCH, tie=str(TIED[kind]).lower(), **MODEL)
     return parse_plan(text, str(REPO / "bench_vs_torch.plan"))
 
 
@@ -121,7 +122,7 @@ class TorchSide:
         from pipeplan.examples.models.gpt import GPT
         v = SCHEDULES[kind]
         stages = world * v
-        gpt = GPT(**MODEL)  # weights replaced below by pipeplan's (same seed, same init)
+        gpt = GPT(**MODEL, tie_embeddings=TIED[kind])  # weights replaced below by pipeplan's (same seed, same init)
         if kind == "zbv":  # the V: rank r holds stages r and 2*world-1-r
             mine = [rank, 2 * world - 1 - rank]
         else:  # round robin
@@ -144,7 +145,8 @@ class TorchSide:
                "zbv": ScheduleZBVZeroBubble}[kind]
         self.schedule = cls(pipe[0] if kind == "1f1b" else pipe, MICROBATCHES, loss_fn=loss_fn)
         params = list({id(p): p for m in self.modules for p in m.parameters()}.values())
-        self.tied = gpt.lm_head.weight if self.holds_first != self.holds_last else None
+        self.tied = gpt.lm_head.weight if TIED[kind] and self.holds_first != self.holds_last \
+            else None
         ends = sorted({self.placement[0], self.placement[stages - 1]})
         self.tie_group = dist.new_group(ends) if len(ends) > 1 else None  # collective
         self.optimizer = build_optimizer(params, plan.train)
