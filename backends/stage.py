@@ -183,8 +183,7 @@ class StageRunner:
         NaN or infinite it stays so, so the first flagged action is where it went bad. An L2
         norm (non-finite also when its squares overflow, as the global norm's would): torch's
         max-norm is ~20x slower on CPU."""
-        local = [g.to_local() if hasattr(g, "to_local") else g
-                 for g in (p.grad for p in self.params) if g is not None]
+        local = [_local(p.grad) for p in self.params if p.grad is not None]
         self.last_grad_norm = (torch.nn.utils.get_total_norm(local, 2.0)
                               if local else None)
 
@@ -195,7 +194,7 @@ class StageRunner:
         as `.grad` without a copy (so a stage never holds its gradients twice) unless its
         storage is shared with another gradient or with `others` (incoming or input
         gradients that are sent on): later microbatches add into `.grad` in place."""
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+        local = [_local(g) for g in grads if g is not None]
         self.last_grad_norm = (torch.nn.utils.get_total_norm(local, 2.0)
                               if local else None)
         taken = {_storage(t) for t in others if t is not None}
@@ -219,6 +218,10 @@ class StageRunner:
         return sorted(self._saved)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (TP-sharded gradients); a plain tensor as it is."""
+    return t if type(t) is torch.Tensor or not hasattr(t, "to_local") else t.to_local()
+
+
 def _storage(t: torch.Tensor) -> int:
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.untyped_storage().data_ptr()
+    return _local(t).untyped_storage().data_ptr()

@@ -150,12 +150,13 @@ class PipelineTrainer:
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
         result = self.executor.run_step(batches)
+        mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+        loss = torch.where(result.grads_non_finite(), math.nan, mine)
+        summed = dist.all_reduce(loss, async_op=True)  # in flight with the gradient sync
         self.sync.finish()
         clip = self.plan.train.grad_clip
         norm = self.sync.clip(clip) if clip is not None else None
-        mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
-        loss = torch.where(result.grads_non_finite(), math.nan, mine)
-        dist.all_reduce(loss)
+        summed.wait()
         loss_value = float(loss)
         if not (math.isfinite(loss_value) and (norm is None or math.isfinite(norm))):
             dist.all_reduce(mine)  # what the loss was, and the norm, for the message

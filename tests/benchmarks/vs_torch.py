@@ -18,8 +18,8 @@ allocates and keeps alive: activations, gradients, communication buffers,
 optimizer state; max over ranks); the rest for time. Both must reach the same losses.
 
 Prints per (world, schedule): median step time of each, the ratio pipeplan/torch and
-the peak memory ratio. `--profile DIR` writes each rank's cProfile of the pipeplan
-steps. Same-process alternation is the only comparison that means anything on a
+the peak memory ratio. `--profile DIR` writes each rank's cProfile of either side's
+timed steps. Same-process alternation is the only comparison that means anything on a
 loaded machine (separate launches vary 0.3-2.7x for identical code here).
 """
 from __future__ import annotations
@@ -208,11 +208,15 @@ def _peak(fn, modules) -> int:
     return sum(params.values()) + tracker.peak
 
 
-def _timed(fn) -> float:
+def _timed(fn, prof=None) -> float:
     dist.barrier()
+    if prof:
+        prof.enable()
     start = time.perf_counter()
     fn()
     took = torch.tensor(time.perf_counter() - start)
+    if prof:
+        prof.disable()
     dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
     return float(took)
 
@@ -243,16 +247,12 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
     ours_modules = [r.module for r in ours.runners.values()]
     mem_ours = _peak(lambda: ours_step(0), ours_modules)
     mem_theirs = _peak(lambda: theirs_step(0), theirs.modules)
-    prof = cProfile.Profile() if profile else None
+    profs = {"pipeplan": cProfile.Profile(), "torch": cProfile.Profile()} if profile else {}
     for t in range(1, steps):
-        if prof:
-            prof.enable()
-        ours_t.append(_timed(lambda: ours_step(t)))
-        if prof:
-            prof.disable()
-        theirs_t.append(_timed(lambda: theirs_step(t)))
-    if prof:
-        prof.dump_stats(os.path.join(profile, f"pipeplan-{kind}-w{world}-rank{rank}.prof"))
+        ours_t.append(_timed(lambda: ours_step(t), profs.get("pipeplan")))
+        theirs_t.append(_timed(lambda: theirs_step(t), profs.get("torch")))
+    for name, prof in profs.items():
+        prof.dump_stats(os.path.join(profile, f"{name}-{kind}-w{world}-rank{rank}.prof"))
     theirs_all = torch.stack(theirs_losses).double()
     dist.all_reduce(theirs_all)  # only the last stage's rank holds them
     peaks = torch.tensor([mem_ours, mem_theirs], dtype=torch.float64)
