@@ -1,9 +1,11 @@
 """One compiled plan for every rank: rank 0 decides, every rank proves it runs the same.
 
 `compile_shared` compiles on rank 0 of the world and broadcasts its decisions
-(the split points and the verified schedule); every other rank compiles the
-same plan with that split and schedule pinned, so searches (`auto`) never run
-to different answers on different ranks. `check_agreement` then hashes, on
+(the split points and the verified schedule) with its shape and cost
+propagation (compiler/analysis.py's `Propagation`); every other rank compiles
+the same plan with that split and schedule pinned and the propagation
+replayed, so searches (`auto`) never run to different answers on different
+ranks and only rank 0 runs the graph on meta tensors. `check_agreement` then hashes, on
 every rank, what it is about to run (the plan, the schedule, each stage's
 boundaries, parameters and code, the tied parameters, the expert placement and
 the TP rewrites), gathers the hashes and stops every rank before step 1 when
@@ -27,20 +29,25 @@ def compile_shared(plan: Plan, compile_fn) -> CompiledPlan:
     """`compile_fn(plan, None)` on rank 0; rank 0's split and schedule pinned everywhere."""
     from ..schedules import schedule_from_json, schedule_to_json
 
+    from ..compiler.analysis import Propagation
+
     rank = dist.get_rank()
     decided = [None]
     if rank == 0:
-        compiled = compile_fn(plan, None)
-        decided = [(tuple(compiled.split_points), schedule_to_json(compiled.schedule))]
+        with Propagation.record() as propagation:
+            compiled = compile_fn(plan, None)
+        decided = [(tuple(compiled.split_points), schedule_to_json(compiled.schedule),
+                    propagation.table)]
     dist.broadcast_object_list(decided, src=0)
     if rank == 0:
         return compiled
-    points, schedule_json = decided[0]
+    points, schedule_json, table = decided[0]
     pinned = plan
     if points:
         pinned = dataclasses.replace(plan, pipeline=dataclasses.replace(
             plan.pipeline, split=SplitSpec(kind="points", points=points)))
-    compiled = compile_fn(pinned, None)
+    with Propagation.replay(table):  # rank 0's meta run: no second one (nor torch._dynamo)
+        compiled = compile_fn(pinned, None)
     compiled.schedule = schedule_from_json(schedule_json)
     for st in compiled.stages:
         st.rank = compiled.schedule.stage_to_rank[st.index]
