@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-BASE = "1d27632f25c5a80ebd88d22617812b3412f8299f"  # main before issue 13's runtime changes
+BASE = "deed2100b382b143adecc407e2af48c119239f5f"  # main before issue 13's runtime changes landed
 RUNTIME = ("backends/executor.py", "backends/stage.py", "backends/split_backward.py",
            "backends/grads.py", "backends/trainer.py", "backends/observe.py",
            "backends/nonfinite.py")
