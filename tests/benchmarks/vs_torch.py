@@ -11,7 +11,8 @@ sequences, AdamW (the plan's, foreach off, on both sides). pipeplan runs its pla
 holding the same modules and weights, with Schedule1F1B, ScheduleInterleaved1F1B or
 ScheduleZBVZeroBubble, and sums the tied embedding's gradient between the first and
 last stage's ranks itself (torch has no tie support). Each rank alternates: one
-pipeplan step, one torch step, each started after a barrier; a step's time is the
+pipeplan step, one torch step (which goes first alternates too), each started after a
+barrier; a step's time is the
 slowest rank's. The first step of each is the warm-up, measured for memory
 (the rank's parameter bytes plus the peak of the tensor storages the step
 allocates and keeps alive: activations, gradients, communication buffers,
@@ -248,9 +249,11 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
     mem_ours = _peak(lambda: ours_step(0), ours_modules)
     mem_theirs = _peak(lambda: theirs_step(0), theirs.modules)
     profs = {"pipeplan": cProfile.Profile(), "torch": cProfile.Profile()} if profile else {}
-    for t in range(1, steps):
-        ours_t.append(_timed(lambda: ours_step(t), profs.get("pipeplan")))
-        theirs_t.append(_timed(lambda: theirs_step(t), profs.get("torch")))
+    for t in range(1, steps):  # who goes first alternates too (allocator, caches)
+        pair = [lambda: ours_t.append(_timed(lambda: ours_step(t), profs.get("pipeplan"))),
+                lambda: theirs_t.append(_timed(lambda: theirs_step(t), profs.get("torch")))]
+        for run_one in pair if t % 2 else pair[::-1]:
+            run_one()
     for name, prof in profs.items():
         prof.dump_stats(os.path.join(profile, f"{name}-{kind}-w{world}-rank{rank}.prof"))
     theirs_all = torch.stack(theirs_losses).double()
