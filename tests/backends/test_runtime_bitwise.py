@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the package root (the repo root)
 GPT_PP2 = ["mesh.pp=2", "pipeline.split=auto"]
 QUICK = [  # (plan file, overrides, world size, steps)
     ("gpt_pp4_1f1b.plan", GPT_PP2 + ["pipeline.schedule=zbv", "pipeline.virtual=2",
-                                     "train.precision=fp64", "train.grad_clip=0.5"], 2, 3),
-    ("gpt_pp4_1f1b.plan", GPT_PP2 + ["train.precision=fp32"], 2, 3),
+                                     "train.precision=fp64", "train.grad_clip=0.5"], 2, 2),
+    ("gpt_pp4_1f1b.plan", GPT_PP2 + ["train.precision=fp32"], 2, 2),
 ]
 EXAMPLES = [(plan, [f"train.precision={p}"], world, 3)
             for plan, world in (("gpt_pp4_1f1b.plan", 4), ("moe_pp2_ep2_zbv.plan", 4))
