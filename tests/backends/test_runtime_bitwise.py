@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-BASE = "deed2100b382b143adecc407e2af48c119239f5f"  # main before issue 13's runtime changes landed
+BASE = "a61f4ce07a30d55c5060e32481deea890a97c730"  # main before issue 13's runtime changes landed
 RUNTIME = ("backends/executor.py", "backends/stage.py", "backends/split_backward.py",
            "backends/grads.py", "backends/trainer.py", "backends/observe.py",
            "backends/nonfinite.py")
