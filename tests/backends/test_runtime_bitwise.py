@@ -39,14 +39,20 @@ EXAMPLES = [(plan, [f"train.precision={p}"], world, 3)
             for p in ("fp64", "fp32")] + [("hybrid_pp2_dp2_tp2.plan", ["train.precision=fp64"], 8, 2)]
 
 
+def _copy_tree(tmp: Path) -> Path:
+    """This tree as the package `tmp/pipeplan` (whatever the checkout's folder is called)."""
+    pkg = tmp / "pipeplan"
+    shutil.copytree(ROOT, pkg, ignore=shutil.ignore_patterns(".git", "__pycache__", "build"))
+    return pkg
+
+
 def _base_package(tmp: Path) -> Path:
     """This tree with RUNTIME as of BASE, as `tmp/pipeplan`; returns what goes on PYTHONPATH."""
     git = shutil.which("git")
     if git is None or subprocess.run([git, "-C", ROOT, "cat-file", "-e", f"{BASE}^{{commit}}"],
                                      capture_output=True).returncode:
         pytest.skip(f"needs git and commit {BASE[:12]} (the runtime before issue 13)")
-    pkg = tmp / "pipeplan"
-    shutil.copytree(ROOT, pkg, ignore=shutil.ignore_patterns(".git", "__pycache__", "build"))
+    pkg = _copy_tree(tmp)
     for f in RUNTIME:
         old = subprocess.run([git, "-C", ROOT, "show", f"{BASE}:{f}"], capture_output=True,
                              check=True).stdout
@@ -57,11 +63,12 @@ def _base_package(tmp: Path) -> Path:
 
 def _train_both(tmp: Path, configs) -> tuple[list, list]:
     """Run the driver under the old and the new package (concurrently); their results."""
-    import pipeplan
-    trees = {"old": _base_package(tmp), "new": Path(pipeplan.__file__).parent.parent}
+    (tmp / "old").mkdir()
+    (tmp / "new").mkdir()
+    trees = {"old": _base_package(tmp / "old"), "new": _copy_tree(tmp / "new").parent}
     runs = {}
     for name, path in trees.items():
-        out = tmp / name
+        out = tmp / f"{name}-out"
         out.mkdir()
         env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS="1")
         script = Path(path) / "pipeplan" / "tests" / "backends" / Path(__file__).name
