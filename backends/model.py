@@ -1,7 +1,8 @@
 """The model both sides start from, and the loss the reference computes on its output.
 
 Initial weights are a function of (plan seed, module path), drawn by the model's
-own per-module init (backends/materialize.py). `build_model` materialises the
+own per-module init (backends/materialize.py), or read from the plan's
+`model.weights` file (backends/weights.py: each name from the file, lazily). `build_model` materialises the
 whole model that way (the single-process reference); `own_stages` gives a
 rank's compiled stages (compiled on the meta device) real tensors for exactly
 the parameters and buffers they hold, drawn the same way, so a rank never
@@ -17,6 +18,7 @@ import torch
 
 from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
+from .weights import weights_source
 
 
 def build_model(plan: Plan) -> torch.nn.Module:
@@ -25,7 +27,7 @@ def build_model(plan: Plan) -> torch.nn.Module:
     from .materialize import materialize
 
     model = load_skeleton(plan)
-    materialize(model, plan.train.seed)
+    materialize(model, plan.train.seed, source=weights_source(plan, model))
     return model
 
 
@@ -42,7 +44,8 @@ def own_stages(plan: Plan, compiled: CompiledPlan, pp_rank: int,
     skeleton = load_skeleton(plan)
     params = {n for s in stages for n in s.param_names}
     nbytes = materialize(skeleton, plan.train.seed,
-                         params | {n for s in stages for n in s.buffer_names}, device)
+                         params | {n for s in stages for n in s.buffer_names}, device,
+                         source=weights_source(plan, skeleton))
     to_precision(skeleton, plan.train.precision)  # as compile_plan and the reference do
     if plan.train.precision == "fp64":  # the bytes after conversion
         owned = {id(p): p for n, p in skeleton.named_parameters(remove_duplicate=False)
