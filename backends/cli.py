@@ -1,4 +1,4 @@
-"""`pipeplan run` and `pipeplan verify`.
+"""`pipeplan run` and `pipeplan verify` (and `pipeplan export`, backends/export.py).
 
 run PLAN|BUILD/: without a rank in the environment it launches world-size
 local processes (gloo) that each re-enter this command as one rank; under
@@ -34,6 +34,10 @@ def add_commands(sub) -> None:
                              "element within rtol 1e-9, atol 1e-12) or fp32 (per-element bounds "
                              "scaled by the optimizer's reach, see docs/runtime.md)")
     verify.set_defaults(func=_cmd_verify)
+
+    from .export import add_export_command
+
+    add_export_command(sub)  # export
 
 
 def _common(p: argparse.ArgumentParser) -> None:
