@@ -217,15 +217,16 @@ def plan_catalogue(plan: Plan) -> dict[str, Stored]:
                            "(relative to the plan file)") from None
 
 
-def weight_problems(stored: Mapping[str, Stored], model: nn.Module) -> list[str]:
-    """What keeps `stored` from loading into `model` (empty: it loads)."""
+def weight_problems(stored: Mapping[str, Stored], model: nn.Module, where: str) -> list[str]:
+    """What keeps `stored` (the weights at `where`) from loading into `model` (empty: it
+    loads), each naming the file and the tensor."""
     problems = []
     for names in alias_groups(model):
         have = next((n for n in names if n in stored), None)
         p = model.get_parameter(names[0])
         if have is None:
             tied = f" (nor under its tied name {', '.join(names[1:])})" if len(names) > 1 else ""
-            problems.append(f"parameter `{names[0]}` {list(p.shape)} is not stored{tied}")
+            problems.append(f"{where}: parameter `{names[0]}` {list(p.shape)} is not stored{tied}")
             continue
         s = stored[have]
         if s.shape != tuple(p.shape):
@@ -253,7 +254,7 @@ def check_weights(plan: Plan, model: nn.Module) -> None:
     """Compile time: the plan's weights load into `model` (headers only, no tensor allocated)."""
     if plan.model.weights is None:
         return
-    problems = weight_problems(plan_catalogue(plan), model)
+    problems = weight_problems(plan_catalogue(plan), model, weights_path(plan))
     if not problems:
         return
     shown = problems[:MAX_LISTED]
@@ -262,7 +263,7 @@ def check_weights(plan: Plan, model: nn.Module) -> None:
     hint = (f"the weights must be {type(model).__name__}'s with these plan args (names as in "
             "its state_dict); the file is another model's, or the args differ")
     span = plan.span_of("model.weights")
-    raise PlanError([Diagnostic(f"weights {weights_path(plan)}: {p}", span, hint) for p in shown],
+    raise PlanError([Diagnostic(p, span, hint) for p in shown],
                     plan.source_text or None, plan.sources)
 
 
@@ -324,7 +325,7 @@ def weights_source(plan: Plan, model: nn.Module) -> Optional[WeightSource]:
     if plan.model.weights is None:
         return None
     stored = catalogue(weights_path(plan))
-    problems = weight_problems(stored, model)
+    problems = weight_problems(stored, model, weights_path(plan))
     if problems:
-        raise WeightsFileError(f"weights {weights_path(plan)}: " + "; ".join(problems[:3]))
+        raise WeightsFileError("; ".join(problems[:3]))
     return WeightSource(stored, model)

@@ -219,3 +219,149 @@ def test_a_slice_reads_only_that_part(pretrained):
     assert torch.equal(source["lm_head.weight"], model.lm_head.weight)  # via its tied name
     assert source.names_read == ["model.layers.1.mlp.down_proj.weight",
                                  "model.embed_tokens.weight"]
+
+
+# --------------------------------------------------------- bad weights, before launch
+def _save(folder: Path, tensors: dict) -> str:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder / "model.safetensors")
+
+
+def _bad_weights(case: str, good: Path, tmp: Path) -> tuple[str, list[str]]:
+    """(weights path for the plan, what the message must name) for one bad-input case."""
+    stored = file_tensors(good)
+    raw = (good / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    if case == "missing-file":
+        return "no/such/weights", ["no/such/weights", "no such file"]
+    if case == "missing-tensor":
+        del stored["model.norm.weight"]
+        return _save(tmp / case, stored), ["model.safetensors", "`model.norm.weight`", "not stored"]
+    if case == "wrong-shape":
+        stored["model.layers.1.mlp.up_proj.weight"] = torch.zeros(64, 31)
+        return _save(tmp / case, stored), ["model.safetensors",
+                                           "`model.layers.1.mlp.up_proj.weight`", "[64, 31]"]
+    if case == "wrong-dtype":
+        stored["model.norm.weight"] = torch.zeros(32, dtype=torch.int32)
+        return _save(tmp / case, stored), ["model.safetensors", "`model.norm.weight`", "I32"]
+    if case == "extra-tensor":
+        stored["model.layers.2.mlp.up_proj.weight"] = torch.zeros(64, 32)
+        return _save(tmp / case, stored), ["model.safetensors",
+                                           "`model.layers.2.mlp.up_proj.weight`", "does not have"]
+    path = tmp / f"{case}.safetensors"
+    if case == "header-size":  # a header length beyond the file: refused before reading it
+        path.write_bytes(struct.pack("<Q", 2**60) + raw[8:])
+        return str(path), [path.name, "corrupted header", "header bytes"]
+    if case == "header-json":
+        path.write_bytes(raw[:8] + b"{" * n + raw[8 + n:])
+        return str(path), [path.name, "corrupted header", "not JSON"]
+    if case == "truncated":
+        path.write_bytes(raw[:len(raw) - 100])
+        return str(path), [path.name, "corrupted header", "truncated"]
+    if case == "index-shard":
+        folder = tmp / case
+        folder.mkdir()
+        index = {"metadata": {}, "weight_map": {k: "model-00001-of-00002.safetensors"
+                                                for k in stored}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return str(folder), ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+    raise AssertionError(case)
+
+
+CASES = ("missing-file", "missing-tensor", "wrong-shape", "wrong-dtype", "extra-tensor",
+         "header-size", "header-json", "truncated", "index-shard")
+
+
+def test_bad_weights_stop_check_at_the_plan_line(pretrained, tmp_path, capsys):
+    """Each case: exit 2, the file and the tensor named, a caret under `weights = ...`,
+    no traceback; before any tracing (headers only)."""
+    failures = []
+    for case in CASES:
+        weights, named = _bad_weights(case, pretrained / "single", tmp_path)
+        plan = write_plan(tmp_path, weights)
+        code = main(["check", str(plan)])
+        err = capsys.readouterr().err
+        caret = any(line.strip().startswith("^") for line in err.splitlines())
+        missing = [s for s in named if s not in err]
+        if code != 2 or missing or "Traceback" in err or "weights = " not in err or not caret:
+            failures.append(f"{case}: exit {code}, missing {missing}:\n{err}")
+    assert not failures, "\n".join(failures)
+
+
+def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nothing"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing" in err and "no such checkpoint folder" in err and "Traceback" not in err
+    (tmp_path / "run" / "step_000004").mkdir(parents=True)
+    (tmp_path / "run" / "step_000004" / ".metadata").write_bytes(b"not a pickle")
+    assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "step_000004/.metadata" in err and "unreadable" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------- export of a plain torch model
+GPT_PLAN = f"""\
+model {{
+  source = "{Path(__file__).resolve().parents[2] / 'examples/models/gpt.py'}:GPT"
+  args = {{ vocab = 32, dim = 16, layers = 2, heads = 2, seq_len = 8 }}
+  capture = fx
+}}
+data = synthetic(seed = 2, vocab = 32, seq_len = 8)
+mesh {{ pp = 1 }}
+pipeline {{ schedule = gpipe  microbatches = 2 }}
+train {{
+  steps = 2
+  global_batch = 4
+  optimizer = adamw(lr = 0.01)
+  checkpoint {{ every = 2  dir = "ckpt" }}
+}}
+"""
+
+
+def _gpt_run(rank, world, plan_path):
+    from pipeplan.backends.checkpoint import Checkpointer
+    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.dsl.load import load_plan
+
+    plan = load_plan(str(plan_path)).with_resolved_paths()
+    trainer = PipelineTrainer.for_plan(plan)
+    for t in range(2):
+        trainer.step(t)
+    Checkpointer(plan.train.checkpoint, trainer.parameters_by_name(), trainer.optimizer).save(2)
+    return {k: v.detach().clone() for k, v in trainer.named_parameters().items()}
+
+
+def test_export_of_a_torch_model_loads_with_strict_state_dict(tmp_path):
+    """A model that is not transformers': OUT/model.safetensors holds every state_dict key
+    (the tied head under both names), so the class loads it with strict=True; without
+    --plan the checkpoint's names go out as stored."""
+    from safetensors.torch import load_file
+
+    from pipeplan.backends.model import build_model
+    from pipeplan.dsl.load import load_plan
+
+    plan_path = tmp_path / "gpt.plan"
+    plan_path.write_text(GPT_PLAN)
+    final = spawn(_gpt_run, 1, plan_path, timeout=200)[0]
+    assert main(["export", str(tmp_path / "ckpt"), "--plan", str(plan_path),
+                 "-o", str(tmp_path / "out")]) == 0
+    model = build_model(load_plan(str(plan_path)))  # a fresh model: the init's weights
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    tied = {"lm_head.weight": "tok_emb.weight", "tok_emb.weight": "lm_head.weight"}
+    run = {k: final[k] if k in final else final[tied[k]] for k in model.state_dict()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert torch.equal(p, run[name]), name
+    twin = build_model(load_plan(str(plan_path)))
+    twin.load_state_dict(run, strict=True)  # the run's own final parameters
+    x = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(model(x), twin(x), **TOL)
+    assert main(["export", str(tmp_path / "ckpt" / "step_000002"),
+                 "-o", str(tmp_path / "raw.safetensors")]) == 0
+    raw = load_file(tmp_path / "raw.safetensors")
+    assert set(raw) <= set(model.state_dict()) and set(raw) >= set(final) - {"tok_emb.weight",
+                                                                            "lm_head.weight"}
+    assert all(torch.equal(raw[k], final[k]) for k in raw if k in final)
