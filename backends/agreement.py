@@ -63,6 +63,12 @@ def fingerprint(plan: Plan, compiled: CompiledPlan) -> dict[str, str]:
     return {k: hashlib.sha256(v.encode()).hexdigest()[:12] for k, v in parts.items()}
 
 
+def plan_hash(plan: Plan, compiled: CompiledPlan) -> str:
+    """One hash of everything `fingerprint` covers (a checkpoint records it)."""
+    parts = fingerprint(plan, compiled)
+    return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
+
+
 def check_agreement(plan: Plan, compiled: CompiledPlan) -> None:
     """Collective over the world: raise on every rank unless all fingerprints are equal."""
     mine = fingerprint(plan, compiled)

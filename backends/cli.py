@@ -1,4 +1,5 @@
-"""`pipeplan run` and `pipeplan verify` (and `pipeplan export`, backends/export.py).
+"""`pipeplan run`, `pipeplan verify`, `pipeplan plan-diff` (plan_diff.py) and `pipeplan export`
+(export.py).
 
 run PLAN|BUILD/: without a rank in the environment it launches world-size
 local processes (gloo) that each re-enter this command as one rank; under
@@ -23,6 +24,8 @@ def add_commands(sub) -> None:
     run.add_argument("--steps", type=int, default=None, help="optimizer steps (default: train.steps)")
     run.add_argument("--trace", metavar="FILE", help="write every rank's measured actions as a Chrome trace")
     run.add_argument("--metrics", metavar="FILE", help="write one JSON object per step (JSONL)")
+    run.add_argument("--reset-optimizer", action="store_true",
+                     help="resume a checkpoint's weights (and step) with a fresh optimizer")
     run.add_argument("--dump-dir", help=argparse.SUPPRESS)
     run.set_defaults(func=_cmd_run)
 
@@ -36,8 +39,10 @@ def add_commands(sub) -> None:
     verify.set_defaults(func=_cmd_verify)
 
     from .export import add_export_command
+    from .plan_diff import add_command
 
-    add_export_command(sub)  # export
+    add_command(sub)
+    add_export_command(sub)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -69,15 +74,29 @@ def _rank_argv(args, steps: int, dump_dir: str | None = None,
             argv += [f"--{flag}", os.path.abspath(getattr(args, flag))]
     if dump_dir:
         argv += ["--dump-dir", dump_dir]
+    if getattr(args, "reset_optimizer", False):
+        argv += ["--reset-optimizer"]
     return argv
 
 
-def precompile(plan, source: RunSource) -> None:
+def precompile(plan, source: RunSource):
     """Compile on the meta device as every rank will, so every compile-time check (a
     PlanError at the plan line) runs before any process starts."""
     from .layout import with_required_leaves
 
-    source.compile(with_required_leaves(plan), None)
+    return source.compile(with_required_leaves(plan), None)
+
+
+def check_resume(plan, compiled, reset_optimizer: bool = False) -> None:
+    """Before launch: the newest checkpoint in train.checkpoint.dir (if any) loads under
+    this plan, or one message lists every item that will not (backends/checkpoint/)."""
+    from .checkpoint import check_loadable, latest_step, parameter_shapes, step_dir
+
+    spec = plan.train.checkpoint
+    step = latest_step(spec.dir) if spec is not None else None
+    if step is not None:
+        check_loadable(step_dir(spec.dir, step), plan, parameter_shapes(compiled)[0],
+                       reset_optimizer)
 
 
 def _cmd_run(args) -> int:
@@ -87,15 +106,16 @@ def _cmd_run(args) -> int:
     source = load_source(args.plan, args.set, env.world_size if env else None)
     steps = _steps(args, source)
     if env is None:
-        precompile(source.plan, source)  # fail before spawning anything
+        compiled = precompile(source.plan, source)  # fail before spawning anything
         check_data(source.plan, steps)
+        check_resume(source.plan, compiled, args.reset_optimizer)
         m = source.plan.mesh
         print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
         return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size)
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
-                      debug=getattr(args, "debug", False))
+                      debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer)
     return run_worker(source.plan, source.compile, env, opts)
 
 

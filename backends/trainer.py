@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..compiler.checks import check_checkpointable
 from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
 from . import data
-from .checkpoint import check_checkpointable
+from .checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor
 from .grads import GradSync, ZeroSync, build_tied_groups
@@ -97,7 +98,6 @@ class PipelineTrainer:
 
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
                  device: torch.device = torch.device("cpu")):
-        check_checkpointable(plan)  # the model's init is checked before launch (check_supported)
         self.plan, self.topo, self.device = plan, topo, device
         schedule = compiled.schedule
         pp = topo.coords.pp
@@ -106,6 +106,8 @@ class PipelineTrainer:
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
         modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
+        # every parameter's name and global shape, before the rewrites shard them (checkpoints)
+        self.global_shapes, self.first_stage = parameter_shapes(compiled)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         rules = tuple(r for r in plan.recompute if r.mode != "none")
         self.runners = {s: StageRunner(specs[s], m, s == last, scale,

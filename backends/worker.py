@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..dsl.ast import Plan
 from ..errors import PipeplanError
-from .agreement import check_agreement, compile_shared
+from .agreement import check_agreement, compile_shared, plan_hash
 from .checkpoint import Checkpointer, latest_step
 from .failure import Beacon, Failure, FailureWatch, now, report_failure
 from .layout import with_required_leaves
@@ -39,6 +39,7 @@ class RunOptions:
     timeout_s: float = 300.0
     dump_dir: Optional[str] = None  # `pipeplan verify`: each rank saves losses and parameters here
     debug: bool = False
+    reset_optimizer: bool = False  # resume the weights only, with a fresh optimizer
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,19 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
 
 
-def _restore(plan: Plan, trainer: PipelineTrainer):
-    """(Checkpointer or None, steps already done): resume from the newest checkpoint."""
+def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash: str,
+             split_points):
+    """(Checkpointer or None, steps already done): resume from the newest checkpoint,
+    resharded to this plan (backends/checkpoint/)."""
     spec = plan.train.checkpoint
     if spec is None:
         return None, 0
-    ckpt = Checkpointer(spec, trainer.parameters_by_name(), trainer.optimizer)
+    ckpt = Checkpointer(plan, trainer, run_hash, split_points)
     found = [latest_step(spec.dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(found, src=0)  # rank 0's view decides for every node
     if found[0] is None:
         return ckpt, 0
-    done = ckpt.load(found[0])
+    done = ckpt.load(found[0], opts.reset_optimizer)
     trainer.resume(done)
     return ckpt, done
 
@@ -88,9 +91,10 @@ def _log_dir_metrics(plan: Plan) -> Optional[str]:
 
 
 def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
-           where: list) -> tuple[list[float], list, int]:
+           where: list, run_hash: str = "", split_points=()) -> tuple[list[float], list, int]:
     """The step loop (resuming from a checkpoint); rank 0 prints and writes metrics."""
-    checkpoints, first = _restore(plan, trainer)
+    where[0] = "resume from a checkpoint"
+    checkpoints, first = _restore(plan, trainer, opts, run_hash, split_points)
     metrics = opts.metrics or _log_dir_metrics(plan)
     progress = Progress(opts.steps, metrics, append=first > 0, resumed_after=first) \
         if env.rank == 0 else None
@@ -157,10 +161,12 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         schedule = compiled.schedule
+        run_hash, split_points = plan_hash(leaves, compiled), compiled.split_points
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         startup = (time.perf_counter() - started, peak_rss_bytes())
-        losses, timings, first = _train(plan, trainer, env, opts, where)
+        losses, timings, first = _train(plan, trainer, env, opts, where, run_hash,
+                                       split_points)
         where[0] = "finish"
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes())

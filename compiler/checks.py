@@ -7,7 +7,8 @@ compile`, and `pipeplan run` / `verify` (before spawning a process) all
 compile, so all of them run these checks. Each check names the runtime code
 whose refusal it moves forward:
 
-* checkpoints of sharded state (backends/checkpoint.py);
+* checkpoint values (backends/checkpoint/; whether a checkpoint loads under the plan is
+  asked by `pipeplan run` before launch, backends/checkpoint/manifest.py);
 * data files are checked by backends/data_check.py (called after tracing, when the
   vocabulary is known, and by run/verify with the planned steps); the experts
   section's values by compiler/experts_checks.py;
@@ -35,14 +36,10 @@ def check_plan_values(plan: Plan) -> None:
 
 
 def check_checkpointable(plan: Plan) -> None:
-    """Checkpoints (DCP) cover whole parameters only, so far."""
+    """Checkpoints (DCP) cover every plan's shards; only the values are checked here."""
     spec = plan.train.checkpoint
     if spec is None:
         return
-    if plan.zero > 0 or plan.mesh.tp > 1 or plan.mesh.ep > 1:
-        raise PlanError.at(plan, "train.checkpoint",
-                           "checkpoints of ZeRO, tensor-parallel or expert-parallel shards are "
-                           "not supported yet", "drop the checkpoint, or run without zero/tp/ep")
     if spec.every < 1 or spec.keep < 1:
         raise PlanError.at(plan, "train.checkpoint", "checkpoint every and keep must be >= 1")
 

@@ -43,6 +43,12 @@ class ParameterSlicer:
         return self._memo[key][1]
 
 
+def shard_offset(full: int, group) -> int:
+    """Where this rank's slice starts along the split dim of length `full` (torch.chunk's
+    rule, as `ParameterSlicer` cuts it)."""
+    return dist.get_rank(group) * -(-full // dist.get_world_size(group))
+
+
 def set_parameter(root: nn.Module, name: str, value: nn.Parameter) -> None:
     owner, _, leaf = name.rpartition(".")
     module = root.get_submodule(owner) if owner else root

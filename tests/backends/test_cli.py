@@ -123,12 +123,12 @@ def test_rank_failure_stops_every_rank(tmp_path):
 
 def test_bad_plan_is_a_one_line_error(tmp_path):
     text = (REPO / "examples/moe_pp2_ep2_zbv.plan").read_text()
-    plan = tmp_path / "moe_ckpt.plan"  # checkpoints of expert shards: refused at the plan line
-    plan.write_text(text.replace("train {", 'train {\n  checkpoint { every = 1, dir = "ckpt" }', 1))
+    plan = tmp_path / "moe_allgather.plan"  # a dispatcher not implemented: refused at the plan line
+    plan.write_text(text.replace("dispatcher = alltoall", "dispatcher = allgather", 1))
     (tmp_path / "models").symlink_to(REPO / "examples/models")
     r = pipeplan("run", plan, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert f"{plan}:" in r.stderr and "expert-parallel shards are not supported" in r.stderr
+    assert f"{plan}:" in r.stderr and "dispatcher = allgather is not implemented" in r.stderr
     assert "^" in r.stderr
     assert "Traceback" not in r.stderr and "launching" not in r.stdout
     r = pipeplan("run", tmp_path / "missing.plan", timeout=60)

@@ -1,0 +1,104 @@
+"""Save every N steps, atomically; resume from the newest complete checkpoint.
+
+Atomic: every rank writes `DIR/.step_000010.tmp/`; after all have finished
+(a barrier) rank 0 adds the manifest, renames the folder to
+`DIR/step_000010/` and deletes the oldest beyond `keep`. A crash mid-write
+leaves only a .tmp folder, which resume ignores, so a checkpoint already
+written stays intact.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...dsl.ast import Plan
+from .manifest import build_manifest, check_loadable, write_manifest
+from .pieces import PiecesLoadPlanner, PiecesSavePlanner
+from .state import after_load, rank_pieces
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step_{step:06d}")
+
+
+def latest_step(folder: str) -> Optional[int]:
+    """The newest complete checkpoint's step in `folder` (None: nothing to resume)."""
+    if not os.path.isdir(folder):
+        return None
+    steps = [int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(folder)) if m]
+    return max(steps, default=None)
+
+
+class Checkpointer:
+    """Saves and restores one rank's share of a run (collective: every rank calls each method).
+
+    `trainer`: the rank's PipelineTrainer; `plan_hash`: the hash of what every rank runs
+    (agreement.plan_hash); `split_points`: the compiled split, for the manifest.
+    """
+
+    def __init__(self, plan: Plan, trainer, plan_hash: str = "", split_points=()):
+        self.plan, self.trainer = plan, trainer
+        self.spec = plan.train.checkpoint
+        self.plan_hash, self.split_points = plan_hash, tuple(split_points)
+
+    def _extras(self, step: int) -> dict:
+        """The step and this rank's RNG states (restored only under the same plan)."""
+        state = {"step": torch.tensor(step, dtype=torch.int64),
+                 f"rng/{dist.get_rank()}/cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state[f"rng/{dist.get_rank()}/cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def save(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        folder = self.spec.dir
+        tmp = os.path.join(folder, f".step_{step:06d}.tmp")
+        if dist.get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        state = dict(rank_pieces(self.trainer, "written"))
+        state.update(self._extras(step))
+        dcp.save(state, checkpoint_id=tmp, planner=PiecesSavePlanner())
+        dist.barrier()
+        if dist.get_rank() == 0:
+            optimizer = self.trainer.optimizer
+            lr = optimizer.param_groups[0]["lr"] if optimizer else self.plan.train.optimizer.lr
+            write_manifest(tmp, build_manifest(self.plan, step, self.plan_hash,
+                                               self.trainer.global_shapes, self.split_points, lr))
+            final = step_dir(folder, step)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            steps = sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(folder)) if m)
+            for old in steps[:-self.spec.keep]:
+                shutil.rmtree(step_dir(folder, old), ignore_errors=True)
+        dist.barrier()
+
+    def load(self, step: int, reset_optimizer: bool = False) -> int:
+        """Restore what was saved at `step` (resharded to this plan); returns the step.
+
+        `reset_optimizer`: the weights only; the optimizer starts fresh."""
+        import torch.distributed.checkpoint as dcp
+
+        folder = step_dir(self.spec.dir, step)
+        manifest = check_loadable(folder, self.plan, self.trainer.global_shapes,
+                                  reset_optimizer, before_launch=False)
+        state = dict(rank_pieces(self.trainer, "first", with_optimizer=not reset_optimizer))
+        extras = self._extras(step)
+        same_plan = bool(self.plan_hash) and manifest.get("plan_hash") == self.plan_hash
+        state.update(extras if same_plan else {"step": extras["step"]})
+        dcp.load(state, checkpoint_id=folder, planner=PiecesLoadPlanner())
+        after_load(self.trainer)
+        if same_plan:
+            torch.set_rng_state(state[f"rng/{dist.get_rank()}/cpu"])
+            if torch.cuda.is_available():
+                torch.cuda.set_rng_state(state[f"rng/{dist.get_rank()}/cuda"])
+        return int(state["step"])
