@@ -24,7 +24,6 @@ half-written OUT.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import warnings
 from typing import Optional
@@ -34,7 +33,6 @@ import torch
 from ..errors import PipeplanError
 
 PARAMS = "params/"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(PipeplanError):
@@ -44,16 +42,17 @@ class CheckpointError(PipeplanError):
 def checkpoint_step_dir(path: str) -> str:
     """`path` itself when it is one checkpoint (holds DCP's .metadata), else its newest
     `step_N` folder (a run's checkpoint.dir)."""
+    from .checkpoint.manifest import newest
+
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    steps = [(int(m.group(1)), name) for name in os.listdir(path)
-             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(path, name))]
-    if not steps:
+    found = newest(path)
+    if found is None or not os.path.isfile(os.path.join(found, ".metadata")):
         raise CheckpointError(f"{path}: not a checkpoint (no .metadata) and no step_N "
                               "checkpoint in it")
-    return checkpoint_step_dir(os.path.join(path, max(steps)[1]))
+    return found
 
 
 def read_checkpoint_params(path: str, check=None) -> dict[str, torch.Tensor]:

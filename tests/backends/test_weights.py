@@ -124,8 +124,7 @@ def _train_and_checkpoint(rank, world, plan_path):
     trainer = PipelineTrainer.for_plan(plan)
     own = sorted(trainer.parameters_by_name())
     losses = [trainer.step(t).loss for t in range(STEPS)]
-    Checkpointer(plan.train.checkpoint, trainer.parameters_by_name(),
-                 trainer.optimizer).save(STEPS)
+    Checkpointer(plan, trainer).save(STEPS)
     return dict(rank_result(losses, trainer, None), read=read, own=own)
 
 
@@ -331,7 +330,7 @@ def _gpt_run(rank, world, plan_path):
     trainer = PipelineTrainer.for_plan(plan)
     for t in range(2):
         trainer.step(t)
-    Checkpointer(plan.train.checkpoint, trainer.parameters_by_name(), trainer.optimizer).save(2)
+    Checkpointer(plan, trainer).save(2)
     return {k: v.detach().clone() for k, v in trainer.named_parameters().items()}
 
 
