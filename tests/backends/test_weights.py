@@ -310,7 +310,8 @@ model {{
   capture = fx
 }}
 data = synthetic(seed = 2, vocab = 32, seq_len = 8)
-mesh {{ pp = 1 }}
+mesh {{ pp = 1, dp = 2 }}
+zero = 3
 pipeline {{ schedule = gpipe  microbatches = 2 }}
 train {{
   steps = 2
@@ -335,9 +336,10 @@ def _gpt_run(rank, world, plan_path):
 
 
 def test_export_of_a_torch_model_loads_with_strict_state_dict(tmp_path):
-    """A model that is not transformers': OUT/model.safetensors holds every state_dict key
-    (the tied head under both names), so the class loads it with strict=True; without
-    --plan the checkpoint's names go out as stored."""
+    """A model that is not transformers', trained with ZeRO-3 over dp2 (each rank saved a
+    flat range): OUT/model.safetensors holds every state_dict key at full shape (the tied
+    head under both names), so the class loads it with strict=True; without --plan the
+    checkpoint's names go out as stored."""
     from safetensors.torch import load_file
 
     from pipeplan.backends.model import build_model
@@ -345,7 +347,13 @@ def test_export_of_a_torch_model_loads_with_strict_state_dict(tmp_path):
 
     plan_path = tmp_path / "gpt.plan"
     plan_path.write_text(GPT_PLAN)
-    final = spawn(_gpt_run, 1, plan_path, timeout=200)[0]
+    final = spawn(_gpt_run, 2, plan_path, timeout=200)[0]
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(tmp_path / "ckpt" / "step_000002")).read_metadata()
+    chunks = [len(m.chunks) for k, m in meta.state_dict_metadata.items()
+              if k.startswith("params/")]
+    assert max(chunks) > 1  # ZeRO-3: parameters on disk as pieces of two ranks' flat ranges
     assert main(["export", str(tmp_path / "ckpt"), "--plan", str(plan_path),
                  "-o", str(tmp_path / "out")]) == 0
     model = build_model(load_plan(str(plan_path)))  # a fresh model: the init's weights
