@@ -89,19 +89,16 @@ def read_checkpoint_params(path: str, check=None) -> dict[str, torch.Tensor]:
 def check_fits(model: torch.nn.Module, shapes: dict[str, tuple], where: str) -> None:
     """Refuse, naming each tensor, stored parameters that are not exactly `model`'s: every
     parameter present (under one of its tied names) at its shape, nothing else."""
-    from .weights import alias_groups
+    from .weights import match_names
 
-    problems, known = [], set()
-    for names in alias_groups(model):
-        known.update(names)
-        have = next((n for n in names if n in shapes), None)
-        p = model.get_parameter(names[0])
-        if have is None:
-            problems.append(f"parameter `{names[0]}` is not in the checkpoint")
-        elif shapes[have] != tuple(p.shape):
+    found, missing = match_names(model, shapes)
+    problems = [f"parameter `{names[0]}` is not in the checkpoint" for names in missing]
+    for name, have in found.items():
+        want = tuple(model.get_parameter(name).shape)
+        if name == have and shapes[have] != want:
             problems.append(f"`{have}` has shape {list(shapes[have])} in the checkpoint, "
-                            f"{list(p.shape)} in the model")
-    extra = sorted(set(shapes) - known)
+                            f"{list(want)} in the model")
+    extra = sorted(set(shapes) - set(found) - {n for g in missing for n in g})
     if extra:
         problems.append(f"{len(extra)} tensor(s) the model does not have: "
                         + ", ".join(f"`{n}`" for n in extra[:5]))
@@ -114,12 +111,9 @@ def _model_state(model: torch.nn.Module, plan, params: dict[str, torch.Tensor]) 
     """The full state_dict of the plan's `model` (a skeleton) holding the checked `params`,
     with its persistent buffers as the run computed them."""
     from .materialize import materialize
-    from .weights import alias_groups
+    from .weights import match_names
 
-    by_name = {}
-    for names in alias_groups(model):
-        have = next(n for n in names if n in params)
-        by_name.update((n, params[have]) for n in names)
+    by_name = {n: params[have] for n, have in match_names(model, params)[0].items()}
     buffers = [n for n, _ in model.named_buffers(remove_duplicate=False)]
     materialize(model, plan.train.seed, buffers)
     return {key: by_name[key] if key in by_name else t.detach()

@@ -197,6 +197,19 @@ def alias_groups(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
+def match_names(model: nn.Module, available) -> tuple[dict[str, str], list[list[str]]]:
+    """(every parameter name of `model` -> the name in `available` holding its value: its own
+    or one it is tied to; the parameters, as tied-name groups, that `available` lacks)."""
+    found, missing = {}, []
+    for names in alias_groups(model):
+        have = next((n for n in names if n in available), None)
+        if have is None:
+            missing.append(names)
+        else:
+            found.update((n, have) for n in names)
+    return found, missing
+
+
 def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
     return src.is_floating_point == dst.is_floating_point and (src == torch.bool) == (dst == torch.bool)
 
@@ -221,14 +234,15 @@ def weight_problems(stored: Mapping[str, Stored], model: nn.Module, where: str) 
     """What keeps `stored` (the weights at `where`) from loading into `model` (empty: it
     loads), each naming the file and the tensor."""
     problems = []
-    for names in alias_groups(model):
-        have = next((n for n in names if n in stored), None)
-        p = model.get_parameter(names[0])
-        if have is None:
-            tied = f" (nor under its tied name {', '.join(names[1:])})" if len(names) > 1 else ""
-            problems.append(f"{where}: parameter `{names[0]}` {list(p.shape)} is not stored{tied}")
-            continue
-        s = stored[have]
+    found, missing = match_names(model, stored)
+    for names in missing:
+        tied = f" (nor under its tied name {', '.join(names[1:])})" if len(names) > 1 else ""
+        problems.append(f"{where}: parameter `{names[0]}` "
+                        f"{list(model.get_parameter(names[0]).shape)} is not stored{tied}")
+    for name, have in found.items():
+        if name != have:
+            continue  # a tied name: its stored tensor is checked under the stored name
+        p, s = model.get_parameter(name), stored[have]
         if s.shape != tuple(p.shape):
             problems.append(f"{s.file}: tensor `{have}` has shape {list(s.shape)}, the model's "
                             f"parameter has {list(p.shape)}")
@@ -275,11 +289,7 @@ class WeightSource(Mapping):
 
     def __init__(self, stored: Mapping[str, Stored], model: nn.Module):
         self.stored = stored
-        self._key: dict[str, str] = {}  # model name -> stored name
-        for names in alias_groups(model):
-            have = next((n for n in names if n in stored), None)
-            for n in names if have is not None else ():
-                self._key[n] = have
+        self._key: dict[str, str] = match_names(model, stored)[0]  # model name -> stored name
         for n, _ in model.named_buffers(remove_duplicate=False):
             if n in stored:
                 self._key[n] = n
