@@ -288,6 +288,10 @@ def test_bad_weights_stop_check_at_the_plan_line(pretrained, tmp_path, capsys):
         if code != 2 or missing or "Traceback" in err or "weights = " not in err or not caret:
             failures.append(f"{case}: exit {code}, missing {missing}:\n{err}")
     assert not failures, "\n".join(failures)
+    # without the model (--no-model) the files and headers are still checked
+    corrupted = tmp_path / "header-json.safetensors"  # written above
+    assert main(["check", str(write_plan(tmp_path, str(corrupted))), "--no-model"]) == 2
+    assert "header-json.safetensors: corrupted header" in capsys.readouterr().err
 
 
 def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
