@@ -15,7 +15,8 @@ relative to the plan file. Three pieces, used in this order:
   A stored tensor that is neither a parameter nor a buffer of the model is an
   error too, as in `load_state_dict(strict=True)`: it means the file is another
   model's (more layers, another prefix), which a warning would let train.
-  Buffers are optional (the constructor computes them); a stored one is loaded.
+  Buffers are optional: their values are the constructor's (as the run computes
+  them); a stored one must have the model's shape.
 * `weights_source(plan, model)`: what `backends/materialize.py` reads instead of
   the init (`materialize(..., source=...)`), a mapping from the model's names to
   tensors that opens a file (`safetensors.safe_open`) only when a name it holds
@@ -290,9 +291,6 @@ class WeightSource(Mapping):
     def __init__(self, stored: Mapping[str, Stored], model: nn.Module):
         self.stored = stored
         self._key: dict[str, str] = match_names(model, stored)[0]  # model name -> stored name
-        for n, _ in model.named_buffers(remove_duplicate=False):
-            if n in stored:
-                self._key[n] = n
         self._files: dict[str, object] = {}
         self.names_read: list[str] = []
 
