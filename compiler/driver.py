@@ -1,6 +1,6 @@
 """compile_plan: plan (+ model) -> CompiledPlan, phase by phase.
 
-    plan-value checks -> load (meta) -> precision (fp64: the model in float64 before capture)
+    plan-value checks -> load (meta) -> pretrained weights (headers vs parameters) -> precision (fp64: the model in float64 before capture)
     -> expert shards, TP annotations (checked on the model)
     -> capture + loss + shape/cost propagation (traced.py) -> measured costs (profile.py,
     when the plan names a cost file) -> split
@@ -34,6 +34,7 @@ from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
 from .traced import trace_with_loss
 from .traffic import collective_traffic
+from ..backends.weights import check_weights
 
 
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
@@ -50,6 +51,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     profile = load_profile(plan)  # measured op times, when the plan names a cost file
     if model is None:
         model = load_model(plan, "meta")
+    check_weights(plan, model)  # model.weights: headers only, before anything is traced
     to_precision(model, plan.train.precision)
     experts = place_experts(plan, model)
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}

@@ -58,6 +58,9 @@ class ModelSpec:
     capture: str = "auto"  # auto | fx | export
     leaf_modules: tuple[str, ...] = ()  # module-path patterns traced as leaves
     loss: str = "cross_entropy"  # cross_entropy | mse | model (the model returns its loss)
+    # initial weights from a safetensors file or a Hugging Face `save_pretrained` folder
+    # (relative to the plan file); None: the model's own per-module init (backends/weights.py)
+    weights: Optional[str] = None
 
 
 # ---------------------------------------------------------------------- data

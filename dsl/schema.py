@@ -115,6 +115,7 @@ MODEL = Section("model", A.ModelSpec, (
     Field("capture", choice("auto", "fx", "export")),
     Field("leaf_modules", patterns, write_patterns),
     Field("loss", choice("cross_entropy", "mse", "model")),
+    Field("weights", text, write_string)  # backends/weights.py checks it,
 ))
 
 # ----------------------------------------------------------------- data
