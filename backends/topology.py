@@ -22,17 +22,17 @@ class Coords:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
     @staticmethod
     def of(rank: int, mesh: MeshSpec) -> "Coords":
-        tp = rank % mesh.tp
-        dp = (rank // mesh.tp) % mesh.dp
-        pp = rank // (mesh.tp * mesh.dp)
-        return Coords(pp, dp, tp)
+        from ..dsl.layout import mesh_layout
+        c = mesh_layout(mesh)[rank]
+        return Coords(c.pp, c.dp, c.tp, c.cp)
 
 
-def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int) -> int:
-    return (pp * mesh.dp + dp) * mesh.tp + tp
+def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+    return ((pp * mesh.dp + dp) * mesh.cp + cp) * mesh.tp + tp
 
 
 @dataclass
@@ -50,19 +50,30 @@ class Topology:
     pp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
     tp_group: Optional[dist.ProcessGroup] = None
+    # context parallel (mesh.cp > 1): the ranks holding slices of the same sequences. Then
+    # dp_group is the flattened dp x cp group: replicated gradients are summed over both.
+    cp_group: Optional[dist.ProcessGroup] = None
 
     def peer(self, pp_rank: int) -> int:
-        """The global rank holding pipeline rank `pp_rank` at this rank's dp/tp coordinates."""
-        return global_rank(self.mesh, pp_rank, self.coords.dp, self.coords.tp)
+        """The global rank holding pipeline rank `pp_rank` at this rank's dp/cp/tp coordinates."""
+        return global_rank(self.mesh, pp_rank, self.coords.dp, self.coords.tp, self.coords.cp)
 
 
 def build_topology(mesh: MeshSpec, device_type: str = "cpu") -> Topology:
-    """Create the DeviceMesh (dims pp, dp, tp) over the initialised default group."""
+    """Create the DeviceMesh (dims pp, dp, tp; pp, dp, cp, tp with context parallel) over the
+    initialised default group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
-    dm = init_device_mesh(device_type, (mesh.pp, mesh.dp, mesh.tp),
-                          mesh_dim_names=("pp", "dp", "tp"))
+    if mesh.cp == 1:
+        dm = init_device_mesh(device_type, (mesh.pp, mesh.dp, mesh.tp),
+                              mesh_dim_names=("pp", "dp", "tp"))
+        return Topology(mesh=mesh, rank=rank, coords=Coords.of(rank, mesh), device_mesh=dm,
+                        pp_group=dm.get_group("pp"), dp_group=dm.get_group("dp"),
+                        tp_group=dm.get_group("tp"))
+    dm = init_device_mesh(device_type, (mesh.pp, mesh.dp, mesh.cp, mesh.tp),
+                          mesh_dim_names=("pp", "dp", "cp", "tp"))
+    dpcp = dm["dp", "cp"]._flatten("dp_cp")
     return Topology(mesh=mesh, rank=rank, coords=Coords.of(rank, mesh), device_mesh=dm,
-                    pp_group=dm.get_group("pp"), dp_group=dm.get_group("dp"),
-                    tp_group=dm.get_group("tp"))
+                    pp_group=dm.get_group("pp"), dp_group=dpcp.get_group(),
+                    tp_group=dm.get_group("tp"), cp_group=dm.get_group("cp"))

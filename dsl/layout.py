@@ -1,7 +1,9 @@
 """Which global rank holds which mesh coordinates, known before any tracing.
 
-Order (torchtitan/Megatron convention): pp outermost, then dp, tp innermost:
-rank = (pp_i * dp + dp_i) * tp + tp_i. Expert parallelism re-divides the dp
+Order (torchtitan/Megatron convention): pp outermost, then dp, cp, tp innermost:
+rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i. cp (context parallel) ranks
+hold slices of the same sequences; their gradients are reduced together with dp
+(`groups(layout, "dpcp")`). Expert parallelism re-divides the dp
 ranks of one pipeline stage and tp coordinate (ep must divide dp; EP across
 tensor-parallel ranks is not supported yet): dp rank dp_i is ep rank
 dp_i % ep, and dp_i // ep numbers the expert-data-parallel replica that holds
@@ -23,6 +25,7 @@ class RankCoords:
     tp: int
     ep: int
     edp: int  # expert-data-parallel replica: ranks with equal (pp, ep) and different edp hold the same experts
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,20 +35,22 @@ class GroupSizes:
     tp: int
     ep: int
     edp: int  # dp // ep
+    cp: int = 1
 
 
 def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
     out = []
     for rank in range(mesh.world_size):
-        pp_i, rest = divmod(rank, mesh.dp * mesh.tp)
-        dp_i, tp_i = divmod(rest, mesh.tp)
+        pp_i, rest = divmod(rank, mesh.dp * mesh.cp * mesh.tp)
+        dp_i, rest = divmod(rest, mesh.cp * mesh.tp)
+        cp_i, tp_i = divmod(rest, mesh.tp)
         edp_i, ep_i = divmod(dp_i, mesh.ep)
-        out.append(RankCoords(rank, pp_i, dp_i, tp_i, ep_i, edp_i))
+        out.append(RankCoords(rank, pp_i, dp_i, tp_i, ep_i, edp_i, cp_i))
     return tuple(out)
 
 
 def group_sizes(mesh: MeshSpec) -> GroupSizes:
-    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, mesh.dp // mesh.ep)
+    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, mesh.dp // mesh.ep, mesh.cp)
 
 
 def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
@@ -55,8 +60,9 @@ def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
     (they re-divide dp). Ranks in a group are in increasing order, so a
     group's i-th rank is its ep (or edp) rank i.
     """
-    others = {"pp": ("dp", "tp"), "dp": ("pp", "tp"), "tp": ("pp", "dp"),
-              "ep": ("pp", "tp", "edp"), "edp": ("pp", "tp", "ep")}[axis]
+    others = {"pp": ("dp", "cp", "tp"), "dp": ("pp", "cp", "tp"), "tp": ("pp", "dp", "cp"),
+              "cp": ("pp", "dp", "tp"), "dpcp": ("pp", "tp"),
+              "ep": ("pp", "cp", "tp", "edp"), "edp": ("pp", "cp", "tp", "ep")}[axis]
     found: dict[tuple[int, ...], list[int]] = {}
     for c in layout:
         found.setdefault(tuple(getattr(c, o) for o in others), []).append(c.rank)
@@ -67,15 +73,16 @@ def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
     """A table of every rank's coordinates and a line per axis with its groups."""
     layout = mesh_layout(mesh)
     sizes = group_sizes(mesh)
-    lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} ep={mesh.ep} "
+    lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} tp={mesh.tp} ep={mesh.ep} "
              f"-> world size {mesh.world_size} (ep re-divides dp)",
-             "  rank  pp  dp  tp  ep  edp"]
+             "  rank  pp  dp  cp  tp  ep  edp"]
     for c in layout[:max_rows]:
-        lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.tp:>2}  {c.ep:>2}  {c.edp:>3}")
+        lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.cp:>2}  {c.tp:>2}  {c.ep:>2}"
+                     f"  {c.edp:>3}")
     if len(layout) > max_rows:
         lines.append(f"  ... {len(layout) - max_rows} more ranks")
     lines.append("groups:")
-    for axis in ("pp", "dp", "tp", "ep", "edp"):
+    for axis in ("pp", "dp", "cp", "tp", "ep", "edp"):
         gs = groups(layout, axis)
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in gs[:8])
         more = f" ... ({len(gs)} groups)" if len(gs) > 8 else ""
