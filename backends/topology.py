@@ -1,7 +1,7 @@
-"""Where a global rank sits in the (pp, dp, tp) mesh, and the process groups it uses.
+"""Where a global rank sits in the (pp, dp, cp, tp) mesh, and the process groups it uses.
 
-pp is outermost and tp innermost, as in Megatron and torchtitan:
-global rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank. The coordinates are a
+pp is outermost and tp innermost, as in Megatron and torchtitan (the formula:
+dsl/layout.py, `global_rank`; cp only with context parallel). The coordinates are a
 pure function of the rank (`Coords`); the groups come from one torch DeviceMesh
 so every group any part of pipeplan uses is derived from the same layout.
 """
@@ -13,11 +13,12 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..dsl.ast import MeshSpec
+from ..dsl.layout import global_rank, mesh_layout  # noqa: F401  (the rank formula lives there)
 
 
 @dataclass(frozen=True)
 class Coords:
-    """One rank's coordinates in a (pp, dp, tp) mesh."""
+    """One rank's coordinates in a (pp, dp, cp, tp) mesh."""
 
     pp: int
     dp: int
@@ -26,13 +27,8 @@ class Coords:
 
     @staticmethod
     def of(rank: int, mesh: MeshSpec) -> "Coords":
-        from ..dsl.layout import mesh_layout
         c = mesh_layout(mesh)[rank]
         return Coords(c.pp, c.dp, c.tp, c.cp)
-
-
-def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int, cp: int = 0) -> int:
-    return ((pp * mesh.dp + dp) * mesh.cp + cp) * mesh.tp + tp
 
 
 @dataclass

@@ -102,12 +102,17 @@ class PipelineTrainer:
         schedule = compiled.schedule
         pp = topo.coords.pp
         last = len(compiled.stages) - 1
-        scale = 1.0 / (plan.microbatches * plan.mesh.dp)
+        # each microbatch's mean loss over its tokens; cp ranks hold equal slices of them
+        scale = 1.0 / (plan.microbatches * plan.mesh.dp * plan.mesh.cp)
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
         modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
+        if plan.mesh.cp > 1:  # attention over the whole sequence (backends/ulysses.py)
+            from .ulysses import apply_ulysses
+            for m in modules.values():
+                apply_ulysses(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         rules = tuple(r for r in plan.recompute if r.mode != "none")
         self.runners = {s: StageRunner(specs[s], m, s == last, scale,
@@ -147,7 +152,7 @@ class PipelineTrainer:
         once for the loss; when either is not finite the step stops before the optimizer,
         naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
-        batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
+        batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
         result = self.executor.run_step(batches)
         self.sync.finish()
         norm = self.sync.clip(self.plan.train.grad_clip)

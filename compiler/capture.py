@@ -145,6 +145,9 @@ def _drop_specialised_arguments(graph: fx.Graph, example: dict) -> None:
     for node in [n for n in graph.nodes
                  if n.op == "placeholder" and n.target not in example and n.args]:
         erase(node)
+    for node in graph.nodes:  # a given input keeps no default (inputs are appended after it)
+        if node.op == "placeholder" and node.args:
+            node.args = ()
 
 
 # ------------------------------------------------------------------------ export

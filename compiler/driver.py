@@ -30,6 +30,7 @@ from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
 from .traced import trace_with_loss
+from .context_parallel import attach_context_costs, check_context
 from .traffic import collective_traffic
 
 
@@ -51,6 +52,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     graph = traced.module.graph
     check_experts(plan, graph, traced.run, experts_modules(plan, model))
     check_pairing(plan, graph, model, tp_kinds, traced.run)
+    check_context(plan, graph, traced.run)
     costs = node_costs(plan, graph, traced.run)
     split = choose_split(plan, model, graph, costs,
                          param_bytes_per_node(traced.module, compute_nodes(graph)))
@@ -58,6 +60,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                           _non_persistent_buffers(model))
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
+    attach_context_costs(plan, stages, split, graph, traced.run)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
     times = step_costs(plan, stages, tp_traffic, moe_traffic, device)

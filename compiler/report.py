@@ -82,22 +82,22 @@ def _estimates(c: CompiledPlan) -> str:
     if e is None:
         return ""
     m = c.plan.mesh
-    per_pp = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    per_pp = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
     unit, size = _unit(max(_total(x) for x in per_pp))
     cunit, csize = _unit(max(max(x.comm_bytes.values(), default=0) for x in per_pp))
     rows = ["## Estimates per rank (one step)", "",
             "Ranks of one pipeline rank (its dp × tp replicas) are alike; one row each.", "",
             f"| pp rank | params {unit} | grads {unit} | optimizer {unit} | activations {unit} "
             f"| total {unit} | TFLOP | p2p {cunit} | dp {cunit} | tp {cunit} | ep {cunit} "
-            f"| tied {cunit} |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"| tied {cunit} | cp {cunit} |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r, x in enumerate(per_pp):
         cb = x.comm_bytes
         rows.append(f"| {r} | " + " | ".join(
             f"{v / size:.3f}" for v in (x.param_bytes, x.grad_bytes, x.optimizer_bytes,
                                          x.activation_bytes, _total(x)))
             + f" | {x.flops / 1e12:.4g} | "
-            + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied"))
+            + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied", "cp"))
             + " |")
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
              f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
@@ -121,7 +121,7 @@ def device_text(d: dict) -> str:
 
 _GROUPS = {"dp": "data parallel", "edp": "expert data parallel", "tp": "tensor parallel",
            "ep": "expert parallel", "ep_tp": "expert × tensor parallel",
-           "tied": "tied parameters' holders"}
+           "tied": "tied parameters' holders", "cp": "context parallel (Ulysses all-to-all)"}
 
 
 def _collectives(c: CompiledPlan) -> str:
@@ -130,7 +130,7 @@ def _collectives(c: CompiledPlan) -> str:
     if e is None:
         return ""
     m = c.plan.mesh
-    per_pp = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    per_pp = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
     keys = sorted({k for x in per_pp for k in x.collectives})
     rows = ["## Collectives per step (bytes each rank hands in)", ""]
     if not keys:
@@ -186,7 +186,7 @@ def render_summary(compiled: CompiledPlan) -> str:
              f"stages on pipeline ranks: {[st.rank for st in compiled.stages]}"]
     if e is None:
         return "\n".join(lines) + "\n"
-    rows = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    rows = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
     unit, size = _unit(max(_total(x) for x in rows))
     lines.append(f"pp rank   params   grads   optim   activ   total {unit}   TFLOP/step")
     for r, x in enumerate(rows):

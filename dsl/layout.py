@@ -49,6 +49,11 @@ def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
     return tuple(out)
 
 
+def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+    """The rank at these coordinates (the inverse of mesh_layout)."""
+    return ((pp * mesh.dp + dp) * mesh.cp + cp) * mesh.tp + tp
+
+
 def group_sizes(mesh: MeshSpec) -> GroupSizes:
     return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, mesh.dp // mesh.ep, mesh.cp)
 
