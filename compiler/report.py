@@ -195,5 +195,12 @@ def render_summary(compiled: CompiledPlan) -> str:
                      + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
                  f"{e.step_time_s:.4g} s")
+    if m.cp > 1:
+        p = compiled.plan
+        lines.append(f"context parallel: {p.context.method} over cp = {m.cp}: each rank holds "
+                     f"{p.data.seq_len // m.cp} of {p.data.seq_len} positions (activations "
+                     "above are per slice); all-to-all per step per rank: "
+                     + ", ".join(f"pp rank {r} {human_bytes(x.comm_bytes.get('cp', 0))}"
+                                 for r, x in enumerate(rows)))
     lines.append(f"device model: {device_text(e.device_model)}")
     return "\n".join(lines) + "\n"

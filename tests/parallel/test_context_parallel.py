@@ -62,3 +62,100 @@ def _worker(rank, world, schedules):
 
 def test_ulysses_pp2_cp2_equals_reference(run_workers):
     run_workers(_worker, 4, ["1f1b", "zbv"], timeout=280)
+
+
+# ------------------------------------------------------- layout and estimates
+def test_cp_sits_between_dp_and_tp_in_the_rank_layout():
+    from pipeplan.dsl.layout import global_rank, groups, mesh_layout
+
+    mesh = MeshSpec(pp=2, dp=2, cp=2, tp=2)
+    layout = mesh_layout(mesh)
+    assert len(layout) == mesh.world_size == 16
+    for c in layout:  # tp innermost, then cp, then dp, pp outermost
+        assert c.rank == ((c.pp * 2 + c.dp) * 2 + c.cp) * 2 + c.tp
+        assert global_rank(mesh, c.pp, c.dp, c.tp, c.cp) == c.rank
+    assert groups(layout, "cp")[0] == (0, 2)
+    assert groups(layout, "dpcp")[0] == (0, 2, 4, 6)  # gradients: reduced over dp x cp
+
+
+PLAN = """\
+model {
+  source = "pipeplan.tests.parallel.cp_models:RopeLM"
+  args = { vocab = 64, dim = 32, heads = 4, kv_heads = 2, layers = 4 }
+  inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }
+}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16, inputs = { position_ids = positions })
+mesh { pp = 2, cp = 2 }
+context { method = ulysses }
+pipeline { schedule = 1f1b, microbatches = 2 }
+train { global_batch = 4 }
+"""
+
+
+def test_estimates_divide_activations_along_the_sequence_and_count_all_to_alls():
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import parse_plan
+
+    cp2 = compile_plan(parse_plan(PLAN, "cp.plan")).estimates.ranks
+    whole = compile_plan(parse_plan(PLAN.replace("pp = 2, cp = 2", "pp = 2").replace(
+        "context { method = ulysses }", ""), "whole.plan")).estimates.ranks
+    for r in (0, 1):  # ranks 0 (pp 0) and 2 (pp 1) of the cp run
+        mine, ref = cp2[2 * r], whole[r]
+        # everything saved per position halves; a saved scalar (4 bytes, the loss's) does not
+        assert abs(mine.activation_bytes * 2 - ref.activation_bytes) <= 4
+        assert mine.activation_bytes < 0.51 * ref.activation_bytes
+        assert mine.flops * 2 == ref.flops  # attention too: S^2 * H/cp per rank
+        assert "cp" not in ref.comm_bytes
+    # per microbatch and attention op a rank sends (cp-1)/cp of q, k, v and the output
+    # forward and their gradients backward: [2 rows, 8 positions] x (32 + 16 + 16 + 32)
+    # features x 4 bytes; 2 layers per stage, 2 microbatches
+    per_op = 2 * 8 * (32 + 16 + 16 + 32) * 4 * 2 // 2
+    assert cp2[0].comm_bytes["cp"] == cp2[2].comm_bytes["cp"] == 2 * 2 * per_op
+
+
+# ------------------------------------------------------- refused at the plan line
+@pytest.mark.parametrize("edit, line, message", [
+    (("method = ulysses", "method = ring"), 8, r"ring attention is not implemented yet"),
+    (("seq_len = 16", "seq_len = 15"), 6, r"cp = 2 does not divide data.seq_len = 15"),
+    (("cp = 2", "cp = 2, tp = 2"), 7, r"cp = 2 with tp = 2 is not supported yet"),
+    (("context { method = ulysses }", ""), 7, r"cp = 2 but the plan has no context section"),
+    (("cp = 2", "cp = 1"), 8, r"context does nothing with mesh.cp = 1"),
+    (("pp = 2, cp = 2", "pp = 2, dp = 2, cp = 2"), 11, r"zero = 2 with cp = 2 is not supported"),
+])
+def test_plan_checks(edit, line, message):
+    from pipeplan.dsl import PlanError, parse_plan
+
+    text = PLAN.replace(*edit)
+    if "dp = 2" in text:
+        text += "zero = 2\n"
+    with pytest.raises(PlanError, match=message) as err:
+        parse_plan(text, "plan.plan")
+    assert f"plan.plan:{line}:" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("edit, line, message", [
+    # 2 KV heads over cp = 4 (read from the SDPA call's k, not from attribute names)
+    (("cp = 2", "cp = 4"), 7, r"cp = 4 does not divide the 2 KV heads of attention"),
+    (("dim = 32, heads = 4, kv_heads = 2", "dim = 24, heads = 3, kv_heads = 3"), 7,
+     r"cp = 2 does not divide the 3 heads of attention"),
+    # the model numbers positions itself: every slice would count from 0
+    (("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }", ""), 8,
+     r"the model makes positions itself"),
+    # a mask tensor made on the local slice (WindowLM's SDPA block)
+    (('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.tp_models:WindowLM"'),
+     8, r"takes a mask tensor"),
+])
+def test_graph_checks(edit, line, message):
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import PlanError, parse_plan
+
+    text = PLAN.replace(*edit)
+    if "WindowLM" in text:
+        text = text.replace("heads = 4, kv_heads = 2, layers = 4", "heads = 4, layers = 2") \
+            .replace("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }",
+                     "")
+    if "position_ids = int64" not in text:  # the model takes input_ids only
+        text = text.replace(", inputs = { position_ids = positions }", "")
+    with pytest.raises(PlanError, match=message) as err:
+        compile_plan(parse_plan(text, "plan.plan"))
+    assert f"plan.plan:{line}:" in str(err.value), str(err.value)
