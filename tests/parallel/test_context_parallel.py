@@ -3,7 +3,7 @@ split is refused at the plan line.
 
 Equivalence: `RopeLM` (tests/parallel/cp_models.py: RoPE from position_ids, GQA with 4
 heads / 2 KV heads, causal SDPA) with pp2 x cp2 under 1f1b and zbv (split B/W backward
-through the all-to-alls), 3 AdamW steps with clipping, against tp_reference.reference_run
+through the all-to-alls) and pp1 x dp2 x cp2, 3 AdamW steps with clipping, against tp_reference.reference_run
 (the unmodified model on whole sequences, torch's AdamW; shares no code with the path).
 """
 from __future__ import annotations
@@ -22,12 +22,14 @@ INPUTS = (InputSpec("input_ids", "int64", ("batch", "seq")),
           InputSpec("position_ids", "int64", ("batch", "seq")))
 
 
-def make_plan(schedule: str, dp: int = 1) -> Plan:
+def make_plan(name: str) -> Plan:
+    """name: a schedule (pp2 x cp2), or "dp2" (pp1 x dp2 x cp2, 1f1b)."""
+    schedule, dp, pp = ("1f1b", 2, 1) if name == "dp2" else (name, 1, 2)
     return Plan(model=ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM", capture="fx",
                                 inputs=INPUTS),
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
                               inputs=(("position_ids", "positions"),)),
-                mesh=MeshSpec(pp=2, dp=dp, cp=2), context=ContextSpec("ulysses"),
+                mesh=MeshSpec(pp=pp, dp=dp, cp=2), context=ContextSpec("ulysses"),
                 pipeline=PipelineSpec(schedule=schedule, microbatches=2,
                                       virtual=2 if schedule == "zbv" else 1),
                 train=TrainSpec(steps=STEPS, global_batch=4 * dp, grad_clip=0.5, seed=11,
@@ -35,13 +37,13 @@ def make_plan(schedule: str, dp: int = 1) -> Plan:
                                                         weight_decay=0.1)))
 
 
-def _worker(rank, world, schedules):
+def _worker(rank, world, names):
     from pipeplan.backends.model import build_model
     from pipeplan.backends.topology import build_topology
     from pipeplan.backends.trainer import PipelineTrainer
     from pipeplan.compiler.driver import compile_plan
 
-    for schedule in schedules:
+    for schedule in names:
         plan = make_plan(schedule)
         ref_losses, ref_params = reference_run(plan, build_model(plan), STEPS)
         compiled = compile_plan(plan, build_model(plan).double())
@@ -60,8 +62,9 @@ def _worker(rank, world, schedules):
                                        msg=lambda m, name=name: f"{schedule}: {name}: {m}")
 
 
-def test_ulysses_pp2_cp2_equals_reference(run_workers):
-    run_workers(_worker, 4, ["1f1b", "zbv"], timeout=280)
+def test_ulysses_pp2_cp2_and_dp2_cp2_equal_reference(run_workers):
+    """dp2: gradients summed over the flattened dp x cp group, 8 rows of 2 DP ranks."""
+    run_workers(_worker, 4, ["1f1b", "zbv", "dp2"], timeout=400)
 
 
 # ------------------------------------------------------- layout and estimates
