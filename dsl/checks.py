@@ -272,7 +272,7 @@ def _tensor(plan: Plan) -> Iterator[Problem]:
 
 
 # -- context parallel (the checks that need the captured graph: compiler/context_parallel.py)
-@check("mesh", "context", "data.seq_len", "zero", "experts")
+@check("mesh", "context", "data.seq_len", "experts")
 def _context(plan: Plan) -> Iterator[Problem]:
     m, c = plan.mesh, plan.context
     if c is None:
@@ -297,10 +297,6 @@ def _context(plan: Plan) -> Iterator[Problem]:
         if getattr(m, axis) > 1:
             yield Problem("mesh.cp", f"cp = {m.cp} with {axis} = {getattr(m, axis)} is not "
                           f"supported yet ({why})", f"set {axis} = 1 or cp = 1")
-    if plan.zero > 0:
-        yield Problem("zero", f"zero = {plan.zero} with cp = {m.cp} is not supported yet "
-                      "(ZeRO shards over the dp group; with cp the gradients are reduced over "
-                      "dp x cp)", "set zero = 0, or cp = 1")
     if plan.experts is not None:
         yield Problem("experts", f"experts with cp = {m.cp} are not supported yet",
                       "set cp = 1, or drop the experts section")

@@ -23,8 +23,8 @@ INPUTS = (InputSpec("input_ids", "int64", ("batch", "seq")),
 
 
 def make_plan(name: str) -> Plan:
-    """name: a schedule (pp2 x cp2), or "dp2" (pp1 x dp2 x cp2, 1f1b)."""
-    schedule, dp, pp = ("1f1b", 2, 1) if name == "dp2" else (name, 1, 2)
+    """name: a schedule (pp2 x cp2), or "dp2" / "zero2" (pp1 x dp2 x cp2, 1f1b, ZeRO-0 / 2)."""
+    schedule, dp, pp = ("1f1b", 2, 1) if name in ("dp2", "zero2") else (name, 1, 2)
     return Plan(model=ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM", capture="fx",
                                 inputs=INPUTS),
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
@@ -32,6 +32,7 @@ def make_plan(name: str) -> Plan:
                 mesh=MeshSpec(pp=pp, dp=dp, cp=2), context=ContextSpec("ulysses"),
                 pipeline=PipelineSpec(schedule=schedule, microbatches=2,
                                       virtual=2 if schedule == "zbv" else 1),
+                zero=2 if name == "zero2" else 0,
                 train=TrainSpec(steps=STEPS, global_batch=4 * dp, grad_clip=0.5, seed=11,
                                 optimizer=OptimizerSpec(name="adamw", lr=3e-3,
                                                         weight_decay=0.1)))
@@ -63,8 +64,9 @@ def _worker(rank, world, names):
 
 
 def test_ulysses_pp2_cp2_and_dp2_cp2_equal_reference(run_workers):
-    """dp2: gradients summed over the flattened dp x cp group, 8 rows of 2 DP ranks."""
-    run_workers(_worker, 4, ["1f1b", "zbv", "dp2"], timeout=400)
+    """dp2: gradients summed over the flattened dp x cp group, 8 rows of 2 DP ranks; zero2:
+    the same with ZeRO-2 sharding over dp x cp."""
+    run_workers(_worker, 4, ["1f1b", "zbv", "dp2", "zero2"], timeout=500)
 
 
 # ------------------------------------------------------- layout and estimates
@@ -123,14 +125,12 @@ def test_estimates_divide_activations_along_the_sequence_and_count_all_to_alls()
     (("cp = 2", "cp = 2, tp = 2"), 7, r"cp = 2 with tp = 2 is not supported yet"),
     (("context { method = ulysses }", ""), 7, r"cp = 2 but the plan has no context section"),
     (("cp = 2", "cp = 1"), 8, r"context does nothing with mesh.cp = 1"),
-    (("pp = 2, cp = 2", "pp = 2, dp = 2, cp = 2"), 11, r"zero = 2 with cp = 2 is not supported"),
+    (("pp = 2, cp = 2", "pp = 2, cp = 2, ep = 2"), 7, r"cp = 2 with ep = 2 is not supported"),
 ])
 def test_plan_checks(edit, line, message):
     from pipeplan.dsl import PlanError, parse_plan
 
     text = PLAN.replace(*edit)
-    if "dp = 2" in text:
-        text += "zero = 2\n"
     with pytest.raises(PlanError, match=message) as err:
         parse_plan(text, "plan.plan")
     assert f"plan.plan:{line}:" in str(err.value), str(err.value)
