@@ -23,8 +23,10 @@ INPUTS = (InputSpec("input_ids", "int64", ("batch", "seq")),
 
 
 def make_plan(name: str) -> Plan:
-    """name: a schedule (pp2 x cp2), or "dp2" / "zero2" (pp1 x dp2 x cp2, 1f1b, ZeRO-0 / 2)."""
-    schedule, dp, pp = ("1f1b", 2, 1) if name in ("dp2", "zero2") else (name, 1, 2)
+    """name: a schedule (pp2 x cp2), "dp2" / "zero2" (pp1 x dp2 x cp2, 1f1b, ZeRO-0 / 2), or
+    "pp2-dp2-zero2" (pp2 x dp2 x cp2, 1f1b, ZeRO-2: 8 ranks)."""
+    schedule, dp, pp = {"dp2": ("1f1b", 2, 1), "zero2": ("1f1b", 2, 1),
+                        "pp2-dp2-zero2": ("1f1b", 2, 2)}.get(name, (name, 1, 2))
     return Plan(model=ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM", capture="fx",
                                 inputs=INPUTS),
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
@@ -32,7 +34,7 @@ def make_plan(name: str) -> Plan:
                 mesh=MeshSpec(pp=pp, dp=dp, cp=2), context=ContextSpec("ulysses"),
                 pipeline=PipelineSpec(schedule=schedule, microbatches=2,
                                       virtual=2 if schedule == "zbv" else 1),
-                zero=2 if name == "zero2" else 0,
+                zero=2 if name.endswith("zero2") else 0,
                 train=TrainSpec(steps=STEPS, global_batch=4 * dp, grad_clip=0.5, seed=11,
                                 optimizer=OptimizerSpec(name="adamw", lr=3e-3,
                                                         weight_decay=0.1)))
@@ -162,3 +164,10 @@ def test_graph_checks(edit, line, message):
     with pytest.raises(PlanError, match=message) as err:
         compile_plan(parse_plan(text, "plan.plan"))
     assert f"plan.plan:{line}:" in str(err.value), str(err.value)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_ulysses_pp2_dp2_cp2_zero2_equals_reference(run_workers):
+    """8 processes: pp2 x dp2 x cp2 with ZeRO-2 (minutes on 2 shared cores)."""
+    run_workers(_worker, 8, ["pp2-dp2-zero2"], timeout=880)
