@@ -73,3 +73,31 @@ class RopeLM(nn.Module):
         for layer in self.layers:
             x = layer(x, position_ids)
         return self.head(self.norm(x))
+
+
+CAUSAL_SDPA = "pipeplan_causal_sdpa"
+
+
+def _register_causal_sdpa() -> None:
+    """transformers' own SDPA attention, registered under a name whose mask function builds
+    no mask tensor (as flash_attention_2's does for unpadded batches), so the attention
+    runs with is_causal = True: the form Ulysses can run on whole sequences."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CAUSAL_SDPA, lambda *args, **kwargs: None)
+
+
+def causal_llama(vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 4,
+                 kv_heads: int = 2):
+    """transformers' LlamaForCausalLM from a tiny config (RoPE, GQA) with CAUSAL_SDPA."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _register_causal_sdpa()
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=64, use_cache=False,
+                      attn_implementation=CAUSAL_SDPA)
+    return LlamaForCausalLM(cfg)

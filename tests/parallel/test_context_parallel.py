@@ -24,11 +24,16 @@ INPUTS = (InputSpec("input_ids", "int64", ("batch", "seq")),
 
 def make_plan(name: str) -> Plan:
     """name: a schedule (pp2 x cp2), "dp2" / "zero2" (pp1 x dp2 x cp2, 1f1b, ZeRO-0 / 2), or
-    "pp2-dp2-zero2" (pp2 x dp2 x cp2, 1f1b, ZeRO-2: 8 ranks)."""
+    "pp2-dp2-zero2" (pp2 x dp2 x cp2, 1f1b, ZeRO-2: 8 ranks); "llama-<schedule>": transformers'
+    Llama (cp_models.causal_llama, exported) with pp2 x cp2."""
+    llama = name.startswith("llama-")
+    name = name.removeprefix("llama-")
     schedule, dp, pp = {"dp2": ("1f1b", 2, 1), "zero2": ("1f1b", 2, 1),
                         "pp2-dp2-zero2": ("1f1b", 2, 2)}.get(name, (name, 1, 2))
-    return Plan(model=ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM", capture="fx",
-                                inputs=INPUTS),
+    model = ModelSpec("pipeplan.tests.parallel.cp_models:causal_llama", capture="export",
+                      inputs=INPUTS) if llama else \
+        ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM", capture="fx", inputs=INPUTS)
+    return Plan(model=model,
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
                               inputs=(("position_ids", "positions"),)),
                 mesh=MeshSpec(pp=pp, dp=dp, cp=2), context=ContextSpec("ulysses"),
@@ -171,3 +176,11 @@ def test_graph_checks(edit, line, message):
 def test_ulysses_pp2_dp2_cp2_zero2_equals_reference(run_workers):
     """8 processes: pp2 x dp2 x cp2 with ZeRO-2 (minutes on 2 shared cores)."""
     run_workers(_worker, 8, ["pp2-dp2-zero2"], timeout=880)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_ulysses_transformers_llama_pp2_cp2_equals_reference(run_workers):
+    """transformers' LlamaForCausalLM (RoPE from position_ids, GQA 4/2, SDPA with is_causal:
+    cp_models.causal_llama), exported, pp2 x cp2 under 1f1b and zbv."""
+    run_workers(_worker, 4, ["llama-1f1b", "llama-zbv"], timeout=880)
