@@ -184,3 +184,16 @@ def test_ulysses_transformers_llama_pp2_cp2_equals_reference(run_workers):
     """transformers' LlamaForCausalLM (RoPE from position_ids, GQA 4/2, SDPA with is_causal:
     cp_models.causal_llama), exported, pp2 x cp2 under 1f1b and zbv."""
     run_workers(_worker, 4, ["llama-1f1b", "llama-zbv"], timeout=880)
+
+
+@pytest.mark.heavy
+def test_transformers_default_sdpa_mask_is_refused():
+    """attn_implementation="sdpa" materialises a [B, 1, S/cp, S/cp] mask when exported."""
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import PlanError, parse_plan
+
+    text = PLAN.replace('"pipeplan.tests.parallel.cp_models:RopeLM"',
+                        '"pipeplan.tests.compiler.models:tiny_llama"\n  capture = export')
+    with pytest.raises(PlanError, match=r"takes a mask tensor") as err:
+        compile_plan(parse_plan(text, "plan.plan"))
+    assert "plan.plan:9:" in str(err.value), str(err.value)
