@@ -178,7 +178,7 @@ def test_ulysses_pp2_dp2_cp2_zero2_equals_reference(run_workers):
     run_workers(_worker, 8, ["pp2-dp2-zero2"], timeout=880)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ulysses_transformers_llama_pp2_cp2_equals_reference(run_workers):
     """transformers' LlamaForCausalLM (RoPE from position_ids, GQA 4/2, SDPA with is_causal:
@@ -186,7 +186,6 @@ def test_ulysses_transformers_llama_pp2_cp2_equals_reference(run_workers):
     run_workers(_worker, 4, ["llama-1f1b", "llama-zbv"], timeout=880)
 
 
-@pytest.mark.heavy
 def test_transformers_default_sdpa_mask_is_refused():
     """attn_implementation="sdpa" materialises a [B, 1, S/cp, S/cp] mask when exported."""
     from pipeplan.compiler import compile_plan
