@@ -19,7 +19,7 @@ def _header(c: CompiledPlan) -> str:
     return "\n".join([
         f"# pipeplan build: {p.path}", "",
         f"- model: `{p.model.source}` captured with **{c.capture}** — {c.capture_reason}",
-        f"- mesh: pp={m.pp} dp={m.dp} tp={m.tp} ep={m.ep} (world size {m.world_size}); "
+        f"- mesh: pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp} ep={m.ep} (world size {m.world_size}); "
         f"schedule **{c.schedule.name}**, {len(c.stages)} stages, {p.microbatches} microbatches "
         f"of {p.microbatch_size} × {p.data.seq_len} tokens; ZeRO-{p.zero}; {p.train.precision}",
         ""])
