@@ -1,15 +1,25 @@
 """One compiled plan for every rank: rank 0 decides, every rank proves it runs the same.
 
-`compile_shared` compiles on rank 0 of the world and broadcasts its decisions
-(the split points and the verified schedule); every other rank compiles the
-same plan with that split and schedule pinned, so searches (`auto`) never run
-to different answers on different ranks. `check_agreement` then hashes, on
-every rank, what it is about to run (the plan, the schedule, each stage's
-boundaries, parameters and code, the tied parameters, the expert placement and
-the TP rewrites), gathers the hashes and stops every rank before step 1 when
-they differ, naming the part that differs and which ranks hold which version
-(a rank started with another plan file, another model file or another
-pipeplan).
+`compile_shared` compiles on rank 0 of the world and broadcasts its decisions:
+the split points (the stage boundaries) and the verified schedule (which also
+places stages on ranks). Every other rank compiles the same plan on the meta
+device with those given (`compile_plan(..., schedule=)`), so no search runs
+there (`split = auto`, `schedule = auto`): searches are deterministic anyway
+(bounded by counts, never by the clock), and this keeps a loaded machine from
+paying for them per rank.
+
+What each rank still recomputes, and why: the stage GraphModules (captured
+from the model on meta; a GraphModule holds the model's own module objects and
+user classes, which do not travel safely between processes, and capture on
+meta costs no weights), the expert placement and the TP kinds (deterministic
+functions of the plan and the model, no search) and the estimates.
+`check_agreement` then hashes, on every rank, what it is about to run (the
+plan, the schedule, each stage's boundaries, parameters, buffers and graph
+code, the tied parameters, the expert placement and the TP rewrites), gathers
+the hashes and stops every rank before step 1 when they differ, naming the
+part that differs and which ranks hold which version (a rank started with
+another plan file, another model file or another pipeplan, or a capture that
+is not deterministic).
 """
 from __future__ import annotations
 
@@ -24,7 +34,9 @@ from ..errors import PipeplanError
 
 
 def compile_shared(plan: Plan, compile_fn) -> CompiledPlan:
-    """`compile_fn(plan, None)` on rank 0; rank 0's split and schedule pinned everywhere."""
+    """`compile_fn(plan, None)` on rank 0; the others compile with rank 0's split points and
+    schedule given, so no search (split or schedule) runs on them: see the module docstring
+    for what each rank still recomputes and why."""
     from ..schedules import schedule_from_json, schedule_to_json
 
     rank = dist.get_rank()
@@ -40,11 +52,7 @@ def compile_shared(plan: Plan, compile_fn) -> CompiledPlan:
     if points:
         pinned = dataclasses.replace(plan, pipeline=dataclasses.replace(
             plan.pipeline, split=SplitSpec(kind="points", points=points)))
-    compiled = compile_fn(pinned, None)
-    compiled.schedule = schedule_from_json(schedule_json)
-    for st in compiled.stages:
-        st.rank = compiled.schedule.stage_to_rank[st.index]
-    return compiled
+    return compile_fn(pinned, None, schedule=schedule_from_json(schedule_json))
 
 
 def fingerprint(plan: Plan, compiled: CompiledPlan) -> dict[str, str]:

@@ -1,9 +1,12 @@
-"""`pipeplan run`, `pipeplan verify` and `pipeplan plan-diff` (plan_diff.py).
+"""`pipeplan run`, `pipeplan verify`, `pipeplan profile`, `pipeplan report` and
+`pipeplan plan-diff` (plan_diff.py).
 
 run PLAN|BUILD/: without a rank in the environment it launches world-size
 local processes (gloo) that each re-enter this command as one rank; under
 torchrun (RANK, WORLD_SIZE, ... set) it is that rank. verify runs the plan
-locally, then the single-process reference, and compares.
+locally, then the single-process reference, and compares. profile is a short
+run (warm-up + measured steps) that writes a cost file (compiler/profile.py).
+report turns a run directory (train.log_dir) into report.html (run_dir.py).
 """
 from __future__ import annotations
 
@@ -26,7 +29,25 @@ def add_commands(sub) -> None:
     run.add_argument("--reset-optimizer", action="store_true",
                      help="resume a checkpoint's weights (and step) with a fresh optimizer")
     run.add_argument("--dump-dir", help=argparse.SUPPRESS)
+    run.add_argument("--profile-out", help=argparse.SUPPRESS)  # `pipeplan profile`'s ranks
+    run.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     run.set_defaults(func=_cmd_run)
+
+    prof = sub.add_parser("profile", help="run a few steps on the plan's own processes and "
+                          "write the measured per-stage costs (a cost file the plan can name)")
+    _common(prof)
+    prof.add_argument("-o", "--out", default="costs.json", help="the cost file (default "
+                      "costs.json); name it in the plan: pipeline { profile = \"costs.json\" }")
+    prof.add_argument("--steps", type=int, default=4, help="measured steps (default 4)")
+    prof.add_argument("--warmup", type=int, default=2, help="steps before them (default 2)")
+    prof.set_defaults(func=_cmd_profile)
+
+    report = sub.add_parser("report", help="write RUN_DIR/report.html: loss and step-time "
+                            "curves, measured vs planned timeline, memory per rank")
+    report.add_argument("run_dir", help="a run's train.log_dir")
+    report.add_argument("-o", "--out", default=None, help="the HTML file (default "
+                        "RUN_DIR/report.html)")
+    report.set_defaults(func=_cmd_report)
 
     verify = sub.add_parser("verify", help="run a plan and the single-process reference; compare")
     _common(verify)
@@ -66,9 +87,10 @@ def _rank_argv(args, steps: int, dump_dir: str | None = None,
         argv += ["--set", kv]
     if precision:
         argv += ["--set", f"train.precision={precision}"]
-    for flag in ("trace", "metrics"):
+    for flag in ("trace", "metrics", "profile_out"):
         if getattr(args, flag, None):
-            argv += [f"--{flag}", os.path.abspath(getattr(args, flag))]
+            argv += [f"--{flag.replace('_', '-')}", os.path.abspath(getattr(args, flag))]
+    argv += ["--warmup", str(getattr(args, "warmup", 1))]
     if dump_dir:
         argv += ["--dump-dir", dump_dir]
     if getattr(args, "reset_optimizer", False):
@@ -109,11 +131,46 @@ def _cmd_run(args) -> int:
         m = source.plan.mesh
         print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
-        return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size)
+        return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
+                            islands=_islands(source.plan))
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
-                      debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer)
+                      debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
+                      profile_out=args.profile_out, warmup=args.warmup)
     return run_worker(source.plan, source.compile, env, opts)
+
+
+def _cmd_profile(args) -> int:
+    """`run` for warm-up + measured steps, rank 0 writing the cost file."""
+    if args.steps < 1 or args.warmup < 0:
+        raise PipeplanError(f"pipeplan profile needs --steps >= 1 and --warmup >= 0, got "
+                            f"{args.steps} and {args.warmup}")
+    out = os.path.abspath(args.out)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise PipeplanError(f"{args.out}: its folder does not exist")
+    run_args = argparse.Namespace(**vars(args))
+    run_args.steps, run_args.profile_out = args.warmup + args.steps, out
+    run_args.trace = run_args.metrics = run_args.dump_dir = None
+    run_args.reset_optimizer = False
+    return _cmd_run(run_args)
+
+
+def _cmd_report(args) -> int:
+    from .run_dir import write_report
+
+    print(f"wrote {write_report(args.run_dir, args.out)}")
+    return 0
+
+
+def _islands(plan):
+    """A decoupled DiLoCo run's islands (the ranks of each dp coordinate): the launcher
+    drops an island that dies instead of stopping the run (backends/decoupled.py)."""
+    if not plan.sync.decoupled:
+        return None
+    from ..dsl.layout import mesh_layout
+
+    layout = mesh_layout(plan.mesh)
+    return [[c.rank for c in layout if c.dp == d] for d in range(plan.mesh.dp)]
 
 
 def _cmd_verify(args) -> int:
@@ -125,6 +182,11 @@ def _cmd_verify(args) -> int:
                             "run it without torchrun")
     source = load_source(args.plan, args.set, None)
     steps = _steps(args, source)
+    if source.plan.sync.diloco:
+        raise PipeplanError("pipeplan verify compares a run with one process training on the "
+                            "global batch every step, which a diloco run is not (its islands "
+                            "train apart); tests/backends/test_diloco.py holds DiLoCo's own "
+                            "reference")
     precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
     check_data(source.plan, steps)
     world = source.plan.mesh.world_size

@@ -55,6 +55,17 @@ class ActionTiming:
 
 
 @dataclass(frozen=True)
+class Span:
+    """A measured interval outside an action's compute (the trace's other lanes): "send" (posting
+    a send), "send wait" (the step's sends completing), "grad sync", "optimizer", ..."""
+
+    kind: str
+    name: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class Flag:
     """A device-side check left by one action, read only on the failure path."""
 
@@ -72,6 +83,7 @@ class StepResult:
     loss: torch.Tensor  # float64 on the device: sum of this rank's scaled last-stage losses
     timings: list[ActionTiming] = field(default_factory=list)
     flags: list[Flag] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)  # sends, syncs (observe.py draws them)
 
     def first_non_finite(self) -> Optional[Flag]:
         """The first flagged action of the step on this rank (host sync: failure path only)."""
@@ -169,6 +181,7 @@ class Executor:
                 if p.send is not None:
                     ops, tensors = self._send_ops(p.send, produced)
                     pending_sends.extend((w, tensors) for w in dist.batch_isend_irecv(ops))
+                    result.spans.append(Span("send", f"send {label(a)}", end, time.time()))
                     if nxt is not None and i + 1 not in posted:  # same peer: after the send
                         posted[i + 1] = self._post([nxt])
                     key = (p.send.boundary, p.send.microbatch)
@@ -181,9 +194,13 @@ class Executor:
             result.timings.append(ActionTiming(op_name(a), a.stage, a.microbatch, start, end,
                                                start - wait_start))
             if self.last_grad_action.get(a.stage) == (op_name(a), a.microbatch):
+                t = time.time()
                 self.on_stage_done(a.stage)
+                result.spans.append(Span("grad sync", f"stage {a.stage} done", t, time.time()))
+        t = time.time()
         for work, _ in pending_sends:
             work.wait()
+        result.spans.append(Span("send wait", "sends complete", t, time.time()))
         for s, runner in self.runners.items():
             if runner.pending_microbatches:  # the verifier rules this out; never carry graphs over
                 raise PipeplanError(f"the schedule left stage {s} microbatches "

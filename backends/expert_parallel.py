@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PipeplanError
+from .materialize import sliced_parameter
 from .expert_dispatch import all_to_all, dispatch_slots, exchange_counts
 
 
@@ -76,10 +77,10 @@ def expert_shard(num_experts: int, ep_size: int, ep_rank: int) -> ExpertShard:
 
 
 def local_experts(experts: nn.Module, shard: ExpertShard) -> nn.Module:
-    """A copy of the model's experts module holding only `shard`'s experts (same code)."""
+    """A copy of the model's experts module holding only `shard`'s experts (same code); on
+    meta parameters, meta slices that materialize.fill gives storage later."""
     local = copy.copy(experts)
-    local._parameters = {n: nn.Parameter(p.detach()[shard.first:shard.stop].clone(),
-                                         requires_grad=p.requires_grad)
+    local._parameters = {n: sliced_parameter(p, 0, shard.first, shard.local)
                          for n, p in experts._parameters.items()}
     for key, value in list(vars(local).items()):
         if type(value) is int and value == shard.num_experts and not key.startswith("_"):

@@ -58,7 +58,14 @@ def _store_client(timeout_s: float = 10.0):
                          wait_for_workers=False)
 
 
-def report_failure(failure: Failure) -> None:
+def island_key(island: Optional[int]) -> str:
+    """Where a rank reports its failure in the store: the job's key, or in a decoupled
+    DiLoCo run an island's own key for islands other than 0 (the launcher decides whether
+    such a failure stops the run, see launcher.py; watchers read both keys)."""
+    return STORE_KEY if not island else f"{STORE_KEY}/island{island}"
+
+
+def report_failure(failure: Failure, key: str = STORE_KEY) -> None:
     """Tell the launcher and the other ranks; never raises (we are already failing)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if folder:
@@ -69,8 +76,8 @@ def report_failure(failure: Failure) -> None:
             pass
     try:
         store = _store_client(timeout_s=2.0)
-        if store is not None and not store.check([STORE_KEY]):
-            store.set(STORE_KEY, failure.to_json())
+        if store is not None and not store.check([key]):
+            store.set(key, failure.to_json())
     except Exception:  # the store may be gone with rank 0
         pass
 
@@ -91,8 +98,8 @@ def read_failures(folder: str) -> list[Failure]:
 class FailureWatch:
     """A daemon thread: exit this process when another rank reports a failure."""
 
-    def __init__(self, rank: int, interval_s: float = 0.5):
-        self.rank = rank
+    def __init__(self, rank: int, interval_s: float = 0.5, keys: tuple = (STORE_KEY,)):
+        self.rank, self.keys = rank, keys
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -115,9 +122,10 @@ class FailureWatch:
             return
         while not self._stop.wait(self.interval_s):
             try:
-                if not store.check([STORE_KEY]):
+                key = next((k for k in self.keys if store.check([k])), None)
+                if key is None:
                     continue
-                failure = Failure.from_json(store.get(STORE_KEY).decode())
+                failure = Failure.from_json(store.get(key).decode())
             except Exception:  # the store went away: the job is ending anyway
                 return
             if failure.rank != self.rank and not self._stop.is_set():

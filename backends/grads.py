@@ -78,6 +78,8 @@ class _Bucket:
         self.params = params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         self.flat = torch.cat([g.reshape(-1) for g in grads])
+        n = dist.get_world_size(group)  # bytes this rank sends through a ring all-reduce
+        self.sent = int(2 * (n - 1) / n * self.flat.numel() * self.flat.element_size())
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def finish(self) -> None:
@@ -123,8 +125,10 @@ class GradSync:
     """Per step: `stage_done(s)` as stages finish, then `finish()` and `clip()`."""
 
     def __init__(self, runners: dict[int, StageRunner], layout: StageLayout,
-                 tied: Sequence[TiedGroup], stage_order: Sequence[int]):
+                 tied: Sequence[TiedGroup], stage_order: Sequence[int],
+                 reduce_over_dp: bool = True):
         self.topo = layout.topo
+        self.reduce_over_dp = reduce_over_dp  # False: DiLoCo islands keep their own gradients
         self.layout = layout
         self.device = layout.device
         self.tied = list(tied)
@@ -142,6 +146,7 @@ class GradSync:
         for pid, s in owner.items():
             self._by_stage[s].append(self._params[pid])
         self._buckets: list[_Bucket] = []
+        self.bytes_sent = 0  # by the gradient all-reduces so far (benchmarks)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -152,7 +157,7 @@ class GradSync:
         self.layout.after_backward(stage)
         by_group: dict[int, tuple] = {}
         for p in self._by_stage.get(stage, []):
-            group = self.layout.reduce_group(stage, p)
+            group = self.layout.reduce_group(stage, p) if self.reduce_over_dp else None
             if group is not None:
                 by_group.setdefault(id(group), (group, []))[1].append(p)
         for group, params in by_group.values():
@@ -170,6 +175,7 @@ class GradSync:
         """Wait for the DP all-reduces, then sum tied gradients between their holders."""
         for b in self._buckets:
             b.finish()
+            self.bytes_sent += b.sent
         self._buckets.clear()
         sum_tied(self.tied)
 

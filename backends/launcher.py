@@ -8,6 +8,12 @@ error report; see failure.explain) with its last action, and what the others
 reported as a consequence, kills the rest and returns 1.
 Children die with the launcher (PR_SET_PDEATHSIG on Linux) and are killed in
 a `finally`, so no process outlives a run.
+
+A decoupled DiLoCo run (`islands` given: the ranks of each dp replica) survives the
+death of a whole island other than island 0: when one of its ranks dies by a signal,
+the launcher kills the island's other ranks, says so, tells the coordinators through
+the job's store (decoupled.py) and goes on; the failures those ranks report are
+consequences. Any other failure stops every rank as above.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .failure import ERROR_DIR_ENV, explain, read_beacon, read_failures
 
@@ -44,7 +50,8 @@ def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def launch_local(argv: Sequence[str], world: int) -> int:
+def launch_local(argv: Sequence[str], world: int,
+                 islands: Optional[Sequence[Sequence[int]]] = None) -> int:
     """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded.
 
     The ranks run in their own session, so a Ctrl-C in the terminal reaches only the
@@ -63,14 +70,18 @@ def launch_local(argv: Sequence[str], world: int) -> int:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "pipeplan", *argv], env=env, start_new_session=True,
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
-            return _watch(procs, errors)
+            return _watch(procs, errors, _Islands(islands, port) if islands else None)
         finally:
             _kill_all(procs)
 
 
-def _watch(procs: list[subprocess.Popen], errors: str) -> int:
+def _watch(procs: list[subprocess.Popen], errors: str, islands: "Optional[_Islands]" = None
+           ) -> int:
     while True:
         codes = [p.poll() for p in procs]
+        if islands is not None:
+            islands.drop_dead(procs, codes, errors)
+            codes = [0 if r in islands.dropped else c for r, c in enumerate(codes)]
         if all(c == 0 for c in codes):
             return 0
         if any(c not in (None, 0) for c in codes):
@@ -78,7 +89,8 @@ def _watch(procs: list[subprocess.Popen], errors: str) -> int:
             deadline = time.monotonic() + GRACE_S
             while time.monotonic() < deadline and not _settled(procs, errors):
                 time.sleep(0.05)
-            final = {r: p.poll() for r, p in enumerate(procs)}
+            dropped = islands.dropped if islands is not None else set()
+            final = {r: 0 if r in dropped else p.poll() for r, p in enumerate(procs)}
             codes_then = {r: (c if c is not None else final[r]) for r, c in enumerate(codes)}
             _kill_all(procs)
             beacons = {r: read_beacon(errors, r) for r in range(len(procs))}
@@ -125,3 +137,49 @@ def _hold_sigint():
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Islands:
+    """The islands of a decoupled DiLoCo run, and those dropped so far."""
+
+    def __init__(self, islands: Sequence[Sequence[int]], port: int):
+        self.islands = [list(i) for i in islands]
+        self.port = port
+        self.dropped: set[int] = set()  # ranks of lost islands
+
+    def drop_dead(self, procs: list[subprocess.Popen], codes: list, errors: str) -> None:
+        """Drop every island (but island 0) in which a rank died by a signal."""
+        for i, ranks in enumerate(self.islands):
+            if i == 0 or ranks[0] in self.dropped:
+                continue
+            killed = [r for r in ranks if codes[r] is not None and codes[r] < 0]
+            if not killed:
+                continue
+            _kill_all([procs[r] for r in ranks])
+            self.dropped.update(ranks)
+            where = read_beacon(errors, killed[0])
+            left = [j for j, rs in enumerate(self.islands) if rs[0] not in self.dropped]
+            print(f"pipeplan: island {i} lost: rank {killed[0]} was killed by signal "
+                  f"{-codes[killed[0]]}" + (f" in {where}" if where else "")
+                  + f"; stopped its ranks {ranks}; the run goes on with islands {left}",
+                  file=sys.stderr, flush=True)
+            self._tell(i)
+            for r in ranks:  # their consequences are not the run's failures
+                try:
+                    os.remove(os.path.join(errors, f"rank{r}.json"))
+                except OSError:
+                    pass
+
+    def _tell(self, island: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from .decoupled import lost_key
+
+        try:
+            store = dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                                  timeout=timedelta(seconds=5), wait_for_workers=False)
+            store.set(lost_key(island), "1")
+        except Exception as e:  # the coordinators then time the island out instead
+            print(f"pipeplan: could not tell the coordinators: {e}", file=sys.stderr)

@@ -2,31 +2,40 @@
 
 The model is constructed once per process as a *skeleton* (compiler/loading.py
 `load_skeleton`): parameters on the meta device, buffers computed by the
-constructor on CPU. `materialize(model, seed, names)` then gives real storage
-to the named parameters and buffers only, and initialises them module by
-module: every module that directly owns one of them runs its init rule
-(`reset_parameters()`, then the model's `_init_weights(module)`, see
-`compiler.loading.init_rule`) under `torch.manual_seed(module_seed(seed,
+constructor on CPU. Initial values are drawn module by module
+(`initial_values`): every module that directly owns a wanted parameter runs its
+init rule (`reset_parameters()`, then the model's `_init_weights(module)`, see
+`compiler.loading.init_rule`) on CPU under `torch.manual_seed(module_seed(seed,
 path))`. A parameter's initial value is therefore a function of the plan's seed
-and the module owning it, never of which other modules a process holds: a rank
-holding stages 2-3 and the single-process reference holding everything draw
-identical tensors.
+and the module owning it, never of which other modules a process holds (nor of
+its device: the rule always draws on CPU), so a rank holding stages 2-3 and the
+single-process reference holding everything draw identical tensors.
 
-* A tied parameter (embedding and LM head) is materialised once; every module
-  owning it runs its rule, in model order (as the constructor did), so each
-  holder draws the same value.
-* Before the rules run, new storage is filled with NaN; a named tensor still
-  NaN afterwards was not covered by the model's init and is refused by name.
-* Buffers keep the constructor's values (rotary inv_freq, masks); a rule may
-  recompute them (Hugging Face's `_init_weights` does for rotary embeddings).
+Two separable steps, so a weights file can replace the first and keep the second:
 
-`INIT_SOURCES` is where a weights file will later replace the init per tensor:
-`materialize(..., source=...)` takes the tensors it names from there instead.
+* **values** — `initial_values(model, seed, names)` yields each wanted parameter's
+  full value once the last module holding it has run its rule, then gives that
+  module's storage back: the peak is one module's parameters (plus a tied
+  parameter until its last holder ran), never the stage. `source=` (a mapping
+  name -> tensor, e.g. a weights file) replaces the init per tensor.
+* **slices** — `fill(targets, values, device)` gives each target parameter (meta,
+  possibly a TP / EP shard marked by `sliced_parameter` with its `Slice` of the
+  full tensor) storage on `device` holding exactly its slice, in place
+  (`torch.utils.swap_tensors`: the Python object, and everything keyed by it,
+  stays).
+
+* A tied parameter (embedding and LM head) is drawn once; every module owning it
+  runs its rule, in model order (as the constructor did), so each holder draws
+  the same value.
+* Before the rules run, new storage is filled with NaN; a wanted tensor still NaN
+  afterwards was not covered by the model's init and is refused by name.
+* Buffers keep the constructor's values (rotary inv_freq, masks).
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -40,6 +49,45 @@ def module_seed(seed: int, path: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+# ------------------------------------------------------------------ slices
+@dataclass(frozen=True)
+class Slice:
+    """The part of a full parameter one rank holds: `full.narrow(dim, start, length)`."""
+
+    dim: int
+    start: int
+    length: int
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full.narrow(self.dim, self.start, self.length)
+
+
+_SLICE = "_pipeplan_slice"  # attribute of a meta shard: the Slice fill() gives it
+
+
+def sliced_parameter(full: nn.Parameter, dim: int, start: int, length: int) -> nn.Parameter:
+    """A parameter holding `full`'s slice (the TP and EP rewrites' shards). A copy when `full`
+    has storage; when it is meta (the runtime rewrites stages before materialising them) a
+    meta parameter of the slice's shape, marked with its `Slice` for `fill`."""
+    part = Slice(dim, start, length)
+    if full.device.type != "meta":
+        return nn.Parameter(part.take(full.detach()).contiguous().clone(),
+                            requires_grad=full.requires_grad)
+    if getattr(full, _SLICE, None) is not None:
+        raise PipeplanError("a parameter cannot be sliced twice before materialisation "
+                            "(tensor and expert parallelism on one tensor)")
+    shard = nn.Parameter(part.take(full.detach()).contiguous().clone(),
+                         requires_grad=full.requires_grad)
+    setattr(shard, _SLICE, part)
+    return shard
+
+
+def slice_of(p: torch.Tensor) -> Optional[Slice]:
+    """The Slice a meta shard will hold (None: the whole tensor)."""
+    return getattr(p, _SLICE, None)
+
+
+# ------------------------------------------------------------------ values
 def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
     """id(tensor) -> every (module path, module, attribute) that holds it directly."""
     out: dict[int, list] = {}
@@ -56,15 +104,143 @@ def _replace(holders, new: torch.Tensor, is_param: bool) -> None:
         (mod._parameters if is_param else mod._buffers)[leaf] = new
 
 
+def _to_meta(p: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                        requires_grad=p.requires_grad)
+
+
+def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool = False,
+                   source: Optional[Mapping[str, torch.Tensor]] = None
+                   ) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    """(names, full CPU value) of each distinct wanted parameter of the skeleton `model`,
+    drawn module by module in model order (see the module docstring). With `keep` the
+    values stay in `model`; without, each module's storage goes back to meta once its
+    parameters are handed out. `source` supplies named tensors instead of the init."""
+    from ..compiler.loading import init_rule
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    wanted = set(names)
+    unknown = sorted(wanted - set(params))
+    if unknown:
+        raise PipeplanError(f"cannot materialise {unknown[:3]}: not parameters of the model")
+    owners = _owners(model)
+    names_of: dict[int, list[str]] = {}
+    for n in sorted(wanted):
+        names_of.setdefault(id(params[n]), []).append(n)
+    holders, seen = [], set()  # (path, module) directly holding a wanted parameter, model order
+    for path, mod in model.named_modules(remove_duplicate=False):
+        if id(mod) not in seen and any(p is not None and id(p) in names_of
+                                       for p in mod._parameters.values()):
+            seen.add(id(mod))  # a module reachable by two paths runs once, under its first
+            holders.append((path, mod))
+    last = {}  # id(parameter) -> index of the last holder module running a rule on it
+    for i, (_, mod) in enumerate(holders):
+        for p in mod._parameters.values():
+            if p is not None:
+                last[id(p)] = i
+    for i, (path, mod) in enumerate(holders):
+        for leaf, p in list(mod._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            new = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype)
+                               if p.is_floating_point() else torch.zeros(p.shape, dtype=p.dtype),
+                               requires_grad=p.requires_grad)
+            _replace(owners[id(p)], new, True)
+            owners[id(new)] = owners.pop(id(p))
+            for key in (names_of, last):
+                if id(p) in key:
+                    key[id(new)] = key.pop(id(p))
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(seed, path))
+            for step in init_rule(model, mod):
+                step()
+        for leaf, p in list(mod._parameters.items()):
+            if p is None or last.get(id(p)) != i:
+                continue  # a later holder still runs its rule on it
+            if id(p) in names_of:
+                value = p.detach()
+                if source is not None:
+                    value = _from_source(source, names_of[id(p)], value)
+                _check_covered(model, names_of[id(p)][0], value)
+                yield tuple(names_of[id(p)]), value
+                if keep:
+                    continue
+            if p.device.type != "meta":
+                _replace(owners[id(p)], _to_meta(p), True)
+
+
+def _from_source(source: Mapping[str, torch.Tensor], names, value: torch.Tensor):
+    """The hook for a weights file: a named tensor replaces the init (same shape)."""
+    for n in names:
+        if n in source:
+            got = source[n]
+            if tuple(got.shape) != tuple(value.shape):
+                raise PipeplanError(f"`{n}`: the weights give shape {tuple(got.shape)}, the "
+                                    f"model has {tuple(value.shape)}")
+            return got.detach().to(dtype=value.dtype)
+    return value
+
+
+def _check_covered(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    if value.is_floating_point() and bool(torch.isnan(value).any()):
+        owner = name.rpartition(".")[0]
+        raise PipeplanError(
+            f"parameter `{name}` was not initialised: no rule of module `{owner}` "
+            f"({type(model.get_submodule(owner)).__name__}) set it (its reset_parameters() "
+            f"or {type(model).__name__}._init_weights(module)); see docs/runtime.md, "
+            "Initial weights")
+
+
+def fresh_meta(modules: Iterable[nn.Module]) -> None:
+    """Replace each meta parameter of `modules` by a new meta Parameter (one per distinct
+    tensor, shared by all its names), before the TP / EP rewrites see them: the compiler's
+    capture may still reference the old ones, which would stop `fill` from swapping
+    storage into them in place."""
+    new: dict[int, nn.Parameter] = {}
+    for m in modules:
+        for mod in m.modules():
+            for leaf, p in list(mod._parameters.items()):
+                if p is not None and p.device.type == "meta" and slice_of(p) is None:
+                    mod._parameters[leaf] = new.setdefault(id(p), _to_meta(p))
+
+
+def fill(targets: Mapping[str, Iterable[nn.Parameter]],
+         values: Iterable[tuple[tuple[str, ...], torch.Tensor]],
+         device: torch.device | str = "cpu") -> int:
+    """Give each meta target parameter storage on `device` holding its slice (`slice_of`,
+    default all) of its full value, in the target's dtype, in place. `targets`: name ->
+    the parameters of that name (a rank's stage modules may hold one under several names,
+    or two stages one name). Returns the bytes of the distinct parameters filled."""
+    device = torch.device(device)
+    done: dict[int, nn.Parameter] = {}
+    for names, value in values:
+        for name in names:
+            for t in targets.get(name, ()):
+                if id(t) in done or t.device.type != "meta":
+                    continue
+                part = slice_of(t)
+                data = part.take(value) if part is not None else value
+                if tuple(data.shape) != tuple(t.shape):
+                    raise PipeplanError(f"`{name}`: its value has shape {tuple(data.shape)}, "
+                                        f"the stage holds {tuple(t.shape)}")
+                new = nn.Parameter(data.to(device=device, dtype=t.dtype, copy=True)
+                                   .contiguous(), requires_grad=t.requires_grad)
+                torch.utils.swap_tensors(t, new)  # same object: the layout's ids stay valid
+                done[id(t)] = t
+    missing = sorted(n for n, ts in targets.items() for t in ts if t.device.type == "meta")
+    if missing:
+        raise PipeplanError(f"no initial value for {missing[:3]}")
+    return sum(p.numel() * p.element_size() for p in done.values())
+
+
 def materialize(model: nn.Module, seed: int, names: Optional[Iterable[str]] = None,
                 device: torch.device | str = "cpu",
                 source: Optional[Mapping[str, torch.Tensor]] = None) -> int:
-    """Give the parameters and buffers named by `names` (None: all) real storage on `device`
-    and their deterministic initial values, in place; the others stay as they are (meta
-    parameters). `source`, when given, supplies named tensors instead of the init.
-    Returns the bytes of distinct parameters materialised."""
-    from ..compiler.loading import init_rule
-
+    """Give the parameters and buffers of `model` named by `names` (None: all) real storage
+    on `device` and their deterministic initial values, in place; the others stay meta.
+    `source`, when given, supplies named tensors instead of the init. Returns the bytes of
+    distinct parameters materialised. (The single-process reference calls it; a rank's
+    stages are filled by `backends.model.fill_stages`.)"""
     device = torch.device(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -72,71 +248,34 @@ def materialize(model: nn.Module, seed: int, names: Optional[Iterable[str]] = No
     unknown = sorted(wanted - set(params) - set(buffers))
     if unknown:
         raise PipeplanError(f"cannot materialise {unknown[:3]}: not in the model")
+    nbytes = 0
+    for held, value in initial_values(model, seed, [n for n in wanted if n in params],
+                                      keep=True, source=source):
+        p = model.get_parameter(held[0])
+        if p.device != device or value.data_ptr() != p.data_ptr():  # moved, or from `source`
+            torch.utils.swap_tensors(p, nn.Parameter(value.to(device=device, dtype=p.dtype,
+                                                              copy=True),
+                                                     requires_grad=p.requires_grad))
+        nbytes += p.numel() * p.element_size()
     owners = _owners(model)
-    # Every module directly holding a wanted parameter runs its rule; all of its own
-    # parameters get storage for that (so the rule draws from the RNG as in the reference).
-    holders = {id(m) for n in wanted if n in params for _, m, _ in owners[id(params[n])]}
-    fresh: dict[int, nn.Parameter] = {}  # id(materialised Parameter) -> it
-    for path, mod in model.named_modules(remove_duplicate=False):
-        if id(mod) not in holders:
-            continue
-        for leaf, p in list(mod._parameters.items()):
-            if p is None or p.device.type != "meta":
-                continue
-            new = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
-                               if p.is_floating_point() else
-                               torch.zeros(p.shape, dtype=p.dtype, device=device),
-                               requires_grad=p.requires_grad)
-            fresh[id(new)] = new
-            _replace(owners[id(p)], new, True)
-            owners[id(new)] = owners.pop(id(p))
-    ran: set[int] = set()
-    for path, mod in model.named_modules(remove_duplicate=False):
-        if id(mod) not in holders or id(mod) in ran:
-            continue
-        ran.add(id(mod))  # a module reachable by two paths runs once, under its first path
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(module_seed(seed, path))
-            for step in init_rule(model, mod):
-                step()
-    # What a rule needed but nobody asked for goes back to meta: bytes stay exact.
-    keep = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in wanted}
-    for pid, p in fresh.items():
-        if pid not in keep:
-            _replace(owners[pid], nn.Parameter(p.detach().to("meta"),
-                                               requires_grad=p.requires_grad), True)
     for name in sorted(n for n in wanted if n in buffers):
-        b = model.get_buffer(name)
-        if b.device.type == "meta":
-            raise PipeplanError(
-                f"buffer `{name}` has no value: the constructor made it from a parameter (meta "
-                "during construction); compute it in the module's reset_parameters() instead")
-        if b.device != device:
-            _replace(owners[id(b)], b.to(device), False)
-    if source is not None:
-        _load(model, source, wanted)
-    _check_covered(model, wanted)
-    done = {id(p): p for n, p in model.named_parameters(remove_duplicate=False) if n in wanted}
-    return sum(p.numel() * p.element_size() for p in done.values())
+        b = buffer_value(model, name, device)
+        if b is not model.get_buffer(name):
+            _replace(owners[id(model.get_buffer(name))], b, False)
+    return nbytes
 
 
-def _load(model: nn.Module, source: Mapping[str, torch.Tensor], wanted: set[str]) -> None:
-    """The hook for a weights file: named tensors replace the init (same shape and dtype)."""
-    with torch.no_grad():
-        for name, t in model.state_dict(keep_vars=True).items():
-            if name in wanted and name in source:
-                t.copy_(source[name])
-
-
-def _check_covered(model: nn.Module, wanted: set[str]) -> None:
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name in wanted and p.is_floating_point() and bool(torch.isnan(p).any()):
-            owner = name.rpartition(".")[0]
-            raise PipeplanError(
-                f"parameter `{name}` was not initialised: no rule of module `{owner}` "
-                f"({type(model.get_submodule(owner)).__name__}) set it (its reset_parameters() "
-                f"or {type(model).__name__}._init_weights(module)); see docs/runtime.md, "
-                "Initial weights")
+def buffer_value(model: nn.Module, name: str, device: torch.device | str,
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A skeleton buffer's constructor value on `device` (floating ones in `dtype`)."""
+    b = model.get_buffer(name)
+    if b.device.type == "meta":
+        raise PipeplanError(
+            f"buffer `{name}` has no value: the constructor made it from a parameter (meta "
+            "during construction); compute it in the module's reset_parameters() instead")
+    if dtype is not None and b.is_floating_point() and b.dtype != dtype:
+        return b.to(device=torch.device(device), dtype=dtype)
+    return b.to(torch.device(device))
 
 
 def param_bytes(modules: Iterable[nn.Module]) -> int:
@@ -147,19 +286,6 @@ def param_bytes(modules: Iterable[nn.Module]) -> int:
             if p.device.type != "meta":
                 seen[id(p)] = p
     return sum(p.numel() * p.element_size() for p in seen.values())
-
-
-def install(stage: nn.Module, model: nn.Module, names: Iterable[str],
-            is_param: Callable[[str], bool]) -> None:
-    """Point `stage`'s tensors at the model's materialised ones, by qualified name (tied
-    names get the same object)."""
-    for name in names:
-        owner, _, leaf = name.rpartition(".")
-        mod = stage.get_submodule(owner)
-        if is_param(name):
-            mod._parameters[leaf] = model.get_parameter(name)
-        else:
-            mod._buffers[leaf] = model.get_buffer(name)
 
 
 def fake_copy(module: nn.Module, device: str = "cpu") -> nn.Module:

@@ -1,9 +1,31 @@
 """What a rank holds: its peak resident memory, read from the OS (printed at a run's end)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
 from dataclasses import dataclass
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+
+
+def return_large_blocks_to_os(threshold: int = 1 << 20) -> bool:
+    """CPU runs on glibc: serve every allocation of `threshold` bytes or more (weights,
+    gradients, activations) from its own mapping, returned to the OS when freed.
+
+    glibc otherwise raises its mmap threshold each time a large block is freed (up to
+    32 MiB), after which tensors of that size come from the heap, whose freed holes stay
+    resident: a rank's peak RSS then grows past what it holds. Fixing the threshold turns
+    that adaptation off (values are unchanged: only where memory comes from). Returns
+    whether it applied (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def peak_rss_bytes() -> int:

@@ -2,11 +2,11 @@
 
 Initial weights are a function of (plan seed, module path), drawn by the model's
 own per-module init (backends/materialize.py). `build_model` materialises the
-whole model that way (the single-process reference); `own_stages` gives a
-rank's compiled stages (compiled on the meta device) real tensors for exactly
-the parameters and buffers they hold, drawn the same way, so a rank never
-holds, or initialises, another rank's part and still starts from the
-reference's weights.
+whole model that way (the single-process reference); `fill_stages` gives a
+rank's compiled stages (compiled on the meta device, then rewritten for TP / EP
+so that they hold only their shards) real tensors for exactly the parameters
+and buffers they hold, drawn the same way and sliced, so a rank never holds, or
+keeps, another rank's part and still starts from the reference's weights.
 
 The loss is the compiler's own `reference_loss`: the same function that
 appended the loss to the captured graph, so both sides compute the same ops.
@@ -31,27 +31,45 @@ def build_model(plan: Plan) -> torch.nn.Module:
 
 def own_stages(plan: Plan, compiled: CompiledPlan, pp_rank: int,
                device: torch.device = torch.device("cpu")) -> int:
-    """Materialise the stages of pipeline rank `pp_rank` in place (their tensors were meta),
-    on `device`; the other stages stay on meta. Returns the parameter bytes materialised."""
-    from ..compiler.loading import load_skeleton
-    from ..compiler.precision import to_precision
-    from ..compiler.stages import move_stage
-    from .materialize import install, materialize
+    """Materialise the stages of pipeline rank `pp_rank` whole, in place (their tensors were
+    meta), on `device`; the other stages stay on meta. Returns the parameter bytes held.
+    (The runtime rewrites the stages for TP/EP first and calls `fill_stages` itself.)"""
+    from .materialize import fresh_meta
 
-    stages = compiled.stages_of_rank(pp_rank)
+    modules = [s.module for s in compiled.stages_of_rank(pp_rank)]
+    fresh_meta(modules)
+    return fill_stages(plan, modules, device)
+
+
+def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu")) -> int:
+    """Give every meta parameter and buffer of `modules` (one rank's stage modules, possibly
+    rewritten for TP / EP so that they hold only their shards, see materialize.Slice) its
+    initial value on `device`: each owning module's init runs once on CPU, the rank keeps
+    its slice, and the module's storage is released before the next one (the peak is one
+    module, not the stage). Graph constants are moved to `device`. Returns the bytes of
+    the distinct parameters the modules hold."""
+    from ..compiler.loading import load_skeleton
+    from ..compiler.stages import move_stage
+    from .materialize import buffer_value, fill, initial_values, param_bytes
+
+    modules = list(modules)
+    targets: dict[str, list] = {}
+    for m in modules:
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if p.device.type == "meta" and all(p is not q for q in targets.get(name, ())):
+                targets.setdefault(name, []).append(p)
+    buffers = [(m, n, b) for m in modules for n, b in m.named_buffers(remove_duplicate=False)
+               if b.device.type == "meta"]
+    if not (targets or buffers):
+        return param_bytes(modules)  # stages compiled with their weights (tests)
     skeleton = load_skeleton(plan)
-    params = {n for s in stages for n in s.param_names}
-    nbytes = materialize(skeleton, plan.train.seed,
-                         params | {n for s in stages for n in s.buffer_names}, device)
-    to_precision(skeleton, plan.train.precision)  # as compile_plan and the reference do
-    if plan.train.precision == "fp64":  # the bytes after conversion
-        owned = {id(p): p for n, p in skeleton.named_parameters(remove_duplicate=False)
-                 if n in params}
-        nbytes = sum(p.numel() * p.element_size() for p in owned.values())
-    for s in stages:
-        install(s.module, skeleton, s.param_names + s.buffer_names, params.__contains__)
-        move_stage(s.module, device)  # graph constants captured on meta name the device
-    return nbytes
+    fill(targets, initial_values(skeleton, plan.train.seed, targets), device)
+    for m, name, b in buffers:
+        owner, _, leaf = name.rpartition(".")
+        m.get_submodule(owner)._buffers[leaf] = buffer_value(skeleton, name, device, b.dtype)
+    for m in modules:
+        move_stage(m, device)  # graph constants captured on meta name the device
+    return param_bytes(modules)
 
 
 def model_loss(plan: Plan, output, targets: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,16 @@
-"""What a run shows: rank 0's progress line, JSONL metrics, the measured Chrome trace, the bubble.
+"""What a run shows: rank 0's progress (a live bar on a terminal, else one line per step),
+JSONL metrics, the bubble; the measured trace is trace.py.
 
-The trace has the schedule engine's layout (schedules/render.py: a process
-per rank with a "compute" thread, one "X" event per action named like the
-IR prints it, "F0.3" = F of stage 0, microbatch 3, with op/stage/microbatch
-args, times in µs), so a planned and a measured timeline of the same
-schedule overlay in Perfetto.
-
-Bubbles are whole-iteration (1 - sum busy / (ranks * makespan)), measured on
-one step of the pipeline at dp=0, tp=0, and predicted by simulating the schedule
-with the measured mean per-op costs of each stage and the measured median
-point-to-point latency.
+Bubbles are whole-iteration (1 - sum busy / (ranks * makespan)), measured per
+step on the pipeline at dp=0, tp=0, and reported as the median over the
+steady-state steps (after the first, the warm-up, when there are more). The
+prediction simulates the schedule with the plan's profile (`pipeline.profile`,
+the planned timeline the compiler made) when it names one, else with this run's
+measured mean per-op costs of each stage and median point-to-point latency.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 from statistics import mean, median
 from typing import Optional, Sequence, TextIO
 
-from .executor import ActionTiming
+from .executor import ActionTiming, Span
 from .trainer import StepReport
 
 
@@ -34,6 +32,7 @@ class RankTimings:
     tp: int
     steps: tuple[tuple[ActionTiming, ...], ...]
     first_step: int = 0  # steps done before these (a resumed run starts after its checkpoint)
+    spans: tuple[tuple[Span, ...], ...] = ()  # per step: sends, gradient sync, optimizer
 
 
 def describe_run(compiled, world_size: int) -> str:
@@ -51,32 +50,61 @@ def describe_run(compiled, world_size: int) -> str:
 
 
 class Progress:
-    """Rank 0's per-step line on stdout and, optionally, one JSON object per step."""
+    """Rank 0's progress on stdout and, optionally, one JSON object per step.
+
+    On a terminal: a live tqdm bar (step, loss, tokens/s, elapsed and ETA), each line
+    above it kept as printed; otherwise (a pipe, a file, the launcher's
+    prefixed output) one plain line per step, the format scripts and tests parse."""
 
     def __init__(self, total_steps: int, metrics_path: Optional[str] = None,
-                 stream: TextIO = sys.stdout, append: bool = False, resumed_after: int = 0):
+                 stream: TextIO = sys.stdout, append: bool = False, resumed_after: int = 0,
+                 live: Optional[bool] = None):
         """`append`: continue the metrics file of a resumed run; the rows it holds for
         steps after `resumed_after` (written after the checkpoint the run resumes from,
-        and about to be trained again) are dropped so no step appears twice."""
+        and about to be trained again) are dropped so no step appears twice. `live`: the
+        bar (default: when `stream` is a terminal)."""
         self.total = total_steps
         self.stream = stream
         if metrics_path and append:
             _keep_rows_through(metrics_path, resumed_after)
         self.metrics = open(metrics_path, "a" if append else "w") if metrics_path else None
+        if live is None:
+            live = bool(getattr(stream, "isatty", lambda: False)())
+        self.bar = None
+        if live:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=resumed_after, file=stream, unit="step",
+                            dynamic_ncols=True, desc="train")
 
     def step(self, r: StepReport) -> None:
         tps = r.tokens / r.step_time if r.step_time > 0 else 0.0
         width = len(str(self.total))
-        print(f"step {r.step + 1:>{width}}/{self.total}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
-              f"grad_norm {r.grad_norm:.3f}  {tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
-              file=self.stream, flush=True)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {r.loss:.4f}  {tps:,.0f} tok/s  "
+                                     f"{r.step_time * 1e3:.0f} ms/step", refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"step {r.step + 1:>{width}}/{self.total}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
+                  f"grad_norm {r.grad_norm:.3f}  {tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
+                  file=self.stream, flush=True)
+        for e in r.sync_events:  # DiLoCo: island 0's syncs (rank 0's fragments)
+            line = f"  island 0: {e.describe()}"
+            if self.bar is not None:
+                self.bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
         if self.metrics:
             self.metrics.write(json.dumps({
                 "step": r.step + 1, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                "tokens_per_s": tps, "step_time_s": r.step_time, "tokens": r.tokens}) + "\n")
+                "tokens_per_s": tps, "step_time_s": r.step_time, "tokens": r.tokens,
+                **({"sync": [dataclasses.asdict(e) for e in r.sync_events]}
+                   if r.sync_events else {})}) + "\n")
             self.metrics.flush()
 
     def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
         if self.metrics:
             self.metrics.close()
 
@@ -102,26 +130,6 @@ def _keep_rows_through(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-def chrome_trace(ranks: Sequence[RankTimings]) -> dict:
-    """Measured per-action timeline of every rank, all steps, µs from the first action."""
-    t0 = min((a.start for r in ranks for s in r.steps for a in s), default=0.0)
-    events = []
-    for r in ranks:
-        events.append({"name": "process_name", "ph": "M", "pid": r.rank,
-                       "args": {"name": f"rank {r.rank} (pp {r.pp}, dp {r.dp}, tp {r.tp})"}})
-        events.append({"name": "thread_name", "ph": "M", "pid": r.rank, "tid": 0,
-                       "args": {"name": "compute"}})
-        for step, actions in enumerate(r.steps):
-            for a in actions:
-                events.append({
-                    "name": f"{a.op}{a.stage}.{a.microbatch}", "cat": a.op, "ph": "X",
-                    "pid": r.rank, "tid": 0, "ts": (a.start - t0) * 1e6,
-                    "dur": (a.end - a.start) * 1e6,
-                    "args": {"op": a.op, "stage": a.stage, "microbatch": a.microbatch,
-                             "step": step + 1, "recv_wait_us": a.recv_wait * 1e6}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
 def measured_bubble(step: Sequence[Sequence[ActionTiming]]) -> float:
     """Whole-iteration bubble of one step, given each pipeline rank's timings."""
     rows = [row for row in step if row]
@@ -133,11 +141,11 @@ def measured_bubble(step: Sequence[Sequence[ActionTiming]]) -> float:
     return 0.0 if makespan <= 0 else 1.0 - busy / (len(rows) * makespan)
 
 
-def measured_costs(ranks: Sequence[RankTimings], stages: int, skip_first: bool = True):
+def measured_costs(ranks: Sequence[RankTimings], stages: int, skip: int = 1):
     """Mean measured (F, B, W) seconds per stage; a BW counts as B (W = 0)."""
     samples: dict[tuple[str, int], list[float]] = {}
     for r in ranks:
-        steps = r.steps[1:] if skip_first and len(r.steps) > 1 else r.steps
+        steps = r.steps[steady_steps(len(r.steps), skip).start:]
         for actions in steps:
             for a in actions:
                 op = "B" if a.op == "BW" else a.op
@@ -169,23 +177,56 @@ def measured_latency(pipeline: Sequence[RankTimings], schedule) -> float:
     return median(samples) if samples else 0.0
 
 
-def bubble_report(schedule, ranks: Sequence[RankTimings]) -> str:
-    """'measured bubble X (step N) vs Y predicted from measured per-op costs and latency'."""
+def steady_steps(n: int, warmup: int = 1) -> range:
+    """The steady-state steps of `n` measured ones: after `warmup` (at least one is kept)."""
+    return range(min(warmup, n - 1) if n > 0 else 0, n)
+
+
+@dataclass(frozen=True)
+class BubbleCheck:
+    """Measured vs predicted whole-iteration bubble of a run's pipeline (dp 0, tp 0)."""
+
+    measured: float  # median over the steady-state steps
+    per_step: tuple[float, ...]  # every measured step's bubble
+    steps: tuple[int, ...]  # the steady-state steps the median is over (1-based)
+    predicted: float
+    source: str  # what the prediction simulated
+    planned: object  # the simulation (schedules.SimResult, seconds): the trace's planned track
+
+
+def check_bubble(schedule, ranks: Sequence[RankTimings], planned=None,
+                 planned_source: str = "", warmup: int = 1) -> BubbleCheck:
+    """`planned`: the compiler's simulation under the plan's profile; without it the schedule
+    is simulated with this run's measured mean per-op costs and median p2p latency."""
     from ..schedules.costs import Costs
     from ..schedules.simulate import simulate
 
     pipeline = sorted((r for r in ranks if r.dp == 0 and r.tp == 0), key=lambda r: r.pp)
-    last = len(pipeline[0].steps) - 1
-    measured = measured_bubble([r.steps[last] for r in pipeline])
-    latency = measured_latency(pipeline, schedule)
-    costs = Costs(per_stage=measured_costs(pipeline, schedule.stages), latency=latency)
-    predicted = simulate(schedule, costs).bubble
-    return (f"bubble (whole iteration, 1 - busy/(ranks x makespan)): measured {measured:.3f} "
-            f"on step {pipeline[0].first_step + last + 1}, predicted {predicted:.3f} by simulating the schedule with "
-            f"the measured mean per-op costs and p2p latency ({latency * 1e3:.2f} ms)")
+    n = len(pipeline[0].steps)
+    per_step = tuple(measured_bubble([r.steps[k] for r in pipeline]) for k in range(n))
+    steady = steady_steps(n, warmup)
+    if planned is None:
+        latency = measured_latency(pipeline, schedule)
+        costs = Costs(per_stage=measured_costs(pipeline, schedule.stages,
+                                               warmup), latency=latency)
+        planned = simulate(schedule, costs)
+        planned_source = (f"this run's measured mean per-op costs and p2p latency "
+                          f"({latency * 1e3:.2f} ms)")
+    first = pipeline[0].first_step
+    return BubbleCheck(median([per_step[k] for k in steady]), per_step,
+                       tuple(first + k + 1 for k in steady), planned.bubble, planned_source,
+                       planned)
 
 
-def write_trace(path: str, ranks: Sequence[RankTimings]) -> None:
-    with open(path, "w") as f:
-        json.dump(chrome_trace(ranks), f)
+def bubble_report(schedule, ranks: Sequence[RankTimings], planned=None,
+                  planned_source: str = "") -> str:
+    return format_bubble(check_bubble(schedule, ranks, planned, planned_source))
 
+
+def format_bubble(c: BubbleCheck) -> str:
+    """'measured bubble X (median of steps a-b), predicted Y by simulating ...'."""
+    where = (f"step {c.steps[0]}" if len(c.steps) == 1 else
+             f"median of steps {c.steps[0]}-{c.steps[-1]}")
+    return (f"bubble (whole iteration, 1 - busy/(ranks x makespan)): measured {c.measured:.3f} "
+            f"({where}), predicted {c.predicted:.3f} by simulating the schedule with "
+            f"{c.source}")

@@ -7,16 +7,18 @@ every rank of the world, in the same order):
   must keep as leaf calls (MoE layers; tensor parallel needs none);
   `check_parallel_model(plan, model)`: PlanErrors at plan lines.
 * `build_parallel_groups(mesh, tp_group, dp_group)` (*collective*): tp and dp
-  come from the runtime's DeviceMesh; expert parallelism re-divides the dp
-  ranks of one (pp, tp) slice into EP groups of `ep` consecutive dp ranks
-  (ep_rank = dp % ep); dp ranks with the same ep_rank hold the same experts
-  and form the expert-data-parallel group.
+  come from the runtime's DeviceMesh; expert parallelism re-divides the ranks
+  of a pipeline stage into EP groups (dsl/layout.py): `ep` consecutive dp
+  ranks of one tp coordinate when ep divides dp, else (EP across TP) `ep`
+  consecutive ranks of the stage's dp x tp block; ranks with the same ep rank
+  hold the same experts and form the expert-data-parallel group.
 * `parallelize_stage(module, plan, groups)` on each own stage module before
   its runner: the experts module of each MoE layer (the call the capture kept
   opaque, compiler/experts.py) becomes `ExpertParallelExperts` around the
   model's own experts code (expert_parallel.py), then the `tensor` patterns
-  apply (backends/tp/: a DTensor rewrite of the stage graph). Parameter names
-  are unchanged.
+  apply (backends/tp/: a DTensor rewrite of the stage graph; under EP across
+  TP each TP rank's experts call takes its 1/tp share of the tokens).
+  Parameter names are unchanged.
 * after a stage's last backward of the step: `sync_sequence_parallel()`; then
   gradient sums per `grad_group(param)` (experts over expert-DP, the rest
   over dp), or with zero > 0 `build_zero_optimizer(...)` -> `StageZero`
@@ -42,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
-from ..dsl.layout import groups, mesh_layout
+from ..dsl.layout import ep_across_tp, group_sizes, groups, mesh_layout
 from ..compiler.experts import experts_dispatched, find_experts
 from ..compiler.patterns import matches_any
 from ..compiler.zero_layout import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
@@ -71,10 +73,10 @@ def _parallel_problems(plan: Plan, model: nn.Module):
                                            f"{plan.data.seq_len} (sequence parallel splits it)")
     if spec is None:
         return
-    if plan.mesh.ep > 1 and plan.mesh.dp % plan.mesh.ep:
-        yield "mesh.ep", (f"ep = {plan.mesh.ep} must divide dp = {plan.mesh.dp} (expert parallel "
-                          f"across tensor-parallel ranks, which hold the same tokens, is not "
-                          f"supported yet)")
+    m = plan.mesh
+    if m.ep > 1 and m.dp % m.ep and (m.dp * m.tp) % m.ep:
+        yield "mesh.ep", (f"ep = {m.ep} must divide dp = {m.dp}, or dp x tp = {m.dp * m.tp} "
+                          f"(expert parallel across tensor-parallel ranks)")
 
 
 def check_parallel_model(plan: Plan, model: nn.Module) -> None:
@@ -148,11 +150,11 @@ class PartialGrads:
 
 
 def check_expert_mesh(mesh: MeshSpec) -> None:
-    if mesh.ep > 1 and mesh.dp % mesh.ep:
+    if mesh.ep > 1 and mesh.dp % mesh.ep and (mesh.dp * mesh.tp) % mesh.ep:
         raise PipeplanError(
-            f"expert parallel size {mesh.ep} must divide dp ({mesh.dp}): EP groups are made of "
-            f"data-parallel ranks (EP across tensor-parallel ranks, which hold the same tokens, "
-            f"is not supported yet)")
+            f"expert parallel size {mesh.ep} must divide dp ({mesh.dp}) or dp x tp "
+            f"({mesh.dp * mesh.tp}): EP groups re-divide the ranks of a pipeline stage "
+            f"(dsl/layout.py)")
 
 
 def _global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int) -> int:
@@ -184,7 +186,7 @@ def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None,
     if mesh.ep > 1:
         ep_lists, edp_lists = expert_group_ranks(mesh)
         ep, _ = dist.new_subgroups_by_enumeration(ep_lists)
-        if mesh.dp > mesh.ep:
+        if group_sizes(mesh).edp > 1:
             edp, _ = dist.new_subgroups_by_enumeration(edp_lists)
     else:
         edp = dp_group
@@ -272,7 +274,8 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> 
         raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
     if plan.mesh.tp > 1:
         stage.tensor = apply_tensor_parallel(module, rules, groups.tp, groups.slicer,
-                                             frozenset(stage.experts))
+                                             frozenset(stage.experts),
+                                             split_tokens=ep_across_tp(plan.mesh))
         if groups.partial_grads is not None:
             groups.partial_grads.register(stage.partial_params())
     return stage

@@ -1,6 +1,6 @@
 """What `pipeplan run` was pointed at: a plan file, or a build directory from `pipeplan compile`.
 
-Both give the checked Plan and a `compile(plan, model)` function. A build
+Both give the checked Plan and a `compile(plan, model, schedule=None)` function. A build
 directory runs exactly what it recorded: its resolved plan is recompiled
 (stage graphs need the real weights) and its `schedule.json` is pinned in
 place of the generated schedule after checking that both describe the same
@@ -21,14 +21,14 @@ from ..errors import PipeplanError
 @dataclass(frozen=True)
 class RunSource:
     plan: Plan
-    compile: Callable  # (plan, model) -> CompiledPlan
+    compile: Callable  # (plan, model, schedule=None) -> CompiledPlan
     schedule_file: Optional[str] = None  # a build directory's pinned schedule
 
 
-def _compile(plan: Plan, model):
+def _compile(plan: Plan, model, schedule=None):
     from ..compiler.driver import compile_plan
 
-    return compile_plan(plan, model)
+    return compile_plan(plan, model, schedule=schedule)
 
 
 def _build_plan_file(folder: str) -> str:
@@ -58,18 +58,16 @@ def read_pinned_schedule(schedule_file: str):
 
 
 def _pinned(pinned):
-    def compile_pinned(plan: Plan, model):
-        compiled = _compile(plan, model)
-        got, want = compiled.schedule, pinned
-        if (got.ranks, got.stages, got.microbatches, tuple(got.stage_to_rank)) != (
-                want.ranks, want.stages, want.microbatches, tuple(want.stage_to_rank)):
-            raise PipeplanError(
-                f"the build's schedule.json describes {want.ranks} ranks, {want.stages} stages, "
-                f"{want.microbatches} microbatches, placement {list(want.stage_to_rank)}, but the "
-                f"plan compiles to {got.ranks}, {got.stages}, {got.microbatches}, "
-                f"{list(got.stage_to_rank)}; recompile the build directory")
-        compiled.schedule = pinned
-        return compiled
+    def compile_pinned(plan: Plan, model, schedule=None):
+        from ..compiler.schedule import ScheduleMismatch
+
+        want = schedule or pinned  # rank 0 broadcasts the build's schedule (agreement.py)
+        try:
+            compiled = _compile(plan, model, want)
+        except ScheduleMismatch as e:
+            raise PipeplanError(f"the build's schedule.json does not fit the plan: {e}; "
+                                "recompile the build directory") from None
+        return compiled  # its stages placed as the build's schedule places them
 
     return compile_pinned
 

@@ -1,7 +1,9 @@
 """One rank's training loop: its stages, optimizer, executor and gradient sync.
 
 `PipelineTrainer(plan, compiled, topo)` keeps only this rank's stages of the
-compiled plan (see model.py for where the initial weights come from) and
+compiled plan, rewrites them for TP / EP while their parameters are still meta,
+then gives storage to exactly the shards this rank holds (model.fill_stages:
+the reference's initial weights, sliced) and
 `step(t)` runs one optimizer step: the scheduled actions, the DP/tied
 gradient sync, global-norm clipping, the optimizer and LR schedule. Every
 rank of the world must construct it (tied-parameter groups are collective).
@@ -10,6 +12,7 @@ The plan's precision (bf16 autocast, precision.py) and recompute rules
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -25,9 +28,11 @@ from ..dsl.ast import Plan
 from . import data
 from .checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
-from .executor import ActionTiming, Executor
+from .executor import ActionTiming, Executor, Span
 from .grads import GradSync, ZeroSync, build_tied_groups
 from .layout import StageLayout
+from .materialize import fresh_meta
+from .model import fill_stages
 from .nonfinite import NonFiniteError, locate_non_finite
 from .optim import build_lr_scheduler, build_optimizer
 from .precision import autocast_for, boundary_specs
@@ -38,12 +43,15 @@ from .topology import Topology
 @dataclass(frozen=True)
 class StepReport:
     step: int
-    loss: float  # the global step loss (mean over microbatches and DP), as the reference's
+    loss: float  # the global step loss (mean over microbatches and DP), as the reference's;
+    # under DiLoCo the island's own loss (mean over its share of the batch)
     grad_norm: float
     lr: float
     step_time: float  # seconds, this rank
     tokens: int  # tokens in the global batch
     timings: tuple[ActionTiming, ...]
+    spans: tuple[Span, ...] = ()  # sends, gradient sync, norm, loss all-reduce, optimizer
+    sync_events: tuple = ()  # DiLoCo: the syncs after this step (diloco.SyncEvent)
 
 
 def check_supported(plan: Plan) -> None:
@@ -79,6 +87,26 @@ def _stage_order_by_last_grad(order, stages_here) -> list[int]:
     return sorted(stages_here, key=lambda s: last[s])
 
 
+class _Spans:
+    """Records the step's non-action intervals (wall clock, as the executor's) into `spans`."""
+
+    def __init__(self, spans: list):
+        self.spans, self.open = spans, None
+
+    def begin(self, kind: str, name: str) -> None:
+        self.open = (kind, name, time.time())
+
+    def end(self) -> None:
+        kind, name, t = self.open
+        self.spans.append(Span(kind, name, t, time.time()))
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str, name: str):
+        self.begin(kind, name)
+        yield
+        self.end()
+
+
 class PipelineTrainer:
     @classmethod
     def for_plan(cls, plan: Plan, device: torch.device = torch.device("cpu")) -> "PipelineTrainer":
@@ -88,13 +116,11 @@ class PipelineTrainer:
         process group calls it)."""
         from ..compiler.driver import compile_plan
         from .layout import with_required_leaves
-        from .model import own_stages
         from .topology import build_topology
 
         topo = build_topology(plan.mesh, device.type)
         compiled = compile_plan(with_required_leaves(plan))  # meta: no weights anywhere
-        own_stages(plan, compiled, topo.coords.pp, device)  # this rank's part, from the seed
-        return cls(plan, compiled, topo, device)
+        return cls(plan, compiled, topo, device)  # materialises this rank's shards only
 
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
                  device: torch.device = torch.device("cpu")):
@@ -102,11 +128,18 @@ class PipelineTrainer:
         schedule = compiled.schedule
         pp = topo.coords.pp
         last = len(compiled.stages) - 1
-        # each microbatch's mean loss over its tokens; cp ranks hold equal slices of them
-        scale = 1.0 / (plan.microbatches * plan.mesh.dp * plan.mesh.cp)
+        # DiLoCo: an island's gradient is the mean over its own share (no dp all-reduce);
+        # context parallel: cp ranks hold equal slices of each microbatch's tokens
+        islands = plan.sync.diloco
+        scale = 1.0 / (plan.microbatches * (1 if islands else plan.mesh.dp) * plan.mesh.cp)
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
-        modules = {s.index: s.module.to(device) for s in compiled.stages_of_rank(pp)}
+        modules = {s.index: s.module for s in compiled.stages_of_rank(pp)}
+        deferred = any(p.device.type == "meta" for m in modules.values() for p in m.parameters())
+        if deferred:
+            fresh_meta(modules.values())  # fill_stages swaps storage into these objects
+        else:  # stages compiled with weights (tests): moved whole, then sliced
+            modules = {s: m.to(device) for s, m in modules.items()}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
         if plan.mesh.cp > 1:  # attention over the whole sequence (backends/ulysses.py)
@@ -114,6 +147,9 @@ class PipelineTrainer:
             for m in modules.values():
                 apply_ulysses(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
+        # Only now does this rank's part get storage: its TP slices and its experts, each
+        # drawn by its module's init and sliced, module by module (model.fill_stages).
+        self.param_bytes = fill_stages(plan, modules.values(), device)
         rules = tuple(r for r in plan.recompute if r.mode != "none")
         self.runners = {s: StageRunner(specs[s], m, s == last, scale,
                                        recompute=rules, autocast=self.autocast)
@@ -139,13 +175,20 @@ class PipelineTrainer:
         else:
             self.zero = None
             order = _stage_order_by_last_grad(schedule.order[pp], list(self.runners))
-            self.sync = GradSync(self.runners, self.layout, tied, order)
+            self.sync = GradSync(self.runners, self.layout, tied, order,
+                                 reduce_over_dp=not islands)
             self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None
         self.scheduler = build_lr_scheduler(self.optimizer, plan.train) if self.optimizer else None
         self.executor = Executor(planned, self.runners, self.specs,
                                  plan.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
+        self.diloco, self.loss_group = None, None  # the loss: over the world, or the island
+        if islands:
+            from .diloco import build_diloco, island_groups
+
+            self.loss_group = island_groups(plan.mesh)[1]
+            self.diloco = build_diloco(plan, self.runners, compiled.tied, topo)
 
     def step(self, t: int) -> StepReport:
         """One optimizer step. The host waits on the device once for the gradient norm and
@@ -154,14 +197,19 @@ class PipelineTrainer:
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
         result = self.executor.run_step(batches)
-        self.sync.finish()
-        norm = self.sync.clip(self.plan.train.grad_clip)
-        loss = result.loss if self.holds_loss else torch.zeros_like(result.loss)
-        dist.all_reduce(loss)
-        loss_value = float(loss)
+        spans = _Spans(result.spans)
+        with spans("grad sync", "finish"):
+            self.sync.finish()
+        with spans("grad sync", "grad norm"):
+            norm = self.sync.clip(self.plan.train.grad_clip)
+        with spans("grad sync", "loss all-reduce"):
+            loss = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+            dist.all_reduce(loss, group=self.loss_group)
+            loss_value = float(loss)
         if not (math.isfinite(norm) and math.isfinite(loss_value)):
             raise NonFiniteError(locate_non_finite(t, result, loss_value, norm, self.runners))
         lr = self.plan.train.optimizer.lr
+        spans.begin("optimizer", "optimizer step")
         if self.optimizer is not None:
             lr = self.optimizer.param_groups[0]["lr"]
             if self.zero is not None:
@@ -171,9 +219,11 @@ class PipelineTrainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+        spans.end()
+        events = tuple(self.diloco.after_step(t)) if self.diloco is not None else ()
         return StepReport(t, loss_value, norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
-                          tuple(result.timings))
+                          tuple(result.timings), tuple(result.spans), events)
 
     def resume(self, steps_done: int) -> None:
         """After restoring a checkpoint: the LR schedule continues where it stopped."""

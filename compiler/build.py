@@ -35,8 +35,8 @@ def write_build(compiled: CompiledPlan, out: str | Path) -> Path:
              "report.md": render_report(compiled)}
     sim = compiled.estimates.simulation if compiled.estimates is not None else None
     if sim is not None:
-        from ..schedules.render import chrome_trace_json
-        files["trace.json"] = chrome_trace_json(sim)
+        from ..schedules.render import SECONDS, chrome_trace_json
+        files["trace.json"] = chrome_trace_json(sim, SECONDS)  # estimates are in s
     for st in compiled.stages:
         files[f"stages/stage_{st.index}.py"] = stage_source(st)
     for name, text in files.items():
@@ -60,11 +60,15 @@ def write_build(compiled: CompiledPlan, out: str | Path) -> Path:
 
 def resolved_plan(compiled: CompiledPlan, out: Path):
     """The plan with the chosen split pinned (rebuilding it gives the same stages) and the
-    model file's path made relative to the build directory, where this copy lives."""
+    model file's and cost file's paths made relative to the build directory, where this
+    copy lives."""
     plan = compiled.plan
     if compiled.split_points:
         pinned = SplitSpec(kind="points", points=compiled.split_points)
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=pinned))
+    if plan.pipeline.profile and not os.path.isabs(plan.pipeline.profile):
+        rel = os.path.relpath(plan.resolve_path(plan.pipeline.profile), out.resolve())
+        plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, profile=rel))
     source = model_source_file(plan)
     where, _, cls = plan.model.source.rpartition(":")
     if source is not None and is_path_source(where) and not os.path.isabs(where):

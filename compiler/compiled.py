@@ -93,6 +93,8 @@ class RankEstimate:
     # counts them (group: "dp", "edp" (experts' data parallel), "tp", "ep"; op: "allreduce",
     # "allgather", "reduce_scatter", "alltoall"); comm_bytes above are what travels.
     collectives: dict = field(default_factory=dict)
+    # How many calls of each tp / ep collective per step (the same keys' calls).
+    collective_calls: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -102,6 +104,10 @@ class Estimates:
     step_time_s: float
     device_model: dict  # {"flops_per_s": x, "link_bytes_per_s": y, "latency_s": z}
     simulation: Any = field(default=None, repr=False)  # schedules.SimResult, times in seconds
+    sync: Any = None  # sync_estimate.SyncEstimate under DiLoCo (dp bytes per step are averaged)
+    # Per stage, the tp / ep collectives its rewrite implies per step on each of its ranks:
+    # {(group, op): (calls, bytes handed in)} (estimates.stage_collectives).
+    stage_collectives: list = field(default_factory=list)
 
 
 @dataclass

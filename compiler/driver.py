@@ -2,13 +2,15 @@
 
     plan-value checks -> load (meta) -> precision (fp64: the model in float64 before capture)
     -> expert shards, TP annotations (checked on the model)
-    -> capture + loss + shape/cost propagation (traced.py) -> split
+    -> capture + loss + shape/cost propagation (traced.py) -> measured costs (profile.py,
+    when the plan names a cost file) -> split
     -> stage graphs -> runtime checks (checks.py: what the runtime would refuse after
     launch, refused here at the plan line) -> schedule -> placement -> tied parameters
     -> estimates
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -24,8 +26,9 @@ from .experts import expert_weights, experts_modules, place_experts
 from .experts_checks import check_experts
 from .loading import load_model
 from .precision import to_precision
+from .profile import load_profile, node_times, profile_text, profiled_costs
 from .partition import Split, choose_split, compute_nodes
-from .schedule import make_schedule
+from .schedule import decided_schedule, make_schedule
 from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
@@ -35,14 +38,17 @@ from .traffic import collective_traffic
 
 
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
-                 device: Optional[DeviceModel] = None) -> CompiledPlan:
+                 device: Optional[DeviceModel] = None, schedule=None) -> CompiledPlan:
     """Compile `plan`. Without `model` it is built on the meta device (no weights allocated);
     with one, each stage GraphModule holds that model's own parameter tensors (converted
     in place to the plan's precision first: float64 under `train.precision = fp64`).
     `device` is the accelerator model the time estimate assumes (default: the plan's
-    device section, see `device_model`)."""
+    device section, see `device_model`). `schedule`: a schedule already decided and
+    verified (rank 0's, broadcast by backends/agreement.py, or a build directory's) used
+    instead of generating one, so no search runs again; it must fit the stages."""
     device = device or device_model(plan)
     check_plan_values(plan)
+    profile = load_profile(plan)  # measured op times, when the plan names a cost file
     if model is None:
         model = load_model(plan, "meta")
     to_precision(model, plan.train.precision)
@@ -54,8 +60,10 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     check_pairing(plan, graph, model, tp_kinds, traced.run)
     check_context(plan, graph, traced.run)
     costs = node_costs(plan, graph, traced.run)
+    measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None
     split = choose_split(plan, model, graph, costs,
-                         param_bytes_per_node(traced.module, compute_nodes(graph)))
+                         param_bytes_per_node(traced.module, compute_nodes(graph)),
+                         [sum(t) for t in measured] if measured else None)
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
     check_runnable(plan, model, stages)
@@ -63,8 +71,13 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     attach_context_costs(plan, stages, split, graph, traced.run)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
-    times = step_costs(plan, stages, tp_traffic, moe_traffic, device)
-    schedule = make_schedule(plan, stages, normalised(times))
+    if profile:
+        times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)
+        device = dataclasses.replace(device, profile=profile_text(plan, profile))
+    else:
+        times = step_costs(plan, stages, tp_traffic, moe_traffic, device)
+    schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
+        decided_schedule(plan, stages, schedule)
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]
     tied = find_tied(model, stages)

@@ -25,15 +25,10 @@ Accounting (stated in the report, so a reader can check it):
   them at the call sites. dp/edp: ZeRO's gradient reduction (all-reduce, or
   reduce-scatter at 2-3) of each padded shard and its all-gather of updated
   shards (1-2), or at 3 of the shard around every action of a stage reading it;
-  ZeRO-0 all-reduces the gradients. tp: each traffic role's collectives
-  (traffic.py), and under sequence parallel the stage edges' all-gathers and
-  the once-per-step sum of partial gradients. ep: per MoE layer and
-  microbatch, the per-expert counts (int64), 4 all-to-alls of top_k copies of
-  each token (dispatch, combine and their backwards; exact for the EP group's
-  mean when dropless, a rank's share follows its routing; with a capacity
-  factor, an upper bound) and 3 all-reduces of E+1 routing
-  statistics (under sequence parallel 2 of them over the EP group x its TP
-  peers, "ep_tp"). tied: each tied gradient's all-reduce between its pipeline
+  ZeRO-0 all-reduces the gradients. tp and ep: what the rewrites imply
+  (collectives.py, from the graph's traffic roles; also per stage, with call
+  counts: `Estimates.stage_collectives`). tied: each tied gradient's all-reduce
+  between its pipeline
   ranks. Scalar all-reduces (norms, the logged loss) are left out.
 * Traffic per step, bytes each rank sends (`comm_bytes`): p2p (activations
   forward, grads back, per microbatch across a rank boundary); dp (the
@@ -62,7 +57,9 @@ from typing import Iterable, Optional
 import torch
 
 from ..dsl.ast import DeviceSpec, Plan
-from .compiled import BATCH, Estimates, RankEstimate, StageSpec, TiedParam
+from ..dsl.layout import global_rank, group_sizes, groups, mesh_layout
+from .collectives import ep_bytes, implied_collectives, ring_bytes, tp_bytes
+from .compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from .experts import experts_dispatched
 from .traffic import Traffic
 from .zero_layout import (
@@ -84,6 +81,7 @@ class DeviceModel:
     tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
     ranks_per_node: Optional[int] = None  # None: tp inside a node, other groups across
     origin: str = "built-in defaults"  # where the numbers came from, for the report
+    profile: str = ""  # op times and p2p latency measured instead: the cost file (profile.py)
 
     def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
         """Bandwidth of a group of global ranks: inside a node when all share one
@@ -98,7 +96,8 @@ class DeviceModel:
 def device_model(plan: Plan, tflops: Optional[float] = None,
                  link_gbps: Optional[float] = None) -> DeviceModel:
     """The plan's device section (built-in defaults where it is silent), then the CLI's
-    `--tflops` (sustained) and `--link-gbps` (between nodes) where given."""
+    `--tflops` (sustained) and `--link-gbps` (between nodes) where given. Without a device
+    section or flags on a machine without CUDA: this CPU's measured FLOP/s (cpu_probe.py)."""
     d, written = plan.device, [k for k in plan.spans if k.startswith("device.")]
     origin = "built-in defaults"
     if written or d != DeviceSpec():
@@ -108,8 +107,14 @@ def device_model(plan: Plan, tflops: Optional[float] = None,
     flags = [f for f, v in (("--tflops", tflops), ("--link-gbps", link_gbps)) if v is not None]
     if flags:
         origin += "; overridden by " + " ".join(flags)
+    flops = d.sustained_flops
+    if origin == "built-in defaults" and not torch.cuda.is_available():
+        from .cpu_probe import cpu_flops  # no accelerator here and none described: this CPU
+
+        flops, measured = cpu_flops()
+        origin = f"{measured}; built-in link defaults"
     return DeviceModel(
-        flops_per_s=tflops * 1e12 if tflops is not None else d.sustained_flops,
+        flops_per_s=tflops * 1e12 if tflops is not None else flops,
         link_bytes_per_s=link_gbps * 1e9 if link_gbps is not None else d.inter_node,
         latency_s=d.latency, tp_link_bytes_per_s=d.intra_node,
         ranks_per_node=d.ranks_per_node, origin=origin)
@@ -130,15 +135,13 @@ def mesh_links(plan: Plan, device: DeviceModel) -> Links:
     (the first group of each kind; the layout repeats it, node boundaries aside)."""
     m = plan.mesh
     per_pp = m.dp * m.cp * m.tp
-    from ..dsl.layout import global_rank
     rank = lambda p, d, t, c=0: global_rank(m, p, d, t, c)  # noqa: E731
     tp = min(device.link([rank(p, d, t) for t in range(m.tp)], True)
              for p in range(m.pp) for d in range(m.dp))
     dp = min(device.link([rank(p, d, t, c) for d in range(m.dp) for c in range(m.cp)
                           for t in range(m.tp)])
              for p in range(m.pp))
-    ep = min(device.link([rank(p, e * m.ep + j, t) for j in range(m.ep)])
-             for p in range(m.pp) for e in range(m.dp // m.ep) for t in range(m.tp))
+    ep = min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
     p2p = min((device.link([g, g + per_pp]) for g in range((m.pp - 1) * per_pp)),
               default=device.link_bytes_per_s)
     return Links(tp=tp, dp=dp, ep=ep, p2p=p2p)
@@ -187,7 +190,7 @@ def rank_shards(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
 def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
     """(name, size) of the group a kind's gradients are reduced over."""
     if kind == EXPERT and plan.mesh.ep > 1:
-        return "edp", plan.mesh.dp // plan.mesh.ep
+        return "edp", group_sizes(plan.mesh).edp
     return "dp", plan.mesh.dp * plan.mesh.cp  # context parallel: reduced over dp x cp
 
 
@@ -209,8 +212,10 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
         actions = [a.stage for a in schedule.order[r]]
         est = _state_bytes(plan, layout, {s: actions.count(s) for s in set(actions)})
         est.rank, est.activation_bytes = r, int(peaks[r])
-        est.collectives.update(_stage_collectives(plan, tp_traffic, moe_traffic, mine, stages,
-                                                  layout))
+        implied = implied_collectives(plan, tp_traffic, moe_traffic, {st.index for st in mine},
+                                      _partial_grads(plan, layout))
+        est.collectives.update({k: b for k, (_, b) in implied.items()})
+        est.collective_calls = {k: c for k, (c, _) in implied.items()}
         tied_grads = _tied_grads(tied, stages, r, layout, state_bytes(plan).grad)
         if tied_grads:
             est.collectives[("tied", "allreduce")] = sum(n for n, _ in tied_grads)
@@ -218,10 +223,10 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
             / mesh.tp
         est.comm_bytes.update({
             "p2p": int(_p2p_bytes(stages, r, plan.microbatches, float_scale)),
-            "tp": int(sum(_sent(op, n, mesh.tp) for (g, op), n in est.collectives.items()
+            "tp": int(sum(ring_bytes(op, n, mesh.tp) for (g, op), n in est.collectives.items()
                           if g == "tp")),
-            "ep": int(_ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
-            "tied": int(sum(_sent("allreduce", n, holders) for n, holders in tied_grads))})
+            "ep": int(ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
+            "tied": int(sum(ring_bytes("allreduce", n, holders) for n, holders in tied_grads))})
         if mesh.cp > 1:  # Ulysses all-to-alls (compiler/context_parallel.py)
             cp_bytes = sum(st.cp_bytes for st in mine) * float_scale * plan.microbatches
             est.collectives[("cp", "alltoall")] = int(cp_bytes)
@@ -234,9 +239,14 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
              for g in range(mesh.pp * per_replica)]
     from ..schedules.simulate import simulate
     sim = simulate(schedule, costs)
-    dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / mesh_links(plan, device).dp
+    from .sync_estimate import sync_estimate
+    dp_link = mesh_links(plan, device).dp
+    sync = sync_estimate(plan, stages, ranks, sim.makespan, dp_link)  # DiLoCo: dp bytes / H
+    dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / dp_link
     return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
-                     device_model=asdict(device), simulation=sim)
+                     device_model=asdict(device), simulation=sim, sync=sync,
+                     stage_collectives=stage_collectives(plan, stages, tp_kinds, expert_params,
+                                                         tp_traffic, moe_traffic))
 
 
 def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> RankEstimate:
@@ -268,115 +278,35 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
         add(group, "allgather", gathers * full // n * per.param)
     held = MemoryBytes(*(sum(getattr(m, f) for m in memory)
                          for f in ("params", "grads", "optimizer")))
-    sent = sum(_sent(op, nbytes, _size_of(plan, group)) for (group, op), nbytes in coll.items())
+    through = sum(ring_bytes(op, nbytes, _size_of(plan, group))
+                  for (group, op), nbytes in coll.items())
     return RankEstimate(rank=0, param_bytes=held.params, grad_bytes=held.grads,
-                        optimizer_bytes=held.optimizer, comm_bytes={"dp": int(sent)},
+                        optimizer_bytes=held.optimizer, comm_bytes={"dp": int(through)},
                         collectives=coll)
 
 
 def _size_of(plan: Plan, group: str) -> int:
     return {"dp": plan.mesh.dp * plan.mesh.cp, "cp": plan.mesh.cp,
-            "edp": plan.mesh.dp // plan.mesh.ep, "tp": plan.mesh.tp,
+            "edp": group_sizes(plan.mesh).edp, "tp": plan.mesh.tp,
             "ep": plan.mesh.ep, "ep_tp": plan.mesh.ep * plan.mesh.tp}[group]
 
 
-def _sent(op: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends through a ring for a collective it hands `nbytes`."""
-    if n <= 1:
-        return 0.0
-    return {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "allgather": n - 1, "alltoall": (n - 1) / n}[op] * nbytes
+def stage_collectives(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
+                      expert_params: set[str], tp_traffic: list[Traffic],
+                      moe_traffic: list[Traffic]) -> list[dict]:
+    """Per stage, the tensor- and expert-parallel collectives its rewrite implies per step
+    on each of its ranks: {(group, op): (calls, bytes handed in)} (what `pipeplan check`
+    and report.md print, so an unexpected all-gather shows before launch)."""
+    return [implied_collectives(plan, tp_traffic, moe_traffic, {st.index},
+                                _partial_grads(plan, rank_shards(plan, [st], tp_kinds,
+                                                                 expert_params)))
+            for st in stages]
 
 
-def _stage_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[Traffic],
-                       mine: list[StageSpec], stages: list[StageSpec],
-                       layout: RankShards) -> dict[tuple[str, str], int]:
-    """TP and EP collectives of a rank's stages (`mine`) per step (see the module docstring)."""
-    m, tp, ep = plan.microbatches, plan.mesh.tp, plan.mesh.ep
-    sp = plan.tensor.sequence_parallel and tp > 1
-    float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    idx = {st.index for st in mine}
-    out: dict[tuple[str, str], int] = {}
-
-    def add(key, nbytes):
-        out[key] = out.get(key, 0) + int(nbytes)
-
-    if tp > 1:
-        per_mb = _tp_microbatch(plan, tp_traffic, idx, float_scale)
-        if sp:
-            for op, nbytes in _sequence_boundaries(plan, mine, stages, float_scale).items():
-                per_mb[op] = per_mb.get(op, 0) + nbytes
-            # Replicated parameters (and experts) saw only this rank's positions: their
-            # gradients are summed over tp once per step.
-            partial = sum(layout.numel[k] for s in layout.shards if s.kind != TENSOR_PARALLEL
-                          for k in s.keys)
-            add(("tp", "allreduce"), partial * state_bytes(plan).grad)
-        for op, nbytes in per_mb.items():
-            add(("tp", op), m * nbytes)
-    ex = plan.experts
-    if ex is None or not experts_dispatched(plan):
-        return out
-    for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
-        if t.role == "tokens":  # counts, then rows out and back, forward and backward
-            rows = 4 * ex.top_k * t.nbytes * float_scale
-            add(("ep", "alltoall"), m * (8 * ex.num_experts + rows))
-        else:  # the top-k weights out, and their gradient back
-            add(("ep", "alltoall"), m * 2 * t.nbytes * float_scale)
-    return out
-
-
-def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int]]:
-    """(collective, bytes each rank hands in) for one traffic role (traffic.py), as
-    backends/tp/rewrite.py places them, forward and backward."""
-    if role == "output":  # row-parallel / vocab embedding
-        return [("reduce_scatter", nbytes), ("allgather", nbytes // tp)] if sp \
-            else [("allreduce", nbytes)]
-    if role == "whole_input":  # column entry reading whole values (see traffic.py)
-        return [("allreduce", nbytes)]
-    if role == "input":  # column-parallel entry
-        return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
-            else [("allreduce", nbytes)]
-    if role == "loss":
-        return [("allreduce", nbytes)]
-    if role == "logits":
-        return [("allgather", nbytes // tp)]
-    return []
-
-
-def _tp_microbatch(plan: Plan, traffic: list[Traffic], idx: set[int],
-                   float_scale: float) -> dict[str, int]:
-    """TP collectives of the layers of stages `idx`, per microbatch: op -> bytes handed in."""
-    tp, sp = plan.mesh.tp, plan.tensor.sequence_parallel
-    out: dict[str, int] = {}
-    for t in traffic:
-        if t.stage in idx:
-            for op, nbytes in _role_collectives(t.role, int(t.nbytes * float_scale), tp, sp):
-                out[op] = out.get(op, 0) + nbytes
-    return out
-
-
-def _sequence_boundaries(plan: Plan, mine: list[StageSpec], stages: list[StageSpec],
-                         float_scale: float) -> dict[str, int]:
-    """Sequence parallel at a stage's edges, per microbatch: floating inputs are split on
-    entry (their grads all-gathered in backward), floating outputs that are sequence
-    shards ([..., seq, d]) all-gathered on exit, so stages exchange full tensors."""
-    tp, seq = plan.mesh.tp, plan.data.seq_len
-    gathered = 0
-    for st in mine:
-        for ref in st.inputs:
-            if ref.source == BATCH:
-                continue
-            spec = next(o for o in stages[ref.source].outputs if o.name == ref.name)
-            if spec.requires_grad and _is_activation(spec):
-                gathered += int(_bytes(spec) * float_scale) // tp
-        for spec in st.outputs:
-            if _is_activation(spec) and spec.shape[-2] == seq:
-                gathered += int(_bytes(spec) * float_scale) // tp
-    return {"allgather": gathered} if gathered else {}
-
-
-def _is_activation(spec) -> bool:
-    return "float" in spec.dtype and len(spec.shape) >= 2
+def _partial_grads(plan: Plan, layout: RankShards) -> tuple[int, int]:
+    """(how many, bytes): the replicated gradients sequence parallel sums over tp."""
+    keys = [k for s in layout.shards if s.kind != TENSOR_PARALLEL for k in s.keys]
+    return len(keys), sum(layout.numel[k] for k in keys) * state_bytes(plan).grad
 
 
 def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
@@ -404,8 +334,8 @@ def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     table = []
     for st in stages:
-        coll = (_tp_bytes(plan, tp_traffic, [st], float_scale) / links.tp
-                + _ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
+        coll = (tp_bytes(plan, tp_traffic, [st], float_scale) / links.tp
+                + ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
                 + st.cp_bytes * float_scale / links.tp) / 2
         f = st.flops / tp / device.flops_per_s
         table.append((f + coll, f + st.recompute_flops / tp / device.flops_per_s + coll, f))
@@ -445,26 +375,6 @@ def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float) -
             sent += sum(_bytes(grads[r.name]) * float_scale for r in st.inputs
                         if r.source == prev.index and r.name in grads)
     return sent * m
-
-
-def _tp_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
-              float_scale: float) -> float:
-    """Bytes a rank sends through the TP collectives of `stages`' layers, per microbatch."""
-    per_mb = _tp_microbatch(plan, traffic, {st.index for st in stages}, float_scale)
-    return sum(_sent(op, nbytes, plan.mesh.tp) for op, nbytes in per_mb.items())
-
-
-def _ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
-              float_scale: float) -> float:
-    """Dispatch + combine of top_k copies of each token (and its weights), forward and
-    backward."""
-    ex, ep = plan.experts, plan.mesh.ep
-    if ex is None or ep <= 1:
-        return 0.0
-    idx = {st.index for st in stages}
-    tokens = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "tokens")
-    weights = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "weights")
-    return (4 * ex.top_k * tokens + 2 * weights) * float_scale * (ep - 1) / ep
 
 
 def _tied_grads(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import difflib
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -44,14 +45,19 @@ def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def choose_split(plan: Plan, model: torch.nn.Module, graph: fx.Graph,
-                 costs: dict[fx.Node, Cost], param_bytes: dict[fx.Node, int]) -> Split:
+                 costs: dict[fx.Node, Cost], param_bytes: dict[fx.Node, int],
+                 measured: Optional[list[float]] = None) -> Split:
+    """`measured`: seconds per compute node from the plan's cost file (profile.node_times),
+    the weights of `auto(profile)`."""
     stages = plan.mesh.pp * plan.pipeline.virtual
     nodes = compute_nodes(graph)
     spec = plan.pipeline.split
     if stages == 1:
         return Split((), ())
     if spec.kind == "auto":
-        return _auto(plan, model, nodes, _weights(plan, nodes, costs, param_bytes), stages)
+        weights = measured if spec.basis == "profile" and measured is not None else \
+            _weights(plan, nodes, costs, param_bytes)
+        return _auto(plan, model, nodes, weights, stages)
     if spec.kind == "points":
         names, key = spec.points, "pipeline.split"
     elif spec.kind == "ranges":
@@ -62,7 +68,7 @@ def choose_split(plan: Plan, model: torch.nn.Module, graph: fx.Graph,
         raise PlanError.at(plan, key, f"split names {len(names)} start points, but "
                            f"pp × virtual = {stages} stages need {stages - 1}",
                            f"give {stages - 1} module names where stages 1..{stages - 1} begin")
-    positions = tuple(_first_position(plan, model, nodes, n, key) for n in names)
+    positions = tuple(first_position(plan, model, nodes, n, key) for n in names)
     for a, b, na, nb in zip(positions, positions[1:], names, names[1:]):
         if b <= a:
             raise PlanError.at(plan, key, f"split point {nb!r} runs before {na!r}",
@@ -80,12 +86,16 @@ def _weights(plan: Plan, nodes: list[fx.Node], costs: dict[fx.Node, Cost],
         return [costs[n].total if n in costs else 0.0 for n in nodes]
     if basis == "params":
         return [float(param_bytes.get(n, 0)) for n in nodes]
-    raise PlanError.at(plan, "pipeline.split", f"split basis {basis!r} is not supported by the "
-                       "compiler yet (it needs a measured profile)",
-                       'use basis "flops" or "params"')
+    if basis == "profile":
+        raise PlanError.at(plan, "pipeline.split", "auto(profile) balances measured op times, "
+                           "but the plan names no cost file",
+                           'add `profile = "costs.json"` to the pipeline section (write it with '
+                           '`pipeplan profile PLAN -o costs.json`)')
+    raise PlanError.at(plan, "pipeline.split", f"split basis {basis!r} is not supported",
+                       'use basis "flops", "params" or "profile"')
 
 
-def _first_position(plan: Plan, model, nodes: list[fx.Node], name: str, key: str) -> int:
+def first_position(plan: Plan, model, nodes: list[fx.Node], name: str, key: str) -> int:
     for i, node in enumerate(nodes):
         if within(module_path(node), name):
             return i

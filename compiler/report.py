@@ -9,6 +9,7 @@ GiB, MiB = 1024 ** 3, 1024 ** 2
 def render_report(compiled: CompiledPlan) -> str:
     parts = [_header(compiled), _split(compiled), _tied(compiled), _experts(compiled),
              _tensor(compiled), _estimates(compiled), _collectives(compiled),
+             _stage_collectives(compiled),
              _timeline(compiled)]
     return "\n".join(p for p in parts if p) + "\n"
 
@@ -78,6 +79,8 @@ def _tensor(c: CompiledPlan) -> str:
 
 
 def _estimates(c: CompiledPlan) -> str:
+    from .sync_estimate import sync_line
+
     e = c.estimates
     if e is None:
         return ""
@@ -102,6 +105,8 @@ def _estimates(c: CompiledPlan) -> str:
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
              f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
              "all-reduce, not overlapped)",
+             *([f"- {sync_line(e.sync, human_bytes)} (dp column: average per step)"]
+               if e.sync is not None else []),
              f"- device model: {device_text(e.device_model)}",
              "- accounting: see docs/compiler.md (bytes per element by precision and ZeRO stage; "
              "activations held from F to W/BW under this schedule)", ""]
@@ -113,7 +118,11 @@ def device_text(d: dict) -> str:
     nodes = ("tp groups inside a node, p2p/dp/ep between nodes"
              if d.get("ranks_per_node") is None else
              f"{d['ranks_per_node']} ranks per node; a group inside one node uses its link")
-    return (f"{d['flops_per_s'] / 1e12:g} TFLOP/s sustained per device, "
+    measured = (f"op times and p2p latency from {d['profile']}; DP all-reduce under "
+                if d.get("profile") else "")
+    flops = d['flops_per_s']
+    rate = f"{flops / 1e12:g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+    return (f"{measured}{rate} sustained per device, "
             f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node, "
             f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes ({nodes}), "
             f"{d['latency_s'] * 1e6:g} µs latency — from {d.get('origin', 'built-in defaults')}")
@@ -144,6 +153,37 @@ def _collectives(c: CompiledPlan) -> str:
         cells = " | ".join(human_bytes(x.collectives.get((group, op), 0)) for x in per_pp)
         rows.append(f"| {group} ({_GROUPS.get(group, group)}) | {op} | {cells} |")
     return "\n".join(rows + [""])
+
+
+def _stage_collectives(c: CompiledPlan) -> str:
+    """The tp / ep collectives each stage's rewrite implies, per step on each of its ranks."""
+    e = c.estimates
+    if e is None or not any(e.stage_collectives):
+        return ""
+    rows = ["## Tensor- and expert-parallel collectives per stage", "",
+            "What each stage's rewrite implies per step on each of its ranks (derived from "
+            "the captured graph: backends/tp's redistributions, loss_parallel, the experts' "
+            "all-to-alls), forward and backward over all microbatches.", "",
+            "| stage | pp rank | group | collective | calls | bytes handed in |",
+            "|---|---|---|---|---|---|"]
+    for st, found in zip(c.stages, e.stage_collectives):
+        for (group, op), (calls, nbytes) in sorted(found.items()):
+            rows.append(f"| {st.index} | {st.rank} | {group} | {op} | {calls} | "
+                        f"{human_bytes(nbytes)} |")
+    return "\n".join(rows + [""])
+
+
+def stage_collective_lines(c: CompiledPlan) -> list[str]:
+    """`pipeplan check`'s lines: per stage, each tp / ep collective's calls and bytes."""
+    e = c.estimates
+    if e is None or not any(e.stage_collectives):
+        return []
+    lines = ["tp/ep collectives per step on each rank of a stage (calls, bytes handed in):"]
+    for st, found in zip(c.stages, e.stage_collectives):
+        cells = ", ".join(f"{g} {op} {calls}x {human_bytes(n)}"
+                          for (g, op), (calls, n) in sorted(found.items()))
+        lines.append(f"  stage {st.index} (pp rank {st.rank}): {cells or 'none'}")
+    return lines
 
 
 def human_bytes(n: float) -> str:
@@ -202,5 +242,9 @@ def render_summary(compiled: CompiledPlan) -> str:
                      "above are per slice); all-to-all per step per rank: "
                      + ", ".join(f"pp rank {r} {human_bytes(x.comm_bytes.get('cp', 0))}"
                                  for r, x in enumerate(rows)))
+    if e.sync is not None:
+        from .sync_estimate import sync_line
+        lines.append(sync_line(e.sync, human_bytes))
     lines.append(f"device model: {device_text(e.device_model)}")
+    lines += stage_collective_lines(compiled)
     return "\n".join(lines) + "\n"

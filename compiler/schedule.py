@@ -28,6 +28,22 @@ def make_schedule(plan: Plan, stages: list[StageSpec], costs):
         raise PlanError.at(plan, "pipeline.schedule", str(e)) from e
 
 
+class ScheduleMismatch(PipeplanError):
+    """A decided schedule does not describe the plan's ranks, stages and microbatches."""
+
+
+def decided_schedule(plan: Plan, stages: list[StageSpec], schedule):
+    """`schedule` (decided elsewhere and verified there) when it describes this plan's pipeline
+    ranks, stages and microbatches; else ScheduleMismatch naming both."""
+    want = (plan.mesh.pp, len(stages), plan.microbatches)
+    got = (schedule.ranks, schedule.stages, schedule.microbatches)
+    if got != want:
+        raise ScheduleMismatch(
+            f"the decided schedule describes {got[0]} ranks, {got[1]} stages, {got[2]} "
+            f"microbatches, but the plan compiles to {want[0]}, {want[1]}, {want[2]}")
+    return schedule
+
+
 def _memory_limit(plan: Plan, stages: list[StageSpec]) -> Optional[float]:
     """The plan's activation limit in the engine's unit (microbatches of a rank's layers)."""
     lim = plan.pipeline.memory_limit

@@ -37,7 +37,8 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
     gm = captured.module
     run = MetaRun(gm)
     _propagate(plan, run, list(gm.graph.nodes), example)
-    first, _ = split_outputs(captured.outputs)
+    first, rest = split_outputs(captured.outputs)
+    _check_aux_first(plan, run, first, rest)
     _check_prediction(plan, run.values.get(first))
     before = set(gm.graph.nodes)
     loss = append_loss(gm.graph, plan.model.loss, captured.outputs,
@@ -92,6 +93,29 @@ def _targets_example(plan: Plan, prediction: torch.Tensor) -> torch.Tensor:
     if plan.model.loss == "cross_entropy":
         return torch.zeros(prediction.shape[:-1], dtype=torch.int64, device="meta")
     return torch.zeros_like(prediction, device="meta")
+
+
+def _check_aux_first(plan: Plan, run: MetaRun, first, rest) -> None:
+    """A scalar returned before the prediction: transformers' MoE models with
+    `output_router_logits = True` return `aux_loss` (the load-balancing loss, unscaled)
+    before `logits`. Refused: the model weighs it (`router_aux_loss_coef`) only inside its
+    own loss, computed when it is given labels, so adding it as returned would train
+    another function than the model's, and the plan has no key naming that weight."""
+    if plan.model.loss == "model":
+        return
+    value = run.values.get(first)
+    later = [run.values.get(r) for r in rest if isinstance(r, fx.Node)]
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and any(
+            isinstance(v, torch.Tensor) and v.dim() >= 2 and v.is_floating_point()
+            for v in later):
+        raise PlanError.at(
+            plan, "model.loss", "the model returns a scalar before its predictions (as "
+            "transformers' MoE models return their unscaled load-balancing `aux_loss` before "
+            "`logits` with output_router_logits = True); pipeplan adds a model's scalar "
+            "outputs as returned, but this one the model weighs (router_aux_loss_coef) only "
+            "inside its own loss, so adding it would train another function",
+            "build the model with output_router_logits = False, or return "
+            "(logits, weighted aux loss) from a wrapper's forward")
 
 
 def _check_prediction(plan: Plan, value) -> None:

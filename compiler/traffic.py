@@ -14,8 +14,11 @@ tp/rewrite.py places, with or without sequence parallel):
 * "whole_input": under sequence parallel, a column input computed in its stage
   from whole values only (the stage's inputs arrive whole; no row output or
   vocab embedding before it in the stage): nothing to gather, its grad all-reduced;
+* "partial_input", "seq_input", "seq_output": values crossing a stage edge
+  that meet split values (`_stage_edges`);
 * "loss": a vocab-parallel head feeding `cross_entropy(head(x).flatten(0, -2),
-  t)` directly: the vocab-parallel cross-entropy all-reduces 3 floats per token;
+  t)` directly (tensor_parallel.loss_of_logits, the rewrite's own test): the
+  vocab-parallel cross-entropy all-reduces 3 values per token in the logits' dtype;
 * "logits": otherwise the head all-gathers its logits (nbytes: all of them);
 * "tokens": an experts call's hidden rows, which its all-to-alls move (top_k
   copies); "weights": its top-k weights [T, k], moved along.
@@ -36,9 +39,11 @@ from .analysis import MetaRun
 from .blocks import module_path, within
 from .compiled import ExpertPlacement
 from .partition import Split, compute_nodes
+from .tensor_parallel import loss_of_logits
 
 
-ROLES = ("output", "input", "whole_input", "loss", "logits", "tokens", "weights")
+ROLES = ("output", "input", "whole_input", "partial_input", "seq_input", "seq_output",
+         "loss", "logits", "tokens", "weights")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class ModuleCall:
     out_bytes: int
     input_node: Optional[str] = None  # the value it reads (layers sharing it: one collective)
     loss_rows: int = 0  # rows of the cross-entropy it feeds directly (0: none)
+    loss_itemsize: int = 0  # bytes per element of those logits
     output_node: Optional[str] = None  # its last node
 
 
@@ -82,7 +88,71 @@ def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, sp
     traffic = [Traffic(t.module, t.stage, t.nbytes, "whole_input")
                if t.role == "input" and calls[t.module].input_node not in sharded else t
                for t in traffic]
+    traffic += _stage_edges(graph, run, split, tp_kinds, sharded)
     return traffic, moe
+
+
+def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, str],
+                 seq_sharded: set[str]) -> list[Traffic]:
+    """What crosses a stage edge and meets split values (each once per stage):
+
+    * "partial_input": a floating value a stage receives from an earlier one that meets
+      feature-sharded values outside any split module (RoPE's cos and sin times
+      head-sharded q and k): its gradient, a partial sum, is all-reduced when it
+      leaves the stage;
+    * "seq_input" (sequence parallel): a floating value received that meets sequence
+      shards (not feature-sharded values, which hold the whole sequence): split on
+      entry, its gradient all-gathered;
+    * "seq_output" (sequence parallel): a value sent on that is a sequence shard:
+      all-gathered on exit.
+
+    Feature-sharded values: what column modules output, forward through their stage up
+    to the row modules (which sum them). A received value's reach: its users forward
+    through its stage, not into split modules (a column module's entry is "input")."""
+    nodes = compute_nodes(graph)
+    stage_of = {n: split.stage_of(i) for i, n in enumerate(nodes)}
+
+    def kind_at(n: fx.Node) -> Optional[str]:
+        path = module_path(n)
+        return next((k for name, k in kinds.items() if within(path, name)), None)
+
+    sharded: set[fx.Node] = set()
+    for n in nodes:
+        k = kind_at(n)
+        if k == "column" and any(kind_at(u) != "column" for u in n.users):
+            sharded.add(n)  # a column module's output node
+        elif k is None and any(a in sharded and stage_of.get(a) == stage_of[n]
+                               for a in n.all_input_nodes):
+            sharded.add(n)
+    out, seen = [], set()
+    for n in nodes:
+        s = stage_of[n]
+        for a in n.all_input_nodes:
+            value = run.values.get(a)
+            if a not in stage_of or stage_of[a] >= s or (a, s) in seen \
+                    or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            seen.add((a, s))
+            reach, todo = set(), [u for u in a.users if stage_of.get(u) == s]
+            while todo:
+                u = todo.pop()
+                v = run.values.get(u)
+                if u in reach or kind_at(u) is not None or not (
+                        isinstance(v, torch.Tensor) and v.is_floating_point()):
+                    continue  # (sizes and integer values carry no gradient)
+                reach.add(u)
+                todo += [v for v in u.users if stage_of.get(v) == s]
+            if reach & sharded:
+                out.append(Traffic(a.name, s, _nbytes(value), "partial_input"))
+            if any(u.name in seq_sharded and u not in sharded for u in reach):
+                out.append(Traffic(a.name, s, _nbytes(value), "seq_input"))
+    for n in nodes:
+        value = run.values.get(n)
+        if n.name in seq_sharded and isinstance(value, torch.Tensor) and value.dim() >= 2 \
+                and value.is_floating_point() and any(
+                stage_of.get(u, stage_of[n]) > stage_of[n] or u.op == "output" for u in n.users):
+            out.append(Traffic(n.name, stage_of[n], _nbytes(value), "seq_output"))
+    return out
 
 
 def _sequence_sharded(graph: fx.Graph, split: Split, model, kinds: dict[str, str],
@@ -117,7 +187,8 @@ def tensor_parallel_traffic(model: torch.nn.Module, kinds: dict[str, str],
             out.append(Traffic(name, call.stage, call.in_bytes, "input"))
         if kind == "vocab":  # the LM head's logits: a split loss, or gathered
             if call.loss_rows:
-                out.append(Traffic(name, call.stage, 3 * 4 * call.loss_rows, "loss"))
+                out.append(Traffic(name, call.stage, 3 * call.loss_itemsize * call.loss_rows,
+                                   "loss"))
             else:
                 out.append(Traffic(name, call.stage, call.out_bytes, "logits"))
     return out
@@ -155,21 +226,18 @@ def module_calls(graph: fx.Graph, run: MetaRun, split: Split, names: set[str]
         out[name] = ModuleCall(split.stage_of(i), _nbytes(run.value(inputs[0])) if inputs else 0,
                                _nbytes(run.value(end)) if run.is_tensor(end) else 0,
                                inputs[0].name if inputs else None,
-                               _loss_rows(end, run) if end.op == "call_module" else 0,
-                               end.name)
+                               *_loss_rows(end, run), end.name)
     return out
 
 
-def _loss_rows(node: fx.Node, run: MetaRun) -> int:
-    """Rows of `F.cross_entropy(node.flatten(0, -2), t)` if that is node's only use."""
-    users = list(node.users)
-    if len(users) != 1 or users[0].op != "call_method" or users[0].target != "flatten" \
-            or tuple(users[0].args) != (node, 0, -2):
-        return 0
-    losses = list(users[0].users)
-    if len(losses) != 1 or losses[0].target is not torch.nn.functional.cross_entropy:
-        return 0
-    return run.value(users[0]).shape[0]
+def _loss_rows(node: fx.Node, run: MetaRun) -> tuple[int, int]:
+    """(rows, bytes per element) of `cross_entropy(node.flatten(0, -2), t)` if that is
+    node's only use (the rewrite's test: tensor_parallel.loss_of_logits), else (0, 0)."""
+    ce = loss_of_logits(node)
+    if ce is None:
+        return 0, 0
+    logits = run.value(ce.args[0])
+    return logits.shape[0], logits.element_size()
 
 
 def _all_reduces_output(model: torch.nn.Module, name: str, kind: str) -> bool:

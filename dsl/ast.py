@@ -145,6 +145,7 @@ class PipelineSpec:
     virtual: int = 1  # stages per rank
     split: SplitSpec = field(default_factory=SplitSpec)
     memory_limit: Optional[MemoryLimit] = None
+    profile: Optional[str] = None  # a cost file from `pipeplan profile` (relative to the plan)
 
 
 # ------------------------------------------------------------------- experts
@@ -215,6 +216,34 @@ class TrainSpec:
     log_dir: Optional[str] = None
 
 
+# ---------------------------------------------------------------------- sync
+@dataclass(frozen=True)
+class OuterOptimizerSpec:
+    """DiLoCo's outer optimizer on the pseudo-gradients: SGD, Nesterov or heavy-ball."""
+
+    name: str = "nesterov"  # nesterov | sgd
+    lr: float = 0.7
+    momentum: float = 0.9
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """How data-parallel replicas agree (backends/diloco.py): every step (gradient all-reduce)
+    or DiLoCo (each dp replica, an island, takes `inner_steps` optimizer steps alone, then the
+    islands average their pseudo-gradients and an outer optimizer applies them)."""
+
+    mode: str = "every_step"  # every_step | diloco
+    inner_steps: int = 1  # H
+    outer_optimizer: OuterOptimizerSpec = field(default_factory=OuterOptimizerSpec)
+    fragments: int = 1  # streaming DiLoCo: K stage fragments synchronised at staggered steps
+    decoupled: bool = False  # a sync goes on with the islands present within `timeout`
+    timeout: float = 30.0  # seconds (decoupled only)
+
+    @property
+    def diloco(self) -> bool:
+        return self.mode == "diloco"
+
+
 # -------------------------------------------------------------------- device
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -249,6 +278,7 @@ class Plan:
     context: Optional[ContextSpec] = None
     tensor: TensorSpec = field(default_factory=TensorSpec)
     zero: int = 0
+    sync: SyncSpec = field(default_factory=SyncSpec)
     recompute: tuple[RecomputeRule, ...] = ()
     train: TrainSpec = field(default_factory=TrainSpec)
     device: DeviceSpec = field(default_factory=DeviceSpec)

@@ -100,11 +100,12 @@ def _default(cls, name: str):
 @check("mesh", "experts")
 def _expert_parallel(plan: Plan) -> Iterator[Problem]:
     m = plan.mesh
-    if m.ep > 1 and m.dp % m.ep:
-        yield Problem("mesh.ep", f"ep = {m.ep} does not divide dp = {m.dp}",
-                      "ep re-divides the dp ranks of each pipeline stage (it does not add "
-                      "ranks): pick ep among the divisors of dp; expert parallel across "
-                      "tensor-parallel ranks is not supported yet")
+    if m.ep > 1 and m.dp % m.ep and (m.dp * m.tp) % m.ep:
+        yield Problem("mesh.ep", f"ep = {m.ep} divides neither dp = {m.dp} nor dp x tp = "
+                      f"{m.dp * m.tp}",
+                      "ep re-divides the ranks of each pipeline stage (it does not add "
+                      "ranks): pick ep among the divisors of dp, or of dp x tp for expert "
+                      "parallel across tensor-parallel ranks")
     if m.ep > 1 and plan.experts is None:
         yield Problem("mesh.ep", f"ep = {m.ep} but the plan has no experts section",
                       "add experts { modules = [...] num_experts = N } or set ep = 1")
@@ -272,7 +273,7 @@ def _tensor(plan: Plan) -> Iterator[Problem]:
 
 
 # -- context parallel (the checks that need the captured graph: compiler/context_parallel.py)
-@check("mesh", "context", "data.seq_len", "experts")
+@check("mesh", "context", "data.seq_len", "experts", "sync")
 def _context(plan: Plan) -> Iterator[Problem]:
     m, c = plan.mesh, plan.context
     if c is None:
@@ -300,6 +301,10 @@ def _context(plan: Plan) -> Iterator[Problem]:
     if plan.experts is not None:
         yield Problem("experts", f"experts with cp = {m.cp} are not supported yet",
                       "set cp = 1, or drop the experts section")
+    if plan.sync.mode != "every_step":
+        yield Problem("sync", f"sync = {plan.sync.mode} with cp = {m.cp} is not supported yet "
+                      "(an island would have to reduce over its cp ranks)",
+                      "set cp = 1, or sync every step")
 
 
 @check("mesh.dp", "zero")
@@ -413,3 +418,4 @@ def check_plan(plan: Plan, world_size: Optional[int] = None) -> None:
 
 
 from . import input_checks  # noqa: E402,F401  (registers the model-input and size checks)
+from . import sync_checks  # noqa: E402,F401  (registers the checks of the sync setting)

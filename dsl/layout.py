@@ -1,14 +1,22 @@
 """Which global rank holds which mesh coordinates, known before any tracing.
 
 Order (torchtitan/Megatron convention): pp outermost, then dp, cp, tp innermost:
-rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i. cp (context parallel) ranks
-hold slices of the same sequences; their gradients are reduced together with dp
-(`groups(layout, "dpcp")`). Expert parallelism re-divides the dp
-ranks of one pipeline stage and tp coordinate (ep must divide dp; EP across
-tensor-parallel ranks is not supported yet): dp rank dp_i is ep rank
-dp_i % ep, and dp_i // ep numbers the expert-data-parallel replica that holds
-the same experts. ep adds no ranks. The runtime builds its EP groups from
-this layout.
+rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i (`global_rank`). cp (context
+parallel) ranks hold slices of the same sequences; their gradients are reduced
+together with dp (`groups(layout, "dpcp")`). Expert parallelism re-divides the
+ranks of one pipeline stage; ep adds no ranks. Two cases:
+
+* ep divides dp (EP among data-parallel ranks): inside one pipeline stage and
+  tp coordinate, dp rank dp_i is ep rank dp_i % ep, and dp_i // ep numbers the
+  expert-data-parallel (edp) replica that holds the same experts. TP peers hold
+  the same experts and the same tokens.
+* otherwise ep must divide dp * tp (EP across TP, as Megatron allows): the
+  stage's dp x tp ranks, flat index f = dp_i * tp + tp_i, form EP groups of ep
+  consecutive ranks: ep rank f % ep, edp replica f // ep. TP peers in one EP
+  group hold different experts; the experts call then runs on each TP rank's
+  1/tp share of the tokens (backends/tp/rewrite.py).
+
+The runtime builds its EP groups from this layout.
 """
 from __future__ import annotations
 
@@ -38,13 +46,20 @@ class GroupSizes:
     cp: int = 1
 
 
+def ep_across_tp(mesh: MeshSpec) -> bool:
+    """Whether EP groups take in tensor-parallel ranks (ep > 1 not dividing dp)."""
+    return mesh.ep > 1 and mesh.dp % mesh.ep != 0
+
+
 def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
+    across = ep_across_tp(mesh)
     out = []
     for rank in range(mesh.world_size):
         pp_i, rest = divmod(rank, mesh.dp * mesh.cp * mesh.tp)
         dp_i, rest = divmod(rest, mesh.cp * mesh.tp)
         cp_i, tp_i = divmod(rest, mesh.tp)
-        edp_i, ep_i = divmod(dp_i, mesh.ep)
+        flat = dp_i * mesh.tp + tp_i  # (EP with cp > 1 is refused by the plan checks)
+        edp_i, ep_i = divmod(flat if across else dp_i, mesh.ep)
         out.append(RankCoords(rank, pp_i, dp_i, tp_i, ep_i, edp_i, cp_i))
     return tuple(out)
 
@@ -55,19 +70,24 @@ def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int, cp: int = 0) -> int:
 
 
 def group_sizes(mesh: MeshSpec) -> GroupSizes:
-    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, mesh.dp // mesh.ep, mesh.cp)
+    spread = mesh.dp * mesh.tp if ep_across_tp(mesh) else mesh.dp
+    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, spread // mesh.ep, mesh.cp)
 
 
 def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
     """The rank groups along `axis`: ranks that differ only in that coordinate.
 
-    For ep and edp, groups live inside one pipeline stage and tp coordinate
-    (they re-divide dp). Ranks in a group are in increasing order, so a
-    group's i-th rank is its ep (or edp) rank i.
+    For ep and edp, groups live inside one pipeline stage, and inside one tp
+    coordinate unless EP spans TP (see the module docstring). Ranks in a group
+    are in increasing order, so a group's i-th rank is its ep (or edp) rank i.
     """
+    # EP across TP: the ranks of one (pp, edp) are exactly one EP group (ep of them)
+    ep = 1 + max(c.ep for c in layout)
+    across = sum(1 for c in layout if (c.pp, c.edp) == (0, 0)) == ep
+    tp_key = () if across else ("tp",)
     others = {"pp": ("dp", "cp", "tp"), "dp": ("pp", "cp", "tp"), "tp": ("pp", "dp", "cp"),
               "cp": ("pp", "dp", "tp"), "dpcp": ("pp", "tp"),
-              "ep": ("pp", "cp", "tp", "edp"), "edp": ("pp", "cp", "tp", "ep")}[axis]
+              "ep": ("pp", "cp", "edp") + tp_key, "edp": ("pp", "cp", "ep") + tp_key}[axis]
     found: dict[tuple[int, ...], list[int]] = {}
     for c in layout:
         found.setdefault(tuple(getattr(c, o) for o in others), []).append(c.rank)
@@ -79,7 +99,9 @@ def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
     layout = mesh_layout(mesh)
     sizes = group_sizes(mesh)
     lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} tp={mesh.tp} ep={mesh.ep} "
-             f"-> world size {mesh.world_size} (ep re-divides dp)",
+             f"-> world size {mesh.world_size} "
+             + ("(ep re-divides dp x tp: EP across TP)" if ep_across_tp(mesh)
+                else "(ep re-divides dp)"),
              "  rank  pp  dp  cp  tp  ep  edp"]
     for c in layout[:max_rows]:
         lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.cp:>2}  {c.tp:>2}  {c.ep:>2}"

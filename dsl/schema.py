@@ -264,6 +264,7 @@ PIPELINE = Section("pipeline", A.PipelineSpec, (
     Field("virtual", integer(1, MAX_VIRTUAL)),
     Field("split", _split, _write_split, nested=True),
     Field("memory_limit", _memory_limit, _write_memory_limit),
+    Field("profile", text, write_string),
 ))
 
 # -------------------------------------------------------------- experts
@@ -340,13 +341,20 @@ _OPTIMIZERS = {
 }
 
 
-def _optimizer(r: Reading, node: Node, key: str) -> A.OptimizerSpec:
-    name, values = read_call(r, node, key, _OPTIMIZERS)
-    return A.OptimizerSpec(name=name, **values)
+def named_call(shapes: Mapping[str, CallShape], cls: type):
+    """Reader and writer of a key whose value is one of `shapes`' calls, read into `cls`
+    with the function's name in its `name` field (optimizers)."""
+    def read(r: Reading, node: Node, key: str):
+        name, values = read_call(r, node, key, shapes)
+        return cls(name=name, **values)
+
+    def write(obj, key: str, emit: Emit) -> str:
+        return write_call(obj.name, obj, shapes[obj.name].section, key, emit)
+
+    return read, write
 
 
-def _write_optimizer(opt: A.OptimizerSpec, key: str, emit: Emit) -> str:
-    return write_call(opt.name, opt, _OPTIMIZERS[opt.name].section, key, emit)
+_optimizer, _write_optimizer = named_call(_OPTIMIZERS, A.OptimizerSpec)
 
 
 _LR_SCHEDULES = {
@@ -384,6 +392,36 @@ TRAIN = Section("train", A.TrainSpec, (
     Field("log_dir", text, write_string),
 ))
 
+# ----------------------------------------------------------------- sync
+_OUTER_ARGS = (Field("lr", number(above=0)), Field("momentum", number(lo=0, hi=1)))
+_OUTER = {name: CallShape(Section(f"{name}()", A.OuterOptimizerSpec, _OUTER_ARGS,
+                                  noun="argument")) for name in ("nesterov", "sgd")}
+
+_outer, _write_outer = named_call(_OUTER, A.OuterOptimizerSpec)
+
+
+_SYNC = {
+    "every_step": CallShape(Section("every_step()", A.SyncSpec, (), noun="argument")),
+    "diloco": CallShape(Section("diloco()", A.SyncSpec, (
+        Field("inner_steps", integer(1, MAX_STEPS)),
+        Field("outer_optimizer", _outer, _write_outer, nested=True),
+        Field("fragments", integer(1, MAX_RANKS)),
+        Field("decoupled", boolean),
+        Field("timeout", duration, write_duration),
+    ), noun="argument")),
+}
+
+
+def _sync(r: Reading, node: Node, key: str) -> A.SyncSpec:
+    name, values = read_call(r, node, key, _SYNC)
+    return A.SyncSpec(mode=name, **values)
+
+
+def _write_sync(sync: A.SyncSpec, key: str, emit: Emit) -> str:
+    return sync.mode if sync.mode == "every_step" else \
+        write_call(sync.mode, sync, _SYNC[sync.mode].section, key, emit)
+
+
 # --------------------------------------------------------------- device
 DEVICE = Section("device", A.DeviceSpec, (
     Field("flops", rate("flops"), write_rate("flops")),
@@ -404,6 +442,7 @@ PLAN = Section("the plan", A.Plan, (
     Field("context", section=CONTEXT),
     Field("tensor", section=TENSOR),
     Field("zero", integer(0, 3)),
+    Field("sync", _sync, _write_sync, nested=True),
     Field("recompute", _recompute, _write_recompute, nested=True),
     Field("train", section=TRAIN),
     Field("device", section=DEVICE),

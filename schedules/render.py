@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from typing import Sequence
 
 from .execution import NONE, analyze
@@ -79,25 +80,32 @@ def ascii_timeline(result: SimResult, width: int = 120) -> str:
     return "\n".join(lines) + "\n"
 
 
-US = 1000.0  # one cost unit drawn as 1 ms
+US = 1000.0  # one abstract cost unit drawn as 1 ms (Chrome traces count in µs)
+SECONDS = 1e6  # costs in seconds (a compiled plan's estimates, a profile): µs per second
 
 
-def chrome_trace(result: SimResult) -> dict:
-    """Perfetto/Chrome trace: a process per rank, compute slices, activation counters, send flows."""
+def chrome_trace(result: SimResult, us_per_unit: float = US, pid_offset: int = 0,
+                 t0_us: float = 0.0, label: str = "rank") -> dict:
+    """Perfetto/Chrome trace: a process per rank, compute slices, activation counters, send flows.
+
+    Trace times are µs: `us_per_unit` converts the costs' unit (US for abstract units,
+    SECONDS when they are seconds). `pid_offset`, `t0_us` and `label` place the timeline as
+    extra processes of another trace (the measured trace's planned track)."""
     s = result.schedule
+    unit = us_per_unit  # µs per cost unit
     events = []
     for r in range(s.ranks):
-        events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+        events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"{label} {r}"}})
         events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
     share = stage_share(s)
     for r, row in enumerate(s.order):
         held = 0.0
         for a, t0, t1 in zip(row, result.start[r], result.end[r]):
             events.append({"ph": "X", "name": f"{a.op}{a.stage}.{a.microbatch}", "cat": a.op, "pid": r, "tid": 0,
-                           "ts": t0 * US, "dur": (t1 - t0) * US,
+                           "ts": t0 * unit, "dur": (t1 - t0) * unit,
                            "args": {"op": a.op, "stage": a.stage, "microbatch": a.microbatch}})
             held += delta(a.op, share[a.stage])
-            events.append({"ph": "C", "name": "activations", "pid": r, "ts": (t1 if a.op != F else t0) * US,
+            events.append({"ph": "C", "name": "activations", "pid": r, "ts": (t1 if a.op != F else t0) * unit,
                            "args": {"microbatches": round(held, 6)}})
     ex = analyze(s)
     flow = 0
@@ -107,47 +115,110 @@ def chrome_trace(result: SimResult) -> dict:
             if q != r:
                 flow += 1
                 events.append({"ph": "s", "id": flow, "name": "p2p", "cat": "p2p", "pid": q, "tid": 0,
-                               "ts": result.end[q][j] * US - 1e-3})
+                               "ts": result.end[q][j] * unit - 1e-3})
                 events.append({"ph": "f", "bp": "e", "id": flow, "name": "p2p", "cat": "p2p", "pid": r,
-                               "tid": 0, "ts": result.start[r][i] * US})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "metadata": {"schedule": s.name, "bubble_definition": BUBBLE_DEFINITION, **result.metrics()}}
+                               "tid": 0, "ts": result.start[r][i] * unit})
+    return _shift({"traceEvents": events, "displayTimeUnit": "ms",
+                   "metadata": {"schedule": s.name, "bubble_definition": BUBBLE_DEFINITION,
+                                **result.metrics()}}, pid_offset, t0_us)
 
 
-def chrome_trace_json(result: SimResult) -> str:
-    return json.dumps(chrome_trace(result))
+def _shift(trace: dict, pid_offset: int, t0_us: float) -> dict:
+    for e in trace["traceEvents"]:
+        e["pid"] += pid_offset
+        if "ts" in e:
+            e["ts"] += t0_us
+    return trace
+
+
+def chrome_trace_json(result: SimResult, us_per_unit: float = US) -> str:
+    return json.dumps(chrome_trace(result, us_per_unit))
 
 
 _COLORS = {F: "#4e79a7", B: "#f28e2b", W: "#59a14f", BW: "#e15759"}
+_NAMES = {F: "F forward", B: "B input grad", W: "W weight grad", BW: "BW full backward"}
+CHAR_PX = 6.7  # width of one 11 px monospace character
+MAX_WIDTH_PX = 24000
 
 
-def svg_gantt(result: SimResult, px_per_unit: float = 0.0, row_h: int = 28) -> str:
-    """A standalone SVG Gantt chart: one row per rank, one box per action, labelled op+microbatch."""
-    s = result.schedule
-    span = result.makespan or 1.0
-    scale = px_per_unit or max(4.0, min(60.0, 1200.0 / span))
-    left, top = 70, 40
-    width = int(left + span * scale + 20)
-    height = int(top + s.ranks * row_h + 40)
+def nice_ticks(span: float, target: int = 10) -> list[float]:
+    """Round tick positions (1, 2 or 5 x 10^k apart) from 0 to `span`, about `target` of them."""
+    if span <= 0:
+        return [0.0]
+    raw = span / target
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(k * mag for k in (1, 2, 5, 10) if k * mag >= raw)
+    return [i * step for i in range(int(span / step + 1e-9) + 1)]
+
+
+def gantt_svg(title: str, rows: Sequence[tuple[str, Sequence[tuple]]], span: float,
+              unit: str = "", legend: Sequence[tuple[str, str]] = (), row_h: int = 28,
+              max_width: float = MAX_WIDTH_PX) -> str:
+    """A standalone SVG Gantt: `rows` = (name, boxes), a box = (t0, t1, fill, text, tooltip,
+    opacity). Wide enough that the shortest labelled box shows its text (up to `max_width`
+    px; a box too narrow for its text keeps it as a tooltip), a time axis with round ticks in
+    `unit`, a legend of (colour, meaning)."""
+    span = span or 1.0
+    need = [(len(b[3]) * CHAR_PX + 4) / (b[1] - b[0]) for _, boxes in rows for b in boxes
+            if b[3] and b[1] > b[0]]
+    scale = min(max(1200.0 / span, max(need, default=0.0)), max_width / span)
+    left = 8 + CHAR_PX * max((len(n) for n, _ in rows), default=6)
+    top = 40
+    width = int(left + span * scale + 60)
+    axis_y = top + len(rows) * row_h
+    height = int(axis_y + 60)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="monospace" font-size="11">',
-           f'<text x="{left}" y="18" font-size="13">{html.escape(s.name)}: p={s.ranks} m={s.microbatches} '
-           f'bubble={result.bubble:.4f} (whole iteration) span={result.span_bubble:.4f} '
-           f'makespan={result.makespan:g} bound={result.lower_bound:g}</text>']
-    for r, row in enumerate(s.order):
-        y = top + r * row_h
-        out.append(f'<text x="4" y="{y + row_h * 0.65:.1f}">rank {r}</text>')
-        for a, t0, t1 in zip(row, result.start[r], result.end[r]):
+           f'<text x="4" y="18" font-size="13">{html.escape(title)}</text>']
+    for k, (name, boxes) in enumerate(rows):
+        y = top + k * row_h
+        out.append(f'<text x="4" y="{y + row_h * 0.65:.1f}">{html.escape(name)}</text>')
+        for t0, t1, fill, text, tip, opacity in boxes:
             x, w = left + t0 * scale, max(1.0, (t1 - t0) * scale)
-            first = s.stages_of_rank(r)[0] == a.stage
             out.append(f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row_h - 4}" '
-                       f'fill="{_COLORS[a.op]}" fill-opacity="{1.0 if first else 0.6}" stroke="white">'
-                       f'<title>{a.describe()} t={t0:g}..{t1:g}</title></rect>')
-            if w >= 18:
+                       f'fill="{fill}" fill-opacity="{opacity:g}" stroke="white" '
+                       f'stroke-width="0.5"><title>{html.escape(tip)}</title></rect>')
+            if text and w >= len(text) * CHAR_PX + 2:
                 out.append(f'<text x="{x + 2:.2f}" y="{y + row_h * 0.65:.1f}" fill="white">'
-                           f'{html.escape(_label(result, r, a))}</text>')
-    axis_y = top + s.ranks * row_h + 14
-    out.append(f'<text x="{left}" y="{axis_y}">0</text>')
-    out.append(f'<text x="{left + span * scale - 20:.1f}" y="{axis_y}">{result.makespan:g}</text>')
+                           f'{html.escape(text)}</text>')
+    out.append(f'<line class="axis" x1="{left}" y1="{axis_y}" x2="{left + span * scale:.2f}" '
+               f'y2="{axis_y}" stroke="black"/>')
+    for t in nice_ticks(span):
+        x = left + t * scale
+        out.append(f'<line class="tick" x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" '
+                   f'stroke="black"/><text x="{x:.2f}" y="{axis_y + 16}" text-anchor="middle">'
+                   f'{t:g}</text>')
+    out.append(f'<text x="{left + span * scale + 6:.2f}" y="{axis_y + 16}">{html.escape(unit)}'
+               f'</text>')
+    x = left
+    for fill, meaning in legend:
+        out.append(f'<g class="legend"><rect x="{x:.1f}" y="{axis_y + 28}" width="12" '
+                   f'height="12" fill="{fill}"/><text x="{x + 16:.1f}" y="{axis_y + 38}">'
+                   f'{html.escape(meaning)}</text></g>')
+        x += 16 + CHAR_PX * len(meaning) + 14
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def op_legend(ops: Sequence[str] = (F, B, W, BW), later: bool = True) -> list[tuple[str, str]]:
+    paler = [("#888888", "paler: a rank's later stage")] if later else []
+    return [(_COLORS[o], _NAMES[o]) for o in ops] + paler
+
+
+def svg_gantt(result: SimResult, unit: str = "cost units") -> str:
+    """The simulated schedule as an SVG Gantt: one row per rank, one box per action labelled
+    op+microbatch (lower case: the rank's later stage), a time axis, a legend."""
+    s = result.schedule
+    rows = []
+    for r, row in enumerate(s.order):
+        first = s.stages_of_rank(r)[0]
+        rows.append((f"rank {r}", [(t0, t1, _COLORS[a.op], _label(result, r, a),
+                                    f"{a.describe()} t={t0:g}..{t1:g}",
+                                    1.0 if a.stage == first else 0.6)
+                                   for a, t0, t1 in zip(row, result.start[r], result.end[r])]))
+    title = (f"{s.name}: p={s.ranks} m={s.microbatches} bubble={result.bubble:.4f} (whole "
+             f"iteration) span={result.span_bubble:.4f} makespan={result.makespan:g} "
+             f"bound={result.lower_bound:g}")
+    used = [o for o in (F, B, W, BW) if any(a.op == o for row in s.order for a in row)]
+    return gantt_svg(title, rows, result.makespan, unit,
+                     op_legend(used, later=max(s.stages_per_rank()) > 1))

@@ -1,7 +1,8 @@
 """This rank's shards of the tensor-parallel parameters, and the full tensors back.
 
 A parameter the plan splits is replaced by a plain `nn.Parameter` holding this
-rank's contiguous slice (`torch.chunk` over the tp group along its split dim),
+rank's contiguous slice (its tp rank's 1/tp of the split dim; on a meta parameter
+a meta slice that backends/materialize.py fills later),
 under its own name: optimizers, ZeRO's flat shards, gradient clipping and
 checkpoints see ordinary tensors; only the graph wraps them as DTensors
 (dtensor.py). `gm._tp_shard_dims` records name -> split dim for every name of a
@@ -14,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..materialize import sliced_parameter
 
 SHARD_DIMS = "_tp_shard_dims"
 
@@ -38,8 +41,8 @@ class ParameterSlicer:
         key = (id(p), dim)
         if key not in self._memo:
             size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-            shard = p.detach().chunk(size, dim=dim)[rank].contiguous().clone()
-            self._memo[key] = (p, nn.Parameter(shard, requires_grad=p.requires_grad))
+            length = p.shape[dim] // size  # tp divides it (checked at compile time)
+            self._memo[key] = (p, sliced_parameter(p, dim, rank * length, length))
         return self._memo[key][1]
 
 

@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ...compiler.tensor_parallel import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight,
@@ -63,6 +64,8 @@ class TensorParallelResult:
 def _mesh(group, gm: nn.Module) -> DeviceMesh:
     p = next(iter(gm.parameters()), None)
     device = p.device.type if p is not None else "cpu"
+    if device == "meta":  # stages are rewritten before their storage exists (model.fill_stages)
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     return DeviceMesh.from_group(group, device)
 
 
@@ -170,15 +173,30 @@ def _leaf_hooks(mod: nn.Module, convert) -> None:
     mod.register_forward_hook(post)
 
 
-def _local_hooks(mod: nn.Module) -> None:
+def _local_hooks(mod: nn.Module, split_tokens: bool = False) -> None:
     """A leaf that communicates by itself (pipeplan's expert-parallel layer) runs on this
-    rank's local tensors; its tensor outputs take its first input's placement back."""
+    rank's local tensors; its tensor outputs take its first input's placement back.
+
+    `split_tokens` (EP across TP: the TP peers are in one EP group and hold different
+    experts): every input is first redistributed to Shard(0), so each TP rank hands
+    the layer its 1/tp share of the token rows (from Replicate: a local slice, no
+    communication; backward: an all-gather of the rows' gradients); the output rows,
+    Shard(0), are redistributed back to the first input's placement (from Shard(0) to
+    Replicate: an all-gather; backward: each rank keeps its rows' gradient, or a
+    reduce-scatter of a partial one)."""
     seen = []
+
+    def local(a):
+        if not isinstance(a, DTensor):
+            return a
+        if split_tokens:
+            a = a.redistribute(a.device_mesh, [Shard(0)])
+        return a.to_local()
 
     def pre(m, args):
         first = next((a for a in args if isinstance(a, DTensor)), None)
         seen.append(first)
-        return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+        return tuple(local(a) for a in args)
 
     def post(m, args, out):
         like = seen.pop()
@@ -188,21 +206,39 @@ def _local_hooks(mod: nn.Module) -> None:
         def back(o):
             if not isinstance(o, torch.Tensor) or isinstance(o, DTensor):
                 return o
+            mesh = like.device_mesh
+            if split_tokens and o.dim() >= 1:
+                shape = torch.Size((like.shape[0],) + tuple(o.shape[1:]))
+                rows = DTensor.from_local(o, mesh, [Shard(0)], run_check=False, shape=shape,
+                                          stride=_contiguous_stride(shape))
+                return rows.redistribute(mesh, like.placements if o.dim() == like.dim()
+                                         else [Replicate()])
             p = like.placements if o.dim() == like.dim() else [Replicate()]
-            return DTensor.from_local(o, like.device_mesh, p, run_check=False)
+            return DTensor.from_local(o, mesh, p, run_check=False)
         return tuple(back(o) for o in out) if isinstance(out, tuple) else back(out)
 
     mod.register_forward_pre_hook(pre)
     mod.register_forward_hook(post)
 
 
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
 def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
                           slicer: Optional[ParameterSlicer] = None,
-                          local_modules: frozenset = frozenset()) -> TensorParallelResult:
+                          local_modules: frozenset = frozenset(),
+                          split_tokens: bool = False) -> TensorParallelResult:
     """Rewrite stage `gm` in place for the TP group; returns what was split.
 
     `slicer`: shared by the stage modules of one rank (see ParameterSlicer);
-    `local_modules`: leaf calls that run on local tensors (expert-parallel layers).
+    `local_modules`: leaf calls that run on local tensors (expert-parallel layers);
+    `split_tokens`: those calls take each TP rank's share of the token rows (EP
+    across TP; see `_local_hooks`).
     """
     if not isinstance(gm, fx.GraphModule):
         raise PipeplanError("tensor parallel rewrites a captured stage graph (fx.GraphModule); "
@@ -286,8 +322,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     # 5. leaf calls see their own parameters as DTensors
     for node in list(g.nodes):
         if node.op == "call_module" and node.target in local_modules:
-            _local_hooks(gm.get_submodule(node.target))
-            if sp:
+            _local_hooks(gm.get_submodule(node.target), split_tokens)
+            if sp and not split_tokens:  # (split: each rank's experts see their own tokens)
                 partial += [node.target + "." + n for n, p in
                             gm.get_submodule(node.target).named_parameters(remove_duplicate=False)
                             if p.requires_grad]

@@ -91,8 +91,10 @@ def test_run_build_dir_writes_metrics_and_trace(tmp_path):
     plan = write_plan(tmp_path)
     r = pipeplan("compile", plan, "-o", tmp_path / "build")
     assert r.returncode == 0, r.stdout + r.stderr
-    metrics, trace = tmp_path / "m.jsonl", tmp_path / "t.json"
-    r = pipeplan("run", tmp_path / "build", "--metrics", metrics, "--trace", trace)
+    trace, costs, run_dir = tmp_path / "t.json", tmp_path / "costs.json", tmp_path / "logs"
+    metrics = run_dir / "metrics.jsonl"  # train.log_dir receives the metrics (no --metrics)
+    r = pipeplan("run", tmp_path / "build", "--trace", trace,
+                 "--set", f"train.log_dir=\"{run_dir}\"", "--profile-out", costs)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -104,7 +106,71 @@ def test_run_build_dir_writes_metrics_and_trace(tmp_path):
     actions = {(e["pid"], e["name"]) for e in events if e["ph"] == "X"}
     # 1f1b, 2 microbatches: each rank runs F and BW of its stage for both, every step
     assert {(0, "F0.0"), (0, "BW0.1"), (1, "F1.1"), (1, "BW1.0")} <= actions  # the IR's names
-    assert sum(e["ph"] == "X" for e in events) == 3 * 2 * 2 * 2
+    compute = [e for e in events if e["ph"] == "X" and e["pid"] < 1000 and e["tid"] == 0]
+    assert len(compute) == 3 * 2 * 2 * 2
+    _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path)
+
+
+def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path):
+    """The same run's measured trace (µs, every lane, the planned track), its cost file (read
+    back and compiled with) and `pipeplan report` on its run directory."""
+    from html.parser import HTMLParser
+    from xml.etree import ElementTree as ET
+
+    from pipeplan.cli import main
+    from pipeplan.compiler import compile_plan
+    from pipeplan.compiler.profile import Profile
+    from pipeplan.dsl.load import load_plan
+
+    measured = [e for e in events if e["ph"] == "X" and e["pid"] < 1000]
+    kinds = {(e["pid"], e["tid"], e["cat"]) for e in measured}
+    for pid in (0, 1):  # every rank: compute, receive waits/sends, gradient sync, optimizer
+        assert {(pid, 1, "send"), (pid, 1, "send wait"), (pid, 2, "grad sync"),
+                (pid, 2, "optimizer")} <= kinds
+    assert (1, 1, "recv wait") in kinds  # rank 1's first F waits for rank 0's activations
+    # µs: step 3 on rank 0, first action to optimizer end, is about the step time printed
+    step3 = [e for e in measured if e["pid"] == 0 and e["args"].get("step") == 3]
+    span_us = max(e["ts"] + e["dur"] for e in step3) - min(e["ts"] for e in step3)
+    assert 0.5 < span_us / (rows[2]["step_time_s"] * 1e6) < 1.5
+    planned = [e for e in events if e["ph"] == "X" and e["pid"] >= 1000]
+    assert {e["pid"] for e in planned} == {1000, 1001} and len(planned) == 3 * 2 * 2 * 2
+
+    profile = Profile.from_json(costs.read_text(), str(costs))
+    assert profile.split_points == ("layers.2",) and profile.measured_steps == (2, 3)
+    assert all(s.F > 0 and s.BW > 0 and s.B is None and s.samples == 2 * 2
+               for s in profile.stages)
+    assert profile.stages[0].activation_bytes == 2 * 16 * 32 * 4  # [2, 16, 32] fp32 per mb
+    replanned = tmp_path / "replanned.plan"
+    replanned.write_text(plan.read_text().replace("microbatches = 2",
+                                                  f'microbatches = 2\n  profile = "{costs}"'))
+    sim = compile_plan(load_plan(str(replanned))).estimates.simulation
+    for st, row in zip(profile.stages, sim.costs.per_stage):  # F and B + W = the measured BW
+        assert row[0] == pytest.approx(st.F, rel=1e-9)
+        assert row[1] + row[2] == pytest.approx(st.BW, rel=1e-9)
+    assert sim.costs.latency == profile.p2p_latency_s
+
+    assert main(["report", str(run_dir)]) == 0
+    page = (run_dir / "report.html").read_text()
+    tags = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            tags.append((tag, dict(attrs)))
+    Tags().feed(page)
+    assert page.startswith("<!DOCTYPE html>") and "http" not in page.replace(
+        "http://www.w3.org/2000/svg", "")  # self-contained: nothing fetched
+    assert [t for t, _ in tags].count("svg") == 4  # loss, step time, timeline, memory
+    svgs = [ET.fromstring("<svg" + part[:part.index("</svg>") + 6])
+            for part in page.split("<svg")[1:]]
+    ns = "{http://www.w3.org/2000/svg}"
+    loss, step_time = svgs[0], svgs[1]
+    points = loss.find(ns + "polyline").get("points").split()
+    assert len(points) == 3 and loss.get("data-name") == "loss"
+    assert len(step_time.find(ns + "polyline").get("points").split()) == 3
+    rows_drawn = [t.text for t in svgs[2].iter(ns + "text") if t.get("x") == "4"][1:]  # 0: title
+    assert rows_drawn == ["rank 0 (pp 0) measured", "pp 0 planned", "rank 1 (pp 1) measured",
+                          "pp 1 planned"]
+    assert len([r for r in svgs[3].iter(ns + "rect") if r.get("class") == "peak"]) == 2
 
 
 @pytest.mark.slow

@@ -51,14 +51,16 @@ def _worker(rank, world, configs):
     return out
 
 
-def _check(results, configs):
+def _check(results, configs, plan_of=lambda config: moe_plan(*config)):
+    """Rank results (per config: losses, full parameters) against the reference of each
+    config's plan."""
     failures = []
-    for k, (model, kind) in enumerate(configs):
-        ref = train_reference(moe_plan(model, kind), STEPS)
+    for k, config in enumerate(configs):
+        ref = train_reference(plan_of(config), STEPS)
         got = compare(ref.losses, ref.params, [r[k][0] for r in results],
                       [r[k][1] for r in results], rtol=RTOL, atol=ATOL)
         if not got.within:
-            failures.append(f"{model} {kind}: " + got.render(RTOL, ATOL))
+            failures.append(f"{config}: " + got.render())
         assert min(ref.grad_norms) > 0 and len(set(ref.losses)) == STEPS  # it trained
     assert not failures, "\n".join(failures)
 

@@ -12,7 +12,8 @@ from pipeplan.backends.model import build_model, own_stages
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler import estimates_summary
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.dsl.ast import DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, TrainSpec
+from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, MeshSpec, ModelSpec, PipelineSpec, Plan,
+                              TensorSpec, TrainSpec)
 from pipeplan.dsl.errors import PlanError
 
 GPT = "pipeplan.examples.models.gpt:GPT"
@@ -108,26 +109,81 @@ def test_check_refuses_a_module_without_a_per_module_init(tmp_path):
     assert "reset_parameters" in str(e.value)
 
 
-def _initial(rank, world, plans):
+def _tp_plan():
+    """pp2 x tp2: column/row pairs and the vocab-parallel embedding (tied to the head)."""
+    plan = plan_for(pp=2)
+    return dataclasses.replace(
+        plan, mesh=MeshSpec(pp=2, tp=2),
+        tensor=TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v",
+                                  "layers.*.mlp.up"),
+                          row=("layers.*.attn.proj", "layers.*.mlp.down")))
+
+
+def _ep_plan():
+    """pp2 x dp2 x ep2: each dp rank of a stage holds half of every MoE layer's experts."""
+    plan = plan_for(MOE, pp=2, dp=2, args={"vocab": 64, "dim": 32, "layers": 2, "heads": 4,
+                                            "seq_len": 16, "num_experts": 4, "top_k": 2})
+    return dataclasses.replace(
+        plan, mesh=MeshSpec(pp=2, dp=2, ep=2),
+        experts=ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2))
+
+
+SHARDED = {"tp": _tp_plan, "ep": _ep_plan}
+
+
+def _initial(rank, world, names):
+    """Each rank's trainer as `pipeplan run` builds it: its materialised bytes, its own
+    (sharded) tensors by shape, and its parameters gathered to full shape."""
     out = []
-    for plan in plans:
+    for name in names:
+        plan = SHARDED[name]() if name in SHARDED else plan_for(pp=int(name[2]), dp=world // int(name[2]))
         trainer = PipelineTrainer.for_plan(plan)
-        out.append(trainer.named_parameters())
+        local = {n: tuple(p.shape) for n, p in trainer.parameters_by_name().items()}
+        out.append((trainer.param_bytes, local, trainer.named_parameters()))
     return out
 
 
 @pytest.mark.slow
-def test_pipelined_ranks_start_from_the_reference_weights(spawn):
-    """pp2 and pp4 and pp2 x dp2, through the runtime's own construction (TP/EP: not here)."""
-    plans = [plan_for(pp=4), plan_for(pp=2, dp=2)]
-    results = spawn(_initial, 4, plans, timeout=240)
-    results2 = spawn(_initial, 2, [plan_for(pp=2)], timeout=120)
-    for k, plan in enumerate(plans + [plan_for(pp=2)]):
-        ranks = [r[k] for r in results] if k < 2 else [r[0] for r in results2]
+def test_pipelined_ranks_start_from_the_reference_weights_holding_only_their_shards(spawn):
+    """pp4, pp2 x dp2, pp2 x tp2 and pp2 x dp2 x ep2 through the runtime's own construction:
+    every rank materialises exactly the compiler's estimate of its parameter bytes (TP
+    slices and EP experts only, never the full stage), and its tensors, gathered back to
+    full shape, equal the single-process reference's initial weights."""
+    names = ["pp4", "pp2", "tp", "ep"]
+    results = spawn(_initial, 4, names, timeout=280)
+    for k, name in enumerate(names):
+        plan = SHARDED[name]() if name in SHARDED else plan_for(pp=int(name[2]), dp=4 // int(name[2]))
+        compiled = compile_plan(plan)
         ref = dict(build_model(plan).named_parameters(remove_duplicate=False))
-        seen = set()
-        for held in ranks:
-            for name, p in held.items():
-                assert torch.equal(p, ref[name]), (k, name)
-                seen.add(name)
-        assert seen == set(ref)
+        seen, sharded = set(), 0
+        for rank, (nbytes, local, full) in enumerate(r[k] for r in results):
+            assert nbytes == compiled.estimates.ranks[rank].param_bytes, (name, rank)
+            for n, p in full.items():
+                assert torch.equal(p, ref[n]), (name, rank, n)
+                seen.add(n)
+                sharded += local[n] != tuple(ref[n].shape)
+        assert seen == set(ref), name
+        assert bool(sharded) == (name in SHARDED), name  # TP/EP ranks held slices only
+
+
+def test_initial_values_hold_one_module_at_a_time():
+    """Drawing a whole model's values module by module never holds more than the module
+    being initialised (and the tied embedding until its last holder, the head, ran), and
+    gives every module's storage back: the skeleton ends all-meta."""
+    from pipeplan.backends.materialize import initial_values
+    from pipeplan.compiler.loading import load_skeleton
+
+    plan = plan_for(args={"vocab": 64, "dim": 32, "layers": 4, "heads": 4, "seq_len": 16})
+    skeleton = load_skeleton(plan)
+    ref = dict(build_model(plan).named_parameters(remove_duplicate=False))
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in skeleton.modules())
+    tied = skeleton.tok_emb.weight.numel()
+    total = sum(p.numel() for p in skeleton.parameters())
+    peak, got = 0, {}
+    for names, value in initial_values(skeleton, plan.train.seed, list(ref)):
+        held = sum(p.numel() for p in skeleton.parameters() if p.device.type != "meta")
+        peak = max(peak, held)
+        got.update((n, value) for n in names)
+    assert peak <= largest + tied < total / 2
+    assert all(p.device.type == "meta" for p in skeleton.parameters())
+    assert set(got) == set(ref) and all(torch.equal(got[n], ref[n]) for n in ref)

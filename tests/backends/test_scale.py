@@ -27,21 +27,33 @@ def gpt_plan(pp=2, dp=1, kind="1f1b", virtual=1):
 
 
 def _agree(rank, world):
+    from pipeplan.compiler import driver
+
+    searched = []
+    generate = driver.make_schedule
+    driver.make_schedule = lambda *a, **k: searched.append(1) or generate(*a, **k)
     plan = gpt_plan()
-    compiled = compile_shared(plan, lambda p, m: compile_plan(p, m))
+    try:
+        compiled = compile_shared(plan, lambda p, m, schedule=None: compile_plan(
+            p, m, schedule=schedule))
+    finally:
+        driver.make_schedule = generate
     if rank == 1:  # this rank ends up with another (valid) schedule
         compiled.schedule = compile_plan(dataclasses.replace(
             plan, pipeline=dataclasses.replace(plan.pipeline, schedule="gpipe"))).schedule
     try:
         check_agreement(plan, compiled)
     except Exception as e:
-        return str(e)
-    return None
+        return str(e), len(searched)
+    return None, len(searched)
 
 
 @pytest.mark.slow
 def test_different_schedules_stop_every_rank_before_step_1(spawn):
-    messages = spawn(_agree, 2, timeout=120)
+    """Only rank 0 generates a schedule; an injected mismatch stops every rank, named."""
+    results = spawn(_agree, 2, timeout=120)
+    assert [n for _, n in results] == [1, 0]  # rank 1 compiled with rank 0's schedule
+    messages = [m for m, _ in results]
     assert all(m is not None for m in messages)  # both ranks stop, not only the odd one
     assert messages[0] == messages[1]
     assert "the schedule differ" in messages[0] and "rank 0" in messages[0] \

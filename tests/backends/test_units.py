@@ -154,19 +154,22 @@ def test_free_port_is_bindable():
 
 def test_measured_bubble_trace_and_costs():
     from pipeplan.backends.executor import ActionTiming
-    from pipeplan.backends.observe import (RankTimings, bubble_report, chrome_trace,
-                                           measured_bubble, measured_costs, measured_latency)
+    from pipeplan.backends.observe import (RankTimings, bubble_report, measured_bubble,
+                                           measured_costs, measured_latency)
+    from pipeplan.backends.trace import chrome_trace
 
     # rank 0 busy [0,1] and [3,4]; rank 1 busy [1,3]: makespan 4, busy 4 of 8 -> bubble 0.5
     r0 = (ActionTiming("F", 0, 0, 0.0, 1.0, 0.0), ActionTiming("BW", 0, 0, 3.0, 4.0, 2.0))
     r1 = (ActionTiming("F", 1, 0, 1.0, 2.0, 1.0), ActionTiming("BW", 1, 0, 2.0, 3.0, 0.0))
     assert measured_bubble([r0, r1]) == pytest.approx(0.5)
     ranks = [RankTimings(0, 0, 0, 0, (r0,)), RankTimings(1, 1, 0, 0, (r1,))]
-    assert measured_costs(ranks, 2, skip_first=False) == ((1.0, 1.0, 0.0), (1.0, 1.0, 0.0))
+    assert measured_costs(ranks, 2, skip=0) == ((1.0, 1.0, 0.0), (1.0, 1.0, 0.0))
     trace = chrome_trace(ranks)
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert [(e["pid"], e["name"], e["ts"], e["dur"]) for e in xs] == [
-        (0, "F0.0", 0.0, 1e6), (0, "BW0.0", 3e6, 1e6), (1, "F1.0", 1e6, 1e6), (1, "BW1.0", 2e6, 1e6)]
+    # µs: a 1 s action lasts 1e6; receive waits on the p2p lane (tid 1) end where the action starts
+    assert [(e["pid"], e["tid"], e["name"], e["ts"], e["dur"]) for e in xs] == [
+        (0, 0, "F0.0", 0.0, 1e6), (0, 0, "BW0.0", 3e6, 1e6), (0, 1, "wait BW0.0", 1e6, 2e6),
+        (1, 0, "F1.0", 1e6, 1e6), (1, 1, "wait F1.0", 0.0, 1e6), (1, 0, "BW1.0", 2e6, 1e6)]
     schedule = generate("gpipe", ranks=2, microbatches=1)
     report = bubble_report(schedule, ranks)
     assert "measured 0.500" in report and "predicted 0.500" in report
@@ -175,3 +178,34 @@ def test_measured_bubble_trace_and_costs():
     # moment BW1.0 ended: samples 0.25 and 0, median 0.125
     late = (ActionTiming("F", 1, 0, 1.25, 2.0, 1.25), r1[1])
     assert measured_latency([ranks[0], RankTimings(1, 1, 0, 0, (late,))], schedule) == 0.125
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise():
+    """Rank 0's progress: a live bar (step, loss, tokens/s, ETA) on a terminal; the plain
+    per-step line scripts parse when stdout is not one."""
+    import dataclasses
+    import io
+
+    from pipeplan.backends.observe import Progress
+    from pipeplan.backends.trainer import StepReport
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    first = StepReport(0, 2.5, 1.0, 0.01, 0.5, 1000, ())
+    tty = Terminal()
+    bar = Progress(3, stream=tty)
+    bar.step(first)
+    bar.step(dataclasses.replace(first, step=1, loss=2.25))
+    bar.close()
+    shown = tty.getvalue().split("\r")[-1]
+    assert shown.startswith("train:") and "2/3" in shown and "loss 2.2500" in shown
+    assert "2,000 tok/s" in shown and "<" in shown  # elapsed<ETA
+    assert "step 1/3" not in tty.getvalue()
+    pipe = io.StringIO()
+    plain = Progress(3, stream=pipe)
+    plain.step(first)
+    plain.close()
+    assert plain.bar is None and pipe.getvalue() == (
+        "step 1/3  loss 2.5000  lr 1.00e-02  grad_norm 1.000  2,000 tok/s  500 ms\n")

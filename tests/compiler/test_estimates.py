@@ -193,7 +193,35 @@ def test_flags_override_the_plan_and_the_report_says_so(make_plan):
     assert "overridden by --tflops" in render_summary(compiled)
     # no device given: the plan's own model is used
     assert compile_plan(plan).estimates.device_model["flops_per_s"] == 50e12
-    # no device section: the built-in defaults, stated as such
+
+def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tmp_path,
+                                                                   monkeypatch):
+    """Without a device section (and no CUDA) the estimate assumes this CPU's measured matmul
+    FLOP/s, not a 400 TFLOP/s accelerator; the probe runs once and is cached."""
+    import json
+
+    import torch
+
+    from pipeplan.compiler import cpu_probe
+    from pipeplan.dsl.ast import DeviceSpec
+    if torch.cuda.is_available():
+        pytest.skip("the CPU model applies only where CUDA is not available")
+    monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
     bare = compile_plan(_one_stage(make_plan, DeviceSpec())).estimates
-    assert bare.device_model["flops_per_s"] == 400e12
-    assert bare.device_model["origin"] == "built-in defaults"
+    cached = json.loads((tmp_path / "cpu_flops.json").read_text())
+    assert bare.device_model["flops_per_s"] == cached["flops_per_s"]
+    assert 1e8 < cached["flops_per_s"] < 1e13  # a CPU, not the 400e12 default
+    assert bare.device_model["origin"].startswith("measured CPU model")
+    assert bare.step_time_s == pytest.approx(M * 3 * FWD / cached["flops_per_s"], rel=1e-9)
+
+    def no_probe():
+        raise AssertionError("probed again despite the cache")
+    monkeypatch.setattr(cpu_probe, "measure_flops", no_probe)
+    threads = torch.get_num_threads()  # a rank's thread setting does not change the model
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        again = compile_plan(_one_stage(make_plan, DeviceSpec())).estimates
+    finally:
+        torch.set_num_threads(threads)
+    assert again.device_model["flops_per_s"] == cached["flops_per_s"]
+    assert "cached in" in again.device_model["origin"]

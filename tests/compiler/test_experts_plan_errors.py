@@ -35,6 +35,13 @@ LOOP = PLAN.replace('"pipeplan.examples.models.moe_gpt:MoEGPT"',
              "vocab = 16, dim = 8, layers = 2").replace("vocab = 64, seq_len", "vocab = 16, seq_len") \
     .replace("[layers.*.moe]", "[layers.*]").replace("capture = fx", 'leaf_modules = ["layers.*"]')
 
+# transformers' Mixtral returning its unscaled load-balancing loss before the logits
+ROUTER = PLAN.replace('"pipeplan.examples.models.moe_gpt:MoEGPT"',
+                      '"pipeplan.tests.parallel.moe_models:mixtral_router_logits"') \
+    .replace("  args = { vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16, num_experts = 4 }\n",
+             "").replace("capture = fx", "capture = export\n  loss = cross_entropy") \
+    .replace("[layers.*.moe]", "[model.layers.*.mlp]").replace("seq_len = 16", "seq_len = 8")
+
 
 def _extra(line: str, ep: int = 2) -> str:
     return PLAN.replace("  num_experts = 4\n}", f"  num_experts = 4\n  {line}\n}}") \
@@ -56,8 +63,11 @@ CASES = [  # (id, plan text, where the error points ("|": the column), message)
     ("shared_experts-ep1", _extra("shared_experts = 1", ep=1), "shared_experts = |1",
      "shared_experts is not implemented"),
     ("top_k", _extra("top_k = 1"), "top_k = |1", "router of layers.0.moe picks 2 experts"),
-    ("ep-across-tp", PLAN.replace("dp = 2  ep = 2", "dp = 2  tp = 2  ep = 4")
-     .replace("global_batch = 4", "global_batch = 2"), "ep = |4", "ep = 4 does not divide dp = 2"),
+    ("ep-across-tp", PLAN.replace("dp = 2  ep = 2", "dp = 2  tp = 2  ep = 8")
+     .replace("num_experts = 4", "num_experts = 8"), "ep = |8",
+     "ep = 8 divides neither dp = 2 nor dp x tp = 4"),
+    ("hf-router-aux-loss", ROUTER, "loss = |cross_entropy",
+     "the model returns a scalar before its predictions"),
     ("moe-as-leaf", PLAN.replace("capture = fx", 'capture = fx\n  leaf_modules = ["layers.*.moe"]'),
      "modules = |[layers.*.moe]\n  num", "inside the leaf module layers.0.moe"),
     ("sequence-parallel", PLAN.replace("dp = 2  ep = 2", "dp = 2  tp = 2  ep = 2")

@@ -66,8 +66,8 @@ CASES = [
      .replace("ep = 2", "ep = 4"), "num_experts = |6\n}", "ep = 4 does not divide num_experts = 6"),
     ("sequence-parallel-without-tp", SP, "sequence_parallel = |true",
      "sequence_parallel does nothing with mesh.tp = 1"),
-    ("ep-not-dividing-dp", PLAN.replace("dp = 4  tp = 2  ep = 2", "dp = 2  tp = 2  ep = 4"),
-     "ep = |4", "ep = 4 does not divide dp = 2"),
+    ("ep-not-dividing-dp-or-dp-tp", PLAN.replace("dp = 4  tp = 2  ep = 2", "dp = 3  tp = 2  ep = 4"),
+     "ep = |4", "ep = 4 divides neither dp = 3 nor dp x tp = 6"),
 ]
 
 
@@ -79,12 +79,13 @@ def test_parallel_plan_error_points_at_the_line(case):
     assert (line, col, message) in [(ln, c, m[:len(message)]) for ln, c, m in found], found
 
 
-def test_ep_across_tensor_parallel_ranks_says_it_is_not_supported_yet():
+def test_ep_across_tensor_parallel_ranks_is_accepted_where_ep_divides_dp_tp():
     text = CASES[-1][1]
     with pytest.raises(PlanError) as info:
         parse_plan(text, "t.plan")
     (d,) = [d for d in info.value.diagnostics if d.message.startswith("ep = 4")]
-    assert "expert parallel across tensor-parallel ranks is not supported yet" in d.hint
+    assert "or of dp x tp for expert parallel across tensor-parallel ranks" in d.hint
+    parse_plan(PLAN.replace("dp = 4  tp = 2  ep = 2", "dp = 2  tp = 2  ep = 4"), "t.plan")
 
 
 def test_the_valid_plans_compile():

@@ -144,10 +144,10 @@ SEMANTIC = [
      "synthetic tokens go up to 511 but model.args.vocab = 256"),
     ("data-longer-than-model", "base", "vocab = 256, seq_len = 64)", "vocab = 256, seq_len = 128)",
      "128", "data.seq_len = 128 is longer than model.args.seq_len = 64"),
-    ("ep-divides-dp", "moe", "ep = 2", "ep = 4", "ep = |4", "ep = 4 does not divide dp = 2"),
-    # dp*tp = 4 would hold ep = 4, but EP groups are made of data-parallel ranks only
-    ("ep-not-across-tp", "moe", "dp = 2  ep = 2", "dp = 2  tp = 2  ep = 4", "ep = |4",
-     "ep = 4 does not divide dp = 2"),
+    ("ep-divides-dp", "moe", "ep = 2", "ep = 4", "ep = |4", "ep = 4 divides neither dp = 2"),
+    # ep = 4 fits dp x tp = 4 (EP across TP); ep = 8 fits neither dp nor dp x tp
+    ("ep-not-across-tp", "moe", "dp = 2  ep = 2", "dp = 2  tp = 2  ep = 8", "ep = |8",
+     "ep = 8 divides neither dp = 2 nor dp x tp = 4"),
     ("ep-without-experts", "moe", "experts {\n  modules = [layers.*.moe]\n  num_experts = 4\n"
      "  top_k = 2\n}\n", "", "ep = |2", "ep = 2 but the plan has no experts section"),
     ("ep-divides-experts", "moe", "dp = 2  ep = 2", "dp = 8  ep = 8",

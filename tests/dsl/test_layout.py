@@ -31,3 +31,19 @@ def test_groups_along_each_axis():
     assert groups(layout, "dp") == [(0, 1), (2, 3)]
     assert groups(layout, "ep") == [(0, 1), (2, 3)]
     assert groups(layout, "edp") == [(0,), (1,), (2,), (3,)]
+
+
+def test_ep_across_tp_groups_take_in_tensor_parallel_ranks():
+    # ep = 4 does not divide dp = 2 but divides dp x tp = 4: one EP group per stage holds
+    # both dp ranks and both tp ranks; ep rank = flat (dp, tp) index mod ep
+    mesh = MeshSpec(pp=2, dp=2, tp=2, ep=4)
+    layout = mesh_layout(mesh)
+    assert [(c.ep, c.edp) for c in layout[:4]] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert groups(layout, "ep") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert groups(layout, "edp") == [(i,) for i in range(8)]
+    assert group_sizes(mesh).edp == 1
+    mesh = MeshSpec(pp=1, dp=3, tp=2, ep=2)  # ep divides neither dp nor tp, but dp x tp = 6
+    layout = mesh_layout(mesh)
+    assert groups(layout, "ep") == [(0, 1), (2, 3), (4, 5)]
+    assert groups(layout, "edp") == [(0, 2, 4), (1, 3, 5)]
+    assert group_sizes(mesh).edp == 3

@@ -63,3 +63,11 @@ def experts_of(name: str, layer: int = 0) -> torch.nn.Module:
     model = MODELS[name]()
     path = MOE_LAYERS[name].replace("*", str(layer))
     return model.get_submodule(path).experts
+
+
+def mixtral_router_logits(layers: int = 2):
+    """Mixtral returning its load-balancing loss (`output_router_logits=True`): refused at
+    `model.loss` (docs/parallelism.md, "Aux losses")."""
+    model = mixtral(layers)
+    model.config.output_router_logits = True
+    return model

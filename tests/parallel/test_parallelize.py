@@ -189,6 +189,11 @@ def test_expert_groups_redivide_dp():
     assert ExpertCoords.of(3, mesh) == ExpertCoords(ep_rank=1, ep_block=1)
     ep, edp = expert_group_ranks(MeshSpec(pp=1, dp=2, tp=2, ep=2))
     assert ep == [[0, 2], [1, 3]] and sorted(edp) == [[0], [1], [2], [3]]
+    # EP across TP: ep consecutive ranks of a stage's dp x tp block
+    ep, edp = expert_group_ranks(MeshSpec(pp=2, dp=1, tp=4, ep=2))
+    assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]] and edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    ep, edp = expert_group_ranks(MeshSpec(pp=1, dp=2, tp=2, ep=4))
+    assert ep == [[0, 1, 2, 3]] and edp == [[0], [1], [2], [3]]
 
 
 def test_reference_chunks_and_leaves():
@@ -202,6 +207,8 @@ def test_reference_chunks_and_leaves():
 def test_bad_meshes_are_errors():
     with pytest.raises(PipeplanError, match="must divide dp"):
         build_parallel_groups(MeshSpec(dp=2, ep=4))
+    with pytest.raises(PipeplanError, match=r"must divide dp \(2\) or dp x tp \(4\)"):
+        build_parallel_groups(MeshSpec(dp=2, tp=2, ep=8))
     plan = Plan(model=MODEL, tensor=TensorSpec(sequence_parallel=True))
     with pytest.raises(PipeplanError, match="sequence_parallel needs mesh.tp > 1"):
         parallelize_stage(GPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8), plan,
@@ -252,9 +259,11 @@ def test_model_checks_experts():
                 experts=ExpertsSpec(modules=("layers.*.attn",), num_experts=4))
     with pytest.raises(PlanError, match="offers no experts module"):
         experts_modules(plan, model)
-    plan = Plan(model=MODEL, mesh=MeshSpec(dp=1, tp=2, ep=2), experts=EXPERTS)
-    with pytest.raises(PlanError, match="ep = 2 must divide dp = 1"):
+    plan = Plan(model=MODEL, mesh=MeshSpec(dp=1, tp=3, ep=2), experts=EXPERTS)
+    with pytest.raises(PlanError, match=r"ep = 2 must divide dp = 1, or dp x tp = 3"):
         check_parallel_model(plan, model)
+    check_parallel_model(Plan(model=MODEL, mesh=MeshSpec(dp=1, tp=2, ep=2), experts=EXPERTS),
+                         model)  # EP across TP
 
 
 def _tp_zero_worker(rank, world, zero):

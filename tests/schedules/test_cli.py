@@ -39,7 +39,32 @@ def test_trace_and_svg(capsys, tmp_path):
     assert pids == {0, 1}
     assert any(e["ph"] == "C" for e in trace["traceEvents"]) and any(e["ph"] == "s" for e in trace["traceEvents"])
     code, out, _ = run(capsys, "zbv", "-p", "2", "-m", "4", "-f", "svg")
-    assert code == 0 and out.startswith("<svg") and out.count("<rect") == 2 * 2 * 4 * 3
+    assert code == 0 and out.startswith("<svg") and out.count("<title>") == 2 * 2 * 4 * 3
+
+
+def test_svg_gantt_legend_axis_and_labels_at_p8_m32(capsys):
+    """The Gantt at p=8, m=32: a legend naming F/B/W, a time axis with round ticks up to the
+    makespan, and every action's label drawn inside its own box (none vanishes)."""
+    import xml.etree.ElementTree as ET
+
+    code, out, _ = run(capsys, "zbh1", "-p", "8", "-m", "32", "-f", "svg")
+    assert code == 0
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(out)
+    legend = [g.find(ns + "text").text for g in root.iter(ns + "g") if g.get("class") == "legend"]
+    assert [x.split()[0] for x in legend[:3]] == ["F", "B", "W"]
+    ticks = [line for line in root.iter(ns + "line") if line.get("class") == "tick"]
+    xs = [float(t.get("x1")) for t in ticks]
+    assert len(ticks) >= 5 and xs == sorted(xs) and len({round(b - a, 3) for a, b in zip(xs, xs[1:])}) == 1
+    boxes = [r for r in root.iter(ns + "rect") if r.find(ns + "title") is not None]
+    assert len(boxes) == 8 * 32 * 3
+    texts = {(round(float(t.get("x")) - 2, 2), round(float(t.get("y")))): t.text
+             for t in root.iter(ns + "text") if t.get("fill") == "white"}
+    assert len(texts) == len(boxes)  # every box labelled ...
+    for r in boxes:  # ... with text no wider than its box (6.7 px per 11 px character)
+        x, y, w = float(r.get("x")), float(r.get("y")), float(r.get("width"))
+        label = next(t for (tx, ty), t in texts.items() if abs(tx - x) < 0.02 and 0 < ty - y < 28)
+        assert label and len(label) * 6.7 <= w
 
 
 def test_compare_prints_one_table_and_skips_what_does_not_fit(capsys):

@@ -1,0 +1,204 @@
+"""Cost files: measured per-stage op times (`pipeplan profile`) and how the compiler uses them.
+
+A cost file is JSON written by `pipeplan profile PLAN -o costs.json` (backends/profiling.py):
+
+    {"version": 1, "plan_sha256": ..., "device": "cpu: x86_64, 2 threads, torch 2.13",
+     "schedule": "1f1b", "split_points": ["layers.4"], "warmup_steps": 2,
+     "measured_steps": [3, 4, 5], "p2p_latency_s": 0.0003,
+     "shape": {"sequences_per_microbatch": 2, "seq_len": 64, "precision": "fp32", "tp": 1},
+     "stages": [{"index": 0, "F": 0.01, "B": null, "W": null, "BW": 0.02, "samples": 24,
+                 "activation_bytes": 32768}, ...]}
+
+Seconds per microbatch, means over the measured (post-warm-up) steps; B/W are
+null when the schedule ran full backwards (BW), BW null when it split them;
+activation_bytes: what the stage sends forward per microbatch; shape: the
+workload the times hold for (a plan with another microbatch size, sequence
+length, precision or tp is refused, naming the file).
+
+A plan names one with `pipeline { profile = "costs.json" }` (relative to the plan
+file). Then the op times of the split and the schedule come from it, not from
+FLOPs over a device model: each profiled stage's measured F, B and W are spread
+over the graph nodes it held in proportion to their FLOPs (B: FLOPs plus
+recompute), so any other split is costed too — `split = auto(profile)` balances
+those times, and `schedule = auto` (and every cost-aware kind) orders ops by
+them; the estimates' timeline and predicted bubble are simulated with them.
+A stage profiled with full backwards only splits its BW into B and W by the
+same FLOP ratio.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch.fx as fx
+
+from ..dsl.ast import Plan
+from ..errors import PipeplanError
+from .costs import Cost
+
+VERSION = 1
+OPS = ("F", "B", "W", "BW")
+
+
+class ProfileError(PipeplanError):
+    """A cost file that cannot be used; the message names the file and the reason."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason} (write a cost file with `pipeplan profile PLAN -o "
+                         f"FILE`)")
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    index: int
+    F: float
+    B: Optional[float]
+    W: Optional[float]
+    BW: Optional[float]
+    samples: int
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    plan_sha256: str
+    device: str
+    schedule: str
+    split_points: tuple[str, ...]
+    stages: tuple[StageProfile, ...]
+    p2p_latency_s: float
+    warmup_steps: int
+    measured_steps: tuple[int, ...]
+    shape: dict  # what per-microbatch times depend on (`workload`); a plan must match it
+    version: int = VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    @staticmethod
+    def from_json(text: str, path: str) -> "Profile":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ProfileError(path, f"not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ProfileError(path, "not a cost file: expected a JSON object")
+        if d.get("version") != VERSION:
+            raise ProfileError(path, f"cost file version {d.get('version')!r}, this pipeplan "
+                               f"reads version {VERSION}")
+        try:
+            stages = tuple(_stage(s, path) for s in d["stages"])
+            profile = Profile(str(d["plan_sha256"]), str(d["device"]), str(d["schedule"]),
+                              tuple(str(p) for p in d["split_points"]), stages,
+                              _seconds(d["p2p_latency_s"], "p2p_latency_s", path),
+                              int(d["warmup_steps"]), tuple(int(s) for s in d["measured_steps"]),
+                              dict(d["shape"]))
+        except KeyError as e:
+            raise ProfileError(path, f"missing key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ProfileError(path, f"malformed entry ({e})") from None
+        if [s.index for s in stages] != list(range(len(stages))) or not stages:
+            raise ProfileError(path, "stages must be listed 0, 1, 2, ... once each")
+        if len(profile.split_points) != len(stages) - 1:
+            raise ProfileError(path, f"{len(stages)} stages need {len(stages) - 1} split points, "
+                               f"it lists {len(profile.split_points)}")
+        return profile
+
+
+def _seconds(v, key: str, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ProfileError(path, f"{key} must be a non-negative number of seconds, got {v!r}")
+    return float(v)
+
+
+def _stage(s: dict, path: str) -> StageProfile:
+    if not isinstance(s, dict):
+        raise ProfileError(path, f"a stage entry must be an object, got {s!r}")
+    i = s["index"]
+    ops = {op: None if s.get(op) is None else _seconds(s[op], f"stage {i} {op}", path)
+           for op in OPS}
+    if ops["F"] is None:
+        raise ProfileError(path, f"stage {i} has no F time")
+    if ops["BW"] is None and (ops["B"] is None or ops["W"] is None):
+        raise ProfileError(path, f"stage {i} needs B and W times, or a BW time")
+    return StageProfile(int(i), ops["F"], ops["B"], ops["W"], ops["BW"], int(s["samples"]),
+                        int(s["activation_bytes"]))
+
+
+def workload(plan: Plan) -> dict:
+    """What one microbatch's op times depend on besides the split: its size, the precision,
+    the tensor-parallel degree (a cost file measured under other values does not apply)."""
+    return {"sequences_per_microbatch": plan.microbatch_size, "seq_len": plan.data.seq_len,
+            "precision": plan.train.precision, "tp": plan.mesh.tp}
+
+
+def load_profile(plan: Plan) -> Optional[Profile]:
+    """The plan's cost file (`pipeline.profile`), read and checked (also against the plan's
+    workload); None when it names none."""
+    if not plan.pipeline.profile:
+        return None
+    path = plan.resolve_path(plan.pipeline.profile)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ProfileError(path, f"cannot read the plan's cost file ({e.strerror or e})") \
+            from None
+    profile = Profile.from_json(text, path)
+    mine = workload(plan)
+    differ = [f"{k} {profile.shape.get(k)!r} (the plan: {v!r})" for k, v in mine.items()
+              if profile.shape.get(k) != v]
+    if differ:
+        raise ProfileError(path, "measured under another workload: " + ", ".join(differ)
+                           + "; profile this plan again")
+    return profile
+
+
+def node_times(plan: Plan, model, nodes: list[fx.Node], costs: dict[fx.Node, Cost],
+               profile: Profile) -> list[tuple[float, float, float]]:
+    """(F, B, W) seconds per compute node: each profiled stage's measured times spread over
+    the nodes it held, by FLOPs (B by FLOPs + recompute)."""
+    from .partition import first_position
+
+    starts = [0] + [first_position(plan, model, nodes, name, "pipeline.profile")
+                    for name in profile.split_points] + [len(nodes)]
+    out: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * len(nodes)
+    for st, a, b in zip(profile.stages, starts, starts[1:]):
+        fl = [costs[n].flops if n in costs else 0.0 for n in nodes[a:b]]
+        bw = [f + (costs[n].recompute_flops if n in costs else 0.0)
+              for f, n in zip(fl, nodes[a:b])]
+        f_sum, b_sum = sum(fl), sum(bw)
+        if st.B is not None and st.W is not None:
+            t_b, t_w = st.B, st.W
+        else:  # full backwards only: split by the FLOP ratio (B: input grads + recompute)
+            t_b = st.BW * b_sum / (b_sum + f_sum) if b_sum + f_sum > 0 else st.BW / 2
+            t_w = st.BW - t_b
+        share = lambda xs, s, k: xs[k] / s if s > 0 else 1.0 / max(1, b - a)  # noqa: E731
+        for k in range(b - a):
+            out[a + k] = (st.F * share(fl, f_sum, k), t_b * share(bw, b_sum, k),
+                          t_w * share(fl, f_sum, k))
+    return out
+
+
+def profiled_costs(split, times: list[tuple[float, float, float]], stages: int,
+                   latency: float):
+    """The schedule engine's Costs (seconds) of `split` under per-node measured times."""
+    from ..schedules.costs import Costs
+
+    table = [[0.0, 0.0, 0.0] for _ in range(stages)]
+    for i, t in enumerate(times):
+        row = table[split.stage_of(i)]
+        for j in range(3):
+            row[j] += t[j]
+    return Costs(per_stage=tuple(tuple(r) for r in table), latency=latency)
+
+
+def profile_text(plan: Plan, profile: Profile) -> str:
+    """How the report names the measured costs it used."""
+    steps = profile.measured_steps
+    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" \
+        if steps else "no steps"
+    return (f"profile {plan.pipeline.profile} (measured on {profile.device}, {profile.schedule}, "
+            f"{span})")
