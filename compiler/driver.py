@@ -28,7 +28,7 @@ from .loading import load_model
 from .precision import to_precision
 from .profile import load_profile, node_times, profile_text, profiled_costs
 from .partition import Split, choose_split, compute_nodes
-from .schedule import decided_schedule, make_schedule
+from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
@@ -75,7 +75,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
         times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)
         device = dataclasses.replace(device, profile=profile_text(plan, profile))
     else:
-        times = step_costs(plan, stages, tp_traffic, moe_traffic, device)
+        times = stage_costs(plan, step_costs(plan, stages, tp_traffic, moe_traffic, device))
     schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
         decided_schedule(plan, stages, schedule)
     for st in stages:

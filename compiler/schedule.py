@@ -3,7 +3,9 @@
 Stage op times come from the compiler's cost model under the device model
 (estimates.step_costs: F = forward FLOPs, B = forward + recompute, W = forward,
 plus collectives; p2p latency), so cost-aware kinds (`auto`, the zero-bubble
-family) order ops for this model and these links, not for equal stages.
+family) order ops for this model and these links, not for equal stages. A plan's
+`pipeline { costs = [[F, B, W], ...] }` replaces the estimated ratios between stages
+and ops (stage_costs), for the schedule and the time estimate alike.
 """
 from __future__ import annotations
 
@@ -26,6 +28,19 @@ def make_schedule(plan: Plan, stages: list[StageSpec], costs):
         raise
     except PipeplanError as e:  # the engine rejected the combination: point at the plan
         raise PlanError.at(plan, "pipeline.schedule", str(e)) from e
+
+
+def stage_costs(plan: Plan, estimated):
+    """The costs the schedule and the estimates use: the estimated ones (a Costs, seconds), or
+    the plan's relative [F, B, W] per stage scaled to the same total work, with the estimated
+    p2p latency."""
+    given = plan.pipeline.costs
+    if given is None:
+        return estimated
+    from ..schedules.costs import Costs
+    total = sum(map(sum, estimated.per_stage))
+    scale = total / sum(map(sum, given)) if total > 0 else 1.0
+    return Costs(per_stage=tuple(tuple(x * scale for x in t) for t in given), latency=estimated.latency)
 
 
 class ScheduleMismatch(PipeplanError):

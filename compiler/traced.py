@@ -55,7 +55,7 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
 
 def _propagate(plan: Plan, run: MetaRun, nodes: list[fx.Node], inputs: dict) -> None:
     try:
-        run.run(nodes, inputs)
+        run.run(nodes, inputs, shared=True)
     except MetaRunError as e:
         where = module_path(e.node)
         raise PlanError.at(

@@ -146,6 +146,7 @@ class PipelineSpec:
     split: SplitSpec = field(default_factory=SplitSpec)
     memory_limit: Optional[MemoryLimit] = None
     profile: Optional[str] = None  # a cost file from `pipeplan profile` (relative to the plan)
+    costs: Optional[tuple[tuple[float, float, float], ...]] = None  # relative [F, B, W] per stage
 
 
 # ------------------------------------------------------------------- experts

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from . import ast as A
 from .checks import SCHEDULE_KINDS
+from .stage_costs import read_costs, write_costs
 from .limits import (MAX_BATCH, MAX_DIM, MAX_EXPERTS, MAX_LAYER, MAX_MICROBATCHES, MAX_RANKS,
                      MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, MAX_VIRTUAL, MAX_VOCAB)
 from .fields import (CallShape, Emit, Field, Reading, Section, call_name, join, read_call,
@@ -265,6 +266,7 @@ PIPELINE = Section("pipeline", A.PipelineSpec, (
     Field("split", _split, _write_split, nested=True),
     Field("memory_limit", _memory_limit, _write_memory_limit),
     Field("profile", text, write_string),
+    Field("costs", read_costs, write_costs),
 ))
 
 # -------------------------------------------------------------- experts

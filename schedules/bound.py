@@ -45,6 +45,7 @@ searches for a bound on every schedule it could return.
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import Optional, Sequence
 
 from .costs import StageCosts
@@ -95,13 +96,15 @@ def makespan_bound(placement: Sequence[int], microbatches: int, table: StageCost
 
 
 def _forward_releases(f, lat, S: int, m: int) -> list[list[float]]:
-    """e[s][k]: earliest start of the k-th F of stage s to start (see the module proof, (b))."""
-    e = [[0.0] * m for _ in range(S)]
-    for k in range(m):
-        e[0][k] = k * f[0]
+    """e[s][k]: earliest start of the k-th F of stage s to start (see the module proof, (b)).
+
+    The recurrence e[s][k] = max(e[s][k-1] + F_s, e[s-1][k] + F_{s-1} + c) unrolls to
+    k F_s + max over j <= k of (e[s-1][j] + F_{s-1} + c - j F_s): a running maximum."""
+    e = [[k * f[0] for k in range(m)]]
     for s in range(1, S):
-        for k in range(m):
-            e[s][k] = max(e[s - 1][k] + f[s - 1] + lat(s - 1, s), e[s][k - 1] + f[s] if k else 0.0)
+        a, fs, prev = f[s - 1] + lat(s - 1, s), f[s], e[-1]
+        best = accumulate((prev[j] + a - j * fs for j in range(m)), max)
+        e.append([k * fs + x for k, x in enumerate(best)])
     return e
 
 

@@ -197,7 +197,7 @@ def _walk(schedule: Schedule, producer, stride: int) -> list[int]:
     p = schedule.ranks
     lengths = [len(o) for o in schedule.order]
     ptr = [0] * p
-    waiting: dict[int, int] = {}
+    waiter = [NONE] * (p * stride)  # the rank blocked on this position's output
     topo: list[int] = []
     stack = list(range(p - 1, -1, -1))
     while stack:
@@ -207,12 +207,12 @@ def _walk(schedule: Schedule, producer, stride: int) -> list[int]:
         while i < n:
             dep = row[i]
             if dep != NONE and ptr[dep // stride] <= dep % stride:
-                waiting[dep] = r
+                waiter[dep] = r
                 break
             code = base + i
             topo.append(code)
-            if code in waiting:
-                stack.append(waiting.pop(code))
+            if waiter[code] != NONE:
+                stack.append(waiter[code])
             i += 1
             ptr[r] = i
     if len(topo) != sum(lengths):

@@ -97,6 +97,36 @@ def _send(a: Action, s2r, S: int, channels) -> tuple[int, ...]:
     return ()
 
 
+def early_forwards(schedule: Schedule) -> Schedule:
+    """follow_fifo's result for V orders whose only conflict is the first gradient, in one pass.
+
+    On a V, the channel rank r-1 -> rank r carries chunk-0 activations and chunk-1 gradients.
+    Rank r's first chunk-1 backward can only be received after every chunk-0 activation rank
+    r-1 sent before it; so rank r runs that many chunk-0 forwards before it, the missing ones
+    taken (in order) from later in its list. Ranks are repaired from 0 upwards (rank r-1's
+    count is taken on its repaired list). Callers check the result equals what follow_fifo
+    gives (tests) and verify it; this is the linear-time path for large p and m.
+    """
+    p, S = schedule.ranks, schedule.stages
+    rows, sent = [], 0
+    for r, row in enumerate(schedule.order):
+        first = next((i for i, a in enumerate(row) if a.op != F and a.op != W and a.stage == S - 1 - r), len(row))
+        head = list(row[:first])
+        have = sum(1 for a in head if a.op == F and a.stage == r)
+        need = sent - have if r else 0
+        moved, rest = [], []
+        for a in row[first:]:
+            if need > 0 and a.op == F and a.stage == r:
+                moved.append(a)
+                need -= 1
+            else:
+                rest.append(a)
+        new = head + moved + rest
+        rows.append(tuple(new))
+        sent = have + len(moved)
+    return Schedule(schedule.name, p, S, schedule.microbatches, schedule.stage_to_rank, tuple(rows))
+
+
 def delay_senders(schedule: Schedule) -> Schedule:
     """The other repair: keep every receiver's order and reorder the senders instead.
 

@@ -126,7 +126,8 @@ evaluations at most), so the result is the same on every rank and every run.
 
 `--stage-costs` gives absolute F,B,W per stage (p·v stages, `;`-separated), e.g. a
 heavy embedding and LM head; `pipeplan run`/`compile` feed the compiler's estimated
-per-stage costs the same way. `--load` refuses, with one line naming the file, a
+per-stage costs the same way, or a plan's own `pipeline {{ costs = [[F, B, W], ...] }}`
+(relative, one triple per stage; see plan-language.md). `--load` refuses, with one line naming the file, a
 file that is not UTF-8, nests deeper than 32, declares more microbatches or ranks
 than its actions back, or names numbers over 12 digits; the work is linear in the
 file's size.
@@ -144,24 +145,29 @@ MEASURED = """## Against torch's ZBV and the optimum (measured)
 `PYTHONPATH=.. python tests/benchmarks/bench_schedules.py` (minutes). Memory limit p
 (activations held until W), bubble over the whole iteration; torch's ZBV is built from
 torch's own `ScheduleZBVZeroBubble` and timed by pipeplan as torch runs it (receives
-matched by tag, p units); optimum = the issue's proven values (= T* above). CPU seconds
-of auto on the shared 2-core machine (load average ~20 while measured).
+matched by tag, p units); optimum = the issue's proven values (= T* above); bound = the
+least over the placements auto searches. CPU seconds of auto on the shared 2-core machine
+(load average ~6 while measured).
 
-| p, m | F,B,W,c | auto | torch ZBV | optimum | auto CPU s |
-|---|---|---|---|---|---|
-| 4, 8 | 1,1,1,0 | 0.0588 | 0.0588 | 0.059 | 0.2 |
-| 4, 8 | 1,1.5,0.5,0 | 0.1028 | 0.1111 | 0.103 | 2.0 |
-| 4, 8 | 1,1,1,0.1 | 0.0943 | 0.1045 | 0.091 | 2.4 |
-| 4, 8 | 1,2,1,0 | 0.0857 | 0.0857 | 0.086 | 0.1 |
-| 8, 32 | 1,1,1,0 | 0.0352 | 0.0352 | 0.035 | 9.8 |
-| 8, 32 | 1,1.5,0.5,0 | 0.0657 | 0.0680 | 0.066 | 10.1 |
-| 8, 32 | 1,1,1,0.1 | 0.0625 | 0.0661 | 0.055 | 11.9 |
-| 8, 32 | 1,2,1,0 | 0.0519 | 0.0519 | 0.052 | 0.9 |
+| p, m | F,B,W,c | auto | bound | torch ZBV | optimum | auto CPU s |
+|---|---|---|---|---|---|---|
+| 4, 8 | 1,1,1,0 | 0.0588 | 0.0588 | 0.0588 | 0.059 | 0.0 |
+| 4, 8 | 1,1.5,0.5,0 | 0.1028 | 0.0857 | 0.1111 | 0.103 | 0.9 |
+| 4, 8 | 1,1,1,0.1 | 0.0943 | 0.0909 | 0.1045 | 0.091 | 1.0 |
+| 4, 8 | 1,2,1,0 | 0.0857 | 0.0857 | 0.0857 | 0.086 | 0.1 |
+| 8, 32 | 1,1,1,0 | 0.0352 | 0.0352 | 0.0352 | 0.035 | 3.4 |
+| 8, 32 | 1,1.5,0.5,0 | 0.0657 | 0.0519 | 0.0680 | 0.066 | 3.7 |
+| 8, 32 | 1,1,1,0.1 | 0.0588 | 0.0551 | 0.0661 | 0.055 | 5.9 |
+| 8, 32 | 1,2,1,0 | 0.0519 | 0.0519 | 0.0519 | 0.052 | 0.4 |
 
-auto at p=16, m=64: 0.0495 (bound 0.0376) in 26 s CPU at equal costs, 0.0725 (bound
-0.0554) in 19 s with B=1.5, W=0.5. Generation + verification + simulation at p=64,
-m=1024 (CPU s): 1f1b 1.0, gpipe 1.5, zbh1 1.7, interleaved 2.5, dualpipev 7.1, zbh2 7.6,
-zbv 8.2, vhalf 17.8, vmin 18.9 (BENCHMARKS.md has the command and the wall times).
+auto is at or below torch's ZBV and within 0.005 of the optimum in every row. With the
+first and last stage 2x (p=4, m=8, memory 4) it picks the loop placement with 2 stages per
+rank: 0.2308 (the V's best is 0.375). auto at p=16, m=64: 0.0495 (bound 0.0376) in 8.4 s
+CPU at equal costs, 0.0725 (bound 0.0554) in 5.8 s with B=1.5, W=0.5.
+
+Generation + verification + simulation at p=64, m=1024 (CPU s, F=1, B=1.5, W=0.5,
+c=0.05): gpipe 0.20, 1f1b 0.21, zbh1 0.33, dualpipev 0.52, interleaved 0.53, zbv 0.73,
+zbh2 2.61, vhalf 3.88, vmin 4.46 (BENCHMARKS.md has the command and the wall times).
 """
 
 
@@ -169,15 +175,16 @@ LIMITS = """## Known limits
 
 - `zbv` holds p + r/2 units on rank r (in-order channels; torch's tag-matched run of
   the same order holds p). Under `memory_limit = p` it falls back to the list
-  scheduler, and `auto` reaches the paper's bubble at p units (below).
-- At p=8, m=32 with latency c=0.1, `auto` is 0.0625 against the optimum 0.0551: below
-  torch's ZBV (0.0661), but 0.0025 short of the issue's target (optimum + 0.005);
-  more evaluations or seeds reach 0.0597 (measured), at twice the time.
+  scheduler, and `auto` reaches the paper's bubble at p units (above).
+- zbh2, vhalf and vmin are list-scheduled (gen_greedy), linear in actions but 2.6-4.5 s
+  at p=64, m=1024; the closed-form kinds (gpipe, 1f1b, interleaved, zbh1, zbv,
+  dualpipev) are under 1 s there.
+- At p=16, m=64 (memory 16) auto's search does not reach torch's ZBV at equal costs
+  (0.0495 against 0.0376): the senders-repaired ZB-V start is 0.0702 and the
+  evaluations left at that size do not close the gap.
 - The bound over all placements `auto` searches is the loop placement's with 2 stages
   per rank when that is lower (e.g. B=1.5, W=0.5: 0.086 vs the V's 0.103 at p=4); the
   search does not reach it and it may be loose.
-- Generation at p=64, m=1024 is linear but above 1 s for the list-scheduled kinds
-  (zbh2, vhalf, vmin) and the V kinds (see BENCHMARKS.md).
 - `vmin` keeps ⌊p/3⌋+1 units because activations are held until `W`; its bubble
   is larger than the controllable-memory paper reports under its own accounting.
 - torch's `Schedule1F1B.pipeline_order` (its printed order) names microbatch m on

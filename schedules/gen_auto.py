@@ -38,8 +38,8 @@ FIXED_KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv", "vhalf", "
 JITTER_RUNS = 160  # phase 2: randomised list-scheduler runs per placement, at most
 JITTER_WORK = 12_000  # ... and at most this many actions scheduled per placement
 JITTER_ACTIONS = 1000  # phase 2 runs up to this many actions (above, the local search does better)
-SEARCH_WORK = 10_000_000  # phase 3: evaluations x actions, shared by the starts
-MAX_EVALUATIONS = 8000  # phase 3 on small cases
+SEARCH_WORK = 30_000_000  # phase 3: evaluations x actions, shared by the starts
+MAX_EVALUATIONS = 20_000  # phase 3 on small cases
 STARTS = (0.8, 0.1, 0.1)  # shares of the evaluations: the senders-repaired ZB-V first (the best
 # start measured: from it the search reaches the bound at p=8, m=32), then the best two others
 SENDERS = "ZB-V paper order, senders in channel order"

@@ -9,8 +9,10 @@ MAX_SHIFT positions earlier on its rank; only such moves can shorten that path. 
 kept when the order stays valid (same-rank prerequisites first, each rank pair's messages
 received in the order sent, no deadlock, activations within the limit until W frees them)
 and (makespan, sum of rank finish times) does not grow, so the walk crosses plateaus.
-Moves are drawn from a seeded generator and capped by evaluations: the result is a pure
-function of the inputs. It stops at `target` (a lower bound: nothing shorter exists).
+Moves are drawn from seeded generators and capped by evaluations: the result is a pure
+function of the inputs. Several walks share the budget by successive halving (search()). A
+move that move_valid accepts is evaluated by timing alone. It stops at `target` (a lower
+bound: nothing shorter exists).
 """
 from __future__ import annotations
 
@@ -103,11 +105,16 @@ class _Problem:
         return Schedule(name, s.ranks, s.stages, s.microbatches, s.stage_to_rank,
                         tuple(tuple(self.actions[k] for k in row) for row in rows))
 
-    def evaluate(self, rows, limit: Optional[float], soft: bool = False):
+    def evaluate(self, rows, limit: Optional[float], soft: bool = False, checked: bool = False):
         """(makespan, sum of finish times), start and end per action id; None when the order is invalid.
 
         soft: memory above the limit is not refused but counted, the key becomes (excess, makespan, sum)
-        (a start holding too much is walked down to the limit first)."""
+        (a start holding too much is walked down to the limit first). checked: the order is a
+        valid one with one move that move_valid accepted, so only the timing (and its deadlock
+        check) is left; the peaks are then not recomputed (None)."""
+        if checked:
+            timed = self._time(rows)
+            return None if timed is None else (((0.0,) if soft else ()) + timed[0], timed[1], timed[2], None)
         n = len(self.dur)
         index = [0] * n
         for row in rows:
@@ -137,49 +144,46 @@ class _Problem:
                     return None
                 excess += peak - limit
             peaks.append((peak, at))
-        timed = self._time(rows, index)
+        timed = self._time(rows)
         if timed is None:
             return None
         key = ((round(excess, 9),) if soft else ()) + timed[0]
         return key, timed[1], timed[2], peaks
 
-    def _time(self, rows, index):
+    def _time(self, rows):
         n, p = len(self.dur), len(rows)
         end = [-1.0] * n
         start = [0.0] * n
         ptr = [0] * p
         free = [0.0] * p
-        waiting: dict[int, int] = {}
+        waiter = [-1] * n  # the rank blocked on this action's output
         prod, lat, dur = self.prod, self.lat, self.dur
         stack = list(range(p - 1, -1, -1))
-        done = 0
         while stack:
             r = stack.pop()
             row, i, t_free = rows[r], ptr[r], free[r]
-            while i < len(row):
+            size = len(row)
+            while i < size:
                 k = row[i]
                 q = prod[k]
                 t = t_free
                 if q >= 0:
                     e = end[q]
                     if e < 0:
-                        waiting[q] = r
+                        waiter[q] = r
                         break
                     e += lat[k]
                     if e > t:
                         t = e
                 start[k] = t
                 t_free = end[k] = t + dur[k]
-                done += 1
-                w = waiting.pop(k, None)
-                if w is not None:
-                    stack.append(w)
+                if waiter[k] >= 0:
+                    stack.append(waiter[k])
                 i += 1
             ptr[r], free[r] = i, t_free
-        if done != n:
+        if sum(ptr) != n:
             return None  # deadlock
-        finish = [free[r] for r in range(p)]
-        return (round(max(finish), 9), round(sum(finish), 9)), start, end
+        return (round(max(free), 9), round(sum(free), 9)), start, end
 
     def slack_moves(self, rows, start, end) -> list[tuple[int, int]]:
         """(rank, position) of critical-path actions held back by their rank, not their input."""
@@ -203,48 +207,89 @@ class _Problem:
         return out
 
 
+WALKS = 8  # independent walks (seeds); successive halving keeps the better half each round
+
+
 def search(schedule: Schedule, costs: Costs, limit: Optional[float], evaluations: int,
-           target: float = 0.0, seed: int = 0) -> Schedule:
+           target: float = 0.0, seed: int = 0, walks: int = WALKS) -> Schedule:
     """The best order found from `schedule` within `evaluations` evaluated moves.
+
+    `walks` seeded walks start from `schedule`; in rounds, each walk still running gets an
+    equal share of the round's evaluations and then the worse half stops (successive halving),
+    so the budget goes to the walks that are getting somewhere, not to one seed's luck. Each
+    round has the same budget (the evaluations split over log2(walks) + 1 rounds).
 
     A start above the memory limit is walked down first: the key is (activations above the
     limit, makespan, sum of finish times), so memory moves (a forward before a rank's peak run
     later, a W after it run earlier) win until the excess is 0. Returns `schedule` itself when
     nothing valid and shorter was found."""
     prob = _Problem(schedule, costs)
-    rows = prob.encode(schedule)
-    found = prob.evaluate(rows, limit, soft=True)
-    if found is None:
+    first = _Walk(prob, prob.encode(schedule), limit, seed * 1_000_003)
+    if first.key is None:
         return schedule
-    key, start, end, peaks = found
-    initial = key
-    best_key, best_rows = key, [list(r) for r in rows]
-    rng = random.Random(seed)
-    moves = prob.slack_moves(rows, start, end)
-    used = 0
-    for _ in range(8 * evaluations):  # moves refused by the cheap check cost no evaluation
-        if used >= evaluations or (best_key[0] <= EPS and best_key[1] <= target + EPS):
+    initial = first.key
+    alive = [first] + [_Walk(prob, prob.encode(schedule), limit, seed * 1_000_003 + k)
+                       for k in range(1, max(1, walks))]
+    rounds = max(1, len(alive).bit_length())
+    for _ in range(rounds):
+        share = evaluations // rounds // len(alive)
+        for walk in alive:
+            walk.run(share, target)
+        alive.sort(key=lambda w: (w.best_key, w.seed))
+        if alive[0].done(target):
             break
-        move = _memory_move(prob, rows, peaks, limit, rng) if key[0] > EPS else _critical_move(rows, moves, rng)
-        if move is None:
-            break
-        r, i, j = move
-        row = rows[r]
-        if key[0] <= EPS and not prob.move_valid(row, i, j, limit):
-            continue
-        row.insert(j, row.pop(i))
-        used += 1
-        trial = prob.evaluate(rows, limit, soft=True)
-        if trial is not None and trial[0] <= key:
-            key, start, end, peaks = trial
-            moves = prob.slack_moves(rows, start, end)
-            if key < best_key:
-                best_key, best_rows = key, [list(x) for x in rows]
-        else:
-            row.insert(i, row.pop(j))
-    if best_key[0] > EPS or best_key >= initial:
+        alive = alive[:max(1, len(alive) // 2)]
+    best = alive[0]
+    if best.best_key[0] > EPS or best.best_key >= initial:
         return schedule
-    return prob.decode(best_rows, schedule.name)
+    return prob.decode(best.best_rows, schedule.name)
+
+
+class _Walk:
+    """One seeded walk: its current order and key, and the best it has seen."""
+
+    def __init__(self, prob: _Problem, rows, limit: Optional[float], seed: int):
+        self.prob, self.rows, self.limit, self.seed = prob, rows, limit, seed
+        self.rng = random.Random(seed)
+        found = prob.evaluate(rows, limit, soft=True)
+        self.key = None
+        if found is not None:
+            self.key, start, end, self.peaks = found
+            self.moves = prob.slack_moves(rows, start, end)
+            self.best_key, self.best_rows = self.key, [list(r) for r in rows]
+
+    def done(self, target: float) -> bool:
+        return self.best_key[0] <= EPS and self.best_key[1] <= target + EPS
+
+    def run(self, evaluations: int, target: float) -> None:
+        prob, rows, limit = self.prob, self.rows, self.limit
+        used = 0
+        for _ in range(8 * evaluations):  # moves refused by the cheap check cost no evaluation
+            if used >= evaluations or self.done(target):
+                break
+            if self.key[0] > EPS:
+                move = _memory_move(prob, rows, self.peaks, limit, self.rng)
+            else:
+                move = _critical_move(rows, self.moves, self.rng)
+            if move is None:
+                break
+            r, i, j = move
+            row = rows[r]
+            if self.key[0] <= EPS and not prob.move_valid(row, i, j, limit):
+                continue
+            row.insert(j, row.pop(i))
+            used += 1
+            checked = self.key[0] <= EPS
+            trial = prob.evaluate(rows, limit, soft=True, checked=checked)
+            if trial is not None and trial[0] <= self.key:
+                self.key, start, end = trial[:3]
+                if not checked:
+                    self.peaks = trial[3]
+                self.moves = prob.slack_moves(rows, start, end)
+                if self.key < self.best_key:
+                    self.best_key, self.best_rows = self.key, [list(x) for x in rows]
+            else:
+                row.insert(i, row.pop(j))
 
 
 def _critical_move(rows, moves, rng):

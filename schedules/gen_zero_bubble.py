@@ -21,7 +21,6 @@ not change with the costs; `auto` is the kind that adapts to them.
 from __future__ import annotations
 
 from .costs import Costs
-from .fifo_repair import follow_fifo
 from .gen_greedy import Policy, Stall, list_schedule
 from .ir import B, F, W, Action, Schedule, loop_placement, v_placement
 from .simulate import simulate
@@ -85,54 +84,61 @@ def zbv_paper(ranks: int, microbatches: int) -> Schedule:
 
     Rank r: 2(p-r)-1 chunk-0 forwards; r x (f1, F0); (p-r) x (f1, B1, W1); then
     F0 B0 W0 f1 B1 W1 until done; cool-down r x (B0, B1), (p-r) x (B0, W0), the rest
-    of the W's. On in-order channels rank r+1 must run one more F0 before taking
-    rank r's first gradient, so after `follow_fifo` rank r peaks at p + r/2 (not p).
+    of the W's. On in-order channels rank r must take rank r-1's r pending activations
+    before its first gradient arrives, so the F0s of the main loop's first r rounds run
+    right after the first f1 of the (f1, B1, W1) phase instead, and rank r peaks at
+    p + r/2, not p. In closed form; equal to `follow_fifo(zbv_tagged(...))` (tested).
     """
-    return follow_fifo(zbv_tagged(ranks, microbatches))
+    return _zbv(ranks, microbatches, fifo=True)
 
 
 def zbv_tagged(ranks: int, microbatches: int) -> Schedule:
     """The paper's ZB-V order exactly as torch writes it (for receives matched by tag)."""
-    p, m = ranks, microbatches
+    return _zbv(ranks, microbatches, fifo=False)
+
+
+def _zbv(p: int, m: int, fifo: bool) -> Schedule:
     n = max(2 * p - 1, m)
     order = []
     for r in range(p):
         c0, c1 = r, 2 * p - 1 - r
-        ops: list[Action] = []
-        count = {"F0": 0, "F1": 0, "B0": 0, "B1": 0, "W0": 0, "W1": 0}
-
-        def add(kind: str, with_w: bool = False):
-            stage = c0 if kind[1] == "0" else c1
-            ops.append(Action(kind[0], stage, count[kind]))
-            count[kind] += 1
-            if with_w:
-                add("W" + kind[1])
-
-        for _ in range(2 * (p - r) - 1):
-            add("F0")
+        f0 = [Action(F, c0, k) for k in range(n)]
+        f1 = [Action(F, c1, k) for k in range(n)]
+        b0, w0 = [Action(B, c0, k) for k in range(n)], [Action(W, c0, k) for k in range(n)]
+        b1, w1 = [Action(B, c1, k) for k in range(n)], [Action(W, c1, k) for k in range(n)]
+        ops = f0[:2 * (p - r) - 1]
+        nf0, nf1, nb0, nb1 = len(ops), 0, 0, 0
+        early = 0  # forwards run ahead of the first gradient (in-order channels)
         for _ in range(r):
-            add("F1")
-            add("F0")
-        for _ in range(p - r):
-            add("F1")
-            add("B1", with_w=True)
-        while count["F1"] < count["F0"] or count["F0"] < n:
-            if count["F0"] < n:
-                add("F0")
-            add("B0", with_w=True)
-            add("F1")
-            add("B1", with_w=True)
+            ops += (f1[nf1], f0[nf0])
+            nf1, nf0 = nf1 + 1, nf0 + 1
+        for i in range(p - r):
+            ops.append(f1[nf1])
+            nf1 += 1
+            if fifo and i == 0:
+                early = min(r, n - nf0)
+                ops += f0[nf0:nf0 + early]
+                nf0 += early
+            ops += (b1[nb1], w1[nb1])
+            nb1 += 1
+        nw1 = nb1
+        while nf1 < nf0 or nf0 < n:
+            if early:
+                early -= 1  # this slot's forward ran early
+            elif nf0 < n:
+                ops.append(f0[nf0])
+                nf0 += 1
+            ops += (b0[nb0], w0[nb0], f1[nf1], b1[nb1], w1[nb1])
+            nb0, nf1, nb1 = nb0 + 1, nf1 + 1, nb1 + 1
+        nw0, nw1 = nb0, nb1
         for _ in range(r):
-            add("B0")
-            add("B1")
+            ops += (b0[nb0], b1[nb1])
+            nb0, nb1 = nb0 + 1, nb1 + 1
         for _ in range(p - r):
-            add("B0")
-            add("W0")
-        while count["W1"] < count["B1"]:
-            add("W1")
-        while count["W0"] < count["B0"]:
-            add("W0")
-        order.append(tuple(a for a in ops if a.microbatch < m))
+            ops += (b0[nb0], w0[nw0])
+            nb0, nw0 = nb0 + 1, nw0 + 1
+        ops += w1[nw1:nb1] + w0[nw0:nb0]
+        order.append(tuple(a for a in ops if a.microbatch < m) if n > m else tuple(ops))
     return Schedule("zbv", p, 2 * p, m, v_placement(p), tuple(order))
 
 

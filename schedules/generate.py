@@ -14,7 +14,7 @@ from .gen_classic import gpipe, interleaved, one_f_one_b
 from .gen_dualpipev import dualpipev
 from .gen_greedy import Stall
 from .gen_zero_bubble import vhalf, vmin, zbh1, zbh2, zbv, zbv_within
-from .ir import Schedule
+from .ir import Schedule, bulk
 from .memory import peak_per_rank
 from .verify import verify
 
@@ -68,6 +68,12 @@ def generate(kind: str, ranks: int, microbatches: int, virtual: Optional[int] = 
     interleaved, else 1); `auto` then searches both. Fixed kinds' orders do not
     depend on `costs`; `auto` optimises for them (per_stage must list ranks*v stages).
     """
+    with bulk():
+        return _generate(kind, ranks, microbatches, virtual, costs, memory_limit)
+
+
+def _generate(kind: str, ranks: int, microbatches: int, virtual: Optional[int],
+              costs: Optional[Costs], memory_limit: Optional[float]) -> Schedule:
     v = check_args(kind, ranks, microbatches, virtual)
     if memory_limit is not None and not memory_limit > 0:
         raise ScheduleError(f"memory limit must be > 0 microbatches of activations, got {memory_limit!r}")

@@ -7,6 +7,8 @@ another rank sends it (non-blocking) right after.
 """
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 F, B, W, BW = "F", "B", "W", "BW"
 OPS = (F, B, W, BW)
@@ -81,3 +83,19 @@ def v_placement(ranks: int) -> tuple[int, ...]:
     The last rank holds the two middle stages, so the turn of the V is a hand-over in memory.
     """
     return tuple(range(ranks)) + tuple(reversed(range(ranks)))
+
+
+@contextmanager
+def bulk():
+    """Pause the cyclic garbage collector while a schedule's actions are built, verified or
+    timed. They are hundreds of thousands of small acyclic objects; with the collector on,
+    each older-generation pass rescans every object the process holds (all of torch's once it
+    is imported), which cost more than the generation itself at p=64, m=1024. Reference
+    counting still frees everything; the collector is restored as it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

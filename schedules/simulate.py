@@ -12,7 +12,7 @@ from typing import Optional
 from .bound import makespan_bound
 from .costs import Costs, StageCosts
 from .execution import NONE, Execution, analyze
-from .ir import Action, Schedule
+from .ir import B, BW, F, W, Action, Schedule, bulk
 from .memory import peak_per_rank
 
 
@@ -85,7 +85,11 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None,
     """Time the schedule. The lower bound holds for every schedule of the same placement and
     costs within `memory_limit` activations per rank (default: this schedule's own peak).
     in_order=False times it under tag-matched receives (torch's runtime; see execution.analyze)."""
-    costs = costs or Costs()
+    with bulk():
+        return _simulate(schedule, costs or Costs(), memory_limit, in_order)
+
+
+def _simulate(schedule: Schedule, costs: Costs, memory_limit: Optional[float], in_order: bool) -> SimResult:
     table = costs.stage_table(schedule.stage_to_rank)
     ex = analyze(schedule, in_order)
     start, end = _time(ex, table)
@@ -110,29 +114,34 @@ def time_actions(ex: Execution, table: StageCosts):
 
 
 def _time(ex: Execution, table: StageCosts):
-    """Start/end of every action: after its rank's previous action and its input's arrival."""
+    """Start/end of every action: after its rank's previous action and its input's arrival.
+
+    Times live in flat lists indexed by the encoded position (rank * stride + index), so the
+    loop over the dependency order does one division per action."""
     order, stride, lat = ex.schedule.order, ex.stride, table.latency
-    start = [[0.0] * len(o) for o in order]
-    end = [[0.0] * len(o) for o in order]
+    per_op = {op: [table.time(op, s) for s in range(ex.schedule.stages)] for op in (F, B, W, BW)}
+    size = stride * len(order)
+    dur = [0.0] * size
+    for r, row in enumerate(order):
+        dur[r * stride:r * stride + len(row)] = [per_op[a.op][a.stage] for a in row]
+    producer = [NONE] * size
+    for r, row in enumerate(ex.producer):
+        producer[r * stride:r * stride + len(row)] = row
+    start = [0.0] * size
+    end = [0.0] * size
     free = [0.0] * len(order)
-    durations = {}
     for code in ex.topo:
-        r, i = divmod(code, stride)
-        a = order[r][i]
+        r = code // stride
         t = free[r]
-        dep = ex.producer[r][i]
+        dep = producer[code]
         if dep != NONE:
-            q, j = divmod(dep, stride)
-            arrive = end[q][j] + (lat if q != r else 0.0)
+            arrive = end[dep] + (lat if dep // stride != r else 0.0)
             if arrive > t:
                 t = arrive
-        key = (a.op, a.stage)
-        d = durations.get(key)
-        if d is None:
-            d = durations[key] = table.time(a.op, a.stage)
-        start[r][i] = t
-        free[r] = end[r][i] = t + d
-    return start, end
+        start[code] = t
+        free[r] = end[code] = t + dur[code]
+    return ([start[r * stride:r * stride + len(row)] for r, row in enumerate(order)],
+            [end[r * stride:r * stride + len(row)] for r, row in enumerate(order)])
 
 
 def _idle_attribution(ex: Execution, start, end, makespan: float) -> tuple[Idle, ...]:

@@ -84,9 +84,22 @@ SCHEMA = [
     ("section-not-a-block", "base", "mesh { pp = 4 }", "mesh = 4", "mesh = |4", "mesh must be a block"),
     ("checkpoint-missing-dir", "base", "steps = 30", "steps = 30\n  checkpoint { every = 10 }",
      "checkpoint", "checkpoint needs 'dir'"),
+    ("costs-negative", "base", "microbatches = 8", "microbatches = 8\n  costs = [[1, 1, 1], [1, -1, 1]]",
+     "-1", "pipeline.costs: stage 1 has a negative cost -1"),
+    ("costs-not-a-triple", "base", "microbatches = 8", "microbatches = 8\n  costs = [[1, 1, 1], [1, 1]]",
+     "[1, 1]]", "pipeline.costs: stage 1 must be [F, B, W] (three numbers)"),
+    ("costs-not-a-list", "base", "microbatches = 8", "microbatches = 8\n  costs = 2",
+     "costs = |2", "pipeline.costs must be a list of [F, B, W] per stage"),
+    ("costs-all-zero", "base", "microbatches = 8", "microbatches = 8\n  costs = [[0, 0, 0]]",
+     "[0, 0, 0]", "pipeline.costs: stage 0 costs nothing"),
 ]
 
 SEMANTIC = [
+    ("costs-with-profile", "base", "microbatches = 8", 'microbatches = 8\n  profile = "costs.json"\n'
+     "  costs = [[2, 2, 2], [1, 1, 1], [1, 1, 1], [2, 2, 2]]", "costs = |[",
+     "set pipeline.costs or pipeline.profile, not both"),
+    ("costs-stage-count", "base", "microbatches = 8", "microbatches = 8\n  costs = [[2, 2, 2], [1, 1, 1]]",
+     "costs = |[", "pipeline.costs lists 2 stages but the pipeline has 4 (pp = 4 x virtual = 1)"),
     ("dualpipev-2p", "base", "schedule = 1f1b\n  microbatches = 8\n  split = "
      "[layers[0:2], layers[2:4], layers[4:6], layers[6:8]]",
      "schedule = dualpipev\n  microbatches = 4\n  virtual = 2", "microbatches = |4",

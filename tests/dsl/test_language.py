@@ -22,7 +22,7 @@ pipeline {
   schedule = zbh2
   microbatch_size = 1
   split = ["layers.2"]
-  memory_limit = 1.5GiB
+  memory_limit = 1.5GiB  costs = [[2, 3, 1], [0.5, 1.5, 0.5]]
 }
 experts {
   modules = [layers.*.moe]
@@ -86,6 +86,7 @@ def test_data_mesh_pipeline(plan):
     assert (p.schedule, p.microbatch_size, p.microbatches) == ("zbh2", 1, None)
     assert (p.split.kind, p.split.points) == ("points", ("layers.2",))
     assert p.memory_limit == MemoryLimit(1.5 * 2**30, in_bytes=True)
+    assert p.costs == ((2.0, 3.0, 1.0), (0.5, 1.5, 0.5))
     # resolved from the size: 32 sequences / dp 2 / 1 per microbatch
     assert (plan.microbatches, plan.microbatch_size) == (16, 1)
 

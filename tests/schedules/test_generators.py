@@ -135,3 +135,19 @@ def test_bad_arguments_raise_one_line_errors(kind, kwargs, pattern):
     with pytest.raises(ScheduleError, match=pattern) as info:
         generate(kind, **args)
     assert "\n" not in str(info.value)
+
+
+def test_one_pass_fifo_repair_equals_follow_fifo():
+    """dualpipev's and zbv's closed-form in-order repairs give what the general, event-driven
+    follow_fifo gives on DeepSeek's and the paper's tag-matched orders (p 1..10, m around 2p..4p)."""
+    from pipeplan.schedules.fifo_repair import early_forwards, follow_fifo
+    from pipeplan.schedules.gen_dualpipev import _rank_order
+    from pipeplan.schedules.gen_zero_bubble import zbv_tagged
+    from pipeplan.schedules.ir import Schedule, v_placement
+    for p in range(1, 11):
+        for m in (2 * p, 2 * p + 1, 3 * p - 1, 4 * p):
+            deepseek = Schedule("dualpipev", p, 2 * p, m, v_placement(p),
+                                tuple(_rank_order(p, r, m) for r in range(p)))
+            assert generate("dualpipev", p, m).order == follow_fifo(deepseek).order, (p, m)
+            assert early_forwards(deepseek).order == follow_fifo(deepseek).order
+            assert generate("zbv", p, m).order == follow_fifo(zbv_tagged(p, m)).order, (p, m)
