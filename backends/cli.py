@@ -131,7 +131,7 @@ def _cmd_run(args) -> int:
         check_data(source.plan, steps)
         check_resume(source.plan, compiled, args.reset_optimizer)
         m = source.plan.mesh
-        print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} tp={m.tp}: "
+        print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
         return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
                             islands=_islands(source.plan))

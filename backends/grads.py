@@ -61,11 +61,12 @@ def build_tied_groups(tied: Sequence[TiedParam], runners: dict[int, StageRunner]
         holders = sorted({stage_to_rank[s] for s in t.stages})
         mine = None
         for dp in range(mesh.dp):
-            for tp in range(mesh.tp):
-                ranks = [global_rank(mesh, pp, dp, tp) for pp in holders]
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if topo.rank in ranks:
-                    mine = group
+            for cp in range(mesh.cp):
+                for tp in range(mesh.tp):
+                    ranks = [global_rank(mesh, pp, dp, tp, cp) for pp in holders]
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if topo.rank in ranks:
+                        mine = group
         local = [(s, n) for s, n in zip(t.stages, t.names) if s in runners]
         if not local:
             continue

@@ -40,7 +40,7 @@ def describe_run(compiled, world_size: int) -> str:
     sch = compiled.schedule
     m = compiled.plan.mesh
     lines = [f"{sch.name}: {sch.stages} stages on {sch.ranks} pipeline ranks, "
-             f"{sch.microbatches} microbatches per step; pp={m.pp} dp={m.dp} tp={m.tp} ep={m.ep} "
+             f"{sch.microbatches} microbatches per step; pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp} ep={m.ep} "
              f"({world_size} processes); captured with {compiled.capture}"]
     for r in range(sch.ranks):
         parts = [f"stage {st.index} [{', '.join(st.module_names) or '-'}]"

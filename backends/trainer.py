@@ -129,9 +129,10 @@ class PipelineTrainer:
         schedule = compiled.schedule
         pp = topo.coords.pp
         last = len(compiled.stages) - 1
-        # DiLoCo: an island's gradient is the mean over its own share (no dp all-reduce)
+        # DiLoCo: an island's gradient is the mean over its own share (no dp all-reduce);
+        # context parallel: cp ranks hold equal slices of each microbatch's tokens
         islands = plan.sync.diloco
-        scale = 1.0 / (plan.microbatches * (1 if islands else plan.mesh.dp))
+        scale = 1.0 / (plan.microbatches * (1 if islands else plan.mesh.dp) * plan.mesh.cp)
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
         modules = {s.index: s.module for s in compiled.stages_of_rank(pp)}
@@ -142,6 +143,10 @@ class PipelineTrainer:
             modules = {s: m.to(device) for s, m in modules.items()}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
+        if plan.mesh.cp > 1:  # attention over the whole sequence (backends/ulysses.py)
+            from .ulysses import apply_ulysses
+            for m in modules.values():
+                apply_ulysses(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         # Only now does this rank's part get storage: its TP slices and its experts, each
         # drawn by its module's init and sliced, module by module (model.fill_stages).
@@ -193,7 +198,7 @@ class PipelineTrainer:
         all-reduce: then (or when the norm or the loss is not finite) the step stops before
         the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
-        batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
+        batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
         result = self.executor.run_step(batches)
         spans = _Spans(result.spans)
         mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
