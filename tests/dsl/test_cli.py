@@ -20,15 +20,15 @@ def test_check_passes_every_example(path, capsys):
     out = capsys.readouterr().out
     plan = load_plan(str(path))
     assert f"world size {plan.mesh.world_size}" in out
-    assert "rank  pp  dp  tp  ep  edp" in out
+    assert "rank  pp  dp  cp  tp  ep  edp" in out
     assert f"pipeline: {plan.pipeline.schedule}" in out
 
 
 def test_check_prints_the_mesh_layout_of_the_hybrid_plan(capsys):
     assert main(["check", str(ROOT / "examples/hybrid_pp2_dp2_tp2.plan")]) == 0
     out = capsys.readouterr().out
-    # pp outermost, tp innermost: rank 5 = pp 1, dp 0, tp 1
-    assert "     5   1   0   1   0    0" in out
+    # pp outermost, tp innermost: rank 5 = pp 1, dp 0, cp 0, tp 1
+    assert "     5   1   0   0   1   0    0" in out
     assert "tp   size 2: [0,1] [2,3] [4,5] [6,7]" in out
     assert "pp   size 2: [0,4] [1,5] [2,6] [3,7]" in out
 
