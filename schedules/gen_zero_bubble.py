@@ -21,9 +21,8 @@ not change with the costs; `auto` is the kind that adapts to them.
 from __future__ import annotations
 
 from .costs import Costs
-from .gen_greedy import Policy, Stall, list_schedule
+from .gen_greedy import Policy, Stall, list_schedule_timed
 from .ir import B, F, W, Action, Schedule, loop_placement, v_placement
-from .simulate import simulate
 
 UNIT = Costs()
 
@@ -143,17 +142,17 @@ def _zbv(p: int, m: int, fifo: bool) -> Schedule:
 
 
 def _greedy(name: str, placement: tuple[int, ...], microbatches: int, limit: float) -> Schedule:
-    """The shorter (at unit costs) of backwards-first and forwards-first list scheduling."""
+    """The shorter (at unit costs) of backwards-first and forwards-first list scheduling (each
+    timed by its own list-scheduling run, which is simulate()'s makespan; tested)."""
     ranks = max(placement) + 1
     table = UNIT.stage_table(placement)
     best = None
     for forward_first in (False, True):
         policy = Policy(split=True, limits=(limit,) * ranks, forward_first=forward_first)
         try:
-            schedule = list_schedule(name, placement, microbatches, table, policy)
+            schedule, key = list_schedule_timed(name, placement, microbatches, table, policy)
         except Stall:
             continue
-        key = simulate(schedule).makespan
         if best is None or key < best[0] - 1e-9:
             best = (key, schedule)
     if best is None:
