@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
+from itertools import starmap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,16 +52,33 @@ class Policy:
 def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
                   policy: Policy) -> Schedule:
     """Run the greedy timed simulation; return the per-rank orders it produced (raises Stall)."""
-    return list_schedule_timed(name, placement, microbatches, table, policy)[0]
+    return timed_run(name, placement, microbatches, table, policy).schedule()
 
 
-def list_schedule_timed(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
-                        policy: Policy) -> tuple[Schedule, float]:
-    """list_schedule and the makespan of its timed run.
+@dataclass(frozen=True)
+class TimedRun:
+    """One list-scheduling run: its orders as (op, stage, microbatch) rows, and its makespan.
 
     Without w_fits_gap every action starts as soon as its rank is free and its input has
-    arrived, so this makespan is simulate(schedule, costs).makespan (tested) and callers
-    that compare policies need not time each result again.
+    arrived, so the makespan is simulate(schedule, costs).makespan (tested): callers that
+    compare policies time each run by it and build Actions for the one they keep only."""
+
+    name: str
+    placement: tuple[int, ...]
+    microbatches: int
+    rows: tuple[list[tuple[str, int, int]], ...]
+    makespan: float
+
+    def schedule(self) -> Schedule:
+        p, S = max(self.placement) + 1, len(self.placement)
+        return Schedule(self.name, p, S, self.microbatches, self.placement,
+                        tuple(tuple(starmap(Action, row)) for row in self.rows))
+
+
+def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
+              policy: Policy, give_up_at: Optional[float] = None) -> Optional[TimedRun]:
+    """The list scheduler's run (raises Stall). With give_up_at: None as soon as the makespan
+    cannot end below it (some rank's end plus its remaining work reaches it), else the run.
 
     The inner loop is one flat event loop over integers: a stage-microbatch is encoded
     as a key whose integer order is the policy's priority order (backward: oldest
@@ -104,7 +122,10 @@ def list_schedule_timed(name: str, placement: tuple[int, ...], microbatches: int
     held = [0.0] * p
     next_f = [0] * p
     next_b = [0] * p
-    orders: list[list[Action]] = [[] for _ in range(p)]
+    rows: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    # work each rank has left (for give_up_at), and the margin that keeps give-ups exact
+    left = [m * sum(dur_f[s] + dur_b[s] + (dur_w[s] if split else 0.0) for s in st) for st in mine]
+    give_up = None if give_up_at is None else give_up_at + 1e-6
     free_at = [0.0] * p
     total = S * m * (3 if split else 2)
     count = 0
@@ -268,14 +289,17 @@ def list_schedule_timed(name: str, placement: tuple[int, ...], microbatches: int
                 else:
                     dq.append((end + lat, mb * S + S - s, B, s - 1, mb))
                     wake = placement[s - 1], end + lat
-        orders[r].append(Action(op, s, mb))
+        rows[r].append((op, s, mb))
         count += 1
         free_at[r] = end
+        if give_up is not None:
+            left[r] -= end - t
+            if end + left[r] >= give_up:
+                return None
         heappush(events, (end, r))
         if wake is not None:
             q, arrive = wake
             heappush(events, (max(arrive, free_at[q]), q))
     if count != total:
         raise Stall(f"{name}: the greedy policy stalled after {count} of {total} actions")
-    schedule = Schedule(name, p, S, m, placement, tuple(tuple(o) for o in orders))
-    return schedule, max(free_at, default=0.0)
+    return TimedRun(name, placement, m, tuple(rows), max(free_at, default=0.0))

@@ -10,7 +10,7 @@ from collections import deque
 import pytest
 
 from pipeplan.schedules import Costs, gen_classic, generate, simulate
-from pipeplan.schedules.gen_greedy import EPS, Policy, Stall, list_schedule, list_schedule_timed
+from pipeplan.schedules.gen_greedy import EPS, Policy, Stall, list_schedule, timed_run
 from pipeplan.schedules.gen_zero_bubble import vhalf_limit, vmin_limit, zbh2_limit
 from pipeplan.schedules.ir import B, BW, F, W, Action, Schedule, loop_placement, v_placement
 
@@ -38,7 +38,8 @@ def same(name, placement, m, table, policy):
         with pytest.raises(Stall):
             list_schedule(name, placement, m, table, policy)
         return None
-    got, makespan = list_schedule_timed(name, placement, m, table, policy)
+    run = timed_run(name, placement, m, table, policy)
+    got, makespan = run.schedule(), run.makespan
     assert got.order == want.order and got.stage_to_rank == want.stage_to_rank
     if not policy.w_fits_gap:  # every action as soon as possible: the run's makespan is simulate's
         assert makespan == pytest.approx(simulate(got, Costs(per_stage=table.table, latency=table.latency)).makespan,
@@ -82,6 +83,25 @@ def test_generated_kinds_are_the_reference_pick():
                     best = (simulate(s).makespan, s)
             assert generate(kind, p, m).order == best[1].order
 
+
+
+def test_give_up_only_when_the_run_cannot_end_sooner():
+    """timed_run(give_up_at=T) is None only if the whole run ends at T or later; else the same run."""
+    for kind, (place, limit) in KINDS.items():
+        for p, m in ((3, 7), (4, 8), (8, 32)):
+            placement = place(p)
+            table = Costs().stage_table(placement)
+            for forward_first in (False, True):
+                policy = Policy(split=True, limits=(limit(p),) * p, forward_first=forward_first)
+                full = timed_run(kind, placement, m, table, policy)
+                for give_up_at in (full.makespan - 1.0, full.makespan, full.makespan + 0.5):
+                    run = timed_run(kind, placement, m, table, policy, give_up_at=give_up_at)
+                    if run is None:
+                        assert full.makespan >= give_up_at
+                    else:
+                        assert run == full
+                assert timed_run(kind, placement, m, table, policy, give_up_at=full.makespan - 1.0) is None
+                assert timed_run(kind, placement, m, table, policy, give_up_at=full.makespan + 0.5) == full
 
 def test_interleaved_matches_reference(monkeypatch):
     sizes = ((2, 4, 2), (4, 8, 2), (4, 12, 3), (3, 7, 2), (8, 16, 2))
