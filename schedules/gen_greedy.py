@@ -299,7 +299,10 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
         heappush(events, (end, r))
         if wake is not None:
             q, arrive = wake
-            heappush(events, (max(arrive, free_at[q]), q))
+            if free_at[q] < arrive or arrive <= t or rng is not None:
+                heappush(events, (max(arrive, free_at[q]), q))
+            # else q's own end event (free_at[q], q), still queued, wakes it then; a second,
+            # identical event would only repeat that decision (or draw the jitter twice)
     if count != total:
         raise Stall(f"{name}: the greedy policy stalled after {count} of {total} actions")
     return TimedRun(name, placement, m, tuple(rows), max(free_at, default=0.0))
