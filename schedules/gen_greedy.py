@@ -152,8 +152,7 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
             continue
         if fr > t:
             t = fr
-        ready = [dq for dq in inbox[r] if dq and dq[0][0] <= t + EPS]
-        lim = limit[r]
+        te, lim, heads = t + EPS, limit[r], inbox[r]  # a channel's head is ready once it arrived
 
         # the B/BW to run next: its fixed sequence's next, else oldest microbatch, deepest stage
         bkey, bdq = -1, None
@@ -164,8 +163,8 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
                 if want in live_b[r]:
                     bkey = want
                 else:
-                    for dq in ready:
-                        if dq[0][1] == want:
+                    for dq in heads:
+                        if dq and dq[0][1] == want and dq[0][0] <= te:
                             bkey, bdq = want, dq
                             break
         else:
@@ -174,10 +173,11 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
                 heappop(hb)
             if hb:
                 bkey = hb[0]
-            for dq in ready:
-                code = dq[0][1]
-                if code >= 0 and (bkey < 0 or code < bkey):
-                    bkey, bdq = code, dq
+            for dq in heads:
+                if dq:
+                    code = dq[0][1]
+                    if code >= 0 and (bkey < 0 or code < bkey) and dq[0][0] <= te:
+                        bkey, bdq = code, dq
 
         # the F to run next, if its activations fit the memory gate
         fkey, fdq = -1, None
@@ -189,8 +189,8 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
                     if want in live_f[r]:
                         fkey = want
                     else:
-                        for dq in ready:
-                            if dq[0][1] == -1 - want:
+                        for dq in heads:
+                            if dq and dq[0][1] == -1 - want and dq[0][0] <= te:
                                 fkey, fdq = want, dq
                                 break
         else:
@@ -202,11 +202,11 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
                 s = S - 1 - k % S
                 if (s != first_stage[r] or reserved[r] + 1.0 <= lim) if whole else held[r] + room[s] <= lim:
                     fkey = k
-            for dq in ready:
-                code = dq[0][1]
-                if code < 0:
-                    k = -1 - code
-                    if fkey < 0 or k < fkey:
+            for dq in heads:
+                if dq:
+                    code = dq[0][1]
+                    if code < 0 and (fkey < 0 or -1 - code < fkey) and dq[0][0] <= te:
+                        k = -1 - code
                         s = S - 1 - k % S
                         if (s != first_stage[r] or reserved[r] + 1.0 <= lim) if whole else held[r] + room[s] <= lim:
                             fkey, fdq = k, dq
@@ -230,7 +230,7 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
                 op = W
                 if w_fits_gap:  # hold the W back for a message arriving before it would end
                     s = pending_w[r][0][0]
-                    upcoming = [dq[0][0] for dq in inbox[r] if dq and dq[0][0] > t + EPS]
+                    upcoming = [dq[0][0] for dq in inbox[r] if dq and dq[0][0] > te]
                     if upcoming and t + dur_w[s] > min(upcoming) + EPS:
                         heappush(events, (min(upcoming), r))
                         continue
