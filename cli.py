@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "pipeplan.dsl.cli",  # check, fmt
     "pipeplan.compiler.cli",  # compile
     "pipeplan.schedules.cli",  # schedule
-    "pipeplan.backends.cli",  # run, verify
+    "pipeplan.backends.cli",  # run, verify, plan-diff, export
 )
 
 

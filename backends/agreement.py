@@ -12,7 +12,10 @@ What each rank still recomputes, and why: the stage GraphModules (captured
 from the model on meta; a GraphModule holds the model's own module objects and
 user classes, which do not travel safely between processes, and capture on
 meta costs no weights), the expert placement and the TP kinds (deterministic
-functions of the plan and the model, no search) and the estimates.
+functions of the plan and the model, no search) and the estimates. The shape and
+cost propagation is not recomputed: rank 0 sends its table with the decisions
+(compiler/analysis.py's `Propagation`) and the others replay it, so only rank 0
+runs the graph on meta tensors (and imports torch._dynamo, ~2 s).
 `check_agreement` then hashes, on every rank, what it is about to run (the
 plan, the schedule, each stage's boundaries, parameters, buffers and graph
 code, the tied parameters, the expert placement and the TP rewrites), gathers
@@ -39,20 +42,25 @@ def compile_shared(plan: Plan, compile_fn) -> CompiledPlan:
     for what each rank still recomputes and why."""
     from ..schedules import schedule_from_json, schedule_to_json
 
+    from ..compiler.analysis import Propagation
+
     rank = dist.get_rank()
     decided = [None]
     if rank == 0:
-        compiled = compile_fn(plan, None)
-        decided = [(tuple(compiled.split_points), schedule_to_json(compiled.schedule))]
+        with Propagation.record() as propagation:
+            compiled = compile_fn(plan, None)
+        decided = [(tuple(compiled.split_points), schedule_to_json(compiled.schedule),
+                    propagation.table)]
     dist.broadcast_object_list(decided, src=0)
     if rank == 0:
         return compiled
-    points, schedule_json = decided[0]
+    points, schedule_json, table = decided[0]
     pinned = plan
     if points:
         pinned = dataclasses.replace(plan, pipeline=dataclasses.replace(
             plan.pipeline, split=SplitSpec(kind="points", points=points)))
-    return compile_fn(pinned, None, schedule=schedule_from_json(schedule_json))
+    with Propagation.replay(table):  # rank 0's meta run: no second one (nor torch._dynamo)
+        return compile_fn(pinned, None, schedule=schedule_from_json(schedule_json))
 
 
 def fingerprint(plan: Plan, compiled: CompiledPlan) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""`pipeplan run`, `pipeplan verify`, `pipeplan profile`, `pipeplan report` and
-`pipeplan plan-diff` (plan_diff.py).
+"""`pipeplan run`, `pipeplan verify`, `pipeplan profile`, `pipeplan report`,
+`pipeplan plan-diff` (plan_diff.py) and `pipeplan export` (export.py).
 
 run PLAN|BUILD/: without a rank in the environment it launches world-size
 local processes (gloo) that each re-enter this command as one rank; under
@@ -58,9 +58,11 @@ def add_commands(sub) -> None:
                              "scaled by the optimizer's reach, see docs/runtime.md)")
     verify.set_defaults(func=_cmd_verify)
 
+    from .export import add_export_command
     from .plan_diff import add_command
 
     add_command(sub)
+    add_export_command(sub)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -129,7 +131,7 @@ def _cmd_run(args) -> int:
         check_data(source.plan, steps)
         check_resume(source.plan, compiled, args.reset_optimizer)
         m = source.plan.mesh
-        print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} tp={m.tp}: "
+        print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
         return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
                             islands=_islands(source.plan))

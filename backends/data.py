@@ -10,6 +10,9 @@ model's inputs are fields made from them (see Batch).
 Sharing (the same for the pipelined run and the reference): DP rank d takes
 rows [d*B/dp, (d+1)*B/dp); its microbatch i is the i-th equal chunk of those.
 So chunk c = d*m + i of the global batch is DP rank d's microbatch i.
+With context parallel (mesh.cp > 1), cp rank c of that DP rank takes columns
+[c*S/cp, (c+1)*S/cp) of each of its microbatches (tokens and targets), and its
+`positions` field counts from c*S/cp: the global positions of its slice.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Batch:
     # (model input, data field, dtype, declared shape) for each model input
     feeds: tuple[tuple[str, str, str, tuple], ...] = (
         ("input_ids", "tokens", "int64", ("batch", "seq")),)
+    offset: int = 0  # position of column 0 in the whole sequence (context parallel slices)
 
     def field(self, name: str) -> torch.Tensor:
         """The batch field a stage input names (ValueRef.source == BATCH)."""
@@ -57,7 +61,8 @@ class Batch:
         if source == "targets":
             return self.targets.to(dtype)
         if source == "positions":
-            return torch.arange(seq, dtype=dtype).expand(rows, seq).contiguous()
+            return torch.arange(self.offset, self.offset + seq, dtype=dtype).expand(rows, seq) \
+                .contiguous()
         if source == "mask":
             dims = {"batch": rows, "seq": seq}
             return torch.ones([dims.get(d, d) for d in shape], dtype=dtype)
@@ -69,7 +74,12 @@ class Batch:
         return {name: self.field(name) for name, *_ in self.feeds}
 
     def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(self.input_ids[start:stop], self.targets[start:stop], self.feeds)
+        return Batch(self.input_ids[start:stop], self.targets[start:stop], self.feeds, self.offset)
+
+    def columns(self, start: int, stop: int) -> "Batch":
+        """Positions [start, stop) of every row (a context-parallel slice)."""
+        return Batch(self.input_ids[:, start:stop], self.targets[:, start:stop], self.feeds,
+                     self.offset + start)
 
     @property
     def tokens(self) -> int:
@@ -149,12 +159,16 @@ def concat(batches: list[Batch]) -> Batch:
     if len(batches) == 1:
         return batches[0]
     return Batch(torch.cat([b.input_ids for b in batches]), torch.cat([b.targets for b in batches]),
-                 batches[0].feeds)
+                 batches[0].feeds, batches[0].offset)
 
 
-def dp_microbatches(plan: Plan, step: int, dp_rank: int) -> list[Batch]:
-    """DP rank `dp_rank`'s microbatches of step `step`, in microbatch order."""
+def dp_microbatches(plan: Plan, step: int, dp_rank: int, cp_rank: int = 0) -> list[Batch]:
+    """DP rank `dp_rank`'s microbatches of step `step`, in microbatch order (their sequence
+    slice `cp_rank` under context parallel)."""
     dp, m = plan.mesh.dp, plan.microbatches
     per_dp = plan.train.global_batch // dp
     share = global_batch(plan, step).rows(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+    if plan.mesh.cp > 1:
+        width = plan.data.seq_len // plan.mesh.cp
+        share = share.columns(cp_rank * width, (cp_rank + 1) * width)
     return chunks(share, m)

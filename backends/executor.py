@@ -12,6 +12,10 @@ two stages of this rank stay in memory. Receiving earlier only relaxes the
 blocking semantics the schedule verifier proves deadlock-free (comm.py); the
 values and the arithmetic are unchanged.
 
+Receive buffers are reused across actions and steps (`RecvBuffers`): a buffer
+is handed out again only once nothing but the pool refers to it (the
+microbatch's graph that saved it is freed, no value passed on aliases it).
+
 Nothing in the step synchronises with the host: the loss is summed on the
 device, and each action leaves device-side flags (NaN in the values it sends,
 non-finite gradients it produced, see `Flag`) that the trainer reads only when
@@ -20,6 +24,7 @@ the step's loss or gradient norm turned out non-finite (`first_non_finite`).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional, Sequence
@@ -85,12 +90,49 @@ class StepResult:
     flags: list[Flag] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)  # sends, syncs (observe.py draws them)
 
+    def grads_non_finite(self) -> torch.Tensor:
+        """Whether any weight-gradient flag of the step is set (bool on the device, no sync)."""
+        bad = [f.bad for f in self.flags if f.what == "weight gradients"]
+        return torch.cat(bad).any() if bad else torch.zeros((), dtype=torch.bool,
+                                                             device=self.loss.device)
+
     def first_non_finite(self) -> Optional[Flag]:
         """The first flagged action of the step on this rank (host sync: failure path only)."""
         for f in self.flags:
             if bool(f.bad.any()):
                 return f
         return None
+
+
+class RecvBuffers:
+    """Receive buffers per (direction, boundary, position), reused once idle.
+
+    A buffer is idle when only the pool refers to it: no Python reference (a
+    value dict, a saved-for-backward list, a `.grad`) and no other tensor on its
+    storage (the detached input autograd saved, a view passed on). So a buffer
+    still part of a live graph is never overwritten, whatever the stage does.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(self, t: Transfer, position: int) -> torch.Tensor:
+        v = t.values[position]
+        pool = self._pool.setdefault((t.direction, t.boundary, position), [])
+        for i in range(len(pool)):
+            if _idle(pool, i):
+                return pool[i]
+        buf = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=self.device)
+        pool.append(buf)
+        return buf
+
+
+def _idle(pool: list, i: int) -> bool:
+    """Only the pool's list holds pool[i] (getrefcount counts its own argument too), and
+    pool[i] is the only tensor on its storage (plus the storage object asked here)."""
+    return sys.getrefcount(pool[i]) == 2 and \
+        torch._C._storage_Use_Count(pool[i].untyped_storage()._cdata) == 2
 
 
 def label(action) -> str:
@@ -126,11 +168,11 @@ class Executor:
         self.around_action = around_action or (lambda stage: contextlib.nullcontext())
         self.on_action = None  # called with each action's label before it runs (failure.Beacon)
         self.last_grad_action = _last_grad_actions(self.planned)
+        self.buffers = RecvBuffers(device)
 
     # ------------------------------------------------------------------ p2p
     def _recv_ops(self, t: Transfer) -> tuple[list, list[torch.Tensor]]:
-        bufs = [torch.empty(v.shape, dtype=getattr(torch, v.dtype), device=self.device)
-                for v in t.values]
+        bufs = [self.buffers.get(t, i) for i in range(len(t.values))]
         peer = self.peer_rank(t.peer)
         return [dist.P2POp(dist.irecv, b, peer, tag=t.tag(i, self.microbatches))
                 for i, b in enumerate(bufs)], bufs
@@ -228,9 +270,9 @@ class Executor:
             check = torch.isnan if op == "F" else (lambda x: ~torch.isfinite(x))
             result.flags.append(Flag(label(a), s, mb, what, tuple(floats),
                                      torch.stack([check(v).any() for v in floats.values()]), end))
-        if op in ("W", "BW") and runner.last_grad_max is not None:
+        if op in ("W", "BW") and runner.last_grad_norm is not None:
             result.flags.append(Flag(label(a), s, mb, "weight gradients", ("",),
-                                     ~torch.isfinite(runner.last_grad_max).reshape(1), end))
+                                     ~torch.isfinite(runner.last_grad_norm).reshape(1), end))
 
     def _run(self, a, batches, acts, grads, result: StepResult) -> dict[str, torch.Tensor]:
         """Run one action; returns the values it produced (outputs or input gradients)."""

@@ -7,10 +7,14 @@
   the optimizer step, so it overlaps the rest of the schedule.
 * Tied parameters (one Parameter held by stages on different pipeline ranks,
   e.g. the embedding and the LM head) have their gradients summed between the
-  holding ranks; two holders on one rank already share one tensor.
+  holding ranks; two holders on one rank already share one tensor. Without a
+  DP reduction of that parameter the all-reduce starts, asynchronous, as soon
+  as its stage's gradients are final (in the tied sets' order on every rank);
+  with one, it follows the DP sum at the end of the step, as always.
 * Clipping by the global L2 norm over every rank: each distinct parameter is
   counted once (tied copies only at their first holder, DP replicas only once
-  since the norm is summed over the pipeline group only).
+  since the norm is summed over the pipeline group only). Without clipping the
+  norm is not computed (the trainer asks for it only to name a failure).
 """
 from __future__ import annotations
 
@@ -57,11 +61,12 @@ def build_tied_groups(tied: Sequence[TiedParam], runners: dict[int, StageRunner]
         holders = sorted({stage_to_rank[s] for s in t.stages})
         mine = None
         for dp in range(mesh.dp):
-            for tp in range(mesh.tp):
-                ranks = [global_rank(mesh, pp, dp, tp) for pp in holders]
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if topo.rank in ranks:
-                    mine = group
+            for cp in range(mesh.cp):
+                for tp in range(mesh.tp):
+                    ranks = [global_rank(mesh, pp, dp, tp, cp) for pp in holders]
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if topo.rank in ranks:
+                        mine = group
         local = [(s, n) for s, n in zip(t.stages, t.names) if s in runners]
         if not local:
             continue
@@ -90,13 +95,16 @@ class _Bucket:
             offset += n
 
 
-def sum_tied(tied: Sequence[TiedGroup]) -> None:
-    """Sum each tied parameter's gradient over the pipeline ranks holding it."""
+def sum_tied(tied: Sequence[TiedGroup], async_op: bool = False) -> list:
+    """Sum each tied parameter's gradient over the pipeline ranks holding it (`async_op`:
+    start the all-reduces and return their works)."""
+    works = []
     for t in tied:
         if t.group is not None:
             if t.param.grad is None:
                 t.param.grad = torch.zeros_like(t.param)
-            dist.all_reduce(t.param.grad, group=t.group)
+            works.append(dist.all_reduce(t.param.grad, group=t.group, async_op=async_op))
+    return [w for w in works if w is not None]
 
 
 def global_norm(terms: Sequence[tuple[torch.Tensor, tuple]], topo: Topology,
@@ -121,7 +129,7 @@ def clip_coefficient(norm: float, max_norm: Optional[float]) -> float:
 
 
 class GradSync:
-    """Per step: `stage_done(s)` as stages finish, then `finish()` and `clip()`."""
+    """Per step: `stage_done(s)` as stages finish, then `finish()` and (clipping) `clip()`."""
 
     def __init__(self, runners: dict[int, StageRunner], layout: StageLayout,
                  tied: Sequence[TiedGroup], stage_order: Sequence[int],
@@ -145,6 +153,13 @@ class GradSync:
         for pid, s in owner.items():
             self._by_stage[s].append(self._params[pid])
         self._buckets: list[_Bucket] = []
+        # Tied sets whose sum can start when their stage is done (no DP sum to follow);
+        # started in list order, so every holder issues them in one order.
+        self._tied_stage = [owner[id(t.param)] if layout.reduce_group(owner[id(t.param)], t.param)
+                            is None else None for t in self.tied]
+        self._done: set[int] = set()
+        self._tied_started = 0
+        self._tied_works: list = []
         self.bytes_sent = 0  # by the gradient all-reduces so far (benchmarks)
 
     @property
@@ -169,21 +184,36 @@ class GradSync:
                     bucket, size = [], 0
             if bucket:
                 self._buckets.append(_Bucket(bucket, group))
+        self._done.add(stage)
+        while self._tied_started < len(self.tied) and \
+                self._tied_stage[self._tied_started] in self._done:
+            self._tied_works += sum_tied([self.tied[self._tied_started]], async_op=True)
+            self._tied_started += 1
 
     def finish(self) -> None:
-        """Wait for the DP all-reduces, then sum tied gradients between their holders."""
+        """Wait for the DP all-reduces, then sum the remaining tied gradients between their
+        holders, and wait for those started early."""
         for b in self._buckets:
             b.finish()
             self.bytes_sent += b.sent
         self._buckets.clear()
-        sum_tied(self.tied)
+        sum_tied(self.tied[self._tied_started:])
+        for w in self._tied_works:
+            w.wait()
+        self._tied_works.clear()
+        self._done.clear()
+        self._tied_started = 0
 
-    def clip(self, max_norm: Optional[float]) -> float:
-        """Clip by the global norm (as torch.nn.utils.clip_grad_norm_); returns the norm."""
+    def norm(self) -> float:
+        """The global gradient norm (collective over the pipeline and the norm groups)."""
         skip = {id(t.param) for t in self.tied if not t.counts_in_norm}
         terms = [(p.grad.pow(2).sum(), (self.layout.norm_group(p),))
                  for p in self.params if p.grad is not None and id(p) not in skip]
-        norm = global_norm(terms, self.topo, self.device)
+        return global_norm(terms, self.topo, self.device)
+
+    def clip(self, max_norm: float) -> float:
+        """Clip by the global norm (as torch.nn.utils.clip_grad_norm_); returns the norm."""
+        norm = self.norm()
         coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
             for p in self.params:
@@ -217,8 +247,11 @@ class ZeroSync:
         sum_tied(self.tied)
         self.zero.reduce_gradients()
 
-    def clip(self, max_norm: Optional[float]) -> float:
-        norm = global_norm([(self.zero.grad_sq_norm(self._skip), ())], self.topo, self.device)
+    def norm(self) -> float:
+        return global_norm([(self.zero.grad_sq_norm(self._skip), ())], self.topo, self.device)
+
+    def clip(self, max_norm: float) -> float:
+        norm = self.norm()
         coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
             for s in self.zero.optimizer.shards:

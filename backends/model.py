@@ -1,8 +1,9 @@
 """The model both sides start from, and the loss the reference computes on its output.
 
 Initial weights are a function of (plan seed, module path), drawn by the model's
-own per-module init (backends/materialize.py). `build_model` materialises the
-whole model that way (the single-process reference); `fill_stages` gives a
+own per-module init (backends/materialize.py), or read from the plan's
+`model.weights` file (backends/weights.py, lazily: only the names asked for).
+`build_model` materialises the whole model that way (the single-process reference); `fill_stages` gives a
 rank's compiled stages (compiled on the meta device, then rewritten for TP / EP
 so that they hold only their shards) real tensors for exactly the parameters
 and buffers they hold, drawn the same way and sliced, so a rank never holds, or
@@ -17,6 +18,7 @@ import torch
 
 from ..compiler.compiled import CompiledPlan
 from ..dsl.ast import Plan
+from .weights import weights_source
 
 
 def build_model(plan: Plan) -> torch.nn.Module:
@@ -25,7 +27,7 @@ def build_model(plan: Plan) -> torch.nn.Module:
     from .materialize import materialize
 
     model = load_skeleton(plan)
-    materialize(model, plan.train.seed)
+    materialize(model, plan.train.seed, source=weights_source(plan, model))
     return model
 
 
@@ -63,7 +65,8 @@ def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu"))
     if not (targets or buffers):
         return param_bytes(modules)  # stages compiled with their weights (tests)
     skeleton = load_skeleton(plan)
-    fill(targets, initial_values(skeleton, plan.train.seed, targets), device)
+    fill(targets, initial_values(skeleton, plan.train.seed, targets,
+                                  source=weights_source(plan, skeleton)), device)
     for m, name, b in buffers:
         owner, _, leaf = name.rpartition(".")
         m.get_submodule(owner)._buffers[leaf] = buffer_value(skeleton, name, device, b.dtype)

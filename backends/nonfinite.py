@@ -1,9 +1,10 @@
 """A step whose loss or gradient norm is not finite stops before the optimizer, named.
 
-The hot path checks once per step: the trainer reads the global gradient norm
-and the all-reduced loss (it needs both anyway) and only when one of them is
-NaN or infinite comes here. Every rank arrives together (both values are the
-same on every rank), reads the device-side flags its executor left per action
+The hot path checks once per step: the trainer reads the all-reduced loss (a
+rank whose weight gradients are non-finite contributes NaN to it) and, when
+the plan clips, the global gradient norm, and only when one of them is NaN or
+infinite comes here. Every rank arrives together (both values are the same
+on every rank), reads the device-side flags its executor left per action
 (executor.Flag: NaN in a value sent on, a non-finite input gradient, a
 non-finite loss, non-finite weight gradients), and the ranks agree on the
 earliest flagged action in time: where the first non-finite value appeared.

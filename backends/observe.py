@@ -40,7 +40,7 @@ def describe_run(compiled, world_size: int) -> str:
     sch = compiled.schedule
     m = compiled.plan.mesh
     lines = [f"{sch.name}: {sch.stages} stages on {sch.ranks} pipeline ranks, "
-             f"{sch.microbatches} microbatches per step; pp={m.pp} dp={m.dp} tp={m.tp} ep={m.ep} "
+             f"{sch.microbatches} microbatches per step; pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp} ep={m.ep} "
              f"({world_size} processes); captured with {compiled.capture}"]
     for r in range(sch.ranks):
         parts = [f"stage {st.index} [{', '.join(st.module_names) or '-'}]"
@@ -84,9 +84,10 @@ class Progress:
             self.bar.set_postfix_str(f"loss {r.loss:.4f}  {tps:,.0f} tok/s  "
                                      f"{r.step_time * 1e3:.0f} ms/step", refresh=False)
             self.bar.update(1)
-        else:
+        else:  # the norm only when computed (the plan clips)
+            norm = "" if r.grad_norm is None else f"grad_norm {r.grad_norm:.3f}  "
             print(f"step {r.step + 1:>{width}}/{self.total}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
-                  f"grad_norm {r.grad_norm:.3f}  {tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
+                  f"{norm}{tps:,.0f} tok/s  {r.step_time * 1e3:.0f} ms",
                   file=self.stream, flush=True)
         for e in r.sync_events:  # DiLoCo: island 0's syncs (rank 0's fragments)
             line = f"  island 0: {e.describe()}"

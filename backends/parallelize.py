@@ -194,7 +194,8 @@ def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None,
         stats = tp_group if mesh.ep == 1 else \
             dist.new_subgroups_by_enumeration(expert_stats_ranks(mesh))[0]
     tp = tp_group if mesh.tp > 1 else None
-    return ParallelGroups(mesh, tp, dp_group if mesh.dp > 1 else None, ep, edp, stats,
+    # with context parallel dp_group is the flattened dp x cp group (backends/topology.py)
+    return ParallelGroups(mesh, tp, dp_group if mesh.dp * mesh.cp > 1 else None, ep, edp, stats,
                           ParameterSlicer(tp) if tp is not None else None,
                           PartialGrads(tp) if tp is not None else None)
 

@@ -18,6 +18,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ class StepReport:
     step: int
     loss: float  # the global step loss (mean over microbatches and DP), as the reference's;
     # under DiLoCo the island's own loss (mean over its share of the batch)
-    grad_norm: float
+    grad_norm: Optional[float]  # the global norm, computed only when the plan clips
     lr: float
     step_time: float  # seconds, this rank
     tokens: int  # tokens in the global batch
@@ -128,9 +129,10 @@ class PipelineTrainer:
         schedule = compiled.schedule
         pp = topo.coords.pp
         last = len(compiled.stages) - 1
-        # DiLoCo: an island's gradient is the mean over its own share (no dp all-reduce)
+        # DiLoCo: an island's gradient is the mean over its own share (no dp all-reduce);
+        # context parallel: cp ranks hold equal slices of each microbatch's tokens
         islands = plan.sync.diloco
-        scale = 1.0 / (plan.microbatches * (1 if islands else plan.mesh.dp))
+        scale = 1.0 / (plan.microbatches * (1 if islands else plan.mesh.dp) * plan.mesh.cp)
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
         modules = {s.index: s.module for s in compiled.stages_of_rank(pp)}
@@ -141,6 +143,10 @@ class PipelineTrainer:
             modules = {s: m.to(device) for s, m in modules.items()}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
+        if plan.mesh.cp > 1:  # attention over the whole sequence (backends/ulysses.py)
+            from .ulysses import apply_ulysses
+            for m in modules.values():
+                apply_ulysses(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         # Only now does this rank's part get storage: its TP slices and its experts, each
         # drawn by its module's init and sliced, module by module (model.fill_stages).
@@ -186,23 +192,32 @@ class PipelineTrainer:
             self.diloco = build_diloco(plan, self.runners, compiled.tied, topo)
 
     def step(self, t: int) -> StepReport:
-        """One optimizer step. The host waits on the device once for the gradient norm and
-        once for the loss; when either is not finite the step stops before the optimizer,
-        naming where the first non-finite value appeared (`NonFiniteError`)."""
+        """One optimizer step. The host waits on the device once for the loss (and once for
+        the gradient norm when the plan clips). A rank whose weight gradients turned
+        non-finite sends NaN in place of its loss, so every rank sees it in the one
+        all-reduce: then (or when the norm or the loss is not finite) the step stops before
+        the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
-        batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp)
+        batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
         result = self.executor.run_step(batches)
         spans = _Spans(result.spans)
+        mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+        loss = torch.where(result.grads_non_finite(), math.nan, mine)
+        summed = dist.all_reduce(loss, group=self.loss_group, async_op=True)  # with the sync
         with spans("grad sync", "finish"):
             self.sync.finish()
-        with spans("grad sync", "grad norm"):
-            norm = self.sync.clip(self.plan.train.grad_clip)
+        clip = self.plan.train.grad_clip
+        norm = None
+        if clip is not None:
+            with spans("grad sync", "grad norm"):
+                norm = self.sync.clip(clip)
         with spans("grad sync", "loss all-reduce"):
-            loss = result.loss if self.holds_loss else torch.zeros_like(result.loss)
-            dist.all_reduce(loss, group=self.loss_group)
+            summed.wait()
             loss_value = float(loss)
-        if not (math.isfinite(norm) and math.isfinite(loss_value)):
-            raise NonFiniteError(locate_non_finite(t, result, loss_value, norm, self.runners))
+        if not (math.isfinite(loss_value) and (norm is None or math.isfinite(norm))):
+            dist.all_reduce(mine, group=self.loss_group)  # what the loss was, and the norm
+            norm = self.sync.norm() if norm is None else norm
+            raise NonFiniteError(locate_non_finite(t, result, float(mine), norm, self.runners))
         lr = self.plan.train.optimizer.lr
         spans.begin("optimizer", "optimizer step")
         if self.optimizer is not None:

@@ -64,6 +64,8 @@ def check_world(plan: Plan, world_size: int) -> None:
         m = plan.mesh
         raise PipeplanError(
             f"the plan needs pp*dp*tp = {m.pp}*{m.dp}*{m.tp} = {m.world_size} processes, "
+            if m.cp == 1 else
+            f"the plan needs pp*dp*cp*tp = {m.pp}*{m.dp}*{m.cp}*{m.tp} = {m.world_size} processes, "
             f"but WORLD_SIZE is {world_size}; launch {m.world_size} processes in total "
             f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
 

@@ -12,15 +12,23 @@ v, the output and one float per row), not as the meta math path runs it.
 Ops whose output shape depends on data (`nonzero` in a leaf MoE's dispatch)
 run as if everything were selected: shapes stay computable, costs are upper
 bounds (costs.py scales a leaf MoE back to top-k).
+
+Running ops on meta tensors imports torch._dynamo (torch's Python meta
+kernels are wrapped to disable it: ~2 s per process). A run's results can be
+recorded (`Propagation.record`) and replayed in another process compiling the
+same model (`Propagation.replay`): the runtime's ranks replay rank 0's
+(backends/agreement.py), so only rank 0 pays for the meta run.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.fx as fx
 from torch.func import functional_call
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from .compiled import ValueSpec
@@ -42,6 +50,58 @@ class MetaRunError(Exception):
 class NodeCost:
     flops: float  # forward FLOPs
     saved_bytes: int  # activation bytes kept for backward
+
+
+@dataclass(frozen=True)
+class MetaSpec:
+    """A meta tensor as plain data (picklable): what a replay rebuilds."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "MetaSpec":
+        return MetaSpec(tuple(t.shape), tuple(t.stride()), t.dtype, bool(t.requires_grad))
+
+    def build(self) -> torch.Tensor:
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=_META)
+        return t.requires_grad_(self.requires_grad) if self.dtype.is_floating_point else t
+
+
+class Propagation:
+    """The values and costs of a whole model's meta run by node name, shareable between
+    processes compiling the same plan (the graph's node names are deterministic)."""
+
+    _active: Optional["Propagation"] = None  # the one recording or replaying now
+
+    def __init__(self, table: Optional[dict] = None):
+        self.table = {} if table is None else table  # node name -> (value with MetaSpecs, cost)
+        self.replaying = table is not None
+
+    @classmethod
+    @contextlib.contextmanager
+    def record(cls):
+        """Within: every shared MetaRun's results are recorded into the yielded Propagation."""
+        with cls._activated(Propagation()) as p:
+            yield p
+
+    @classmethod
+    @contextlib.contextmanager
+    def replay(cls, table: dict):
+        """Within: shared MetaRuns take their results from `table` instead of running."""
+        with cls._activated(Propagation(table)) as p:
+            yield p
+
+    @classmethod
+    @contextlib.contextmanager
+    def _activated(cls, p: "Propagation"):
+        before, cls._active = cls._active, p
+        try:
+            yield p
+        finally:
+            cls._active = before
 
 
 class MetaRun:
@@ -69,8 +129,24 @@ class MetaRun:
                          requires_grad=bool(v.requires_grad))
 
     # ---------------------------------------------------------------- execution
-    def run(self, nodes: Iterable[fx.Node], inputs: dict[str, torch.Tensor]) -> None:
-        """Run `nodes` (in order) given meta tensors for placeholders by name."""
+    def run(self, nodes: Iterable[fx.Node], inputs: dict[str, torch.Tensor],
+            shared: bool = False) -> None:
+        """Run `nodes` (in order) given meta tensors for placeholders by name. `shared`: the
+        model's own graph, recorded or replayed under an active `Propagation`."""
+        nodes = [n for n in nodes if n.op != "output"]
+        p = Propagation._active if shared else None
+        if p is not None and p.replaying and all(n.name in p.table for n in nodes):
+            for node in nodes:
+                value, cost = p.table[node.name]
+                self.values[node] = tree_map_only(MetaSpec, MetaSpec.build, value)
+                self.costs[node] = cost
+            return
+        self._execute_all(nodes, inputs)
+        if p is not None and not p.replaying:
+            p.table.update((n.name, (tree_map_only(torch.Tensor, MetaSpec.of, self.values[n]),
+                                     self.costs[n])) for n in nodes)
+
+    def _execute_all(self, nodes: list[fx.Node], inputs: dict[str, torch.Tensor]) -> None:
         counter = FlopCounterMode(display=False)
         # data-dependent shapes (nonzero in a leaf MoE's dispatch) are taken at their largest:
         # every element selected, so costs are upper bounds and shapes stay computable

@@ -60,8 +60,8 @@ def write_build(compiled: CompiledPlan, out: str | Path) -> Path:
 
 def resolved_plan(compiled: CompiledPlan, out: Path):
     """The plan with the chosen split pinned (rebuilding it gives the same stages) and the
-    model file's and cost file's paths made relative to the build directory, where this
-    copy lives."""
+    model file's, cost file's and weights' paths made relative to the build directory,
+    where this copy lives."""
     plan = compiled.plan
     if compiled.split_points:
         pinned = SplitSpec(kind="points", points=compiled.split_points)
@@ -75,6 +75,9 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
         rel = os.path.relpath(source, out.resolve())
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model,
                                                                    source=f"{rel}:{cls}"))
+    if plan.model.weights and not os.path.isabs(plan.model.weights):  # the same, for weights
+        rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights), out.resolve())
+        plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights=rel))
     return plan
 
 

@@ -145,12 +145,22 @@ def _drop_specialised_arguments(graph: fx.Graph, example: dict) -> None:
     for node in [n for n in graph.nodes
                  if n.op == "placeholder" and n.target not in example and n.args]:
         erase(node)
+    for node in graph.nodes:  # a given input keeps no default (inputs are appended after it)
+        if node.op == "placeholder" and node.args:
+            node.args = ()
 
 
 # ------------------------------------------------------------------------ export
 def capture_export(model: torch.nn.Module, example: dict, reason: str,
                    experts: tuple[str, ...] = ()) -> Captured:
     """`experts`: qualified names of experts modules, kept as call_module nodes."""
+    # the example inputs go where the model's tensors are (export fakes them either way):
+    # meta inputs would meet a real model's buffers in ops that mix them (transformers'
+    # RoPE: position_ids * inv_freq when position_ids is an input)
+    held = next(iter(model.parameters()), None)
+    device = held.device if held is not None else torch.device("meta")
+    example = {k: torch.zeros(v.shape, dtype=v.dtype, device=device)
+               if isinstance(v, torch.Tensor) and v.is_meta else v for k, v in example.items()}
     try:
         with _quiet_torch_logs(), opaque_experts(model, experts):
             ep = torch.export.export(model, (), {**example, **_training_kwargs(model, example)},

@@ -1,6 +1,6 @@
 """compile_plan: plan (+ model) -> CompiledPlan, phase by phase.
 
-    plan-value checks -> load (meta) -> precision (fp64: the model in float64 before capture)
+    plan-value checks -> load (meta) -> pretrained weights (headers vs parameters) -> precision (fp64: the model in float64 before capture)
     -> expert shards, TP annotations (checked on the model)
     -> capture + loss + shape/cost propagation (traced.py) -> measured costs (profile.py,
     when the plan names a cost file) -> split
@@ -33,7 +33,9 @@ from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
 from .traced import trace_with_loss
+from .context_parallel import attach_context_costs, check_context
 from .traffic import collective_traffic
+from ..backends.weights import check_weights
 
 
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
@@ -50,6 +52,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     profile = load_profile(plan)  # measured op times, when the plan names a cost file
     if model is None:
         model = load_model(plan, "meta")
+    check_weights(plan, model)  # model.weights: headers only, before anything is traced
     to_precision(model, plan.train.precision)
     experts = place_experts(plan, model)
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
@@ -57,6 +60,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     graph = traced.module.graph
     check_experts(plan, graph, traced.run, experts_modules(plan, model))
     check_pairing(plan, graph, model, tp_kinds, traced.run)
+    check_context(plan, graph, traced.run)
     costs = node_costs(plan, graph, traced.run)
     measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None
     split = choose_split(plan, model, graph, costs,
@@ -66,6 +70,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                           _non_persistent_buffers(model))
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
+    attach_context_costs(plan, stages, split, graph, traced.run)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
     if profile:

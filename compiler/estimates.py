@@ -57,7 +57,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..dsl.ast import DeviceSpec, Plan
-from ..dsl.layout import group_sizes, groups, mesh_layout
+from ..dsl.layout import global_rank, group_sizes, groups, mesh_layout
 from .collectives import ep_bytes, implied_collectives, ring_bytes, tp_bytes
 from .compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from .experts import experts_dispatched
@@ -134,11 +134,12 @@ def mesh_links(plan: Plan, device: DeviceModel) -> Links:
     """Which groups stay inside a node, from the rank layout rank = (pp·dp + dp_i)·tp + tp_i
     (the first group of each kind; the layout repeats it, node boundaries aside)."""
     m = plan.mesh
-    per_pp = m.dp * m.tp
-    rank = lambda p, d, t: (p * m.dp + d) * m.tp + t  # noqa: E731
+    per_pp = m.dp * m.cp * m.tp
+    rank = lambda p, d, t, c=0: global_rank(m, p, d, t, c)  # noqa: E731
     tp = min(device.link([rank(p, d, t) for t in range(m.tp)], True)
              for p in range(m.pp) for d in range(m.dp))
-    dp = min(device.link([rank(p, d, t) for d in range(m.dp) for t in range(m.tp)])
+    dp = min(device.link([rank(p, d, t, c) for d in range(m.dp) for c in range(m.cp)
+                          for t in range(m.tp)])
              for p in range(m.pp))
     ep = min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
     p2p = min((device.link([g, g + per_pp]) for g in range((m.pp - 1) * per_pp)),
@@ -190,7 +191,7 @@ def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
     """(name, size) of the group a kind's gradients are reduced over."""
     if kind == EXPERT and plan.mesh.ep > 1:
         return "edp", group_sizes(plan.mesh).edp
-    return "dp", plan.mesh.dp
+    return "dp", plan.mesh.dp * plan.mesh.cp  # context parallel: reduced over dp x cp
 
 
 def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[TiedParam, ...],
@@ -226,8 +227,12 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                           if g == "tp")),
             "ep": int(ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
             "tied": int(sum(ring_bytes("allreduce", n, holders) for n, holders in tied_grads))})
+        if mesh.cp > 1:  # Ulysses all-to-alls (compiler/context_parallel.py)
+            cp_bytes = sum(st.cp_bytes for st in mine) * float_scale * plan.microbatches
+            est.collectives[("cp", "alltoall")] = int(cp_bytes)
+            est.comm_bytes["cp"] = int(cp_bytes)
         per_pp.append(est)
-    per_replica = mesh.dp * mesh.tp
+    per_replica = mesh.dp * mesh.cp * mesh.tp
     ranks = [dataclasses.replace(per_pp[g // per_replica], rank=g,
                                  comm_bytes=dict(per_pp[g // per_replica].comm_bytes),
                                  collectives=dict(per_pp[g // per_replica].collectives))
@@ -281,7 +286,8 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
 
 
 def _size_of(plan: Plan, group: str) -> int:
-    return {"dp": plan.mesh.dp, "edp": group_sizes(plan.mesh).edp, "tp": plan.mesh.tp,
+    return {"dp": plan.mesh.dp * plan.mesh.cp, "cp": plan.mesh.cp,
+            "edp": group_sizes(plan.mesh).edp, "tp": plan.mesh.tp,
             "ep": plan.mesh.ep, "ep_tp": plan.mesh.ep * plan.mesh.tp}[group]
 
 
@@ -329,7 +335,8 @@ def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
     table = []
     for st in stages:
         coll = (tp_bytes(plan, tp_traffic, [st], float_scale) / links.tp
-                + ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep) / 2
+                + ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
+                + st.cp_bytes * float_scale / links.tp) / 2
         f = st.flops / tp / device.flops_per_s
         table.append((f + coll, f + st.recompute_flops / tp / device.flops_per_s + coll, f))
     msg = [sum(_bytes(o) for o in st.outputs) * float_scale for st in stages[:-1]]

@@ -26,9 +26,38 @@ from .model_checks import check_model_against_plan
 
 def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
     """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
-    model = _construct(plan, lambda: torch.device(device))
+    model = _construct(plan, (lambda: _on_meta()) if device == "meta" else
+                       (lambda: torch.device(device)))
     check_model_against_plan(plan, model)
     return model
+
+
+# In-place initialisers: shape, dtype and device preserved, only values written.
+_FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "constant_", "fill_", "zero_",
+                    "ones_", "zeros_", "eye_", "dirac_", "orthogonal_", "sparse_",
+                    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+                    "exponential_", "random_", "bernoulli_", "log_normal_", "cauchy_",
+                    "geometric_"})
+
+
+class _SkipMetaFills(torch.overrides.TorchFunctionMode):
+    """A meta tensor has no values to fill: initialisers return it as it is. (Running them
+    goes through torch's Python reference kernels, whose first call imports torch._dynamo:
+    ~2 s of every rank's start-up.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _FILLS:
+            t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _on_meta():
+    with torch.device("meta"), _SkipMetaFills():
+        yield
 
 
 def _construct(plan: Plan, context) -> torch.nn.Module:

@@ -20,7 +20,7 @@ def _header(c: CompiledPlan) -> str:
     return "\n".join([
         f"# pipeplan build: {p.path}", "",
         f"- model: `{p.model.source}` captured with **{c.capture}** — {c.capture_reason}",
-        f"- mesh: pp={m.pp} dp={m.dp} tp={m.tp} ep={m.ep} (world size {m.world_size}); "
+        f"- mesh: pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp} ep={m.ep} (world size {m.world_size}); "
         f"schedule **{c.schedule.name}**, {len(c.stages)} stages, {p.microbatches} microbatches "
         f"of {p.microbatch_size} × {p.data.seq_len} tokens; ZeRO-{p.zero}; {p.train.precision}",
         ""])
@@ -85,22 +85,22 @@ def _estimates(c: CompiledPlan) -> str:
     if e is None:
         return ""
     m = c.plan.mesh
-    per_pp = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    per_pp = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
     unit, size = _unit(max(_total(x) for x in per_pp))
     cunit, csize = _unit(max(max(x.comm_bytes.values(), default=0) for x in per_pp))
     rows = ["## Estimates per rank (one step)", "",
             "Ranks of one pipeline rank (its dp × tp replicas) are alike; one row each.", "",
             f"| pp rank | params {unit} | grads {unit} | optimizer {unit} | activations {unit} "
             f"| total {unit} | TFLOP | p2p {cunit} | dp {cunit} | tp {cunit} | ep {cunit} "
-            f"| tied {cunit} |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"| tied {cunit} | cp {cunit} |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r, x in enumerate(per_pp):
         cb = x.comm_bytes
         rows.append(f"| {r} | " + " | ".join(
             f"{v / size:.3f}" for v in (x.param_bytes, x.grad_bytes, x.optimizer_bytes,
                                          x.activation_bytes, _total(x)))
             + f" | {x.flops / 1e12:.4g} | "
-            + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied"))
+            + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied", "cp"))
             + " |")
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
              f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
@@ -130,7 +130,7 @@ def device_text(d: dict) -> str:
 
 _GROUPS = {"dp": "data parallel", "edp": "expert data parallel", "tp": "tensor parallel",
            "ep": "expert parallel", "ep_tp": "expert × tensor parallel",
-           "tied": "tied parameters' holders"}
+           "tied": "tied parameters' holders", "cp": "context parallel (Ulysses all-to-all)"}
 
 
 def _collectives(c: CompiledPlan) -> str:
@@ -139,7 +139,7 @@ def _collectives(c: CompiledPlan) -> str:
     if e is None:
         return ""
     m = c.plan.mesh
-    per_pp = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    per_pp = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
     keys = sorted({k for x in per_pp for k in x.collectives})
     rows = ["## Collectives per step (bytes each rank hands in)", ""]
     if not keys:
@@ -226,7 +226,7 @@ def render_summary(compiled: CompiledPlan) -> str:
              f"stages on pipeline ranks: {[st.rank for st in compiled.stages]}"]
     if e is None:
         return "\n".join(lines) + "\n"
-    rows = [e.ranks[r * m.dp * m.tp] for r in range(m.pp)]
+    rows = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
     unit, size = _unit(max(_total(x) for x in rows))
     lines.append(f"pp rank   params   grads   optim   activ   total {unit}   TFLOP/step")
     for r, x in enumerate(rows):
@@ -235,6 +235,13 @@ def render_summary(compiled: CompiledPlan) -> str:
                      + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
                  f"{e.step_time_s:.4g} s")
+    if m.cp > 1:
+        p = compiled.plan
+        lines.append(f"context parallel: {p.context.method} over cp = {m.cp}: each rank holds "
+                     f"{p.data.seq_len // m.cp} of {p.data.seq_len} positions (activations "
+                     "above are per slice); all-to-all per step per rank: "
+                     + ", ".join(f"pp rank {r} {human_bytes(x.comm_bytes.get('cp', 0))}"
+                                 for r, x in enumerate(rows)))
     if e.sync is not None:
         from .sync_estimate import sync_line
         lines.append(sync_line(e.sync, human_bytes))

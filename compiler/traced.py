@@ -55,7 +55,7 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
 
 def _propagate(plan: Plan, run: MetaRun, nodes: list[fx.Node], inputs: dict) -> None:
     try:
-        run.run(nodes, inputs)
+        run.run(nodes, inputs, shared=True)
     except MetaRunError as e:
         where = module_path(e.node)
         raise PlanError.at(
@@ -69,8 +69,10 @@ def _propagate(plan: Plan, run: MetaRun, nodes: list[fx.Node], inputs: dict) -> 
 
 
 def example_inputs(plan: Plan) -> dict[str, torch.Tensor]:
-    """Meta tensors for the model's inputs at one microbatch (batch = microbatch size)."""
-    dims = {"batch": plan.microbatch_size, "seq": plan.data.seq_len}
+    """Meta tensors for the model's inputs at one microbatch (batch = microbatch size,
+    seq = the sequence slice of one context-parallel rank)."""
+    # context parallel: the model is captured on one cp rank's slice of the sequence
+    dims = {"batch": plan.microbatch_size, "seq": plan.data.seq_len // plan.mesh.cp}
     out = {}
     for spec in plan.model.inputs:
         shape = []

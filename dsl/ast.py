@@ -58,6 +58,9 @@ class ModelSpec:
     capture: str = "auto"  # auto | fx | export
     leaf_modules: tuple[str, ...] = ()  # module-path patterns traced as leaves
     loss: str = "cross_entropy"  # cross_entropy | mse | model (the model returns its loss)
+    # initial weights from a safetensors file or a Hugging Face `save_pretrained` folder
+    # (relative to the plan file); None: the model's own per-module init (backends/weights.py)
+    weights: Optional[str] = None
 
 
 # ---------------------------------------------------------------------- data
@@ -85,16 +88,30 @@ class DataSpec:
 # ---------------------------------------------------------------------- mesh
 @dataclass(frozen=True)
 class MeshSpec:
-    """Named device-mesh axes; pp outermost, tp innermost. ep re-divides dp (adds no ranks)."""
+    """Named device-mesh axes; pp outermost, then dp, cp, tp innermost. ep re-divides dp
+    (adds no ranks). cp (context parallel) splits every sequence over cp ranks."""
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+
+# ------------------------------------------------------------------- context
+@dataclass(frozen=True)
+class ContextSpec:
+    """Context parallelism over mesh.cp: how attention sees the whole sequence.
+
+    ulysses: one all-to-all before each attention op (sequence shards -> head shards)
+    and one after (back). ring is part of the language but refused at the plan line
+    (not implemented yet)."""
+
+    method: str = "ulysses"  # ulysses | ring
 
 
 # ------------------------------------------------------------------ pipeline
@@ -262,6 +279,7 @@ class Plan:
     mesh: MeshSpec = field(default_factory=MeshSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     experts: Optional[ExpertsSpec] = None
+    context: Optional[ContextSpec] = None
     tensor: TensorSpec = field(default_factory=TensorSpec)
     zero: int = 0
     sync: SyncSpec = field(default_factory=SyncSpec)

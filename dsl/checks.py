@@ -272,6 +272,41 @@ def _tensor(plan: Plan) -> Iterator[Problem]:
                           "a module is split one way: keep it in one list")
 
 
+# -- context parallel (the checks that need the captured graph: compiler/context_parallel.py)
+@check("mesh", "context", "data.seq_len", "experts", "sync")
+def _context(plan: Plan) -> Iterator[Problem]:
+    m, c = plan.mesh, plan.context
+    if c is None:
+        if m.cp > 1:
+            yield Problem("mesh.cp", f"cp = {m.cp} but the plan has no context section",
+                          "say how attention sees the whole sequence: context { method = ulysses }")
+        return
+    if m.cp == 1:
+        yield Problem("context", "context does nothing with mesh.cp = 1",
+                      "set mesh.cp > 1 to split sequences, or remove the context section")
+        return
+    if c.method == "ring":
+        yield Problem(where(plan, "context.method", "context"),
+                      "context parallel by ring attention is not implemented yet",
+                      "use method = ulysses (heads and KV heads divisible by cp)")
+    if plan.data.seq_len % m.cp:
+        yield Problem(where(plan, "data.seq_len", "mesh.cp"),
+                      f"cp = {m.cp} does not divide data.seq_len = {plan.data.seq_len}",
+                      "every context-parallel rank holds an equal slice of each sequence")
+    for axis, why in (("tp", "heads would be divided by cp and tp at once"),
+                      ("ep", "expert dispatch over sequence shards")):
+        if getattr(m, axis) > 1:
+            yield Problem("mesh.cp", f"cp = {m.cp} with {axis} = {getattr(m, axis)} is not "
+                          f"supported yet ({why})", f"set {axis} = 1 or cp = 1")
+    if plan.experts is not None:
+        yield Problem("experts", f"experts with cp = {m.cp} are not supported yet",
+                      "set cp = 1, or drop the experts section")
+    if plan.sync.mode != "every_step":
+        yield Problem("sync", f"sync = {plan.sync.mode} with cp = {m.cp} is not supported yet "
+                      "(an island would have to reduce over its cp ranks)",
+                      "set cp = 1, or sync every step")
+
+
 @check("mesh.dp", "zero")
 def _zero(plan: Plan) -> Iterator[Problem]:
     if plan.zero > 0 and plan.mesh.dp == 1:

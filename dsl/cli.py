@@ -32,6 +32,10 @@ def run_check(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan, args.overrides, world_size=args.world_size)
     check_data(plan)  # the token file: exists, integer ids in range, long enough
     sys.stdout.write(check_report(plan))
+    if args.no_model and plan.model.weights is not None:
+        from ..backends.weights import plan_catalogue
+
+        plan_catalogue(plan)  # without the model: the weights' files and headers at least
     if not args.no_model:
         # Once the model is known: trace it on meta (no weights) and print the estimates.
         from ..compiler import estimates_summary

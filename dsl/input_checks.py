@@ -56,7 +56,7 @@ def _data_inputs(plan: Plan) -> Iterator[Problem]:
 def _sizes(plan: Plan) -> Iterator[Problem]:
     m, p = plan.mesh, plan.pipeline
     if m.world_size > MAX_RANKS:
-        yield Problem("mesh", f"pp * dp * tp = {m.world_size:,} ranks is above {MAX_RANKS:,}",
+        yield Problem("mesh", f"pp * dp * cp * tp = {m.world_size:,} ranks is above {MAX_RANKS:,}",
                       _BOUNDED)
     slots = m.pp * p.virtual * plan.microbatches
     if slots > MAX_SCHEDULE_SLOTS:

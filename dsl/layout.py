@@ -1,7 +1,9 @@
 """Which global rank holds which mesh coordinates, known before any tracing.
 
-Order (torchtitan/Megatron convention): pp outermost, then dp, tp innermost:
-rank = (pp_i * dp + dp_i) * tp + tp_i. Expert parallelism re-divides the
+Order (torchtitan/Megatron convention): pp outermost, then dp, cp, tp innermost:
+rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i (`global_rank`). cp (context
+parallel) ranks hold slices of the same sequences; their gradients are reduced
+together with dp (`groups(layout, "dpcp")`). Expert parallelism re-divides the
 ranks of one pipeline stage; ep adds no ranks. Two cases:
 
 * ep divides dp (EP among data-parallel ranks): inside one pipeline stage and
@@ -31,6 +33,7 @@ class RankCoords:
     tp: int
     ep: int
     edp: int  # expert-data-parallel replica: ranks with equal (pp, ep) and different edp hold the same experts
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class GroupSizes:
     tp: int
     ep: int
     edp: int  # dp // ep
+    cp: int = 1
 
 
 def ep_across_tp(mesh: MeshSpec) -> bool:
@@ -51,16 +55,23 @@ def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
     across = ep_across_tp(mesh)
     out = []
     for rank in range(mesh.world_size):
-        pp_i, rest = divmod(rank, mesh.dp * mesh.tp)
-        dp_i, tp_i = divmod(rest, mesh.tp)
-        edp_i, ep_i = divmod(rest if across else dp_i, mesh.ep)
-        out.append(RankCoords(rank, pp_i, dp_i, tp_i, ep_i, edp_i))
+        pp_i, rest = divmod(rank, mesh.dp * mesh.cp * mesh.tp)
+        dp_i, rest = divmod(rest, mesh.cp * mesh.tp)
+        cp_i, tp_i = divmod(rest, mesh.tp)
+        flat = dp_i * mesh.tp + tp_i  # (EP with cp > 1 is refused by the plan checks)
+        edp_i, ep_i = divmod(flat if across else dp_i, mesh.ep)
+        out.append(RankCoords(rank, pp_i, dp_i, tp_i, ep_i, edp_i, cp_i))
     return tuple(out)
+
+
+def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+    """The rank at these coordinates (the inverse of mesh_layout)."""
+    return ((pp * mesh.dp + dp) * mesh.cp + cp) * mesh.tp + tp
 
 
 def group_sizes(mesh: MeshSpec) -> GroupSizes:
     spread = mesh.dp * mesh.tp if ep_across_tp(mesh) else mesh.dp
-    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, spread // mesh.ep)
+    return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, spread // mesh.ep, mesh.cp)
 
 
 def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
@@ -74,8 +85,9 @@ def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
     ep = 1 + max(c.ep for c in layout)
     across = sum(1 for c in layout if (c.pp, c.edp) == (0, 0)) == ep
     tp_key = () if across else ("tp",)
-    others = {"pp": ("dp", "tp"), "dp": ("pp", "tp"), "tp": ("pp", "dp"),
-              "ep": ("pp", "edp") + tp_key, "edp": ("pp", "ep") + tp_key}[axis]
+    others = {"pp": ("dp", "cp", "tp"), "dp": ("pp", "cp", "tp"), "tp": ("pp", "dp", "cp"),
+              "cp": ("pp", "dp", "tp"), "dpcp": ("pp", "tp"),
+              "ep": ("pp", "cp", "edp") + tp_key, "edp": ("pp", "cp", "ep") + tp_key}[axis]
     found: dict[tuple[int, ...], list[int]] = {}
     for c in layout:
         found.setdefault(tuple(getattr(c, o) for o in others), []).append(c.rank)
@@ -86,17 +98,18 @@ def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
     """A table of every rank's coordinates and a line per axis with its groups."""
     layout = mesh_layout(mesh)
     sizes = group_sizes(mesh)
-    lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} ep={mesh.ep} "
+    lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} tp={mesh.tp} ep={mesh.ep} "
              f"-> world size {mesh.world_size} "
              + ("(ep re-divides dp x tp: EP across TP)" if ep_across_tp(mesh)
                 else "(ep re-divides dp)"),
-             "  rank  pp  dp  tp  ep  edp"]
+             "  rank  pp  dp  cp  tp  ep  edp"]
     for c in layout[:max_rows]:
-        lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.tp:>2}  {c.ep:>2}  {c.edp:>3}")
+        lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.cp:>2}  {c.tp:>2}  {c.ep:>2}"
+                     f"  {c.edp:>3}")
     if len(layout) > max_rows:
         lines.append(f"  ... {len(layout) - max_rows} more ranks")
     lines.append("groups:")
-    for axis in ("pp", "dp", "tp", "ep", "edp"):
+    for axis in ("pp", "dp", "cp", "tp", "ep", "edp"):
         gs = groups(layout, axis)
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in gs[:8])
         more = f" ... ({len(gs)} groups)" if len(gs) > 8 else ""

@@ -115,6 +115,7 @@ MODEL = Section("model", A.ModelSpec, (
     Field("capture", choice("auto", "fx", "export")),
     Field("leaf_modules", patterns, write_patterns),
     Field("loss", choice("cross_entropy", "mse", "model")),
+    Field("weights", text, write_string)  # backends/weights.py checks it,
 ))
 
 # ----------------------------------------------------------------- data
@@ -186,7 +187,10 @@ def _write_data(data: A.DataSpec, key: str, emit: Emit) -> str:
 
 
 # ----------------------------------------------------------------- mesh
-MESH = Section("mesh", A.MeshSpec, tuple(Field(axis, integer(1, MAX_RANKS)) for axis in ("pp", "dp", "tp", "ep")))
+MESH = Section("mesh", A.MeshSpec, tuple(Field(axis, integer(1, MAX_RANKS)) for axis in ("pp", "dp", "tp", "ep", "cp")))
+
+# -------------------------------------------------------------- context
+CONTEXT = Section("context", A.ContextSpec, (Field("method", choice("ulysses", "ring")),))
 
 # ------------------------------------------------------------- pipeline
 SPLIT_BASES = ("flops", "params", "profile")
@@ -438,6 +442,7 @@ PLAN = Section("the plan", A.Plan, (
     Field("mesh", section=MESH),
     Field("pipeline", section=PIPELINE),
     Field("experts", section=EXPERTS),
+    Field("context", section=CONTEXT),
     Field("tensor", section=TENSOR),
     Field("zero", integer(0, 3)),
     Field("sync", _sync, _write_sync, nested=True),

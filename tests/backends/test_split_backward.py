@@ -65,3 +65,24 @@ def test_weight_used_twice_side_by_side_still_splits():
     assert plan is not None
     for w, h in zip(full_grads(y, g, x, params), split_grads(plan, y, g, x, params)):
         torch.testing.assert_close(h, w)
+
+
+def test_split_cache_maps_one_analysis_onto_every_graph_of_the_shape():
+    from pipeplan.backends.split_backward import SplitCache
+    torch.manual_seed(0)
+    blocks = nn.Sequential(Block(16, 2, 32), Block(16, 2, 32))
+    params = list(blocks.parameters())
+    cache = SplitCache(params)
+    for mb in range(3):  # fresh graphs of one shape: one analysis, seeds mapped by position
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        y = blocks(x)
+        want, got = plan_split([y], [x], params), cache.plan([y], [x])
+        assert [s.node for s in got.seeds] == [s.node for s in want.seeds]
+        assert [s.params for s in got.seeds] == [s.params for s in want.seeds]
+        assert (got.free_roots, got.free_params) == (want.free_roots, want.free_params)
+    assert len(cache._plans) == 1
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    y = blocks[0](x)  # another shape: analysed anew, never mapped onto the old seeds
+    assert [s.node for s in cache.plan([y], [x]).seeds] == \
+        [s.node for s in plan_split([y], [x], params).seeds]
+    assert len(cache._plans) == 2

@@ -1,0 +1,112 @@
+"""Context parallelism (mesh.cp, `context { method = ulysses }`): what the compiler knows.
+
+The model is captured at the sequence length one cp rank holds (data.seq_len / cp,
+compiler/traced.py), so every op outside attention is the model's own op on its
+sequence slice, and the meta run's shapes, saved bytes and FLOPs are per rank.
+DeepSpeed-Ulysses then needs each attention op (`scaled_dot_product_attention`) to see
+the whole sequence for a subset of heads: the runtime (backends/ulysses.py) wraps each
+SDPA call in an all-to-all before (q, k, v: sequence shards -> head shards) and one
+after (the output: back to sequence shards).
+
+`check_context` refuses, at the plan line, what that cannot make exact:
+
+* no attention op in the graph (nothing to shard);
+* heads or KV heads (dim 1 of q and k in the captured SDPA calls, not attribute names)
+  not divisible by cp;
+* an attention mask tensor: it is computed from the local slice ([.., S/cp, S/cp]) and
+  the whole-sequence mask is never built (transformers materialises one under
+  torch.export); only `is_causal` or no mask is exact after the all-to-all;
+* positions made inside the model (`arange` over the local length): each rank would
+  number its slice from 0; feed position_ids from the data's `positions` field, which
+  each cp rank receives with its global offsets (backends/data.py).
+
+`ulysses_traffic` is the all-to-all volume per rank for the estimates.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..dsl.ast import Plan
+from ..dsl.errors import PlanError
+from .analysis import SDPA, MetaRun
+
+ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+          torch.ops.aten.arange.start_step}
+
+
+def attention_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]
+
+
+def attn_mask(node: fx.Node):
+    """The attn_mask argument of an SDPA call (positional 4th or keyword)."""
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+
+
+def check_context(plan: Plan, graph: fx.Graph, run: MetaRun) -> None:
+    cp = plan.mesh.cp
+    if cp == 1:
+        return
+    key = "context.method" if "context.method" in plan.spans else "context"
+    attention = attention_nodes(graph)
+    if not attention:
+        raise PlanError.at(plan, key, "context parallel (ulysses) found no attention op "
+                           "(scaled_dot_product_attention) in the captured graph",
+                           "Ulysses shards the heads of the model's SDPA calls; a model "
+                           "without them cannot be split along the sequence")
+    for node in attention:
+        q, k = run.value(node.args[0]), run.value(node.args[1])
+        if q.dim() != 4 or k.dim() != 4:
+            raise PlanError.at(plan, key, f"attention `{node.name}` takes q of shape "
+                               f"{tuple(q.shape)}, not [batch, heads, seq, head_dim]",
+                               "Ulysses splits dim 1 (heads) of 4-d q, k, v")
+        for what, t in (("heads", q), ("KV heads", k)):
+            if t.shape[1] % cp:
+                raise PlanError.at(plan, "mesh.cp", f"cp = {cp} does not divide the "
+                                   f"{t.shape[1]} {what} of attention `{node.name}`",
+                                   "Ulysses gives each cp rank heads/cp whole heads: pick cp "
+                                   "among the divisors of the heads and KV heads")
+        if isinstance(attn_mask(node), fx.Node):
+            raise PlanError.at(plan, key, f"attention `{node.name}` takes a mask tensor, "
+                               "which the model computes on one rank's sequence slice; the "
+                               "whole-sequence mask Ulysses needs is never built",
+                               "context parallel supports attention with is_causal or no "
+                               "mask (transformers models materialise their mask when "
+                               "exported); ring attention will lift this (not yet)")
+    made = [n for n in graph.nodes if n.op == "call_function" and n.target in ARANGE]
+    if made:
+        raise PlanError.at(plan, key, f"the model makes positions itself (`{made[0].name}`: "
+                           "arange over the local sequence), so every cp rank would number "
+                           "its slice from 0",
+                           "take positions as an input and feed them: model.inputs "
+                           "{ input_ids = int64[batch, seq], position_ids = int64[batch, seq] } "
+                           "with data inputs = { position_ids = positions }")
+
+
+def ulysses_traffic(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, int]:
+    """Bytes one rank sends per microbatch through each attention op's all-to-alls
+    (forward and backward): q, k, v and the output go out and their gradients come
+    back, each keeping 1/cp of its elements local."""
+    cp = plan.mesh.cp
+    out = {}
+    for node in attention_nodes(graph):
+        moved = sum(run.value(a).numel() * run.value(a).element_size()
+                    for a in (node.args[0], node.args[1], node.args[2], node))
+        out[node] = 2 * moved * (cp - 1) // cp
+    return out
+
+
+def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: MetaRun) -> None:
+    """Per stage and microbatch: the all-to-all bytes (StageSpec.cp_bytes), and attention's
+    FLOPs as Ulysses runs them: the meta run costs each SDPA on the local slice with all
+    heads ((S/cp)^2 * H); a rank runs it on the whole sequence with H/cp heads (S^2 * H/cp),
+    cp times that."""
+    if plan.mesh.cp == 1:
+        return
+    from .partition import compute_nodes
+    index = {n: i for i, n in enumerate(compute_nodes(graph))}
+    for node, nbytes in ulysses_traffic(plan, graph, run).items():
+        st = stages[split.stage_of(index[node])]
+        st.cp_bytes += nbytes
+        st.flops += (plan.mesh.cp - 1) * run.costs[node].flops

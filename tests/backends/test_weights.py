@@ -1,0 +1,378 @@
+"""Pretrained weights in (`model.weights`), trained weights out (`pipeplan export`).
+
+The weights are transformers' own: a tiny LlamaForCausalLM with tied embeddings
+(its checkpoint omits `lm_head.weight`) drawn under another seed and written by
+`save_pretrained`, once as one file and once in six shards with an index. The
+references share no code with pipeplan: transformers' `from_pretrained` in
+float64 and torch's cross entropy.
+
+* One 2-process pp2 run (sharded folder, fp64, AdamW, a checkpoint after the
+  last step) shows: step 1's loss equals the unpipelined model's on the same
+  weights; each rank opened the safetensors files for exactly the tensors of
+  its own stage (the tied embedding is read by both ranks that hold it, under
+  its stored name); `pipeplan export` of the checkpoint loads with
+  `from_pretrained` and gives the logits of the run's final parameters.
+* `pipeplan verify`'s reference (`build_model`) starts from the file too.
+* Bad weights stop `pipeplan check` with exit 2, the file and tensor named, a
+  caret under the plan line, no traceback.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeplan.cli import main
+
+from .conftest import spawn
+
+ARGS = {"vocab": 64, "dim": 32, "layers": 2, "tie": True}
+TOL = dict(rtol=1e-9, atol=1e-12)
+STEPS = 3
+
+PLAN = """\
+model {{
+  source = "pipeplan.tests.compiler.models:tiny_llama"
+  args = {{ vocab = 64, dim = 32, layers = 2, tie = true }}
+  capture = export
+  weights = "{weights}"
+}}
+data = synthetic(seed = 3, vocab = 64, seq_len = 16)
+mesh {{ pp = 2 }}
+pipeline {{ schedule = 1f1b, microbatches = 4 }}
+train {{
+  steps = {steps}
+  global_batch = 8
+  precision = fp64
+  optimizer = adamw(lr = 0.01)
+  checkpoint {{ every = {steps}, dir = "ckpt" }}
+}}
+"""
+
+
+def hf_llama(seed: int = 123):
+    from pipeplan.tests.compiler.models import tiny_llama
+
+    torch.manual_seed(seed)  # not pipeplan's per-module seeds: loading must show
+    return tiny_llama(**ARGS)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A folder with `single/` (model.safetensors) and `sharded/` (index + 6 shards)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    model = hf_llama()
+    model.save_pretrained(root / "single")
+    model.save_pretrained(root / "sharded", max_shard_size="20KB")
+    assert len(list((root / "sharded").glob("*.safetensors"))) > 2
+    assert (root / "sharded" / "model.safetensors.index.json").is_file()
+    return root
+
+
+def write_plan(folder: Path, weights: str, steps: int = STEPS) -> Path:
+    path = folder / "w.plan"
+    path.write_text(PLAN.format(weights=weights, steps=steps))
+    return path
+
+
+def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+# --------------------------------------------------------- one pp2 run, several checks
+def _recording_safe_open(log: list):
+    """safetensors.safe_open, recording every tensor read through it."""
+    import safetensors
+
+    real = safetensors.safe_open
+
+    class Handle:
+        def __init__(self, *a, **k):
+            self._h = real(*a, **k)
+
+        def get_tensor(self, name):
+            log.append(name)
+            return self._h.get_tensor(name)
+
+        def get_slice(self, name):
+            log.append(name)
+            return self._h.get_slice(name)
+
+    return Handle
+
+
+def _train_and_checkpoint(rank, world, plan_path):
+    import safetensors
+
+    from pipeplan.backends.checkpoint import Checkpointer
+    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.verify import rank_result
+    from pipeplan.dsl.load import load_plan
+
+    plan = load_plan(str(plan_path)).with_resolved_paths()
+    read: list[str] = []
+    safetensors.safe_open = _recording_safe_open(read)
+    trainer = PipelineTrainer.for_plan(plan)
+    own = sorted(trainer.parameters_by_name())
+    losses = [trainer.step(t).loss for t in range(STEPS)]
+    Checkpointer(plan, trainer).save(STEPS)
+    return dict(rank_result(losses, trainer, None), read=read, own=own)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pretrained_pp2_first_loss_rank_reads_and_export_round_trip(pretrained, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from pipeplan.backends import data
+    from pipeplan.dsl.load import load_plan
+
+    plan_path = write_plan(tmp_path, str(pretrained / "sharded"))
+    results = spawn(_train_and_checkpoint, 2, plan_path, timeout=360)
+    plan = load_plan(str(plan_path))
+
+    # 1. step 1's loss is the unpipelined model's on the same weights (float64)
+    ref = LlamaForCausalLM.from_pretrained(pretrained / "sharded", dtype=torch.float64)
+    batch = data.global_batch(plan, 0)
+    with torch.no_grad():
+        logits = ref(batch.input_ids).logits
+    expected = float(F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()))
+    got = results[0]["losses"][0]
+    assert got == pytest.approx(expected, rel=TOL["rtol"], abs=TOL["atol"])
+    assert results[1]["losses"] == results[0]["losses"]
+
+    # 2. each rank read exactly the stored tensors of its own stage, each once per name
+    stored = file_tensors(pretrained / "sharded")
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}  # what the checkpoint omits
+    for r in results:
+        want = {tied.get(n, n) for n in r["own"]}
+        assert set(r["read"]) == want
+        assert want <= set(stored)
+    assert set(results[0]["read"]) | set(results[1]["read"]) == set(stored)
+    assert set(results[0]["read"]) & set(results[1]["read"]) == {"model.embed_tokens.weight"}
+    assert "model.layers.1.mlp.up_proj.weight" not in results[0]["read"]
+    assert "model.layers.0.mlp.up_proj.weight" not in results[1]["read"]
+
+    # 3. export the checkpoint: from_pretrained gives the final pipelined parameters' logits
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "ckpt"), "--plan", str(plan_path),
+                 "-o", str(out)]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    exported = LlamaForCausalLM.from_pretrained(out, dtype=torch.float64)
+    final = {}
+    for r in results:
+        final.update(r["params"])
+    twin = hf_llama(seed=0).double()
+    state = {k: final[k] if k in final else final["lm_head.weight"] for k in twin.state_dict()}
+    twin.load_state_dict(state, strict=True)  # the run's own final parameters
+    x = data.global_batch(plan, STEPS).input_ids
+    with torch.no_grad():
+        a, b = exported(x).logits, twin(x).logits
+    torch.testing.assert_close(a, b, **TOL)
+    for name, t in exported.state_dict().items():  # trained: not the pretrained values
+        if name in stored and "norm" not in name:
+            assert not torch.equal(t.float(), stored[name]), name
+
+
+# --------------------------------------------------------- in process
+def test_the_reference_starts_from_the_file(pretrained, tmp_path):
+    """`pipeplan verify`'s reference (`build_model`) holds the file's values, not the init;
+    a single file (relative to the plan file) and a sharded folder give the same model."""
+    import dataclasses
+    import os
+
+    from pipeplan.backends.model import build_model
+    from pipeplan.dsl.load import load_plan
+
+    stored = file_tensors(pretrained / "single")
+    for weights in (os.path.relpath(pretrained / "single", tmp_path), str(pretrained / "sharded")):
+        plan = load_plan(str(write_plan(tmp_path, weights)))
+        model = build_model(plan)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            key = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+            assert torch.equal(p, stored[key]), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    init = build_model(dataclasses.replace(plan, model=dataclasses.replace(plan.model,
+                                                                           weights=None)))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(init.get_parameter(key), stored[key])
+
+
+def test_a_slice_reads_only_that_part(pretrained):
+    from pipeplan.backends.weights import WeightSource, catalogue
+
+    model = hf_llama()
+    source = WeightSource(catalogue(str(pretrained / "sharded")), model)
+    full = model.get_parameter("model.layers.1.mlp.down_proj.weight")
+    part = source.read("model.layers.1.mlp.down_proj.weight", (slice(None), slice(16, 32)))
+    assert torch.equal(part, full[:, 16:32]) and part.shape == (32, 16)
+    assert torch.equal(source["lm_head.weight"], model.lm_head.weight)  # via its tied name
+    assert source.names_read == ["model.layers.1.mlp.down_proj.weight",
+                                 "model.embed_tokens.weight"]
+
+
+# --------------------------------------------------------- bad weights, before launch
+def _save(folder: Path, tensors: dict) -> str:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder / "model.safetensors")
+
+
+def _bad_weights(case: str, good: Path, tmp: Path) -> tuple[str, list[str]]:
+    """(weights path for the plan, what the message must name) for one bad-input case."""
+    stored = file_tensors(good)
+    raw = (good / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    if case == "missing-file":
+        return "no/such/weights", ["no/such/weights", "no such file"]
+    if case == "missing-tensor":
+        del stored["model.norm.weight"]
+        return _save(tmp / case, stored), ["model.safetensors", "`model.norm.weight`", "not stored"]
+    if case == "wrong-shape":
+        stored["model.layers.1.mlp.up_proj.weight"] = torch.zeros(64, 31)
+        return _save(tmp / case, stored), ["model.safetensors",
+                                           "`model.layers.1.mlp.up_proj.weight`", "[64, 31]"]
+    if case == "wrong-dtype":
+        stored["model.norm.weight"] = torch.zeros(32, dtype=torch.int32)
+        return _save(tmp / case, stored), ["model.safetensors", "`model.norm.weight`", "I32"]
+    if case == "extra-tensor":
+        stored["model.layers.2.mlp.up_proj.weight"] = torch.zeros(64, 32)
+        return _save(tmp / case, stored), ["model.safetensors",
+                                           "`model.layers.2.mlp.up_proj.weight`", "does not have"]
+    path = tmp / f"{case}.safetensors"
+    if case == "header-size":  # a header length beyond the file: refused before reading it
+        path.write_bytes(struct.pack("<Q", 2**60) + raw[8:])
+        return str(path), [path.name, "corrupted header", "header bytes"]
+    if case == "header-json":
+        path.write_bytes(raw[:8] + b"{" * n + raw[8 + n:])
+        return str(path), [path.name, "corrupted header", "not JSON"]
+    if case == "truncated":
+        path.write_bytes(raw[:len(raw) - 100])
+        return str(path), [path.name, "corrupted header", "truncated"]
+    if case == "index-shard":
+        folder = tmp / case
+        folder.mkdir()
+        index = {"metadata": {}, "weight_map": {k: "model-00001-of-00002.safetensors"
+                                                for k in stored}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return str(folder), ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+    raise AssertionError(case)
+
+
+CASES = ("missing-file", "missing-tensor", "wrong-shape", "wrong-dtype", "extra-tensor",
+         "header-size", "header-json", "truncated", "index-shard")
+
+
+def test_bad_weights_stop_check_at_the_plan_line(pretrained, tmp_path, capsys):
+    """Each case: exit 2, the file and the tensor named, a caret under `weights = ...`,
+    no traceback; before any tracing (headers only)."""
+    failures = []
+    for case in CASES:
+        weights, named = _bad_weights(case, pretrained / "single", tmp_path)
+        plan = write_plan(tmp_path, weights)
+        code = main(["check", str(plan)])
+        err = capsys.readouterr().err
+        caret = any(line.strip().startswith("^") for line in err.splitlines())
+        missing = [s for s in named if s not in err]
+        if code != 2 or missing or "Traceback" in err or "weights = " not in err or not caret:
+            failures.append(f"{case}: exit {code}, missing {missing}:\n{err}")
+    assert not failures, "\n".join(failures)
+    # without the model (--no-model) the files and headers are still checked
+    corrupted = tmp_path / "header-json.safetensors"  # written above
+    assert main(["check", str(write_plan(tmp_path, str(corrupted))), "--no-model"]) == 2
+    assert "header-json.safetensors: corrupted header" in capsys.readouterr().err
+
+
+def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nothing"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing" in err and "no such checkpoint folder" in err and "Traceback" not in err
+    (tmp_path / "run" / "step_000004").mkdir(parents=True)
+    (tmp_path / "run" / "step_000004" / ".metadata").write_bytes(b"not a pickle")
+    assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "step_000004/.metadata" in err and "unreadable" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------- export of a plain torch model
+GPT_PLAN = f"""\
+model {{
+  source = "{Path(__file__).resolve().parents[2] / 'examples/models/gpt.py'}:GPT"
+  args = {{ vocab = 32, dim = 16, layers = 2, heads = 2, seq_len = 8 }}
+  capture = fx
+}}
+data = synthetic(seed = 2, vocab = 32, seq_len = 8)
+mesh {{ pp = 1, dp = 2 }}
+zero = 3
+pipeline {{ schedule = gpipe  microbatches = 2 }}
+train {{
+  steps = 2
+  global_batch = 4
+  optimizer = adamw(lr = 0.01)
+  checkpoint {{ every = 2  dir = "ckpt" }}
+}}
+"""
+
+
+def _gpt_run(rank, world, plan_path):
+    from pipeplan.backends.checkpoint import Checkpointer
+    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.dsl.load import load_plan
+
+    plan = load_plan(str(plan_path)).with_resolved_paths()
+    trainer = PipelineTrainer.for_plan(plan)
+    for t in range(2):
+        trainer.step(t)
+    Checkpointer(plan, trainer).save(2)
+    return {k: v.detach().clone() for k, v in trainer.named_parameters().items()}
+
+
+def test_export_of_a_torch_model_loads_with_strict_state_dict(tmp_path):
+    """A model that is not transformers', trained with ZeRO-3 over dp2 (each rank saved a
+    flat range): OUT/model.safetensors holds every state_dict key at full shape (the tied
+    head under both names), so the class loads it with strict=True; without --plan the
+    checkpoint's names go out as stored."""
+    from safetensors.torch import load_file
+
+    from pipeplan.backends.model import build_model
+    from pipeplan.dsl.load import load_plan
+
+    plan_path = tmp_path / "gpt.plan"
+    plan_path.write_text(GPT_PLAN)
+    final = spawn(_gpt_run, 2, plan_path, timeout=200)[0]
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(tmp_path / "ckpt" / "step_000002")).read_metadata()
+    chunks = [len(m.chunks) for k, m in meta.state_dict_metadata.items()
+              if k.startswith("params/")]
+    assert max(chunks) > 1  # ZeRO-3: parameters on disk as pieces of two ranks' flat ranges
+    assert main(["export", str(tmp_path / "ckpt"), "--plan", str(plan_path),
+                 "-o", str(tmp_path / "out")]) == 0
+    model = build_model(load_plan(str(plan_path)))  # a fresh model: the init's weights
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    tied = {"lm_head.weight": "tok_emb.weight", "tok_emb.weight": "lm_head.weight"}
+    run = {k: final[k] if k in final else final[tied[k]] for k in model.state_dict()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert torch.equal(p, run[name]), name
+    twin = build_model(load_plan(str(plan_path)))
+    twin.load_state_dict(run, strict=True)  # the run's own final parameters
+    x = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(model(x), twin(x), **TOL)
+    assert main(["export", str(tmp_path / "ckpt" / "step_000002"),
+                 "-o", str(tmp_path / "raw.safetensors")]) == 0
+    raw = load_file(tmp_path / "raw.safetensors")
+    assert set(raw) <= set(model.state_dict()) and set(raw) >= set(final) - {"tok_emb.weight",
+                                                                            "lm_head.weight"}
+    assert all(torch.equal(raw[k], final[k]) for k in raw if k in final)

@@ -1,0 +1,198 @@
+"""Context parallel (Ulysses) equals single-process float64 training, and what it cannot
+split is refused at the plan line.
+
+Equivalence: `RopeLM` (tests/parallel/cp_models.py: RoPE from position_ids, GQA with 4
+heads / 2 KV heads, causal SDPA) with pp2 x cp2 under 1f1b and zbv (split B/W backward
+through the all-to-alls) and pp1 x dp2 x cp2, 3 AdamW steps with clipping, against tp_reference.reference_run
+(the unmodified model on whole sequences, torch's AdamW; shares no code with the path).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeplan.dsl.ast import (ContextSpec, DataSpec, InputSpec, MeshSpec, ModelSpec,
+                              OptimizerSpec, PipelineSpec, Plan, TrainSpec)
+
+from .tp_reference import reference_run
+
+STEPS = 3
+TOL = dict(rtol=1e-9, atol=1e-12)
+INPUTS = (InputSpec("input_ids", "int64", ("batch", "seq")),
+          InputSpec("position_ids", "int64", ("batch", "seq")))
+
+
+def make_plan(name: str) -> Plan:
+    """name: a schedule (pp2 x cp2), "dp2" / "zero2" (pp1 x dp2 x cp2, 1f1b, ZeRO-0 / 2), or
+    "pp2-dp2-zero2" (pp2 x dp2 x cp2, 1f1b, ZeRO-2: 8 ranks); "llama-<schedule>": transformers'
+    Llama (cp_models.causal_llama, exported) with pp2 x cp2."""
+    llama = name.startswith("llama-")
+    name = name.removeprefix("llama-")
+    schedule, dp, pp = {"dp2": ("1f1b", 2, 1), "zero2": ("1f1b", 2, 1),
+                        "pp2-dp2-zero2": ("1f1b", 2, 2)}.get(name, (name, 1, 2))
+    model = ModelSpec("pipeplan.tests.parallel.cp_models:causal_llama", capture="export",
+                      inputs=INPUTS) if llama else \
+        ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM", capture="fx", inputs=INPUTS)
+    return Plan(model=model,
+                data=DataSpec(seq_len=16, vocab=64, seed=7,
+                              inputs=(("position_ids", "positions"),)),
+                mesh=MeshSpec(pp=pp, dp=dp, cp=2), context=ContextSpec("ulysses"),
+                pipeline=PipelineSpec(schedule=schedule, microbatches=2,
+                                      virtual=2 if schedule == "zbv" else 1),
+                zero=2 if name.endswith("zero2") else 0,
+                train=TrainSpec(steps=STEPS, global_batch=4 * dp, grad_clip=0.5, seed=11,
+                                optimizer=OptimizerSpec(name="adamw", lr=3e-3,
+                                                        weight_decay=0.1)))
+
+
+def _worker(rank, world, names):
+    from pipeplan.backends.model import build_model
+    from pipeplan.backends.topology import build_topology
+    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.compiler.driver import compile_plan
+
+    for schedule in names:
+        plan = make_plan(schedule)
+        ref_losses, ref_params = reference_run(plan, build_model(plan), STEPS)
+        compiled = compile_plan(plan, build_model(plan).double())
+        trainer = PipelineTrainer(plan, compiled, build_topology(plan.mesh, "cpu"))
+        n = sum(isinstance(m, torch.nn.Module) and type(m).__name__ == "UlyssesAttention"
+                for r in trainer.runners.values() for m in r.module.modules())
+        assert n == 4 // plan.mesh.pp, n  # every layer's attention on this rank, wrapped
+        losses = [trainer.step(t).loss for t in range(STEPS)]
+        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                                   torch.tensor(ref_losses, dtype=torch.float64), **TOL,
+                                   msg=lambda m: f"{schedule}: {losses} vs {ref_losses}: {m}")
+        params = trainer.named_parameters()
+        assert params
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], **TOL,
+                                       msg=lambda m, name=name: f"{schedule}: {name}: {m}")
+
+
+def test_ulysses_pp2_cp2_and_dp2_cp2_equal_reference(run_workers):
+    """dp2: gradients summed over the flattened dp x cp group, 8 rows of 2 DP ranks; zero2:
+    the same with ZeRO-2 sharding over dp x cp."""
+    run_workers(_worker, 4, ["1f1b", "zbv", "dp2", "zero2"], timeout=500)
+
+
+# ------------------------------------------------------- layout and estimates
+def test_cp_sits_between_dp_and_tp_in_the_rank_layout():
+    from pipeplan.dsl.layout import global_rank, groups, mesh_layout
+
+    mesh = MeshSpec(pp=2, dp=2, cp=2, tp=2)
+    layout = mesh_layout(mesh)
+    assert len(layout) == mesh.world_size == 16
+    for c in layout:  # tp innermost, then cp, then dp, pp outermost
+        assert c.rank == ((c.pp * 2 + c.dp) * 2 + c.cp) * 2 + c.tp
+        assert global_rank(mesh, c.pp, c.dp, c.tp, c.cp) == c.rank
+    assert groups(layout, "cp")[0] == (0, 2)
+    assert groups(layout, "dpcp")[0] == (0, 2, 4, 6)  # gradients: reduced over dp x cp
+
+
+PLAN = """\
+model {
+  source = "pipeplan.tests.parallel.cp_models:RopeLM"
+  args = { vocab = 64, dim = 32, heads = 4, kv_heads = 2, layers = 4 }
+  inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }
+}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16, inputs = { position_ids = positions })
+mesh { pp = 2, cp = 2 }
+context { method = ulysses }
+pipeline { schedule = 1f1b, microbatches = 2 }
+train { global_batch = 4 }
+"""
+
+
+def test_estimates_divide_activations_along_the_sequence_and_count_all_to_alls():
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import parse_plan
+
+    cp2 = compile_plan(parse_plan(PLAN, "cp.plan")).estimates.ranks
+    whole = compile_plan(parse_plan(PLAN.replace("pp = 2, cp = 2", "pp = 2").replace(
+        "context { method = ulysses }", ""), "whole.plan")).estimates.ranks
+    for r in (0, 1):  # ranks 0 (pp 0) and 2 (pp 1) of the cp run
+        mine, ref = cp2[2 * r], whole[r]
+        # everything saved per position halves; a saved scalar (4 bytes, the loss's) does not
+        assert abs(mine.activation_bytes * 2 - ref.activation_bytes) <= 4
+        assert mine.activation_bytes < 0.51 * ref.activation_bytes
+        assert mine.flops * 2 == ref.flops  # attention too: S^2 * H/cp per rank
+        assert "cp" not in ref.comm_bytes
+    # per microbatch and attention op a rank sends (cp-1)/cp of q, k, v and the output
+    # forward and their gradients backward: [2 rows, 8 positions] x (32 + 16 + 16 + 32)
+    # features x 4 bytes; 2 layers per stage, 2 microbatches
+    per_op = 2 * 8 * (32 + 16 + 16 + 32) * 4 * 2 // 2
+    assert cp2[0].comm_bytes["cp"] == cp2[2].comm_bytes["cp"] == 2 * 2 * per_op
+
+
+# ------------------------------------------------------- refused at the plan line
+@pytest.mark.parametrize("edit, line, message", [
+    (("method = ulysses", "method = ring"), 8, r"ring attention is not implemented yet"),
+    (("seq_len = 16", "seq_len = 15"), 6, r"cp = 2 does not divide data.seq_len = 15"),
+    (("cp = 2", "cp = 2, tp = 2"), 7, r"cp = 2 with tp = 2 is not supported yet"),
+    (("context { method = ulysses }", ""), 7, r"cp = 2 but the plan has no context section"),
+    (("cp = 2", "cp = 1"), 8, r"context does nothing with mesh.cp = 1"),
+    (("pp = 2, cp = 2", "pp = 2, cp = 2, ep = 2"), 7, r"cp = 2 with ep = 2 is not supported"),
+])
+def test_plan_checks(edit, line, message):
+    from pipeplan.dsl import PlanError, parse_plan
+
+    text = PLAN.replace(*edit)
+    with pytest.raises(PlanError, match=message) as err:
+        parse_plan(text, "plan.plan")
+    assert f"plan.plan:{line}:" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("edit, line, message", [
+    # 2 KV heads over cp = 4 (read from the SDPA call's k, not from attribute names)
+    (("cp = 2", "cp = 4"), 7, r"cp = 4 does not divide the 2 KV heads of attention"),
+    (("dim = 32, heads = 4, kv_heads = 2", "dim = 24, heads = 3, kv_heads = 3"), 7,
+     r"cp = 2 does not divide the 3 heads of attention"),
+    # the model numbers positions itself: every slice would count from 0
+    (("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }", ""), 8,
+     r"the model makes positions itself"),
+    # a mask tensor made on the local slice (WindowLM's SDPA block)
+    (('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.tp_models:WindowLM"'),
+     8, r"takes a mask tensor"),
+])
+def test_graph_checks(edit, line, message):
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import PlanError, parse_plan
+
+    text = PLAN.replace(*edit)
+    if "WindowLM" in text:
+        text = text.replace("heads = 4, kv_heads = 2, layers = 4", "heads = 4, layers = 2") \
+            .replace("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }",
+                     "")
+    if "position_ids = int64" not in text:  # the model takes input_ids only
+        text = text.replace(", inputs = { position_ids = positions }", "")
+    with pytest.raises(PlanError, match=message) as err:
+        compile_plan(parse_plan(text, "plan.plan"))
+    assert f"plan.plan:{line}:" in str(err.value), str(err.value)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_ulysses_pp2_dp2_cp2_zero2_equals_reference(run_workers):
+    """8 processes: pp2 x dp2 x cp2 with ZeRO-2 (minutes on 2 shared cores)."""
+    run_workers(_worker, 8, ["pp2-dp2-zero2"], timeout=880)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ulysses_transformers_llama_pp2_cp2_equals_reference(run_workers):
+    """transformers' LlamaForCausalLM (RoPE from position_ids, GQA 4/2, SDPA with is_causal:
+    cp_models.causal_llama), exported, pp2 x cp2 under 1f1b and zbv."""
+    run_workers(_worker, 4, ["llama-1f1b", "llama-zbv"], timeout=880)
+
+
+def test_transformers_default_sdpa_mask_is_refused():
+    """attn_implementation="sdpa" materialises a [B, 1, S/cp, S/cp] mask when exported."""
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import PlanError, parse_plan
+
+    text = PLAN.replace('"pipeplan.tests.parallel.cp_models:RopeLM"',
+                        '"pipeplan.tests.compiler.models:tiny_llama"\n  capture = export')
+    with pytest.raises(PlanError, match=r"takes a mask tensor") as err:
+        compile_plan(parse_plan(text, "plan.plan"))
+    assert "plan.plan:9:" in str(err.value), str(err.value)
