@@ -49,6 +49,18 @@ class Policy:
     seed: int = 0  # of the jitter's random choices (a policy is a pure function of its fields)
 
 
+def _located(key: int, backward: bool, live: set, heads: list, te: float) -> tuple[int, Optional[deque]]:
+    """A fixed sequence's next action: (key, None) if its input is on the rank, (key, channel)
+    if it heads a channel and has arrived by te, else (-1, None)."""
+    if key in live:
+        return key, None
+    code = key if backward else -1 - key
+    for dq in heads:
+        if dq and dq[0][1] == code and dq[0][0] <= te:
+            return key, dq
+    return -1, None
+
+
 def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
                   policy: Policy) -> Schedule:
     """Run the greedy timed simulation; return the per-rank orders it produced (raises Stall)."""
@@ -159,14 +171,7 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
         if bwd_seq is not None:
             seq = bwd_seq[r]
             if next_b[r] < len(seq):
-                want = seq[next_b[r]]
-                if want in live_b[r]:
-                    bkey = want
-                else:
-                    for dq in heads:
-                        if dq and dq[0][1] == want and dq[0][0] <= te:
-                            bkey, bdq = want, dq
-                            break
+                bkey, bdq = _located(seq[next_b[r]], True, live_b[r], heads, te)
         else:
             hb, lv = heap_b[r], live_b[r]
             while hb and hb[0] not in lv:
@@ -185,14 +190,8 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
             seq = fwd_seq[r]
             if next_f[r] < len(seq):
                 want = seq[next_f[r]]
-                if held[r] + share[S - 1 - want % mS % S] <= lim:
-                    if want in live_f[r]:
-                        fkey = want
-                    else:
-                        for dq in heads:
-                            if dq and dq[0][1] == -1 - want and dq[0][0] <= te:
-                                fkey, fdq = want, dq
-                                break
+                if held[r] + share[S - 1 - want % S] <= lim:
+                    fkey, fdq = _located(want, False, live_f[r], heads, te)
         else:
             hf, lv = heap_f[r], live_f[r]
             while hf and hf[0] not in lv:
