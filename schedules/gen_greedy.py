@@ -89,8 +89,9 @@ class TimedRun:
 
 def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
               policy: Policy, give_up_at: Optional[float] = None) -> Optional[TimedRun]:
-    """The list scheduler's run (raises Stall). With give_up_at: None as soon as the makespan
-    cannot end below it (some rank's end plus its remaining work reaches it), else the run.
+    """The list scheduler's run (raises Stall). With give_up_at: None as soon as the makespan is
+    sure to reach it (some rank's end plus its remaining work reaches give_up_at + 1e-6, a
+    margin for rounding), else the whole run.
 
     The inner loop is one flat event loop over integers: a stage-microbatch is encoded
     as a key whose integer order is the policy's priority order (backward: oldest
