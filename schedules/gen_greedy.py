@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
+from itertools import starmap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,210 +49,260 @@ class Policy:
     seed: int = 0  # of the jitter's random choices (a policy is a pure function of its fields)
 
 
-class _Local:
-    """Actions whose input is on this rank already, in priority order (lazy-deleted heap)."""
-
-    def __init__(self):
-        self.heap: list = []
-        self.live: set = set()
-
-    def add(self, key, item):
-        self.live.add(item)
-        heapq.heappush(self.heap, (key, item))
-
-    def top(self):
-        while self.heap and self.heap[0][1] not in self.live:
-            heapq.heappop(self.heap)
-        return self.heap[0][1] if self.heap else None
-
-    def remove(self, item):
-        self.live.discard(item)
+def _located(key: int, backward: bool, live: set, heads: list, te: float) -> tuple[int, Optional[deque]]:
+    """A fixed sequence's next action: (key, None) if its input is on the rank, (key, channel)
+    if it heads a channel and has arrived by te, else (-1, None)."""
+    if key in live:
+        return key, None
+    code = key if backward else -1 - key
+    for dq in heads:
+        if dq and dq[0][1] == code and dq[0][0] <= te:
+            return key, dq
+    return -1, None
 
 
 def list_schedule(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
                   policy: Policy) -> Schedule:
     """Run the greedy timed simulation; return the per-rank orders it produced (raises Stall)."""
+    return timed_run(name, placement, microbatches, table, policy).schedule()
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """One list-scheduling run: its orders as (op, stage, microbatch) rows, and its makespan.
+
+    Without w_fits_gap every action starts as soon as its rank is free and its input has
+    arrived, so the makespan is simulate(schedule, costs).makespan (tested): callers that
+    compare policies time each run by it and build Actions for the one they keep only."""
+
+    name: str
+    placement: tuple[int, ...]
+    microbatches: int
+    rows: tuple[list[tuple[str, int, int]], ...]
+    makespan: float
+
+    def schedule(self) -> Schedule:
+        p, S = max(self.placement) + 1, len(self.placement)
+        return Schedule(self.name, p, S, self.microbatches, self.placement,
+                        tuple(tuple(starmap(Action, row)) for row in self.rows))
+
+
+def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
+              policy: Policy, give_up_at: Optional[float] = None) -> Optional[TimedRun]:
+    """The list scheduler's run (raises Stall). With give_up_at: None as soon as the makespan is
+    sure to reach it (some rank's end plus its remaining work reaches give_up_at + 1e-6, a
+    margin for rounding), else the whole run.
+
+    The inner loop is one flat event loop over integers: a stage-microbatch is encoded
+    as a key whose integer order is the policy's priority order (backward: oldest
+    microbatch, then deepest stage; forward: continuing before entering, then the same),
+    ready actions on a rank sit in a lazily-deleted heap of keys, and channel messages
+    carry their key (>= 0 for a gradient, -1 - key for an activation).
+    """
     p = max(placement) + 1
     S, m, lat = len(placement), microbatches, table.latency
     mine = [[s for s in range(S) if placement[s] == r] for r in range(p)]
     share = [1.0 / len(mine[placement[s]]) for s in range(S)]
     first_stage = [min(st) for st in mine]
-    bwd_op = B if policy.split else BW
+    split = policy.split
+    bwd_op = B if split else BW
+    dur_f = [table.time(F, s) for s in range(S)]
+    dur_b = [table.time(bwd_op, s) for s in range(S)]
+    dur_w = [table.time(W, s) for s in range(S)] if split else None
+    limit = [x + EPS for x in policy.limits]
+    whole = policy.reserve_whole
+    room = [min(1.0, 2 * share[s]) if s == first_stage[placement[s]] else share[s] for s in range(S)]
+    mS = m * S
+    # key(s, mb) = mb * S + (S - 1 - s); a forward adds m*S when it enters its rank
+    enter_off = [mS if s == first_stage[placement[s]] else 0 for s in range(S)]
 
-    local_f = [_Local() for _ in range(p)]
-    local_b = [_Local() for _ in range(p)]
+    heap_f: list[list[int]] = [[] for _ in range(p)]
+    heap_b: list[list[int]] = [[] for _ in range(p)]
+    live_f: list[set] = [set() for _ in range(p)]
+    live_b: list[set] = [set() for _ in range(p)]
     channels: dict[tuple[int, int], deque] = {}
-    inbox = [[] for _ in range(p)]  # channel deques feeding each rank
+    inbox: list[list[deque]] = [[] for _ in range(p)]
     for s in range(S - 1):
         for a, b in ((placement[s], placement[s + 1]), (placement[s + 1], placement[s])):
             if a != b and (a, b) not in channels:
                 channels[(a, b)] = dq = deque()
                 inbox[b].append(dq)
+    # the channel from stage s's rank to the rank of stage s+1 (activations) and s-1 (gradients)
+    ch_up = [channels.get((placement[s], placement[s + 1])) if s + 1 < S else None for s in range(S)]
+    ch_down = [channels.get((placement[s], placement[s - 1])) if s > 0 else None for s in range(S)]
     pending_w = [deque() for _ in range(p)]
     reserved = [0.0] * p
     held = [0.0] * p
     next_f = [0] * p
     next_b = [0] * p
-    orders: list[list[Action]] = [[] for _ in range(p)]
+    rows: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    # work each rank has left (for give_up_at), and the margin that keeps give-ups exact
+    left = [m * sum(dur_f[s] + dur_b[s] + (dur_w[s] if split else 0.0) for s in st) for st in mine]
+    give_up = None if give_up_at is None else give_up_at + 1e-6
     free_at = [0.0] * p
-    total = S * m * (3 if policy.split else 2)
+    total = S * m * (3 if split else 2)
     count = 0
-    rng = random.Random(policy.seed) if policy.jitter > 0 else None
+    jitter = policy.jitter
+    rng = random.Random(policy.seed) if jitter > 0 else None
+    fwd_seq = None if policy.fwd_seq is None else [
+        [mb * S + S - 1 - s + enter_off[s] for s, mb in seq] for seq in policy.fwd_seq]
+    bwd_seq = None if policy.bwd_seq is None else [[mb * S + S - 1 - s for s, mb in seq] for seq in policy.bwd_seq]
+    eager_w, forward_first, w_fits_gap = policy.eager_w, policy.forward_first, policy.w_fits_gap
+    heappush, heappop = heapq.heappush, heapq.heappop
 
-    def f_key(s, mb):
-        entering = s == first_stage[placement[s]]
-        return (entering, mb, -s)
-
-    def b_key(s, mb):
-        return (mb, -s)
-
+    r0 = placement[0]
     for mb in range(m):
-        local_f[placement[0]].add(f_key(0, mb), (0, mb))
-
-    def deliver(src_stage, dst_stage, kind, mb, t_done):
-        """Hand the output of one action to the stage that consumes it."""
-        r_src, r_dst = placement[src_stage], placement[dst_stage]
-        if r_src == r_dst:
-            if kind == F:
-                local_f[r_dst].add(f_key(dst_stage, mb), (dst_stage, mb))
-            else:
-                local_b[r_dst].add(b_key(dst_stage, mb), (dst_stage, mb))
-            return None
-        arrive = t_done + lat
-        channels[(r_src, r_dst)].append((arrive, kind, dst_stage, mb))
-        return r_dst, arrive
-
-    def admissible(r, s):
-        if policy.reserve_whole:
-            return s != first_stage[r] or reserved[r] + 1.0 <= policy.limits[r] + EPS
-        room = min(1.0, 2 * share[s]) if s == first_stage[r] else share[s]
-        return held[r] + room <= policy.limits[r] + EPS
-
-    def best_backward(r, heads):
-        """The B/BW to run next on rank r: its fixed sequence's next, else oldest microbatch, deepest stage."""
-        if policy.bwd_seq is not None:
-            seq = policy.bwd_seq[r]
-            if next_b[r] >= len(seq):
-                return None
-            want = seq[next_b[r]]
-            if want in local_b[r].live:
-                return want, None
-            return next(((want, h) for h in heads if h[1] == B and (h[2], h[3]) == want), None)
-        best = None
-        lb = local_b[r].top()
-        if lb is not None:
-            best = (b_key(*lb), lb, None)
-        for h in heads:
-            if h[1] == B and (best is None or b_key(h[2], h[3]) < best[0]):
-                best = (b_key(h[2], h[3]), (h[2], h[3]), h)
-        return best[1:] if best else None
-
-    def best_forward(r, heads):
-        """The F to run next on rank r, if its activations fit the memory gate."""
-        if policy.fwd_seq is not None:
-            seq = policy.fwd_seq[r]
-            if next_f[r] >= len(seq):
-                return None
-            want = seq[next_f[r]]
-            if held[r] + share[want[0]] > policy.limits[r] + EPS:
-                return None
-            if want in local_f[r].live:
-                return want, None
-            return next(((want, h) for h in heads if h[1] == F and (h[2], h[3]) == want), None)
-        best = None
-        lf = local_f[r].top()
-        if lf is not None and admissible(r, lf[0]):
-            best = (f_key(*lf), lf, None)
-        for h in heads:
-            if h[1] == F and admissible(r, h[2]) and (best is None or f_key(h[2], h[3]) < best[0]):
-                best = (f_key(h[2], h[3]), (h[2], h[3]), h)
-        return best[1:] if best else None
-
-    def deferred_w(r, t):
-        """The oldest pending W, unless policy holds it back for a message arriving sooner."""
-        w = pending_w[r][0]
-        if policy.w_fits_gap:
-            upcoming = [dq[0][0] for dq in inbox[r] if dq and dq[0][0] > t + EPS]
-            if upcoming and t + table.time(W, w[0]) > min(upcoming) + EPS:
-                return "wait", min(upcoming), None
-        return W, w, None
-
-    def pick(r, t):
-        """Choose the next action for rank r at time t, None to wait for a message, or ("wait", until)."""
-        heads = [dq[0] for dq in inbox[r] if dq and dq[0][0] <= t + EPS]
-        bwd = best_backward(r, heads)
-        fwd = best_forward(r, heads)
-        if rng is not None and rng.random() < policy.jitter:
-            ready = [c for c in ((bwd_op, bwd), (F, fwd), (W, (pending_w[r][0], None) if pending_w[r] else None))
-                     if c[1] is not None]
-            if ready:
-                op, (item, head) = rng.choice(ready)
-                return op, item, head
-        if fwd is not None and policy.forward_first:
-            return F, fwd[0], fwd[1]
-        if bwd is not None:
-            return bwd_op, bwd[0], bwd[1]
-        if policy.eager_w and pending_w[r]:
-            return W, pending_w[r][0], None
-        if fwd is not None:
-            return F, fwd[0], fwd[1]
-        if pending_w[r]:
-            return deferred_w(r, t)
-        return None
+        k = mb * S + S - 1 + enter_off[0]
+        live_f[r0].add(k)
+        heappush(heap_f[r0], k)
 
     events: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
     heapq.heapify(events)
     while events:
-        t, r = heapq.heappop(events)
-        if t < free_at[r] - EPS:
+        t, r = heappop(events)
+        fr = free_at[r]
+        if t < fr - EPS:
             continue
-        t = max(t, free_at[r])
-        choice = pick(r, t)
-        if choice is None:  # woken again by the next message sent to this rank
-            continue
-        if choice[0] == "wait":  # hold the W back until the expected message arrives
-            heapq.heappush(events, (choice[1], r))
-            continue
-        op, (s, mb), head = choice
-        if head is not None:
-            for dq in inbox[r]:
-                if dq and dq[0] is head:
-                    dq.popleft()
-                    break
-        elif op == F:
-            local_f[r].remove((s, mb))
-        elif op in (B, BW):
-            local_b[r].remove((s, mb))
-        end = t + table.time(op, s)
-        orders[r].append(Action(op, s, mb))
-        count += 1
-        free_at[r] = end
-        heapq.heappush(events, (end, r))
+        if fr > t:
+            t = fr
+        te, lim, heads = t + EPS, limit[r], inbox[r]  # a channel's head is ready once it arrived
+
+        # the B/BW to run next: its fixed sequence's next, else oldest microbatch, deepest stage
+        bkey, bdq = -1, None
+        if bwd_seq is not None:
+            seq = bwd_seq[r]
+            if next_b[r] < len(seq):
+                bkey, bdq = _located(seq[next_b[r]], True, live_b[r], heads, te)
+        else:
+            hb, lv = heap_b[r], live_b[r]
+            while hb and hb[0] not in lv:
+                heappop(hb)
+            if hb:
+                bkey = hb[0]
+            for dq in heads:
+                if dq:
+                    code = dq[0][1]
+                    if code >= 0 and (bkey < 0 or code < bkey) and dq[0][0] <= te:
+                        bkey, bdq = code, dq
+
+        # the F to run next, if its activations fit the memory gate
+        fkey, fdq = -1, None
+        if fwd_seq is not None:
+            seq = fwd_seq[r]
+            if next_f[r] < len(seq):
+                want = seq[next_f[r]]
+                if held[r] + share[S - 1 - want % S] <= lim:
+                    fkey, fdq = _located(want, False, live_f[r], heads, te)
+        else:
+            hf, lv = heap_f[r], live_f[r]
+            while hf and hf[0] not in lv:
+                heappop(hf)
+            if hf:
+                k = hf[0]
+                s = S - 1 - k % S
+                if (s != first_stage[r] or reserved[r] + 1.0 <= lim) if whole else held[r] + room[s] <= lim:
+                    fkey = k
+            for dq in heads:
+                if dq:
+                    code = dq[0][1]
+                    if code < 0 and (fkey < 0 or -1 - code < fkey) and dq[0][0] <= te:
+                        k = -1 - code
+                        s = S - 1 - k % S
+                        if (s != first_stage[r] or reserved[r] + 1.0 <= lim) if whole else held[r] + room[s] <= lim:
+                            fkey, fdq = k, dq
+
+        # the decision: backward first (forward first if asked), then W, F or wait
+        op = None
+        if rng is not None and rng.random() < jitter:
+            choices = [c for c in ((bwd_op, bkey >= 0), (F, fkey >= 0), (W, bool(pending_w[r]))) if c[1]]
+            if choices:
+                op = rng.choice(choices)[0]
+        if op is None:
+            if fkey >= 0 and forward_first:
+                op = F
+            elif bkey >= 0:
+                op = bwd_op
+            elif eager_w and pending_w[r]:
+                op = W
+            elif fkey >= 0:
+                op = F
+            elif pending_w[r]:
+                op = W
+                if w_fits_gap:  # hold the W back for a message arriving before it would end
+                    s = pending_w[r][0][0]
+                    upcoming = [dq[0][0] for dq in inbox[r] if dq and dq[0][0] > te]
+                    if upcoming and t + dur_w[s] > min(upcoming) + EPS:
+                        heappush(events, (min(upcoming), r))
+                        continue
+            else:
+                continue  # woken again by the next message sent to this rank
+
         wake = None
         if op == F:
+            k = fkey % mS
+            s, mb = S - 1 - k % S, k // S
+            if fdq is not None:
+                fdq.popleft()
+            else:
+                live_f[r].discard(fkey)
+            end = t + dur_f[s]
             if s == first_stage[r]:
                 reserved[r] += 1.0
             held[r] += share[s]
             next_f[r] += 1
             if s == S - 1:
-                local_b[r].add(b_key(s, mb), (s, mb))
+                live_b[r].add(mb * S)
+                heappush(heap_b[r], mb * S)
             else:
-                wake = deliver(s, s + 1, F, mb, end)
-        elif op in (B, BW):
+                dq = ch_up[s]
+                if dq is None:
+                    k = mb * S + S - 2 - s + enter_off[s + 1]
+                    live_f[r].add(k)
+                    heappush(heap_f[r], k)
+                else:
+                    dq.append((end + lat, -1 - (mb * S + S - 2 - s + enter_off[s + 1]), F, s + 1, mb))
+                    wake = placement[s + 1], end + lat
+        elif op == W:
+            s, mb = pending_w[r].popleft()
+            end = t + dur_w[s]
+            held[r] -= share[s]
+            reserved[r] -= share[s]
+        else:
+            s, mb = S - 1 - bkey % S, bkey // S
+            if bdq is not None:
+                bdq.popleft()
+            else:
+                live_b[r].discard(bkey)
+            end = t + dur_b[s]
             next_b[r] += 1
-            if op == B:
+            if split:
                 pending_w[r].append((s, mb))
             else:
                 held[r] -= share[s]
                 reserved[r] -= share[s]
             if s > 0:
-                wake = deliver(s, s - 1, B, mb, end)
-        else:
-            pending_w[r].popleft()
-            held[r] -= share[s]
-            reserved[r] -= share[s]
+                dq = ch_down[s]
+                if dq is None:
+                    k = mb * S + S - s
+                    live_b[r].add(k)
+                    heappush(heap_b[r], k)
+                else:
+                    dq.append((end + lat, mb * S + S - s, B, s - 1, mb))
+                    wake = placement[s - 1], end + lat
+        rows[r].append((op, s, mb))
+        count += 1
+        free_at[r] = end
+        if give_up is not None:
+            left[r] -= end - t
+            if end + left[r] >= give_up:
+                return None
+        heappush(events, (end, r))
         if wake is not None:
-            heapq.heappush(events, (max(wake[1], free_at[wake[0]]), wake[0]))
+            q, arrive = wake
+            if free_at[q] < arrive or arrive <= t or rng is not None:
+                heappush(events, (max(arrive, free_at[q]), q))
+            # else q's own end event (free_at[q], q), still queued, wakes it then; a second,
+            # identical event would only repeat that decision (or draw the jitter twice)
     if count != total:
         raise Stall(f"{name}: the greedy policy stalled after {count} of {total} actions")
-    return Schedule(name, p, S, m, placement, tuple(tuple(o) for o in orders))
+    return TimedRun(name, placement, m, tuple(rows), max(free_at, default=0.0))

@@ -21,9 +21,8 @@ not change with the costs; `auto` is the kind that adapts to them.
 from __future__ import annotations
 
 from .costs import Costs
-from .gen_greedy import Policy, Stall, list_schedule
+from .gen_greedy import Policy, Stall, timed_run
 from .ir import B, F, W, Action, Schedule, loop_placement, v_placement
-from .simulate import simulate
 
 UNIT = Costs()
 
@@ -143,19 +142,22 @@ def _zbv(p: int, m: int, fifo: bool) -> Schedule:
 
 
 def _greedy(name: str, placement: tuple[int, ...], microbatches: int, limit: float) -> Schedule:
-    """The shorter (at unit costs) of backwards-first and forwards-first list scheduling."""
+    """The shorter (at unit costs) of backwards-first and forwards-first list scheduling.
+
+    Each run is timed by its own makespan (simulate()'s; tested); the second gives up as
+    soon as it cannot end strictly sooner than the first, which it then could not replace."""
     ranks = max(placement) + 1
     table = UNIT.stage_table(placement)
     best = None
     for forward_first in (False, True):
         policy = Policy(split=True, limits=(limit,) * ranks, forward_first=forward_first)
         try:
-            schedule = list_schedule(name, placement, microbatches, table, policy)
+            run = timed_run(name, placement, microbatches, table, policy,
+                            give_up_at=None if best is None else best.makespan - 1e-9)
         except Stall:
             continue
-        key = simulate(schedule).makespan
-        if best is None or key < best[0] - 1e-9:
-            best = (key, schedule)
+        if run is not None and (best is None or run.makespan < best.makespan - 1e-9):
+            best = run
     if best is None:
         raise Stall(f"{name}: no list-scheduling policy finishes with {microbatches} microbatches")
-    return best[1]
+    return best.schedule()

@@ -1,6 +1,6 @@
 """On-demand schedule benchmark (minutes; not part of the test suite):
 
-    PYTHONPATH=.. python tests/benchmarks/bench_schedules.py [--quick]
+    PYTHONPATH=.. python tests/benchmarks/bench_schedules.py [--quick | --generation]
 
 1. auto against torch's ScheduleZBVZeroBubble (built from torch's own class, timed by
    pipeplan as torch runs it: receives matched by tag) and the issue's closed-form
@@ -89,6 +89,9 @@ def auto_16() -> None:
 
 
 if __name__ == "__main__":
+    if "--generation" in sys.argv:  # section 3 alone
+        generation()
+        sys.exit(0)
     quick = "--quick" in sys.argv
     ok = auto_table([(4, 8)] if quick else [(4, 8), (8, 32)])
     stage_costs_row()
