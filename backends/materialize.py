@@ -22,7 +22,9 @@ Two separable steps, so a weights file can replace the first and keep the second
   possibly a TP / EP shard marked by `sliced_parameter` with its `Slice` of the
   full tensor) storage on `device` holding exactly its slice, in place
   (`torch.utils.swap_tensors`: the Python object, and everything keyed by it,
-  stays).
+  stays). With `source=` (a weights file, backends/weights.py) the names it holds
+  skip the first step: `fill` reads each target's slice alone from the file
+  (`source.read(name, slice.index())`), never the full tensor.
 
 * A tied parameter (embedding and LM head) is drawn once; every module owning it
   runs its rule, in model order (as the constructor did), so each holder draws
@@ -60,6 +62,10 @@ class Slice:
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         return full.narrow(self.dim, self.start, self.length)
+
+    def index(self) -> tuple[slice, ...]:
+        """The same part as an index, `full[index]` (what a weights file reads)."""
+        return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
 
 
 _SLICE = "_pipeplan_slice"  # attribute of a meta shard: the Slice fill() gives it
@@ -206,27 +212,36 @@ def fresh_meta(modules: Iterable[nn.Module]) -> None:
 
 def fill(targets: Mapping[str, Iterable[nn.Parameter]],
          values: Iterable[tuple[tuple[str, ...], torch.Tensor]],
-         device: torch.device | str = "cpu") -> int:
+         device: torch.device | str = "cpu", source=None) -> int:
     """Give each meta target parameter storage on `device` holding its slice (`slice_of`,
     default all) of its full value, in the target's dtype, in place. `targets`: name ->
     the parameters of that name (a rank's stage modules may hold one under several names,
-    or two stages one name). Returns the bytes of the distinct parameters filled."""
+    or two stages one name). A name that `source` (a weights.WeightSource) holds is read
+    from it, and only the target's slice (`source.read(name, Slice.index())`); `values`
+    supply the others. Returns the bytes of the distinct parameters filled."""
     device = torch.device(device)
     done: dict[int, nn.Parameter] = {}
+
+    def put(name: str, t: nn.Parameter, data: torch.Tensor) -> None:
+        if tuple(data.shape) != tuple(t.shape):
+            raise PipeplanError(f"`{name}`: its value has shape {tuple(data.shape)}, "
+                                f"the stage holds {tuple(t.shape)}")
+        new = nn.Parameter(data.to(device=device, dtype=t.dtype, copy=True).contiguous(),
+                           requires_grad=t.requires_grad)
+        torch.utils.swap_tensors(t, new)  # same object: the layout's ids stay valid
+        done[id(t)] = t
+
+    for name in (n for n in targets if source is not None and n in source):
+        for t in targets[name]:
+            if id(t) not in done and t.device.type == "meta":
+                part = slice_of(t)
+                put(name, t, source.read(name, part.index() if part is not None else None))
     for names, value in values:
         for name in names:
             for t in targets.get(name, ()):
-                if id(t) in done or t.device.type != "meta":
-                    continue
-                part = slice_of(t)
-                data = part.take(value) if part is not None else value
-                if tuple(data.shape) != tuple(t.shape):
-                    raise PipeplanError(f"`{name}`: its value has shape {tuple(data.shape)}, "
-                                        f"the stage holds {tuple(t.shape)}")
-                new = nn.Parameter(data.to(device=device, dtype=t.dtype, copy=True)
-                                   .contiguous(), requires_grad=t.requires_grad)
-                torch.utils.swap_tensors(t, new)  # same object: the layout's ids stay valid
-                done[id(t)] = t
+                if id(t) not in done and t.device.type == "meta":
+                    part = slice_of(t)
+                    put(name, t, part.take(value) if part is not None else value)
     missing = sorted(n for n, ts in targets.items() for t in ts if t.device.type == "meta")
     if missing:
         raise PipeplanError(f"no initial value for {missing[:3]}")

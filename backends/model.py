@@ -48,7 +48,8 @@ def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu"))
     rewritten for TP / EP so that they hold only their shards, see materialize.Slice) its
     initial value on `device`: each owning module's init runs once on CPU, the rank keeps
     its slice, and the module's storage is released before the next one (the peak is one
-    module, not the stage). Graph constants are moved to `device`. Returns the bytes of
+    module, not the stage); with the plan's weights each tensor is read from the file
+    instead, only the rank's slice of it. Graph constants are moved to `device`. Returns the bytes of
     the distinct parameters the modules hold."""
     from ..compiler.loading import load_skeleton
     from ..compiler.stages import move_stage
@@ -65,8 +66,9 @@ def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu"))
     if not (targets or buffers):
         return param_bytes(modules)  # stages compiled with their weights (tests)
     skeleton = load_skeleton(plan)
-    fill(targets, initial_values(skeleton, plan.train.seed, targets,
-                                  source=weights_source(plan, skeleton)), device)
+    source = weights_source(plan, skeleton)  # its names are read by `fill`, slices only
+    drawn = [n for n in targets if source is None or n not in source]
+    fill(targets, initial_values(skeleton, plan.train.seed, drawn), device, source=source)
     for m, name, b in buffers:
         owner, _, leaf = name.rpartition(".")
         m.get_submodule(owner)._buffers[leaf] = buffer_value(skeleton, name, device, b.dtype)

@@ -18,11 +18,13 @@ relative to the plan file. Three pieces, used in this order:
   Buffers are optional: their values are the constructor's (as the run computes
   them); a stored one must have the model's shape.
 * `weights_source(plan, model)`: what `backends/materialize.py` reads instead of
-  the init (`materialize(..., source=...)`), a mapping from the model's names to
-  tensors that opens a file (`safetensors.safe_open`) only when a name it holds
-  is asked for, so a rank reads exactly the tensors of the stages it owns.
-  `read(name, index)` reads a slice through `get_slice` (a TP/EP shard) without
-  reading the rest of the tensor.
+  the init, a mapping from the model's names to tensors that opens a file
+  (`safetensors.safe_open`) only when a name it holds is asked for, so a rank
+  reads exactly the tensors of the stages it owns. A rank's stages are filled
+  through `read(name, index)` (`materialize.fill(..., source=...)`): a TP/EP
+  shard reads only its slice through `get_slice`, never the rest of the tensor;
+  the single-process reference (`materialize(..., source=...)`) reads whole
+  tensors.
 
 Values are cast to the model's constructed dtype, then to the plan's precision
 like the init's values, so the pipelined run and the reference of `pipeplan
@@ -291,6 +293,7 @@ class WeightSource(Mapping):
     def __init__(self, stored: Mapping[str, Stored], model: nn.Module):
         self.stored = stored
         self._key: dict[str, str] = match_names(model, stored)[0]  # model name -> stored name
+        self._dtype = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
         self._files: dict[str, object] = {}
         self.names_read: list[str] = []
 
@@ -307,14 +310,14 @@ class WeightSource(Mapping):
         return self.read(name)
 
     def read(self, name: str, index=None) -> torch.Tensor:
-        """The stored tensor for the model's `name`; with `index` (a tuple of slices, as for
-        `tensor[index]`) only that part is read (safetensors' `get_slice`)."""
+        """The stored tensor for the model's `name`, cast to the model's constructed dtype;
+        with `index` (a tuple of slices, as for `tensor[index]`) only that part is read
+        (safetensors' `get_slice`: a TP / EP shard never reads the rest of the tensor)."""
         key = self._key[name]
         handle = self._open(self.stored[key].file)
         self.names_read.append(key)
-        if index is None:
-            return handle.get_tensor(key)
-        return handle.get_slice(key)[index]
+        value = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        return value.to(self._dtype[name])
 
     def _open(self, file: str):
         if file not in self._files:

@@ -73,9 +73,38 @@ def pretrained(tmp_path_factory) -> Path:
     return root
 
 
-def write_plan(folder: Path, weights: str, steps: int = STEPS) -> Path:
-    path = folder / "w.plan"
-    path.write_text(PLAN.format(weights=weights, steps=steps))
+# tp2: Megatron's column/row pairs (the tied embedding and head stay whole)
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+TP_PLAN = """\
+model {{
+  source = "pipeplan.tests.compiler.models:tiny_llama"
+  args = {{ vocab = 64, dim = 32, layers = 2, tie = true }}
+  capture = export
+  weights = "{weights}"
+}}
+data = synthetic(seed = 3, vocab = 64, seq_len = 16)
+mesh {{ tp = 2 }}
+pipeline {{ schedule = gpipe, microbatches = 2 }}
+tensor {{
+  column = [model.layers.*.self_attn.q_proj, model.layers.*.self_attn.k_proj,
+            model.layers.*.self_attn.v_proj, model.layers.*.mlp.gate_proj,
+            model.layers.*.mlp.up_proj]
+  row = [model.layers.*.self_attn.o_proj, model.layers.*.mlp.down_proj]
+}}
+train {{
+  steps = 1
+  global_batch = 8
+  precision = fp64
+  optimizer = adamw(lr = 0.01)
+}}
+"""
+
+
+def write_plan(folder: Path, weights: str, steps: int = STEPS, text: str = PLAN,
+               name: str = "w.plan") -> Path:
+    path = folder / name
+    path.write_text(text.format(weights=weights, steps=steps))
     return path
 
 
@@ -90,27 +119,37 @@ def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------- one pp2 run, several checks
 def _recording_safe_open(log: list):
-    """safetensors.safe_open, recording every tensor read through it."""
+    """safetensors.safe_open, recording every read through it: (stored name, None) for a
+    whole tensor, (stored name, ((start, stop) per indexed dim), shape read) for a slice."""
     import safetensors
 
     real = safetensors.safe_open
+
+    class Piece:
+        def __init__(self, name, piece):
+            self._name, self._piece = name, piece
+
+        def __getitem__(self, index):
+            got = self._piece[index]
+            log.append((self._name, tuple((s.start, s.stop) for s in index), tuple(got.shape)))
+            return got
 
     class Handle:
         def __init__(self, *a, **k):
             self._h = real(*a, **k)
 
         def get_tensor(self, name):
-            log.append(name)
+            log.append((name, None))
             return self._h.get_tensor(name)
 
         def get_slice(self, name):
-            log.append(name)
-            return self._h.get_slice(name)
+            return Piece(name, self._h.get_slice(name))
 
     return Handle
 
 
-def _train_and_checkpoint(rank, world, plan_path):
+def _train_and_checkpoint(rank, world, plan_path, tp_plan_path):
+    """The pp2 run (3 steps, a checkpoint), then, in the same processes, one tp2 step."""
     import safetensors
 
     from pipeplan.backends.checkpoint import Checkpointer
@@ -118,14 +157,20 @@ def _train_and_checkpoint(rank, world, plan_path):
     from pipeplan.backends.verify import rank_result
     from pipeplan.dsl.load import load_plan
 
+    real = safetensors.safe_open
     plan = load_plan(str(plan_path)).with_resolved_paths()
-    read: list[str] = []
+    read: list = []
     safetensors.safe_open = _recording_safe_open(read)
     trainer = PipelineTrainer.for_plan(plan)
     own = sorted(trainer.parameters_by_name())
     losses = [trainer.step(t).loss for t in range(STEPS)]
     Checkpointer(plan, trainer).save(STEPS)
-    return dict(rank_result(losses, trainer, None), read=read, own=own)
+    out = dict(rank_result(losses, trainer, None), read=[name for name, *_ in read], own=own)
+    tp_read: list = []
+    safetensors.safe_open = _recording_safe_open(tp_read)
+    tp = PipelineTrainer.for_plan(load_plan(str(tp_plan_path)).with_resolved_paths())
+    safetensors.safe_open = real
+    return dict(out, tp_loss=tp.step(0).loss, tp_read=tp_read)
 
 
 @pytest.mark.slow
@@ -137,7 +182,8 @@ def test_pretrained_pp2_first_loss_rank_reads_and_export_round_trip(pretrained, 
     from pipeplan.dsl.load import load_plan
 
     plan_path = write_plan(tmp_path, str(pretrained / "sharded"))
-    results = spawn(_train_and_checkpoint, 2, plan_path, timeout=360)
+    tp_plan = write_plan(tmp_path, str(pretrained / "single"), text=TP_PLAN, name="tp.plan")
+    results = spawn(_train_and_checkpoint, 2, plan_path, tp_plan, timeout=360)
     plan = load_plan(str(plan_path))
 
     # 1. step 1's loss is the unpipelined model's on the same weights (float64)
@@ -161,6 +207,27 @@ def test_pretrained_pp2_first_loss_rank_reads_and_export_round_trip(pretrained, 
     assert set(results[0]["read"]) & set(results[1]["read"]) == {"model.embed_tokens.weight"}
     assert "model.layers.1.mlp.up_proj.weight" not in results[0]["read"]
     assert "model.layers.0.mlp.up_proj.weight" not in results[1]["read"]
+
+    # 2b. tp2 from the single file: each rank read its own rows (column-parallel weights)
+    # or columns (row-parallel weights) of every split weight, never the whole tensor;
+    # the replicated ones (norms, tied embedding) whole; the same first loss
+    for rank, r in enumerate(results):
+        assert r["tp_loss"] == pytest.approx(expected, rel=TOL["rtol"], abs=TOL["atol"])
+        want = set()
+        for name, full in stored.items():
+            half = full.shape[0] // 2 if full.dim() else 0
+            mine = (rank * half, (rank + 1) * half)
+            if name.rsplit(".", 2)[-2] in COLUMN:
+                want.add((name, (mine,), (half, full.shape[1])))
+            elif name.rsplit(".", 2)[-2] in ROW:
+                half = full.shape[1] // 2
+                mine = (rank * half, (rank + 1) * half)
+                want.add((name, ((None, None), mine), (full.shape[0], half)))
+            else:
+                want.add((name, None))
+        assert set(r["tp_read"]) == want, rank
+        assert len(r["tp_read"]) == len(want), rank  # each read once (the head is tied)
+        assert sum(len(w) == 3 for w in want) == 2 * 7  # 7 split weights per layer
 
     # 3. export the checkpoint: from_pretrained gives the final pipelined parameters' logits
     out = tmp_path / "exported"
