@@ -11,7 +11,10 @@ float64 and torch's cross entropy.
   weights; each rank opened the safetensors files for exactly the tensors of
   its own stage (the tied embedding is read by both ranks that hold it, under
   its stored name); `pipeplan export` of the checkpoint loads with
-  `from_pretrained` and gives the logits of the run's final parameters.
+  `from_pretrained` and gives the logits of the run's final parameters. In the
+  same processes, a tp2 run from the single file: each rank read (recorded at
+  `get_slice`) exactly its half of every column/row-parallel weight, never the
+  whole tensor, and its first loss equals the same reference.
 * `pipeplan verify`'s reference (`build_model`) starts from the file too.
 * Bad weights stop `pipeplan check` with exit 2, the file and tensor named, a
   caret under the plan line, no traceback.
@@ -285,6 +288,26 @@ def test_a_slice_reads_only_that_part(pretrained):
     assert torch.equal(source["lm_head.weight"], model.lm_head.weight)  # via its tied name
     assert source.names_read == ["model.layers.1.mlp.down_proj.weight",
                                  "model.embed_tokens.weight"]
+
+
+def test_fill_reads_a_shard_from_the_source_in_the_target_dtype(pretrained):
+    """`fill` with a source: an EP-like block of rows and a TP-like block of columns, each
+    read as that part (no init drawn, no `values`), cast to the target's float64."""
+    from pipeplan.backends.materialize import fill, sliced_parameter
+    from pipeplan.backends.weights import WeightSource, catalogue
+
+    model = hf_llama()
+    source = WeightSource(catalogue(str(pretrained / "single")), model)
+    up, down = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    meta = {n: torch.nn.Parameter(torch.empty(model.get_parameter(n).shape,
+                                              dtype=torch.float64, device="meta"))
+            for n in (up, down)}
+    rows, cols = sliced_parameter(meta[up], 0, 16, 48), sliced_parameter(meta[down], 1, 32, 32)
+    nbytes = fill({up: [rows], down: [cols]}, [], source=source)
+    assert torch.equal(rows, model.get_parameter(up)[16:64].double())
+    assert torch.equal(cols, model.get_parameter(down)[:, 32:64].double())
+    assert rows.dtype == cols.dtype == torch.float64 and nbytes == (48 * 32 + 32 * 32) * 8
+    assert source.names_read == [up, down]
 
 
 # --------------------------------------------------------- bad weights, before launch
