@@ -37,7 +37,7 @@ ARGS = {"vocab": 64, "dim": 32, "layers": 2, "tie": True}
 TOL = dict(rtol=1e-9, atol=1e-12)
 STEPS = 3
 
-PLAN = """\
+MODEL = """\
 model {{
   source = "pipeplan.tests.compiler.models:tiny_llama"
   args = {{ vocab = 64, dim = 32, layers = 2, tie = true }}
@@ -45,6 +45,8 @@ model {{
   weights = "{weights}"
 }}
 data = synthetic(seed = 3, vocab = 64, seq_len = 16)
+"""
+PLAN = MODEL + """\
 mesh {{ pp = 2 }}
 pipeline {{ schedule = 1f1b, microbatches = 4 }}
 train {{
@@ -79,14 +81,7 @@ def pretrained(tmp_path_factory) -> Path:
 # tp2: Megatron's column/row pairs (the tied embedding and head stay whole)
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
-TP_PLAN = """\
-model {{
-  source = "pipeplan.tests.compiler.models:tiny_llama"
-  args = {{ vocab = 64, dim = 32, layers = 2, tie = true }}
-  capture = export
-  weights = "{weights}"
-}}
-data = synthetic(seed = 3, vocab = 64, seq_len = 16)
+TP_PLAN = MODEL + """\
 mesh {{ tp = 2 }}
 pipeline {{ schedule = gpipe, microbatches = 2 }}
 tensor {{
