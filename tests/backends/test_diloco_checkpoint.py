@@ -7,7 +7,8 @@ resumed under the same plan and under the gpipe schedule (the same sums in the s
 order on 2 microbatches, another plan hash): every loss, every island's parameters and
 the DiLoCo global copies, outer momentum and sync counts bitwise equal to the
 uninterrupted run. The checkpoint, read back by torch's converter, keeps the islands'
-parameters apart and the shared state once; a plan with another H or island count is
+parameters apart and the shared state once (`pipeplan export` reads the global
+parameters); a plan with another H or island count is
 refused by the manifest check.
 """
 from __future__ import annotations
@@ -97,6 +98,12 @@ def test_diloco_resumes_between_syncs_bitwise(spawn, tmp_path):
     assert any(not torch.equal(stored[f"island0/params/{n}"], stored[f"island1/params/{n}"])
                for n in names)
     assert int(stored["diloco/rounds/0"]) == 1
+    # `pipeplan export` reads the global parameters of the last sync
+    from pipeplan.backends.export import read_checkpoint_params
+
+    exported = read_checkpoint_params(str(tmp_path))
+    assert sorted(exported) == sorted(names)
+    assert all(torch.equal(exported[n], stored[f"diloco/global/{n}"]) for n in names)
 
     # another H or island count: refused before launch, naming both
     from pipeplan.backends.checkpoint.manifest import incompatibilities, read_manifest
