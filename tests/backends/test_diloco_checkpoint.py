@@ -4,7 +4,8 @@ One spawned 4-rank world (pp=2 x dp=2 islands), float64, DiLoCo H=3 with a Neste
 step and AdamW inside, 7 steps (syncs after steps 3 and 6). The run saves after step 4,
 when the islands have diverged since the last sync, and goes on; the checkpoint is then
 resumed under the same plan and under the gpipe schedule (the same sums in the same
-order on 2 microbatches, another plan hash): every loss, every island's parameters and
+order on 2 microbatches, another plan hash), and under pp1 x tp2 inside each island
+(within the fp64 rule: another sum order). Same plan and gpipe: every loss, every island's parameters and
 the DiLoCo global copies, outer momentum and sync counts bitwise equal to the
 uninterrupted run. The checkpoint, read back by torch's converter, keeps the islands'
 parameters apart and the shared state once (`pipeplan export` reads the global
@@ -18,9 +19,10 @@ import dataclasses
 import pytest
 import torch
 
-from pipeplan.dsl.ast import CheckpointSpec, SyncSpec
+from pipeplan.dsl.ast import CheckpointSpec, MeshSpec, SplitSpec, SyncSpec
 
-from .test_diloco import ADAMW, NESTEROV, make_plan
+from .test_diloco import ADAMW, ATOL, NESTEROV, RTOL, make_plan
+from .test_equivalence_parallel import TENSOR
 
 STEPS, SAVE = 7, 4
 
@@ -31,7 +33,9 @@ def plans(folder: str) -> dict:
         base.train, steps=STEPS, checkpoint=CheckpointSpec(every=SAVE, dir=folder)))
     gpipe = dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline,
                                                                   schedule="gpipe"))
-    return {"diloco": base, "gpipe": gpipe}
+    tp2 = dataclasses.replace(base, mesh=MeshSpec(pp=1, dp=2, tp=2), tensor=TENSOR,
+                              pipeline=dataclasses.replace(base.pipeline, split=SplitSpec()))
+    return {"diloco": base, "gpipe": gpipe, "tp2": tp2}
 
 
 def _run(plan, tag: str, resume: bool):
@@ -58,7 +62,8 @@ def _worker(rank, world, folder):
     every = plans(folder)
     return {"straight": _run(every["diloco"], "diloco", resume=False),
             "resumed": _run(every["diloco"], "diloco", resume=True),
-            "gpipe": _run(every["gpipe"], "gpipe", resume=True)}
+            "gpipe": _run(every["gpipe"], "gpipe", resume=True),
+            "tp2": _run(every["tp2"], "tp2", resume=True)}
 
 
 def _equal(a: dict, b: dict) -> list[str]:
@@ -82,6 +87,18 @@ def test_diloco_resumes_between_syncs_bitwise(spawn, tmp_path):
             assert not _equal(got["params"], straight["params"]), (rank, key)
             assert not _equal(got["state"], straight["state"]), (rank, key)
         assert any(k.startswith("diloco/outer_momentum/") for k in straight["state"])
+    # resharded inside the islands (pp2 -> pp1 x tp2): the same DiLoCo math, other sums
+    for d in (0, 1):
+        island = [r for r in results if r["straight"]["dp"] == d]
+        want = {n: v for r in island for n, v in r["straight"]["params"].items()}
+        losses = island[0]["straight"]["losses"][SAVE:]
+        for r in (r for r in results if r["tp2"]["dp"] == d):
+            assert r["tp2"]["syncs"] == [6]
+            assert r["tp2"]["losses"] == pytest.approx(losses, rel=RTOL, abs=ATOL)
+            got = r["tp2"]["params"]
+            assert set(got) == set(want)
+            bad = [n for n in got if not torch.allclose(got[n], want[n], rtol=RTOL, atol=ATOL)]
+            assert not bad, (d, bad)
     # the islands differ at the save (step 4 is between syncs): resuming one island's
     # parameters into both would not have passed the checks above
     assert results[0]["straight"]["losses"][SAVE - 1] != results[1]["straight"]["losses"][SAVE - 1]
