@@ -1,7 +1,9 @@
 """Trained weights out: `pipeplan export CHECKPOINT -o OUT [--plan PLAN]`.
 
 A run's checkpoint (backends/checkpoint.py, DCP) holds every parameter under
-the unmodified model's name, `params/<name>`. `read_checkpoint_params` is the
+the unmodified model's name, `params/<name>` (a DiLoCo run's: the islands'
+global parameters of the last sync, `diloco/global/<name>`; its islands'
+own parameters are `island<d>/params/<name>`). `read_checkpoint_params` is the
 one place that reads it (into plain CPU tensors at full shape, without a
 process group: DCP reshards whatever layout the run wrote); the rest of this
 module never looks at the checkpoint's layout.
@@ -33,6 +35,7 @@ import torch
 from ..errors import PipeplanError
 
 PARAMS = "params/"
+DILOCO_GLOBAL = "diloco/global/"  # a DiLoCo checkpoint's parameters (checkpoint/islands.py)
 
 
 class CheckpointError(PipeplanError):
@@ -68,13 +71,16 @@ def read_checkpoint_params(path: str, check=None) -> dict[str, torch.Tensor]:
     except Exception as e:  # pickle / IO errors of a damaged .metadata
         raise CheckpointError(f"{os.path.join(folder, '.metadata')}: unreadable checkpoint "
                               f"metadata ({type(e).__name__}: {e})") from None
-    stored = {key[len(PARAMS):]: md for key, md in metadata.state_dict_metadata.items()
-              if key.startswith(PARAMS) and isinstance(md, TensorStorageMetadata)}
+    keys = metadata.state_dict_metadata
+    prefix = PARAMS if any(k.startswith(PARAMS) for k in keys) else DILOCO_GLOBAL
+    stored = {key[len(prefix):]: md for key, md in keys.items()
+              if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     if not stored:
-        raise CheckpointError(f"{folder}: the checkpoint holds no parameters ({PARAMS}<name>)")
+        raise CheckpointError(f"{folder}: the checkpoint holds no parameters ({PARAMS}<name> "
+                              f"or {DILOCO_GLOBAL}<name>)")
     if check is not None:
         check({name: tuple(md.size) for name, md in stored.items()})
-    state = {PARAMS + name: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    state = {prefix + name: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for name, md in stored.items()}
     try:
         with warnings.catch_warnings():  # no process group here, on purpose
@@ -83,7 +89,7 @@ def read_checkpoint_params(path: str, check=None) -> dict[str, torch.Tensor]:
     except Exception as e:
         raise CheckpointError(f"{folder}: reading the parameters failed: "
                               f"{type(e).__name__}: {e}") from None
-    return {key[len(PARAMS):]: t for key, t in state.items()}
+    return {key[len(prefix):]: t for key, t in state.items()}
 
 
 def check_fits(model: torch.nn.Module, shapes: dict[str, tuple], where: str) -> None:

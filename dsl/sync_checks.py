@@ -62,10 +62,10 @@ def _sync(plan: Plan) -> Iterator[Problem]:
     if s.decoupled and s.timeout <= 0:
         yield Problem(where(plan, "sync.timeout", "sync"), "timeout must be above 0s",
                       "how long a sync waits for late islands, e.g. timeout = 30s")
-    if plan.train.checkpoint is not None:
+    if s.decoupled and plan.train.checkpoint is not None:
         yield Problem(where(plan, "train.checkpoint", "sync"),
-                      "diloco cannot write checkpoints yet",
-                      "a checkpoint stores one copy of a parameter that several dp ranks "
-                      "hold, but islands hold different parameters and inner optimizer "
-                      "states between syncs (and a decoupled run has no collective to write "
-                      "with); remove train.checkpoint or use sync = every_step")
+                      "a decoupled diloco run cannot write checkpoints",
+                      "a checkpoint is written by every rank together (a collective save, "
+                      "then a barrier), which a decoupled run has not: its islands are at "
+                      "different steps and may be lost; remove train.checkpoint, or set "
+                      "decoupled = false (synchronous diloco checkpoints every island)")

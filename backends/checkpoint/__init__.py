@@ -28,6 +28,7 @@ the choices: `--reset-optimizer` (weights only), or start fresh.
 
     state.py     this rank's pieces of every key (the concept; read it first)
     pieces.py    pieces as DCP chunks: the hooks and planners, flat-range rectangles
+    islands.py   DiLoCo: each island's keys apart (`island<d>/params/...`), the outer state shared
     manifest.py  manifest.json and what a plan can load of it
     store.py     save (atomic: tmp folder, barrier, rename by rank 0), load, the newest
 """

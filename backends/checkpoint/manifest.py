@@ -7,6 +7,8 @@ checkpoint came from, in words a person and `plan_diff` can read:
     format, step, plan_hash       (the hash of what every rank ran: agreement.py)
     plan: mesh, zero, schedule, virtual, microbatches, split points, precision
     optimizer: name, momentum     (the optimizer state kept, by name)
+    sync: every_step, or diloco's islands, inner_steps, fragments, outer optimizer
+                                  (islands.py: a diloco checkpoint resumes only under the same)
     parameters: name -> global shape
     data: step, tokens            (the data position: step t's batch is a function of t)
     lr                            (the LR after the last step: the schedule replays from step)
@@ -24,6 +26,7 @@ from typing import Optional
 
 from ...dsl.ast import Plan
 from ...errors import PipeplanError
+from .islands import describe, sync_summary
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -48,6 +51,7 @@ def build_manifest(plan: Plan, step: int, plan_hash: str, shapes: dict, split_po
                    lr: float) -> dict:
     return {"format": FORMAT, "step": step, "plan_hash": plan_hash,
             "plan": plan_summary(plan, split_points), "optimizer": optimizer_summary(plan),
+            "sync": sync_summary(plan),
             "parameters": {n: list(s) for n, s in sorted(shapes.items())},
             "data": {"step": step, "tokens": step * plan.train.global_batch * plan.data.seq_len},
             "lr": lr}
@@ -99,6 +103,12 @@ def incompatibilities(manifest: dict, plan: Plan, shapes: dict[str, tuple[int, .
         out.append(f"the optimizer state is {say(saved)}'s, the plan trains with {say(now)}: "
                    f"it will not load; resume with --reset-optimizer (weights only, a fresh "
                    f"optimizer), change train.optimizer back, or {fresh}")
+    saved_sync, now_sync = manifest.get("sync", {"mode": "every_step"}), sync_summary(plan)
+    if saved_sync != now_sync:
+        out.append(f"the checkpoint was written under {describe(saved_sync)}, the plan runs "
+                   f"{describe(now_sync)}: DiLoCo's per-island parameters, inner optimizer "
+                   f"states and outer state resume only under the same islands and outer "
+                   f"loop; set sync and mesh.dp back, or {fresh}")
     have = {n: tuple(s) for n, s in manifest["parameters"].items()}
     missing = sorted(set(shapes) - set(have))
     if missing:

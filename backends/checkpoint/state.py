@@ -17,6 +17,9 @@ A rank's pieces of a parameter follow from how the plan cut it:
   (zero.py), cut into rectangles (`flat_boxes`); values and optimizer states
   are views of the flat shard and of the optimizer's state of it.
 
+Under DiLoCo (islands.py) the params/ and optim/ keys carry the island's prefix,
+`island<d>/params/<name>`, and the outer state shared by the islands is added.
+
 A name held by stages on several pipeline ranks (a tied weight) is written
 only by the rank of the first stage holding it, so each key has one layout.
 Loading fills the same views, so any plan's pieces read any plan's checkpoint.
@@ -124,6 +127,7 @@ def rank_pieces(trainer, names: str = "written", with_optimizer: bool = True) ->
     each parameter under its first name here)."""
     out: dict[str, Pieces] = {}
     optimizer = trainer.optimizer if with_optimizer else None
+    island = island_prefix(trainer)
     flat = {}  # id(param) -> (FlatShard, offset in its buffer)
     if trainer.zero is not None:
         for fs in trainer.zero.optimizer.shards:
@@ -136,8 +140,8 @@ def rank_pieces(trainer, names: str = "written", with_optimizer: bool = True) ->
             start, stop = fs.layout.shard_range(fs.rank)
             lo, hi = max(off, start) - off, min(off + pl.param.numel(), stop) - off
             boxes = flat_boxes(tuple(pl.param.shape), lo, hi)
-            sources = [("params/{}", fs.shard.data)] + [
-                (f"optim/{{}}/{k}", v) for k, v in _states(optimizer, fs.shard).items()]
+            sources = [(island + "params/{}", fs.shard.data)] + [
+                (f"{island}optim/{{}}/{k}", v) for k, v in _states(optimizer, fs.shard).items()]
             for name in keys:
                 for pattern, src in sources:
                     if src.dim() == 0:
@@ -150,10 +154,20 @@ def rank_pieces(trainer, names: str = "written", with_optimizer: bool = True) ->
         states = _states(optimizer, pl.param) if pl.param.requires_grad else {}
         zeros = (0,) * pl.param.dim()
         for name in keys:
-            _add(out, f"params/{name}", pl, zeros, pl.param.data)
+            _add(out, f"{island}params/{name}", pl, zeros, pl.param.data)
             for k, v in states.items():
-                _add(out, f"optim/{name}/{k}", pl, zeros, v)
+                _add(out, f"{island}optim/{name}/{k}", pl, zeros, v)
+    if getattr(trainer, "diloco", None) is not None:
+        from .islands import diloco_pieces
+
+        out.update(diloco_pieces(trainer, placed_parameters(trainer), names))
     return out
+
+
+def island_prefix(trainer) -> str:
+    """DiLoCo: the islands hold different parameters and inner optimizer states between
+    syncs, so each island's are kept apart (`island<d>/params/...`); "" otherwise."""
+    return f"island{trainer.topo.coords.dp}/" if getattr(trainer, "diloco", None) else ""
 
 
 def after_load(trainer) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ...dsl.ast import Plan
 from .manifest import build_manifest, check_loadable, write_manifest
 from .pieces import PiecesLoadPlanner, PiecesSavePlanner
+from .islands import after_load as islands_after_load
 from .state import after_load, rank_pieces
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -97,6 +98,7 @@ class Checkpointer:
         state.update(extras if same_plan else {"step": extras["step"]})
         dcp.load(state, checkpoint_id=folder, planner=PiecesLoadPlanner())
         after_load(self.trainer)
+        islands_after_load(self.trainer, state)
         if same_plan:
             torch.set_rng_state(state[f"rng/{dist.get_rank()}/cpu"])
             if torch.cuda.is_available():

@@ -60,8 +60,13 @@ def test_refusals_point_at_the_plan_line(sync, dp, extra, zero, message, col_tex
     assert (found[0].span.line, found[0].span.col) == (line, col), found[0]
 
 
-def test_diloco_refuses_checkpoints():
-    text = plan_text("diloco(inner_steps = 3)").replace(
-        "train { steps = 12 }", 'train { steps = 12  checkpoint { every = 3  dir = "c" } }')
-    with pytest.raises(PlanError, match="diloco cannot write checkpoints yet"):
+def test_decoupled_diloco_refuses_checkpoints_synchronous_diloco_takes_them():
+    ckpt = 'train { steps = 12  checkpoint { every = 3  dir = "c" } }'
+    text = plan_text("diloco(inner_steps = 3)").replace("train { steps = 12 }", ckpt)
+    assert parse_plan(text, "p.plan").train.checkpoint.every == 3
+    text = plan_text("diloco(inner_steps = 3, decoupled = true, timeout = 2s)").replace(
+        "train { steps = 12 }", ckpt)
+    with pytest.raises(PlanError, match="a decoupled diloco run cannot write checkpoints") as e:
         parse_plan(text, "p.plan")
+    span = [d for d in e.value.diagnostics if "cannot write checkpoints" in d.message][0].span
+    assert span.line == text.count("\n", 0, text.index("checkpoint {")) + 1
