@@ -14,9 +14,12 @@ flat loop (linear in the number of actions).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add as _add, and_ as _and, mul as _mul, or_ as _or
+from typing import Optional
 
 from .errors import ScheduleError
-from .ir import CACHE_ATTR, B, BW, F, W, Schedule
+from .ir import CACHE_ATTR, B, BW, F, W, Action, Schedule
 
 _OP_CODE = {F: 0, B: 1, W: 2, BW: 3}
 NONE = -1
@@ -82,10 +85,54 @@ def _check_shape(schedule: Schedule) -> None:
 
 
 def _check_structure(schedule: Schedule) -> tuple[list[int], int]:
-    """Each action well-formed and on its stage's rank, each op once; returns code → position."""
+    """Each action well-formed and on its stage's rank, each op once; returns code → position.
+
+    A bulk pass (column-wise, in C) proves a valid schedule; when it cannot, the per-action
+    pass below finds the first fault in rank order and names it."""
     _check_shape(schedule)
-    S, m, s2r = schedule.stages, schedule.microbatches, schedule.stage_to_rank
     stride = max(len(o) for o in schedule.order) + 1
+    where = _structure_bulk(schedule, stride)
+    if where is not None:
+        return where, stride
+    return _structure_each(schedule, stride), stride
+
+
+def _structure_bulk(schedule: Schedule, stride: int) -> Optional[list[int]]:
+    """code → position if every check of _structure_each holds, else None (never raises)."""
+    S, m, s2r = schedule.stages, schedule.microbatches, schedule.stage_to_rank
+    sm = S * m
+    where = [NONE] * (4 * sm)
+    count = 0
+    for r, actions in enumerate(schedule.order):
+        if not actions:
+            continue
+        if set(map(type, actions)) != {Action}:
+            return None
+        ops, stages, mbs = zip(*actions)
+        if not set(ops) <= _OP_CODE.keys() or set(map(type, stages)) != {int} or set(map(type, mbs)) != {int}:
+            return None
+        if min(stages) < 0 or max(stages) >= S or min(mbs) < 0 or max(mbs) >= m:
+            return None
+        if set(map(s2r.__getitem__, stages)) != {r}:
+            return None
+        codes = map(_add, map(_mul, map(_add, map(_mul, map(_OP_CODE.__getitem__, ops), repeat(S)), stages),
+                             repeat(m)), mbs)
+        base = r * stride
+        for i, c in enumerate(codes, base):
+            where[c] = i
+        count += len(actions)
+    if count != sm * 4 - where.count(NONE):  # some op appears twice
+        return None
+    has = [list(map(NONE.__ne__, where[j * sm:(j + 1) * sm])) for j in range(4)]
+    has_f, has_b, has_w, has_bw = has
+    if False in has_f or has_b != has_w or any(map(_and, has_b, has_bw)) or not all(map(_or, has_b, has_bw)):
+        return None
+    return where
+
+
+def _structure_each(schedule: Schedule, stride: int) -> list[int]:
+    """The per-action structure pass: raises naming the first fault (rank order, then position)."""
+    S, m, s2r = schedule.stages, schedule.microbatches, schedule.stage_to_rank
     where = [NONE] * (4 * S * m)
     for r, actions in enumerate(schedule.order):
         base = r * stride
@@ -117,7 +164,7 @@ def _check_structure(schedule: Schedule) -> tuple[list[int], int]:
             if not has_bw and not (has_b and has_w):
                 missing = "W" if has_b else ("B" if has_w else "BW (or B and W)")
                 _fail(f"rank {r}: {missing} of stage {s} mb {mb} is missing")
-    return where, stride
+    return where
 
 
 def _bad_action(schedule: Schedule, r: int, i: int, a) -> None:
