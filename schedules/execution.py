@@ -14,9 +14,9 @@ flat loop (linear in the number of actions).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
-from operator import add as _add, and_ as _and, mul as _mul, or_ as _or
 from typing import Optional
+
+import numpy as np
 
 from .errors import ScheduleError
 from .ir import CACHE_ATTR, B, BW, F, W, Action, Schedule
@@ -62,10 +62,13 @@ def _fail(msg: str):
 
 
 def _analyze(schedule: Schedule, in_order: bool = True) -> Execution:
-    where, stride = _check_structure(schedule)
-    producer = _resolve(schedule, where, stride)
-    if in_order:
-        _check_channels(schedule, producer, stride)
+    _check_shape(schedule)
+    stride = max(len(o) for o in schedule.order) + 1
+    producer = _bulk(schedule, stride, in_order)
+    if producer is None:  # some check fails: the per-action passes name the first fault
+        producer = _resolve(schedule, _check_structure(schedule, stride), stride)
+        if in_order:
+            _check_channels(schedule, producer, stride)
     topo = _walk(schedule, producer, stride)
     return Execution(schedule, stride, producer, topo)
 
@@ -84,27 +87,22 @@ def _check_shape(schedule: Schedule) -> None:
         _fail(f"order has {len(schedule.order)} action lists for {p} ranks")
 
 
-def _check_structure(schedule: Schedule) -> tuple[list[int], int]:
-    """Each action well-formed and on its stage's rank, each op once; returns code → position.
+def _bulk(schedule: Schedule, stride: int, in_order: bool) -> Optional[tuple[list[int], ...]]:
+    """The producers, if the structure, resolve and channel passes would all pass; else None.
 
-    A bulk pass (column-wise, in C) proves a valid schedule; when it cannot, the per-action
-    pass below finds the first fault in rank order and names it."""
-    _check_shape(schedule)
-    stride = max(len(o) for o in schedule.order) + 1
-    where = _structure_bulk(schedule, stride)
-    if where is not None:
-        return where, stride
-    return _structure_each(schedule, stride), stride
-
-
-def _structure_bulk(schedule: Schedule, stride: int) -> Optional[list[int]]:
-    """code → position if every check of _structure_each holds, else None (never raises)."""
-    S, m, s2r = schedule.stages, schedule.microbatches, schedule.stage_to_rank
+    The same checks as those passes, column-wise over flat integer arrays (numpy) instead
+    of per action; never raises. A valid schedule is proved here; an invalid one is handed
+    to the per-action passes, which find its first fault in rank order and name it."""
+    S, m, p, order = schedule.stages, schedule.microbatches, schedule.ranks, schedule.order
     sm = S * m
-    where = [NONE] * (4 * sm)
-    count = 0
-    for r, actions in enumerate(schedule.order):
-        if not actions:
+    n_total = sum(map(len, order))
+    codes = np.empty(n_total, np.int64)
+    pos = np.empty(n_total, np.int64)
+    s2r = np.array(schedule.stage_to_rank, np.int64)
+    off = 0
+    for r, actions in enumerate(order):
+        n = len(actions)
+        if not n:
             continue
         if set(map(type, actions)) != {Action}:
             return None
@@ -113,25 +111,52 @@ def _structure_bulk(schedule: Schedule, stride: int) -> Optional[list[int]]:
             return None
         if min(stages) < 0 or max(stages) >= S or min(mbs) < 0 or max(mbs) >= m:
             return None
-        if set(map(s2r.__getitem__, stages)) != {r}:
+        st = np.array(stages, np.int64)
+        if (s2r[st] != r).any():
             return None
-        codes = map(_add, map(_mul, map(_add, map(_mul, map(_OP_CODE.__getitem__, ops), repeat(S)), stages),
-                             repeat(m)), mbs)
-        base = r * stride
-        for i, c in enumerate(codes, base):
-            where[c] = i
-        count += len(actions)
-    if count != sm * 4 - where.count(NONE):  # some op appears twice
+        oc = np.fromiter(map(_OP_CODE.__getitem__, ops), np.int64, n)
+        codes[off:off + n] = (oc * S + st) * m + np.array(mbs, np.int64)
+        pos[off:off + n] = np.arange(r * stride, r * stride + n)
+        off += n
+    # structure: each op once; every F; per (stage, mb) either BW or both B and W
+    where = np.full(4 * sm, NONE, np.int64)
+    where[codes] = pos
+    has = (where != NONE).reshape(4, sm)
+    if int(has.sum()) != n_total or not has[0].all() or (has[1] != has[2]).any() \
+            or (has[1] & has[3]).any() or not (has[1] | has[3]).all():
         return None
-    has = [list(map(NONE.__ne__, where[j * sm:(j + 1) * sm])) for j in range(4)]
-    has_f, has_b, has_w, has_bw = has
-    if False in has_f or has_b != has_w or any(map(_and, has_b, has_bw)) or not all(map(_or, has_b, has_bw)):
+    # resolve: the producer of each input; same-rank prerequisites and inputs come earlier
+    op, k = codes // sm, codes % sm
+    s = k // m
+    prod = np.full(n_total, NONE, np.int64)
+    pre = np.full(n_total, NONE, np.int64)
+    sel = (op == 0) & (s > 0)
+    prod[sel] = where[k[sel] - m]
+    sel = op == 2
+    pre[sel] = where[sm + k[sel]]
+    back = (op == 1) | (op == 3)
+    pre[back] = where[k[back]]
+    sel = back & (s + 1 < S)
+    nxt = k[sel] + m
+    prod[sel] = np.where(where[3 * sm + nxt] != NONE, where[3 * sm + nxt], where[sm + nxt])
+    rank = pos // stride
+    if (((pre > pos) & (pre // stride == rank)) | ((prod > pos) & (prod // stride == rank))).any():
         return None
-    return where
+    # channels: on each rank pair, the receiver's receives in the sender's order
+    if in_order:
+        cross = (prod != NONE) & (prod // stride != rank)
+        pair = (prod[cross] // stride) * p + rank[cross]
+        by_pair = np.argsort(pair, kind="stable")
+        dep, pair = prod[cross][by_pair], pair[by_pair]
+        if ((dep[1:] < dep[:-1]) & (pair[1:] == pair[:-1])).any():
+            return None
+    bounds = np.cumsum([0] + [len(o) for o in order]).tolist()
+    flat = prod.tolist()
+    return tuple(flat[bounds[r]:bounds[r + 1]] for r in range(p))
 
 
-def _structure_each(schedule: Schedule, stride: int) -> list[int]:
-    """The per-action structure pass: raises naming the first fault (rank order, then position)."""
+def _check_structure(schedule: Schedule, stride: int) -> list[int]:
+    """Raise naming the first malformed, misplaced, repeated or missing action (rank order)."""
     S, m, s2r = schedule.stages, schedule.microbatches, schedule.stage_to_rank
     where = [NONE] * (4 * S * m)
     for r, actions in enumerate(schedule.order):

@@ -1,14 +1,16 @@
-"""The verifier's fast passes against the per-action passes they shortcut (execution.py).
+"""The verifier's bulk pass against the per-action passes it shortcuts (execution.py).
 
-A bulk pass must accept exactly the schedules its per-action pass accepts, with the same
-result; where it declines, the per-action pass names the fault (the messages are pinned by
-test_verifier.py). Checked on valid schedules and on random mutations that break them."""
+The bulk pass must accept exactly the schedules the structure, resolve and channel passes
+accept, with the same producers; where it declines, those passes name the fault (the
+messages are pinned by test_verifier.py). Checked on valid schedules and on random
+mutations that break them in each pass's way (malformed, missing, repeated, misplaced,
+reordered on a rank: local order, channel order)."""
 import random
 
 import pytest
 
 from pipeplan.schedules import Action, Schedule, ScheduleError, generate
-from pipeplan.schedules.execution import _structure_bulk, _structure_each
+from pipeplan.schedules.execution import _bulk, _check_channels, _check_structure, _resolve
 
 BASES = [generate(k, p, m) for k, p, m in (("1f1b", 3, 4), ("zbh1", 3, 5), ("zbv", 3, 6),
                                             ("interleaved", 2, 4), ("gpipe", 1, 3))]
@@ -22,7 +24,7 @@ def _mutate(base: Schedule, rng: random.Random) -> Schedule:
             continue
         i = rng.randrange(len(order[r]))
         a = order[r][i]
-        kind = rng.choice(["swap", "move", "drop", "dup", "retag", "restage", "odd"])
+        kind = rng.choice(["swap", "move", "drop", "dup", "retag", "restage", "add", "odd"])
         if kind == "swap":
             j = rng.randrange(len(order[r]))
             order[r][i], order[r][j] = order[r][j], order[r][i]
@@ -35,6 +37,9 @@ def _mutate(base: Schedule, rng: random.Random) -> Schedule:
         elif kind == "retag":
             order[r][i] = Action(rng.choice(["F", "B", "W", "BW", "X"]), a.stage,
                                  rng.randrange(-1, base.microbatches + 1))
+        elif kind == "add":  # an extra op of a stage this rank holds (BW beside B and W, ...)
+            order[r].insert(rng.randrange(len(order[r]) + 1),
+                            Action(rng.choice(["F", "B", "W", "BW"]), a.stage, rng.randrange(base.microbatches)))
         elif kind == "restage":
             order[r][i] = Action(a.op, rng.randrange(-1, base.stages + 1), a.microbatch)
         else:
@@ -45,17 +50,31 @@ def _mutate(base: Schedule, rng: random.Random) -> Schedule:
                     tuple(tuple(row) for row in order))
 
 
+def _per_action(s: Schedule, stride: int, in_order: bool):
+    """The per-action passes' producers, or the first line of the fault they name."""
+    try:
+        producer = _resolve(s, _check_structure(s, stride), stride)
+        if in_order:
+            _check_channels(s, producer, stride)
+        return producer
+    except ScheduleError as e:
+        return str(e).split(":")[0]
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_structure_bulk_pass_agrees_with_per_action_pass(seed):
+def test_bulk_pass_agrees_with_per_action_passes(seed):
     rng = random.Random(seed)
-    verdicts = set()
+    faults = set()
     for _ in range(300):
         s = _mutate(rng.choice(BASES), rng)
         stride = max(len(o) for o in s.order) + 1
-        try:
-            each = _structure_each(s, stride)
-        except ScheduleError:
-            each = None
-        assert _structure_bulk(s, stride) == each
-        verdicts.add(each is None)
-    assert verdicts == {True, False}  # both valid and invalid schedules were compared
+        for in_order in (True, False):
+            each = _per_action(s, stride, in_order)
+            bulk = _bulk(s, stride, in_order)
+            if isinstance(each, str):
+                assert bulk is None, each
+                faults.add(each.split()[0])
+            else:
+                assert bulk == each
+                faults.add("valid")
+    assert {"valid", "rank", "channel"} <= faults  # valid, local and channel faults were compared
