@@ -14,6 +14,7 @@ flat loop (linear in the number of actions).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -95,29 +96,25 @@ def _bulk(schedule: Schedule, stride: int, in_order: bool) -> Optional[tuple[lis
     to the per-action passes, which find its first fault in rank order and name it."""
     S, m, p, order = schedule.stages, schedule.microbatches, schedule.ranks, schedule.order
     sm = S * m
-    n_total = sum(map(len, order))
-    codes = np.empty(n_total, np.int64)
-    pos = np.empty(n_total, np.int64)
-    s2r = np.array(schedule.stage_to_rank, np.int64)
-    off = 0
-    for r, actions in enumerate(order):
-        n = len(actions)
-        if not n:
-            continue
-        if set(map(type, actions)) != {Action}:
-            return None
-        ops, stages, mbs = zip(*actions)
-        if not set(ops) <= _OP_CODE.keys() or set(map(type, stages)) != {int} or set(map(type, mbs)) != {int}:
-            return None
-        if min(stages) < 0 or max(stages) >= S or min(mbs) < 0 or max(mbs) >= m:
-            return None
-        st = np.array(stages, np.int64)
-        if (s2r[st] != r).any():
-            return None
-        oc = np.fromiter(map(_OP_CODE.__getitem__, ops), np.int64, n)
-        codes[off:off + n] = (oc * S + st) * m + np.array(mbs, np.int64)
-        pos[off:off + n] = np.arange(r * stride, r * stride + n)
-        off += n
+    lengths = [len(o) for o in order]
+    n_total = sum(lengths)
+    actions = tuple(chain.from_iterable(order))
+    if not actions or set(map(type, actions)) != {Action}:
+        return None
+    ops, stages, mbs = zip(*actions)
+    if not set(ops) <= _OP_CODE.keys() or set(map(type, stages)) != {int} or set(map(type, mbs)) != {int}:
+        return None
+    try:
+        st, mb = np.fromiter(stages, np.int64, n_total), np.fromiter(mbs, np.int64, n_total)
+    except (OverflowError, ValueError):
+        return None
+    rank = np.repeat(np.arange(p, dtype=np.int64), lengths)
+    if st.min() < 0 or st.max() >= S or mb.min() < 0 or mb.max() >= m \
+            or (np.array(schedule.stage_to_rank, np.int64)[st] != rank).any():
+        return None
+    codes = (np.fromiter(map(_OP_CODE.__getitem__, ops), np.int64, n_total) * S + st) * m + mb
+    starts = np.cumsum([0] + lengths)
+    pos = np.arange(n_total, dtype=np.int64) + np.repeat(np.arange(p, dtype=np.int64) * stride - starts[:-1], lengths)
     # structure: each op once; every F; per (stage, mb) either BW or both B and W
     where = np.full(4 * sm, NONE, np.int64)
     where[codes] = pos
@@ -139,7 +136,6 @@ def _bulk(schedule: Schedule, stride: int, in_order: bool) -> Optional[tuple[lis
     sel = back & (s + 1 < S)
     nxt = k[sel] + m
     prod[sel] = np.where(where[3 * sm + nxt] != NONE, where[3 * sm + nxt], where[sm + nxt])
-    rank = pos // stride
     if (((pre > pos) & (pre // stride == rank)) | ((prod > pos) & (prod // stride == rank))).any():
         return None
     # channels: on each rank pair, the receiver's receives in the sender's order
@@ -150,8 +146,7 @@ def _bulk(schedule: Schedule, stride: int, in_order: bool) -> Optional[tuple[lis
         dep, pair = prod[cross][by_pair], pair[by_pair]
         if ((dep[1:] < dep[:-1]) & (pair[1:] == pair[:-1])).any():
             return None
-    bounds = np.cumsum([0] + [len(o) for o in order]).tolist()
-    flat = prod.tolist()
+    flat, bounds = prod.tolist(), starts.tolist()
     return tuple(flat[bounds[r]:bounds[r + 1]] for r in range(p))
 
 
@@ -264,11 +259,12 @@ def _channel_error(schedule: Schedule, producer, stride: int, src: int, dst: int
 def _walk(schedule: Schedule, producer, stride: int) -> list[int]:
     """Run every rank's list under blocking receives; raise on deadlock. Linear time.
 
-    An action (q, j) is done exactly when rank q's pointer has passed j.
+    An action (q, j) is done exactly when rank q's pointer has passed j (done[q * stride + j]).
     """
     p = schedule.ranks
     lengths = [len(o) for o in schedule.order]
     ptr = [0] * p
+    done = bytearray(p * stride)
     waiter = [NONE] * (p * stride)  # the rank blocked on this position's output
     topo: list[int] = []
     stack = list(range(p - 1, -1, -1))
@@ -278,15 +274,16 @@ def _walk(schedule: Schedule, producer, stride: int) -> list[int]:
         i = ptr[r]
         while i < n:
             dep = row[i]
-            if dep != NONE and ptr[dep // stride] <= dep % stride:
+            if dep != NONE and not done[dep]:
                 waiter[dep] = r
                 break
             code = base + i
+            done[code] = 1
             topo.append(code)
             if waiter[code] != NONE:
                 stack.append(waiter[code])
             i += 1
-            ptr[r] = i
+        ptr[r] = i
     if len(topo) != sum(lengths):
         _fail(_deadlock_message(schedule, producer, stride, ptr, lengths))
     return topo

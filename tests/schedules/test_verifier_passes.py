@@ -45,7 +45,7 @@ def _mutate(base: Schedule, rng: random.Random) -> Schedule:
         else:
             order[r][i] = rng.choice([tuple(a), Action(a.op, float(a.stage), a.microbatch),
                                       Action(a.op, a.stage, True), Action(a.op, a.stage, str(a.microbatch)),
-                                      Action(None, a.stage, a.microbatch), "F0.0"])
+                                      Action(None, a.stage, a.microbatch), Action(a.op, a.stage, 2 ** 70), "F0.0"])
     return Schedule("mutant", base.ranks, base.stages, base.microbatches, base.stage_to_rank,
                     tuple(tuple(row) for row in order))
 
