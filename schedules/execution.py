@@ -9,7 +9,10 @@ dependency-respecting global order (which the simulator times), or raises a
 ScheduleError naming the rank, the action and the dependency that fails.
 
 Positions are encoded as one int, rank * stride + index, so every pass is a
-flat loop (linear in the number of actions).
+flat loop (linear in the number of actions). The structure, resolve and channel
+checks run first as one bulk pass over flat integer columns (`_bulk`, numpy);
+only when it declines do the per-action passes run, to name the first fault.
+The deadlock walk is sequential by nature and always runs.
 """
 from __future__ import annotations
 
