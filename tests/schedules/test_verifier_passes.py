@@ -16,36 +16,40 @@ BASES = [generate(k, p, m) for k, p, m in (("1f1b", 3, 4), ("zbh1", 3, 5), ("zbv
                                             ("interleaved", 2, 4), ("gpipe", 1, 3))]
 
 
+def _replacements(a: Action, base: Schedule, rng: random.Random) -> list:
+    """What an action may be replaced by: another op or microbatch, a stage off its rank or
+    out of range, or something malformed (a plain tuple, wrong field types, a string)."""
+    return [Action(rng.choice(["F", "B", "W", "BW", "X"]), a.stage, rng.randrange(-1, base.microbatches + 1)),
+            Action(a.op, rng.randrange(-1, base.stages + 1), a.microbatch),
+            tuple(a), Action(a.op, float(a.stage), a.microbatch), Action(a.op, a.stage, True),
+            Action(a.op, a.stage, str(a.microbatch)), Action(None, a.stage, a.microbatch),
+            Action(a.op, a.stage, 2 ** 70), "F0.0"]
+
+
 def _mutate(base: Schedule, rng: random.Random) -> Schedule:
+    """Up to two random edits: reorder within a rank, move to another rank's front, drop,
+    repeat, add an op of a stage the rank holds (BW beside B and W, ...), or replace."""
     order = [list(row) for row in base.order]
     for _ in range(rng.choice((0, 1, 1, 2))):
-        r = rng.randrange(len(order))
-        if not order[r]:
+        row = order[rng.randrange(len(order))]
+        if not row:
             continue
-        i = rng.randrange(len(order[r]))
-        a = order[r][i]
-        kind = rng.choice(["swap", "move", "drop", "dup", "retag", "restage", "add", "odd"])
-        if kind == "swap":
-            j = rng.randrange(len(order[r]))
-            order[r][i], order[r][j] = order[r][j], order[r][i]
-        elif kind == "move":
-            order[rng.randrange(len(order))].insert(0, order[r].pop(i))
-        elif kind == "drop":
-            order[r].pop(i)
-        elif kind == "dup":
-            order[r].insert(rng.randrange(len(order[r]) + 1), a)
-        elif kind == "retag":
-            order[r][i] = Action(rng.choice(["F", "B", "W", "BW", "X"]), a.stage,
-                                 rng.randrange(-1, base.microbatches + 1))
-        elif kind == "add":  # an extra op of a stage this rank holds (BW beside B and W, ...)
-            order[r].insert(rng.randrange(len(order[r]) + 1),
-                            Action(rng.choice(["F", "B", "W", "BW"]), a.stage, rng.randrange(base.microbatches)))
-        elif kind == "restage":
-            order[r][i] = Action(a.op, rng.randrange(-1, base.stages + 1), a.microbatch)
+        i, j = rng.randrange(len(row)), rng.randrange(len(row) + 1)
+        a = row[i]
+        if type(a) is not Action or type(a.stage) is not int or type(a.microbatch) is not int:
+            continue  # a malformed entry from an earlier edit stays as it is
+        edit = rng.randrange(6)
+        if edit == 0:
+            row.insert(j, row.pop(i))
+        elif edit == 1:
+            order[rng.randrange(len(order))].insert(0, row.pop(i))
+        elif edit == 2:
+            del row[i]
+        elif edit == 3:
+            row.insert(j, a if rng.random() < 0.5 else
+                       Action(rng.choice(["F", "B", "W", "BW"]), a.stage, rng.randrange(base.microbatches)))
         else:
-            order[r][i] = rng.choice([tuple(a), Action(a.op, float(a.stage), a.microbatch),
-                                      Action(a.op, a.stage, True), Action(a.op, a.stage, str(a.microbatch)),
-                                      Action(None, a.stage, a.microbatch), Action(a.op, a.stage, 2 ** 70), "F0.0"])
+            row[i] = rng.choice(_replacements(a, base, rng))
     return Schedule("mutant", base.ranks, base.stages, base.microbatches, base.stage_to_rank,
                     tuple(tuple(row) for row in order))
 
