@@ -9,14 +9,21 @@ dependency-respecting global order (which the simulator times), or raises a
 ScheduleError naming the rank, the action and the dependency that fails.
 
 Positions are encoded as one int, rank * stride + index, so every pass is a
-flat loop (linear in the number of actions).
+flat loop (linear in the number of actions). The structure, resolve and channel
+checks run first as one bulk pass over flat integer columns (`_bulk`, numpy);
+only when it declines do the per-action passes run, to name the first fault.
+The deadlock walk is sequential by nature and always runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
+from typing import Optional
+
+import numpy as np
 
 from .errors import ScheduleError
-from .ir import CACHE_ATTR, B, BW, F, W, Schedule
+from .ir import CACHE_ATTR, B, BW, F, W, Action, Schedule
 
 _OP_CODE = {F: 0, B: 1, W: 2, BW: 3}
 NONE = -1
@@ -59,10 +66,13 @@ def _fail(msg: str):
 
 
 def _analyze(schedule: Schedule, in_order: bool = True) -> Execution:
-    where, stride = _check_structure(schedule)
-    producer = _resolve(schedule, where, stride)
-    if in_order:
-        _check_channels(schedule, producer, stride)
+    _check_shape(schedule)
+    stride = max(len(o) for o in schedule.order) + 1
+    producer = _bulk(schedule, stride, in_order)
+    if producer is None:  # some check fails: the per-action passes name the first fault
+        producer = _resolve(schedule, _check_structure(schedule, stride), stride)
+        if in_order:
+            _check_channels(schedule, producer, stride)
     topo = _walk(schedule, producer, stride)
     return Execution(schedule, stride, producer, topo)
 
@@ -81,11 +91,71 @@ def _check_shape(schedule: Schedule) -> None:
         _fail(f"order has {len(schedule.order)} action lists for {p} ranks")
 
 
-def _check_structure(schedule: Schedule) -> tuple[list[int], int]:
-    """Each action well-formed and on its stage's rank, each op once; returns code → position."""
-    _check_shape(schedule)
+def _bulk(schedule: Schedule, stride: int, in_order: bool) -> Optional[tuple[list[int], ...]]:
+    """The producers, if the structure, resolve and channel passes would all pass; else None.
+
+    The same checks as those passes, column-wise over flat integer arrays (numpy) instead
+    of per action; never raises. A valid schedule is proved here; an invalid one is handed
+    to the per-action passes, which find its first fault in rank order and name it."""
+    S, m, p, order = schedule.stages, schedule.microbatches, schedule.ranks, schedule.order
+    sm = S * m
+    lengths = [len(o) for o in order]
+    n_total = sum(lengths)
+    actions = tuple(chain.from_iterable(order))
+    if not actions or set(map(type, actions)) != {Action}:
+        return None
+    ops, stages, mbs = zip(*actions)
+    if not set(ops) <= _OP_CODE.keys() or set(map(type, stages)) != {int} or set(map(type, mbs)) != {int}:
+        return None
+    try:
+        st, mb = np.fromiter(stages, np.int64, n_total), np.fromiter(mbs, np.int64, n_total)
+    except (OverflowError, ValueError):
+        return None
+    rank = np.repeat(np.arange(p, dtype=np.int64), lengths)
+    if st.min() < 0 or st.max() >= S or mb.min() < 0 or mb.max() >= m \
+            or (np.array(schedule.stage_to_rank, np.int64)[st] != rank).any():
+        return None
+    codes = (np.fromiter(map(_OP_CODE.__getitem__, ops), np.int64, n_total) * S + st) * m + mb
+    starts = np.cumsum([0] + lengths)
+    pos = np.arange(n_total, dtype=np.int64) + np.repeat(np.arange(p, dtype=np.int64) * stride - starts[:-1], lengths)
+    # structure: each op once; every F; per (stage, mb) either BW or both B and W
+    where = np.full(4 * sm, NONE, np.int64)
+    where[codes] = pos
+    has = (where != NONE).reshape(4, sm)
+    if int(has.sum()) != n_total or not has[0].all() or (has[1] != has[2]).any() \
+            or (has[1] & has[3]).any() or not (has[1] | has[3]).all():
+        return None
+    # resolve: the producer of each input; same-rank prerequisites and inputs come earlier
+    op, k = codes // sm, codes % sm
+    s = k // m
+    prod = np.full(n_total, NONE, np.int64)
+    pre = np.full(n_total, NONE, np.int64)
+    sel = (op == 0) & (s > 0)
+    prod[sel] = where[k[sel] - m]
+    sel = op == 2
+    pre[sel] = where[sm + k[sel]]
+    back = (op == 1) | (op == 3)
+    pre[back] = where[k[back]]
+    sel = back & (s + 1 < S)
+    nxt = k[sel] + m
+    prod[sel] = np.where(where[3 * sm + nxt] != NONE, where[3 * sm + nxt], where[sm + nxt])
+    if (((pre > pos) & (pre // stride == rank)) | ((prod > pos) & (prod // stride == rank))).any():
+        return None
+    # channels: on each rank pair, the receiver's receives in the sender's order
+    if in_order:
+        cross = (prod != NONE) & (prod // stride != rank)
+        pair = (prod[cross] // stride) * p + rank[cross]
+        by_pair = np.argsort(pair, kind="stable")
+        dep, pair = prod[cross][by_pair], pair[by_pair]
+        if ((dep[1:] < dep[:-1]) & (pair[1:] == pair[:-1])).any():
+            return None
+    flat, bounds = prod.tolist(), starts.tolist()
+    return tuple(flat[bounds[r]:bounds[r + 1]] for r in range(p))
+
+
+def _check_structure(schedule: Schedule, stride: int) -> list[int]:
+    """Raise naming the first malformed, misplaced, repeated or missing action (rank order)."""
     S, m, s2r = schedule.stages, schedule.microbatches, schedule.stage_to_rank
-    stride = max(len(o) for o in schedule.order) + 1
     where = [NONE] * (4 * S * m)
     for r, actions in enumerate(schedule.order):
         base = r * stride
@@ -117,7 +187,7 @@ def _check_structure(schedule: Schedule) -> tuple[list[int], int]:
             if not has_bw and not (has_b and has_w):
                 missing = "W" if has_b else ("B" if has_w else "BW (or B and W)")
                 _fail(f"rank {r}: {missing} of stage {s} mb {mb} is missing")
-    return where, stride
+    return where
 
 
 def _bad_action(schedule: Schedule, r: int, i: int, a) -> None:
@@ -192,11 +262,12 @@ def _channel_error(schedule: Schedule, producer, stride: int, src: int, dst: int
 def _walk(schedule: Schedule, producer, stride: int) -> list[int]:
     """Run every rank's list under blocking receives; raise on deadlock. Linear time.
 
-    An action (q, j) is done exactly when rank q's pointer has passed j.
+    An action (q, j) is done exactly when rank q's pointer has passed j (done[q * stride + j]).
     """
     p = schedule.ranks
     lengths = [len(o) for o in schedule.order]
     ptr = [0] * p
+    done = bytearray(p * stride)
     waiter = [NONE] * (p * stride)  # the rank blocked on this position's output
     topo: list[int] = []
     stack = list(range(p - 1, -1, -1))
@@ -206,15 +277,16 @@ def _walk(schedule: Schedule, producer, stride: int) -> list[int]:
         i = ptr[r]
         while i < n:
             dep = row[i]
-            if dep != NONE and ptr[dep // stride] <= dep % stride:
+            if dep != NONE and not done[dep]:
                 waiter[dep] = r
                 break
             code = base + i
+            done[code] = 1
             topo.append(code)
             if waiter[code] != NONE:
                 stack.append(waiter[code])
             i += 1
-            ptr[r] = i
+        ptr[r] = i
     if len(topo) != sum(lengths):
         _fail(_deadlock_message(schedule, producer, stride, ptr, lengths))
     return topo

@@ -166,8 +166,8 @@ rank: 0.2308 (the V's best is 0.375). auto at p=16, m=64: 0.0495 (bound 0.0376) 
 CPU at equal costs, 0.0725 (bound 0.0554) in 5.8 s with B=1.5, W=0.5.
 
 Generation + verification + simulation at p=64, m=1024 (CPU s, F=1, B=1.5, W=0.5,
-c=0.05, a loaded machine): gpipe 0.26, 1f1b 0.30, zbh1 0.45, interleaved 0.60, dualpipev
-0.64, zbv 0.74, zbh2 0.75, vhalf 2.22, vmin 2.31 (BENCHMARKS.md has the command and the wall
+c=0.05, a loaded machine): 1f1b 0.20, gpipe 0.23, zbh1 0.25, dualpipev 0.34, interleaved
+0.42, zbv 0.46, zbh2 0.54, vhalf 1.54, vmin 1.66 (BENCHMARKS.md has the command and the wall
 times). zbh2, vhalf and vmin come from the list scheduler, whose orders are pinned against its
 original implementation (tests/schedules/test_greedy_reference.py).
 """
@@ -179,7 +179,7 @@ LIMITS = """## Known limits
   the same order holds p). Under `memory_limit = p` it falls back to the list
   scheduler, and `auto` reaches the paper's bubble at p units (above).
 - vhalf and vmin are list-scheduled (gen_greedy) twice (backward-first and forward-first,
-  the shorter kept), linear in actions but 2.2-2.3 s at p=64, m=1024; every other fixed
+  the shorter kept), linear in actions but 1.5-1.8 s at p=64, m=1024; every other fixed
   kind (zbh2 included: its second run gives up early) is under 1 s there.
 - At p=16, m=64 (memory 16) auto's search does not reach torch's ZBV at equal costs
   (0.0495 against 0.0376): the senders-repaired ZB-V start is 0.0702 and the

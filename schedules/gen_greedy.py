@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
-from itertools import starmap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,7 +83,7 @@ class TimedRun:
     def schedule(self) -> Schedule:
         p, S = max(self.placement) + 1, len(self.placement)
         return Schedule(self.name, p, S, self.microbatches, self.placement,
-                        tuple(tuple(starmap(Action, row)) for row in self.rows))
+                        tuple(tuple(map(Action._make, row)) for row in self.rows))
 
 
 def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,

@@ -10,17 +10,22 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
+
 F, B, W, BW = "F", "B", "W", "BW"
 OPS = (F, B, W, BW)
 CACHE_ATTR = "_execution"  # where execution.analyze keeps its proof on a Schedule (not a field)
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
+class Action(NamedTuple):
     """One op of one stage on one microbatch.
 
     F: forward. B: backward for the stage's inputs only. W: backward for its
     weights (needs B). BW: full backward (B and W at once).
+
+    A named tuple (immutable, hashable, compared by value like the frozen dataclass it
+    replaced): built in C, half the cost, and its fields read as columns (`zip(*row)`),
+    which the verifier's fast structure pass uses. A schedule at p=64, m=1024 has ~4e5.
     """
 
     op: str

@@ -7,6 +7,7 @@ Bubble definitions (both reported, always named):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import sub
 from typing import Optional
 
 from .bound import makespan_bound
@@ -94,7 +95,7 @@ def _simulate(schedule: Schedule, costs: Costs, memory_limit: Optional[float], i
     ex = analyze(schedule, in_order)
     start, end = _time(ex, table)
     p = schedule.ranks
-    busy = tuple(sum(e - s for s, e in zip(start[r], end[r])) for r in range(p))
+    busy = tuple(sum(map(sub, end[r], start[r])) for r in range(p))  # sum of (end - start), in C
     makespan = max((row[-1] for row in end if row), default=0.0)
     spans = [row_e[-1] - row_s[0] if row_s else 0.0 for row_s, row_e in zip(start, end)]
     span_bubble = 1.0 - sum(busy) / sum(spans) if sum(spans) > 0 else 0.0
