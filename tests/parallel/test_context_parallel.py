@@ -14,10 +14,9 @@ import torch
 from pipeplan.dsl.ast import (ContextSpec, DataSpec, InputSpec, MeshSpec, ModelSpec,
                               OptimizerSpec, PipelineSpec, Plan, TrainSpec)
 
-from .tp_reference import reference_run
+from .pipelined_vs_reference import assert_trains_like_reference
 
 STEPS = 3
-TOL = dict(rtol=1e-9, atol=1e-12)
 INPUTS = (InputSpec("input_ids", "int64", ("batch", "seq")),
           InputSpec("position_ids", "int64", ("batch", "seq")))
 
@@ -45,29 +44,15 @@ def make_plan(name: str) -> Plan:
                                                         weight_decay=0.1)))
 
 
-def _worker(rank, world, names):
-    from pipeplan.backends.model import build_model
-    from pipeplan.backends.topology import build_topology
-    from pipeplan.backends.trainer import PipelineTrainer
-    from pipeplan.compiler.driver import compile_plan
+def _ulysses_wrapped(trainer) -> None:
+    n = sum(isinstance(m, torch.nn.Module) and type(m).__name__ == "UlyssesAttention"
+            for r in trainer.runners.values() for m in r.module.modules())
+    assert n == 4 // trainer.plan.mesh.pp, n  # every layer's attention on this rank, wrapped
 
+
+def _worker(rank, world, names):
     for schedule in names:
-        plan = make_plan(schedule)
-        ref_losses, ref_params = reference_run(plan, build_model(plan), STEPS)
-        compiled = compile_plan(plan, build_model(plan).double())
-        trainer = PipelineTrainer(plan, compiled, build_topology(plan.mesh, "cpu"))
-        n = sum(isinstance(m, torch.nn.Module) and type(m).__name__ == "UlyssesAttention"
-                for r in trainer.runners.values() for m in r.module.modules())
-        assert n == 4 // plan.mesh.pp, n  # every layer's attention on this rank, wrapped
-        losses = [trainer.step(t).loss for t in range(STEPS)]
-        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                                   torch.tensor(ref_losses, dtype=torch.float64), **TOL,
-                                   msg=lambda m: f"{schedule}: {losses} vs {ref_losses}: {m}")
-        params = trainer.named_parameters()
-        assert params
-        for name, value in params.items():
-            torch.testing.assert_close(value, ref_params[name], **TOL,
-                                       msg=lambda m, name=name: f"{schedule}: {name}: {m}")
+        assert_trains_like_reference(make_plan(schedule), schedule, STEPS, _ulysses_wrapped)
 
 
 def test_ulysses_pp2_cp2_and_dp2_cp2_equal_reference(run_workers):

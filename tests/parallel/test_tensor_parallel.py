@@ -23,16 +23,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec,
                               PipelineSpec, Plan, TensorSpec, TrainSpec)
 from pipeplan.dsl.load import load_plan
 
-from .tp_reference import reference_run
+from .pipelined_vs_reference import assert_trains_like_reference
 
 STEPS = 3
-TOL = dict(rtol=1e-9, atol=1e-12)
 ADAMW = OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1)
 
 WINDOW = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v",
@@ -76,24 +74,8 @@ def make_plan(name: str) -> Plan:
 
 
 def _worker(rank, world, names):
-    from pipeplan.backends.model import build_model
-    from pipeplan.backends.topology import build_topology
-    from pipeplan.backends.trainer import PipelineTrainer
-    from pipeplan.compiler.driver import compile_plan
-
     for name in names:
-        plan = make_plan(name)
-        ref_losses, ref_params = reference_run(plan, build_model(plan), STEPS)
-        compiled = compile_plan(plan, build_model(plan).double())
-        trainer = PipelineTrainer(plan, compiled, build_topology(plan.mesh, "cpu"))
-        losses = [trainer.step(t).loss for t in range(STEPS)]
-        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                                   torch.tensor(ref_losses, dtype=torch.float64), **TOL, msg=lambda m: f"{name}: losses {losses} vs {ref_losses}: {m}")
-        params = trainer.named_parameters()
-        assert params, name
-        for n, value in params.items():
-            torch.testing.assert_close(value, ref_params[n], **TOL,
-                                       msg=lambda m, n=n: f"{name}: {n}: {m}")
+        assert_trains_like_reference(make_plan(name), name, STEPS)
 
 
 def test_non_causal_window_attention_tp2_equals_reference(run_workers):
