@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
-from ..dsl.layout import ep_across_tp, group_sizes, groups, mesh_layout
+from ..dsl.layout import ep_across_tp, global_rank, group_sizes, groups, mesh_layout
 from ..compiler.experts import experts_dispatched, find_experts
 from ..compiler.patterns import matches_any
 from ..compiler.zero_layout import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
@@ -157,10 +157,6 @@ def check_expert_mesh(mesh: MeshSpec) -> None:
             f"(dsl/layout.py)")
 
 
-def _global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int) -> int:
-    return (pp * mesh.dp + dp) * mesh.tp + tp
-
-
 def expert_group_ranks(mesh: MeshSpec) -> tuple[list[list[int]], list[list[int]]]:
     """(EP groups, expert-DP groups) as global rank lists, for the whole world.
 
@@ -172,7 +168,7 @@ def expert_group_ranks(mesh: MeshSpec) -> tuple[list[list[int]], list[list[int]]
 
 def expert_stats_ranks(mesh: MeshSpec) -> list[list[int]]:
     """Sequence parallel: each EP group together with its TP peers, as global rank lists."""
-    return [[_global_rank(mesh, pp, block * mesh.ep + e, tp)
+    return [[global_rank(mesh, pp, block * mesh.ep + e, tp)
              for e in range(mesh.ep) for tp in range(mesh.tp)]
             for pp in range(mesh.pp) for block in range(mesh.dp // mesh.ep)]
 
