@@ -47,8 +47,9 @@ class GroupSizes:
 
 
 def ep_across_tp(mesh: MeshSpec) -> bool:
-    """Whether EP groups take in tensor-parallel ranks (ep > 1 not dividing dp)."""
-    return mesh.ep > 1 and mesh.dp % mesh.ep != 0
+    """Whether EP groups take in tensor-parallel ranks (ep > 1 not dividing dp, or DiLoCo
+    islands, whose dp ranks no EP group may span)."""
+    return mesh.ep > 1 and (mesh.islands or mesh.dp % mesh.ep != 0)
 
 
 def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
@@ -100,8 +101,9 @@ def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
     sizes = group_sizes(mesh)
     lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} tp={mesh.tp} ep={mesh.ep} "
              f"-> world size {mesh.world_size} "
-             + ("(ep re-divides dp x tp: EP across TP)" if ep_across_tp(mesh)
-                else "(ep re-divides dp)"),
+             + ("(diloco islands: ep re-divides each island's tp ranks)" if mesh.islands
+                and mesh.ep > 1 else "(ep re-divides dp x tp: EP across TP)"
+                if ep_across_tp(mesh) else "(ep re-divides dp)"),
              "  rank  pp  dp  cp  tp  ep  edp"]
     for c in layout[:max_rows]:
         lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.cp:>2}  {c.tp:>2}  {c.ep:>2}"

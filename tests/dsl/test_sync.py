@@ -34,7 +34,9 @@ def test_diloco_reads_and_writes_back():
 @pytest.mark.parametrize("sync,dp,extra,zero,message,col_text", [
     ("diloco(inner_steps = 3)", 1, "", "", "diloco needs islands: mesh.dp = 1", "1 }"),
     ("diloco(inner_steps = 3)", 2, "", "zero = 1\n", "zero = 1 shards the optimizer", "1\nsync"),
-    ("diloco(inner_steps = 3)", 2, "  ep = 2", "", "ep = 2 re-divides the dp ranks", "2 }"),
+    ("diloco(inner_steps = 3)", 2, "  ep = 2", "", "ep = 2 does not divide tp = 1, so its EP "
+     "groups would cross diloco's islands", "2 }"),
+    ("diloco(inner_steps = 3)", 2, "  tp = 4  ep = 2", "", "ep = 2 is below tp = 4", "2 }"),
     ("diloco(inner_steps = 3, fragments = 3)", 2, "", "", "fragments = 3 does not divide the 2",
      "3)"),
     ("diloco(inner_steps = 1, fragments = 2)", 2, "", "", "fragments = 2 is more than", "2)"),
@@ -58,6 +60,24 @@ def test_refusals_point_at_the_plan_line(sync, dp, extra, zero, message, col_tex
     line = text.count("\n", 0, offset) + 1
     col = offset - (text.rfind("\n", 0, offset) + 1) + 1
     assert (found[0].span.line, found[0].span.col) == (line, col), found[0]
+
+
+def test_diloco_takes_ep_equal_to_tp_inside_the_islands():
+    """ep = tp: EP groups are an island's tp ranks (dsl/layout.py), never across islands."""
+    from pipeplan.dsl.layout import groups, mesh_layout
+
+    text = plan_text("diloco(inner_steps = 3)", extra="  tp = 2  ep = 2").replace(
+        "pipeline {", 'experts { modules = ["layers.*.moe"]  num_experts = 4 }\npipeline {')
+    plan = parse_plan(text, "p.plan")
+    assert plan.mesh.islands
+    layout = mesh_layout(plan.mesh)
+    for g in groups(layout, "ep"):  # one island, one stage, every tp rank of it
+        assert len({(layout[r].pp, layout[r].dp) for r in g}) == 1 and len(g) == 2
+    assert groups(layout, "edp") == groups(layout, "dp")  # same experts: the other islands
+    # the same mesh under every-step sync puts EP over the dp ranks
+    every = parse_plan(text.replace("diloco(inner_steps = 3)", "every_step"), "p.plan")
+    assert not every.mesh.islands and groups(mesh_layout(every.mesh), "ep") == \
+        groups(mesh_layout(every.mesh), "dp")
 
 
 def test_decoupled_diloco_refuses_checkpoints_synchronous_diloco_takes_them():
