@@ -12,23 +12,27 @@ AdamW inside, clipping on, 6 steps (syncs after steps 3 and 6):
   pseudo-gradient is averaged with the same shard of the other island.
 
 Compared with the reference: every island's losses, its full parameters (gathered over tp
-and ep), the global copies and outer momentum. The heavy tier runs the MoE at
+and ep), the global copies and outer momentum. The MoE run also saves a checkpoint after
+step 4 (between syncs: the islands apart) and a fresh trainer resumes it to step 6:
+losses, parameters and DiLoCo state bitwise equal to the uninterrupted run. The heavy tier runs the MoE at
 pp2 x dp2 x tp2 x ep2 (8 ranks) under 1f1b.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from pipeplan.dsl.ast import MeshSpec, PipelineSpec, SplitSpec, SyncSpec, TensorSpec
+from pipeplan.dsl.ast import CheckpointSpec, MeshSpec, PipelineSpec, SplitSpec, SyncSpec, TensorSpec
 
 from .test_diloco import ADAMW, NESTEROV, make_plan, reference_mismatches
 from .test_equivalence_moe import moe_plan
 from .test_equivalence_parallel import TENSOR
 
-STEPS = 6
+STEPS, SAVE = 6, 4
 SYNC = SyncSpec("diloco", inner_steps=3, outer_optimizer=NESTEROV)
 ATTENTION = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v"),
                        row=("layers.*.attn.proj",))
@@ -52,9 +56,17 @@ def moe_ep_plan(pp: int = 1):
                  dataclasses.replace(base.pipeline, microbatches=2))
 
 
-def _run(plan):
+def _run(plan, folder: str):
+    """Train STEPS steps; with EP, also save after step SAVE (between syncs) and resume that
+    checkpoint in a fresh trainer to the end."""
+    from pipeplan.backends.checkpoint import Checkpointer
+    from pipeplan.backends.checkpoint.state import placed_parameters
     from pipeplan.backends.trainer import PipelineTrainer
 
+    ckpt = None
+    if plan.mesh.ep > 1:
+        plan = dataclasses.replace(plan, train=dataclasses.replace(
+            plan.train, checkpoint=CheckpointSpec(every=SAVE, dir=folder)))
     trainer = PipelineTrainer.for_plan(plan)
     rank, groups = dist.get_rank(), trainer.layout.groups
     shards = {}
@@ -63,20 +75,31 @@ def _run(plan):
         assert dist.get_process_group_ranks(groups.ep) == tp_ranks
         shards = {n: layer.shard.first for st in trainer.layout.parallel.values()
                   for n, layer in st.experts.items()}
-    reports = [trainer.step(t) for t in range(STEPS)]
-    from pipeplan.backends.checkpoint.state import placed_parameters
-
+        ckpt = Checkpointer(plan, trainer, plan_hash="ep")
+    reports = []
+    for t in range(STEPS):
+        reports.append(trainer.step(t))
+        if ckpt is not None and t + 1 == SAVE:
+            ckpt.save(SAVE)
     offset = {n: pl.offset for pl in placed_parameters(trainer) for n in pl.names}
-    return dict(rank=rank, dp=trainer.topo.coords.dp, tp=trainer.topo.coords.tp,
-                pp=trainer.topo.coords.pp, shards=shards, losses=[r.loss for r in reports],
-                params=trainer.named_parameters(),
-                syncs=[e.step for r in reports for e in r.sync_events],
-                state={k: (offset.get(k.split("/", 2)[2], ()), v.clone())
-                       for k, v in trainer.diloco.state_dict().items()})
+    out = dict(rank=rank, dp=trainer.topo.coords.dp, tp=trainer.topo.coords.tp,
+               pp=trainer.topo.coords.pp, shards=shards, losses=[r.loss for r in reports],
+               params=trainer.named_parameters(),
+               syncs=[e.step for r in reports for e in r.sync_events],
+               state={k: (offset.get(k.split("/", 2)[2], ()), v.clone())
+                      for k, v in trainer.diloco.state_dict().items()})
+    if ckpt is not None:
+        again = PipelineTrainer.for_plan(plan)
+        first = Checkpointer(plan, again, plan_hash="ep").load(SAVE)
+        again.resume(first)
+        losses = [again.step(t).loss for t in range(first, STEPS)]
+        out["resumed"] = dict(losses=losses, params=again.named_parameters(),
+                              state={k: v.clone() for k, v in again.diloco.state_dict().items()})
+    return out
 
 
-def _worker(rank, world, which):
-    return {key: _run(plan()) for key, plan in which}
+def _worker(rank, world, which, folder):
+    return {key: _run(plan(), os.path.join(folder, key)) for key, plan in which}
 
 
 def _check(results, configs):
@@ -90,6 +113,12 @@ def _check(results, configs):
         if plan().mesh.ep > 1:  # tp rank t holds experts [2t, 2t+2) in both islands
             for r in runs:
                 assert r["shards"] and set(r["shards"].values()) == {2 * r["tp"]}, r["shards"]
+                # resumed from step SAVE (islands apart, expert shards per island): bitwise
+                again = r["resumed"]
+                assert again["losses"] == r["losses"][SAVE:], (key, r["rank"])
+                assert all(torch.equal(again["params"][n], v) for n, v in r["params"].items())
+                assert again["state"].keys() == r["state"].keys()
+                assert all(torch.equal(again["state"][k], v) for k, (_, v) in r["state"].items())
     assert not bad, "\n".join(bad[:20])
 
 
@@ -98,8 +127,8 @@ CONFIGS = (("tp2", tp_plan), ("moe_ep2", moe_ep_plan))
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_diloco_with_tp_and_ep_inside_islands_equals_reference(spawn):
-    _check(spawn(_worker, 4, CONFIGS, timeout=280), CONFIGS)
+def test_diloco_with_tp_and_ep_inside_islands_equals_reference(spawn, tmp_path):
+    _check(spawn(_worker, 4, CONFIGS, str(tmp_path), timeout=280), CONFIGS)
 
 
 HEAVY = (("moe_pp2_ep2", lambda: moe_ep_plan(pp=2)),)
@@ -107,5 +136,5 @@ HEAVY = (("moe_pp2_ep2", lambda: moe_ep_plan(pp=2)),)
 
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
-def test_diloco_moe_pp2_tp2_ep2_equals_reference(spawn):
-    _check(spawn(_worker, 8, HEAVY, timeout=580), HEAVY)
+def test_diloco_moe_pp2_tp2_ep2_equals_reference(spawn, tmp_path):
+    _check(spawn(_worker, 8, HEAVY, str(tmp_path), timeout=580), HEAVY)
