@@ -163,7 +163,8 @@ def expert_group_ranks(mesh: MeshSpec) -> tuple[list[list[int]], list[list[int]]
     Taken from the plan's mesh layout (`pipeplan check` prints the same groups).
     """
     layout = mesh_layout(mesh)
-    return ([list(g) for g in groups(layout, "ep")], [list(g) for g in groups(layout, "edp")])
+    return ([list(g) for g in groups(layout, "ep", mesh.islands)],
+            [list(g) for g in groups(layout, "edp", mesh.islands)])
 
 
 def expert_stats_ranks(mesh: MeshSpec) -> list[list[int]]:
@@ -184,14 +185,16 @@ def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None,
         ep, _ = dist.new_subgroups_by_enumeration(ep_lists)
         if group_sizes(mesh).edp > 1:
             edp, _ = dist.new_subgroups_by_enumeration(edp_lists)
-    else:
+    elif not mesh.islands:
         edp = dp_group
     if sequence_parallel_experts and mesh.tp > 1:
         stats = tp_group if mesh.ep == 1 else \
             dist.new_subgroups_by_enumeration(expert_stats_ranks(mesh))[0]
     tp = tp_group if mesh.tp > 1 else None
-    # with context parallel dp_group is the flattened dp x cp group (backends/topology.py)
-    return ParallelGroups(mesh, tp, dp_group if mesh.dp * mesh.cp > 1 else None, ep, edp, stats,
+    # with context parallel dp_group is the flattened dp x cp group (backends/topology.py);
+    # DiLoCo islands sum no gradient over dp (edp: the island's own expert replicas)
+    dp = dp_group if mesh.dp * mesh.cp > 1 and not mesh.islands else None
+    return ParallelGroups(mesh, tp, dp, ep, edp, stats,
                           ParameterSlicer(tp) if tp is not None else None,
                           PartialGrads(tp) if tp is not None else None)
 

@@ -176,8 +176,7 @@ class PipelineTrainer:
         else:
             self.zero = None
             order = _stage_order_by_last_grad(schedule.order[pp], list(self.runners))
-            self.sync = GradSync(self.runners, self.layout, tied, order,
-                                 reduce_over_dp=not islands)
+            self.sync = GradSync(self.runners, self.layout, tied, order)
             self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None
         self.scheduler = build_lr_scheduler(self.optimizer, plan.train) if self.optimizer else None
         self.executor = Executor(planned, self.runners, self.specs,

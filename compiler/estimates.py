@@ -258,13 +258,17 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
     def add(group: str, op: str, nbytes: float) -> None:
         coll[(group, op)] = coll.get((group, op), 0) + int(nbytes)
 
+    islands = plan.mesh.islands  # DiLoCo: the dp sums are pseudo-gradients (sync_estimate.py)
     if z == 0:  # the plain optimizer over every parameter; gradients all-reduced per group
         total = sum(layout.numel.values())
         memory.append(shard_memory(total, 1, 0, per, tensors=len(layout.numel)))
         for s in layout.shards:
-            group, n = _group_of(plan, s.kind)
+            group, n = ("dp", plan.mesh.dp) if islands else _group_of(plan, s.kind)
             if n > 1:
                 add(group, "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad)
+            if islands and s.kind == EXPERT and _group_of(plan, s.kind)[1] > 1:
+                # an island's own expert replicas (ep below tp): summed every step
+                add("edp", "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad)
     for i, s in enumerate(layout.shards if z > 0 else ()):
         numel = sum(layout.numel[k] for k in s.keys)
         group, n = _group_of(plan, s.kind)
@@ -278,11 +282,17 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
         add(group, "allgather", gathers * full // n * per.param)
     held = MemoryBytes(*(sum(getattr(m, f) for m in memory)
                          for f in ("params", "grads", "optimizer")))
-    through = sum(ring_bytes(op, nbytes, _size_of(plan, group))
-                  for (group, op), nbytes in coll.items())
+
+    def through(inside: bool) -> int:  # ring bytes; inside: an island's own edp sums
+        return int(sum(ring_bytes(op, nbytes, _size_of(plan, group))
+                       for (group, op), nbytes in coll.items()
+                       if not islands or (group == "edp") == inside))
+
+    comm = {"dp": through(False)}  # DiLoCo: "dp" crosses the islands, "edp" stays inside
+    if islands and ("edp", "allreduce") in coll:
+        comm["edp"] = through(True)
     return RankEstimate(rank=0, param_bytes=held.params, grad_bytes=held.grads,
-                        optimizer_bytes=held.optimizer, comm_bytes={"dp": int(through)},
-                        collectives=coll)
+                        optimizer_bytes=held.optimizer, comm_bytes=comm, collectives=coll)
 
 
 def _size_of(plan: Plan, group: str) -> int:

@@ -31,20 +31,13 @@ def _sync(plan: Plan) -> Iterator[Problem]:
                       "diloco makes separate islands",
                       "each island keeps its whole inner optimizer; set zero = 0 (ZeRO inside "
                       "an island needs dp inside the island, which the mesh has not)")
-    if m.ep > 1 and (m.tp % m.ep or m.ep > m.tp):
+    if m.ep > 1 and m.tp % m.ep:
         yield Problem(where(plan, "mesh.ep", "sync"),
                       f"ep = {m.ep} does not divide tp = {m.tp}, so its EP groups would "
                       "cross diloco's islands and their all-to-all would join them every step",
-                      "an island is one dp replica; EP must stay inside it, on the island's tp "
-                      "ranks: set tp = ep (e.g. tp = 2, ep = 2), or ep = 1 (the experts then "
-                      "live whole in every island)")
-    elif m.ep > 1 and m.ep < m.tp:
-        yield Problem(where(plan, "mesh.ep", "sync"),
-                      f"ep = {m.ep} is below tp = {m.tp}: each island would hold every expert "
-                      f"{m.tp // m.ep} times and must sum their gradients inside the island "
-                      "every step, which the diloco runtime does not do",
-                      f"set ep = tp = {m.tp} (each tp rank of an island holds 1/tp of the "
-                      "experts), or ep = 1")
+                      "an island is one dp replica; EP must stay inside it, on the island's "
+                      "tp ranks: pick ep dividing tp (e.g. tp = 2, ep = 2), or ep = 1 (the "
+                      "experts then live whole in every island)")
     stages = m.pp * plan.pipeline.virtual
     if s.fragments > 1 and stages % s.fragments:
         yield Problem(where(plan, "sync.fragments", "sync"),

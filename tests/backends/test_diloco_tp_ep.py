@@ -15,7 +15,8 @@ Compared with the reference: every island's losses, its full parameters (gathere
 and ep), the global copies and outer momentum. The MoE run also saves a checkpoint after
 step 4 (between syncs: the islands apart) and a fresh trainer resumes it to step 6:
 losses, parameters and DiLoCo state bitwise equal to the uninterrupted run. The heavy tier runs the MoE at
-pp2 x dp2 x tp2 x ep2 (8 ranks) under 1f1b.
+pp2 x dp2 x tp2 x ep2 and at dp2 x tp4 x ep2 (8 ranks each; ep below tp: each island
+holds every expert twice and sums their gradients inside the island every step).
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ def tp_plan():
                  dataclasses.replace(base.pipeline, split=SplitSpec()))
 
 
-def moe_ep_plan(pp: int = 1):
+def moe_ep_plan(pp: int = 1, tp: int = 2):
     base = moe_plan("moe_gpt", "1f1b")
-    return _with(base, MeshSpec(pp=pp, dp=2, tp=2, ep=2), ATTENTION,
+    return _with(base, MeshSpec(pp=pp, dp=2, tp=tp, ep=2), ATTENTION,
                  dataclasses.replace(base.pipeline, microbatches=2))
 
 
@@ -70,9 +71,12 @@ def _run(plan, folder: str):
     trainer = PipelineTrainer.for_plan(plan)
     rank, groups = dist.get_rank(), trainer.layout.groups
     shards = {}
-    if plan.mesh.ep > 1:  # EP inside the island: its tp ranks, never the other island's
+    if plan.mesh.ep > 1:  # EP inside the island: among its tp ranks, never the other island's
         tp_ranks = dist.get_process_group_ranks(groups.tp)
-        assert dist.get_process_group_ranks(groups.ep) == tp_ranks
+        assert set(dist.get_process_group_ranks(groups.ep)) <= set(tp_ranks)
+        if plan.mesh.tp > plan.mesh.ep:  # the island's replicas of the same experts
+            replicas = dist.get_process_group_ranks(groups.expert_dp)
+            assert set(replicas) <= set(tp_ranks) and len(replicas) == plan.mesh.tp // 2
         shards = {n: layer.shard.first for st in trainer.layout.parallel.values()
                   for n, layer in st.experts.items()}
         ckpt = Checkpointer(plan, trainer, plan_hash="ep")
@@ -110,9 +114,10 @@ def _check(results, configs):
         assert all(r["syncs"] == [3, 6] for r in runs), [r["syncs"] for r in runs]
         # the islands diverge between syncs (so the test tells DiLoCo from data parallel)
         assert runs[0]["losses"] != next(r for r in runs if r["dp"] == 1)["losses"]
-        if plan().mesh.ep > 1:  # tp rank t holds experts [2t, 2t+2) in both islands
+        if plan().mesh.ep > 1:  # tp rank t holds experts [2(t%2), 2(t%2)+2) in both islands
             for r in runs:
-                assert r["shards"] and set(r["shards"].values()) == {2 * r["tp"]}, r["shards"]
+                assert r["shards"] and set(r["shards"].values()) == {2 * (r["tp"] % 2)}, \
+                    r["shards"]
                 # resumed from step SAVE (islands apart, expert shards per island): bitwise
                 again = r["resumed"]
                 assert again["losses"] == r["losses"][SAVE:], (key, r["rank"])
@@ -131,10 +136,10 @@ def test_diloco_with_tp_and_ep_inside_islands_equals_reference(spawn, tmp_path):
     _check(spawn(_worker, 4, CONFIGS, str(tmp_path), timeout=280), CONFIGS)
 
 
-HEAVY = (("moe_pp2_ep2", lambda: moe_ep_plan(pp=2)),)
+HEAVY = (("moe_pp2_ep2", lambda: moe_ep_plan(pp=2)), ("moe_tp4_ep2", lambda: moe_ep_plan(tp=4)))
 
 
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
-def test_diloco_moe_pp2_tp2_ep2_equals_reference(spawn, tmp_path):
+def test_diloco_moe_pp2_and_ep_below_tp_equal_reference(spawn, tmp_path):
     _check(spawn(_worker, 8, HEAVY, str(tmp_path), timeout=580), HEAVY)
