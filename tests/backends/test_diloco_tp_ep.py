@@ -120,10 +120,12 @@ def _check(results, configs):
                     r["shards"]
                 # resumed from step SAVE (islands apart, expert shards per island): bitwise
                 again = r["resumed"]
-                assert again["losses"] == r["losses"][SAVE:], (key, r["rank"])
-                assert all(torch.equal(again["params"][n], v) for n, v in r["params"].items())
-                assert again["state"].keys() == r["state"].keys()
-                assert all(torch.equal(again["state"][k], v) for k, (_, v) in r["state"].items())
+                if not (again["losses"] == r["losses"][SAVE:]
+                        and all(torch.equal(again["params"][n], v) for n, v in r["params"].items())
+                        and again["state"].keys() == r["state"].keys()
+                        and all(torch.equal(again["state"][k], v)
+                                for k, (_, v) in r["state"].items())):
+                    bad.append(f"{key} rank {r['rank']}: resumed after step {SAVE} differs")
     assert not bad, "\n".join(bad[:20])
 
 
