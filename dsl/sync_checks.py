@@ -12,8 +12,7 @@ from .ast import Plan
 from .checks import Problem, check, where
 
 
-@check("sync", "mesh", "zero", "pipeline.schedule", "pipeline.virtual", "train.steps",
-       "train.checkpoint")
+@check("sync", "mesh", "zero", "pipeline.schedule", "pipeline.virtual", "train.steps")
 def _sync(plan: Plan) -> Iterator[Problem]:
     s, m = plan.sync, plan.mesh
     if not s.diloco:
@@ -64,10 +63,3 @@ def _sync(plan: Plan) -> Iterator[Problem]:
     if s.decoupled and s.timeout <= 0:
         yield Problem(where(plan, "sync.timeout", "sync"), "timeout must be above 0s",
                       "how long a sync waits for late islands, e.g. timeout = 30s")
-    if s.decoupled and plan.train.checkpoint is not None:
-        yield Problem(where(plan, "train.checkpoint", "sync"),
-                      "a decoupled diloco run cannot write checkpoints",
-                      "a checkpoint is written by every rank together (a collective save, "
-                      "then a barrier), which a decoupled run has not: its islands are at "
-                      "different steps and may be lost; remove train.checkpoint, or set "
-                      "decoupled = false (synchronous diloco checkpoints every island)")
