@@ -44,7 +44,8 @@ class CheckpointError(PipeplanError):
 
 def checkpoint_step_dir(path: str) -> str:
     """`path` itself when it is one checkpoint (holds DCP's .metadata), else its newest
-    `step_N` folder (a run's checkpoint.dir)."""
+    `step_N` folder (a run's checkpoint.dir; a decoupled DiLoCo run's: island 0's, whose
+    global parameters are the coordinators' own)."""
     from .checkpoint.manifest import newest
 
     if os.path.isfile(os.path.join(path, ".metadata")):
@@ -52,6 +53,8 @@ def checkpoint_step_dir(path: str) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint folder")
     found = newest(path)
+    if found is None and os.path.isdir(os.path.join(path, "island0")):
+        found = newest(os.path.join(path, "island0"))
     if found is None or not os.path.isfile(os.path.join(found, ".metadata")):
         raise CheckpointError(f"{path}: not a checkpoint (no .metadata) and no step_N "
                               "checkpoint in it")

@@ -105,3 +105,11 @@ def test_decoupled_islands_checkpoint_alone_and_resume_their_own_step(spawn, tmp
         assert all(torch.equal(r["params"][n], v) for n, v in s["params"].items())
         assert r["state"].keys() == s["state"].keys()
         assert all(torch.equal(r["state"][k], v) for k, v in s["state"].items())
+    # `pipeplan export dir` reads island 0's newest: the coordinators' global parameters
+    from pipeplan.backends.export import read_checkpoint_params
+
+    exported = read_checkpoint_params(folder)
+    glob = {k.split("/", 2)[2]: v for k, v in resumed[0]["state"].items()
+            if k.startswith("diloco/global/")}
+    assert glob and set(glob) <= set(exported)
+    assert all(torch.equal(exported[n], v) for n, v in glob.items())
