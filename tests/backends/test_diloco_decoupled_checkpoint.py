@@ -10,7 +10,10 @@ running the runtime's own step loop (worker._train: resume, steps, a checkpoint 
    (every island present: the decoupled mean is DiLoCo's);
 2. after the step-6 checkpoints are removed, the same plan resumes each island from its
    own newest step (4) and runs steps 5 and 6: losses, parameters and DiLoCo state
-   bitwise equal to the straight run.
+   bitwise equal to the straight run;
+3. islands resumed at different steps (island 0 at 4, island 1 at 2; timeout 1 s): island
+   0 syncs without the late island, which adopts the newest round when it gets there, and
+   after island 0 has finished, its last round at its remaining sync.
 
 Before launch (`cli.check_resume`): the island series load under the plan; a synchronous
 plan pointed at them, or a decoupled plan at a synchronous run's folder, is refused
@@ -18,9 +21,12 @@ naming the folder.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -33,9 +39,9 @@ from .test_diloco import ADAMW, NESTEROV, make_plan, reference_mismatches
 STEPS = 6
 
 
-def plan_of(folder: str):
+def plan_of(folder: str, timeout: float = 30.0):
     plan = make_plan(SyncSpec("diloco", inner_steps=2, outer_optimizer=NESTEROV,
-                              decoupled=True, timeout=30.0), ADAMW)
+                              decoupled=True, timeout=timeout), ADAMW)
     from pipeplan.dsl.ast import MeshSpec, SplitSpec
     return dataclasses.replace(
         plan, mesh=MeshSpec(pp=1, dp=2),
@@ -44,17 +50,24 @@ def plan_of(folder: str):
                                   checkpoint=CheckpointSpec(every=2, dir=folder, keep=3)))
 
 
-def _worker(rank, world, folder):
+def _worker(rank, world, folder, timeout=30.0):
     from pipeplan.backends.decoupled import finish
     from pipeplan.backends.trainer import PipelineTrainer
     from pipeplan.backends.worker import RankEnv, RunOptions, _train
 
-    plan = plan_of(folder)
+    plan = plan_of(folder, timeout)
     trainer = PipelineTrainer.for_plan(plan)
-    losses, _, first = _train(plan, trainer, RankEnv(rank, world, rank), RunOptions(STEPS),
-                              [""], run_hash="decoupled")
+    log = io.StringIO()  # island 1's first rank prints its syncs; rank 0 writes metrics
+    metrics = os.path.join(os.path.dirname(folder), f"metrics{rank}.jsonl")
+    with contextlib.redirect_stdout(log):
+        losses, _, first = _train(plan, trainer, RankEnv(rank, world, rank),
+                                  RunOptions(STEPS, metrics=metrics), [""], run_hash="decoupled")
+    if rank == 0:
+        rows = [json.loads(line) for line in open(metrics)]
+        log.write("".join(f"sync {e}\n" for row in rows[-(STEPS - first):]
+                          for e in row.get("sync", [])))
     finish(rank, world, {0: 0, 1: 1}, 60.0)  # as a decoupled run ends: no collective
-    return dict(dp=trainer.topo.coords.dp, first=first, losses=losses,
+    return dict(dp=trainer.topo.coords.dp, first=first, losses=losses, log=log.getvalue(),
                 params=trainer.named_parameters(),
                 state={k: v.clone() for k, v in trainer.diloco.state_dict().items()})
 
@@ -113,3 +126,21 @@ def test_decoupled_islands_checkpoint_alone_and_resume_their_own_step(spawn, tmp
             if k.startswith("diloco/global/")}
     assert glob and set(glob) <= set(exported)
     assert all(torch.equal(exported[n], v) for n, v in glob.items())
+
+    # islands at different steps: island 0 resumes its step 4, island 1 its step 2 (its
+    # newer ones removed), with a 1 s timeout. Island 0's round-2 sync (after its step 6)
+    # goes on without island 1, which is still in round 1; island 1 then adopts round 2
+    # (late, after its step 4), and at its last sync, island 0 having finished, round 2
+    # again: it ends on island 0's final global parameters.
+    shutil.rmtree(os.path.join(folder, "island0", "step_000006"))
+    for step in (4, 6):
+        shutil.rmtree(os.path.join(folder, "island1", f"step_{step:06d}"))
+    late = spawn(_worker, 2, folder, 1.0, timeout=140)
+    assert [r["first"] for r in late] == [4, 2]
+    assert "'step': 6, 'fragment': 0, 'round': 2, 'islands': [0], 'absent': [1]" \
+        in late[0]["log"], late[0]["log"]
+    assert re.search(r"island 1: sync after step 4, fragment 0 round 1: .*this island was late "
+                     r"and adopted round 2's parameters", late[1]["log"]), late[1]["log"]
+    assert re.search(r"island 1: sync after step 6, .* adopted round 2's parameters",
+                     late[1]["log"]), late[1]["log"]
+    assert all(torch.equal(late[1]["params"][n], v) for n, v in late[0]["params"].items())
