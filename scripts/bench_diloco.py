@@ -1,7 +1,9 @@
 """Cross-island traffic and loss: every-step data parallelism vs DiLoCo on the MoE example.
 
-Trains examples/moe_pp2_ep2_zbv.plan with ep = 1 (DiLoCo refuses ep > 1: expert parallelism
-re-divides the dp ranks, so its all-to-all would cross islands) on 4 gloo ranks
+Trains examples/moe_pp2_ep2_zbv.plan with ep = 1 (with ep = 2 over the dp ranks, every-step
+training's all-to-all would cross the islands, which the gradient byte counts here do not
+see; DiLoCo keeps EP inside the islands only on their tp ranks, tested in
+tests/backends/test_diloco_tp_ep.py) on 4 gloo ranks
 (pp=2 x dp=2 islands) for N steps, once per sync mode, and prints for each the bytes rank
 traffic sent across islands (measured at the all-reduce call sites: gradients every step,
 or pseudo-gradients at each sync; ring all-reduce, 2(n-1)/n of each tensor), the compiler's
