@@ -20,6 +20,7 @@ import heapq
 import random
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 from .costs import StageCosts
@@ -92,8 +93,9 @@ class TimedRun:
 
     def schedule(self) -> Schedule:
         p, S = max(self.placement) + 1, len(self.placement)
+        action = partial(tuple.__new__, Action)  # Action._make without its Python frame (rows are triples)
         return Schedule(self.name, p, S, self.microbatches, self.placement,
-                        tuple(tuple(map(Action._make, row)) for row in self.rows))
+                        tuple(tuple(map(action, row)) for row in self.rows))
 
 
 def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: StageCosts,
