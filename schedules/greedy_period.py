@@ -67,6 +67,7 @@ class PeriodFinder:
         self.live_f, self.heap_f, self.live_b, self.heap_b = live_f, heap_f, live_b, heap_b
         self.channels, self.pending_w, self.rows, self.left = channels, pending_w, rows, left
         self.seen: dict[tuple, list[list]] = {}  # fingerprint -> [T, X, full or None, marks]
+        self.budget = 4 * len(free_at) + 64  # full states built before giving up (bounds the cost)
         self.skip: Skip | None = None
         self.done = False
 
@@ -83,7 +84,7 @@ class PeriodFinder:
         events = tuple(sorted({(t - T, r) for t, r in self.events if t >= free_at[r] - EPS}))
         live_f = tuple(tuple(sorted(k - XS for k in lv if not self._supply(k))) for lv in self.live_f)
         live_b = tuple(tuple(sorted(k - XS for k in lv)) for lv in self.live_b)
-        chans = tuple(tuple((m[0] - T, m[1] + XS if m[1] < 0 else m[1] - XS) for m in dq)
+        chans = tuple(tuple((msg[0] - T, msg[1] + XS if msg[1] < 0 else msg[1] - XS) for msg in dq)
                       for dq in self.channels)
         pend = tuple(tuple((s, mb - X) for s, mb in q) for q in self.pending_w)
         return (events, tuple(self.reserved), live_f, live_b, chans, pend)
@@ -93,14 +94,21 @@ class PeriodFinder:
         fp = self._fingerprint(T)
         entries = self.seen.setdefault(fp, [])
         marks = ([len(row) for row in self.rows], count, list(self.left))
-        full = self._full(T, X) if entries else None
-        for entry in entries:
-            if entry[2] is not None and entry[2] == full:
-                return self._jump(entry, T, X, marks)
+        full = None
+        if entries:  # a candidate: compare in full with the earlier snapshots built in full
+            self.budget -= 1
+            if self.budget < 0:
+                self.done = True
+                return 0
+            full = self._full(T, X)
+            for entry in entries:
+                if entry[2] == full:
+                    return self._jump(entry, T, X, marks)
         entries.append([T, X, full, marks])
         return 0
 
     def _jump(self, first: list, T: float, X: int, marks) -> int:
+        """The state at (T, X) is the one at `first`, shifted: move every container k periods on."""
         T1, X1, _, (lens1, count1, left1) = first
         lens2, count2, left2 = marks
         d = X - X1
