@@ -109,7 +109,10 @@ def timed_run(name: str, placement: tuple[int, ...], microbatches: int, table: S
     as a key whose integer order is the policy's priority order (backward: oldest
     microbatch, then deepest stage; forward: continuing before entering, then the same),
     ready actions on a rank sit in a lazily-deleted heap of keys, and channel messages
-    carry their key (>= 0 for a gradient, -1 - key for an activation).
+    carry their key (>= 0 for a gradient, -1 - key for an activation). Once the whole state
+    recurs (shifted in time and microbatches), greedy_period copies the repeated period
+    instead of stepping through it: same rows, a quarter of the work at p=64, m=1024.
+    skip_periods=False steps through every action (tests compare the two).
     """
     p = max(placement) + 1
     S, m, lat = len(placement), microbatches, table.latency
