@@ -67,3 +67,89 @@ def test_ring_attention_refuses_other_devices():
     q = torch.zeros(1, 1, 4, 2, device="meta")
     with pytest.raises(PipeplanError, match="use context { method = ulysses } there"):
         ring_attention(q, q, q, None, True)
+
+
+# ------------------------------------------------- plan line and estimates (compile only)
+def _ring_plan(*edits) -> str:
+    from .test_context_parallel import PLAN
+
+    text = PLAN.replace("method = ulysses", "method = ring")
+    for edit in edits:
+        assert edit[0] in text, edit
+        text = text.replace(*edit)
+    return text
+
+
+def test_ring_estimates_count_the_hops_and_heads_do_not_limit_cp():
+    from pipeplan.compiler import compile_plan
+    from pipeplan.compiler.report import render_report, render_summary
+    from pipeplan.dsl import parse_plan
+
+    ring = compile_plan(parse_plan(_ring_plan(), "ring.plan"))
+    ulysses = compile_plan(parse_plan(_ring_plan(("ring", "ulysses")), "u.plan"))
+    # per attention op and microbatch a rank's K and V ([2 rows, 2 KV heads, 8 positions,
+    # 8] float32 each) go cp-1 hops forward and backward, their gradients cp-1 hops:
+    # 2 layers per stage, 2 microbatches
+    kv = 2 * (2 * 2 * 8 * 8 * 4)
+    per_op = (2 - 1) * (2 * kv + kv)
+    for r in (0, 2):  # pp ranks 0 and 1
+        est = ring.estimates.ranks[r]
+        assert est.comm_bytes["cp"] == 2 * 2 * per_op
+        assert est.collectives[("cp", "ring p2p")] == 2 * 2 * per_op
+        # causal and load-balanced: its own block and cp-1 half blocks of the local
+        # attention (4 * B * H * L * L * D FLOPs, forward + 2x backward), against Ulysses' cp
+        sdpa = 4 * 2 * 4 * 8 * 8 * 8
+        assert ulysses.estimates.ranks[r].flops - est.flops == 3 * 2 * 2 * 0.5 * sdpa
+    assert "ring K/V and dK/dV hops per step per rank: pp rank 0 24.00 KiB" \
+        in render_summary(ring), render_summary(ring)
+    assert "| cp (context parallel (Ulysses all-to-all, ring K/V hops)) | ring p2p |" \
+        in render_report(ring)
+    # cp = 4 exceeds the 2 KV heads (Ulysses refuses it); the ring only needs 2*cp | seq_len
+    four = compile_plan(parse_plan(_ring_plan(("cp = 2", "cp = 4")), "four.plan"))
+    assert four.estimates.ranks[0].comm_bytes["cp"] == 2 * 2 * (4 - 1) * 3 * (kv // 2)
+
+
+@pytest.mark.parametrize("edits, line, message", [
+    ([("seq_len = 16", "seq_len = 14")], 6,
+     r"ring attention with cp = 2 cuts each sequence into 2\*cp = 4 chunks, which do not "
+     r"divide data.seq_len = 14"),
+    ([("layers = 4 }", "layers = 4, dropout = 0.1 }")], 8,
+     r"attention `.*` has dropout_p = 0.1; ring attention's blocks run without dropout"),
+    # a mask tensor (WindowLM's SDPA block takes a boolean attn_mask)
+    ([('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.tp_models:WindowLM"'),
+      ("heads = 4, kv_heads = 2, layers = 4", "heads = 4, layers = 2"),
+      ("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }", ""),
+      (", inputs = { position_ids = positions }", "")], 8,
+     r"takes a mask tensor; ring attention computes each K/V block itself"),
+])
+def test_ring_plan_checks(edits, line, message):
+    from pipeplan.compiler import compile_plan
+    from pipeplan.dsl import PlanError, parse_plan
+
+    with pytest.raises(PlanError, match=message) as err:
+        compile_plan(parse_plan(_ring_plan(*edits), "plan.plan"))
+    assert f"plan.plan:{line}:" in str(err.value), str(err.value)
+
+
+# ------------------------------------------- pipelined training equals the reference
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ring_transformers_llama_pp2_cp2_equals_reference(run_workers):
+    """transformers' LlamaForCausalLM (RoPE from position_ids, GQA 4/2, SDPA with is_causal:
+    cp_models.causal_llama), exported, pp2 x cp2 ring attention under 1f1b and zbv (split
+    B/W backward: the ring's backward runs in B), 3 AdamW steps against the unmodified
+    model on whole sequences (test_context_parallel.make_plan)."""
+    from .test_context_parallel import _worker
+
+    run_workers(_worker, 4, ["ring-llama-1f1b", "ring-llama-zbv"], timeout=880)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1200)
+def test_ring_with_dp_and_zero_equals_reference(run_workers):
+    """RopeLM: pp2 x cp2 ring (1f1b, zbv), pp1 x dp2 x cp2 ZeRO-2, then pp2 x dp2 x cp2
+    ZeRO-2 on 8 processes."""
+    from .test_context_parallel import _worker
+
+    run_workers(_worker, 4, ["ring-1f1b", "ring-zbv", "ring-zero2"], timeout=580)
+    run_workers(_worker, 8, ["ring-pp2-dp2-zero2"], timeout=580)
