@@ -193,12 +193,18 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+def check_ring_device(device_type: str) -> None:
+    """Refused before the process group forms (backends/worker.py) and at the call."""
+    if device_type != "cpu":
+        raise PipeplanError("ring attention runs its blocks through the CPU SDPA kernel "
+                            f"that returns the log-sum-exp, and this rank runs on "
+                            f"{device_type}: use context {{ method = ulysses }} there, or "
+                            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU")
+
+
 def ring_attention(q, k, v, group, is_causal: bool = False, scale=None):
     """Attention of this rank's queries over the whole (ring-laid-out) sequence."""
-    if q.device.type != "cpu":
-        raise PipeplanError("ring attention runs its blocks through the CPU SDPA kernel "
-                            f"that returns the log-sum-exp; q is on {q.device.type}: "
-                            "use context { method = ulysses } there")
+    check_ring_device(q.device.type)
     return _RingAttention.apply(q, k, v, group, bool(is_causal), scale)
 
 
