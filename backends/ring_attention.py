@@ -143,18 +143,19 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ring = _Ring(group)
-        out = torch.empty_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
-        out.zero_()
+        acc = torch.promote_types(q.dtype, torch.float32)  # blocks merged in at least fp32
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = _pack(k, v)
         for i in range(ring.size):
             nxt = ring.hop(kv, TAG_KV) if i + 1 < ring.size else None
             kb, vb = _unpack(kv, k)
             qp, kvp, c = _visible(ring.rank, i, ring.size, causal)
             o, l = block_forward(_chunks(q, qp), _chunks(kb, kvp), _chunks(vb, kvp), c, scale)
-            _merge(out, lse, qp, o, l)
+            _merge(out, lse, qp, o.to(acc), l.to(acc))
             if nxt is not None:
                 kv = nxt()
+        out, lse = out.to(q.dtype), lse.to(l.dtype)  # as the kernel's backward takes them
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return out
