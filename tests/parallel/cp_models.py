@@ -76,6 +76,27 @@ class RopeLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class MemoryLM(nn.Module):
+    """Attention from the sequence to a learned memory of `slots` keys/values (not
+    self-attention: q and k differ in length)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, slots: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.memory = nn.Parameter(torch.randn(2, heads, slots, dim // heads))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k, v = (m.expand(b, -1, -1, -1) for m in self.memory)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
 CAUSAL_SDPA = "pipeplan_causal_sdpa"
 
 

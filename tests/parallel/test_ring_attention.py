@@ -121,6 +121,12 @@ def test_ring_estimates_count_the_hops_and_heads_do_not_limit_cp():
       ("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }", ""),
       (", inputs = { position_ids = positions }", "")], 8,
      r"takes a mask tensor; ring attention computes each K/V block itself"),
+    # attention to a learned memory: keys are not the sequence's positions
+    ([('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.cp_models:MemoryLM"'),
+      ("dim = 32, heads = 4, kv_heads = 2, layers = 4", "dim = 32, heads = 4"),
+      ("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }", ""),
+      (", inputs = { position_ids = positions }", "")], 8,
+     r"attends from 8 to 4 positions per rank, not over its own sequence"),
 ])
 def test_ring_plan_checks(edits, line, message):
     from pipeplan.compiler import compile_plan
