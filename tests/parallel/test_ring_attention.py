@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipeplan.backends.parallelize import CommMeter
+
 TOL = dict(rtol=1e-9, atol=1e-12)
 SEQ = 16
 
@@ -36,11 +38,17 @@ def _case(group, causal: bool, heads: int, kv_heads: int, scale, seed: int) -> N
                                          enable_gqa=kv_heads != heads)
     ref.backward(dout)
 
-    cols = ring_columns(SEQ, dist.get_world_size(group), dist.get_rank(group))
+    cp = dist.get_world_size(group)
+    cols = ring_columns(SEQ, cp, dist.get_rank(group))
     mine = [t[:, :, cols].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, group, is_causal=causal, scale=scale)
-    out.backward(dout[:, :, cols])
-    label = f"cp={dist.get_world_size(group)} causal={causal} heads={heads}/{kv_heads}"
+    with CommMeter({"cp": group}) as meter:
+        out = ring_attention(*mine, group, is_causal=causal, scale=scale)
+        out.backward(dout[:, :, cols])
+    label = f"cp={cp} causal={causal} heads={heads}/{kv_heads}"
+    # K and V (KV heads only) hop cp-1 times forward and again backward, dK/dV cp-1 times
+    kv = 2 * mine[1].numel() * 8
+    assert meter.bytes == {("cp", "send"): 3 * (cp - 1) * kv}, (label, meter.bytes)
+    assert meter.calls == {("cp", "send"): 3 * (cp - 1)}, (label, meter.calls)
     torch.testing.assert_close(out, ref[:, :, cols], **TOL, msg=lambda m: f"{label}: out {m}")
     for name, got, want in zip("qkv", mine, whole):
         torch.testing.assert_close(got.grad, want.grad[:, :, cols], **TOL,
@@ -145,9 +153,32 @@ def test_ring_transformers_llama_pp2_cp2_equals_reference(run_workers):
     cp_models.causal_llama), exported, pp2 x cp2 ring attention under 1f1b and zbv (split
     B/W backward: the ring's backward runs in B), 3 AdamW steps against the unmodified
     model on whole sequences (test_context_parallel.make_plan)."""
-    from .test_context_parallel import _worker
+    run_workers(_metered_worker, 4, ["ring-llama-1f1b", "ring-llama-zbv"], timeout=880)
 
-    run_workers(_worker, 4, ["ring-llama-1f1b", "ring-llama-zbv"], timeout=880)
+
+def _metered_worker(rank, world, names):
+    """Equivalence, and the bytes each rank's ring sent over the 3 steps: per attention op
+    and microbatch 3 (cp-1) times its K and V slices ([2 rows, 2 KV heads, 8 positions, 8]
+    float64 each), 2 layers per stage and rank (1f1b) or per pair of stages (zbv), 2
+    microbatches. Under zbv's split backward the ring's backward runs in B only: a W that
+    reran it would send more."""
+    from .pipelined_vs_reference import assert_trains_like_reference
+    from .test_context_parallel import STEPS, _attention_wrapped, make_plan
+
+    for name in names:
+        meters = []
+
+        def inspect(trainer):
+            _attention_wrapped(trainer)
+            meters.append(CommMeter({"cp": trainer.topo.cp_group}).__enter__())
+        try:
+            assert_trains_like_reference(make_plan(name), name, STEPS, inspect)
+        finally:
+            for meter in meters:
+                meter.__exit__(None, None, None)
+        kv = 2 * (2 * 2 * 8 * 8 * 8)
+        on_cp = {key: n for key, n in meters[0].bytes.items() if key[0] == "cp"}
+        assert on_cp == {("cp", "send"): STEPS * 2 * 2 * 3 * (2 - 1) * kv}, (name, on_cp)
 
 
 @pytest.mark.heavy
