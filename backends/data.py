@@ -18,6 +18,7 @@ its `positions` field holds the global positions of those columns.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Optional
 
 import numpy as np
@@ -44,7 +45,7 @@ class Batch:
     feeds: tuple[tuple[str, str, str, tuple], ...] = (
         ("input_ids", "tokens", "int64", ("batch", "seq")),)
     # global position of each column (context parallel slices); None: 0..seq_len-1
-    positions: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = dataclass_field(default=None, compare=False)
 
     def field(self, name: str) -> torch.Tensor:
         """The batch field a stage input names (ValueRef.source == BATCH)."""
