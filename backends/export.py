@@ -53,8 +53,6 @@ def checkpoint_step_dir(path: str) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint folder")
     found = newest(path)
-    if found is None and os.path.isdir(os.path.join(path, "island0")):
-        found = newest(os.path.join(path, "island0"))
     if found is None or not os.path.isfile(os.path.join(found, ".metadata")):
         raise CheckpointError(f"{path}: not a checkpoint (no .metadata) and no step_N "
                               "checkpoint in it")
