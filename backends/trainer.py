@@ -185,11 +185,11 @@ class PipelineTrainer:
                                  plan.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
-        self.diloco, self.loss_group = None, None  # the loss: over the world, or the island
+        self.diloco, self.island_group = None, None  # DiLoCo: the island (loss, checkpoints)
         if islands:
             from .diloco import build_diloco, island_groups
 
-            self.loss_group = island_groups(plan.mesh)[1]
+            self.island_group = island_groups(plan.mesh)[1]
             self.diloco = build_diloco(plan, self.runners, compiled.tied, topo)
 
     def step(self, t: int) -> StepReport:
@@ -204,7 +204,7 @@ class PipelineTrainer:
         spans = _Spans(result.spans)
         mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
         loss = torch.where(result.grads_non_finite(), math.nan, mine)
-        summed = dist.all_reduce(loss, group=self.loss_group, async_op=True)  # with the sync
+        summed = dist.all_reduce(loss, group=self.island_group, async_op=True)  # with the sync
         with spans("grad sync", "finish"):
             self.sync.finish()
         clip = self.plan.train.grad_clip
@@ -216,7 +216,7 @@ class PipelineTrainer:
             summed.wait()
             loss_value = float(loss)
         if not (math.isfinite(loss_value) and (norm is None or math.isfinite(norm))):
-            dist.all_reduce(mine, group=self.loss_group)  # what the loss was, and the norm
+            dist.all_reduce(mine, group=self.island_group)  # what the loss was, and the norm
             norm = self.sync.norm() if norm is None else norm
             raise NonFiniteError(locate_non_finite(t, result, float(mine), norm, self.runners))
         lr = self.plan.train.optimizer.lr

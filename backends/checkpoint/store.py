@@ -62,8 +62,8 @@ class Checkpointer:
         self.spec = plan.train.checkpoint
         self.plan_hash, self.split_points = plan_hash, tuple(split_points)
         self.folder = checkpoint_folder(plan, trainer.topo.coords.dp)
-        # decoupled DiLoCo: the island's group (trainer.loss_group) alone; else the world
-        self.group = trainer.loss_group if plan.sync.decoupled else None
+        # decoupled DiLoCo: the island's group alone; else the world
+        self.group = trainer.island_group if plan.sync.decoupled else None
         self.leader = dist.get_process_group_ranks(self.group)[0] if self.group else 0
 
     def _extras(self, step: int) -> dict:
