@@ -33,7 +33,7 @@ from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
 from .traced import trace_with_loss
-from .context_parallel import attach_context_costs, check_context
+from .context_parallel import attach_context_costs, check_context, heads_split_by_tp
 from .traffic import collective_traffic
 from ..backends.weights import check_weights
 
@@ -60,7 +60,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     graph = traced.module.graph
     check_experts(plan, graph, traced.run, experts_modules(plan, model))
     check_pairing(plan, graph, model, tp_kinds, traced.run)
-    check_context(plan, graph, traced.run)
+    tp_heads = heads_split_by_tp(plan, graph, model, tp_kinds, traced.run)
+    check_context(plan, graph, traced.run, tp_heads)
     costs = node_costs(plan, graph, traced.run)
     measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None
     split = choose_split(plan, model, graph, costs,
@@ -70,7 +71,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                           _non_persistent_buffers(model))
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
-    attach_context_costs(plan, stages, split, graph, traced.run)
+    attach_context_costs(plan, stages, split, graph, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
     if profile:
