@@ -89,5 +89,10 @@ def test_cp_checkpoint_resumes_bitwise_and_under_another_cp(spawn, tmp_path):
     # the manifest names cp, so `pipeplan plan-diff` can say what moved
     from pipeplan.backends.checkpoint import read_manifest, step_dir
 
-    manifest = read_manifest(step_dir(str(tmp_path), SAVE))
-    assert manifest["plan"]["mesh"] == {"pp": 2, "dp": 1, "cp": 2, "tp": 1, "ep": 1}
+    from pipeplan.backends.plan_diff import checkpoint_lines
+    from pipeplan.compiler import compile_plan
+
+    folder = step_dir(str(tmp_path), SAVE)
+    assert read_manifest(folder)["plan"]["mesh"] == {"pp": 2, "dp": 1, "cp": 2, "tp": 1, "ep": 1}
+    lines = checkpoint_lines(folder, compile_plan(plans(str(tmp_path))["pp2-dp2"]))
+    assert "loads under B" in lines[0] and "dp 1 -> 2; cp 2 -> 1" in lines[1], lines
