@@ -20,6 +20,7 @@ from pipeplan.dsl.ast import (ContextSpec, DataSpec, MeshSpec, ModelSpec, Optimi
 
 from .pipelined_vs_reference import assert_trains_like_reference
 from .test_context_parallel import INPUTS, STEPS
+from .test_context_parallel import PLAN as CP_PLAN
 from .test_tensor_parallel import LLAMA
 
 
@@ -100,22 +101,13 @@ def test_ulysses_pp1_cp2_tp2_llama_without_sequence_parallel(run_workers):
 
 
 # ------------------------------------------------------- plan line and estimates
-PLAN = """\
-model {
-  source = "pipeplan.tests.parallel.cp_models:RopeLM"
-  args = { vocab = 64, dim = 32, heads = 8, kv_heads = 4, layers = 2 }
-  inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }
-}
-data = synthetic(seed = 0, vocab = 64, seq_len = 16, inputs = { position_ids = positions })
-mesh { cp = 2, tp = 2 }
-context { method = ulysses }
-tensor {
-  column = [layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, layers.*.mlp.gate, layers.*.mlp.up]
-  row = [layers.*.attn.o, layers.*.mlp.down]
-}
-pipeline { schedule = 1f1b, microbatches = 2 }
-train { global_batch = 4 }
-"""
+# test_context_parallel's plan with 8 heads / 4 KV heads, 2 layers, pp1 x cp2 x tp2 and a
+# Megatron split of attention and MLP (the mesh still on line 7)
+PLAN = CP_PLAN.replace("heads = 4, kv_heads = 2, layers = 4", "heads = 8, kv_heads = 4, layers = 2") \
+    .replace("mesh { pp = 2, cp = 2 }", "mesh { cp = 2, tp = 2 }").replace(
+    "pipeline {", "tensor {\n  column = [layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, "
+    "layers.*.mlp.gate, layers.*.mlp.up]\n  row = [layers.*.attn.o, layers.*.mlp.down]\n}\n"
+    "pipeline {")
 
 
 def mlp_only(text: str) -> str:
