@@ -1,8 +1,8 @@
 """Context parallel (Ulysses) inside tensor-parallel stages equals single-process float64
 training, and heads that tp * cp cannot split are refused at the plan line.
 
-transformers' LlamaForCausalLM (cp_models.causal_llama: RoPE from position_ids, GQA with
-8 heads / 4 KV heads, causal SDPA; exported) with its q/k/v/gate/up projections
+transformers' LlamaForCausalLM (cp_models.causal_llama: 2 layers, RoPE from position_ids,
+GQA with 8 heads / 4 KV heads, causal SDPA; exported) with its q/k/v/gate/up projections
 column-parallel and o/down row-parallel: tp splits the heads in two, then each tp rank's
 all-to-all over its cp group splits its 4 local heads (2 KV heads) in two again. 3 AdamW
 steps with clipping against tp_reference.reference_run (the unmodified model on whole
@@ -38,7 +38,7 @@ def make_plan(name: str) -> Plan:
     pp = int(parts[0][2:])
     schedule = parts[-1] if parts[-1] in ("1f1b", "zbv", "gpipe") else "1f1b"
     return Plan(model=ModelSpec("pipeplan.tests.parallel.cp_models:causal_llama",
-                                args={"heads": 8, "kv_heads": 4}, capture="export",
+                                args={"heads": 8, "kv_heads": 4, "layers": 2}, capture="export",
                                 inputs=INPUTS),
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
                               inputs=(("position_ids", "positions"),)),
@@ -56,7 +56,8 @@ def _heads_sharded_twice(trainer) -> None:
     """Every attention op on this rank is wrapped, and sees tp-local head shards."""
     wrapped = [m for r in trainer.runners.values() for m in r.module.modules()
                if type(m).__name__ == "UlyssesAttention"]
-    assert len(wrapped) == 4 // trainer.plan.mesh.pp, wrapped
+    assert len(wrapped) == trainer.plan.model.args.get("layers", 4) // trainer.plan.mesh.pp, \
+        wrapped
     seen = []
     for m in wrapped:
         m.register_forward_pre_hook(lambda mod, args: seen.append(
