@@ -68,9 +68,12 @@ def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 def _parallel_problems(plan: Plan, model: nn.Module):
     tp, spec = plan.mesh.tp, plan.experts
-    if plan.tensor.sequence_parallel and tp > 1 and plan.data.seq_len % tp:
-        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide the sequence length "
-                                           f"{plan.data.seq_len} (sequence parallel splits it)")
+    seq = plan.data.seq_len // plan.mesh.cp  # context parallel: the slice a cp rank holds
+    if plan.tensor.sequence_parallel and tp > 1 and seq % tp:
+        held = f"{seq} positions each of the cp = {plan.mesh.cp} ranks holds" \
+            if plan.mesh.cp > 1 else f"the sequence length {seq}"
+        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide {held} "
+                                           f"(sequence parallel splits it)")
     if spec is None:
         return
     m = plan.mesh

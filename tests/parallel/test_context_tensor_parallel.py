@@ -1,12 +1,12 @@
 """Context parallel (Ulysses) inside tensor-parallel stages equals single-process float64
 training, and heads that tp * cp cannot split are refused at the plan line.
 
-transformers' LlamaForCausalLM (cp_models.causal_llama: 2 layers, RoPE from position_ids,
-GQA with 8 heads / 4 KV heads, causal SDPA; exported) with its q/k/v/gate/up projections
-column-parallel and o/down row-parallel: tp splits the heads in two, then each tp rank's
-all-to-all over its cp group splits its 4 local heads (2 KV heads) in two again. 3 AdamW
-steps with clipping against tp_reference.reference_run (the unmodified model on whole
-sequences, torch's AdamW; no pipeplan code).
+transformers' LlamaForCausalLM (cp_models.causal_llama: 2 layers per pipeline rank, RoPE
+from position_ids, GQA with 8 heads / 4 KV heads, causal SDPA; exported) with its
+q/k/v/gate/up projections column-parallel and o/down row-parallel: tp splits the heads in
+two, then each tp rank's all-to-all over its cp group splits its 4 local heads (2 KV
+heads) in two again. 3 AdamW steps with clipping against tp_reference.reference_run (the
+unmodified model on whole sequences, torch's AdamW; no pipeplan code).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from .test_tensor_parallel import LLAMA
 
 
 def make_plan(name: str) -> Plan:
-    """name: "pp<P>-cp2-tp2[-sp][-<schedule>]" (Llama, attention split by tp) or "mlp-only"
+    """name: "pp<P>[-dp2]-cp2-tp2[-sp][-zero2][-<schedule>]" (Llama, attention split by tp;
+    dp2: 2 data-parallel replicas, ZeRO-2 over dp x cp with zero2) or "mlp-only"
     (cp_models.RopeLM with 4 heads / 2 KV heads, pp1 x cp2 x tp2 splitting only the MLPs:
     attention whole on every tp rank)."""
     if name == "mlp-only":
@@ -35,19 +36,20 @@ def make_plan(name: str) -> Plan:
             tensor=TensorSpec(column=("layers.*.mlp.gate", "layers.*.mlp.up"),
                               row=("layers.*.mlp.down",)))
     parts = name.split("-")
-    pp = int(parts[0][2:])
+    pp, dp = int(parts[0][2:]), 2 if "dp2" in parts else 1
     schedule = parts[-1] if parts[-1] in ("1f1b", "zbv", "gpipe") else "1f1b"
     return Plan(model=ModelSpec("pipeplan.tests.parallel.cp_models:causal_llama",
-                                args={"heads": 8, "kv_heads": 4, "layers": 2}, capture="export",
+                                args={"heads": 8, "kv_heads": 4, "layers": 2 * pp}, capture="export",
                                 inputs=INPUTS),
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
                               inputs=(("position_ids", "positions"),)),
-                mesh=MeshSpec(pp=pp, cp=2, tp=2), context=ContextSpec("ulysses"),
+                mesh=MeshSpec(pp=pp, dp=dp, cp=2, tp=2), context=ContextSpec("ulysses"),
+                zero=2 if "zero2" in parts else 0,
                 tensor=TensorSpec(LLAMA.column, LLAMA.row, LLAMA.vocab,
                                   sequence_parallel="sp" in parts),
                 pipeline=PipelineSpec(schedule=schedule, microbatches=2,
                                       virtual=2 if schedule == "zbv" else 1),
-                train=TrainSpec(steps=STEPS, global_batch=4, grad_clip=0.5, seed=11,
+                train=TrainSpec(steps=STEPS, global_batch=4 * dp, grad_clip=0.5, seed=11,
                                 optimizer=OptimizerSpec(name="adamw", lr=3e-3,
                                                         weight_decay=0.1)))
 
@@ -96,9 +98,10 @@ def test_ulysses_pp2_cp2_tp2_llama_zbv_equals_reference(run_workers):
 
 
 @pytest.mark.heavy
-@pytest.mark.timeout(900)
-def test_ulysses_pp1_cp2_tp2_llama_without_sequence_parallel(run_workers):
+@pytest.mark.timeout(1800)
+def test_ulysses_pp1_cp2_tp2_llama_without_sequence_parallel_and_with_dp2_zero2(run_workers):
     run_workers(_worker, 4, ["pp1-cp2-tp2"], timeout=880)
+    run_workers(_worker, 8, ["pp1-dp2-cp2-tp2-zero2"], timeout=880)
 
 
 # ------------------------------------------------------- plan line and estimates
@@ -139,6 +142,20 @@ def test_heads_must_divide_by_tp_times_cp(edit, message):
     with pytest.raises(PlanError, match=message) as err:
         _compile(PLAN.replace(*edit))
     assert "plan.plan:7:" in str(err.value), str(err.value)  # the mesh line
+
+
+def test_sequence_parallel_splits_the_cp_slice():
+    # 12 positions: divisible by cp = 2 and by tp = 4, but a cp rank's 6 are not by tp
+    from pipeplan.dsl import PlanError
+
+    text = PLAN.replace("seq_len = 16", "seq_len = 12").replace(
+        "kv_heads = 4", "kv_heads = 8").replace("tp = 2", "tp = 4").replace(
+        "row = [layers.*.attn.o, layers.*.mlp.down]",
+        "row = [layers.*.attn.o, layers.*.mlp.down]\n  sequence_parallel = true")
+    with pytest.raises(PlanError, match=r"tp = 4 does not divide 6 positions each of the "
+                       r"cp = 2 ranks holds \(sequence parallel splits it\)") as err:
+        _compile(text)
+    assert "plan.plan:12:" in str(err.value), str(err.value)
 
 
 def test_attention_left_whole_by_tp_needs_heads_divisible_by_cp_only():
