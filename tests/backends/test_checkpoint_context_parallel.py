@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from pipeplan.dsl.ast import CheckpointSpec, LRScheduleSpec, MeshSpec

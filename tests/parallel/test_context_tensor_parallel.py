@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from pipeplan.dsl.ast import (ContextSpec, DataSpec, MeshSpec, ModelSpec, OptimizerSpec,
                               PipelineSpec, Plan, TensorSpec, TrainSpec)
