@@ -88,6 +88,11 @@ def measure(plan) -> tuple[float, int]:
     return q.get()
 
 
+def step_time(plan) -> float:
+    """Seconds per step (bench_ring_attention.py's measure)."""
+    return measure(plan)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", action="store_true", help="also measure a step on gloo processes")

@@ -143,6 +143,14 @@ def test_heads_must_divide_by_tp_times_cp(edit, message):
     assert "plan.plan:7:" in str(err.value), str(err.value)  # the mesh line
 
 
+def test_ring_attention_with_tp_is_refused():
+    from pipeplan.dsl import PlanError, parse_plan
+
+    with pytest.raises(PlanError, match=r"ring attention with tp = 2 is not supported") as err:
+        parse_plan(PLAN.replace("method = ulysses", "method = ring"), "plan.plan")
+    assert "plan.plan:7:" in str(err.value), str(err.value)
+
+
 def test_sequence_parallel_splits_the_cp_slice():
     # 12 positions: divisible by cp = 2 and by tp = 4, but a cp rank's 6 are not by tp
     from pipeplan.dsl import PlanError
