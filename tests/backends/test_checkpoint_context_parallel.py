@@ -4,7 +4,8 @@ plan, and resumed under another cp.
 Context parallel leaves every parameter whole on each cp rank (like a dp replica) and the
 data position is the step, so a checkpoint's keys do not depend on cp: a run saved under
 pp2 x cp2 loads under pp2 x dp2 (cp 1: the sequences whole, the batch split instead) and
-under pp1 x dp2 x cp2 with ZeRO-2 (optimizer state in flat ranges over dp x cp). One world
+under pp1 x dp2 x cp2 with ZeRO-2 (optimizer state in flat ranges over dp x cp), and
+under ring attention instead of Ulysses (another column layout per cp rank). One world
 of 4 ranks, RopeLM with 2 layers in float64, AdamW with a cosine schedule, 4 steps,
 saved after step 2:
 
@@ -37,7 +38,8 @@ def plans(folder: str) -> dict:
     # the same 4 sequences per step under each plan
     return {"pp2-cp2": p("1f1b"),
             "pp2-dp2": p("1f1b", mesh=MeshSpec(pp=2, dp=2), context=None),
-            "pp1-dp2-cp2-zero2": p("zero2")}
+            "pp1-dp2-cp2-zero2": p("zero2"),
+            "pp2-cp2-ring": p("ring-1f1b")}
 
 
 def _run(plan, tag: str, resume: bool):
@@ -78,7 +80,7 @@ def test_cp_checkpoint_resumes_bitwise_and_under_another_cp(spawn, tmp_path):
     again = _merged(results, "resumed")
     assert sorted(again) == sorted(params)
     assert all(torch.equal(again[n], params[n]) for n in params)
-    for other in ("pp2-dp2", "pp1-dp2-cp2-zero2"):
+    for other in ("pp2-dp2", "pp1-dp2-cp2-zero2", "pp2-cp2-ring"):
         got = results[0][other][0]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(losses[SAVE:]), **TOL)
         moved = _merged(results, other)
