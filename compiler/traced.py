@@ -7,6 +7,7 @@ whose last node is the scalar loss of one microbatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -26,6 +27,7 @@ class TracedWithLoss:
     loss: fx.Node
     method: str  # "fx" | "export"
     reason: str  # why that capture method
+    prediction: Optional[fx.Node] = None  # the model's first output (None: loss = model)
 
 
 def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
@@ -50,7 +52,8 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
         raise PlanError.at(plan, "model.loss", f"loss = {plan.model.loss!r} gives a tensor of "
                            f"shape {tuple(run.value(loss).shape)}, not a scalar",
                            'with loss = "model" the model must return its scalar loss first')
-    return TracedWithLoss(gm, run, loss, captured.method, captured.reason)
+    return TracedWithLoss(gm, run, loss, captured.method, captured.reason,
+                          first if plan.model.loss != "model" else None)
 
 
 def _propagate(plan: Plan, run: MetaRun, nodes: list[fx.Node], inputs: dict) -> None:
