@@ -205,8 +205,12 @@ class PipelineTrainer:
         the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
+        begun = time.time()
         with self.prepass.run(batches) if self.prepass else contextlib.nullcontext():
+            ran = time.time()
             result = self.executor.run_step(batches)
+        if self.prepass:  # the trace's lane of non-action intervals shows it
+            result.spans.insert(0, Span("pre-pass", "routing pre-pass", begun, ran))
         spans = _Spans(result.spans)
         mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
         loss = torch.where(result.grads_non_finite(), math.nan, mine)
