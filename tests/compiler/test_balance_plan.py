@@ -29,6 +29,8 @@ CASES = [  # (id, plan text, where the error points ("|": the column), message)
      "balance = |step", "zero = 3 would gather parameters around the routing pre-pass"),
     ("no-statistic", HF_NO_AUX.replace("num_experts = 4\n}", "num_experts = 4\n  balance = step\n}"),
      "balance = |step", "computes no load-balancing statistic"),
+    ("diloco", _extra("balance = step", ep=1).replace("train {", "sync = diloco(inner_steps = 2)\ntrain {"),
+     "balance = |step", "under DiLoCo each island trains on its own tokens"),
     ("unknown", _extra("balance = global"), "balance = |global", "unknown balance 'global'"),
 ]
 
