@@ -48,7 +48,8 @@ Accounting (stated in the report, so a reader can check it):
   time = the simulated makespan plus the DP gradient all-reduce over the dp
   group's link (not overlapped), plus, under `experts.balance = step`, the
   routing pre-pass (`routing_prepass_s`: the schedule's forwards alone,
-  simulated; their FLOPs and activation sends are added to each rank's).
+  simulated; their FLOPs, activation sends and the forward half of the EP
+  all-to-alls are added to each rank's, the all-to-all calls to its collectives).
 """
 from __future__ import annotations
 
@@ -252,6 +253,8 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
             rk.flops += sum(st.flops for st in mine) * plan.microbatches / mesh.tp
             rk.comm_bytes["p2p"] += int(_p2p_bytes(stages, rk.rank // per_replica,
                                                    plan.microbatches, float_scale, grads=False))
+            rk.comm_bytes["ep"] += int(ep_bytes(plan, moe_traffic, mine, float_scale)
+                                       * plan.microbatches / 2)  # the forward half
     return Estimates(ranks=ranks, bubble=sim.bubble,
                      step_time_s=sim.makespan + prepass + dp_time, prepass_s=prepass,
                      device_model=asdict(device), simulation=sim, sync=sync,

@@ -18,6 +18,7 @@ the last stage as activations.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -26,8 +27,10 @@ import torch
 from pipeplan.backends import data
 from pipeplan.backends.compare import compare
 from pipeplan.backends.model import build_model
+from pipeplan.backends.parallelize import CommMeter
 from pipeplan.backends.reference import train_reference
 from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.compiler import compile_plan
 from pipeplan.dsl.ast import InputSpec, Plan
 
 from .test_equivalence_moe import ATOL, RTOL, STEPS, moe_plan
@@ -55,8 +58,12 @@ def _worker(rank, world, configs):
     out = []
     for config in configs:
         trainer = PipelineTrainer.for_plan(PLANS[config]())
-        losses = [trainer.step(t).loss for t in range(STEPS)]
-        out.append((losses, trainer.named_parameters()))
+        meter = CommMeter({"ep": trainer.layout.groups.ep})  # step 1's EP collectives
+        losses = []
+        for t in range(STEPS):
+            with meter if t == 1 else contextlib.nullcontext():
+                losses.append(trainer.step(t).loss)
+        out.append((losses, trainer.named_parameters(), meter.calls))
     return out
 
 
@@ -67,6 +74,13 @@ def test_balance_step_equals_the_whole_batch_model(spawn):
     results = spawn(_worker, 4, configs, timeout=580)
     runs = {c: ([r[k][0] for r in results], [r[k][1] for r in results])
             for k, c in enumerate(configs)}
+    for k, config in enumerate(configs):  # the estimates count the pre-pass's all-to-alls
+        estimates = compile_plan(PLANS[config]()).estimates
+        for rank, r in enumerate(results):
+            key = ("ep", "alltoall")  # none on a rank without MoE layers (Mixtral's rank 0)
+            assert r[k][2].get(key, 0) == estimates.ranks[rank].collective_calls.get(key, 0), \
+                (config, rank)
+        assert any(r[k][2].get(key) for r in results)
     failures = []
     for config in configs:
         ref = train_reference(PLANS[config](), STEPS)
