@@ -36,11 +36,12 @@ from pipeplan.dsl.ast import InputSpec, Plan
 from .test_equivalence_moe import ATOL, RTOL, STEPS, moe_plan
 
 
-def mixtral_plan(kind: str, **experts) -> Plan:
-    """Mixtral returning its aux loss, given labels = the tokens: the model's own loss."""
-    plan = moe_plan("mixtral", kind, **experts)
+def mixtral_plan(kind: str, name: str = "mixtral", **experts) -> Plan:
+    """A transformers MoE returning its aux loss, given labels = the tokens: the model's
+    own loss."""
+    plan = moe_plan(name, kind, **experts)
     model = dataclasses.replace(
-        plan.model, source="tests/parallel/moe_models.py:mixtral_router_logits", loss="model",
+        plan.model, source=f"tests/parallel/moe_models.py:{name}_router_logits", loss="model",
         inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),
                 InputSpec("labels", "int64", ("batch", "seq"))))
     return dataclasses.replace(plan, model=model,
@@ -117,3 +118,41 @@ def test_balance_step_equals_the_whole_batch_model(spawn):
     assert own.aux_loss is not None and float(own.aux_loss) > 0
     assert runs[("mixtral", "step")][0][0][0] == pytest.approx(float(own.loss), rel=1e-6,
                                                                abs=0)
+
+
+HEAVY = {(name, balance): (lambda n=name, b=balance: mixtral_plan("1f1b", n, balance=b))
+         for name in ("qwen2_moe", "olmoe") for balance in ("step", "microbatch")}
+
+
+def _heavy_worker(rank, world, configs):
+    out = []
+    for config in configs:
+        trainer = PipelineTrainer.for_plan(HEAVY[config]())
+        out.append(([trainer.step(t).loss for t in range(STEPS)], trainer.named_parameters()))
+    return out
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1200)
+def test_qwen2_moe_and_olmoe_own_loss_under_both_balances(spawn):
+    """Qwen2-MoE (shared expert) and OLMoE, their own loss (loss = model, labels) under
+    1f1b: `microbatch` equal to the per-chunk reference at the float64 rule; `step` to
+    the whole-batch model, its loss values at float32's rtol (transformers' float32 loss,
+    see above); the two different."""
+    configs = list(HEAVY)
+    results = spawn(_heavy_worker, 4, configs, timeout=1180)
+    failures, first = [], {}
+    for k, config in enumerate(configs):
+        ref = train_reference(HEAVY[config](), STEPS)
+        losses, params = [r[k][0] for r in results], [r[k][1] for r in results]
+        first[config] = losses[0]
+        if config[1] == "step":
+            assert losses[0] == pytest.approx(ref.losses, rel=1e-6, abs=0)
+            losses = [ref.losses] * len(losses)
+        got = compare(ref.losses, ref.params, losses, params, rtol=RTOL, atol=ATOL)
+        if not got.within:
+            failures.append(f"{config}: " + got.render())
+    assert not failures, "\n".join(failures)
+    for name in ("qwen2_moe", "olmoe"):
+        assert first[(name, "step")][-1] != pytest.approx(first[(name, "microbatch")][-1],
+                                                          rel=1e-9, abs=0)
