@@ -143,10 +143,12 @@ class PipelineTrainer:
             modules = {s: m.to(device) for s, m in modules.items()}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
-        if plan.mesh.cp > 1:  # attention over the whole sequence (backends/ulysses.py)
+        if plan.mesh.cp > 1:  # attention over the whole sequence (ulysses.py, ring_attention.py)
+            from .ring_attention import apply_ring
             from .ulysses import apply_ulysses
+            apply = apply_ring if plan.context.method == "ring" else apply_ulysses
             for m in modules.values():
-                apply_ulysses(m, topo.cp_group)
+                apply(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         # Only now does this rank's part get storage: its TP slices and its experts, each
         # drawn by its module's init and sliced, module by module (model.fill_stages).

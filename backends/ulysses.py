@@ -63,12 +63,18 @@ class UlyssesAttention(nn.Module):
         return heads_to_seq(self.op(q, k, v, *args, **kwargs), self.group)
 
 
-def apply_ulysses(gm: fx.GraphModule, group) -> int:
-    """Swap every SDPA call of `gm` for UlyssesAttention in place; returns how many."""
+def wrap_attention(gm: fx.GraphModule, wrap, prefix: str) -> int:
+    """Swap every SDPA call of `gm` for the module `wrap(op)` (named prefix_i) in place,
+    with the call's arguments unchanged; returns how many."""
     nodes = attention_nodes(gm.graph)
     for i, node in enumerate(nodes):
-        name = f"ulysses_{i}"
-        gm.add_submodule(name, UlyssesAttention(node.target, group))
+        name = f"{prefix}_{i}"
+        gm.add_submodule(name, wrap(node.target))
         node.op, node.target = "call_module", name
     gm.recompile()
     return len(nodes)
+
+
+def apply_ulysses(gm: fx.GraphModule, group) -> int:
+    """Swap every SDPA call of `gm` for UlyssesAttention in place; returns how many."""
+    return wrap_attention(gm, lambda op: UlyssesAttention(op, group), "ulysses")

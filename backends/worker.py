@@ -218,6 +218,9 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     check_world(plan, env.world_size)
     device, backend = rank_device(env)
     cuda = device.type == "cuda"
+    if plan.mesh.cp > 1 and plan.context.method == "ring":
+        from .ring_attention import check_ring_device
+        check_ring_device(device.type)
     if cuda:
         torch.cuda.set_device(device)
     else:

@@ -59,7 +59,7 @@ class StageSpec:
     flops: float = 0.0  # forward FLOPs per microbatch
     activation_bytes: int = 0  # bytes saved for backward per microbatch
     recompute_flops: float = 0.0  # forward FLOPs rerun in backward per microbatch (recompute)
-    cp_bytes: int = 0  # context parallel: bytes a rank's all-to-alls send per microbatch (F+B)
+    cp_bytes: int = 0  # context parallel: bytes a rank's all-to-alls / ring hops send per microbatch (F+B)
 
 
 @dataclass(frozen=True)

@@ -230,9 +230,10 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                           if g == "tp")),
             "ep": int(ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
             "tied": int(sum(ring_bytes("allreduce", n, holders) for n, holders in tied_grads))})
-        if mesh.cp > 1:  # Ulysses all-to-alls (compiler/context_parallel.py)
+        if mesh.cp > 1:  # Ulysses all-to-alls or ring hops (compiler/context_parallel.py)
             cp_bytes = sum(st.cp_bytes for st in mine) * float_scale * plan.microbatches
-            est.collectives[("cp", "alltoall")] = int(cp_bytes)
+            op = "ring p2p" if plan.context.method == "ring" else "alltoall"
+            est.collectives[("cp", op)] = int(cp_bytes)
             est.comm_bytes["cp"] = int(cp_bytes)
         per_pp.append(est)
     per_replica = mesh.dp * mesh.cp * mesh.tp

@@ -132,7 +132,7 @@ def device_text(d: dict) -> str:
 
 _GROUPS = {"dp": "data parallel", "edp": "expert data parallel", "tp": "tensor parallel",
            "ep": "expert parallel", "ep_tp": "expert × tensor parallel",
-           "tied": "tied parameters' holders", "cp": "context parallel (Ulysses all-to-all)"}
+           "tied": "tied parameters' holders", "cp": "context parallel (Ulysses all-to-all, ring K/V hops)"}
 
 
 def _collectives(c: CompiledPlan) -> str:
@@ -244,7 +244,9 @@ def render_summary(compiled: CompiledPlan) -> str:
         p = compiled.plan
         lines.append(f"context parallel: {p.context.method} over cp = {m.cp}: each rank holds "
                      f"{p.data.seq_len // m.cp} of {p.data.seq_len} positions (activations "
-                     "above are per slice); all-to-all per step per rank: "
+                     "above are per slice); "
+                     + ("ring K/V and dK/dV hops" if p.context.method == "ring" else "all-to-all")
+                     + " per step per rank: "
                      + ", ".join(f"pp rank {r} {human_bytes(x.comm_bytes.get('cp', 0))}"
                                  for r, x in enumerate(rows)))
     if e.sync is not None:

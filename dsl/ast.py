@@ -108,8 +108,8 @@ class ContextSpec:
     """Context parallelism over mesh.cp: how attention sees the whole sequence.
 
     ulysses: one all-to-all before each attention op (sequence shards -> head shards)
-    and one after (back). ring is part of the language but refused at the plan line
-    (not implemented yet)."""
+    and one after (back). ring: each rank keeps its queries and K/V blocks pass around
+    the cp ring (backends/ring_attention.py); the sequence is laid out in 2*cp chunks."""
 
     method: str = "ulysses"  # ulysses | ring
 

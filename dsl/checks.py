@@ -285,11 +285,13 @@ def _context(plan: Plan) -> Iterator[Problem]:
         yield Problem("context", "context does nothing with mesh.cp = 1",
                       "set mesh.cp > 1 to split sequences, or remove the context section")
         return
-    if c.method == "ring":
-        yield Problem(where(plan, "context.method", "context"),
-                      "context parallel by ring attention is not implemented yet",
-                      "use method = ulysses (heads and KV heads divisible by cp)")
-    if plan.data.seq_len % m.cp:
+    if c.method == "ring" and plan.data.seq_len % (2 * m.cp):
+        yield Problem(where(plan, "data.seq_len", "mesh.cp"),
+                      f"ring attention with cp = {m.cp} cuts each sequence into 2*cp = "
+                      f"{2 * m.cp} chunks, which do not divide data.seq_len = {plan.data.seq_len}",
+                      "cp rank r holds chunks r and 2cp-1-r (load balancing for causal "
+                      "attention): pick seq_len divisible by 2*cp")
+    elif plan.data.seq_len % m.cp:
         yield Problem(where(plan, "data.seq_len", "mesh.cp"),
                       f"cp = {m.cp} does not divide data.seq_len = {plan.data.seq_len}",
                       "every context-parallel rank holds an equal slice of each sequence")
