@@ -23,16 +23,16 @@ in the captured graph by structure, never by name:
 and wraps it in `step_statistic(value, key)`. Off the runtime (reference,
 meta runs, costs) that call is the identity. The runtime (backends/balance.py)
 first runs a no-grad forward of every microbatch through the pipeline
-collecting each statistic (`collecting`), averages it over the microbatches
-and the dp group, then runs the step's schedule with the averaged values
-(`applying`). The statistic must be a mean over the call's tokens (as `f` is),
+collecting each statistic (`StepStatistics.active("collect")`), averages it
+over the microbatches and the dp group, then runs the step's schedule with the
+averaged values (`active("apply")`). The statistic must be a mean over the call's tokens (as `f` is),
 so that the mean over equal microbatches is the whole step's; the tests and
 `pipeplan verify` hold this against the single-process model run on the whole
 global batch at once.
 
-Refused at `experts.balance` (plan line): no such statistic in the graph,
-tp > 1, zero = 3 and DiLoCo sync (not built), and a model whose statistic would
-change its activations (caught by the structure rule: no statistic found).
+Refused at `experts.balance` (plan line): no such statistic in the graph (a
+model whose statistic would change its activations has none by this rule),
+tp > 1, cp > 1 and zero = 3 (not built), DiLoCo sync (no global step).
 """
 from __future__ import annotations
 
@@ -45,9 +45,6 @@ import torch.fx as fx
 from ..dsl.ast import Plan
 from ..dsl.errors import Diagnostic, PlanError
 from .analysis import MetaRun
-
-BALANCE_KINDS = ("microbatch", "step")
-
 
 # --------------------------------------------------------------- the graph's call
 class StepStatistics:
