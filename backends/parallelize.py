@@ -28,7 +28,9 @@ every rank of the world, in the same order):
 
 Aux losses are the model's own, computed by its code over the tokens of one
 call (one microbatch of one dp rank), so the reference runs one chunk at a
-time (`reference_chunk_groups`).
+time (`reference_chunk_groups`); under `experts.balance = step` their
+statistics cover the whole step (backends/balance.py) and the reference runs
+the whole global batch at once (reference.chunk_groups).
 """
 from __future__ import annotations
 
