@@ -28,7 +28,9 @@ every rank of the world, in the same order):
 
 Aux losses are the model's own, computed by its code over the tokens of one
 call (one microbatch of one dp rank), so the reference runs one chunk at a
-time (`reference_chunk_groups`).
+time (`reference_chunk_groups`); under `experts.balance = step` their
+statistics cover the whole step (backends/balance.py) and the reference runs
+the whole global batch at once (reference.chunk_groups).
 """
 from __future__ import annotations
 
@@ -68,9 +70,12 @@ def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 def _parallel_problems(plan: Plan, model: nn.Module):
     tp, spec = plan.mesh.tp, plan.experts
-    if plan.tensor.sequence_parallel and tp > 1 and plan.data.seq_len % tp:
-        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide the sequence length "
-                                           f"{plan.data.seq_len} (sequence parallel splits it)")
+    seq = plan.data.seq_len // plan.mesh.cp  # context parallel: the slice a cp rank holds
+    if plan.tensor.sequence_parallel and tp > 1 and seq % tp:
+        held = f"{seq} positions each of the cp = {plan.mesh.cp} ranks holds" \
+            if plan.mesh.cp > 1 else f"the sequence length {seq}"
+        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide {held} "
+                                           f"(sequence parallel splits it)")
     if spec is None:
         return
     m = plan.mesh

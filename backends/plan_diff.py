@@ -86,8 +86,8 @@ def checkpoint_lines(folder: str, compiled) -> list[str]:
     if problems:
         return [f"{head} does NOT load under B:"] + [f"  - {p}" for p in problems]
     saved, now = manifest["plan"], plan_summary(plan, compiled.split_points)
-    moves = [f"{k} {saved['mesh'][k]} -> {now['mesh'][k]}" for k in now["mesh"]
-             if saved["mesh"].get(k) != now["mesh"][k]]
+    moves = [f"{k} {saved['mesh'].get(k, 1)} -> {now['mesh'][k]}" for k in now["mesh"]
+             if saved["mesh"].get(k, 1) != now["mesh"][k]]  # (cp: 1 in older manifests)
     moves += [f"{k} {saved.get(k)} -> {now[k]}" for k in ("zero", "schedule", "virtual",
                                                          "microbatches", "precision")
               if saved.get(k) != now[k]]

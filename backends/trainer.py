@@ -185,6 +185,12 @@ class PipelineTrainer:
                                  plan.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
+        self.prepass = None  # experts.balance = step: the routing pre-pass (balance.py)
+        if plan.experts is not None and plan.experts.balance == "step":
+            from .balance import RoutingPrepass
+
+            self.prepass = RoutingPrepass(planned, self.runners, self.specs, plan.microbatches,
+                                          topo.peer, device, topo.dp_group, plan.mesh.dp)
         self.diloco, self.island_group = None, None  # DiLoCo: the island (loss, checkpoints)
         if islands:
             from .diloco import build_diloco, island_groups
@@ -200,7 +206,12 @@ class PipelineTrainer:
         the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
-        result = self.executor.run_step(batches)
+        begun = time.time()
+        with self.prepass.run(batches) if self.prepass else contextlib.nullcontext():
+            ran = time.time()
+            result = self.executor.run_step(batches)
+        if self.prepass:  # the trace's lane of non-action intervals shows it
+            result.spans.insert(0, Span("pre-pass", "routing pre-pass", begun, ran))
         spans = _Spans(result.spans)
         mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
         loss = torch.where(result.grads_non_finite(), math.nan, mine)

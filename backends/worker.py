@@ -244,6 +244,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
         param_bytes = trainer.param_bytes
         trainer.executor.on_action = where.action  # the launcher names a killed rank's action
+        if trainer.prepass is not None:  # experts.balance = step: the routing pre-pass too
+            trainer.prepass.executor.on_action = lambda a: where.action(f"pre-pass {a}")
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         run = _facts(plan, compiled, trainer.specs)

@@ -108,6 +108,7 @@ class Estimates:
     # Per stage, the tp / ep collectives its rewrite implies per step on each of its ranks:
     # {(group, op): (calls, bytes handed in)} (estimates.stage_collectives).
     stage_collectives: list = field(default_factory=list)
+    prepass_s: float = 0.0  # experts.balance = step: the routing pre-pass, in step_time_s
 
 
 @dataclass

@@ -12,7 +12,9 @@ after (the output: back to sequence shards).
 
 * no attention op in the graph (nothing to shard);
 * heads or KV heads (dim 1 of q and k in the captured SDPA calls, not attribute names)
-  not divisible by cp;
+  not divisible by cp -- by tp * cp where tensor parallelism splits them first
+  (`heads_split_by_tp`: q, k, v computed by column-parallel layers; each tp rank's
+  local heads are then split again by the all-to-all over its cp group);
 * an attention mask tensor: it is computed from the local slice ([.., S/cp, S/cp]) and
   the whole-sequence mask is never built (transformers materialises one under
   torch.export); only `is_causal` or no mask is exact after the all-to-all;
@@ -27,6 +29,11 @@ load-balanced layout of 2*cp chunks, dsl/checks.py checks data.seq_len), scale a
 grouped-query K/V; a mask tensor, dropout or q and k of different lengths are refused.
 
 `ulysses_traffic` / `ring_traffic` are the bytes per rank for the estimates.
+
+Ulysses runs inside tensor-parallel stages (ring with tp is refused in dsl/checks.py),
+sequence parallel included: SP splits this cp rank's slice further over tp outside
+attention, and the column layers all-gather it back over tp before q, k, v, so
+attention still sees the cp slice with tp-split heads.
 """
 from __future__ import annotations
 
@@ -65,8 +72,27 @@ def attn_mask(node: fx.Node):
     return sdpa_arguments(node.args, node.kwargs)["attn_mask"]
 
 
-def check_context(plan: Plan, graph: fx.Graph, run: MetaRun) -> None:
+def heads_split_by_tp(plan: Plan, graph: fx.Graph, model: torch.nn.Module,
+                      tp_kinds: dict[str, str], run: MetaRun) -> dict[fx.Node, int]:
+    """Per attention op, how many ways tensor parallelism splits its heads before Ulysses:
+    tp where q is computed by a column-parallel layer (backends/tp then hands the op head
+    shards), 1 where it is not. (Megatron's pairing, checked before, holds q, k, v and
+    the output projection split alike: compiler/tensor_parallel.check_pairing.)"""
+    if plan.mesh.tp == 1 or plan.mesh.cp == 1:
+        return {}
+    from .tensor_parallel import first_linears, linear_calls
+    linear = linear_calls(graph, model)
+    return {node: plan.mesh.tp if any(
+                hit is not None and tp_kinds.get(linear[hit]) == "column"
+                for hit in first_linears(node.args[0], linear, False, run.is_tensor)) else 1
+            for node in attention_nodes(graph)}
+
+
+def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
+                  tp_heads: dict[fx.Node, int] | None = None) -> None:
+    """`tp_heads`: `heads_split_by_tp`'s answer (absent: tp splits no heads)."""
     cp = plan.mesh.cp
+    tp_heads = tp_heads or {}
     if cp == 1:
         return
     key = "context.method" if "context.method" in plan.spans else "context"
@@ -86,12 +112,15 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun) -> None:
         if ring:
             _check_ring_call(plan, key, node, q, k)
             continue
+        tp = tp_heads.get(node, 1)
+        ways = f"cp = {cp}" if tp == 1 else f"tp * cp = {tp} * {cp}"
         for what, t in (("heads", q), ("KV heads", k)):
-            if t.shape[1] % cp:
-                raise PlanError.at(plan, "mesh.cp", f"cp = {cp} does not divide the "
+            if t.shape[1] % (tp * cp):
+                raise PlanError.at(plan, "mesh.cp", f"{ways} does not divide the "
                                    f"{t.shape[1]} {what} of attention `{node.name}`",
-                                   "Ulysses gives each cp rank heads/cp whole heads: pick cp "
-                                   "among the divisors of the heads and KV heads")
+                                   "Ulysses gives each cp rank heads/cp whole heads (of the "
+                                   "heads/tp a tensor-parallel rank holds): pick cp (and tp) so "
+                                   "that tp * cp divides the heads and KV heads")
         if isinstance(attn_mask(node), fx.Node):
             raise PlanError.at(plan, key, f"attention `{node.name}` takes a mask tensor, "
                                "which the model computes on one rank's sequence slice; the "
@@ -142,20 +171,23 @@ def ring_traffic(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, int
     return out
 
 
-def ulysses_traffic(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, int]:
+def ulysses_traffic(plan: Plan, graph: fx.Graph, run: MetaRun,
+                    tp_heads: dict[fx.Node, int] | None = None) -> dict[fx.Node, int]:
     """Bytes one rank sends per microbatch through each attention op's all-to-alls
     (forward and backward): q, k, v and the output go out and their gradients come
-    back, each keeping 1/cp of its elements local."""
-    cp = plan.mesh.cp
+    back, each keeping 1/cp of its elements local (of the 1/tp of the heads a
+    tensor-parallel rank holds, where tp splits them)."""
+    cp, tp_heads = plan.mesh.cp, tp_heads or {}
     out = {}
     for node in attention_nodes(graph):
         moved = sum(run.value(a).numel() * run.value(a).element_size()
                     for a in (node.args[0], node.args[1], node.args[2], node))
-        out[node] = 2 * moved * (cp - 1) // cp
+        out[node] = 2 * moved * (cp - 1) // (cp * tp_heads.get(node, 1))
     return out
 
 
-def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: MetaRun) -> None:
+def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: MetaRun,
+                         tp_heads: dict[fx.Node, int] | None = None) -> None:
     """Per stage and microbatch: the all-to-all or ring bytes (StageSpec.cp_bytes), and
     attention's FLOPs as the method runs them. The meta run costs each SDPA on the local
     slice with all heads ((S/cp)^2 * H, one block). Ulysses runs it on the whole sequence
@@ -167,7 +199,8 @@ def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: 
     from .partition import compute_nodes
     index = {n: i for i, n in enumerate(compute_nodes(graph))}
     ring = plan.context.method == "ring"
-    traffic = (ring_traffic if ring else ulysses_traffic)(plan, graph, run)
+    traffic = ring_traffic(plan, graph, run) if ring else \
+        ulysses_traffic(plan, graph, run, tp_heads)
     for node, nbytes in traffic.items():
         st = stages[split.stage_of(index[node])]
         st.cp_bytes += nbytes

@@ -46,7 +46,10 @@ Accounting (stated in the report, so a reader can check it):
   the slowest neighbouring-rank link. The
   schedule is generated (normalised) and simulated with those costs; step
   time = the simulated makespan plus the DP gradient all-reduce over the dp
-  group's link (not overlapped).
+  group's link (not overlapped), plus, under `experts.balance = step`, the
+  routing pre-pass (`routing_prepass_s`: the schedule's forwards alone,
+  simulated; their FLOPs, activation sends and the forward half of the EP
+  all-to-alls are added to each rank's, the all-to-all calls to its collectives).
 """
 from __future__ import annotations
 
@@ -244,7 +247,17 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     dp_link = mesh_links(plan, device).dp
     sync = sync_estimate(plan, stages, ranks, sim.makespan, dp_link)  # DiLoCo: dp bytes / H
     dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / dp_link
-    return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
+    prepass = routing_prepass_s(plan, schedule, costs)
+    if prepass:  # its forward FLOPs and activations sent, on every rank
+        for rk in ranks:
+            mine = [st for st in stages if st.rank == rk.rank // per_replica]
+            rk.flops += sum(st.flops for st in mine) * plan.microbatches / mesh.tp
+            rk.comm_bytes["p2p"] += int(_p2p_bytes(stages, rk.rank // per_replica,
+                                                   plan.microbatches, float_scale, grads=False))
+            rk.comm_bytes["ep"] += int(ep_bytes(plan, moe_traffic, mine, float_scale)
+                                       * plan.microbatches / 2)  # the forward half
+    return Estimates(ranks=ranks, bubble=sim.bubble,
+                     step_time_s=sim.makespan + prepass + dp_time, prepass_s=prepass,
                      device_model=asdict(device), simulation=sim, sync=sync,
                      stage_collectives=stage_collectives(plan, stages, tp_kinds, expert_params,
                                                          tp_traffic, moe_traffic))
@@ -371,7 +384,31 @@ def _bytes(spec) -> int:
     return n * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
 
 
-def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float) -> float:
+def routing_prepass_s(plan: Plan, schedule, costs) -> float:
+    """`experts.balance = step`: the no-grad forward of every microbatch that runs before
+    each step (backends/balance.py), timed as the schedule's forwards alone, in their
+    order, under the same costs. 0 otherwise."""
+    if plan.experts is None or plan.experts.balance != "step":
+        return 0.0
+    table = costs.stage_table(schedule.stage_to_rank)
+    orders = [[a for a in actions if a.op == "F"] for actions in schedule.order]
+    at, free, end = [0] * len(orders), [0.0] * len(orders), {}
+    while any(at[r] < len(o) for r, o in enumerate(orders)):  # each pass runs >= 1 forward
+        for r, order in enumerate(orders):
+            while at[r] < len(order):
+                a = order[at[r]]
+                if a.stage and (a.stage - 1, a.microbatch) not in end:
+                    break  # waits for the previous stage's forward
+                ready = 0.0 if not a.stage else end[(a.stage - 1, a.microbatch)] + (
+                    table.latency if schedule.stage_to_rank[a.stage - 1] != r else 0.0)
+                free[r] = max(free[r], ready) + table.time("F", a.stage)
+                end[(a.stage, a.microbatch)] = free[r]
+                at[r] += 1
+    return max(free, default=0.0)
+
+
+def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float,
+               grads: bool = True) -> float:
     sent = 0.0
     for st in stages:
         if st.rank != rank:
@@ -381,7 +418,7 @@ def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float) -
             sent += sum(_bytes(o) * (float_scale if "float" in o.dtype else 1)
                         for o in st.outputs)
         prev = stages[st.index - 1] if st.index > 0 else None
-        if prev is not None and prev.rank != rank:  # grads of what it received
+        if grads and prev is not None and prev.rank != rank:  # grads of what it received
             grads = {o.name: o for o in prev.outputs if o.requires_grad}
             sent += sum(_bytes(grads[r.name]) * float_scale for r in st.inputs
                         if r.source == prev.index and r.name in grads)

@@ -171,6 +171,9 @@ class ExpertsSpec:
     z_loss: float = 0.0  # router z-loss coefficient
     dispatcher: str = "alltoall"  # alltoall | allgather
     shared_experts: int = 0
+    # the model's load-balancing statistics over: one microbatch of one dp rank (the model's
+    # own call) | the whole step (all microbatches and dp/ep ranks; compiler/balance.py)
+    balance: str = "microbatch"
 
 
 # -------------------------------------------------------------------- tensor

@@ -12,7 +12,8 @@ from .ast import Plan
 from .checks import Problem, check, where
 
 
-@check("sync", "mesh", "zero", "pipeline.schedule", "pipeline.virtual", "train.steps")
+@check("sync", "mesh", "zero", "pipeline.schedule", "pipeline.virtual", "train.steps",
+       "experts.balance")
 def _sync(plan: Plan) -> Iterator[Problem]:
     s, m = plan.sync, plan.mesh
     if not s.diloco:
@@ -37,6 +38,12 @@ def _sync(plan: Plan) -> Iterator[Problem]:
                       "an island is one dp replica; EP must stay inside it, on the island's "
                       "tp ranks: pick ep dividing tp (e.g. tp = 2, ep = 2), or ep = 1 (the "
                       "experts then live whole in every island)")
+    if plan.experts is not None and plan.experts.balance == "step":
+        yield Problem(where(plan, "experts.balance", "sync"),
+                      "experts.balance = step averages the routing statistics over the step's "
+                      "global tokens, across the dp ranks that diloco makes separate islands",
+                      "use balance = microbatch with diloco (each call's own statistics), or "
+                      "sync = every_step")
     stages = m.pp * plan.pipeline.virtual
     if s.fragments > 1 and stages % s.fragments:
         yield Problem(where(plan, "sync.fragments", "sync"),

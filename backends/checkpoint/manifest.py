@@ -35,7 +35,7 @@ SHOWN = 6  # names listed per refused item before "and N more"
 
 def plan_summary(plan: Plan, split_points=()) -> dict:
     m = plan.mesh
-    return {"mesh": {"pp": m.pp, "dp": m.dp, "tp": m.tp, "ep": m.ep},
+    return {"mesh": {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "ep": m.ep},
             "zero": plan.zero, "schedule": plan.pipeline.schedule,
             "virtual": plan.pipeline.virtual, "microbatches": plan.microbatches,
             "split": list(split_points),

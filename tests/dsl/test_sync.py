@@ -89,6 +89,18 @@ def test_diloco_takes_ep_dividing_tp_inside_the_islands(tp):
         groups(mesh_layout(every.mesh), "dp")
 
 
+def test_diloco_refuses_step_balance_at_its_line():
+    text = plan_text("diloco(inner_steps = 3)").replace(
+        "pipeline {", 'experts { modules = ["layers.*.moe"]  num_experts = 4  balance = step }\n'
+        "pipeline {")
+    with pytest.raises(PlanError) as e:
+        parse_plan(text, "p.plan")
+    [found] = [d for d in e.value.diagnostics if "experts.balance = step" in d.message]
+    offset = text.index("step }")
+    assert (found.span.line, found.span.col) == (
+        text.count("\n", 0, offset) + 1, offset - text.rfind("\n", 0, offset))
+
+
 def test_diloco_takes_checkpoints_synchronous_and_decoupled():
     ckpt = 'train { steps = 12  checkpoint { every = 3  dir = "c" } }'
     for sync in ("diloco(inner_steps = 3)", "diloco(inner_steps = 3, decoupled = true, "

@@ -118,7 +118,6 @@ def test_estimates_divide_activations_along_the_sequence_and_count_all_to_alls()
 # ------------------------------------------------------- refused at the plan line
 @pytest.mark.parametrize("edit, line, message", [
     (("seq_len = 16", "seq_len = 15"), 6, r"cp = 2 does not divide data.seq_len = 15"),
-    (("cp = 2", "cp = 2, tp = 2"), 7, r"cp = 2 with tp = 2 is not supported yet"),
     (("context { method = ulysses }", ""), 7, r"cp = 2 but the plan has no context section"),
     (("cp = 2", "cp = 1"), 8, r"context does nothing with mesh.cp = 1"),
     (("pp = 2, cp = 2", "pp = 2, cp = 2, ep = 2"), 7, r"cp = 2 with ep = 2 is not supported"),
