@@ -1,11 +1,13 @@
-"""Context parallel (Ulysses) inside tensor-parallel stages equals single-process float64
-training, and heads that tp * cp cannot split are refused at the plan line.
+"""Context parallel (Ulysses and ring attention) inside tensor-parallel stages equals
+single-process float64 training, and heads that tp * cp (ring: tp) cannot split are refused
+at the plan line.
 
 transformers' LlamaForCausalLM (cp_models.causal_llama: 2 layers per pipeline rank, RoPE
 from position_ids, GQA with 8 heads / 4 KV heads, causal SDPA; exported) with its
 q/k/v/gate/up projections column-parallel and o/down row-parallel: tp splits the heads in
 two, then each tp rank's all-to-all over its cp group splits its 4 local heads (2 KV
-heads) in two again. 3 AdamW steps with clipping against tp_reference.reference_run (the
+heads) in two again; ring attention instead runs its ring over the cp group on each tp
+rank's 4 local heads. 3 AdamW steps with clipping against tp_reference.reference_run (the
 unmodified model on whole sequences, torch's AdamW; no pipeplan code).
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ from .test_tensor_parallel import LLAMA
 
 
 def make_plan(name: str) -> Plan:
-    """name: "pp<P>[-dp2]-cp2-tp2[-sp][-zero2][-<schedule>]" (Llama, attention split by tp;
+    """name: "pp<P>[-dp2]-cp2-tp2[-sp][-zero2][-ring][-<schedule>]" (Llama, attention split by tp;
+    ring: ring attention instead of Ulysses;
     dp2: 2 data-parallel replicas, ZeRO-2 over dp x cp with zero2) or "mlp-only"
     (cp_models.RopeLM with 4 heads / 2 KV heads, pp1 x cp2 x tp2 splitting only the MLPs:
     attention whole on every tp rank)."""
@@ -42,7 +45,8 @@ def make_plan(name: str) -> Plan:
                                 inputs=INPUTS),
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
                               inputs=(("position_ids", "positions"),)),
-                mesh=MeshSpec(pp=pp, dp=dp, cp=2, tp=2), context=ContextSpec("ulysses"),
+                mesh=MeshSpec(pp=pp, dp=dp, cp=2, tp=2),
+                context=ContextSpec("ring" if "ring" in parts else "ulysses"),
                 zero=2 if "zero2" in parts else 0,
                 tensor=TensorSpec(LLAMA.column, LLAMA.row, LLAMA.vocab,
                                   sequence_parallel="sp" in parts),
@@ -55,8 +59,9 @@ def make_plan(name: str) -> Plan:
 
 def _heads_sharded_twice(trainer) -> None:
     """Every attention op on this rank is wrapped, and sees tp-local head shards."""
+    kind = "RingAttention" if trainer.plan.context.method == "ring" else "UlyssesAttention"
     wrapped = [m for r in trainer.runners.values() for m in r.module.modules()
-               if type(m).__name__ == "UlyssesAttention"]
+               if type(m).__name__ == kind]
     assert len(wrapped) == trainer.plan.model.args.get("layers", 4) // trainer.plan.mesh.pp, \
         wrapped
     seen = []
