@@ -64,15 +64,15 @@ def side_by_side(a: dict[str, str], b: dict[str, str], names=("A", "B")) -> list
 
 
 def _checkpoint_folder(path: str) -> str:
-    from .checkpoint import latest_step, step_dir
+    from .checkpoint.manifest import newest
 
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
-    step = latest_step(path)
-    if step is None:
+    found = newest(path)
+    if found is None:
         raise PipeplanError(f"checkpoint {path}: no complete checkpoint (step_* folder with a "
                             f"manifest.json) there")
-    return step_dir(path, step)
+    return found
 
 
 def checkpoint_lines(folder: str, compiled) -> list[str]:

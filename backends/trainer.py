@@ -178,8 +178,7 @@ class PipelineTrainer:
         else:
             self.zero = None
             order = _stage_order_by_last_grad(schedule.order[pp], list(self.runners))
-            self.sync = GradSync(self.runners, self.layout, tied, order,
-                                 reduce_over_dp=not islands)
+            self.sync = GradSync(self.runners, self.layout, tied, order)
             self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None
         self.scheduler = build_lr_scheduler(self.optimizer, plan.train) if self.optimizer else None
         self.executor = Executor(planned, self.runners, self.specs,
@@ -192,11 +191,11 @@ class PipelineTrainer:
 
             self.prepass = RoutingPrepass(planned, self.runners, self.specs, plan.microbatches,
                                           topo.peer, device, topo.dp_group, plan.mesh.dp)
-        self.diloco, self.loss_group = None, None  # the loss: over the world, or the island
+        self.diloco, self.island_group = None, None  # DiLoCo: the island (loss, checkpoints)
         if islands:
             from .diloco import build_diloco, island_groups
 
-            self.loss_group = island_groups(plan.mesh)[1]
+            self.island_group = island_groups(plan.mesh)[1]
             self.diloco = build_diloco(plan, self.runners, compiled.tied, topo)
 
     def step(self, t: int) -> StepReport:
@@ -216,7 +215,7 @@ class PipelineTrainer:
         spans = _Spans(result.spans)
         mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
         loss = torch.where(result.grads_non_finite(), math.nan, mine)
-        summed = dist.all_reduce(loss, group=self.loss_group, async_op=True)  # with the sync
+        summed = dist.all_reduce(loss, group=self.island_group, async_op=True)  # with the sync
         with spans("grad sync", "finish"):
             self.sync.finish()
         clip = self.plan.train.grad_clip
@@ -228,7 +227,7 @@ class PipelineTrainer:
             summed.wait()
             loss_value = float(loss)
         if not (math.isfinite(loss_value) and (norm is None or math.isfinite(norm))):
-            dist.all_reduce(mine, group=self.loss_group)  # what the loss was, and the norm
+            dist.all_reduce(mine, group=self.island_group)  # what the loss was, and the norm
             norm = self.sync.norm() if norm is None else norm
             raise NonFiniteError(locate_non_finite(t, result, float(mine), norm, self.runners))
         lr = self.plan.train.optimizer.lr

@@ -93,8 +93,10 @@ def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash:
     if spec is None:
         return None, 0
     ckpt = Checkpointer(plan, trainer, run_hash, split_points)
-    found = [latest_step(spec.dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)  # rank 0's view decides for every node
+    found = [latest_step(ckpt.folder) if dist.get_rank() == ckpt.leader else None]
+    # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank) decides
+    # for every node of its group: a decoupled island resumes its own newest step
+    dist.broadcast_object_list(found, src=ckpt.leader, group=ckpt.group)
     if found[0] is None:
         return ckpt, 0
     done = ckpt.load(found[0], opts.reset_optimizer)

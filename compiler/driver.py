@@ -22,7 +22,8 @@ from .blocks import blocks_of
 from .checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
 from .costs import Cost, node_costs, param_bytes_per_node
-from .estimates import DeviceModel, device_model, estimate, normalised, step_costs
+from .device_model import DeviceModel, device_model
+from .estimates import estimate, normalised, step_costs
 from .experts import expert_weights, experts_modules, place_experts
 from .experts_checks import check_experts
 from .balance import mark_step_statistics

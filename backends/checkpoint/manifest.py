@@ -139,8 +139,11 @@ def check_loadable(folder: str, plan: Plan, shapes: dict, reset_optimizer: bool 
 
 
 def newest(folder: str) -> Optional[str]:
-    """The newest complete checkpoint folder in `folder`, or None."""
+    """The newest complete checkpoint folder in `folder` (a decoupled DiLoCo run's: island
+    0's, whose global parameters are the coordinators' own), or None."""
     from .store import latest_step, step_dir
 
     step = latest_step(folder)
+    if step is None and latest_step(os.path.join(folder, "island0")) is not None:
+        return newest(os.path.join(folder, "island0"))
     return None if step is None else step_dir(folder, step)

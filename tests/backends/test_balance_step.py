@@ -27,7 +27,7 @@ import torch
 from pipeplan.backends import data
 from pipeplan.backends.compare import compare
 from pipeplan.backends.model import build_model
-from pipeplan.backends.parallelize import CommMeter
+from pipeplan.backends.comm_meter import CommMeter
 from pipeplan.backends.reference import train_reference
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler import compile_plan
