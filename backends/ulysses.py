@@ -22,7 +22,9 @@ parallel projections) -- each tp rank then runs the above on its H/tp local head
 its own cp group, so attention holds H/(tp*cp) heads -- or replicated (attention not
 split by tp: every tp rank runs the same). The output goes back with q's placement.
 The cp group of a rank holds the same tp coordinate, so the local head blocks it
-exchanges are the same heads on every member.
+exchanges are the same heads on every member. `ContextAttention` is that mechanism,
+shared with ring attention (backends/ring_attention.py), which runs its ring on the
+tp-local heads the same way; `wrap_attention` swaps the SDPA calls for either.
 """
 from __future__ import annotations
 
@@ -61,28 +63,41 @@ def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, cp * hc, full // cp, d)
 
 
-class UlyssesAttention(nn.Module):
-    """The model's attention op on whole sequences and this rank's head block."""
+class ContextAttention(nn.Module):
+    """One SDPA call of a context-parallel stage: `local(q, k, v, ...)` on plain tensors
+    (the method: Ulysses, ring), run on the tp-local heads where tensor parallelism hands
+    q, k, v over as DTensors, and the output handed back with q's placement."""
 
-    def __init__(self, op, group):
+    def __init__(self, group):
         super().__init__()
-        self.op, self.group = op, group
+        self.group = group
+
+    def local(self, q, k, v, *args, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, q, k, v, *args, **kwargs):
-        if isinstance(q, DTensor):  # in a tensor-parallel stage: on the tp-local heads
-            return self._tp_local(q, k, v, args, kwargs)
-        q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
-        return heads_to_seq(self.op(q, k, v, *args, **kwargs), self.group)
-
-    def _tp_local(self, q, k, v, args, kwargs):
+        if not isinstance(q, DTensor):
+            return self.local(q, k, v, *args, **kwargs)
         placements = {t.placements if isinstance(t, DTensor) else None for t in (q, k, v)}
         if len(placements) != 1 or q.placements not in ((Shard(1),), (Replicate(),)):
             raise PipeplanError(f"context parallel: attention got q, k, v placed "
                                 f"{[getattr(t, 'placements', None) for t in (q, k, v)]} by "
-                                "tensor parallelism; Ulysses runs on heads split by tp "
-                                "(Shard(1)) or whole (Replicate)")
-        out = self.forward(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
+                                f"tensor parallelism; {type(self).__name__} runs on heads "
+                                "split by tp (Shard(1)) or whole (Replicate)")
+        out = self.local(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+
+class UlyssesAttention(ContextAttention):
+    """The model's attention op on whole sequences and this rank's head block."""
+
+    def __init__(self, op, group):
+        super().__init__(group)
+        self.op = op
+
+    def local(self, q, k, v, *args, **kwargs):
+        q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
+        return heads_to_seq(self.op(q, k, v, *args, **kwargs), self.group)
 
 
 def wrap_attention(gm: fx.GraphModule, wrap, prefix: str) -> int:

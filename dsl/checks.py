@@ -253,10 +253,6 @@ def _context(plan: Plan) -> Iterator[Problem]:
         yield Problem(where(plan, "data.seq_len", "mesh.cp"),
                       f"cp = {m.cp} does not divide data.seq_len = {plan.data.seq_len}",
                       "every context-parallel rank holds an equal slice of each sequence")
-    if m.tp > 1 and c.method == "ring":  # (Ulysses composes: heads split by tp, then by cp)
-        yield Problem("mesh.cp", f"ring attention with tp = {m.tp} is not supported yet (the "
-                      "ring's blocks run on local tensors; only Ulysses takes tp-split heads)",
-                      "use method = ulysses (tp * cp dividing the heads), or set tp = 1")
     if m.ep > 1:
         yield Problem("mesh.cp", f"cp = {m.cp} with ep = {m.ep} is not supported yet (expert "
                       "dispatch over sequence shards)", "set ep = 1 or cp = 1")
