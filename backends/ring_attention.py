@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from ..compiler.context_parallel import sdpa_arguments
 from ..errors import PipeplanError
-from .ulysses import ContextAttention, wrap_attention
+from .context_attention import ContextAttention, wrap_attention
 
 _aten = torch.ops.aten
 TAG_KV, TAG_DKV = 71, 72  # two messages travel between the same neighbours in backward
