@@ -49,14 +49,33 @@ class ActionError(PipeplanError):
 
 @dataclass(frozen=True)
 class ActionTiming:
-    """Measured wall-clock interval of one action (seconds since the epoch)."""
+    """Measured wall-clock times of one action (seconds since the epoch).
+
+    [start, end] is its compute. Its slot [ready, done] is all the time the rank spends
+    on it without being blocked on another rank: from the moment its input is there
+    (`ready`, after `recv_wait` blocked on its receive) to the moment it is finished
+    with it (`done`: its sends posted, the next receive posted, its checks left) --
+    the unit the simulator charges (`slot`), so the bubble compares like with like."""
 
     op: str
     stage: int
     microbatch: int
     start: float
     end: float
-    recv_wait: float  # time blocked on this action's receive, before `start`
+    recv_wait: float  # time blocked on this action's receive, ending at `ready`
+    ready: float = -1.0  # default: `start` (no runtime work recorded around the compute)
+    done: float = -1.0  # default: `end`
+
+    def __post_init__(self):
+        if self.ready < 0:
+            object.__setattr__(self, "ready", self.start)
+        if self.done < 0:
+            object.__setattr__(self, "done", self.end)
+
+    @property
+    def slot(self) -> float:
+        """Seconds the rank spent on this action, compute plus the runtime's work around it."""
+        return self.done - self.ready
 
 
 @dataclass(frozen=True)
@@ -200,12 +219,13 @@ class Executor:
             a = p.action
             if self.on_action is not None:
                 self.on_action(label(a))
-            wait_start = time.time()
+            wait_start = ready = time.time()
             if p.recv is not None:
                 try:
                     works, bufs = posted.pop(i) if i in posted else self._post([p.recv])
                     for work in works:
                         work.wait()
+                    ready = time.time()
                 except Exception as e:  # name what never came, and from whom
                     raise ActionError(f"{label(a)} (waiting for {_awaited(p.recv)} from pipeline "
                                       f"rank {p.recv.peer})", e) from e
@@ -234,7 +254,7 @@ class Executor:
                 raise ActionError(label(a), e) from e
             self._flag(a, produced, result, end)
             result.timings.append(ActionTiming(op_name(a), a.stage, a.microbatch, start, end,
-                                               start - wait_start))
+                                               ready - wait_start, ready, time.time()))
             if self.last_grad_action.get(a.stage) == (op_name(a), a.microbatch):
                 t = time.time()
                 self.on_stage_done(a.stage)

@@ -6,7 +6,15 @@ step on the pipeline at dp=0, tp=0, and reported as the median over the
 steady-state steps (after the first, the warm-up, when there are more). The
 prediction simulates the schedule with the plan's profile (`pipeline.profile`,
 the planned timeline the compiler made) when it names one, else with this run's
-measured mean per-op costs of each stage and median point-to-point latency.
+measured mean per-op costs of each stage and mean point-to-point latency.
+
+Both sides count the same thing as busy: an action's slot (executor.ActionTiming),
+its compute plus the runtime's own work around it (posting its sends and the next
+receive, its checks), which the profile measures as the op's time and the
+simulator charges. Idle is what is left: a rank blocked on a receive, or before
+its first and after its last action of the step. The makespan runs from the
+first slot's start to the last slot's end, so gradient sync and the optimizer
+after the last action are in neither side's denominator.
 """
 from __future__ import annotations
 
@@ -132,36 +140,42 @@ def _keep_rows_through(path: str, step: int) -> None:
 
 
 def measured_bubble(step: Sequence[Sequence[ActionTiming]]) -> float:
-    """Whole-iteration bubble of one step, given each pipeline rank's timings."""
+    """Whole-iteration bubble of one step, given each pipeline rank's timings (busy: the
+    actions' slots, compute plus the runtime's work around it)."""
     rows = [row for row in step if row]
     if not rows:
         return 0.0
-    start = min(row[0].start for row in rows)
-    makespan = max(row[-1].end for row in rows) - start
-    busy = sum(a.end - a.start for row in rows for a in row)
+    start = min(row[0].ready for row in rows)
+    makespan = max(row[-1].done for row in rows) - start
+    busy = sum(a.slot for row in rows for a in row)
     return 0.0 if makespan <= 0 else 1.0 - busy / (len(rows) * makespan)
 
 
 def measured_costs(ranks: Sequence[RankTimings], stages: int, skip: int = 1):
-    """Mean measured (F, B, W) seconds per stage; a BW counts as B (W = 0)."""
+    """Mean measured (F, B, W) slot seconds per stage; a BW counts as B (W = 0)."""
     samples: dict[tuple[str, int], list[float]] = {}
     for r in ranks:
         steps = r.steps[steady_steps(len(r.steps), skip).start:]
         for actions in steps:
             for a in actions:
                 op = "B" if a.op == "BW" else a.op
-                samples.setdefault((op, a.stage), []).append(a.end - a.start)
+                samples.setdefault((op, a.stage), []).append(a.slot)
     return tuple(tuple(mean(samples.get((op, s), [0.0])) for op in ("F", "B", "W"))
                  for s in range(stages))
 
 
 def measured_latency(pipeline: Sequence[RankTimings], schedule) -> float:
-    """Median point-to-point latency: from the end of the action producing a value on one
-    rank to the start of the action consuming it on another, counted only where the
-    consumer was already blocked waiting (so its own lateness is not included)."""
+    """Mean point-to-point latency: from the end of the slot of the action producing a
+    value on one rank to the start of the slot of the action consuming it on another
+    (when it stopped being blocked), counted only where the consumer was already
+    blocked waiting (so its own lateness is not included); 0 when the value was there
+    before the producer had finished its own bookkeeping. The mean, like the op times:
+    the simulator charges it on every transfer, so only the mean adds up to the delay
+    the transfers cause together (most arrive at once, a few stall for milliseconds;
+    a median would say 0)."""
     samples = []
     for step in range(len(pipeline[0].steps)):
-        end = {(a.op, a.stage, a.microbatch): a.end for r in pipeline for a in r.steps[step]}
+        end = {(a.op, a.stage, a.microbatch): a.done for r in pipeline for a in r.steps[step]}
         for r in pipeline:
             for a in r.steps[step]:
                 if a.op == "F" and a.stage > 0:
@@ -173,9 +187,9 @@ def measured_latency(pipeline: Sequence[RankTimings], schedule) -> float:
                 if schedule.stage_to_rank[producers[0][1]] == schedule.stage_to_rank[a.stage]:
                     continue  # a hand-over in memory
                 done = [end[p] for p in producers if p in end]
-                if done and a.recv_wait > 0 and a.start - a.recv_wait <= done[0]:
-                    samples.append(max(0.0, a.start - done[0]))
-    return median(samples) if samples else 0.0
+                if done and a.recv_wait > 0 and a.ready - a.recv_wait <= done[0]:
+                    samples.append(max(0.0, a.ready - done[0]))
+    return mean(samples) if samples else 0.0
 
 
 def steady_steps(n: int, warmup: int = 1) -> range:
@@ -198,7 +212,7 @@ class BubbleCheck:
 def check_bubble(schedule, ranks: Sequence[RankTimings], planned=None,
                  planned_source: str = "", warmup: int = 1) -> BubbleCheck:
     """`planned`: the compiler's simulation under the plan's profile; without it the schedule
-    is simulated with this run's measured mean per-op costs and median p2p latency."""
+    is simulated with this run's measured mean per-op costs and mean p2p latency."""
     from ..schedules.costs import Costs
     from ..schedules.simulate import simulate
 

@@ -2,7 +2,9 @@
 
 Rank 0 gathers every rank's action timings (as for the bubble line), drops the
 warm-up steps and averages, per stage, the F, B, W and BW times of the
-pipeline at dp 0, tp 0; the p2p latency is the median measured one
+pipeline at dp 0, tp 0 -- each action's slot (executor.ActionTiming): its compute
+plus the runtime's work around it (posting sends and the next receive, checks),
+a real cost per action the simulator then charges; the p2p latency is the mean measured one
 (observe.measured_latency); activation bytes are what each stage sends forward
 per microbatch (its outputs as the compiled plan sizes them).
 """
@@ -36,7 +38,7 @@ def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequen
     for r in pipeline:
         for k in keep:
             for a in r.steps[k]:
-                samples.setdefault((a.op, a.stage), []).append(a.end - a.start)
+                samples.setdefault((a.op, a.stage), []).append(a.slot)
     steady = [RankTimings(r.rank, r.pp, r.dp, r.tp, tuple(r.steps[k] for k in keep))
               for r in pipeline]
     stages = []

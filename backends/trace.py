@@ -1,16 +1,19 @@
 """The measured Chrome/Perfetto trace: the plan's layout plus everything real, and the plan.
 
-Per rank (pid = global rank) three lanes: "compute" (one "X" slice per action,
+Per rank (pid = global rank) four lanes: "compute" (one "X" slice per action,
 named like the IR prints it, "F0.3" = F of stage 0, microbatch 3, as the schedule
 engine's trace names them), "p2p" (the wait blocked on each action's receive,
-and each send being posted, and the step's sends completing) and "sync &
+and each send being posted, and the step's sends completing), "sync &
 optimizer" (a stage's gradient sync when its last W/BW is done, the end-of-step
-sync, the gradient norm, the loss all-reduce, the optimizer step). Times are µs
-from the first action of the run (Chrome's unit).
+sync, the gradient norm, the loss all-reduce, the optimizer step) and "runtime"
+(the rest of each action's slot outside its compute: posting the next receive
+before it, posting its sends and leaving its checks after it; the simulator
+charges the whole slot, see observe.py). Times are µs from the first action of
+the run (Chrome's unit).
 
 With `planned` (the simulator's timeline, costs in seconds) each pipeline
 rank gets a second process, "planned pp rank R" (pid PLANNED_PID + R), holding
-the planned timeline of every step, aligned with the step's first action, so
+the planned timeline of every step, aligned with the step's first slot, so
 Perfetto shows the measured and the planned rows one above the other.
 """
 from __future__ import annotations
@@ -19,7 +22,8 @@ import json
 from typing import Optional, Sequence
 
 PLANNED_PID = 1000  # pid of pipeline rank 0's planned timeline
-_LANES = {0: "compute", 1: "p2p (receive waits, sends)", 2: "sync & optimizer"}
+_LANES = {0: "compute", 1: "p2p (receive waits, sends)", 2: "sync & optimizer",
+          3: "runtime (an action's slot outside its compute)"}
 _LANE_OF = {"send": 1, "send wait": 1, "grad sync": 2, "optimizer": 2}
 US = 1e6  # µs per second
 
@@ -27,7 +31,7 @@ US = 1e6  # µs per second
 def chrome_trace(ranks: Sequence, planned=None) -> dict:
     """Every rank's measured timeline (observe.RankTimings), plus `planned` (a SimResult in
     seconds) as a second track per pipeline rank."""
-    t0 = min((a.start - a.recv_wait for r in ranks for s in r.steps for a in s), default=0.0)
+    t0 = min((a.ready - a.recv_wait for r in ranks for s in r.steps for a in s), default=0.0)
     events = []
     for r in ranks:
         events.append({"name": "process_name", "ph": "M", "pid": r.rank,
@@ -44,7 +48,11 @@ def chrome_trace(ranks: Sequence, planned=None) -> dict:
                 events.append(_slice(name, a.op, r.rank, 0, a.start - t0, a.end - a.start, args))
                 if a.recv_wait > 0:
                     events.append(_slice(f"wait {name}", "recv wait", r.rank, 1,
-                                         a.start - a.recv_wait - t0, a.recv_wait, args))
+                                         a.ready - a.recv_wait - t0, a.recv_wait, args))
+                for lo, hi in ((a.ready, a.start), (a.end, a.done)):  # the slot around compute
+                    if hi > lo:
+                        events.append(_slice(f"runtime {name}", "runtime", r.rank, 3,
+                                             lo - t0, hi - lo, args))
             for sp in (r.spans[step] if step < len(r.spans) else ()):
                 events.append(_slice(sp.name, sp.kind, r.rank, _LANE_OF.get(sp.kind, 2),
                                      sp.start - t0, sp.end - sp.start, {"step": n}))
@@ -65,7 +73,7 @@ def _planned(ranks: Sequence, planned, t0: float) -> list:
     pipeline = sorted((r for r in ranks if r.dp == 0 and r.tp == 0), key=lambda r: r.pp)
     events = []
     for step in range(min((len(r.steps) for r in pipeline), default=0)):
-        starts = [r.steps[step][0].start for r in pipeline if r.steps[step]]
+        starts = [r.steps[step][0].ready for r in pipeline if r.steps[step]]
         if not starts:
             continue
         trace = planned_trace(planned, SECONDS, pid_offset=PLANNED_PID,

@@ -137,6 +137,19 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
 
     profile = Profile.from_json(costs.read_text(), str(costs))
     assert profile.split_points == ("layers.2",) and profile.measured_steps == (2, 3)
+    # an op's cost is its mean slot over the measured steps: the compute slice plus the
+    # runtime lane's slices of the same action (posting receives and sends, checks)
+    slots: dict = {}
+    for e in measured:
+        if e["tid"] in (0, 3) and e["args"].get("step") in (2, 3):
+            a = e["args"]
+            key = (a["op"], a["stage"], a["microbatch"], a["step"])
+            slots[key] = slots.get(key, 0.0) + e["dur"] / 1e6
+    assert (0, 3, "runtime") in kinds and (1, 3, "runtime") in kinds
+    for st in profile.stages:
+        for op, value in (("F", st.F), ("BW", st.BW)):
+            mine = [v for k, v in slots.items() if k[:2] == (op, st.index)]
+            assert len(mine) == 4 and value == pytest.approx(sum(mine) / 4, rel=1e-6, abs=1e-7)
     assert all(s.F > 0 and s.BW > 0 and s.B is None and s.samples == 2 * 2
                for s in profile.stages)
     assert profile.stages[0].activation_bytes == 2 * 16 * 32 * 4  # [2, 16, 32] fp32 per mb

@@ -180,6 +180,40 @@ def test_measured_bubble_trace_and_costs():
     assert measured_latency([ranks[0], RankTimings(1, 1, 0, 0, (late,))], schedule) == 0.125
 
 
+def test_bubble_costs_and_latency_count_whole_slots():
+    """The bubble, the per-op costs and the latency all use an action's slot [ready, done]
+    (compute plus the runtime's work around it), not its compute alone: the unit the
+    simulator charges, so measured and predicted bubbles count the same time as busy."""
+    from pipeplan.backends.executor import ActionTiming
+    from pipeplan.backends.observe import (RankTimings, check_bubble, measured_bubble,
+                                           measured_costs, measured_latency)
+    from pipeplan.backends.trace import chrome_trace
+
+    # rank 0: F0 slot [0, 2] (compute [0.5, 1.5]: posting before, sending after), BW0 [5, 7];
+    # rank 1: blocked [0, 2.5] on F0's output, F1 slot [2.5, 4.5], BW1 [4.5, 5]
+    r0 = (ActionTiming("F", 0, 0, 0.5, 1.5, 0.0, 0.0, 2.0),
+          ActionTiming("BW", 0, 0, 5.5, 6.5, 2.0, 5.0, 7.0))
+    r1 = (ActionTiming("F", 1, 0, 2.75, 4.25, 2.5, 2.5, 4.5),
+          ActionTiming("BW", 1, 0, 4.5, 5.0, 0.0))
+    assert r1[1].ready == 4.5 and r1[1].done == 5.0  # defaults: the compute interval
+    # busy = 2 + 2 + 2 + 0.5 = 6.5 of 2 x 7; with compute only it would be 4 of 14
+    assert measured_bubble([r0, r1]) == pytest.approx(1 - 6.5 / 14)
+    ranks = [RankTimings(0, 0, 0, 0, (r0,)), RankTimings(1, 1, 0, 0, (r1,))]
+    assert measured_costs(ranks, 2, skip=0) == ((2.0, 2.0, 0.0), (2.0, 0.5, 0.0))
+    schedule = generate("gpipe", ranks=2, microbatches=1)
+    # F1 waited from 0, ready 0.5 after F0's slot ended; BW0 from 2, ready 0 after BW1: mean
+    assert measured_latency(ranks, schedule) == pytest.approx(0.25)
+    # so the simulation of the same costs and latency reproduces the measured timeline
+    check = check_bubble(schedule, ranks, warmup=0)
+    assert check.predicted == pytest.approx(check.measured)
+    # the trace draws the slot outside the compute on the runtime lane; waits end at `ready`
+    xs = [(e["pid"], e["tid"], e["ts"], e["dur"]) for e in chrome_trace(ranks)["traceEvents"]
+          if e["ph"] == "X" and e["tid"] in (1, 3)]
+    assert sorted(xs) == sorted([(0, 3, 0.0, 0.5e6), (0, 3, 1.5e6, 0.5e6), (0, 1, 3e6, 2e6),
+                                 (0, 3, 5e6, 0.5e6), (0, 3, 6.5e6, 0.5e6), (1, 1, 0.0, 2.5e6),
+                                 (1, 3, 2.5e6, 0.25e6), (1, 3, 4.25e6, 0.25e6)])
+
+
 def test_progress_bar_on_a_terminal_plain_lines_otherwise():
     """Rank 0's progress: a live bar (step, loss, tokens/s, ETA) on a terminal; the plain
     per-step line scripts parse when stdout is not one."""
