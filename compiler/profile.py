@@ -9,7 +9,10 @@ A cost file is JSON written by `pipeplan profile PLAN -o costs.json` (backends/p
      "stages": [{"index": 0, "F": 0.01, "B": null, "W": null, "BW": 0.02, "samples": 24,
                  "activation_bytes": 32768}, ...]}
 
-Seconds per microbatch, means over the measured (post-warm-up) steps; B/W are
+Seconds per microbatch, means over the measured (post-warm-up) steps of each
+action's slot (compute plus the runtime's work around it: posting its sends and
+the next receive, its checks; backends/executor.ActionTiming); p2p_latency_s:
+the mean wait beyond the producer's slot (backends/observe.measured_latency); B/W are
 null when the schedule ran full backwards (BW), BW null when it split them;
 activation_bytes: what the stage sends forward per microbatch; shape: the
 workload the times hold for (a plan with another microbatch size, sequence
