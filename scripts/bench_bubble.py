@@ -4,10 +4,12 @@ For each schedule: `pipeplan profile` (warm-up + measured steps, the plan's own
 processes) writes costs.json; the same plan naming `profile = "costs.json"` is
 run, and its end-of-run line compares the measured whole-iteration bubble
 (median over the steady-state steps) with the bubble the compiler predicted by
-simulating the schedule under the profiled costs. Prints one row per schedule
-and the machine's load before and after (how quiet it was).
+simulating the schedule under the profiled costs. Both count an action's slot
+(compute plus the runtime's work around it) as busy (docs/runtime.md). Prints one
+row per schedule and repetition (`--repeat`: profile and run again, to see the
+spread a shared machine adds) and the machine's load before and after each.
 
-    PYTHONPATH=.. python scripts/bench_bubble.py [--schedules 1f1b,zbv] [--steps 8]
+    PYTHONPATH=.. python scripts/bench_bubble.py [--schedules 1f1b,zbv] [--steps 8] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -55,11 +57,13 @@ def main() -> None:
     ap.add_argument("--schedules", default="1f1b,zbv")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=1, help="profile and run each schedule N times")
     args = ap.parse_args()
-    print(f"load average before: {os.getloadavg()}, {os.cpu_count()} cpus")
+    print(f"load average before: {_load()}, {os.cpu_count()} cpus")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in args.schedules.split(","):
+        for rep, kind in ((r, k) for r in range(args.repeat) for k in args.schedules.split(",")):
+            load = _load()
             # zbv puts 4 stages on 2 ranks: split the 8 layers in 4; 1f1b in 2
             stages = 4 if kind in ("zbv", "interleaved", "vhalf", "vmin", "dualpipev") else 2
             cut = ", ".join(f'"layers.{i}"' for i in range(8 // stages, 8, 8 // stages))
@@ -76,13 +80,20 @@ def main() -> None:
                 "]\n}", f']\n  profile = "{costs}"\n}}', 1))
             out = _run("run", str(profiled))
             m = LINE.search(out)
-            rows.append((kind, float(m.group(1)), float(m.group(3)), m.group(2)))
+            rows.append((kind, rep + 1, float(m.group(1)), float(m.group(3)), m.group(2),
+                         f"{load} -> {_load()}"))
             print(out.splitlines()[-1], flush=True)
-    print(f"load average after: {os.getloadavg()}")
-    print("| schedule | measured bubble | predicted (profiled costs) | difference (points) | steps |")
-    print("|---|---|---|---|---|")
-    for kind, meas, pred, steps in rows:
-        print(f"| {kind} | {meas:.3f} | {pred:.3f} | {100 * (meas - pred):+.1f} | {steps} |")
+    print(f"load average after: {_load()}")
+    print("| schedule | run | measured bubble | predicted (profiled costs) | difference (points) "
+          "| steps | load 1/5/15 min (before -> after) |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, rep, meas, pred, steps, load in rows:
+        print(f"| {kind} | {rep} | {meas:.3f} | {pred:.3f} | {100 * (meas - pred):+.1f} | {steps} "
+              f"| {load} |")
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":
