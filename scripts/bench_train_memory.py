@@ -6,10 +6,11 @@ mmap threshold fixed), and records on each rank, from /proc/self/status: the res
 (VmRSS) after each phase and the peak during it (VmHWM, reset before the phase by writing 5
 to /proc/self/clear_refs), next to what the rank holds in tensors: parameters, `.grad`s,
 and the microbatches whose activations are alive. Phases: start-up, then every action of the
-step (F / B / W / BW with its microbatch), the gradient sync, the optimizer step.
+step (F / B / W / BW with its microbatch), each stage's gradients done (the data-parallel
+all-reduces launched), the gradient sync, the optimizer step.
 
     PYTHONPATH=.. python scripts/bench_train_memory.py [--layers 8] [--dim 1024] [--seq 64]
-        [--pp 4] [--microbatches 4] [--steps 2] [--ranks 0,1]
+        [--pp 4] [--dp 1] [--microbatches 4] [--steps 2] [--ranks 0,1]
 
 The default (~0.45 GB of fp32 weights over pp=4) is the 2 GB heavy test scaled down
 (tests/benchmarks/test_scale_memory.py: layers 40). BENCHMARKS.md holds the numbers.
@@ -35,9 +36,9 @@ model {{
   loss = cross_entropy
 }}
 data = synthetic(seed = 0, vocab = {vocab}, seq_len = {seq})
-mesh {{ pp = {pp} }}
+mesh {{ pp = {pp}, dp = {dp} }}
 pipeline {{ schedule = 1f1b  microbatches = {microbatches} }}
-train {{ steps = {steps}  global_batch = {microbatches}  optimizer = sgd(lr = 0.01)  seed = 0 }}
+train {{ steps = {steps}  global_batch = {batch}  optimizer = sgd(lr = 0.01)  seed = 0 }}
 """
 
 
@@ -128,6 +129,7 @@ def _rank(rank: int, world: int, port: int, plan_path: str, steps: int, out_dir:
         probe.wrap(runner, "backward_input", lambda mb, *_, s=s: f"B s{s} mb{mb}")
         probe.wrap(runner, "backward_weight", lambda mb, *_, s=s: f"W s{s} mb{mb}")
         probe.wrap(runner, "backward_full", lambda mb, *_, s=s: f"BW s{s} mb{mb}")
+    probe.wrap(trainer.executor, "on_stage_done", lambda s: f"stage {s} done")  # DP launch
     probe.wrap(trainer.sync, "finish", lambda *_: "grad sync")
     probe.wrap(trainer.optimizer, "step", lambda *_: "optimizer step")
     for t in range(steps):
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--ranks", default=None, help="print these ranks only (default all)")
@@ -158,15 +161,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         plan = os.path.join(tmp, "gpt.plan")
         with open(plan, "w") as f:
-            f.write(PLAN.format(**vars(args)))
+            f.write(PLAN.format(batch=args.microbatches * args.dp, **vars(args)))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_rank, args=(args.pp, port, plan, args.steps, tmp), nprocs=args.pp,
+        world = args.pp * args.dp
+        mp.start_processes(_rank, args=(world, port, plan, args.steps, tmp), nprocs=world,
                            start_method="spawn")
-        results = [pickle.load(open(os.path.join(tmp, f"{r}.pkl"), "rb"))
-                   for r in range(args.pp)]
-    show = range(args.pp) if args.ranks is None else [int(r) for r in args.ranks.split(",")]
+        results = [pickle.load(open(os.path.join(tmp, f"{r}.pkl"), "rb")) for r in range(world)]
+    show = range(world) if args.ranks is None else [int(r) for r in args.ranks.split(",")]
     for r in show:
         res = results[r]
         print(f"\nrank {r}: parameters {res['params'] / MIB:.1f} MiB, process before the "
