@@ -205,10 +205,13 @@ class FlatShard:
 
     # -- one step
     def _flat_grad(self) -> torch.Tensor:
+        """The accumulated gradients in one flat buffer; each parameter's own `.grad` is
+        dropped once copied (never the gradients twice: at most one parameter's extra)."""
         flat = torch.zeros(self.layout.padded, dtype=self.shard.dtype, device=self.device)
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
         return flat
 
     def reduce_gradients(self) -> None:

@@ -10,7 +10,7 @@ step (F / B / W / BW with its microbatch), each stage's gradients done (the data
 all-reduces launched), the gradient sync, the optimizer step.
 
     PYTHONPATH=.. python scripts/bench_train_memory.py [--layers 8] [--dim 1024] [--seq 64]
-        [--pp 4] [--dp 1] [--microbatches 4] [--steps 2] [--ranks 0,1]
+        [--pp 4] [--dp 1] [--zero 0] [--microbatches 4] [--steps 2] [--ranks 0,1]
 
 The default (~0.45 GB of fp32 weights over pp=4) is the 2 GB heavy test scaled down
 (tests/benchmarks/test_scale_memory.py: layers 40). BENCHMARKS.md holds the numbers.
@@ -37,6 +37,7 @@ model {{
 }}
 data = synthetic(seed = 0, vocab = {vocab}, seq_len = {seq})
 mesh {{ pp = {pp}, dp = {dp} }}
+zero = {zero}
 pipeline {{ schedule = 1f1b  microbatches = {microbatches} }}
 train {{ steps = {steps}  global_batch = {batch}  optimizer = sgd(lr = 0.01)  seed = 0 }}
 """
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--zero", type=int, default=0)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--ranks", default=None, help="print these ranks only (default all)")
