@@ -106,7 +106,8 @@ class Probe:
         setattr(obj, name, probed)
 
 
-def _rank(rank: int, world: int, port: int, plan_path: str, steps: int, out_dir: str) -> None:
+def _rank(rank: int, world: int, port: int, plan_path: str, steps: int, out_dir: str,
+          mmap_threshold: int = 1 << 20) -> None:
     import pickle
 
     import torch
@@ -116,7 +117,7 @@ def _rank(rank: int, world: int, port: int, plan_path: str, steps: int, out_dir:
     from pipeplan.backends.trainer import PipelineTrainer
     from pipeplan.dsl.load import load_plan
 
-    return_large_blocks_to_os()
+    return_large_blocks_to_os(mmap_threshold)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -133,12 +134,15 @@ def _rank(rank: int, world: int, port: int, plan_path: str, steps: int, out_dir:
     probe.wrap(trainer.executor, "on_stage_done", lambda s: f"stage {s} done")  # DP launch
     probe.wrap(trainer.sync, "finish", lambda *_: "grad sync")
     probe.wrap(trainer.optimizer, "step", lambda *_: "optimizer step")
+    step_s = []
     for t in range(steps):
         probe.record(f"-- step {t}")
+        begin = time.perf_counter()
         trainer.step(t)
+        step_s.append(time.perf_counter() - begin)
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump({"base": base, "startup_s": time.perf_counter() - started,
-                     "params": trainer.param_bytes, "rows": probe.rows,
+                     "params": trainer.param_bytes, "rows": probe.rows, "step_s": step_s,
                      "peak": status()[1]}, f)
     dist.destroy_process_group()
 
@@ -154,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--zero", type=int, default=0)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                    help="glibc's mmap threshold on the ranks (bytes; memory.py's default 1 MiB)")
     ap.add_argument("--ranks", default=None, help="print these ranks only (default all)")
     args = ap.parse_args(argv)
     import pickle
@@ -168,7 +174,7 @@ def main(argv=None) -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         world = args.pp * args.dp
-        mp.start_processes(_rank, args=(world, port, plan, args.steps, tmp), nprocs=world,
+        mp.start_processes(_rank, args=(world, port, plan, args.steps, tmp, args.mmap_threshold), nprocs=world,
                            start_method="spawn")
         results = [pickle.load(open(os.path.join(tmp, f"{r}.pkl"), "rb")) for r in range(world)]
     show = range(world) if args.ranks is None else [int(r) for r in args.ranks.split(",")]
@@ -176,7 +182,9 @@ def main(argv=None) -> int:
         res = results[r]
         print(f"\nrank {r}: parameters {res['params'] / MIB:.1f} MiB, process before the "
               f"trainer {res['base'] / MIB:.0f} MiB, start-up {res['startup_s']:.1f} s, "
-              f"peak over the run {res['peak'] / MIB:.0f} MiB")
+              f"peak over the run {res['peak'] / MIB:.0f} MiB (VmHWM since the last phase's "
+              f"reset), step times {', '.join(f'{x:.2f}' for x in res['step_s'])} s, peak "
+              f"during the step {max(r[2] for r in res['rows']) / MIB:.0f} MiB")
         print(f"{'phase':<16}{'RSS after':>11}{'peak during':>13}{'grads':>9}{'alive mb':>10}"
               f"{'RSS - params - grads':>22}{'heap used':>11}{'heap free':>11}")
         for phase, rss, peak, grads, alive, used, free in res["rows"]:
