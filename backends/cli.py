@@ -111,13 +111,28 @@ def precompile(plan, source: RunSource):
 def check_resume(plan, compiled, reset_optimizer: bool = False) -> None:
     """Before launch: the newest checkpoint in train.checkpoint.dir (if any) loads under
     this plan, or one message lists every item that will not (backends/checkpoint/)."""
-    from .checkpoint import check_loadable, latest_step, parameter_shapes, step_dir
+    from .checkpoint import (check_loadable, checkpoint_folder, latest_step, parameter_shapes,
+                             step_dir)
 
     spec = plan.train.checkpoint
-    step = latest_step(spec.dir) if spec is not None else None
-    if step is not None:
-        check_loadable(step_dir(spec.dir, step), plan, parameter_shapes(compiled)[0],
-                       reset_optimizer)
+    if spec is None:
+        return
+    # decoupled DiLoCo: each island resumes its own series (dir/island<d>), checked alike
+    folders = {checkpoint_folder(plan, d) for d in range(plan.mesh.dp)}
+    other = {os.path.join(spec.dir, "island0")} if not plan.sync.decoupled else {spec.dir}
+    stray = [f for f in other - folders if latest_step(f) is not None]
+    if stray:
+        raise PipeplanError(
+            f"checkpoint folder {spec.dir} holds "
+            + ("one series per island (a decoupled diloco run's)" if not plan.sync.decoupled
+               else "one series for the whole run (not a decoupled diloco run's)")
+            + f": {stray[0]}; this plan would not resume it (nothing was started); set sync "
+            "as it was, or start fresh (another train.checkpoint.dir, or move it away)")
+    for folder in sorted(folders):
+        step = latest_step(folder)
+        if step is not None:
+            check_loadable(step_dir(folder, step), plan, parameter_shapes(compiled)[0],
+                           reset_optimizer)
 
 
 def _cmd_run(args) -> int:

@@ -11,12 +11,15 @@ Sharing (the same for the pipelined run and the reference): DP rank d takes
 rows [d*B/dp, (d+1)*B/dp); its microbatch i is the i-th equal chunk of those.
 So chunk c = d*m + i of the global batch is DP rank d's microbatch i.
 With context parallel (mesh.cp > 1), cp rank c of that DP rank takes columns
-[c*S/cp, (c+1)*S/cp) of each of its microbatches (tokens and targets), and its
-`positions` field counts from c*S/cp: the global positions of its slice.
+`cp_columns` of each of its microbatches (tokens and targets): [c*S/cp, (c+1)*S/cp) for
+Ulysses, chunks c and 2cp-1-c of 2cp for ring attention (backends/ring_attention.py);
+its `positions` field holds the global positions of those columns.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -41,7 +44,8 @@ class Batch:
     # (model input, data field, dtype, declared shape) for each model input
     feeds: tuple[tuple[str, str, str, tuple], ...] = (
         ("input_ids", "tokens", "int64", ("batch", "seq")),)
-    offset: int = 0  # position of column 0 in the whole sequence (context parallel slices)
+    # global position of each column (context parallel slices); None: 0..seq_len-1
+    positions: Optional[torch.Tensor] = dataclass_field(default=None, compare=False)
 
     def field(self, name: str) -> torch.Tensor:
         """The batch field a stage input names (ValueRef.source == BATCH)."""
@@ -61,8 +65,8 @@ class Batch:
         if source == "targets":
             return self.targets.to(dtype)
         if source == "positions":
-            return torch.arange(self.offset, self.offset + seq, dtype=dtype).expand(rows, seq) \
-                .contiguous()
+            at = torch.arange(seq) if self.positions is None else self.positions
+            return at.to(dtype).expand(rows, seq).contiguous()
         if source == "mask":
             dims = {"batch": rows, "seq": seq}
             return torch.ones([dims.get(d, d) for d in shape], dtype=dtype)
@@ -74,12 +78,13 @@ class Batch:
         return {name: self.field(name) for name, *_ in self.feeds}
 
     def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(self.input_ids[start:stop], self.targets[start:stop], self.feeds, self.offset)
+        return Batch(self.input_ids[start:stop], self.targets[start:stop], self.feeds,
+                     self.positions)
 
-    def columns(self, start: int, stop: int) -> "Batch":
-        """Positions [start, stop) of every row (a context-parallel slice)."""
-        return Batch(self.input_ids[:, start:stop], self.targets[:, start:stop], self.feeds,
-                     self.offset + start)
+    def columns(self, index: torch.Tensor) -> "Batch":
+        """Columns `index` of every row (a context-parallel slice), keeping their positions."""
+        at = torch.arange(self.input_ids.shape[1]) if self.positions is None else self.positions
+        return Batch(self.input_ids[:, index], self.targets[:, index], self.feeds, at[index])
 
     @property
     def tokens(self) -> int:
@@ -159,7 +164,7 @@ def concat(batches: list[Batch]) -> Batch:
     if len(batches) == 1:
         return batches[0]
     return Batch(torch.cat([b.input_ids for b in batches]), torch.cat([b.targets for b in batches]),
-                 batches[0].feeds, batches[0].offset)
+                 batches[0].feeds, batches[0].positions)
 
 
 def dp_microbatches(plan: Plan, step: int, dp_rank: int, cp_rank: int = 0) -> list[Batch]:
@@ -169,6 +174,15 @@ def dp_microbatches(plan: Plan, step: int, dp_rank: int, cp_rank: int = 0) -> li
     per_dp = plan.train.global_batch // dp
     share = global_batch(plan, step).rows(dp_rank * per_dp, (dp_rank + 1) * per_dp)
     if plan.mesh.cp > 1:
-        width = plan.data.seq_len // plan.mesh.cp
-        share = share.columns(cp_rank * width, (cp_rank + 1) * width)
+        share = share.columns(cp_columns(plan, cp_rank))
     return chunks(share, m)
+
+
+def cp_columns(plan: Plan, cp_rank: int) -> torch.Tensor:
+    """The sequence positions context-parallel rank `cp_rank` holds (dsl/checks.py checked
+    that they divide evenly)."""
+    seq, cp = plan.data.seq_len, plan.mesh.cp
+    if plan.context is not None and plan.context.method == "ring":
+        from .ring_attention import ring_columns
+        return ring_columns(seq, cp, cp_rank)
+    return torch.arange(cp_rank * seq // cp, (cp_rank + 1) * seq // cp)

@@ -16,6 +16,8 @@ Exactly what happens at fragment f's sync round r (diloco.py says when rounds fa
 * every non-coordinator then adopts the newest published global parameters (round r, or
   a later one when it is late: a straggler merges the latest global state and carries on
   from the round after it, so it falls back in step with the others' round numbers);
+  once its coordinator has finished the run (no round r will come), a late island adopts
+  the last published round at each of its remaining syncs;
 * an island is lost when the launcher (launcher.py) saw one of its ranks die by a
   signal: it kills the island's other ranks, sets `pipeplan/diloco/lost/<i>`, and from
   then on no coordinator waits for that island. Losing island 0 (the coordinators, and
@@ -39,6 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..dsl.layout import global_rank
 from ..errors import PipeplanError
 
 PREFIX = "pipeplan/diloco"
@@ -48,6 +51,11 @@ COORDINATOR_WAIT_S = 600.0  # how long a non-coordinator waits for island 0's gl
 
 def lost_key(island: int) -> str:
     return f"{PREFIX}/lost/{island}"
+
+
+def done_key(rank: int) -> str:
+    """Set by a rank of a decoupled run when it has finished its steps (`finish`)."""
+    return f"{PREFIX}/done/{rank}"
 
 
 def job_store(timeout_s: float = 60.0):
@@ -77,6 +85,7 @@ class StoreExchange:
         self.prefix = f"{PREFIX}/{c.pp}.{c.tp}"
         self.island, self.islands = c.dp, topo.mesh.dp
         self.coordinator = c.dp == 0
+        self.coordinator_done = done_key(global_rank(topo.mesh, c.pp, 0, c.tp))
         self.timeout_s = timeout_s
         self.bytes_sent = 0
         self._info: dict[int, dict] = {}  # fragment -> what the coordinator averaged
@@ -134,8 +143,8 @@ class StoreExchange:
         latest_key = f"{self.prefix}/f{index}/latest"
         while True:
             latest = int(self.store.get(latest_key)) if self.store.check([latest_key]) else -1
-            if latest >= rnd:
-                break
+            if latest >= rnd or (latest >= 0 and self.store.check([self.coordinator_done])):
+                break  # round rnd, a newer one, or the last one of a coordinator that is done
             if self.store.check([lost_key(0)]) or time.perf_counter() - started > \
                     COORDINATOR_WAIT_S:
                 raise PipeplanError(f"island {self.island}: the coordinating island 0 did not "
@@ -153,13 +162,13 @@ def finish(rank: int, world: int, island_of: dict[int, int], timeout_s: float) -
     (which hosts the store under the local launcher) waits, up to `timeout_s`, until every
     rank of every island not lost is done, so late islands can still read the store."""
     store = job_store()
-    store.set(f"{PREFIX}/done/{rank}", "1")
+    store.set(done_key(rank), "1")
     if rank != 0:
         return
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
         lost = {i for i in set(island_of.values()) if store.check([lost_key(i)])}
-        if all(store.check([f"{PREFIX}/done/{r}"]) or island_of[r] in lost
+        if all(store.check([done_key(r)]) or island_of[r] in lost
                for r in range(world)):
             return
         time.sleep(0.05)

@@ -44,7 +44,8 @@ class CheckpointError(PipeplanError):
 
 def checkpoint_step_dir(path: str) -> str:
     """`path` itself when it is one checkpoint (holds DCP's .metadata), else its newest
-    `step_N` folder (a run's checkpoint.dir)."""
+    `step_N` folder (a run's checkpoint.dir; a decoupled DiLoCo run's: island 0's, whose
+    global parameters are the coordinators' own)."""
     from .checkpoint.manifest import newest
 
     if os.path.isfile(os.path.join(path, ".metadata")):

@@ -5,6 +5,8 @@
   the global batch). The all-reduce is launched, bucketed and asynchronous,
   as soon as the stage's last W/BW of the step is done, and waited before
   the optimizer step, so it overlaps the rest of the schedule.
+  Under DiLoCo (backends/diloco.py) nothing is summed across islands: only an
+  island's own expert replicas (ep below tp) are, over their edp group.
 * Tied parameters (one Parameter held by stages on different pipeline ranks,
   e.g. the embedding and the LM head) have their gradients summed between the
   holding ranks; two holders on one rank already share one tensor. Without a
@@ -140,10 +142,8 @@ class GradSync:
     """Per step: `stage_done(s)` as stages finish, then `finish()` and (clipping) `clip()`."""
 
     def __init__(self, runners: dict[int, StageRunner], layout: StageLayout,
-                 tied: Sequence[TiedGroup], stage_order: Sequence[int],
-                 reduce_over_dp: bool = True):
+                 tied: Sequence[TiedGroup], stage_order: Sequence[int]):
         self.topo = layout.topo
-        self.reduce_over_dp = reduce_over_dp  # False: DiLoCo islands keep their own gradients
         self.layout = layout
         self.device = layout.device
         self.tied = list(tied)
@@ -179,7 +179,7 @@ class GradSync:
         self.layout.after_backward(stage)
         by_group: dict[int, tuple] = {}
         for p in self._by_stage.get(stage, []):
-            group = self.layout.reduce_group(stage, p) if self.reduce_over_dp else None
+            group = self.layout.reduce_group(stage, p)  # DiLoCo: inside the island only
             if group is not None:
                 by_group.setdefault(id(group), (group, []))[1].append(p)
         for group, params in by_group.values():

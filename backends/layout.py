@@ -92,8 +92,8 @@ class StageLayout:
         """The group p's gradient is summed over (None: no reduction)."""
         if stage in self.parallel:
             return self.parallel[stage].grad_group(p)
-        m = self.topo.mesh
-        return self.topo.dp_group if m.dp * m.cp > 1 else None
+        m = self.topo.mesh  # DiLoCo islands: nothing is summed across islands
+        return self.topo.dp_group if m.dp * m.cp > 1 and not m.islands else None
 
     def norm_group(self, p: nn.Parameter) -> Optional[dist.ProcessGroup]:
         """The group over which p's squared norm is summed (None: p is whole here)."""

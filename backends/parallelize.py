@@ -24,11 +24,12 @@ every rank of the world, in the same order):
   over dp), or with zero > 0 `build_zero_optimizer(...)` -> `StageZero`
   (zero.py): `PrefetchWindow` around each action at stage 3,
   `reduce_gradients()`, `clip_grad_norm_()`, `step()`, `zero_grad()`.
-* `CommMeter`: bytes per group and collective, counted where they run.
 
 Aux losses are the model's own, computed by its code over the tokens of one
 call (one microbatch of one dp rank), so the reference runs one chunk at a
-time (`reference_chunk_groups`).
+time (`reference_chunk_groups`); under `experts.balance = step` their
+statistics cover the whole step (backends/balance.py) and the reference runs
+the whole global batch at once (reference.chunk_groups).
 """
 from __future__ import annotations
 
@@ -39,8 +40,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
@@ -68,9 +67,12 @@ def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 def _parallel_problems(plan: Plan, model: nn.Module):
     tp, spec = plan.mesh.tp, plan.experts
-    if plan.tensor.sequence_parallel and tp > 1 and plan.data.seq_len % tp:
-        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide the sequence length "
-                                           f"{plan.data.seq_len} (sequence parallel splits it)")
+    seq = plan.data.seq_len // plan.mesh.cp  # context parallel: the slice a cp rank holds
+    if plan.tensor.sequence_parallel and tp > 1 and seq % tp:
+        held = f"{seq} positions each of the cp = {plan.mesh.cp} ranks holds" \
+            if plan.mesh.cp > 1 else f"the sequence length {seq}"
+        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide {held} "
+                                           f"(sequence parallel splits it)")
     if spec is None:
         return
     m = plan.mesh
@@ -163,7 +165,8 @@ def expert_group_ranks(mesh: MeshSpec) -> tuple[list[list[int]], list[list[int]]
     Taken from the plan's mesh layout (`pipeplan check` prints the same groups).
     """
     layout = mesh_layout(mesh)
-    return ([list(g) for g in groups(layout, "ep")], [list(g) for g in groups(layout, "edp")])
+    return ([list(g) for g in groups(layout, "ep", mesh.islands)],
+            [list(g) for g in groups(layout, "edp", mesh.islands)])
 
 
 def expert_stats_ranks(mesh: MeshSpec) -> list[list[int]]:
@@ -184,14 +187,16 @@ def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None,
         ep, _ = dist.new_subgroups_by_enumeration(ep_lists)
         if group_sizes(mesh).edp > 1:
             edp, _ = dist.new_subgroups_by_enumeration(edp_lists)
-    else:
+    elif not mesh.islands:
         edp = dp_group
     if sequence_parallel_experts and mesh.tp > 1:
         stats = tp_group if mesh.ep == 1 else \
             dist.new_subgroups_by_enumeration(expert_stats_ranks(mesh))[0]
     tp = tp_group if mesh.tp > 1 else None
-    # with context parallel dp_group is the flattened dp x cp group (backends/topology.py)
-    return ParallelGroups(mesh, tp, dp_group if mesh.dp * mesh.cp > 1 else None, ep, edp, stats,
+    # with context parallel dp_group is the flattened dp x cp group (backends/topology.py);
+    # DiLoCo islands sum no gradient over dp (edp: the island's own expert replicas)
+    dp = dp_group if mesh.dp * mesh.cp > 1 and not mesh.islands else None
+    return ParallelGroups(mesh, tp, dp, ep, edp, stats,
                           ParameterSlicer(tp) if tp is not None else None,
                           PartialGrads(tp) if tp is not None else None)
 
@@ -292,79 +297,6 @@ def reference_chunk_groups(dp: int, microbatches: int, ep: int) -> list[list[int
     tokens of one call (one microbatch of one dp rank), as in the reference.
     """
     return [[c] for c in range(dp * microbatches)]
-
-
-# ------------------------------------------------------- communication meter
-# Which argument of each c10d op is the payload this rank hands in, and the collective
-# it is (the names the compiler's estimates use: RankEstimate.collectives).
-_PAYLOAD_ARG = {
-    "allreduce_": 0, "allgather_": 1, "_allgather_base_": 1, "reduce_scatter_": 1,
-    "_reduce_scatter_base_": 1, "alltoall_base_": 1, "alltoall_": 1, "broadcast_": 0,
-    "send": 0,
-}
-_COLLECTIVE = {
-    "allreduce_": "allreduce", "allgather_": "allgather", "_allgather_base_": "allgather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "alltoall_base_": "alltoall", "alltoall_": "alltoall", "broadcast_": "broadcast",
-    "send": "send",  # point-to-point: what this rank sends (receives are not counted)
-}
-
-
-# torch's functional collectives (what DTensor issues): payload = the input, args[0]
-_FUNCTIONAL = {"all_reduce": "allreduce", "all_reduce_": "allreduce",
-               "all_gather_into_tensor": "allgather", "reduce_scatter_tensor": "reduce_scatter",
-               "all_to_all_single": "alltoall", "broadcast": "broadcast"}
-
-
-def _nbytes(x) -> int:
-    if torch.is_tensor(x):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
-
-
-class CommMeter(TorchDispatchMode):
-    """Counts the bytes each collective is handed, per named group and op, at the dispatcher.
-
-    `with CommMeter({"tp": groups.tp, "ep": groups.ep}) as meter: ...` sees every
-    c10d collective issued on this thread (forward and backward), so what is
-    counted is exactly what ran. Payload = the bytes of the tensor(s) this
-    rank passes in (all-reduce: the tensor; all-gather: its shard;
-    reduce-scatter / all-to-all: its whole input). Keys: (group name, collective)
-    with collective in allreduce, allgather, reduce_scatter, alltoall,
-    broadcast (the list and base forms alike), or send (point-to-point).
-    Unnamed groups count as "other".
-    """
-
-    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]):
-        super().__init__()
-        self._names = {g.group_name: n for n, g in groups.items() if g is not None}
-        self.bytes: dict[tuple[str, str], int] = {}
-        self.calls: dict[tuple[str, str], int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            # let DTensor run the op with this mode still active, so the collectives it
-            # issues inside (redistributions, loss_parallel's all-reduces) are counted
-            return NotImplemented
-        op = func._opname
-        if func.namespace == "_c10d_functional" and op in _FUNCTIONAL:  # DTensor's collectives
-            name = next(a for a in reversed(args) if isinstance(a, str))
-            key = (self._names.get(name, "other"), _FUNCTIONAL[op])
-            self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[0])
-            self.calls[key] = self.calls.get(key, 0) + 1
-        elif func.namespace == "c10d" and op in _PAYLOAD_ARG:
-            pg = next((a for a in args if isinstance(a, torch.ScriptObject)
-                       and "ProcessGroup" in str(a._type())), None)
-            name = dist.ProcessGroup.unbox(pg).group_name if pg is not None else ""
-            key = (self._names.get(name, "other"), _COLLECTIVE[op])
-            self.bytes[key] = self.bytes.get(key, 0) + _nbytes(args[_PAYLOAD_ARG[op]])
-            self.calls[key] = self.calls.get(key, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-    def total(self, group: str) -> int:
-        return sum(b for (g, _), b in self.bytes.items() if g == group)
 
 
 # --------------------------------------------------------------------- ZeRO

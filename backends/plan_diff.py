@@ -64,15 +64,15 @@ def side_by_side(a: dict[str, str], b: dict[str, str], names=("A", "B")) -> list
 
 
 def _checkpoint_folder(path: str) -> str:
-    from .checkpoint import latest_step, step_dir
+    from .checkpoint.manifest import newest
 
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
-    step = latest_step(path)
-    if step is None:
+    found = newest(path)
+    if found is None:
         raise PipeplanError(f"checkpoint {path}: no complete checkpoint (step_* folder with a "
                             f"manifest.json) there")
-    return step_dir(path, step)
+    return found
 
 
 def checkpoint_lines(folder: str, compiled) -> list[str]:
@@ -86,8 +86,8 @@ def checkpoint_lines(folder: str, compiled) -> list[str]:
     if problems:
         return [f"{head} does NOT load under B:"] + [f"  - {p}" for p in problems]
     saved, now = manifest["plan"], plan_summary(plan, compiled.split_points)
-    moves = [f"{k} {saved['mesh'][k]} -> {now['mesh'][k]}" for k in now["mesh"]
-             if saved["mesh"].get(k) != now["mesh"][k]]
+    moves = [f"{k} {saved['mesh'].get(k, 1)} -> {now['mesh'][k]}" for k in now["mesh"]
+             if saved["mesh"].get(k, 1) != now["mesh"][k]]  # (cp: 1 in older manifests)
     moves += [f"{k} {saved.get(k)} -> {now[k]}" for k in ("zero", "schedule", "virtual",
                                                          "microbatches", "precision")
               if saved.get(k) != now[k]]

@@ -6,7 +6,8 @@ the dp*m chunks the pipelined run uses (chunk d*m+i is DP rank d's
 microbatch i) and its loss is the mean of the chunk losses. For a dense model
 this is the full-batch mean; for a MoE model the aux loss is computed per
 chunk (per microbatch, as Megatron does), so the split matters and is the same
-on both sides. Under expert parallelism the aux statistics cover one
+on both sides; under `experts.balance = step` the model runs the whole global
+batch in one call, so its own aux loss covers the step's tokens. Under expert parallelism the aux statistics cover one
 microbatch of every DP rank of an EP group, so the reference runs those
 chunks together as one batch (`chunk_groups`).
 
@@ -52,6 +53,8 @@ def chunk_groups(plan: Plan) -> list[list[int]]:
     under expert parallelism, where the aux loss's statistics cover the same
     microbatch of every DP rank of one EP group (see parallelize.py)."""
     dp, m, ep = plan.mesh.dp, plan.microbatches, plan.mesh.ep
+    if plan.experts is not None and plan.experts.balance == "step":
+        return [list(range(dp * m))]  # the whole global batch in one call of the model
     if ep > 1 and plan.experts is not None:
         from .parallelize import reference_chunk_groups
 

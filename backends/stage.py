@@ -103,6 +103,8 @@ class StageRunner:
         outputs = tuple(outputs)
         if self.is_last:
             self.last_loss = outputs[0].detach()
+        if not torch.is_grad_enabled():  # a no-grad forward (balance.py): no backward follows
+            return outputs
         saved = (outputs[0] * self.loss_scale,) if self.is_last else outputs
         self._saved[mb] = _Saved(grad_inputs, names, saved)
         return outputs

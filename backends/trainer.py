@@ -143,10 +143,12 @@ class PipelineTrainer:
             modules = {s: m.to(device) for s, m in modules.items()}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
-        if plan.mesh.cp > 1:  # attention over the whole sequence (backends/ulysses.py)
+        if plan.mesh.cp > 1:  # attention over the whole sequence (ulysses.py, ring_attention.py)
+            from .ring_attention import apply_ring
             from .ulysses import apply_ulysses
+            apply = apply_ring if plan.context.method == "ring" else apply_ulysses
             for m in modules.values():
-                apply_ulysses(m, topo.cp_group)
+                apply(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
         self.zero = None
         if plan.zero > 0:  # flat buffers, laid out while the parameters are still meta
@@ -181,19 +183,24 @@ class PipelineTrainer:
                     self.zero.release(s)
         else:
             order = _stage_order_by_last_grad(schedule.order[pp], list(self.runners))
-            self.sync = GradSync(self.runners, self.layout, tied, order,
-                                 reduce_over_dp=not islands)
+            self.sync = GradSync(self.runners, self.layout, tied, order)
             self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None
         self.scheduler = build_lr_scheduler(self.optimizer, plan.train) if self.optimizer else None
         self.executor = Executor(planned, self.runners, self.specs,
                                  plan.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
-        self.diloco, self.loss_group = None, None  # the loss: over the world, or the island
+        self.prepass = None  # experts.balance = step: the routing pre-pass (balance.py)
+        if plan.experts is not None and plan.experts.balance == "step":
+            from .balance import RoutingPrepass
+
+            self.prepass = RoutingPrepass(planned, self.runners, self.specs, plan.microbatches,
+                                          topo.peer, device, topo.dp_group, plan.mesh.dp)
+        self.diloco, self.island_group = None, None  # DiLoCo: the island (loss, checkpoints)
         if islands:
             from .diloco import build_diloco, island_groups
 
-            self.loss_group = island_groups(plan.mesh)[1]
+            self.island_group = island_groups(plan.mesh)[1]
             self.diloco = build_diloco(plan, self.runners, compiled.tied, topo)
 
     def step(self, t: int) -> StepReport:
@@ -204,11 +211,16 @@ class PipelineTrainer:
         the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
-        result = self.executor.run_step(batches)
+        begun = time.time()
+        with self.prepass.run(batches) if self.prepass else contextlib.nullcontext():
+            ran = time.time()
+            result = self.executor.run_step(batches)
+        if self.prepass:  # the trace's lane of non-action intervals shows it
+            result.spans.insert(0, Span("pre-pass", "routing pre-pass", begun, ran))
         spans = _Spans(result.spans)
         mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
         loss = torch.where(result.grads_non_finite(), math.nan, mine)
-        summed = dist.all_reduce(loss, group=self.loss_group, async_op=True)  # with the sync
+        summed = dist.all_reduce(loss, group=self.island_group, async_op=True)  # with the sync
         with spans("grad sync", "finish"):
             self.sync.finish()
         clip = self.plan.train.grad_clip
@@ -220,7 +232,7 @@ class PipelineTrainer:
             summed.wait()
             loss_value = float(loss)
         if not (math.isfinite(loss_value) and (norm is None or math.isfinite(norm))):
-            dist.all_reduce(mine, group=self.loss_group)  # what the loss was, and the norm
+            dist.all_reduce(mine, group=self.island_group)  # what the loss was, and the norm
             norm = self.sync.norm() if norm is None else norm
             raise NonFiniteError(locate_non_finite(t, result, float(mine), norm, self.runners))
         lr = self.plan.train.optimizer.lr

@@ -93,8 +93,10 @@ def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash:
     if spec is None:
         return None, 0
     ckpt = Checkpointer(plan, trainer, run_hash, split_points)
-    found = [latest_step(spec.dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)  # rank 0's view decides for every node
+    found = [latest_step(ckpt.folder) if dist.get_rank() == ckpt.leader else None]
+    # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank) decides
+    # for every node of its group: a decoupled island resumes its own newest step
+    dist.broadcast_object_list(found, src=ckpt.leader, group=ckpt.group)
     if found[0] is None:
         return ckpt, 0
     done = ckpt.load(found[0], opts.reset_optimizer)
@@ -218,6 +220,9 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     check_world(plan, env.world_size)
     device, backend = rank_device(env)
     cuda = device.type == "cuda"
+    if plan.mesh.cp > 1 and plan.context.method == "ring":
+        from .ring_attention import check_ring_device
+        check_ring_device(device.type)
     if cuda:
         torch.cuda.set_device(device)
     else:
@@ -239,6 +244,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
         param_bytes = trainer.param_bytes
         trainer.executor.on_action = where.action  # the launcher names a killed rank's action
+        if trainer.prepass is not None:  # experts.balance = step: the routing pre-pass too
+            trainer.prepass.executor.on_action = lambda a: where.action(f"pre-pass {a}")
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         run = _facts(plan, compiled, trainer.specs)

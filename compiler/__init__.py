@@ -6,7 +6,7 @@
 """
 from .compiled import CompiledPlan, StageSpec, ValueRef, ValueSpec
 from .driver import compile_plan
-from .estimates import DeviceModel, device_model
+from .device_model import DeviceModel, device_model
 from .loading import load_model
 from .loss import reference_loss
 from .report import render_summary

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import nn
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
@@ -159,12 +160,14 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
     # RoPE: position_ids * inv_freq when position_ids is an input)
     held = next(iter(model.parameters()), None)
     device = held.device if held is not None else torch.device("meta")
-    example = {k: torch.zeros(v.shape, dtype=v.dtype, device=device)
-               if isinstance(v, torch.Tensor) and v.is_meta else v for k, v in example.items()}
     try:
-        with _quiet_torch_logs(), opaque_experts(model, experts):
+        with _quiet_torch_logs(), opaque_experts(model, experts), \
+                _on_cpu_if_meta(model, device) as place:
+            example = {k: place(v) if isinstance(v, torch.Tensor) and v.is_meta else v
+                       for k, v in example.items()}
             ep = torch.export.export(model, (), {**example, **_training_kwargs(model, example)},
                                      strict=False)
+            constants = {k: place.original.get(id(v), v) for k, v in ep.constants.items()}
     except Exception as e:
         raise CaptureFailed("export", e, _where(model, e, None)) from e
     sig = ep.graph_signature
@@ -176,7 +179,7 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
             "state updates (e.g. BatchNorm running stats) are not supported in a pipeline stage")
     attrs = dict(model.named_parameters(remove_duplicate=False))
     attrs.update(model.named_buffers(remove_duplicate=False))
-    attrs.update(ep.constants)
+    attrs.update(constants)
     graph, env, inputs = fx.Graph(), {}, []
     spec_of = {s.arg.name: s for s in sig.input_specs}
     for node in ep.graph.nodes:
@@ -202,6 +205,48 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
     root = {t: attrs[t] for t in used}
     root.update((name, model.get_submodule(name)) for name in called)
     return Captured(fx.GraphModule(root, graph), tuple(inputs), outputs, "export", reason)
+
+
+@dataclass(frozen=True)
+class _Placing:
+    place: Any  # meta example input -> the input export traces with
+    original: dict  # id(fake tensor) -> the model's meta tensor it stands for
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        return self.place(v)
+
+
+@contextlib.contextmanager
+def _on_cpu_if_meta(model: torch.nn.Module, device: torch.device):
+    """A model on the meta device is traced as on the CPU, where it runs: its parameters
+    and buffers are swapped for fake CPU tensors (no storage) while export traces, so code
+    that branches on its tensors' device takes the run's branch (transformers'
+    load_balancing_loss_func counts top-k choices with histc in float32 on CPU, in int32
+    elsewhere: the int kernel does not exist on CPU). Yields how to place an example
+    input (a fake CPU tensor; a real model: zeros on its device)."""
+    if device.type != "meta":
+        yield _Placing(lambda v: torch.zeros(v.shape, dtype=v.dtype, device=device), {})
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    convert = mode.fake_tensor_converter.from_meta_and_device
+    cpu = torch.device("cpu")
+    swapped, original = [], {}
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for k, t in slots.items():
+                if t is not None and t.is_meta:
+                    fake = convert(mode, t.data, cpu)
+                    swapped.append((slots, k, t))
+                    original[id(fake)] = t  # a buffer export lifts to a constant
+                    slots[k] = nn.Parameter(fake, t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else fake
+    try:
+        yield _Placing(lambda v: convert(mode, v, cpu), original)
+    finally:
+        for slots, k, t in swapped:
+            slots[k] = t
 
 
 def _user_input_name(ep, spec, index: int) -> str:

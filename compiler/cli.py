@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .estimates import DeviceModel, device_model
+from .device_model import DeviceModel, device_model
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

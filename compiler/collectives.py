@@ -15,7 +15,8 @@ backends/expert_parallel.py) issue, one entry per call, forward and backward:
   backwards; exact for the EP group's mean when dropless), 2 of the top-k
   weights; under EP across TP (dsl/layout.py) each TP rank dispatches 1/tp of
   the rows and tp all-gathers the output rows and the gradients of the rows and
-  weights.
+  weights; under `experts.balance = step` the routing pre-pass's forward ones
+  once more (counts, rows out and back, weights out).
 
 `implied_collectives` gives {(group, op): (calls, bytes handed in)} per step;
 estimates.py sums it per rank and per stage, and `tp_bytes` / `ep_bytes` are
@@ -69,12 +70,17 @@ def implied_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list
     # EP across TP: each TP rank dispatches its 1/tp share of the rows, then the tp group
     # all-gathers the output rows (forward) and the rows' and weights' gradients (backward)
     share = tp if ep_across_tp(plan.mesh) else 1
+    prepass = ex.balance == "step"  # the routing pre-pass's forwards (balance.py) once more
     for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
         nbytes = t.nbytes * float_scale / share
         if t.role == "tokens":  # counts, then rows out and back, forward and backward
             add(("ep", "alltoall"), 5 * m, m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
+            if prepass:  # counts, rows out and back
+                add(("ep", "alltoall"), 3 * m, m * (8 * ex.num_experts + 2 * ex.top_k * nbytes))
         else:  # the top-k weights out, and their gradient back
             add(("ep", "alltoall"), 2 * m, m * 2 * nbytes)
+            if prepass:
+                add(("ep", "alltoall"), m, m * nbytes)
         if share > 1:
             calls = 2 if t.role == "tokens" else 1
             add(("tp", "allgather"), calls * m, m * calls * nbytes)

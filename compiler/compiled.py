@@ -59,7 +59,7 @@ class StageSpec:
     flops: float = 0.0  # forward FLOPs per microbatch
     activation_bytes: int = 0  # bytes saved for backward per microbatch
     recompute_flops: float = 0.0  # forward FLOPs rerun in backward per microbatch (recompute)
-    cp_bytes: int = 0  # context parallel: bytes a rank's all-to-alls send per microbatch (F+B)
+    cp_bytes: int = 0  # context parallel: bytes a rank's all-to-alls / ring hops send per microbatch (F+B)
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ class Estimates:
     # Per stage, the tp / ep collectives its rewrite implies per step on each of its ranks:
     # {(group, op): (calls, bytes handed in)} (estimates.stage_collectives).
     stage_collectives: list = field(default_factory=list)
+    prepass_s: float = 0.0  # experts.balance = step: the routing pre-pass, in step_time_s
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
     plan-value checks -> load (meta) -> pretrained weights (headers vs parameters) -> precision (fp64: the model in float64 before capture)
     -> expert shards, TP annotations (checked on the model)
-    -> capture + loss + shape/cost propagation (traced.py) -> measured costs (profile.py,
+    -> capture + loss + shape/cost propagation (traced.py) -> experts section checked on the
+    graph, step-wide load-balancing statistics marked (balance.py) -> measured costs (profile.py,
     when the plan names a cost file) -> split
     -> stage graphs -> runtime checks (checks.py: what the runtime would refuse after
     launch, refused here at the plan line) -> schedule -> placement -> tied parameters
@@ -21,9 +22,11 @@ from .blocks import blocks_of
 from .checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
 from .costs import Cost, node_costs, param_bytes_per_node
-from .estimates import DeviceModel, device_model, estimate, normalised, step_costs
+from .device_model import DeviceModel, device_model
+from .estimates import estimate, normalised, step_costs
 from .experts import expert_weights, experts_modules, place_experts
 from .experts_checks import check_experts
+from .balance import mark_step_statistics
 from .loading import load_model
 from .precision import to_precision
 from .profile import load_profile, node_times, profile_text, profiled_costs
@@ -33,7 +36,7 @@ from .stages import build_stages
 from .tensor_parallel import check_pairing, tp_annotations
 from .tied import find_tied
 from .traced import trace_with_loss
-from .context_parallel import attach_context_costs, check_context
+from .context_parallel import attach_context_costs, check_context, heads_split_by_tp
 from .traffic import collective_traffic
 from ..backends.weights import check_weights
 
@@ -58,9 +61,12 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
     traced = trace_with_loss(plan, model)
     graph = traced.module.graph
-    check_experts(plan, graph, traced.run, experts_modules(plan, model))
+    moe = experts_modules(plan, model)
+    check_experts(plan, graph, traced.run, moe)
+    mark_step_statistics(plan, traced.module, traced.run, traced.loss, traced.prediction, moe)
     check_pairing(plan, graph, model, tp_kinds, traced.run)
-    check_context(plan, graph, traced.run)
+    tp_heads = heads_split_by_tp(plan, graph, model, tp_kinds, traced.run)
+    check_context(plan, graph, traced.run, tp_heads)
     costs = node_costs(plan, graph, traced.run)
     measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None
     split = choose_split(plan, model, graph, costs,
@@ -70,7 +76,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                           _non_persistent_buffers(model))
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
-    attach_context_costs(plan, stages, split, graph, traced.run)
+    attach_context_costs(plan, stages, split, graph, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
     if profile:

@@ -46,105 +46,28 @@ Accounting (stated in the report, so a reader can check it):
   the slowest neighbouring-rank link. The
   schedule is generated (normalised) and simulated with those costs; step
   time = the simulated makespan plus the DP gradient all-reduce over the dp
-  group's link (not overlapped).
+  group's link (not overlapped), plus, under `experts.balance = step`, the
+  routing pre-pass (`routing_prepass_s`: the schedule's forwards alone,
+  simulated; their FLOPs, activation sends and the forward half of the EP
+  all-to-alls are added to each rank's, the all-to-all calls to its collectives).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional
 
 import torch
 
-from ..dsl.ast import DeviceSpec, Plan
-from ..dsl.layout import global_rank, group_sizes, groups, mesh_layout
+from ..dsl.ast import Plan
+from ..dsl.layout import group_sizes
 from .collectives import ep_bytes, implied_collectives, ring_bytes, tp_bytes
+from .device_model import DeviceModel, mesh_links
 from .compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from .experts import experts_dispatched
 from .traffic import Traffic
 from .zero_layout import (
     EXPERT, REPLICATED, TENSOR_PARALLEL, MemoryBytes, StateBytes, group_shards, padded,
     shard_memory)
-
-
-@dataclass(frozen=True)
-class DeviceModel:
-    """What the time estimate assumes about one accelerator and its links.
-
-    `device_model(plan)` builds it from the plan's `device` section (its defaults
-    where the plan is silent) and the CLI's flags; the field defaults here are
-    those built-in defaults."""
-
-    flops_per_s: float = 400e12  # sustained: the plan's peak × mfu (1000 TFLOP/s × 0.4)
-    link_bytes_per_s: float = 50e9  # between nodes (p2p, dp, ep), e.g. 400 Gb/s InfiniBand
-    latency_s: float = 10e-6
-    tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
-    ranks_per_node: Optional[int] = None  # None: tp inside a node, other groups across
-    origin: str = "built-in defaults"  # where the numbers came from, for the report
-    profile: str = ""  # op times and p2p latency measured instead: the cost file (profile.py)
-
-    def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
-        """Bandwidth of a group of global ranks: inside a node when all share one
-        (ranks are numbered node by node); without ranks_per_node, `inside_by_default`."""
-        if self.ranks_per_node is None:
-            inside = inside_by_default
-        else:
-            inside = len({g // self.ranks_per_node for g in ranks}) <= 1
-        return self.tp_link_bytes_per_s if inside else self.link_bytes_per_s
-
-
-def device_model(plan: Plan, tflops: Optional[float] = None,
-                 link_gbps: Optional[float] = None) -> DeviceModel:
-    """The plan's device section (built-in defaults where it is silent), then the CLI's
-    `--tflops` (sustained) and `--link-gbps` (between nodes) where given. Without a device
-    section or flags on a machine without CUDA: this CPU's measured FLOP/s (cpu_probe.py)."""
-    d, written = plan.device, [k for k in plan.spans if k.startswith("device.")]
-    origin = "built-in defaults"
-    if written or d != DeviceSpec():
-        span = plan.span_of("device")
-        origin = (f"plan device section ({span.file}:{span.line}), built-in defaults for "
-                  "keys it leaves out")
-    flags = [f for f, v in (("--tflops", tflops), ("--link-gbps", link_gbps)) if v is not None]
-    if flags:
-        origin += "; overridden by " + " ".join(flags)
-    flops = d.sustained_flops
-    if origin == "built-in defaults" and not torch.cuda.is_available():
-        from .cpu_probe import cpu_flops  # no accelerator here and none described: this CPU
-
-        flops, measured = cpu_flops()
-        origin = f"{measured}; built-in link defaults"
-    return DeviceModel(
-        flops_per_s=tflops * 1e12 if tflops is not None else flops,
-        link_bytes_per_s=link_gbps * 1e9 if link_gbps is not None else d.inter_node,
-        latency_s=d.latency, tp_link_bytes_per_s=d.intra_node,
-        ranks_per_node=d.ranks_per_node, origin=origin)
-
-
-@dataclass(frozen=True)
-class Links:
-    """Bandwidth of each kind of group of a plan's mesh under a device model (bytes/s)."""
-
-    tp: float
-    dp: float  # dp and edp (edp groups lie within the dp group's ranks)
-    ep: float
-    p2p: float  # the slowest hop between neighbouring pipeline ranks
-
-
-def mesh_links(plan: Plan, device: DeviceModel) -> Links:
-    """Which groups stay inside a node, from the rank layout rank = (pp·dp + dp_i)·tp + tp_i
-    (the first group of each kind; the layout repeats it, node boundaries aside)."""
-    m = plan.mesh
-    per_pp = m.dp * m.cp * m.tp
-    rank = lambda p, d, t, c=0: global_rank(m, p, d, t, c)  # noqa: E731
-    tp = min(device.link([rank(p, d, t) for t in range(m.tp)], True)
-             for p in range(m.pp) for d in range(m.dp))
-    dp = min(device.link([rank(p, d, t, c) for d in range(m.dp) for c in range(m.cp)
-                          for t in range(m.tp)])
-             for p in range(m.pp))
-    ep = min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
-    p2p = min((device.link([g, g + per_pp]) for g in range((m.pp - 1) * per_pp)),
-              default=device.link_bytes_per_s)
-    return Links(tp=tp, dp=dp, ep=ep, p2p=p2p)
 
 
 def state_bytes(plan: Plan) -> StateBytes:
@@ -227,9 +150,10 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                           if g == "tp")),
             "ep": int(ep_bytes(plan, moe_traffic, mine, float_scale) * plan.microbatches),
             "tied": int(sum(ring_bytes("allreduce", n, holders) for n, holders in tied_grads))})
-        if mesh.cp > 1:  # Ulysses all-to-alls (compiler/context_parallel.py)
+        if mesh.cp > 1:  # Ulysses all-to-alls or ring hops (compiler/context_parallel.py)
             cp_bytes = sum(st.cp_bytes for st in mine) * float_scale * plan.microbatches
-            est.collectives[("cp", "alltoall")] = int(cp_bytes)
+            op = "ring p2p" if plan.context.method == "ring" else "alltoall"
+            est.collectives[("cp", op)] = int(cp_bytes)
             est.comm_bytes["cp"] = int(cp_bytes)
         per_pp.append(est)
     per_replica = mesh.dp * mesh.cp * mesh.tp
@@ -243,7 +167,17 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     dp_link = mesh_links(plan, device).dp
     sync = sync_estimate(plan, stages, ranks, sim.makespan, dp_link)  # DiLoCo: dp bytes / H
     dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / dp_link
-    return Estimates(ranks=ranks, bubble=sim.bubble, step_time_s=sim.makespan + dp_time,
+    prepass = routing_prepass_s(plan, schedule, costs)
+    if prepass:  # its forward FLOPs and activations sent, on every rank
+        for rk in ranks:
+            mine = [st for st in stages if st.rank == rk.rank // per_replica]
+            rk.flops += sum(st.flops for st in mine) * plan.microbatches / mesh.tp
+            rk.comm_bytes["p2p"] += int(_p2p_bytes(stages, rk.rank // per_replica,
+                                                   plan.microbatches, float_scale, grads=False))
+            rk.comm_bytes["ep"] += int(ep_bytes(plan, moe_traffic, mine, float_scale)
+                                       * plan.microbatches / 2)  # the forward half
+    return Estimates(ranks=ranks, bubble=sim.bubble,
+                     step_time_s=sim.makespan + prepass + dp_time, prepass_s=prepass,
                      device_model=asdict(device), simulation=sim, sync=sync,
                      stage_collectives=stage_collectives(plan, stages, tp_kinds, expert_params,
                                                          tp_traffic, moe_traffic))
@@ -258,13 +192,17 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
     def add(group: str, op: str, nbytes: float) -> None:
         coll[(group, op)] = coll.get((group, op), 0) + int(nbytes)
 
+    islands = plan.mesh.islands  # DiLoCo: the dp sums are pseudo-gradients (sync_estimate.py)
     if z == 0:  # the plain optimizer over every parameter; gradients all-reduced per group
         total = sum(layout.numel.values())
         memory.append(shard_memory(total, 1, 0, per, tensors=len(layout.numel)))
         for s in layout.shards:
-            group, n = _group_of(plan, s.kind)
+            group, n = ("dp", plan.mesh.dp) if islands else _group_of(plan, s.kind)
             if n > 1:
                 add(group, "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad)
+            if islands and s.kind == EXPERT and _group_of(plan, s.kind)[1] > 1:
+                # an island's own expert replicas (ep below tp): summed every step
+                add("edp", "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad)
     for i, s in enumerate(layout.shards if z > 0 else ()):
         numel = sum(layout.numel[k] for k in s.keys)
         group, n = _group_of(plan, s.kind)
@@ -278,11 +216,17 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
         add(group, "allgather", gathers * full // n * per.param)
     held = MemoryBytes(*(sum(getattr(m, f) for m in memory)
                          for f in ("params", "grads", "optimizer")))
-    through = sum(ring_bytes(op, nbytes, _size_of(plan, group))
-                  for (group, op), nbytes in coll.items())
+
+    def through(inside: bool) -> int:  # ring bytes; inside: an island's own edp sums
+        return int(sum(ring_bytes(op, nbytes, _size_of(plan, group))
+                       for (group, op), nbytes in coll.items()
+                       if not islands or (group == "edp") == inside))
+
+    comm = {"dp": through(False)}  # DiLoCo: "dp" crosses the islands, "edp" stays inside
+    if islands and ("edp", "allreduce") in coll:
+        comm["edp"] = through(True)
     return RankEstimate(rank=0, param_bytes=held.params, grad_bytes=held.grads,
-                        optimizer_bytes=held.optimizer, comm_bytes={"dp": int(through)},
-                        collectives=coll)
+                        optimizer_bytes=held.optimizer, comm_bytes=comm, collectives=coll)
 
 
 def _size_of(plan: Plan, group: str) -> int:
@@ -360,7 +304,31 @@ def _bytes(spec) -> int:
     return n * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
 
 
-def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float) -> float:
+def routing_prepass_s(plan: Plan, schedule, costs) -> float:
+    """`experts.balance = step`: the no-grad forward of every microbatch that runs before
+    each step (backends/balance.py), timed as the schedule's forwards alone, in their
+    order, under the same costs. 0 otherwise."""
+    if plan.experts is None or plan.experts.balance != "step":
+        return 0.0
+    table = costs.stage_table(schedule.stage_to_rank)
+    orders = [[a for a in actions if a.op == "F"] for actions in schedule.order]
+    at, free, end = [0] * len(orders), [0.0] * len(orders), {}
+    while any(at[r] < len(o) for r, o in enumerate(orders)):  # each pass runs >= 1 forward
+        for r, order in enumerate(orders):
+            while at[r] < len(order):
+                a = order[at[r]]
+                if a.stage and (a.stage - 1, a.microbatch) not in end:
+                    break  # waits for the previous stage's forward
+                ready = 0.0 if not a.stage else end[(a.stage - 1, a.microbatch)] + (
+                    table.latency if schedule.stage_to_rank[a.stage - 1] != r else 0.0)
+                free[r] = max(free[r], ready) + table.time("F", a.stage)
+                end[(a.stage, a.microbatch)] = free[r]
+                at[r] += 1
+    return max(free, default=0.0)
+
+
+def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float,
+               grads: bool = True) -> float:
     sent = 0.0
     for st in stages:
         if st.rank != rank:
@@ -370,7 +338,7 @@ def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float) -
             sent += sum(_bytes(o) * (float_scale if "float" in o.dtype else 1)
                         for o in st.outputs)
         prev = stages[st.index - 1] if st.index > 0 else None
-        if prev is not None and prev.rank != rank:  # grads of what it received
+        if grads and prev is not None and prev.rank != rank:  # grads of what it received
             grads = {o.name: o for o in prev.outputs if o.requires_grad}
             sent += sum(_bytes(grads[r.name]) * float_scale for r in st.inputs
                         if r.source == prev.index and r.name in grads)

@@ -14,6 +14,8 @@ its plan line, before any process starts:
   here is refused (set it in the model: its args or config).
 * `dispatcher = allgather`, `shared_experts`: not implemented (a model's shared
   expert is its own code beside the experts call and runs as written).
+* `balance = step`: the model's load-balancing statistics over the whole step
+  (checked and marked in balance.py, after these checks).
 * sequence parallel with MoE layers: each call would see one sequence shard, so
   the model's own aux statistics would differ from the reference's; refused.
 """

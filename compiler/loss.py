@@ -28,13 +28,16 @@ def split_outputs(outputs: Any) -> tuple[Any, list]:
 
 
 def combine_loss(kind: str, first: Any, aux: Sequence[Any], targets: Any) -> Any:
-    """Loss of one microbatch: mean over its tokens, plus the model's scalar aux losses."""
+    """Loss of one microbatch: mean over its tokens, plus the model's scalar aux losses.
+    With kind "model" the model's first output is its whole loss, as the model defines it
+    (transformers' MoE models given labels: cross-entropy + router_aux_loss_coef * their
+    aux_loss, which they also return unweighted): nothing is added to it."""
     if kind == "cross_entropy":
         loss = F.cross_entropy(first.flatten(0, -2), targets.flatten())
     elif kind == "mse":
         loss = F.mse_loss(first, targets)
     elif kind == "model":
-        loss = first
+        return first
     else:
         raise ValueError(f"unknown loss kind {kind!r}")
     for a in aux:

@@ -105,6 +105,8 @@ def _estimates(c: CompiledPlan) -> str:
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
              f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
              "all-reduce, not overlapped)",
+             *([f"- of which the routing pre-pass (experts.balance = step): "
+                f"{e.prepass_s:.4g} s"] if e.prepass_s else []),
              *([f"- {sync_line(e.sync, human_bytes)} (dp column: average per step)"]
                if e.sync is not None else []),
              f"- device model: {device_text(e.device_model)}",
@@ -130,7 +132,7 @@ def device_text(d: dict) -> str:
 
 _GROUPS = {"dp": "data parallel", "edp": "expert data parallel", "tp": "tensor parallel",
            "ep": "expert parallel", "ep_tp": "expert × tensor parallel",
-           "tied": "tied parameters' holders", "cp": "context parallel (Ulysses all-to-all)"}
+           "tied": "tied parameters' holders", "cp": "context parallel (Ulysses all-to-all, ring K/V hops)"}
 
 
 def _collectives(c: CompiledPlan) -> str:
@@ -235,11 +237,16 @@ def render_summary(compiled: CompiledPlan) -> str:
                      + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
                  f"{e.step_time_s:.4g} s")
+    if e.prepass_s:
+        lines.append(f"routing pre-pass (experts.balance = step): {e.prepass_s:.4g} s of the "
+                     f"step: a no-grad forward of every microbatch before the schedule")
     if m.cp > 1:
         p = compiled.plan
         lines.append(f"context parallel: {p.context.method} over cp = {m.cp}: each rank holds "
                      f"{p.data.seq_len // m.cp} of {p.data.seq_len} positions (activations "
-                     "above are per slice); all-to-all per step per rank: "
+                     "above are per slice); "
+                     + ("ring K/V and dK/dV hops" if p.context.method == "ring" else "all-to-all")
+                     + " per step per rank: "
                      + ", ".join(f"pp rank {r} {human_bytes(x.comm_bytes.get('cp', 0))}"
                                  for r, x in enumerate(rows)))
     if e.sync is not None:

@@ -172,14 +172,20 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                f"its weight as a Linear or an embedding table",
                                "tensor patterns name modules whose weight the model uses in "
                                "linear(x, weight) or embedding(ids, weight)")
-    is_tensor = run.is_tensor
+    # inputs the plan feeds from the data's `positions` carry positions (RoPE angles), not
+    # features: a path from them is no "model input" a row layer reads
+    positions = {name for name, source in plan.data.inputs if source == "positions"}
+
+    def is_tensor(n: fx.Node) -> bool:
+        return n.target not in positions if n.op == "placeholder" else run.is_tensor(n)
+
     for node, name in linear.items():
         kind = kinds.get(name)
         if kind in ("column", "vocab") and loss_of_logits(node) is not None:
             continue  # vocab-parallel cross-entropy on the split logits
         if kind == "column":
             _check_heads(plan, node, name, run)
-            for hit in _first_linears(node, linear, True, is_tensor):
+            for hit in first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
                     what = "the loss" if hit is None else \
                         f"{linear[hit]}, which is not row-parallel"
@@ -189,7 +195,7 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                        "(through elementwise ops or attention) into a row-parallel "
                                        "layer; annotate that layer as row")
         elif kind == "row":
-            for hit in _first_linears(node, linear, False, is_tensor):
+            for hit in first_linears(node, linear, False, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "column":
                     what = "the model input" if hit is None else \
                         f"{linear[hit]}, which is not column-parallel"
@@ -251,7 +257,7 @@ def _embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, s
     return out
 
 
-def _first_linears(start: fx.Node, linear: dict[fx.Node, str], forward: bool, is_tensor):
+def first_linears(start: fx.Node, linear: dict[fx.Node, str], forward: bool, is_tensor):
     """The first Linear calls reached from `start` along tensor values (None: the graph's
     end, or the model's inputs)."""
     seen, frontier = {start}, list(_next(start, forward, is_tensor))
@@ -273,7 +279,7 @@ def _first_linears(start: fx.Node, linear: dict[fx.Node, str], forward: bool, is
 
 def _next(n: fx.Node, forward: bool, is_tensor):
     nodes = n.users if forward else n.all_input_nodes
-    return [m for m in nodes if m.op in ("output", "placeholder") or is_tensor(m)]
+    return [m for m in nodes if m.op == "output" or is_tensor(m)]
 
 
 def _key_of(plan: Plan, kind: str, name: str) -> str:

@@ -7,6 +7,7 @@ whose last node is the scalar loss of one microbatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -26,6 +27,7 @@ class TracedWithLoss:
     loss: fx.Node
     method: str  # "fx" | "export"
     reason: str  # why that capture method
+    prediction: Optional[fx.Node] = None  # the model's first output (None: loss = model)
 
 
 def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
@@ -50,7 +52,8 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
         raise PlanError.at(plan, "model.loss", f"loss = {plan.model.loss!r} gives a tensor of "
                            f"shape {tuple(run.value(loss).shape)}, not a scalar",
                            'with loss = "model" the model must return its scalar loss first')
-    return TracedWithLoss(gm, run, loss, captured.method, captured.reason)
+    return TracedWithLoss(gm, run, loss, captured.method, captured.reason,
+                          first if plan.model.loss != "model" else None)
 
 
 def _propagate(plan: Plan, run: MetaRun, nodes: list[fx.Node], inputs: dict) -> None:
@@ -98,9 +101,10 @@ def _targets_example(plan: Plan, prediction: torch.Tensor) -> torch.Tensor:
 def _check_aux_first(plan: Plan, run: MetaRun, first, rest) -> None:
     """A scalar returned before the prediction: transformers' MoE models with
     `output_router_logits = True` return `aux_loss` (the load-balancing loss, unscaled)
-    before `logits`. Refused: the model weighs it (`router_aux_loss_coef`) only inside its
-    own loss, computed when it is given labels, so adding it as returned would train
-    another function than the model's, and the plan has no key naming that weight."""
+    before `logits`. Refused under cross_entropy/mse: the model weighs it
+    (`router_aux_loss_coef`) only inside its own loss, computed when it is given labels,
+    so adding it as returned would train another function than the model's. `loss =
+    model` with labels fed uses that loss itself (docs/parallelism.md, "Aux losses")."""
     if plan.model.loss == "model":
         return
     value = run.values.get(first)
@@ -114,8 +118,9 @@ def _check_aux_first(plan: Plan, run: MetaRun, first, rest) -> None:
             "`logits` with output_router_logits = True); pipeplan adds a model's scalar "
             "outputs as returned, but this one the model weighs (router_aux_loss_coef) only "
             "inside its own loss, so adding it would train another function",
-            "build the model with output_router_logits = False, or return "
-            "(logits, weighted aux loss) from a wrapper's forward")
+            "use the model's own loss: loss = model, a `labels` input in model.inputs and "
+            "data inputs = { labels = tokens }; or build the model with "
+            "output_router_logits = False")
 
 
 def _check_prediction(plan: Plan, value) -> None:

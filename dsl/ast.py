@@ -8,6 +8,7 @@ point an error at the plan line through `Plan.span_of`.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -89,13 +90,18 @@ class DataSpec:
 @dataclass(frozen=True)
 class MeshSpec:
     """Named device-mesh axes; pp outermost, then dp, cp, tp innermost. ep re-divides dp
-    (adds no ranks). cp (context parallel) splits every sequence over cp ranks."""
+    (adds no ranks). cp (context parallel) splits every sequence over cp ranks.
+
+    `islands` is not a plan key: `Plan` sets it from `sync` (DiLoCo makes each dp replica
+    an island, so no group but dp's may cross them: EP then re-divides each island's tp
+    ranks, dsl/layout.py)."""
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
     ep: int = 1
     cp: int = 1
+    islands: bool = False
 
     @property
     def world_size(self) -> int:
@@ -108,8 +114,8 @@ class ContextSpec:
     """Context parallelism over mesh.cp: how attention sees the whole sequence.
 
     ulysses: one all-to-all before each attention op (sequence shards -> head shards)
-    and one after (back). ring is part of the language but refused at the plan line
-    (not implemented yet)."""
+    and one after (back). ring: each rank keeps its queries and K/V blocks pass around
+    the cp ring (backends/ring_attention.py); the sequence is laid out in 2*cp chunks."""
 
     method: str = "ulysses"  # ulysses | ring
 
@@ -165,6 +171,9 @@ class ExpertsSpec:
     z_loss: float = 0.0  # router z-loss coefficient
     dispatcher: str = "alltoall"  # alltoall | allgather
     shared_experts: int = 0
+    # the model's load-balancing statistics over: one microbatch of one dp rank (the model's
+    # own call) | the whole step (all microbatches and dp/ep ranks; compiler/balance.py)
+    balance: str = "microbatch"
 
 
 # -------------------------------------------------------------------- tensor
@@ -293,6 +302,13 @@ class Plan:
     source_text: str = field(default="", compare=False, repr=False)
     # Text of every source a span may point into: the plan file and each `--set` override.
     sources: Mapping[str, str] = field(default_factory=_frozen_map, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the mesh knows whether its dp replicas are DiLoCo islands (the rank layout of EP
+        # depends on it, dsl/layout.py), whichever way the plan was built or replaced
+        if self.mesh.islands != self.sync.diloco:
+            object.__setattr__(self, "mesh", dataclasses.replace(self.mesh,
+                                                                 islands=self.sync.diloco))
 
     def resolve_path(self, path: str) -> str:
         """A path the plan gives (model file, data, checkpoint.dir, log_dir), absolute: a

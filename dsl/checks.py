@@ -285,19 +285,23 @@ def _context(plan: Plan) -> Iterator[Problem]:
         yield Problem("context", "context does nothing with mesh.cp = 1",
                       "set mesh.cp > 1 to split sequences, or remove the context section")
         return
-    if c.method == "ring":
-        yield Problem(where(plan, "context.method", "context"),
-                      "context parallel by ring attention is not implemented yet",
-                      "use method = ulysses (heads and KV heads divisible by cp)")
-    if plan.data.seq_len % m.cp:
+    if c.method == "ring" and plan.data.seq_len % (2 * m.cp):
+        yield Problem(where(plan, "data.seq_len", "mesh.cp"),
+                      f"ring attention with cp = {m.cp} cuts each sequence into 2*cp = "
+                      f"{2 * m.cp} chunks, which do not divide data.seq_len = {plan.data.seq_len}",
+                      "cp rank r holds chunks r and 2cp-1-r (load balancing for causal "
+                      "attention): pick seq_len divisible by 2*cp")
+    elif plan.data.seq_len % m.cp:
         yield Problem(where(plan, "data.seq_len", "mesh.cp"),
                       f"cp = {m.cp} does not divide data.seq_len = {plan.data.seq_len}",
                       "every context-parallel rank holds an equal slice of each sequence")
-    for axis, why in (("tp", "heads would be divided by cp and tp at once"),
-                      ("ep", "expert dispatch over sequence shards")):
-        if getattr(m, axis) > 1:
-            yield Problem("mesh.cp", f"cp = {m.cp} with {axis} = {getattr(m, axis)} is not "
-                          f"supported yet ({why})", f"set {axis} = 1 or cp = 1")
+    if m.tp > 1 and c.method == "ring":  # (Ulysses composes: heads split by tp, then by cp)
+        yield Problem("mesh.cp", f"ring attention with tp = {m.tp} is not supported yet (the "
+                      "ring's blocks run on local tensors; only Ulysses takes tp-split heads)",
+                      "use method = ulysses (tp * cp dividing the heads), or set tp = 1")
+    if m.ep > 1:
+        yield Problem("mesh.cp", f"cp = {m.cp} with ep = {m.ep} is not supported yet (expert "
+                      "dispatch over sequence shards)", "set ep = 1 or cp = 1")
     if plan.experts is not None:
         yield Problem("experts", f"experts with cp = {m.cp} are not supported yet",
                       "set cp = 1, or drop the experts section")

@@ -16,6 +16,15 @@ ranks of one pipeline stage; ep adds no ranks. Two cases:
   group hold different experts; the experts call then runs on each TP rank's
   1/tp share of the tokens (backends/tp/rewrite.py).
 
+DiLoCo islands (`mesh.islands`, set from the plan's sync): each dp replica trains
+alone, so EP may not take in dp ranks. EP is then always across TP (the second
+case, whatever dp), and the plan checks (dsl/sync_checks.py) require ep to divide
+tp: an EP group is ep consecutive tp ranks of one island's stage, ep rank =
+tp_i % ep. The edp groups are cut at the islands (`groups(..., islands=True)`):
+the tp/ep ranks of one island holding the same experts, whose gradients are summed
+every step; the same experts in the other islands are the rank's dp group, over
+which DiLoCo averages pseudo-gradients.
+
 The runtime builds its EP groups from this layout.
 """
 from __future__ import annotations
@@ -47,8 +56,9 @@ class GroupSizes:
 
 
 def ep_across_tp(mesh: MeshSpec) -> bool:
-    """Whether EP groups take in tensor-parallel ranks (ep > 1 not dividing dp)."""
-    return mesh.ep > 1 and mesh.dp % mesh.ep != 0
+    """Whether EP groups take in tensor-parallel ranks (ep > 1 not dividing dp, or DiLoCo
+    islands, whose dp ranks no EP group may span)."""
+    return mesh.ep > 1 and (mesh.islands or mesh.dp % mesh.ep != 0)
 
 
 def mesh_layout(mesh: MeshSpec) -> tuple[RankCoords, ...]:
@@ -70,16 +80,19 @@ def global_rank(mesh: MeshSpec, pp: int, dp: int, tp: int, cp: int = 0) -> int:
 
 
 def group_sizes(mesh: MeshSpec) -> GroupSizes:
-    spread = mesh.dp * mesh.tp if ep_across_tp(mesh) else mesh.dp
+    """Group sizes per axis; edp under islands: inside one island (tp / ep)."""
+    spread = (mesh.tp if mesh.islands else mesh.dp * mesh.tp) if ep_across_tp(mesh) else mesh.dp
     return GroupSizes(mesh.pp, mesh.dp, mesh.tp, mesh.ep, spread // mesh.ep, mesh.cp)
 
 
-def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
+def groups(layout: tuple[RankCoords, ...], axis: str,
+           islands: bool = False) -> list[tuple[int, ...]]:
     """The rank groups along `axis`: ranks that differ only in that coordinate.
 
     For ep and edp, groups live inside one pipeline stage, and inside one tp
-    coordinate unless EP spans TP (see the module docstring). Ranks in a group
-    are in increasing order, so a group's i-th rank is its ep (or edp) rank i.
+    coordinate unless EP spans TP (see the module docstring); `islands`
+    (mesh.islands): inside one dp replica too. Ranks in a group are in
+    increasing order, so a group's i-th rank is its ep (or edp) rank i.
     """
     # EP across TP: the ranks of one (pp, edp) are exactly one EP group (ep of them)
     ep = 1 + max(c.ep for c in layout)
@@ -88,6 +101,8 @@ def groups(layout: tuple[RankCoords, ...], axis: str) -> list[tuple[int, ...]]:
     others = {"pp": ("dp", "cp", "tp"), "dp": ("pp", "cp", "tp"), "tp": ("pp", "dp", "cp"),
               "cp": ("pp", "dp", "tp"), "dpcp": ("pp", "tp"),
               "ep": ("pp", "cp", "edp") + tp_key, "edp": ("pp", "cp", "ep") + tp_key}[axis]
+    if islands and axis in ("ep", "edp"):
+        others += ("dp",)
     found: dict[tuple[int, ...], list[int]] = {}
     for c in layout:
         found.setdefault(tuple(getattr(c, o) for o in others), []).append(c.rank)
@@ -100,8 +115,9 @@ def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
     sizes = group_sizes(mesh)
     lines = [f"mesh: pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} tp={mesh.tp} ep={mesh.ep} "
              f"-> world size {mesh.world_size} "
-             + ("(ep re-divides dp x tp: EP across TP)" if ep_across_tp(mesh)
-                else "(ep re-divides dp)"),
+             + ("(diloco islands: ep re-divides each island's tp ranks)" if mesh.islands
+                and mesh.ep > 1 else "(ep re-divides dp x tp: EP across TP)"
+                if ep_across_tp(mesh) else "(ep re-divides dp)"),
              "  rank  pp  dp  cp  tp  ep  edp"]
     for c in layout[:max_rows]:
         lines.append(f"  {c.rank:>4}  {c.pp:>2}  {c.dp:>2}  {c.cp:>2}  {c.tp:>2}  {c.ep:>2}"
@@ -110,7 +126,7 @@ def format_layout(mesh: MeshSpec, max_rows: int = 64) -> str:
         lines.append(f"  ... {len(layout) - max_rows} more ranks")
     lines.append("groups:")
     for axis in ("pp", "dp", "cp", "tp", "ep", "edp"):
-        gs = groups(layout, axis)
+        gs = groups(layout, axis, mesh.islands)
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in gs[:8])
         more = f" ... ({len(gs)} groups)" if len(gs) > 8 else ""
         lines.append(f"  {axis:<4} size {getattr(sizes, axis)}: {shown}{more}")

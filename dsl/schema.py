@@ -283,6 +283,7 @@ EXPERTS = Section("experts", A.ExpertsSpec, (
     Field("z_loss", number(lo=0)),
     Field("dispatcher", choice("alltoall", "allgather")),
     Field("shared_experts", integer(0, MAX_EXPERTS)),
+    Field("balance", choice("microbatch", "step")),
 ))
 
 # --------------------------------------------------------------- tensor

@@ -13,7 +13,7 @@ from .checks import Problem, check, where
 
 
 @check("sync", "mesh", "zero", "pipeline.schedule", "pipeline.virtual", "train.steps",
-       "train.checkpoint")
+       "experts.balance")
 def _sync(plan: Plan) -> Iterator[Problem]:
     s, m = plan.sync, plan.mesh
     if not s.diloco:
@@ -31,11 +31,19 @@ def _sync(plan: Plan) -> Iterator[Problem]:
                       "diloco makes separate islands",
                       "each island keeps its whole inner optimizer; set zero = 0 (ZeRO inside "
                       "an island needs dp inside the island, which the mesh has not)")
-    if m.ep > 1:
+    if m.ep > 1 and m.tp % m.ep:
         yield Problem(where(plan, "mesh.ep", "sync"),
-                      f"ep = {m.ep} re-divides the dp ranks, so its all-to-all would cross "
-                      "diloco's islands every step", "set ep = 1 with diloco (the experts "
-                      "then live whole in every island)")
+                      f"ep = {m.ep} does not divide tp = {m.tp}, so its EP groups would "
+                      "cross diloco's islands and their all-to-all would join them every step",
+                      "an island is one dp replica; EP must stay inside it, on the island's "
+                      "tp ranks: pick ep dividing tp (e.g. tp = 2, ep = 2), or ep = 1 (the "
+                      "experts then live whole in every island)")
+    if plan.experts is not None and plan.experts.balance == "step":
+        yield Problem(where(plan, "experts.balance", "sync"),
+                      "experts.balance = step averages the routing statistics over the step's "
+                      "global tokens, across the dp ranks that diloco makes separate islands",
+                      "use balance = microbatch with diloco (each call's own statistics), or "
+                      "sync = every_step")
     stages = m.pp * plan.pipeline.virtual
     if s.fragments > 1 and stages % s.fragments:
         yield Problem(where(plan, "sync.fragments", "sync"),
@@ -62,10 +70,3 @@ def _sync(plan: Plan) -> Iterator[Problem]:
     if s.decoupled and s.timeout <= 0:
         yield Problem(where(plan, "sync.timeout", "sync"), "timeout must be above 0s",
                       "how long a sync waits for late islands, e.g. timeout = 30s")
-    if s.decoupled and plan.train.checkpoint is not None:
-        yield Problem(where(plan, "train.checkpoint", "sync"),
-                      "a decoupled diloco run cannot write checkpoints",
-                      "a checkpoint is written by every rank together (a collective save, "
-                      "then a barrier), which a decoupled run has not: its islands are at "
-                      "different steps and may be lost; remove train.checkpoint, or set "
-                      "decoupled = false (synchronous diloco checkpoints every island)")

@@ -166,10 +166,13 @@ rank: 0.2308 (the V's best is 0.375). auto at p=16, m=64: 0.0495 (bound 0.0376) 
 CPU at equal costs, 0.0725 (bound 0.0554) in 5.8 s with B=1.5, W=0.5.
 
 Generation + verification + simulation at p=64, m=1024 (CPU s, F=1, B=1.5, W=0.5,
-c=0.05, a loaded machine): 1f1b 0.20, gpipe 0.23, zbh1 0.25, dualpipev 0.34, interleaved
-0.42, zbv 0.46, zbh2 0.54, vhalf 1.54, vmin 1.66 (BENCHMARKS.md has the command and the wall
-times). zbh2, vhalf and vmin come from the list scheduler, whose orders are pinned against its
-original implementation (tests/schedules/test_greedy_reference.py).
+c=0.05, median of 5 runs on a loaded machine): gpipe 0.15, 1f1b 0.17, zbh1 0.24, zbh2 0.29,
+dualpipev 0.35, interleaved 0.37, zbv 0.47, vmin 0.67, vhalf 0.74 (BENCHMARKS.md has the
+command, the minima and the wall times). zbh2, vhalf and vmin come from the list scheduler,
+whose orders are pinned against its original implementation
+(tests/schedules/test_greedy_reference.py); once its state recurs it copies the repeated
+period instead of stepping through it (schedules/greedy_period.py, exact: same orders,
+tests/schedules/test_greedy_period.py).
 """
 
 
@@ -179,8 +182,10 @@ LIMITS = """## Known limits
   the same order holds p). Under `memory_limit = p` it falls back to the list
   scheduler, and `auto` reaches the paper's bubble at p units (above).
 - vhalf and vmin are list-scheduled (gen_greedy) twice (backward-first and forward-first,
-  the shorter kept), linear in actions but 1.5-1.8 s at p=64, m=1024; every other fixed
-  kind (zbh2 included: its second run gives up early) is under 1 s there.
+  the shorter kept: each wins at some sizes). The period skip that keeps them under 1 s at
+  p=64, m=1024 needs every duration and the latency on a 2^-10 grid (fixed kinds are
+  scheduled at unit costs, so they always qualify); `auto`'s list-scheduling runs at other
+  costs, or with random jitter or fixed sequences, step through every action.
 - At p=16, m=64 (memory 16) auto's search does not reach torch's ZBV at equal costs
   (0.0495 against 0.0376): the senders-repaired ZB-V start is 0.0702 and the
   evaluations left at that size do not close the gap.

@@ -30,11 +30,12 @@ the choices: `--reset-optimizer` (weights only), or start fresh.
     pieces.py    pieces as DCP chunks: the hooks and planners, flat-range rectangles
     islands.py   DiLoCo: each island's keys apart (`island<d>/params/...`), the outer state shared
     manifest.py  manifest.json and what a plan can load of it
-    store.py     save (atomic: tmp folder, barrier, rename by rank 0), load, the newest
+    store.py     save (atomic: tmp folder, barrier, rename by rank 0), load, the newest;
+                 decoupled DiLoCo: one series per island, DIR/island<d>/step_N
 """
 from .manifest import check_loadable, read_manifest
 from .state import parameter_shapes
-from .store import Checkpointer, latest_step, step_dir
+from .store import Checkpointer, checkpoint_folder, latest_step, step_dir
 
-__all__ = ["Checkpointer", "check_loadable", "latest_step", "parameter_shapes", "read_manifest",
-           "step_dir"]
+__all__ = ["Checkpointer", "check_loadable", "checkpoint_folder", "latest_step",
+           "parameter_shapes", "read_manifest", "step_dir"]

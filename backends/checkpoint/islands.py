@@ -79,6 +79,8 @@ def sync_summary(plan) -> dict:
            "outer_optimizer": {"name": o.name, "lr": o.lr, "momentum": o.momentum}}
     if s.fragments > 1:  # the fragments are runs of stages: their count fixes who syncs when
         out["stages"] = plan.mesh.pp * plan.pipeline.virtual
+    if s.decoupled:  # one series per island, each at its own step (store.py)
+        out["decoupled"] = True
     return out
 
 
@@ -88,5 +90,6 @@ def describe(sync: dict) -> str:
     o = sync["outer_optimizer"]
     return (f"diloco with {sync['islands']} islands, inner_steps = {sync['inner_steps']}, "
             f"fragments = {sync['fragments']}"
-            + (f" over {sync['stages']} stages" if "stages" in sync else "") + ", "
+            + (f" over {sync['stages']} stages" if "stages" in sync else "")
+            + (", decoupled" if sync.get("decoupled") else "") + ", "
             f"{o['name']}(lr = {o['lr']}, momentum = {o['momentum']})")

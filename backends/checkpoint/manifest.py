@@ -35,7 +35,7 @@ SHOWN = 6  # names listed per refused item before "and N more"
 
 def plan_summary(plan: Plan, split_points=()) -> dict:
     m = plan.mesh
-    return {"mesh": {"pp": m.pp, "dp": m.dp, "tp": m.tp, "ep": m.ep},
+    return {"mesh": {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "ep": m.ep},
             "zero": plan.zero, "schedule": plan.pipeline.schedule,
             "virtual": plan.pipeline.virtual, "microbatches": plan.microbatches,
             "split": list(split_points),
@@ -139,8 +139,11 @@ def check_loadable(folder: str, plan: Plan, shapes: dict, reset_optimizer: bool 
 
 
 def newest(folder: str) -> Optional[str]:
-    """The newest complete checkpoint folder in `folder`, or None."""
+    """The newest complete checkpoint folder in `folder` (a decoupled DiLoCo run's: island
+    0's, whose global parameters are the coordinators' own), or None."""
     from .store import latest_step, step_dir
 
     step = latest_step(folder)
+    if step is None and latest_step(os.path.join(folder, "island0")) is not None:
+        return newest(os.path.join(folder, "island0"))
     return None if step is None else step_dir(folder, step)

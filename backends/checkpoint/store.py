@@ -5,6 +5,11 @@ Atomic: every rank writes `DIR/.step_000010.tmp/`; after all have finished
 `DIR/step_000010/` and deletes the oldest beyond `keep`. A crash mid-write
 leaves only a .tmp folder, which resume ignores, so a checkpoint already
 written stays intact.
+
+Decoupled DiLoCo (backends/decoupled.py): the islands are at different steps and may be
+lost, so each island checkpoints alone, at its own steps, into its own series
+`DIR/island<d>/step_N/`: the collectives (barriers, DCP's plan exchange) run over the
+island's process group only, and the island's first rank writes the manifest.
 """
 from __future__ import annotations
 
@@ -29,6 +34,13 @@ def step_dir(folder: str, step: int) -> str:
     return os.path.join(folder, f"step_{step:06d}")
 
 
+def checkpoint_folder(plan: Plan, island: int) -> str:
+    """Where this rank's checkpoints go: train.checkpoint.dir, or under decoupled DiLoCo
+    its island's own series `dir/island<d>`."""
+    spec = plan.train.checkpoint
+    return os.path.join(spec.dir, f"island{island}") if plan.sync.decoupled else spec.dir
+
+
 def latest_step(folder: str) -> Optional[int]:
     """The newest complete checkpoint's step in `folder` (None: nothing to resume)."""
     if not os.path.isdir(folder):
@@ -38,7 +50,8 @@ def latest_step(folder: str) -> Optional[int]:
 
 
 class Checkpointer:
-    """Saves and restores one rank's share of a run (collective: every rank calls each method).
+    """Saves and restores one rank's share of a run (collective: every rank calls each method;
+    under decoupled DiLoCo every rank of its island).
 
     `trainer`: the rank's PipelineTrainer; `plan_hash`: the hash of what every rank runs
     (agreement.plan_hash); `split_points`: the compiled split, for the manifest.
@@ -48,6 +61,10 @@ class Checkpointer:
         self.plan, self.trainer = plan, trainer
         self.spec = plan.train.checkpoint
         self.plan_hash, self.split_points = plan_hash, tuple(split_points)
+        self.folder = checkpoint_folder(plan, trainer.topo.coords.dp)
+        # decoupled DiLoCo: the island's group alone; else the world
+        self.group = trainer.island_group if plan.sync.decoupled else None
+        self.leader = dist.get_process_group_ranks(self.group)[0] if self.group else 0
 
     def _extras(self, step: int) -> dict:
         """The step and this rank's RNG states (restored only under the same plan)."""
@@ -60,17 +77,17 @@ class Checkpointer:
     def save(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        folder = self.spec.dir
+        folder = self.folder
         tmp = os.path.join(folder, f".step_{step:06d}.tmp")
-        if dist.get_rank() == 0:
+        if dist.get_rank() == self.leader:
             os.makedirs(folder, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=self.group)
         state = dict(rank_pieces(self.trainer, "written"))
         state.update(self._extras(step))
-        dcp.save(state, checkpoint_id=tmp, planner=PiecesSavePlanner())
-        dist.barrier()
-        if dist.get_rank() == 0:
+        dcp.save(state, checkpoint_id=tmp, planner=PiecesSavePlanner(), process_group=self.group)
+        dist.barrier(group=self.group)
+        if dist.get_rank() == self.leader:
             optimizer = self.trainer.optimizer
             lr = optimizer.param_groups[0]["lr"] if optimizer else self.plan.train.optimizer.lr
             write_manifest(tmp, build_manifest(self.plan, step, self.plan_hash,
@@ -81,7 +98,7 @@ class Checkpointer:
             steps = sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(folder)) if m)
             for old in steps[:-self.spec.keep]:
                 shutil.rmtree(step_dir(folder, old), ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def load(self, step: int, reset_optimizer: bool = False) -> int:
         """Restore what was saved at `step` (resharded to this plan); returns the step.
@@ -89,14 +106,15 @@ class Checkpointer:
         `reset_optimizer`: the weights only; the optimizer starts fresh."""
         import torch.distributed.checkpoint as dcp
 
-        folder = step_dir(self.spec.dir, step)
+        folder = step_dir(self.folder, step)
         manifest = check_loadable(folder, self.plan, self.trainer.global_shapes,
                                   reset_optimizer, before_launch=False)
         state = dict(rank_pieces(self.trainer, "first", with_optimizer=not reset_optimizer))
         extras = self._extras(step)
         same_plan = bool(self.plan_hash) and manifest.get("plan_hash") == self.plan_hash
         state.update(extras if same_plan else {"step": extras["step"]})
-        dcp.load(state, checkpoint_id=folder, planner=PiecesLoadPlanner())
+        dcp.load(state, checkpoint_id=folder, planner=PiecesLoadPlanner(),
+                 process_group=self.group)
         after_load(self.trainer)
         islands_after_load(self.trainer, state)
         if same_plan:

@@ -71,8 +71,8 @@ def test_resume_refusals_reset_optimizer_and_plan_diff(tmp_path, capsys):
     assert main(["plan-diff", str(plan), str(dp2), "--checkpoint", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     rows = {line.split("  ")[0]: line for line in out.splitlines()}
-    assert rows["mesh"].split() == ["mesh", "pp=2", "dp=1", "tp=1", "ep=1",
-                                    "pp=1", "dp=2", "tp=1", "ep=1"], out
+    assert rows["mesh"].split() == ["mesh", "pp=2", "dp=1", "cp=1", "tp=1", "ep=1",
+                                    "pp=1", "dp=2", "cp=1", "tp=1", "ep=1"], out
     assert rows["zero"].split() == ["zero", "0", "1"], out
     assert "stage placement" in rows and "split" in rows, out
     assert f"checkpoint {ckpt} (step 2) loads under B" in out

@@ -80,9 +80,18 @@ def _fragment_of(name: str, fragments: int) -> int:
     return 0 if first else 1
 
 
-def diloco_reference(plan: Plan):
-    """Islands one after the other: inner steps on each island's rows, then the outer
-    Nesterov (or plain SGD) step on the mean pseudo-gradient of the fragments due."""
+def _loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the logits, plus the model's aux loss when it returns (logits, aux)
+    (the example MoE: every expert of a layer in one process)."""
+    logits, aux = output if isinstance(output, tuple) else (output, 0.0)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1)) + aux
+
+
+def diloco_reference(plan: Plan, steps: int = STEPS):
+    """Islands one after the other, each one process with the whole model: inner steps on
+    each island's rows, then the outer Nesterov (or plain SGD) step on the mean
+    pseudo-gradient of the fragments due."""
     s, dp, m = plan.sync, plan.mesh.dp, plan.microbatches
     base = build_model(plan).double()
     islands = [copy.deepcopy(base) for _ in range(dp)]
@@ -97,7 +106,7 @@ def diloco_reference(plan: Plan):
     glob = {n: p.detach().clone() for n, p in base.named_parameters()}
     buf = {n: None for n in names}
     losses = [[] for _ in range(dp)]
-    for t in range(STEPS):
+    for t in range(steps):
         batch = data.global_batch(plan, t)
         rows = plan.train.global_batch // dp
         for d, (model, o) in enumerate(zip(islands, inner)):
@@ -105,9 +114,7 @@ def diloco_reference(plan: Plan):
             for k in range(m):
                 lo = d * rows + k * rows // m
                 hi = lo + rows // m
-                logits = model(batch.input_ids[lo:hi])
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), batch.targets[lo:hi].reshape(-1)) / m
+                loss = _loss(model(batch.input_ids[lo:hi]), batch.targets[lo:hi]) / m
                 loss.backward()
                 total += float(loss.detach())
             if plan.train.grad_clip:
@@ -143,35 +150,42 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+def reference_mismatches(key: str, plan: Plan, runs: list, steps: int = STEPS) -> list[str]:
+    """What differs between the ranks' runs (per rank: its island `dp`, `losses`, full
+    `params` by reference name, the DiLoCo `state`) and `diloco_reference(plan)`."""
+    losses, params, glob, buf = diloco_reference(plan, steps)
+    bad = []
+    for rank, got in enumerate(runs):
+        d = got["dp"]
+        if got["losses"] != pytest.approx(losses[d], rel=RTOL, abs=ATOL):
+            bad.append(f"{key} rank {rank}: losses {got['losses']} != {losses[d]}")
+        for name, value in got["params"].items():
+            if not _close(value, params[d][name]):
+                bad.append(f"{key} rank {rank}: {name} differs by "
+                           f"{float((value - params[d][name]).abs().max()):.3g}")
+        # the named outer state equals the reference's (a TP or expert shard: the part at
+        # its offset, when the run gives (offset, shard))
+        for name, value in got["state"].items():
+            _, kind, pname = name.split("/", 2)  # diloco/<kind>/<name>; the tied head is
+            pname = pname.replace("lm_head.weight", "tok_emb.weight")  # the embedding here
+            if kind not in ("global", "outer_momentum"):
+                continue
+            ref = (glob if kind == "global" else buf)[pname]
+            offset, value = value if isinstance(value, tuple) else ((0,) * value.dim(), value)
+            part = tuple(slice(o, o + n) for o, n in zip(offset, value.shape))
+            ok = ref is not None and _close(value, ref[part])
+            if not ok:
+                bad.append(f"{key} rank {rank}: {name} differs from the reference")
+    return bad
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_diloco_equals_its_reference_and_h1_equals_data_parallel(spawn):
     results = spawn(_worker, 4, timeout=280)
     bad = []
     for key in ("diloco", "streaming", "h1"):
-        plan = CONFIGS[key]
-        losses, params, glob, buf = diloco_reference(plan)
-        for rank, r in enumerate(results):
-            got = r[key]
-            d = got["dp"]
-            if got["losses"] != pytest.approx(losses[d], rel=RTOL, abs=ATOL):
-                bad.append(f"{key} rank {rank}: losses {got['losses']} != {losses[d]}")
-            for name, value in got["params"].items():
-                if not _close(value, params[d][name]):
-                    bad.append(f"{key} rank {rank}: {name} differs by "
-                               f"{float((value - params[d][name]).abs().max()):.3g}")
-            state = got["state"]  # the named outer state equals the reference's
-            for name, value in state.items():
-                if name.startswith("diloco/global/"):
-                    ok = _close(value, glob[name.split("/", 2)[2].replace("lm_head.weight",
-                                                                           "tok_emb.weight")])
-                elif name.startswith("diloco/outer_momentum/"):
-                    ref = buf[name.split("/", 2)[2].replace("lm_head.weight", "tok_emb.weight")]
-                    ok = ref is not None and _close(value, ref)
-                else:
-                    continue
-                if not ok:
-                    bad.append(f"{key} rank {rank}: {name} differs from the reference")
+        bad += reference_mismatches(key, CONFIGS[key], [r[key] for r in results])
     assert not bad, "\n".join(bad[:20])
     # the syncs ran when the plan says: H=3 after steps 3, 6, 9; K=2 fragment 1 at 4, 7
     stage0, stage1 = results[0], results[2]

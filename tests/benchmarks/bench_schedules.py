@@ -1,13 +1,15 @@
 """On-demand schedule benchmark (minutes; not part of the test suite):
 
-    PYTHONPATH=.. python tests/benchmarks/bench_schedules.py [--quick | --generation]
+    PYTHONPATH=.. python tests/benchmarks/bench_schedules.py [--quick | --generation | --skip]
 
 1. auto against torch's ScheduleZBVZeroBubble (built from torch's own class, timed by
    pipeplan as torch runs it: receives matched by tag) and the issue's closed-form
    optimum, p=4, m=8 and p=8, m=32, memory limit p, four cost settings;
 2. auto under per-stage costs (first and last stage 2x, p=4, m=8, memory p);
 3. generate + verify + simulate at (p, m) = (64, 1024) for every fixed kind;
-4. auto at (16, 64).
+4. one list-scheduling run at (64, 1024) stepped through and with its repeated periods
+   skipped (greedy_period), side by side (`--skip`: this section alone);
+5. auto at (16, 64).
 Times are CPU seconds of this process (the machine is shared: wall time counts the
 other processes too) and wall seconds.
 """
@@ -25,6 +27,9 @@ from test_torch_interop import torch_csv  # noqa: E402
 
 from pipeplan.schedules import Costs, generate, schedule_from_csv, simulate, verify  # noqa: E402
 from pipeplan.schedules.gen_auto import auto_bound  # noqa: E402
+from pipeplan.schedules.gen_greedy import Policy, timed_run  # noqa: E402
+from pipeplan.schedules.gen_zero_bubble import vhalf_limit, vmin_limit, zbh2_limit  # noqa: E402
+from pipeplan.schedules.ir import loop_placement, v_placement  # noqa: E402
 
 SETTINGS = [("1,1,1,0", Costs()), ("1,1.5,0.5,0", Costs(1, 1.5, 0.5)), ("1,1,1,0.1", Costs(latency=0.1)),
             ("1,2,1,0", Costs(1, 2, 1))]
@@ -79,6 +84,25 @@ def generation(p: int = 64, m: int = 1024) -> None:
               f"{time.perf_counter() - w0:.2f} |")
 
 
+def period_skip(p: int = 64, m: int = 1024) -> None:
+    print(f"\n| run (p={p}, m={m}) | stepped CPU s | skipped CPU s | ratio | period (microbatches) | copies |")
+    print("|---|---|---|---|---|---|")
+    for kind in ("zbh2", "vhalf", "vmin"):
+        placement = loop_placement(p, 1) if kind == "zbh2" else v_placement(p)
+        limit = {"zbh2": zbh2_limit, "vhalf": vhalf_limit, "vmin": vmin_limit}[kind](p)
+        for forward_first in (False, True):
+            policy = Policy(split=True, limits=(limit,) * p, forward_first=forward_first)
+            table = Costs().stage_table(placement)
+            gc.collect()
+            stepped, cpu_stepped, _ = timed(lambda: timed_run(kind, placement, m, table, policy, skip_periods=False))
+            gc.collect()
+            skipped, cpu_skipped, _ = timed(lambda: timed_run(kind, placement, m, table, policy))
+            assert skipped.rows == stepped.rows and skipped.makespan == stepped.makespan
+            print(f"| {kind} {'forward' if forward_first else 'backward'}-first | {cpu_stepped:.3f} | "
+                  f"{cpu_skipped:.3f} | {cpu_stepped / cpu_skipped:.1f}x | {skipped.skip.shift} | "
+                  f"{skipped.skip.copies} |")
+
+
 def auto_16() -> None:
     for label, costs in SETTINGS[:2]:
         s, cpu, wall = timed(lambda: generate("auto", 16, 64, costs=costs, memory_limit=16))
@@ -92,10 +116,14 @@ if __name__ == "__main__":
     if "--generation" in sys.argv:  # section 3 alone
         generation()
         sys.exit(0)
+    if "--skip" in sys.argv:  # section 4 alone
+        period_skip()
+        sys.exit(0)
     quick = "--quick" in sys.argv
     ok = auto_table([(4, 8)] if quick else [(4, 8), (8, 32)])
     stage_costs_row()
     if not quick:
         generation()
+        period_skip()
         auto_16()
     sys.exit(0 if ok else 1)

@@ -1,7 +1,8 @@
 """generate + verify + simulate at growing sizes (pytest-benchmark; runs once under --benchmark-disable).
 
 Run with timings:  python -m pytest tests/benchmarks/test_bench_schedules.py --benchmark-enable
-Aim: < 1 s for (64, 1024) with the closed-form kinds, linear in the number of actions.
+Aim: < 1 s for (64, 1024) for every fixed kind (the list-scheduled ones through their period
+skip, schedules/greedy_period.py), linear in the number of actions.
 Every kind at (64, 1024), auto against torch's ZBV and the optimum at p=4/8, and auto at
 (16, 64) are in the on-demand script tests/benchmarks/bench_schedules.py (minutes; numbers
 in BENCHMARKS.md and docs/schedules.md).
@@ -9,6 +10,7 @@ in BENCHMARKS.md and docs/schedules.md).
 import pytest
 
 from pipeplan.schedules import Costs, generate, simulate, verify
+from pipeplan.schedules.gen_zero_bubble import vhalf_limit, vmin_limit, zbh2_limit
 
 SIZES = [(8, 64), (32, 256), (64, 1024)]
 
@@ -32,6 +34,14 @@ def test_bench_closed_forms(benchmark, kind, p, m):
 def test_bench_multi_stage(benchmark, kind, p, m):
     s, r = benchmark.pedantic(pipeline, args=(kind, p, m), rounds=1, iterations=1)
     assert s.stages == 2 * p and r.lower_bound <= r.makespan
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+@pytest.mark.parametrize("kind,limit", [("zbh2", zbh2_limit), ("vhalf", vhalf_limit), ("vmin", vmin_limit)])
+def test_bench_list_scheduled(benchmark, kind, limit, p, m):
+    s, r = benchmark.pedantic(pipeline, args=(kind, p, m), rounds=1, iterations=1)
+    verify(s, memory_limit=limit(p))  # within the kind's memory at every size
+    assert s.num_actions == s.stages * m * 3 and r.lower_bound <= r.makespan + 1e-9  # zbh2 meets it
 
 
 def test_bench_auto_small(benchmark):

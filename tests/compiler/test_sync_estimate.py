@@ -42,3 +42,36 @@ def test_streaming_halves_a_rank_peak_when_it_holds_both_fragments(make_plan):
     # interleaved, 4 stages on 2 ranks: rank 0 holds stages 0 and 2 (fragments 0 and 1)
     e = _compile(make_plan, SyncSpec("diloco", inner_steps=4, fragments=2), virtual=2).estimates
     assert e.sync.peak_sync_bytes == e.sync.every_step_dp_bytes // 2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_diloco_with_ep_inside_islands_counts_each_rank_expert_shard(make_plan, tp):
+    """pp1 x dp2 x tp x ep2 islands: a rank's pseudo-gradient is its own share, attention
+    q/k/v/proj TP slices and half of every layer's experts, averaged over the other island
+    (dp = 2), per sync; with tp = 4 the island holds each expert twice and sums those
+    gradients every step, inside the island ("edp"). By hand for MoEGPT(vocab 64, dim 32,
+    2 layers, 4 experts)."""
+    from pipeplan.dsl.ast import ExpertsSpec, TensorSpec
+
+    args = {"vocab": 64, "dim": 32, "layers": 2, "heads": 4, "seq_len": 8, "num_experts": 4,
+            "top_k": 2}
+    plan = make_plan("pipeplan.examples.models.moe_gpt:MoEGPT", args, pp=1, seq_len=8,
+                     microbatches=2, mesh=MeshSpec(dp=2, tp=tp, ep=2),
+                     experts=ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2),
+                     tensor=TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k",
+                                               "layers.*.attn.v"),
+                                       row=("layers.*.attn.proj",)),
+                     sync=SyncSpec("diloco", inner_steps=5), train=TrainSpec(steps=20))
+    assert plan.mesh.islands
+    experts = 2 * 4 * 32 * 64 // 2  # w_up, w_down: 2 of the 4 experts
+    layer = (2 * 32  # ln1
+             + 3 * (32 * 32 + 32) // tp  # q, k, v: column slices, biases with them
+             + 32 * 32 // tp + 32  # proj: row slice, its bias whole
+             + 2 * 32 + 4 * 32 + experts)  # ln2, router
+    local = 64 * 32 + 8 * 32 + 2 * layer + 2 * 32  # embeddings (the head tied), ln_f
+    ring = 2 * (2 - 1) / 2 * 4 * local
+    e = compile_plan(plan).estimates
+    assert [r.comm_bytes["dp"] for r in e.ranks] == [int(ring / 5)] * (2 * tp)
+    assert e.sync.every_step_dp_bytes == ring
+    inside = [r.comm_bytes.get("edp", 0) for r in e.ranks]  # ring over tp / ep = 2 replicas
+    assert inside == [0 if tp == 2 else 2 * (2 - 1) / 2 * 4 * 2 * experts] * (2 * tp)

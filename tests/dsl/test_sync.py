@@ -34,7 +34,10 @@ def test_diloco_reads_and_writes_back():
 @pytest.mark.parametrize("sync,dp,extra,zero,message,col_text", [
     ("diloco(inner_steps = 3)", 1, "", "", "diloco needs islands: mesh.dp = 1", "1 }"),
     ("diloco(inner_steps = 3)", 2, "", "zero = 1\n", "zero = 1 shards the optimizer", "1\nsync"),
-    ("diloco(inner_steps = 3)", 2, "  ep = 2", "", "ep = 2 re-divides the dp ranks", "2 }"),
+    ("diloco(inner_steps = 3)", 2, "  ep = 2", "", "ep = 2 does not divide tp = 1, so its EP "
+     "groups would cross diloco's islands", "2 }"),
+    ("diloco(inner_steps = 3)", 2, "  tp = 2  ep = 4", "", "ep = 4 does not divide tp = 2",
+     "4 }"),
     ("diloco(inner_steps = 3, fragments = 3)", 2, "", "", "fragments = 3 does not divide the 2",
      "3)"),
     ("diloco(inner_steps = 1, fragments = 2)", 2, "", "", "fragments = 2 is more than", "2)"),
@@ -60,13 +63,47 @@ def test_refusals_point_at_the_plan_line(sync, dp, extra, zero, message, col_tex
     assert (found[0].span.line, found[0].span.col) == (line, col), found[0]
 
 
-def test_decoupled_diloco_refuses_checkpoints_synchronous_diloco_takes_them():
-    ckpt = 'train { steps = 12  checkpoint { every = 3  dir = "c" } }'
-    text = plan_text("diloco(inner_steps = 3)").replace("train { steps = 12 }", ckpt)
-    assert parse_plan(text, "p.plan").train.checkpoint.every == 3
-    text = plan_text("diloco(inner_steps = 3, decoupled = true, timeout = 2s)").replace(
-        "train { steps = 12 }", ckpt)
-    with pytest.raises(PlanError, match="a decoupled diloco run cannot write checkpoints") as e:
+@pytest.mark.parametrize("tp", [2, 4])
+def test_diloco_takes_ep_dividing_tp_inside_the_islands(tp):
+    """ep dividing tp: EP groups are tp ranks of one island (dsl/layout.py), never across
+    islands; the edp groups (the same experts, gradients summed every step) are cut at the
+    islands, and the same experts in the other islands are the dp group."""
+    from pipeplan.dsl.layout import group_sizes, groups, mesh_layout
+
+    text = plan_text("diloco(inner_steps = 3)", extra=f"  tp = {tp}  ep = 2").replace(
+        "pipeline {", 'experts { modules = ["layers.*.moe"]  num_experts = 4 }\npipeline {')
+    plan = parse_plan(text, "p.plan")
+    assert plan.mesh.islands and group_sizes(plan.mesh).edp == tp // 2
+    layout = mesh_layout(plan.mesh)
+    for g in groups(layout, "ep", islands=True):  # one island, one stage, consecutive tp ranks
+        assert len({(layout[r].pp, layout[r].dp) for r in g}) == 1 and len(g) == 2
+        assert [layout[r].tp % 2 for r in g] == [0, 1]
+    for g in groups(layout, "edp", islands=True):
+        assert len({(layout[r].pp, layout[r].dp, layout[r].ep) for r in g}) == 1
+        assert len(g) == tp // 2
+    for g in groups(layout, "dp"):  # the other islands' ranks hold the same experts
+        assert len({layout[r].ep for r in g}) == 1
+    # the same mesh under every-step sync puts EP over the dp ranks
+    every = parse_plan(text.replace("diloco(inner_steps = 3)", "every_step"), "p.plan")
+    assert not every.mesh.islands and groups(mesh_layout(every.mesh), "ep") == \
+        groups(mesh_layout(every.mesh), "dp")
+
+
+def test_diloco_refuses_step_balance_at_its_line():
+    text = plan_text("diloco(inner_steps = 3)").replace(
+        "pipeline {", 'experts { modules = ["layers.*.moe"]  num_experts = 4  balance = step }\n'
+        "pipeline {")
+    with pytest.raises(PlanError) as e:
         parse_plan(text, "p.plan")
-    span = [d for d in e.value.diagnostics if "cannot write checkpoints" in d.message][0].span
-    assert span.line == text.count("\n", 0, text.index("checkpoint {")) + 1
+    [found] = [d for d in e.value.diagnostics if "experts.balance = step" in d.message]
+    offset = text.index("step }")
+    assert (found.span.line, found.span.col) == (
+        text.count("\n", 0, offset) + 1, offset - text.rfind("\n", 0, offset))
+
+
+def test_diloco_takes_checkpoints_synchronous_and_decoupled():
+    ckpt = 'train { steps = 12  checkpoint { every = 3  dir = "c" } }'
+    for sync in ("diloco(inner_steps = 3)", "diloco(inner_steps = 3, decoupled = true, "
+                                            "timeout = 2s)"):
+        text = plan_text(sync).replace("train { steps = 12 }", ckpt)
+        assert parse_plan(text, "p.plan").train.checkpoint.every == 3

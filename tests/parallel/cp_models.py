@@ -2,7 +2,7 @@
 
 `RopeLM`: RMSNorm, rotary position embedding on q and k from `position_ids`, grouped-
 query attention (4 heads, 2 KV heads) through `scaled_dot_product_attention(...,
-is_causal=True, enable_gqa=True)`, a SwiGLU MLP. `position_ids` may be omitted (the
+is_causal=True, enable_gqa=True)`, a SwiGLU MLP. `dropout` is SDPA's dropout_p (0 by default). `position_ids` may be omitted (the
 reference calls `model(input_ids)`): then the positions are 0..S-1 of the whole
 sequence, computed here.
 """
@@ -21,9 +21,9 @@ def rotate(x, cos, sin):
 
 
 class GQAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int, dropout: float = 0.0):
         super().__init__()
-        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.heads, self.kv_heads, self.hd, self.dropout = heads, kv_heads, dim // heads, dropout
         self.q = nn.Linear(dim, dim, bias=False)
         self.k = nn.Linear(dim, kv_heads * self.hd, bias=False)
         self.v = nn.Linear(dim, kv_heads * self.hd, bias=False)
@@ -40,15 +40,16 @@ class GQAttention(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True,
+                                           enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int, dropout: float = 0.0):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-        self.attn = GQAttention(dim, heads, kv_heads)
+        self.attn = GQAttention(dim, heads, kv_heads, dropout)
         self.mlp = SwiGLU(dim, 2 * dim)
 
     def forward(self, x, position_ids):
@@ -58,10 +59,10 @@ class Block(nn.Module):
 
 class RopeLM(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2,
-                 layers: int = 4):
+                 layers: int = 4, dropout: float = 0.0):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, dropout) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -73,6 +74,27 @@ class RopeLM(nn.Module):
         for layer in self.layers:
             x = layer(x, position_ids)
         return self.head(self.norm(x))
+
+
+class MemoryLM(nn.Module):
+    """Attention from the sequence to a learned memory of `slots` keys/values (not
+    self-attention: q and k differ in length)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, slots: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.memory = nn.Parameter(torch.randn(2, heads, slots, dim // heads))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k, v = (m.expand(b, -1, -1, -1) for m in self.memory)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))
 
 
 CAUSAL_SDPA = "pipeplan_causal_sdpa"

@@ -65,9 +65,21 @@ def experts_of(name: str, layer: int = 0) -> torch.nn.Module:
     return model.get_submodule(path).experts
 
 
-def mixtral_router_logits(layers: int = 2):
-    """Mixtral returning its load-balancing loss (`output_router_logits=True`): refused at
-    `model.loss` (docs/parallelism.md, "Aux losses")."""
-    model = mixtral(layers)
+def _router_logits(model):
+    """The model returning its load-balancing loss (`output_router_logits=True`): used as
+    the model's own loss with `loss = model` and labels; refused with cross_entropy
+    (docs/parallelism.md, "Aux losses")."""
     model.config.output_router_logits = True
     return model
+
+
+def mixtral_router_logits(layers: int = 2):
+    return _router_logits(mixtral(layers))
+
+
+def qwen2_moe_router_logits(layers: int = 2):
+    return _router_logits(qwen2_moe(layers))
+
+
+def olmoe_router_logits(layers: int = 2):
+    return _router_logits(olmoe(layers))

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.backends.expert_parallel import ExpertParallelExperts
-from pipeplan.backends.parallelize import CommMeter
+from pipeplan.backends.comm_meter import CommMeter
 import torch.fx as fx
 
 from pipeplan.backends.tp import TensorParallelRules, apply_tensor_parallel

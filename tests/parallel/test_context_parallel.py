@@ -24,7 +24,10 @@ INPUTS = (InputSpec("input_ids", "int64", ("batch", "seq")),
 def make_plan(name: str) -> Plan:
     """name: a schedule (pp2 x cp2), "dp2" / "zero2" (pp1 x dp2 x cp2, 1f1b, ZeRO-0 / 2), or
     "pp2-dp2-zero2" (pp2 x dp2 x cp2, 1f1b, ZeRO-2: 8 ranks); "llama-<schedule>": transformers'
-    Llama (cp_models.causal_llama, exported) with pp2 x cp2."""
+    Llama (cp_models.causal_llama, exported) with pp2 x cp2; a "ring-" prefix: ring attention
+    instead of Ulysses."""
+    ring = name.startswith("ring-")
+    name = name.removeprefix("ring-")
     llama = name.startswith("llama-")
     name = name.removeprefix("llama-")
     schedule, dp, pp = {"dp2": ("1f1b", 2, 1), "zero2": ("1f1b", 2, 1),
@@ -35,7 +38,8 @@ def make_plan(name: str) -> Plan:
     return Plan(model=model,
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
                               inputs=(("position_ids", "positions"),)),
-                mesh=MeshSpec(pp=pp, dp=dp, cp=2), context=ContextSpec("ulysses"),
+                mesh=MeshSpec(pp=pp, dp=dp, cp=2),
+                context=ContextSpec("ring" if ring else "ulysses"),
                 pipeline=PipelineSpec(schedule=schedule, microbatches=2,
                                       virtual=2 if schedule == "zbv" else 1),
                 zero=2 if name.endswith("zero2") else 0,
@@ -44,15 +48,16 @@ def make_plan(name: str) -> Plan:
                                                         weight_decay=0.1)))
 
 
-def _ulysses_wrapped(trainer) -> None:
-    n = sum(isinstance(m, torch.nn.Module) and type(m).__name__ == "UlyssesAttention"
+def _attention_wrapped(trainer) -> None:
+    kind = "RingAttention" if trainer.plan.context.method == "ring" else "UlyssesAttention"
+    n = sum(isinstance(m, torch.nn.Module) and type(m).__name__ == kind
             for r in trainer.runners.values() for m in r.module.modules())
     assert n == 4 // trainer.plan.mesh.pp, n  # every layer's attention on this rank, wrapped
 
 
 def _worker(rank, world, names):
     for schedule in names:
-        assert_trains_like_reference(make_plan(schedule), schedule, STEPS, _ulysses_wrapped)
+        assert_trains_like_reference(make_plan(schedule), schedule, STEPS, _attention_wrapped)
 
 
 def test_ulysses_pp2_cp2_and_dp2_cp2_equal_reference(run_workers):
@@ -112,9 +117,7 @@ def test_estimates_divide_activations_along_the_sequence_and_count_all_to_alls()
 
 # ------------------------------------------------------- refused at the plan line
 @pytest.mark.parametrize("edit, line, message", [
-    (("method = ulysses", "method = ring"), 8, r"ring attention is not implemented yet"),
     (("seq_len = 16", "seq_len = 15"), 6, r"cp = 2 does not divide data.seq_len = 15"),
-    (("cp = 2", "cp = 2, tp = 2"), 7, r"cp = 2 with tp = 2 is not supported yet"),
     (("context { method = ulysses }", ""), 7, r"cp = 2 but the plan has no context section"),
     (("cp = 2", "cp = 1"), 8, r"context does nothing with mesh.cp = 1"),
     (("pp = 2, cp = 2", "pp = 2, cp = 2, ep = 2"), 7, r"cp = 2 with ep = 2 is not supported"),

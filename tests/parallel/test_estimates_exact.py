@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 from pipeplan.backends import data
 from pipeplan.backends.optim import build_optimizer
+from pipeplan.backends.comm_meter import CommMeter
 from pipeplan.backends.parallelize import (
-    CommMeter, build_parallel_groups, build_zero_optimizer, parallelize_stage,
-    required_leaf_modules)
+    build_parallel_groups, build_zero_optimizer, parallelize_stage, required_leaf_modules)
 from pipeplan.backends.stage import StageRunner
 from pipeplan.compiler.compiled import BATCH
 from pipeplan.compiler.driver import compile_plan
