@@ -28,7 +28,6 @@ Why not torch's FSDP2 (`fully_shard`) for stage 3: see docs/parallelism.md.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -40,6 +39,7 @@ from torch import nn
 from ..compiler.zero_layout import MemoryBytes, StateBytes, padded, shard_memory
 from ..errors import PipeplanError
 from .materialize import FlatTarget, slice_of
+from .zero_window import PrefetchWindow  # noqa: F401 (re-exported: one import for ZeRO)
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -415,36 +415,3 @@ class StageZero:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-
-class PrefetchWindow:
-    """ZeRO-3 around each action of one step, in this rank's action order.
-
-    Before action i: its stage's parameters are gathered (waiting for the
-    prefetch started one action earlier), and the gather of action i+1's
-    stage is started, so it overlaps action i. After it: what action i+1 does
-    not read is released. At most two stages' full parameters exist at once;
-    nothing is prefetched across the optimizer step (the shards change there).
-    Use as the runtime's `around(stage)` context manager, once per action.
-    """
-
-    def __init__(self, zero: StageZero, stages_in_order: Sequence[int]):
-        self.zero, self.order = zero, list(stages_in_order)
-        self.position = 0
-        self.prefetches = 0  # how many gathers were started ahead (for tests and reports)
-
-    @contextlib.contextmanager
-    def __call__(self, stage: int):
-        i = self.position
-        if self.order[i] != stage:
-            raise RuntimeError(f"ZeRO-3 window: action {i} runs stage {stage}, "
-                               f"the schedule says stage {self.order[i]}")
-        nxt = self.order[i + 1] if i + 1 < len(self.order) else None
-        self.zero.gather(stage)
-        if nxt is not None and nxt != stage:
-            self.zero.prefetch(nxt)
-            self.prefetches += 1
-        try:
-            yield
-        finally:
-            self.zero.release(stage, keep=nxt)
-            self.position = (i + 1) % len(self.order)
