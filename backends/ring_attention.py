@@ -35,11 +35,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch import nn
 
 from ..compiler.context_parallel import sdpa_arguments
 from ..errors import PipeplanError
-from .ulysses import wrap_attention
+from .context_attention import ContextAttention, wrap_attention
 
 _aten = torch.ops.aten
 TAG_KV, TAG_DKV = 71, 72  # two messages travel between the same neighbours in backward
@@ -209,15 +208,13 @@ def ring_attention(q, k, v, group, is_causal: bool = False, scale=None):
     return _RingAttention.apply(q, k, v, group, bool(is_causal), scale)
 
 
-class RingAttention(nn.Module):
+class RingAttention(ContextAttention):
     """Stands in for one SDPA call of a stage graph (compiler/context_parallel.py refuses
-    masks and dropout at the plan line)."""
+    masks and dropout at the plan line); on the tp-local heads inside a tensor-parallel
+    stage (ContextAttention: the cp ring of a rank holds its tp coordinate, so the K/V
+    blocks passed around are the same heads on every member)."""
 
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-
-    def forward(self, *args, **kwargs):
+    def local(self, *args, **kwargs):
         a = sdpa_arguments(args, kwargs)
         if a["attn_mask"] is not None or a["dropout_p"]:
             raise PipeplanError("ring attention takes no attn_mask and no dropout")

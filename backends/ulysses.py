@@ -16,25 +16,17 @@ i // (H/KV) mapping stays inside a block. The all-to-all is torch's autograd-awa
 (torch.distributed.nn.functional.all_to_all_single): its backward is the inverse
 all-to-all, so gradients of q, k, v return to the ranks that own their positions.
 
-Inside a tensor-parallel stage (backends/tp, applied after this pass) q, k, v reach
-the wrapper as DTensors over the tp mesh: split on heads (Shard(1), from column-
-parallel projections) -- each tp rank then runs the above on its H/tp local heads over
-its own cp group, so attention holds H/(tp*cp) heads -- or replicated (attention not
-split by tp: every tp rank runs the same). The output goes back with q's placement.
-The cp group of a rank holds the same tp coordinate, so the local head blocks it
-exchanges are the same heads on every member.
+Inside a tensor-parallel stage each tp rank runs the above on its local heads
+(backends/context_attention.py: `ContextAttention`, shared with ring attention).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch import nn
 from torch.distributed.nn.functional import all_to_all_single  # autograd-aware, eager
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..compiler.context_parallel import attention_nodes
-from ..errors import PipeplanError
+from .context_attention import ContextAttention, wrap_attention
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -61,40 +53,16 @@ def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, cp * hc, full // cp, d)
 
 
-class UlyssesAttention(nn.Module):
+class UlyssesAttention(ContextAttention):
     """The model's attention op on whole sequences and this rank's head block."""
 
     def __init__(self, op, group):
-        super().__init__()
-        self.op, self.group = op, group
+        super().__init__(group)
+        self.op = op
 
-    def forward(self, q, k, v, *args, **kwargs):
-        if isinstance(q, DTensor):  # in a tensor-parallel stage: on the tp-local heads
-            return self._tp_local(q, k, v, args, kwargs)
+    def local(self, q, k, v, *args, **kwargs):
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
         return heads_to_seq(self.op(q, k, v, *args, **kwargs), self.group)
-
-    def _tp_local(self, q, k, v, args, kwargs):
-        placements = {t.placements if isinstance(t, DTensor) else None for t in (q, k, v)}
-        if len(placements) != 1 or q.placements not in ((Shard(1),), (Replicate(),)):
-            raise PipeplanError(f"context parallel: attention got q, k, v placed "
-                                f"{[getattr(t, 'placements', None) for t in (q, k, v)]} by "
-                                "tensor parallelism; Ulysses runs on heads split by tp "
-                                "(Shard(1)) or whole (Replicate)")
-        out = self.forward(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
-        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
-
-
-def wrap_attention(gm: fx.GraphModule, wrap, prefix: str) -> int:
-    """Swap every SDPA call of `gm` for the module `wrap(op)` (named prefix_i) in place,
-    with the call's arguments unchanged; returns how many."""
-    nodes = attention_nodes(gm.graph)
-    for i, node in enumerate(nodes):
-        name = f"{prefix}_{i}"
-        gm.add_submodule(name, wrap(node.target))
-        node.op, node.target = "call_module", name
-    gm.recompile()
-    return len(nodes)
 
 
 def apply_ulysses(gm: fx.GraphModule, group) -> int:

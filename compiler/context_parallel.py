@@ -14,7 +14,9 @@ after (the output: back to sequence shards).
 * heads or KV heads (dim 1 of q and k in the captured SDPA calls, not attribute names)
   not divisible by cp -- by tp * cp where tensor parallelism splits them first
   (`heads_split_by_tp`: q, k, v computed by column-parallel layers; each tp rank's
-  local heads are then split again by the all-to-all over its cp group);
+  local heads are then split again by the all-to-all over its cp group). Ring
+  attention splits no heads: it needs only tp to divide them where tp splits them,
+  tensor parallelism's own check at the column line (compiler/tensor_parallel.py);
 * an attention mask tensor: it is computed from the local slice ([.., S/cp, S/cp]) and
   the whole-sequence mask is never built (transformers materialises one under
   torch.export); only `is_causal` or no mask is exact after the all-to-all;
@@ -23,17 +25,19 @@ after (the output: back to sequence shards).
   each cp rank receives with its global offsets (backends/data.py).
 
 Ring attention (`context { method = ring }`, backends/ring_attention.py) keeps each
-rank's queries and passes K/V blocks around the cp ring: heads do not limit cp, but the
-ring runs the blocks itself, so it takes only what it can honour: is_causal (with the
-load-balanced layout of 2*cp chunks, dsl/checks.py checks data.seq_len), scale and
-grouped-query K/V; a mask tensor, dropout or q and k of different lengths are refused.
+rank's queries and passes K/V blocks around the cp ring: heads do not limit cp (only tp,
+where tp splits them), but the ring runs the blocks itself, so it takes only what it can
+honour: is_causal (with the load-balanced layout of 2*cp chunks, dsl/checks.py checks
+data.seq_len), scale and grouped-query K/V; a mask tensor, dropout or q and k of
+different lengths are refused.
 
 `ulysses_traffic` / `ring_traffic` are the bytes per rank for the estimates.
 
-Ulysses runs inside tensor-parallel stages (ring with tp is refused in dsl/checks.py),
-sequence parallel included: SP splits this cp rank's slice further over tp outside
-attention, and the column layers all-gather it back over tp before q, k, v, so
-attention still sees the cp slice with tp-split heads.
+Both methods run inside tensor-parallel stages (backends/ulysses.ContextAttention: on the
+tp-local heads, each over the cp group of its tp coordinate), sequence parallel included:
+SP splits this cp rank's slice further over tp outside attention, and the column layers
+all-gather it back over tp before q, k, v, so attention still sees the cp slice with
+tp-split heads.
 """
 from __future__ import annotations
 
@@ -74,10 +78,11 @@ def attn_mask(node: fx.Node):
 
 def heads_split_by_tp(plan: Plan, graph: fx.Graph, model: torch.nn.Module,
                       tp_kinds: dict[str, str], run: MetaRun) -> dict[fx.Node, int]:
-    """Per attention op, how many ways tensor parallelism splits its heads before Ulysses:
-    tp where q is computed by a column-parallel layer (backends/tp then hands the op head
-    shards), 1 where it is not. (Megatron's pairing, checked before, holds q, k, v and
-    the output projection split alike: compiler/tensor_parallel.check_pairing.)"""
+    """Per attention op, how many ways tensor parallelism splits its heads before the
+    context-parallel method runs on each tp rank's local heads: tp where q is computed by
+    a column-parallel layer (backends/tp then hands the op head shards), 1 where it is
+    not. (Megatron's pairing, checked before, holds q, k, v and the output projection
+    split alike: compiler/tensor_parallel.check_pairing.)"""
     if plan.mesh.tp == 1 or plan.mesh.cp == 1:
         return {}
     from .tensor_parallel import first_linears, linear_calls
@@ -157,17 +162,19 @@ def _check_ring_call(plan: Plan, key: str, node: fx.Node, q, k) -> None:
                            "queries (self-attention); use method = ulysses")
 
 
-def ring_traffic(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, int]:
+def ring_traffic(plan: Plan, graph: fx.Graph, run: MetaRun,
+                 tp_heads: dict[fx.Node, int] | None = None) -> dict[fx.Node, int]:
     """Bytes one rank sends per microbatch through each attention op's ring: its K and V
     blocks go cp-1 hops forward and again backward, and the dK/dV accumulators cp-1 hops
-    (summed in at least float32, backends/ring_attention.py)."""
-    cp = plan.mesh.cp
+    (summed in at least float32, backends/ring_attention.py); of the 1/tp of the KV
+    heads a tensor-parallel rank holds, where tp splits them."""
+    cp, tp_heads = plan.mesh.cp, tp_heads or {}
     out = {}
     for node in attention_nodes(graph):
         k, v = run.value(node.args[1]), run.value(node.args[2])
         kv = k.numel() * k.element_size() + v.numel() * v.element_size()
         dkv = (k.numel() + v.numel()) * max(k.element_size(), 4)
-        out[node] = (cp - 1) * (2 * kv + dkv)
+        out[node] = (cp - 1) * (2 * kv + dkv) // tp_heads.get(node, 1)
     return out
 
 
@@ -199,8 +206,7 @@ def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: 
     from .partition import compute_nodes
     index = {n: i for i, n in enumerate(compute_nodes(graph))}
     ring = plan.context.method == "ring"
-    traffic = ring_traffic(plan, graph, run) if ring else \
-        ulysses_traffic(plan, graph, run, tp_heads)
+    traffic = (ring_traffic if ring else ulysses_traffic)(plan, graph, run, tp_heads)
     for node, nbytes in traffic.items():
         st = stages[split.stage_of(index[node])]
         st.cp_bytes += nbytes

@@ -3,7 +3,8 @@
     from pipeplan.dsl import load_plan, parse_plan, format_plan, check_plan, PlanError
 """
 from .ast import Plan, Span
-from .checks import SCHEDULE_KINDS, SCHEDULE_RULES, check_plan
+from .checks import check_plan
+from .schedule_rules import SCHEDULE_KINDS, SCHEDULE_RULES
 from .errors import Diagnostic, PlanError
 from .format import format_plan
 from .layout import RankCoords, format_layout, mesh_layout

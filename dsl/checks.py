@@ -5,9 +5,8 @@ dotted keys it reads. A check is skipped when one of those keys failed to
 read (its error is already reported), so every independent problem is
 reported once, and none is a knock-on effect of another.
 
-The schedule table below is pipeplan's own statement of what each schedule
-kind needs (stages per rank, microbatches); the schedule engine generates
-and verifies the real orders, this table only rejects plans that cannot work.
+What each schedule kind needs (stages per rank, microbatches) is the table in
+schedule_rules.py.
 """
 from __future__ import annotations
 
@@ -17,48 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .ast import ExpertsSpec, OptimizerSpec, Plan
 from .errors import Diagnostic, PlanError
-
-
-# ----------------------------------------------------------- schedule table
-@dataclass(frozen=True)
-class ScheduleRule:
-    """What a schedule kind needs from the plan (the schedule engine's own limits)."""
-
-    min_virtual: int = 1  # stages per rank
-    max_virtual: Optional[int] = 1  # None: no upper bound
-    natural_virtual: int = 1  # what `virtual` is when the plan does not say
-    min_microbatches: Callable[[int], int] = lambda pp: 1  # as a function of pp
-    why: str = ""  # what goes wrong below the minimum
-
-
-_V = dict(min_virtual=2, max_virtual=2, natural_virtual=2)  # the V placement: 2 stages per rank
-
-SCHEDULE_RULES: dict[str, ScheduleRule] = {
-    "gpipe": ScheduleRule(max_virtual=None),
-    # pipeplan's 1F1B-family orders clamp the warm-up (pp-r-1 forwards on rank r) to the
-    # microbatches there are, so m < pp only idles ranks; it does not hang as torch's
-    # fixed warm-up did (torchtitan #775). `pipeplan check` notes it.
-    "1f1b": ScheduleRule(),
-    "interleaved": ScheduleRule(min_virtual=2, max_virtual=None, natural_virtual=2),
-    "zbh1": ScheduleRule(),
-    "zbh2": ScheduleRule(),
-    "zbv": ScheduleRule(**_V),
-    "vhalf": ScheduleRule(**_V),
-    "vmin": ScheduleRule(**_V),
-    "dualpipev": ScheduleRule(
-        **_V, min_microbatches=lambda pp: 2 * pp,
-        why="DualPipeV feeds microbatches into both ends of the V and pairs each forward "
-            "with a backward of a microbatch fed pp steps earlier from the other end; its "
-            "step counts are fixed for 2*pp microbatches or more, and with fewer a rank "
-            "waits for a microbatch that does not exist, blocking forever on a receive no "
-            "rank will send"),
-    "auto": ScheduleRule(max_virtual=2),  # the search tries 1 and 2 stages per rank
-}
-SCHEDULE_KINDS = tuple(SCHEDULE_RULES)
-
-
-def min_microbatches(schedule: str, pp: int) -> int:
-    return SCHEDULE_RULES[schedule].min_microbatches(pp) if pp > 1 else 1
+from .schedule_rules import SCHEDULE_KINDS, SCHEDULE_RULES, min_microbatches
 
 
 # ------------------------------------------------------------------ checks
@@ -295,10 +253,6 @@ def _context(plan: Plan) -> Iterator[Problem]:
         yield Problem(where(plan, "data.seq_len", "mesh.cp"),
                       f"cp = {m.cp} does not divide data.seq_len = {plan.data.seq_len}",
                       "every context-parallel rank holds an equal slice of each sequence")
-    if m.tp > 1 and c.method == "ring":  # (Ulysses composes: heads split by tp, then by cp)
-        yield Problem("mesh.cp", f"ring attention with tp = {m.tp} is not supported yet (the "
-                      "ring's blocks run on local tensors; only Ulysses takes tp-split heads)",
-                      "use method = ulysses (tp * cp dividing the heads), or set tp = 1")
     if m.ep > 1:
         yield Problem("mesh.cp", f"cp = {m.cp} with ep = {m.ep} is not supported yet (expert "
                       "dispatch over sequence shards)", "set ep = 1 or cp = 1")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ast import Plan
-from .checks import SCHEDULE_RULES, min_microbatches
+from .schedule_rules import SCHEDULE_RULES, min_microbatches
 from .fields import Line, write_section
 from .schema import PLAN
 

@@ -11,7 +11,7 @@ import re
 from typing import Mapping
 
 from . import ast as A
-from .checks import SCHEDULE_KINDS
+from .schedule_rules import SCHEDULE_KINDS
 from .schema_train import TRAIN, read_sync, write_sync
 from .stage_costs import read_costs, write_costs
 from .limits import (MAX_BATCH, MAX_DIM, MAX_EXPERTS, MAX_LAYER, MAX_MICROBATCHES, MAX_RANKS,

@@ -5,7 +5,9 @@ Context parallel leaves every parameter whole on each cp rank (like a dp replica
 data position is the step, so a checkpoint's keys do not depend on cp: a run saved under
 pp2 x cp2 loads under pp2 x dp2 (cp 1: the sequences whole, the batch split instead) and
 under pp1 x dp2 x cp2 with ZeRO-2 (optimizer state in flat ranges over dp x cp), and
-under ring attention instead of Ulysses (another column layout per cp rank). One world
+under ring attention instead of Ulysses (another column layout per cp rank), and under
+pp1 x cp2 x tp2 ring attention (attention and MLP split by tp, the ring on each tp rank's
+local heads: the parameters resharded over tp on load). One world
 of 4 ranks, RopeLM with 2 layers in float64, AdamW with a cosine schedule, 4 steps,
 saved after step 2:
 
@@ -19,10 +21,13 @@ import dataclasses
 
 import torch
 
-from pipeplan.dsl.ast import CheckpointSpec, LRScheduleSpec, MeshSpec
+from pipeplan.dsl.ast import CheckpointSpec, LRScheduleSpec, MeshSpec, TensorSpec
 from pipeplan.tests.parallel.test_context_parallel import make_plan
 
 STEPS, SAVE = 4, 2
+MEGATRON = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v",
+                              "layers.*.mlp.gate", "layers.*.mlp.up"),
+                      row=("layers.*.attn.o", "layers.*.mlp.down"))
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 
@@ -39,7 +44,8 @@ def plans(folder: str) -> dict:
     return {"pp2-cp2": p("1f1b"),
             "pp2-dp2": p("1f1b", mesh=MeshSpec(pp=2, dp=2), context=None),
             "pp1-dp2-cp2-zero2": p("zero2"),
-            "pp2-cp2-ring": p("ring-1f1b")}
+            "pp2-cp2-ring": p("ring-1f1b"),
+            "pp1-cp2-tp2-ring": p("ring-1f1b", mesh=MeshSpec(pp=1, cp=2, tp=2), tensor=MEGATRON)}
 
 
 def _run(plan, tag: str, resume: bool):
@@ -80,7 +86,7 @@ def test_cp_checkpoint_resumes_bitwise_and_under_another_cp(spawn, tmp_path):
     again = _merged(results, "resumed")
     assert sorted(again) == sorted(params)
     assert all(torch.equal(again[n], params[n]) for n in params)
-    for other in ("pp2-dp2", "pp1-dp2-cp2-zero2", "pp2-cp2-ring"):
+    for other in ("pp2-dp2", "pp1-dp2-cp2-zero2", "pp2-cp2-ring", "pp1-cp2-tp2-ring"):
         got = results[0][other][0]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(losses[SAVE:]), **TOL)
         moved = _merged(results, other)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeplan.dsl import SCHEDULE_RULES, format_plan, load_plan, parse_plan
 from pipeplan.dsl import ast as A
-from pipeplan.dsl.checks import min_microbatches
+from pipeplan.dsl.schedule_rules import min_microbatches
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.plan"))
 

@@ -1,11 +1,13 @@
-"""Context parallel (Ulysses) inside tensor-parallel stages equals single-process float64
-training, and heads that tp * cp cannot split are refused at the plan line.
+"""Context parallel (Ulysses and ring attention) inside tensor-parallel stages equals
+single-process float64 training, and heads that tp * cp (ring: tp) cannot split are refused
+at the plan line.
 
 transformers' LlamaForCausalLM (cp_models.causal_llama: 2 layers per pipeline rank, RoPE
 from position_ids, GQA with 8 heads / 4 KV heads, causal SDPA; exported) with its
 q/k/v/gate/up projections column-parallel and o/down row-parallel: tp splits the heads in
 two, then each tp rank's all-to-all over its cp group splits its 4 local heads (2 KV
-heads) in two again. 3 AdamW steps with clipping against tp_reference.reference_run (the
+heads) in two again; ring attention instead runs its ring over the cp group on each tp
+rank's 4 local heads. 3 AdamW steps with clipping against tp_reference.reference_run (the
 unmodified model on whole sequences, torch's AdamW; no pipeplan code).
 """
 from __future__ import annotations
@@ -24,13 +26,14 @@ from .test_tensor_parallel import LLAMA
 
 
 def make_plan(name: str) -> Plan:
-    """name: "pp<P>[-dp2]-cp2-tp2[-sp][-zero2][-<schedule>]" (Llama, attention split by tp;
-    dp2: 2 data-parallel replicas, ZeRO-2 over dp x cp with zero2) or "mlp-only"
+    """name: "pp<P>[-dp2]-cp2-tp2[-sp][-zero2][-ring][-<schedule>]" (Llama, attention split by tp;
+    ring: ring attention instead of Ulysses;
+    dp2: 2 data-parallel replicas, ZeRO-2 over dp x cp with zero2) or "mlp-only[-ring]"
     (cp_models.RopeLM with 4 heads / 2 KV heads, pp1 x cp2 x tp2 splitting only the MLPs:
     attention whole on every tp rank)."""
-    if name == "mlp-only":
+    if name.startswith("mlp-only"):
         return dataclasses.replace(
-            make_plan("pp1-cp2-tp2"), model=ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM",
+            make_plan("pp1-cp2-tp2" + name.removeprefix("mlp-only")), model=ModelSpec("pipeplan.tests.parallel.cp_models:RopeLM",
                                                       capture="fx", inputs=INPUTS),
             tensor=TensorSpec(column=("layers.*.mlp.gate", "layers.*.mlp.up"),
                               row=("layers.*.mlp.down",)))
@@ -42,7 +45,8 @@ def make_plan(name: str) -> Plan:
                                 inputs=INPUTS),
                 data=DataSpec(seq_len=16, vocab=64, seed=7,
                               inputs=(("position_ids", "positions"),)),
-                mesh=MeshSpec(pp=pp, dp=dp, cp=2, tp=2), context=ContextSpec("ulysses"),
+                mesh=MeshSpec(pp=pp, dp=dp, cp=2, tp=2),
+                context=ContextSpec("ring" if "ring" in parts else "ulysses"),
                 zero=2 if "zero2" in parts else 0,
                 tensor=TensorSpec(LLAMA.column, LLAMA.row, LLAMA.vocab,
                                   sequence_parallel="sp" in parts),
@@ -55,8 +59,9 @@ def make_plan(name: str) -> Plan:
 
 def _heads_sharded_twice(trainer) -> None:
     """Every attention op on this rank is wrapped, and sees tp-local head shards."""
+    kind = "RingAttention" if trainer.plan.context.method == "ring" else "UlyssesAttention"
     wrapped = [m for r in trainer.runners.values() for m in r.module.modules()
-               if type(m).__name__ == "UlyssesAttention"]
+               if type(m).__name__ == kind]
     assert len(wrapped) == trainer.plan.model.args.get("layers", 4) // trainer.plan.mesh.pp, \
         wrapped
     seen = []
@@ -77,7 +82,7 @@ def _worker(rank, world, names):
         assert_trains_like_reference(make_plan(name), name, STEPS, inspect)
         # [batch 2, 8 heads / tp 2, 16 positions / cp 2, head_dim 4], split on heads; or
         # [2, all 4 heads, 8, 8] replicated over tp
-        want = ("DTensor", (2, 4, 8, 8), "(Replicate(),)") if name == "mlp-only" else \
+        want = ("DTensor", (2, 4, 8, 8), "(Replicate(),)") if name.startswith("mlp-only") else \
             ("DTensor", (2, 4, 8, 4), "(Shard(dim=1),)")
         heads = seen[0]._seen_heads
         assert heads and all(h == want for h in heads), heads[:2]
@@ -86,6 +91,21 @@ def _worker(rank, world, names):
 def test_ulysses_cp2_tp2_llama_equals_reference(run_workers):
     """pp1 x cp2 x tp2 (4 ranks) with sequence parallel; attention whole under tp."""
     run_workers(_worker, 4, ["pp1-cp2-tp2-sp", "mlp-only"], timeout=500)
+
+
+def test_ring_cp2_tp2_llama_equals_reference(run_workers):
+    """pp1 x cp2 x tp2 (4 ranks) ring attention with sequence parallel: each tp rank's ring
+    carries its 2 local KV heads (the Ulysses test's harness and reference)."""
+    run_workers(_worker, 4, ["pp1-cp2-tp2-sp-ring"], timeout=300)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_ring_pp2_cp2_tp2_llama_zbv_equals_reference(run_workers):
+    """8 processes: pp2 x cp2 x tp2 ring under zbv (the ring's backward in B, on tp-local
+    heads); and pp1 x cp2 x tp2 with attention whole under tp (a Replicate ring)."""
+    run_workers(_worker, 8, ["pp2-cp2-tp2-ring-zbv"], timeout=880)
+    run_workers(_worker, 4, ["mlp-only-ring"], timeout=300)
 
 
 @pytest.mark.heavy
@@ -143,12 +163,18 @@ def test_heads_must_divide_by_tp_times_cp(edit, message):
     assert "plan.plan:7:" in str(err.value), str(err.value)  # the mesh line
 
 
-def test_ring_attention_with_tp_is_refused():
-    from pipeplan.dsl import PlanError, parse_plan
+def test_ring_attention_with_tp_needs_tp_to_divide_the_kv_heads():
+    # ring splits no heads, so cp = 4 with 4 KV heads / tp 2 is fine (Ulysses refuses it,
+    # above); tp = 4 over 2 KV heads is tensor parallelism's own refusal at the column line
+    from pipeplan.dsl import PlanError
 
-    with pytest.raises(PlanError, match=r"ring attention with tp = 2 is not supported") as err:
-        parse_plan(PLAN.replace("method = ulysses", "method = ring"), "plan.plan")
-    assert "plan.plan:7:" in str(err.value), str(err.value)
+    ring = PLAN.replace("method = ulysses", "method = ring").replace("seq_len = 16", "seq_len = 32")
+    compiled = _compile(ring.replace("mesh { cp = 2, tp = 2 }", "mesh { cp = 4, tp = 2 }"))
+    assert len(compiled.estimates.ranks) == 8
+    with pytest.raises(PlanError, match=r"tp = 4 does not divide the 2 heads of layers.0.attn.k") \
+            as err:
+        _compile(ring.replace("kv_heads = 4", "kv_heads = 2").replace("tp = 2", "tp = 4"))
+    assert "plan.plan:10:" in str(err.value), str(err.value)  # the column list
 
 
 def test_sequence_parallel_splits_the_cp_slice():
@@ -184,3 +210,16 @@ def test_estimates_count_the_all_to_alls_on_tp_local_heads():
     assert cp_only[0].comm_bytes["cp"] == 2 * 2 * per_op
     assert whole_heads[0].comm_bytes["cp"] == 2 * 2 * per_op
     assert all(r.comm_bytes["cp"] == 2 * per_op for r in split)
+
+
+def test_ring_estimates_count_the_hops_on_tp_local_kv_heads():
+    ring = PLAN.replace("method = ulysses", "method = ring")
+    split = _compile(ring).estimates.ranks
+    whole_heads = _compile(mlp_only(ring)).estimates.ranks
+    # per microbatch and attention op, cp - 1 = 1 hop each of K and V forward, K and V
+    # backward and the float32 dK/dV: 3 x 2 x [2 rows, 8 positions, 16 KV features] x 4
+    # bytes; 2 layers, 2 microbatches; a tp rank sends its half of the KV heads
+    per_op = 3 * 2 * 2 * 8 * 16 * 4
+    assert whole_heads[0].comm_bytes["cp"] == 2 * 2 * per_op
+    assert all(r.comm_bytes["cp"] == 2 * 2 * per_op // 2 for r in split)
+    assert all(r.collectives[("cp", "ring p2p")] == 2 * 2 * per_op // 2 for r in split)
