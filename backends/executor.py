@@ -301,7 +301,7 @@ class Executor:
         spec = self.stages[s]
         if op == "F":
             upstream = acts.pop((s - 1, mb), {}) if s > 0 else {}
-            inputs = [batches[mb].field(r.name).to(self.device) if r.source == BATCH
+            inputs = [to_device(batches[mb].field(r.name), self.device) if r.source == BATCH
                       else upstream[r.name] for r in spec.inputs]
             outputs = runner.forward(mb, inputs)
             if runner.is_last:  # summed in float64 on the device, read once per step
@@ -347,3 +347,13 @@ def _last_grad_actions(planned: Sequence[PlannedAction]) -> dict[int, tuple[str,
         if op in ("W", "BW"):
             last[p.action.stage] = (op, p.action.microbatch)
     return last
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch field (built on the host) on the rank's device without a host synchronisation:
+    a plain copy from pageable memory makes torch wait for the CUDA stream, once per
+    microbatch; staged through pinned memory it is asynchronous (the pinned block is kept
+    until the copy ran by torch's caching host allocator). CPU: the tensor itself."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -2,8 +2,10 @@
 
 A *slot* is one (token, k) pair of the routing: the token's hidden row, the
 global expert index `top_k_index[t, j]` and the weight `top_k_weights[t, j]`.
-`dispatch_slots` lists them sorted by expert (after dropping the slots over an
-expert's capacity, if the plan asks); the all-to-alls carry the sorted rows to
+`dispatch_slots` lists them sorted by expert (the slots over an expert's
+capacity, if the plan asks, moved after the kept ones, so no shape depends on
+the routing before the caller's one host read of the split sizes); the
+all-to-alls carry the sorted kept rows to
 the ranks holding those experts and back. Their backward is the transposed
 all-to-all, so gradients (of the hidden rows and the top-k weights, hence of
 the router) equal the undistributed run's.
@@ -89,7 +91,7 @@ def capacity_keep(top_i: torch.Tensor, top_w: torch.Tensor, num_experts: int,
         order = position
     # Stable sort by expert keeps the policy's ranking inside each expert.
     order = order[torch.sort(flat_e[order], stable=True).indices]
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = expert_counts(flat_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = position - starts[flat_e[order]]
     keep = torch.empty(n, dtype=torch.bool, device=flat_e.device)
@@ -98,25 +100,45 @@ def capacity_keep(top_i: torch.Tensor, top_w: torch.Tensor, num_experts: int,
 
 
 # --------------------------------------------------------------------- slots
+def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots per expert, [E] int64 (values in [0, num_experts]; the value num_experts, a
+    dropped slot, is not counted). A scatter-add, not `bincount`: on CUDA bincount reads
+    the largest value on the host to size its output."""
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=expert.device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    return counts[:num_experts]
+
+
 @dataclass(frozen=True)
 class Slots:
-    """The kept slots of one call, sorted by global expert."""
+    """Every slot of one call, the kept ones first sorted by global expert (stable), the
+    dropped ones after them; `counts[e]`: kept slots of expert e. Nothing here is read on
+    the host: how many slots are kept is `counts.sum()`, known to the caller only after its
+    one host read of the split sizes (`kept(n)`)."""
 
-    token: torch.Tensor  # [S] token row of each slot
-    expert: torch.Tensor  # [S] global expert index
-    weight: torch.Tensor  # [S] its top-k weight (differentiable)
+    token: torch.Tensor  # [T*k] token row of each slot
+    expert: torch.Tensor  # [T*k] global expert index (num_experts: dropped)
+    weight: torch.Tensor  # [T*k] its top-k weight (differentiable)
+    counts: torch.Tensor  # [E] kept slots per expert, on the device
+
+    def kept(self, n: int) -> "Slots":
+        """The first `n` slots: the kept ones when n == counts.sum()."""
+        return Slots(self.token[:n], self.expert[:n], self.weight[:n], self.counts)
 
 
 def dispatch_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
                    capacity_factor: Optional[float] = None,
                    drop_policy: str = "probs") -> Slots:
+    """The routed slots sorted by expert, slots over capacity (if asked) moved last: the
+    kept slots in the same order as filtering them out and sorting the rest, without a
+    data-dependent shape (a boolean mask would read its count on the host)."""
     tokens, k = top_k_index.shape
     token = torch.arange(tokens, device=top_k_index.device).repeat_interleave(k)
     expert, weight = top_k_index.reshape(-1), top_k_weights.reshape(-1)
+    key = expert
     if capacity_factor is not None:
         cap = expert_capacity(capacity_factor, tokens, k, num_experts)
         keep = capacity_keep(top_k_index, top_k_weights, num_experts, cap, drop_policy)
-        keep = keep.reshape(-1)
-        token, expert, weight = token[keep], expert[keep], weight[keep]
-    order = torch.sort(expert, stable=True).indices
-    return Slots(token[order], expert[order], weight[order])
+        key = torch.where(keep.reshape(-1), expert, num_experts)
+    order = torch.sort(key, stable=True).indices
+    return Slots(token[order], key[order], weight[order], expert_counts(key, num_experts))

@@ -111,18 +111,20 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         s = self.shard
-        slots = dispatch_slots(top_k_index, top_k_weights, s.num_experts,
-                               self.capacity_factor, self.drop_policy)
-        send_per_expert = torch.bincount(slots.expert, minlength=s.num_experts)
-        recv_per_expert = exchange_counts(send_per_expert, self.group).view(s.ep_size, s.local)
-        send = send_per_expert.view(s.ep_size, s.local).sum(1).tolist()
-        recv = recv_per_expert.sum(1).tolist()
+        routed = dispatch_slots(top_k_index, top_k_weights, s.num_experts,
+                                self.capacity_factor, self.drop_policy)
+        recv_per_expert = exchange_counts(routed.counts, self.group).view(s.ep_size, s.local)
+        # The one host read of the call: all_to_all_single takes its split sizes as host
+        # integers, and they depend on the routing (docs/runtime.md, host synchronisation).
+        send, recv = torch.stack([routed.counts.view(s.ep_size, s.local).sum(1),
+                                  recv_per_expert.sum(1)]).tolist()
+        slots = routed.kept(sum(send))
 
         rows = all_to_all(hidden[slots.token], recv, send, self.group)
         weights = all_to_all(slots.weight, recv, send, self.group)
         # received rows come grouped by source rank, then by local expert
         local_ids = torch.arange(s.local, device=hidden.device).repeat(s.ep_size)
-        index = local_ids.repeat_interleave(recv_per_expert.reshape(-1))
+        index = local_ids.repeat_interleave(recv_per_expert.reshape(-1), output_size=sum(recv))
         terms = self.local(rows, index.unsqueeze(-1), weights.unsqueeze(-1))
         back = all_to_all(terms, send, recv, self.group)
         return back.new_zeros(hidden.shape).index_add(0, slots.token, back)

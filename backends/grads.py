@@ -80,10 +80,18 @@ def build_tied_groups(tied: Sequence[TiedParam], runners: dict[int, StageRunner]
 
 
 class _Bucket:
+    """Some gradients of one stage, copied into one flat buffer and all-reduced there. The
+    parameters' own `.grad`s are dropped once copied and come back as views of the reduced
+    buffer: a rank never holds its gradients twice (the whole copy would double them
+    while the all-reduces run)."""
+
     def __init__(self, params: list[torch.nn.Parameter], group):
         self.params = params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         self.flat = torch.cat([g.reshape(-1) for g in grads])
+        del grads
+        for p in params:
+            p.grad = None  # the values are in `flat` until finish()
         n = dist.get_world_size(group)  # bytes this rank sends through a ring all-reduce
         self.sent = int(2 * (n - 1) / n * self.flat.numel() * self.flat.element_size())
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
@@ -93,7 +101,7 @@ class _Bucket:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = self.flat[offset:offset + n].view_as(p).clone()
+            p.grad = self.flat[offset:offset + n].view_as(p)
             offset += n
 
 

@@ -210,17 +210,47 @@ def fresh_meta(modules: Iterable[nn.Module]) -> None:
                     mod._parameters[leaf] = new.setdefault(id(p), _to_meta(p))
 
 
+@dataclass(frozen=True)
+class FlatTarget:
+    """Part of a parameter that lives in a flat buffer (ZeRO, backends/zero.py): elements
+    [lo, hi) of the parameter's local value (its `part` of the full tensor, or all of it),
+    flattened, go to `dest` (a 1-D view of the buffer this rank owns)."""
+
+    part: Optional[Slice]
+    lo: int
+    hi: int
+    dest: torch.Tensor
+
+    def put(self, local: torch.Tensor) -> None:
+        self.dest.copy_(local.reshape(-1)[self.lo:self.hi])
+
+
 def fill(targets: Mapping[str, Iterable[nn.Parameter]],
          values: Iterable[tuple[tuple[str, ...], torch.Tensor]],
-         device: torch.device | str = "cpu", source=None) -> int:
+         device: torch.device | str = "cpu", source=None,
+         flat: Optional[Mapping[str, Iterable[FlatTarget]]] = None) -> int:
     """Give each meta target parameter storage on `device` holding its slice (`slice_of`,
     default all) of its full value, in the target's dtype, in place. `targets`: name ->
     the parameters of that name (a rank's stage modules may hold one under several names,
-    or two stages one name). A name that `source` (a weights.WeightSource) holds is read
-    from it, and only the target's slice (`source.read(name, Slice.index())`); `values`
-    supply the others. Returns the bytes of the distinct parameters filled."""
+    or two stages one name). `flat`: name -> the parts of it that go into flat buffers
+    already allocated (ZeRO: a rank's own range only), copied there. A name that `source`
+    (a weights.WeightSource) holds is read from it, and only the target's slice
+    (`source.read(name, Slice.index())`); `values` supply the others. Returns the bytes of
+    the distinct parameters filled (not counting `flat`'s buffers)."""
     device = torch.device(device)
     done: dict[int, nn.Parameter] = {}
+    flat = dict(flat or {})
+    flat_done: set[str] = set()
+
+    def local(name: str, part: Optional[Slice], value: Optional[torch.Tensor]) -> torch.Tensor:
+        if value is None:  # from the weights file: the slice alone
+            return source.read(name, part.index() if part is not None else None)
+        return part.take(value) if part is not None else value
+
+    def put_flat(name: str, value: Optional[torch.Tensor]) -> None:
+        for target in flat.get(name, ()):
+            target.put(local(name, target.part, value))
+        flat_done.add(name)
 
     def put(name: str, t: nn.Parameter, data: torch.Tensor) -> None:
         if tuple(data.shape) != tuple(t.shape):
@@ -234,15 +264,18 @@ def fill(targets: Mapping[str, Iterable[nn.Parameter]],
     for name in (n for n in targets if source is not None and n in source):
         for t in targets[name]:
             if id(t) not in done and t.device.type == "meta":
-                part = slice_of(t)
-                put(name, t, source.read(name, part.index() if part is not None else None))
+                put(name, t, local(name, slice_of(t), None))
+    for name in (n for n in flat if source is not None and n in source):
+        put_flat(name, None)
     for names, value in values:
         for name in names:
             for t in targets.get(name, ()):
                 if id(t) not in done and t.device.type == "meta":
-                    part = slice_of(t)
-                    put(name, t, part.take(value) if part is not None else value)
+                    put(name, t, local(name, slice_of(t), value))
+            if name in flat and name not in flat_done:
+                put_flat(name, value)
     missing = sorted(n for n, ts in targets.items() for t in ts if t.device.type == "meta")
+    missing += sorted(set(flat) - flat_done)
     if missing:
         raise PipeplanError(f"no initial value for {missing[:3]}")
     return sum(p.numel() * p.element_size() for p in done.values())
@@ -294,11 +327,12 @@ def buffer_value(model: nn.Module, name: str, device: torch.device | str,
 
 
 def param_bytes(modules: Iterable[nn.Module]) -> int:
-    """Bytes of the distinct materialised (non-meta) parameters of `modules`."""
+    """Bytes of the distinct materialised parameters of `modules` (not meta, nor views of a
+    released buffer: ZeRO-3's full parameters outside gather)."""
     seen: dict[int, torch.Tensor] = {}
     for m in modules:
         for p in m.parameters():
-            if p.device.type != "meta":
+            if p.device.type != "meta" and p.untyped_storage().nbytes() > 0:
                 seen[id(p)] = p
     return sum(p.numel() * p.element_size() for p in seen.values())
 

@@ -43,14 +43,18 @@ def own_stages(plan: Plan, compiled: CompiledPlan, pp_rank: int,
     return fill_stages(plan, modules, device)
 
 
-def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu")) -> int:
+def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu"),
+                flat=None) -> int:
     """Give every meta parameter and buffer of `modules` (one rank's stage modules, possibly
     rewritten for TP / EP so that they hold only their shards, see materialize.Slice) its
     initial value on `device`: each owning module's init runs once on CPU, the rank keeps
     its slice, and the module's storage is released before the next one (the peak is one
     module, not the stage); with the plan's weights each tensor is read from the file
-    instead, only the rank's slice of it. Graph constants are moved to `device`. Returns the bytes of
-    the distinct parameters the modules hold."""
+    instead, only the rank's slice of it. `flat` (name -> materialize.FlatTarget, ZeRO's
+    flat buffers: `StageZero.fill_targets()`) receives the parts of parameters that live in
+    flat buffers this rank holds (ZeRO-3: its own shard only). Graph constants are moved to
+    `device`. Returns the bytes of the distinct parameters the modules hold (outside flat
+    buffers that are released: ZeRO-3's full parameters)."""
     from ..compiler.loading import load_skeleton
     from ..compiler.stages import move_stage
     from .materialize import buffer_value, fill, initial_values, param_bytes
@@ -63,12 +67,14 @@ def fill_stages(plan: Plan, modules, device: torch.device = torch.device("cpu"))
                 targets.setdefault(name, []).append(p)
     buffers = [(m, n, b) for m in modules for n, b in m.named_buffers(remove_duplicate=False)
                if b.device.type == "meta"]
-    if not (targets or buffers):
+    flat = flat or {}
+    if not (targets or buffers or flat):
         return param_bytes(modules)  # stages compiled with their weights (tests)
     skeleton = load_skeleton(plan)
     source = weights_source(plan, skeleton)  # its names are read by `fill`, slices only
-    drawn = [n for n in targets if source is None or n not in source]
-    fill(targets, initial_values(skeleton, plan.train.seed, drawn), device, source=source)
+    drawn = [n for n in {**targets, **flat} if source is None or n not in source]
+    fill(targets, initial_values(skeleton, plan.train.seed, drawn), device, source=source,
+         flat=flat)
     for m, name, b in buffers:
         owner, _, leaf = name.rpartition(".")
         m.get_submodule(owner)._buffers[leaf] = buffer_value(skeleton, name, device, b.dtype)

@@ -319,14 +319,15 @@ def _zero_groups(groups: ParallelGroups, kind: str):
 
 
 def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
-                         make_optimizer) -> "StageZero":
+                         make_optimizer, device: Optional[torch.device] = None) -> "StageZero":
     """One flat shard per (stage, kind): replicated and TP-sharded parameters over dp,
     experts over expert-dp, so each shard's norm sums over one spread group. The grouping
     is `zero_layout.group_shards`, the same the compiler's memory estimate uses.
 
     A parameter held by two stages of this rank (a tied embedding in a V
     schedule) lives in the first stage's shard; `gather(stage)` gathers every
-    shard the stage reads.
+    shard the stage reads. Meta parameters (the runtime's start-up) get only the
+    buffers this rank holds, on `device`, to be filled from `fill_targets()`.
     """
     params: dict[int, nn.Parameter] = {}
     listed = []
@@ -341,6 +342,6 @@ def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
     for g in layout:
         group, spread = _zero_groups(stages[g.stage].groups, g.kind)
         shards.append(FlatShard([(names[k], params[k]) for k in g.keys], group, plan.zero,
-                                spread))
+                                spread, device))
     return StageZero(ZeroOptimizer(shards, make_optimizer),
                      {s: [shards[i] for i in uses.get(s, [])] for s in stages})

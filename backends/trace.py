@@ -19,7 +19,7 @@ Perfetto shows the measured and the planned rows one above the other.
 from __future__ import annotations
 
 import json
-from typing import Optional, Sequence
+from typing import Sequence
 
 PLANNED_PID = 1000  # pid of pipeline rank 0's planned timeline
 _LANES = {0: "compute", 1: "p2p (receive waits, sends)", 2: "sync & optimizer",

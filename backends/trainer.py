@@ -150,9 +150,19 @@ class PipelineTrainer:
             for m in modules.values():
                 apply(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
-        # Only now does this rank's part get storage: its TP slices and its experts, each
-        # drawn by its module's init and sliced, module by module (model.fill_stages).
-        self.param_bytes = fill_stages(plan, modules.values(), device)
+        self.zero = None
+        if plan.zero > 0:  # flat buffers, laid out while the parameters are still meta
+            from .parallelize import build_zero_optimizer
+
+            self.zero = build_zero_optimizer(
+                self.layout.parallel, plan, lambda ps: build_optimizer(ps, plan.train), device)
+        # Only now does this rank's part get storage: its TP slices and its experts (under
+        # ZeRO-3 its flat shard of them alone), each drawn by its module's init and sliced,
+        # module by module (model.fill_stages).
+        self.param_bytes = fill_stages(plan, modules.values(), device,
+                                       self.zero.fill_targets() if self.zero else None)
+        if self.zero is not None:  # the flat buffers hold every trainable parameter
+            self.param_bytes = self.zero.param_bytes()
         rules = tuple(r for r in plan.recompute if r.mode != "none")
         self.runners = {s: StageRunner(specs[s], m, s == last, scale,
                                        recompute=rules, autocast=self.autocast)
@@ -162,11 +172,7 @@ class PipelineTrainer:
         planned = plan_rank(schedule, self.specs, pp)
         tied = build_tied_groups(compiled.tied, self.runners, schedule.stage_to_rank, topo)
         around = None
-        if plan.zero > 0:
-            from .parallelize import build_zero_optimizer
-
-            self.zero = build_zero_optimizer(
-                self.layout.parallel, plan, lambda ps: build_optimizer(ps, plan.train))
+        if self.zero is not None:
             self.sync = ZeroSync(self.zero, self.layout, tied)
             self.optimizer = self.zero.optimizer.optimizer
             if plan.zero == 3:  # gathered around each action, the next one's prefetched
@@ -176,7 +182,6 @@ class PipelineTrainer:
                 for s in self.runners:
                     self.zero.release(s)
         else:
-            self.zero = None
             order = _stage_order_by_last_grad(schedule.order[pp], list(self.runners))
             self.sync = GradSync(self.runners, self.layout, tied, order)
             self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None

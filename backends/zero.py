@@ -28,7 +28,7 @@ Why not torch's FSDP2 (`fully_shard`) for stage 3: see docs/parallelism.md.
 """
 from __future__ import annotations
 
-import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -38,6 +38,8 @@ from torch import nn
 
 from ..compiler.zero_layout import MemoryBytes, StateBytes, padded, shard_memory
 from ..errors import PipeplanError
+from .materialize import FlatTarget, slice_of
+from .zero_window import PrefetchWindow  # noqa: F401 (re-exported: one import for ZeRO)
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -96,7 +98,7 @@ class FlatShard:
     """One group's parameters as views of a flat buffer sharded over `group` (None: alone)."""
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], group, stage: int,
-                 spread_group=None):
+                 spread_group=None, device: Optional[torch.device] = None):
         if stage not in ZERO_STAGES:
             raise PipeplanError(f"zero stage {stage} does not exist (choose 0, 1, 2 or 3)")
         named = [(n, p) for n, p in named if p.requires_grad]
@@ -108,24 +110,61 @@ class FlatShard:
         self.world, self.rank = _group_size(group), _group_rank(group)
         self.layout = FlatLayout.of(named, self.world if stage > 0 else 1)
         dtype = self.params[0].dtype if self.params else torch.float32
-        self.device = self.params[0].device if self.params else torch.device("cpu")
+        deferred = any(p.device.type == "meta" for p in self.params)
+        self.device = torch.device(device) if device is not None else \
+            self.params[0].device if self.params and not deferred else torch.device("cpu")
+        self.present = True  # the full buffer holds current values
+        self._pending = None  # an all-gather in flight (a stage-3 prefetch)
+        self.flat_grad = None  # stages 0-1: the reduced full gradient buffer
+        self.targets: dict[str, list[FlatTarget]] = {}  # deferred: what still needs a value
+        start, stop = self.layout.shard_range(self.rank if stage > 0 else 0)
+        if deferred:
+            self._defer(start, stop)
+            return
         self.full = torch.zeros(self.layout.padded, dtype=dtype, device=self.device)
         for p, off in zip(self.params, self.layout.offsets):
             self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
         self._point_params_at_full()
-        self.present = True  # the full buffer holds current values
-        self._pending = None  # an all-gather in flight (a stage-3 prefetch)
-        start, stop = self.layout.shard_range(self.rank if stage > 0 else 0)
         if stage == 3:
             self.shard = nn.Parameter(self.full[start:stop].clone())
             self.release()
         else:  # the owned slice of the full buffer itself: the optimizer writes in place
             self.shard = nn.Parameter(self.full[start:stop])
-        self.flat_grad = None  # stages 0-1: the reduced full gradient buffer
+
+    def _defer(self, start: int, stop: int) -> None:
+        """Meta parameters (the runtime's owned-only start-up, docs/runtime.md): allocate only
+        what this rank holds -- stage 3 its shard, stages 0-2 the full buffer -- point the
+        parameters at views of the full buffer (stage 3: released at once, so never
+        resident), and list in `targets` which part of each parameter's (TP / EP sliced)
+        value fills the held buffer; `materialize.fill` then copies those parts there."""
+        numel, padded_len = self.layout.numel, self.layout.padded
+        dtype = self.params[0].dtype
+        self.full = torch.empty(padded_len, dtype=dtype, device=self.device)
+        parts = [slice_of(p) for p in self.params]  # read before the swap moves __dict__
+        for p in self.params:  # same objects (ids stay valid); each keeps its own version
+            # counter (`.data`), so a gather writing the buffer is not an in-place change of
+            # a weight autograd saved
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=dtype),
+                                                     requires_grad=p.requires_grad))
+        self._point_params_at_full()
+        if self.stage == 3:
+            self.shard = nn.Parameter(torch.empty(stop - start, dtype=dtype, device=self.device))
+            held, origin = self.shard.detach(), start
+            self.release()
+        else:
+            self.shard = nn.Parameter(self.full[start:stop])
+            held, origin, start, stop = self.full, 0, 0, padded_len
+        held[max(numel, start) - origin:].zero_()  # the padding
+        for name, part, off, p in zip(self.layout.names, parts, self.layout.offsets,
+                                      self.params):  # (the parameters are views by now)
+            lo, hi = max(off, start), min(off + p.numel(), stop)
+            if lo < hi:
+                self.targets.setdefault(name, []).append(
+                    FlatTarget(part, lo - off, hi - off, held[lo - origin:hi - origin]))
 
     def _point_params_at_full(self) -> None:
         for p, off, shape in zip(self.params, self.layout.offsets, self.layout.shapes):
-            p.data = self.full[off:off + p.numel()].view(shape)
+            p.data = self.full[off:off + math.prod(shape)].view(shape)
 
     # -- stage 3: parameters present only around use
     def gather(self, async_op: bool = False) -> None:
@@ -166,10 +205,13 @@ class FlatShard:
 
     # -- one step
     def _flat_grad(self) -> torch.Tensor:
+        """The accumulated gradients in one flat buffer; each parameter's own `.grad` is
+        dropped once copied (never the gradients twice: at most one parameter's extra)."""
         flat = torch.zeros(self.layout.padded, dtype=self.shard.dtype, device=self.device)
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
         return flat
 
     def reduce_gradients(self) -> None:
@@ -326,6 +368,19 @@ class StageZero:
     optimizer: ZeroOptimizer
     uses: dict[int, list[FlatShard]]
 
+    def fill_targets(self) -> dict[str, list[FlatTarget]]:
+        """name -> the parts of it this rank's flat buffers hold (built on meta parameters:
+        `FlatShard._defer`), for `materialize.fill(..., flat=...)`."""
+        out: dict[str, list[FlatTarget]] = {}
+        for s in self.optimizer.shards:
+            for name, targets in s.targets.items():
+                out.setdefault(name, []).extend(targets)
+        return out
+
+    def param_bytes(self) -> int:
+        """Parameter bytes the flat buffers hold now (ZeRO-3 outside gather: the shards)."""
+        return self.optimizer.memory().params
+
     def gather(self, stage: int) -> None:
         """Stage 3: the stage's full parameters, now (waiting for a prefetch if one runs)."""
         for s in self.uses[stage]:
@@ -360,36 +415,3 @@ class StageZero:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-
-class PrefetchWindow:
-    """ZeRO-3 around each action of one step, in this rank's action order.
-
-    Before action i: its stage's parameters are gathered (waiting for the
-    prefetch started one action earlier), and the gather of action i+1's
-    stage is started, so it overlaps action i. After it: what action i+1 does
-    not read is released. At most two stages' full parameters exist at once;
-    nothing is prefetched across the optimizer step (the shards change there).
-    Use as the runtime's `around(stage)` context manager, once per action.
-    """
-
-    def __init__(self, zero: StageZero, stages_in_order: Sequence[int]):
-        self.zero, self.order = zero, list(stages_in_order)
-        self.position = 0
-        self.prefetches = 0  # how many gathers were started ahead (for tests and reports)
-
-    @contextlib.contextmanager
-    def __call__(self, stage: int):
-        i = self.position
-        if self.order[i] != stage:
-            raise RuntimeError(f"ZeRO-3 window: action {i} runs stage {stage}, "
-                               f"the schedule says stage {self.order[i]}")
-        nxt = self.order[i + 1] if i + 1 < len(self.order) else None
-        self.zero.gather(stage)
-        if nxt is not None and nxt != stage:
-            self.zero.prefetch(nxt)
-            self.prefetches += 1
-        try:
-            yield
-        finally:
-            self.zero.release(stage, keep=nxt)
-            self.position = (i + 1) % len(self.order)

@@ -128,9 +128,6 @@ def _plan_problems(plan: Plan) -> Iterator[tuple[str, str]]:
     if plan.zero == 3:
         yield (f"{why}: zero = 3 would gather parameters around the routing pre-pass too "
                "(not built)", "use zero <= 2, or balance = microbatch")
-    if plan.sync.diloco:
-        yield (f"{why}: under DiLoCo each island trains on its own tokens, so a statistic "
-               "over the global step does not exist", "use balance = microbatch")
 
 
 def find_statistics(graph: fx.Graph, run: MetaRun, loss: fx.Node,

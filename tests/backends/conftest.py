@@ -55,7 +55,7 @@ def spawn(fn, world: int, *args, timeout: float = 120.0) -> list:
             errors = [open(os.path.join(out_dir, n)).read()
                       for n in sorted(os.listdir(out_dir)) if n.endswith(".err")]
             if errors:
-                raise AssertionError("worker failed:\n" + errors[0]) from None
+                raise AssertionError("worker failed:\n" + "\n=====\n".join(errors)) from None
             raise
         finally:
             for p in ctx.processes:

@@ -40,3 +40,27 @@ def test_two_ranks_on_one_gpu_are_refused(monkeypatch):
 def test_large_blocks_setting_applies_on_linux():
     import sys
     assert return_large_blocks_to_os() == sys.platform.startswith("linux")
+
+
+def test_a_batch_field_reaches_a_gpu_through_pinned_memory_without_a_host_sync():
+    """torch's copy from pageable memory to CUDA waits for the stream (a host sync per
+    microbatch); the executor stages batch fields in pinned memory and copies them
+    asynchronously. (Stubs: no GPU here.) On CPU the tensor itself."""
+    from pipeplan.backends.executor import to_device
+
+    calls = []
+
+    class Staged:
+        def to(self, device, non_blocking=False):
+            calls.append((device, non_blocking))
+            return "on the device"
+
+    class Field:
+        def pin_memory(self):
+            calls.append("pinned")
+            return Staged()
+
+    assert to_device(Field(), torch.device("cuda", 1)) == "on the device"
+    assert calls == ["pinned", (torch.device("cuda", 1), True)]
+    t = torch.arange(3)
+    assert to_device(t, torch.device("cpu")) is t

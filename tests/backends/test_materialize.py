@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipeplan.backends.model import build_model, own_stages
+from pipeplan.backends.materialize import param_bytes
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler import estimates_summary
 from pipeplan.compiler.driver import compile_plan
@@ -128,7 +129,19 @@ def _ep_plan():
         experts=ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2))
 
 
-SHARDED = {"tp": _tp_plan, "ep": _ep_plan}
+def _zero3_plan():
+    """pp2 x dp2 under ZeRO-3: each rank holds its flat shard of its stages, never more."""
+    return dataclasses.replace(plan_for(pp=2, dp=2), zero=3)
+
+
+def _zero3_tp_plan():
+    """dp2 x tp2 under ZeRO-3: each rank's flat shard of its TP slices."""
+    plan = _tp_plan()
+    return dataclasses.replace(plan, mesh=MeshSpec(pp=1, dp=2, tp=2), zero=3,
+                               pipeline=PipelineSpec(schedule="1f1b", microbatches=2))
+
+
+SHARDED = {"tp": _tp_plan, "ep": _ep_plan, "z3": _zero3_plan, "z3tp": _zero3_tp_plan}
 
 
 def _initial(rank, world, names):
@@ -139,31 +152,35 @@ def _initial(rank, world, names):
         plan = SHARDED[name]() if name in SHARDED else plan_for(pp=int(name[2]), dp=world // int(name[2]))
         trainer = PipelineTrainer.for_plan(plan)
         local = {n: tuple(p.shape) for n, p in trainer.parameters_by_name().items()}
-        out.append((trainer.param_bytes, local, trainer.named_parameters()))
+        resident = param_bytes(trainer.runners[s].module for s in trainer.runners)
+        out.append((trainer.param_bytes, local, trainer.named_parameters(), resident))
     return out
 
 
 @pytest.mark.slow
 def test_pipelined_ranks_start_from_the_reference_weights_holding_only_their_shards(spawn):
-    """pp4, pp2 x dp2, pp2 x tp2 and pp2 x dp2 x ep2 through the runtime's own construction:
-    every rank materialises exactly the compiler's estimate of its parameter bytes (TP
-    slices and EP experts only, never the full stage), and its tensors, gathered back to
-    full shape, equal the single-process reference's initial weights."""
-    names = ["pp4", "pp2", "tp", "ep"]
+    """pp4, pp2 x dp2, pp2 x tp2, pp2 x dp2 x ep2, pp2 x dp2 ZeRO-3 and dp2 x tp2 ZeRO-3
+    through the runtime's own construction: every rank materialises exactly the compiler's
+    estimate of its parameter bytes (TP slices, EP experts, ZeRO-3 flat shards only, never
+    the full stage), and its tensors, gathered back to full shape (over TP, EP and the
+    ZeRO-3 shards), equal the single-process reference's initial weights."""
+    names = ["pp4", "pp2", "tp", "ep", "z3", "z3tp"]
     results = spawn(_initial, 4, names, timeout=280)
     for k, name in enumerate(names):
         plan = SHARDED[name]() if name in SHARDED else plan_for(pp=int(name[2]), dp=4 // int(name[2]))
         compiled = compile_plan(plan)
         ref = dict(build_model(plan).named_parameters(remove_duplicate=False))
         seen, sharded = set(), 0
-        for rank, (nbytes, local, full) in enumerate(r[k] for r in results):
+        for rank, (nbytes, local, full, resident) in enumerate(r[k] for r in results):
             assert nbytes == compiled.estimates.ranks[rank].param_bytes, (name, rank)
+            if plan.zero == 3:  # outside gather, no parameter of the stages has storage
+                assert resident == 0, (name, rank, resident)
             for n, p in full.items():
                 assert torch.equal(p, ref[n]), (name, rank, n)
                 seen.add(n)
                 sharded += local[n] != tuple(ref[n].shape)
         assert seen == set(ref), name
-        assert bool(sharded) == (name in SHARDED), name  # TP/EP ranks held slices only
+        assert bool(sharded) == (name in ("tp", "ep", "z3tp")), name  # TP/EP: slices only
 
 
 def test_initial_values_hold_one_module_at_a_time():

@@ -243,3 +243,30 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise():
     plain.close()
     assert plain.bar is None and pipe.getvalue() == (
         "step 1/3  loss 2.5000  lr 1.00e-02  grad_norm 1.000  2,000 tok/s  500 ms\n")
+
+
+def _bucket_holds_gradients_once(rank, world):
+    from pipeplan.backends.grads import _Bucket
+
+    torch.manual_seed(rank)
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    grads = [torch.randn(3, 4), torch.randn(5)]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    bucket = _Bucket(params, None)
+    during = [p.grad for p in params]  # the values live only in the flat buffer meanwhile
+    bucket.finish()
+    views = all(p.grad.untyped_storage().data_ptr() == bucket.flat.untyped_storage().data_ptr()
+                for p in params)
+    return during, views, [p.grad.clone() for p in params], grads
+
+
+def test_a_data_parallel_bucket_never_holds_the_gradients_twice(spawn):
+    """While a bucket's all-reduce runs the parameters' own .grads are gone (the flat buffer
+    holds the values), and afterwards they are views of the reduced buffer (no copy): the
+    sum over the two ranks, computed here independently."""
+    results = spawn(_bucket_holds_gradients_once, 2, timeout=60)
+    for during, views, reduced, _ in results:
+        assert during == [None, None] and views
+        for got, a, b in zip(reduced, results[0][3], results[1][3]):
+            assert torch.equal(got, a + b)

@@ -288,7 +288,7 @@ def test_a_slice_reads_only_that_part(pretrained):
 def test_fill_reads_a_shard_from_the_source_in_the_target_dtype(pretrained):
     """`fill` with a source: an EP-like block of rows and a TP-like block of columns, each
     read as that part (no init drawn, no `values`), cast to the target's float64."""
-    from pipeplan.backends.materialize import fill, sliced_parameter
+    from pipeplan.backends.materialize import FlatTarget, Slice, fill, sliced_parameter
     from pipeplan.backends.weights import WeightSource, catalogue
 
     model = hf_llama()
@@ -303,6 +303,12 @@ def test_fill_reads_a_shard_from_the_source_in_the_target_dtype(pretrained):
     assert torch.equal(cols, model.get_parameter(down)[:, 32:64].double())
     assert rows.dtype == cols.dtype == torch.float64 and nbytes == (48 * 32 + 32 * 32) * 8
     assert source.names_read == [up, down]
+    # A ZeRO-3 rank's flat shard: elements [5, 40) of the TP slice, read as the slice alone
+    buf = torch.zeros(35, dtype=torch.float64)
+    flat = {down: [FlatTarget(Slice(1, 32, 32), 5, 40, buf)]}
+    assert fill({}, [], source=source, flat=flat) == 0
+    assert torch.equal(buf, model.get_parameter(down)[:, 32:64].double().reshape(-1)[5:40])
+    assert source.names_read == [up, down, down]
 
 
 # --------------------------------------------------------- bad weights, before launch

@@ -30,7 +30,7 @@ CASES = [  # (id, plan text, where the error points ("|": the column), message)
     ("no-statistic", HF_NO_AUX.replace("num_experts = 4\n}", "num_experts = 4\n  balance = step\n}"),
      "balance = |step", "computes no load-balancing statistic"),
     ("diloco", _extra("balance = step", ep=1).replace("train {", "sync = diloco(inner_steps = 2)\ntrain {"),
-     "balance = |step", "under DiLoCo each island trains on its own tokens"),
+     "balance = |step", "across the dp ranks that diloco makes separate islands"),  # dsl/sync_checks.py
     ("unknown", _extra("balance = global"), "balance = |global", "unknown balance 'global'"),
 ]
 
