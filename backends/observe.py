@@ -242,6 +242,7 @@ def format_bubble(c: BubbleCheck) -> str:
     """'measured bubble X (median of steps a-b), predicted Y by simulating ...'."""
     where = (f"step {c.steps[0]}" if len(c.steps) == 1 else
              f"median of steps {c.steps[0]}-{c.steps[-1]}")
-    return (f"bubble (whole iteration, 1 - busy/(ranks x makespan)): measured {c.measured:.3f} "
+    return (f"bubble (whole iteration, 1 - busy/(ranks x makespan), busy = action slots): "
+            f"measured {c.measured:.3f} "
             f"({where}), predicted {c.predicted:.3f} by simulating the schedule with "
             f"{c.source}")

@@ -29,7 +29,7 @@ from .trace import PLANNED_PID, chrome_trace
 
 FILES = ("metrics.jsonl", "trace.json", "memory.json", "bubble.json")
 _OTHER = {"recv wait": "#bab0ac", "send": "#76b7b2", "send wait": "#9c755f",
-          "grad sync": "#b07aa1", "optimizer": "#edc948"}
+          "grad sync": "#b07aa1", "optimizer": "#edc948", "runtime": "#d7d7d7"}
 
 
 def write_run_files(log_dir: str, ranks: Sequence, memory: Sequence, check) -> None:
@@ -40,7 +40,9 @@ def write_run_files(log_dir: str, ranks: Sequence, memory: Sequence, check) -> N
                              "steady_steps": list(check.steps), "predicted": check.predicted,
                              "predicted_from": check.source,
                              "definition": "1 - sum(busy) / (ranks x makespan), whole "
-                                           "iteration, pipeline at dp 0, tp 0"}}
+                                           "iteration, pipeline at dp 0, tp 0; busy: the "
+                                           "actions' slots (compute plus the runtime's work "
+                                           "around it)"}}
     for name, value in files.items():
         tmp = os.path.join(log_dir, name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
