@@ -3,11 +3,14 @@
 Sends are posted right after the action that produced the value, non-blocking
 (`batch_isend_irecv`), and their handles are waited at the end of the step.
 The receive an action needs is posted one action early and waited on
-(blocking) right before the action: before the previous action's compute when
-that action sends to another peer (or sends nothing), so the transfer runs
-while it computes; else right after that action's send (on NCCL, p2p to one
-peer is one FIFO stream, so a receive queued before a send the peer is waiting
-for would deadlock). Values between
+(blocking) right before the action: before the previous action's compute, so
+the transfer runs while it computes -- except on NCCL when that action sends to
+the same peer: there p2p to one peer is one FIFO stream, so a receive queued
+before a send the peer is waiting for would deadlock, and the receive is posted
+right after the send. Gloo matches each message by (peer, tag), so it posts
+before the compute always: posted after a send to the same peer, a gloo receive
+blocks the rank until gloo's thread has written that send (0.5-1 ms per action
+on 2 shared cores, 10-18 ms a step of the vs_torch benchmark). Values between
 two stages of this rank stay in memory. Receiving earlier only relaxes the
 blocking semantics the schedule verifier proves deadlock-free (comm.py); the
 values and the arithmetic are unchanged.
@@ -188,6 +191,8 @@ class Executor:
         self.on_action = None  # called with each action's label before it runs (failure.Beacon)
         self.last_grad_action = _last_grad_actions(self.planned)
         self.buffers = RecvBuffers(device)
+        # One FIFO stream per peer (NCCL): a receive from the peer just sent to goes after the send.
+        self.fifo_p2p = dist.is_initialized() and dist.get_backend() != "gloo"
 
     # ------------------------------------------------------------------ p2p
     def _recv_ops(self, t: Transfer) -> tuple[list, list[torch.Tensor]]:
@@ -233,7 +238,8 @@ class Executor:
                 store[(p.recv.boundary, p.recv.microbatch)] = dict(
                     zip((v.name for v in p.recv.values), bufs))
             nxt = self.planned[i + 1].recv if self.prefetch and i + 1 < len(self.planned) else None
-            if nxt is not None and (p.send is None or p.send.peer != nxt.peer):
+            if nxt is not None and (p.send is None or p.send.peer != nxt.peer
+                                    or not self.fifo_p2p):
                 posted[i + 1] = self._post([nxt])  # in flight while this action computes
             try:
                 start = time.time()
