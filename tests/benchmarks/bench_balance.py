@@ -5,7 +5,7 @@
 The example MoE plan (examples/moe_pp2_ep2_zbv.plan: pp2 x dp2 x ep2, zbv, 4
 microbatches, float32) on 4 gloo CPU processes. Both trainers live in the same
 processes and alternate step by step (on a loaded machine only same-process
-alternation gives usable ratios: /work/shared/FIELD-NOTES.md). Prints the
+alternation gives usable ratios: the project's FIELD-NOTES.md). Prints the
 median step time of each, their ratio, and the compiler's predicted ratio
 (`Estimates.step_time_s`, which holds `prepass_s`).
 """
