@@ -6,7 +6,9 @@ pipeline at dp 0, tp 0 -- each action's slot (executor.ActionTiming): its comput
 plus the runtime's work around it (posting sends and the next receive, checks),
 a real cost per action the simulator then charges; the p2p latency is the mean measured one
 (observe.measured_latency); activation bytes are what each stage sends forward
-per microbatch (its outputs as the compiled plan sizes them).
+per microbatch (its outputs as the compiled plan sizes them). Each measured
+step is also kept action by action (`steps`: every microbatch's slot and the
+step's own p2p latency), which the compiler replays for its prediction.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..compiler.profile import OPS, Profile, StageProfile, workload
+from ..compiler.profile import OPS, Profile, StageProfile, StepSample, workload
 from .observe import RankTimings, measured_latency
 
 
@@ -48,10 +50,24 @@ def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequen
         stages.append(StageProfile(s, ops["F"] or 0.0, ops["B"], ops["W"], ops["BW"],
                                    len(samples.get(("F", s), ())), sent))
     first = pipeline[0].first_step
+    steps = tuple(_step_sample(first + k + 1, schedule, pipeline, k) for k in keep)
     return Profile(hashlib.sha256(plan.source_text.encode()).hexdigest(), describe_device(),
                    schedule.name, tuple(split_points), tuple(stages),
                    measured_latency(steady, schedule), keep.start,
-                   tuple(first + k + 1 for k in keep), workload(plan))
+                   tuple(first + k + 1 for k in keep), workload(plan), steps=steps)
+
+
+def _step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) -> StepSample:
+    """One step's slots per stage, op and microbatch, and its own mean p2p latency."""
+    m = schedule.microbatches
+    table = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]
+    for r in pipeline:
+        for a in r.steps[k]:
+            table[a.stage][a.op][a.microbatch] = a.slot
+    stages = tuple({op: None if all(t is None for t in times) else tuple(times)
+                    for op, times in per.items()} for per in table)
+    one = [RankTimings(r.rank, r.pp, r.dp, r.tp, (r.steps[k],)) for r in pipeline]
+    return StepSample(step, measured_latency(one, schedule), stages)
 
 
 def _sent_bytes(spec) -> int:

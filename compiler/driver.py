@@ -29,7 +29,7 @@ from .experts_checks import check_experts
 from .balance import mark_step_statistics
 from .loading import load_model
 from .precision import to_precision
-from .profile import load_profile, node_times, profile_text, profiled_costs
+from .profile import load_profile, node_times, profile_text, profiled_costs, replayed
 from .partition import Split, choose_split, compute_nodes
 from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
@@ -81,7 +81,6 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                                                  experts)
     if profile:
         times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)
-        device = dataclasses.replace(device, profile=profile_text(plan, profile))
     else:
         times = stage_costs(plan, step_costs(plan, stages, tp_traffic, moe_traffic, device))
     schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
@@ -92,8 +91,11 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     expert_params = {f"{e.module}.{w}" for e in experts
                      for w in expert_weights(model.get_submodule(e.module),
                                              plan.experts.num_experts)}
+    replay = replayed(profile, schedule, times, split.starts) if profile else None
+    if profile:
+        device = dataclasses.replace(device, profile=profile_text(plan, profile, replay))
     estimates = estimate(plan, stages, schedule, times, tied, tp_kinds, expert_params,
-                         tp_traffic, moe_traffic, device)
+                         tp_traffic, moe_traffic, device, replay)
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,

@@ -119,10 +119,11 @@ def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
 
 def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[TiedParam, ...],
              tp_kinds: dict[str, str], expert_params: set[str], tp_traffic: list[Traffic],
-             moe_traffic: list[Traffic], device: DeviceModel) -> Estimates:
+             moe_traffic: list[Traffic], device: DeviceModel, replay=None) -> Estimates:
     """Estimates for every global rank (pp outermost, tp innermost; a pipeline rank's dp × tp
     ranks hold the same shares, so they get equal numbers). `costs` (from step_costs, in
-    seconds) time the schedule under `device`."""
+    seconds) time the schedule under `device`; `replay` (profile.replayed: the median
+    profiled step's simulation and the median makespan) replaces that timing."""
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     act_div = mesh.tp if plan.tensor.sequence_parallel else 1
@@ -162,10 +163,13 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                                  collectives=dict(per_pp[g // per_replica].collectives))
              for g in range(mesh.pp * per_replica)]
     from ..schedules.simulate import simulate
-    sim = simulate(schedule, costs)
+    sim, makespan = replay if replay is not None else (None, 0.0)
+    if sim is None:
+        sim = simulate(schedule, costs)
+        makespan = sim.makespan
     from .sync_estimate import sync_estimate
     dp_link = mesh_links(plan, device).dp
-    sync = sync_estimate(plan, stages, ranks, sim.makespan, dp_link)  # DiLoCo: dp bytes / H
+    sync = sync_estimate(plan, stages, ranks, makespan, dp_link)  # DiLoCo: dp bytes / H
     dp_time = max((rk.comm_bytes["dp"] for rk in ranks), default=0) / dp_link
     prepass = routing_prepass_s(plan, schedule, costs)
     if prepass:  # its forward FLOPs and activations sent, on every rank
@@ -177,7 +181,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
             rk.comm_bytes["ep"] += int(ep_bytes(plan, moe_traffic, mine, float_scale)
                                        * plan.microbatches / 2)  # the forward half
     return Estimates(ranks=ranks, bubble=sim.bubble,
-                     step_time_s=sim.makespan + prepass + dp_time, prepass_s=prepass,
+                     step_time_s=makespan + prepass + dp_time, prepass_s=prepass,
                      device_model=asdict(device), simulation=sim, sync=sync,
                      stage_collectives=stage_collectives(plan, stages, tp_kinds, expert_params,
                                                          tp_traffic, moe_traffic))

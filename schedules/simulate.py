@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import sub
-from typing import Optional
+from typing import Callable, Optional
 
 from .bound import makespan_bound
 from .costs import Costs, StageCosts
@@ -82,18 +82,22 @@ def _bubble(busy, makespan: float) -> float:
 
 
 def simulate(schedule: Schedule, costs: Optional[Costs] = None,
-             memory_limit: Optional[float] = None, in_order: bool = True) -> SimResult:
+             memory_limit: Optional[float] = None, in_order: bool = True,
+             durations: Optional[Callable[[Action], float]] = None) -> SimResult:
     """Time the schedule. The lower bound holds for every schedule of the same placement and
     costs within `memory_limit` activations per rank (default: this schedule's own peak).
-    in_order=False times it under tag-matched receives (torch's runtime; see execution.analyze)."""
+    in_order=False times it under tag-matched receives (torch's runtime; see execution.analyze).
+    `durations`: each action's own time (one measured step replayed, compiler/profile.py)
+    instead of its stage's per-op cost; `costs` still give the latency and the lower bound."""
     with bulk():
-        return _simulate(schedule, costs or Costs(), memory_limit, in_order)
+        return _simulate(schedule, costs or Costs(), memory_limit, in_order, durations)
 
 
-def _simulate(schedule: Schedule, costs: Costs, memory_limit: Optional[float], in_order: bool) -> SimResult:
+def _simulate(schedule: Schedule, costs: Costs, memory_limit: Optional[float], in_order: bool,
+              durations: Optional[Callable[[Action], float]] = None) -> SimResult:
     table = costs.stage_table(schedule.stage_to_rank)
     ex = analyze(schedule, in_order)
-    start, end = _time(ex, table)
+    start, end = _time(ex, table, durations)
     p = schedule.ranks
     busy = tuple(sum(map(sub, end[r], start[r])) for r in range(p))  # sum of (end - start), in C
     makespan = max((row[-1] for row in end if row), default=0.0)
@@ -114,7 +118,8 @@ def time_actions(ex: Execution, table: StageCosts):
     return _time(ex, table)
 
 
-def _time(ex: Execution, table: StageCosts):
+def _time(ex: Execution, table: StageCosts,
+          durations: Optional[Callable[[Action], float]] = None):
     """Start/end of every action: after its rank's previous action and its input's arrival.
 
     Times live in flat lists indexed by the encoded position (rank * stride + index), so the
@@ -124,7 +129,8 @@ def _time(ex: Execution, table: StageCosts):
     size = stride * len(order)
     dur = [0.0] * size
     for r, row in enumerate(order):
-        dur[r * stride:r * stride + len(row)] = [per_op[a.op][a.stage] for a in row]
+        dur[r * stride:r * stride + len(row)] = ([per_op[a.op][a.stage] for a in row]
+                                                 if durations is None else list(map(durations, row)))
     producer = [NONE] * size
     for r, row in enumerate(ex.producer):
         producer[r * stride:r * stride + len(row)] = row

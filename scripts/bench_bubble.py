@@ -9,7 +9,7 @@ simulating the schedule under the profiled costs. Both count an action's slot
 row per schedule and repetition (`--repeat`: profile and run again, to see the
 spread a shared machine adds) and the machine's load before and after each.
 
-    PYTHONPATH=.. python scripts/bench_bubble.py [--schedules 1f1b,zbv] [--steps 8] [--repeat 3]
+    PYTHONPATH=.. python scripts/bench_bubble.py [--schedules 1f1b,zbv] [--steps 16] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _run(*args: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schedules", default="1f1b,zbv")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=1, help="profile and run each schedule N times")
     args = ap.parse_args()

@@ -6,6 +6,7 @@ meta device with `split = auto(profile)` / `schedule = auto`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from pipeplan.cli import main
 from pipeplan.compiler import compile_plan
-from pipeplan.compiler.profile import Profile, ProfileError, StageProfile
+from pipeplan.compiler.profile import Profile, ProfileError, StageProfile, StepSample
 from pipeplan.dsl import load_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +62,49 @@ def test_cost_file_round_trips():
     assert json.loads(p.to_json())["version"] == 1
 
 
+def _steps(*slow_f: float) -> tuple[StepSample, ...]:
+    """Measured steps of a 2-stage, 2-microbatch run with full backwards: every F 1 s,
+    every BW 2 s, but stage 0's F of microbatch 1 took `slow` s in that step."""
+    return tuple(StepSample(3 + i, 0.0, ({"F": (1.0, slow), "B": None, "W": None,
+                                          "BW": (2.0, 2.0)},
+                                         {"F": (1.0, 1.0), "B": None, "W": None,
+                                          "BW": (2.0, 2.0)}))
+                 for i, slow in enumerate(slow_f))
+
+
+def test_cost_file_with_measured_steps_round_trips():
+    p = dataclasses.replace(_profile([(0.01, None, None, 0.02)] * 2), steps=_steps(3.0, 1.0))
+    assert Profile.from_json(p.to_json(), "x.json") == p
+    bad = json.loads(p.to_json())
+    bad["steps"][0]["stages"] = bad["steps"][0]["stages"][:1]
+    with pytest.raises(ProfileError, match="a steps entry needs one object per stage"):
+        Profile.from_json(json.dumps(bad), "x.json")
+
+
+def test_prediction_replays_the_median_measured_step(tmp_path):
+    """1F1B, 2 ranks, 2 microbatches; in two of three measured steps stage 0's F of
+    microbatch 1 took 3 s (F 1 s, BW 2 s otherwise). By hand: rank 0 runs F0 [0,1],
+    F1 [1,4], BW0 [4,6] (after rank 1's BW0 [2,4]), BW1 [7,9] (after rank 1's F1 [4,5] and
+    BW1 [5,7]): makespan 9, busy 8 + 6, bubble 1 - 14/18. The mean times (stage 0's F
+    (1 + 7/3)/2) would predict something else; another split falls back to them."""
+    shape = {**SHAPE, "sequences_per_microbatch": 4}
+    means = [(1.0 + 7.0 / 3.0) / 2, None, None, 2.0], [1.0, None, None, 2.0]
+    _write(tmp_path, dataclasses.replace(_profile(means, latency=0.0, shape=shape),
+                                         steps=_steps(3.0, 1.0, 3.0)))
+    plan = _plan(tmp_path, '  schedule = 1f1b\n  split = ["layers.4"]\n'
+                 '  profile = "costs.json"')
+    plan.write_text(plan.read_text().replace("microbatches = 4", "microbatches = 2"))
+    e = compile_plan(load_plan(str(plan))).estimates
+    assert e.simulation.makespan == pytest.approx(9.0, rel=1e-12)
+    assert e.bubble == pytest.approx(1 - 14 / 18, rel=1e-12)
+    assert e.step_time_s == pytest.approx(9.0, rel=1e-12)
+    assert "the median of its 3 measured steps replayed" in e.device_model["profile"]
+    plan.write_text(plan.read_text().replace('"layers.4"', '"layers.3"'))
+    e = compile_plan(load_plan(str(plan))).estimates
+    assert e.bubble != pytest.approx(1 - 14 / 18, rel=1e-3)
+    assert "its mean op times (another split)" in e.device_model["profile"]
+
+
 def test_heavy_last_stage_gets_fewer_layers(tmp_path):
     """auto(profile) balances measured times: a last stage measured 3x slower than its FLOPs
     say gives up layers; an even profile keeps the FLOP-balanced cut."""
@@ -95,8 +139,9 @@ def test_costly_w_moves_w_placement_and_costs_are_the_profiles(tmp_path):
     for row in sim.costs.per_stage:  # the measured times, summed back from the nodes
         assert row == pytest.approx((0.01, 0.01, 0.03), rel=1e-12)
     assert sim.costs.latency == 1e-4
-    assert costly.estimates.device_model["profile"].startswith("profile costs.json (measured "
-                                                               "on cpu: test, 1f1b, steps 3-5)")
+    assert costly.estimates.device_model["profile"] == (
+        "profile costs.json (measured on cpu: test, 1f1b, steps 3-5; its mean op times, no "
+        "steps to replay)")
 
 
 @pytest.mark.parametrize("content,reason", [
