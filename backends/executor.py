@@ -189,6 +189,10 @@ class Executor:
         self.on_stage_done = on_stage_done or (lambda stage: None)
         self.around_action = around_action or (lambda stage: contextlib.nullcontext())
         self.on_action = None  # called with each action's label before it runs (failure.Beacon)
+        # False (the hot path): only the loss and, once per stage, its weight gradients after
+        # its last W/BW are flagged -- enough to tell that the step went non-finite; True: every
+        # action's values (the rerun of a failed step that names the first, nonfinite.py).
+        self.check_every_action = False
         self.last_grad_action = _last_grad_actions(self.planned)
         self.buffers = RecvBuffers(device)
         # One FIFO stream per peer (NCCL): a receive from the peer just sent to goes after the send.
@@ -284,14 +288,15 @@ class Executor:
         return dist.batch_isend_irecv(ops), bufs
 
     def _flag(self, a, produced: dict[str, torch.Tensor], result: StepResult, end: float) -> None:
-        """Device-side checks of what the action produced (no host sync)."""
+        """Device-side checks of what the action produced (no host sync); values sent on and
+        input gradients only under `check_every_action`."""
         op, s, mb = op_name(a), a.stage, a.microbatch
         runner = self.runners[s]
         floats = {k: v for k, v in produced.items() if v.is_floating_point()}
         if op == "F" and runner.is_last:
             result.flags.append(Flag(label(a), s, mb, "the loss", ("loss",),
                                      ~torch.isfinite(runner.last_loss).reshape(1), end))
-        elif floats:  # activations may hold -inf (masks): only NaN is flagged there
+        elif floats and self.check_every_action:  # activations may hold -inf (masks): NaN only
             what = "activation" if op == "F" else "input gradient"
             check = torch.isnan if op == "F" else (lambda x: ~torch.isfinite(x))
             result.flags.append(Flag(label(a), s, mb, what, tuple(floats),
@@ -316,6 +321,9 @@ class Executor:
             produced = {v.name: o for v, o in zip(spec.outputs, outputs)}
             acts[(s, mb)] = produced
             return produced
+        if op in ("W", "BW"):
+            runner.check_grads = self.check_every_action or \
+                self.last_grad_action.get(s) == (op, mb)
         if op in ("B", "BW"):
             out_grads = None
             if not runner.is_last:

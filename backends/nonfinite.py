@@ -1,14 +1,17 @@
 """A step whose loss or gradient norm is not finite stops before the optimizer, named.
 
 The hot path checks once per step: the trainer reads the all-reduced loss (a
-rank whose weight gradients are non-finite contributes NaN to it) and, when
-the plan clips, the global gradient norm, and only when one of them is NaN or
-infinite comes here. Every rank arrives together (both values are the same
-on every rank), reads the device-side flags its executor left per action
-(executor.Flag: NaN in a value sent on, a non-finite input gradient, a
-non-finite loss, non-finite weight gradients), and the ranks agree on the
-earliest flagged action in time: where the first non-finite value appeared.
-Every rank raises the same message, so the launcher prints it once.
+rank whose weight gradients are non-finite contributes NaN to it; each stage's
+are checked once, after its last W/BW of the step -- a non-finite gradient stays
+so as more are added) and, when the plan clips, the global gradient norm, and
+only when one of them is NaN or infinite comes here. Every rank arrives
+together (both values are the same on every rank) and reruns the step checked
+(trainer._rerun_checked: same weights, batches and random state, so the same
+values), its executor leaving device-side flags per action (executor.Flag: NaN
+in a value sent on, a non-finite input gradient, a non-finite loss, non-finite
+weight gradients); the ranks agree on the earliest flagged action in time:
+where the first non-finite value appeared. Every rank raises the same message,
+so the launcher prints it once.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from ..dsl.ast import Plan
 from . import data
 from .checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
-from .executor import ActionTiming, Executor, Span
+from .executor import ActionTiming, Executor, Span, StepResult
 from .grads import GradSync, ZeroSync, build_tied_groups
 from .layout import StageLayout
 from .materialize import fresh_meta
@@ -211,6 +211,7 @@ class PipelineTrainer:
         the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start = time.perf_counter()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
+        rng = _rng_state(self.device)  # a failed step is rerun from it (_rerun_checked)
         begun = time.time()
         with self.prepass.run(batches) if self.prepass else contextlib.nullcontext():
             ran = time.time()
@@ -234,6 +235,7 @@ class PipelineTrainer:
         if not (math.isfinite(loss_value) and (norm is None or math.isfinite(norm))):
             dist.all_reduce(mine, group=self.island_group)  # what the loss was, and the norm
             norm = self.sync.norm() if norm is None else norm
+            result = self._rerun_checked(batches, rng)
             raise NonFiniteError(locate_non_finite(t, result, float(mine), norm, self.runners))
         lr = self.plan.train.optimizer.lr
         spans.begin("optimizer", "optimizer step")
@@ -251,6 +253,27 @@ class PipelineTrainer:
         return StepReport(t, loss_value, norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
                           tuple(result.timings), tuple(result.spans), events)
+
+    def _rerun_checked(self, batches, rng) -> StepResult:
+        """The failed step once more with every action's values checked (executor
+        `check_every_action`; every rank gets here together, as all saw the non-finite
+        loss): from the same weights (no optimizer step ran), batches and random state it
+        computes the same values, so the first non-finite one is named exactly, while the
+        hot path only flags the loss and each stage's weight gradients at its last W/BW."""
+        if self.zero is not None:
+            self.zero.zero_grad()
+        for runner in self.runners.values():
+            for p in runner.params:
+                p.grad = None
+        _set_rng_state(rng, self.device)
+        self.executor.check_every_action = True
+        try:
+            with self.prepass.run(batches) if self.prepass else contextlib.nullcontext():
+                result = self.executor.run_step(batches)
+            self.sync.finish()  # drain the collectives the rerun started
+        finally:
+            self.executor.check_every_action = False
+        return result
 
     def resume(self, steps_done: int) -> None:
         """After restoring a checkpoint: the LR schedule continues where it stopped."""
@@ -282,3 +305,15 @@ class PipelineTrainer:
             if self.zero is not None and self.plan.zero == 3:
                 for s in sorted(self.runners):
                     self.zero.release(s)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The random state a step starts from (dropout): the CPU generator's, and the device's."""
+    return (torch.get_rng_state(),
+            torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

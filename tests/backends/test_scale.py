@@ -99,6 +99,29 @@ class Bad(nn.Module):
     def forward(self, x):
         return x + (self.w - self.w).sqrt().sum()
 
+class Parity(nn.Module):
+    """NaN weight gradient only for a microbatch whose first token is even:
+    d (w * k) ** 0.5 / dw = k / (2 sqrt(w k)) = 0 * inf at k = 0."""
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+    def reset_parameters(self):
+        nn.init.ones_(self.w)
+    def forward(self, x, ids):
+        k = (ids[0, 0] % 2).to(x.dtype)
+        return x + (self.w * k).pow(0.5).sum()
+
+class P(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+        self.l0 = nn.Linear(8, 8)
+        self.l1 = nn.Linear(8, 8)
+        self.bad = Parity(8)
+        self.head = nn.Linear(8, 64)
+    def forward(self, input_ids):
+        return self.head(self.bad(self.l1(torch.tanh(self.l0(self.emb(input_ids)))), input_ids))
+
 class M(nn.Module):
     def __init__(self, bad_on=1):
         super().__init__()
@@ -112,12 +135,12 @@ class M(nn.Module):
 '''
 
 
-def _nan_step(rank, world, source):
-    plan = Plan(model=ModelSpec(source, capture="fx"), data=DataSpec(seq_len=8, vocab=64, seed=1),
+def _nan_step(rank, world, source, seed=1, microbatches=2):
+    plan = Plan(model=ModelSpec(source, capture="fx"), data=DataSpec(seq_len=8, vocab=64, seed=seed),
                 mesh=MeshSpec(pp=2), pipeline=PipelineSpec(
-                    schedule="1f1b", microbatches=2,
+                    schedule="1f1b", microbatches=microbatches,
                     split=SplitSpec(kind="points", points=("l1",))),
-                train=TrainSpec(steps=1, global_batch=4, seed=0))
+                train=TrainSpec(steps=1, global_batch=2 * microbatches, seed=0))
     trainer = PipelineTrainer.for_plan(plan)
     before = {k: v.clone() for k, v in trainer.named_parameters().items()}
     try:
@@ -137,4 +160,27 @@ def test_nan_gradient_stops_the_step_before_the_optimizer_naming_it(spawn, tmp_p
         assert message.startswith("step 1: non-finite values")
         assert "the optimizer step was not applied" in message
         assert "parameter `bad.w`" in message and "stage 1 microbatch 0" in message
+    assert results[0][0] == results[1][0]
+
+
+@pytest.mark.slow
+def test_nan_in_a_later_microbatch_is_named_by_the_checked_rerun(spawn, tmp_path):
+    """The hot path checks a stage's weight gradients once, after its last W/BW; the failed
+    step is rerun with every action checked and names the first bad microbatch -- here
+    microbatch 1 of 4 (0 is finite, 2 or 3 not the first), which the once-per-step check
+    alone would place at the stage's last W."""
+    from pipeplan.backends import data
+    (tmp_path / "nanmodel.py").write_text(NAN_MODEL)
+    source = str(tmp_path / "nanmodel.py") + ":P"
+
+    def parity(seed):  # the first token of each microbatch, as the stages will see them
+        plan = Plan(model=ModelSpec(source), data=DataSpec(seq_len=8, vocab=64, seed=seed),
+                    pipeline=PipelineSpec(microbatches=4), train=TrainSpec(global_batch=8))
+        return [int(b.field("input_ids")[0, 0]) % 2 for b in data.dp_microbatches(plan, 0, 0, 0)]
+
+    seed = next(s for s in range(1, 500) if parity(s)[:2] == [1, 0] and parity(s)[3] == 1)
+    results = spawn(_nan_step, 2, source, seed, 4, timeout=120)
+    for message, unchanged in results:
+        assert message is not None and unchanged
+        assert "parameter `bad.w`" in message and "stage 1 microbatch 1" in message, message
     assert results[0][0] == results[1][0]

@@ -18,8 +18,14 @@ slowest rank's. The first step of each is the warm-up, measured for memory
 allocates and keeps alive: activations, gradients, communication buffers,
 optimizer state; max over ranks); the rest for time. Both must reach the same losses.
 
-Prints per (world, schedule): median step time of each, the ratio pipeplan/torch and
-the peak memory ratio. `--profile DIR` writes each rank's cProfile of either side's
+Prints per (world, schedule): median step time of each, the ratio pipeplan/torch,
+the peak memory ratio, and the floor: per timed step, pipeplan's order of the
+schedule simulated with torch's own measured compute of each action (its stage
+methods' wall time, the loss included) and nothing else -- transfers free and
+instant, no runtime work between actions -- plus each rank's measured optimizer
+step; floor/torch is the ratio a runtime with no overhead at all would reach
+with the model's kernels as torch runs them (a ratio below it needs faster
+kernels, not a better runtime). `--profile DIR` writes each rank's cProfile of either side's
 timed steps. Same-process alternation is the only comparison that means anything on a
 loaded machine (separate launches vary 0.3-2.7x for identical code here).
 """
@@ -152,6 +158,8 @@ class TorchSide:
         self.tie_group = dist.new_group(ends) if len(ends) > 1 else None  # collective
         self.optimizer = build_optimizer(params, plan.train)
         self.plan = plan
+        self.records: list = []  # per step: ([(op, stage, mb, seconds)], optimizer seconds)
+        self.ops = _time_compute(pipe, self.schedule)
 
     def step(self, t: int) -> torch.Tensor:
         from pipeplan.backends import data
@@ -167,9 +175,70 @@ class TorchSide:
             self.schedule.step()
         if self.tied is not None:  # the embedding and the head: one parameter, two ranks
             dist.all_reduce(self.tied.grad, group=self.tie_group)
+        start = time.thread_time()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.records.append((list(self.ops), time.thread_time() - start))
+        self.ops.clear()
         return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+
+def _time_compute(stages, schedule) -> list:
+    """Record how long torch's own compute of each action takes on this rank: forward (and
+    the loss, on the last stage), backward (full, or input-only under ZBV), weight backward
+    -- the CPU time of the stage methods on this thread (not the wall time: with more ranks
+    than cores a rank is also descheduled), without the schedule's communication. Returns
+    the list the (op, stage, microbatch, seconds) records go to."""
+    ops: list = []
+
+    def wrap(obj, name, op_of):
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            out = inner(*args, **kwargs)
+            op, st, mb = op_of(*args, **kwargs)
+            ops.append((op, st, mb, time.thread_time() - start))
+            return out
+        setattr(obj, name, timed)
+
+    wrap(schedule, "_maybe_compute_loss",
+         lambda st, output, target_mbs, mb, *a, **k: ("F", st.stage_index, mb))
+    for stage in stages:
+        index = stage.stage_index
+        wrap(stage, "forward_one_chunk", lambda mb, *a, i=index, **k: ("F", i, mb))
+        wrap(stage, "backward_one_chunk",
+             lambda mb, loss=None, full_backward=True, last_backward=False, i=index:
+             ("BW" if full_backward else "B", i, mb))
+        wrap(stage, "backward_weight_one_chunk", lambda mb, *a, i=index, **k: ("W", i, mb))
+    return ops
+
+
+def floor_ms(kind: str, world: int, records: list) -> list[float]:
+    """Per timed step, a lower bound on any runtime's step running pipeplan's order of this
+    schedule with torch's own measured compute (CPU seconds) and nothing else -- p2p free
+    and instant, no runtime work -- the larger of: the schedule simulated with those times
+    plus each rank's optimizer after its last action (the slowest rank's end), and all
+    ranks' compute over the cores they share (`os.cpu_count()`; 4 ranks on 2 cores here).
+    records[rank][step] = ([(op, stage, mb, s)], optimizer s)."""
+    from pipeplan.compiler import compile_plan
+    from pipeplan.schedules.costs import Costs
+    from pipeplan.schedules.simulate import simulate
+
+    schedule = compile_plan(make_plan(kind, world, 2)).schedule
+    out = []
+    for step in range(len(records[0])):
+        took: dict = {}
+        for rank in records:
+            for op, st, mb, sec in rank[step][0]:
+                took[(op, st, mb)] = took.get((op, st, mb), 0.0) + sec  # F + its loss
+        sim = simulate(schedule, Costs(latency=0.0),
+                       durations=lambda a: took[(a.op, a.stage, a.microbatch)])
+        path = max(sim.end[r][-1] + records[r][step][1] for r in range(world))
+        work = (sum(took.values()) + sum(records[r][step][1] for r in range(world))) \
+            / min(world, os.cpu_count() or 1)
+        out.append(max(path, work) * 1e3)
+    return out
 
 
 # --------------------------------------------------------------------- one rank
@@ -260,9 +329,12 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
     dist.all_reduce(theirs_all)  # only the last stage's rank holds them
     peaks = torch.tensor([mem_ours, mem_theirs], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    records = [None] * world
+    dist.all_gather_object(records, theirs.records[1:])  # the timed steps
     if rank == 0:
         torch.save({"ours_losses": ours_losses, "theirs_losses": theirs_all.tolist(),
-                    "ours_t": ours_t, "theirs_t": theirs_t, "mem": peaks.tolist()}, out)
+                    "ours_t": ours_t, "theirs_t": theirs_t, "mem": peaks.tolist(),
+                    "floor": floor_ms(kind, world, records)}, out)
     dist.destroy_process_group()
 
 
@@ -295,7 +367,7 @@ def main() -> None:
           f"{GLOBAL_BATCH // MICROBATCHES}x{MODEL['seq_len']} tokens, AdamW, gloo, 1 thread "
           f"per rank; {args.steps - 1} timed steps each after 1 warm-up, alternating")
     print(f"{'world':>5} {'schedule':12} {'pipeplan ms':>11} {'torch ms':>9} {'time ratio':>10} "
-          f"{'memory ratio':>12}  losses (max rel diff)")
+          f"{'memory ratio':>12} {'floor ms':>8} {'floor/torch':>11}  losses (max rel diff)")
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for world in map(int, args.worlds.split(",")):
@@ -306,8 +378,10 @@ def main() -> None:
                                                                r["theirs_losses"]))
                 same = diff < 1e-4
                 failed |= not same
+                floor = statistics.median(r["floor"])
                 print(f"{world:>5} {kind:12} {ours * 1e3:11.1f} {theirs * 1e3:9.1f} "
-                      f"{ours / theirs:10.2f} {r['mem'][0] / r['mem'][1]:12.2f}  "
+                      f"{ours / theirs:10.2f} {r['mem'][0] / r['mem'][1]:12.2f} "
+                      f"{floor:8.1f} {floor / (theirs * 1e3):11.2f}  "
                       f"{'same' if same else 'DIFFERENT'} ({diff:.1e})", flush=True)
     sys.exit(1 if failed else 0)
 
