@@ -61,13 +61,35 @@ def _step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) -
     """One step's slots per stage, op and microbatch, and its own mean p2p latency."""
     m = schedule.microbatches
     table = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]
+    delays = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]
+    done = {(a.op, a.stage, a.microbatch): a.done for r in pipeline for a in r.steps[k]}
     for r in pipeline:
         for a in r.steps[k]:
             table[a.stage][a.op][a.microbatch] = a.slot
-    stages = tuple({op: None if all(t is None for t in times) else tuple(times)
-                    for op, times in per.items()} for per in table)
+            delays[a.stage][a.op][a.microbatch] = _delay(a, done, schedule)
     one = [RankTimings(r.rank, r.pp, r.dp, r.tp, (r.steps[k],)) for r in pipeline]
-    return StepSample(step, measured_latency(one, schedule), stages)
+    return StepSample(step, measured_latency(one, schedule), _lists(table), _lists(delays))
+
+
+def _delay(a, done: dict, schedule) -> float:
+    """How long the action's input took from another rank: from the producer's end to the
+    moment the consumer, blocked on it, got it (`ready`); 0 when it was not blocked, or the
+    producer is on its own rank (a hand-over in memory) or there is none."""
+    if a.op == "F" and a.stage > 0:
+        producers = [("F", a.stage - 1, a.microbatch)]
+    elif a.op in ("B", "BW") and a.stage + 1 < schedule.stages:
+        producers = [(op, a.stage + 1, a.microbatch) for op in ("B", "BW")]
+    else:
+        return 0.0
+    if schedule.stage_to_rank[a.stage] == schedule.stage_to_rank[producers[0][1]]:
+        return 0.0
+    ends = [done[p] for p in producers if p in done]
+    return max(0.0, a.ready - ends[0]) if ends and a.recv_wait > 0 else 0.0
+
+
+def _lists(table) -> tuple[dict, ...]:
+    return tuple({op: None if all(t is None for t in times) else tuple(t or 0.0 for t in times)
+                  for op, times in per.items()} for per in table)
 
 
 def _sent_bytes(spec) -> int:

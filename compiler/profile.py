@@ -9,7 +9,8 @@ A cost file is JSON written by `pipeplan profile PLAN -o costs.json` (backends/p
      "stages": [{"index": 0, "F": 0.01, "B": null, "W": null, "BW": 0.02, "samples": 24,
                  "activation_bytes": 32768}, ...],
      "steps": [{"step": 3, "p2p_latency_s": 0.0004,
-                "stages": [{"F": [per microbatch], "B": null, "W": null, "BW": [...]}, ...]}, ...]}
+                "stages": [{"F": [per microbatch], "B": null, "W": null, "BW": [...]}, ...],
+                "delays": [{"F": [per microbatch], "B": null, "BW": [...]}, ...]}, ...]}
 
 Seconds per microbatch, means over the measured (post-warm-up) steps of each
 action's slot (compute plus the runtime's work around it: posting its sends and
@@ -34,9 +35,13 @@ same FLOP ratio.
 means above order and split; the predicted bubble and step time replay those
 steps instead (`replayed`): the schedule is simulated once per measured step with
 each action charged what that action took in that step, and the median step is
-the prediction. Means alone miss what jitter costs a tight schedule: a late op
-makes its consumer wait, an early one saves nothing (2-rank zbv here: 0.037
-simulated from means, 0.095 replayed, 0.105 measured). Replay needs the plan's
+the prediction; each transfer is charged the delay its input had in that step
+(`delays`: from the producer's end to the consumer's start where the consumer
+was blocked on it, else 0). Means alone miss what jitter costs a tight
+schedule: a late op makes its consumer wait, an early one saves nothing, and a
+few transfers stall for milliseconds while most arrive at once (2-rank zbv, 15
+steps: 0.049 simulated from means; replayed with each step's op times and its
+mean latency 0.085, with each transfer's own delay 0.092; measured 0.094). Replay needs the plan's
 split to be the profiled one; otherwise the means are simulated, and the report
 says which.
 """
@@ -84,6 +89,7 @@ class StepSample:
     step: int
     p2p_latency_s: float
     stages: tuple[dict, ...]  # op -> tuple of seconds indexed by microbatch, or None
+    delays: tuple[dict, ...] = ()  # the same per consumer: its input's delay; () = latency
 
 
 @dataclass(frozen=True)
@@ -159,18 +165,24 @@ def _step(x: dict, stages: int, path: str) -> StepSample:
             or len(x["stages"]) != stages:
         raise ProfileError(path, f"a steps entry needs one object per stage ({stages}), got "
                            f"{str(x)[:80]!r}")
-    rows = []
-    for i, st in enumerate(x["stages"]):
-        row = {}
-        for op in OPS:
-            v = st.get(op)
-            row[op] = None if v is None else tuple(_seconds(t, f"step {x.get('step')} stage {i} "
-                                                               f"{op}", path) for t in v)
+    rows = tuple(_times(st, f"step {x.get('step')} stage {i}", path)
+                 for i, st in enumerate(x["stages"]))
+    for i, row in enumerate(rows):
         if not row["F"]:
             raise ProfileError(path, f"step {x.get('step')} stage {i} has no F times")
-        rows.append(row)
+    delays = x.get("delays", [])
+    if delays and len(delays) != stages:
+        raise ProfileError(path, f"step {x.get('step')}: delays need one object per stage")
     return StepSample(int(x["step"]), _seconds(x["p2p_latency_s"], "p2p_latency_s", path),
-                      tuple(rows))
+                      rows, tuple(_times(d, f"step {x.get('step')} stage {i} delay", path)
+                                  for i, d in enumerate(delays)))
+
+
+def _times(st: dict, where: str, path: str) -> dict:
+    if not isinstance(st, dict):
+        raise ProfileError(path, f"{where}: expected an object of per-op lists, got {st!r}")
+    return {op: None if st.get(op) is None else
+            tuple(_seconds(t, f"{where} {op}", path) for t in st[op]) for op in OPS}
 
 
 def workload(plan: Plan) -> dict:
@@ -255,8 +267,8 @@ def profile_text(plan: Plan, profile: Profile, replay=None) -> str:
 
 def replayed(profile: Profile, schedule, costs, split_points: Sequence[str]):
     """The schedule simulated once per measured step of the profile, each action charged its
-    own measured time in that step (microbatch k beyond the profiled ones: k mod their
-    count); `costs` (the means) give the B:W ratio where only BW was measured, and where
+    own measured time in that step and each transfer its own measured delay (microbatch k
+    beyond the profiled ones: k mod their count); `costs` (the means) give the B:W ratio where only BW was measured, and where
     a profiled stage ran B and W but the schedule runs BW, B + W is charged. Returns
     (simulation of the median step, median makespan), or None when the plan's split is
     not the profiled one or the file holds no steps."""
@@ -269,10 +281,21 @@ def replayed(profile: Profile, schedule, costs, split_points: Sequence[str]):
     for sample in profile.steps:
         step_costs = dataclasses.replace(costs, latency=sample.p2p_latency_s)
         runs.append(simulate(schedule, step_costs,
-                             durations=_durations(sample, costs, schedule.stages)))
+                             durations=_durations(sample, costs, schedule.stages),
+                             delays=_delays(sample) if sample.delays else None))
     runs.sort(key=lambda r: r.bubble)
     makespans = sorted(r.makespan for r in runs)
     return runs[(len(runs) - 1) // 2], makespans[(len(makespans) - 1) // 2]
+
+
+def _delays(sample: StepSample):
+    """Each action's input delay in the step (B and BW stand for each other; 0 where the
+    profiled run had none)."""
+    def delay(a) -> float:
+        row = sample.delays[a.stage]
+        times = row.get(a.op) or row.get({"B": "BW", "BW": "B"}.get(a.op, a.op))
+        return times[a.microbatch % len(times)] if times else 0.0
+    return delay
 
 
 def _durations(sample: StepSample, costs, stages: int):

@@ -83,21 +83,24 @@ def _bubble(busy, makespan: float) -> float:
 
 def simulate(schedule: Schedule, costs: Optional[Costs] = None,
              memory_limit: Optional[float] = None, in_order: bool = True,
-             durations: Optional[Callable[[Action], float]] = None) -> SimResult:
+             durations: Optional[Callable[[Action], float]] = None,
+             delays: Optional[Callable[[Action], float]] = None) -> SimResult:
     """Time the schedule. The lower bound holds for every schedule of the same placement and
     costs within `memory_limit` activations per rank (default: this schedule's own peak).
     in_order=False times it under tag-matched receives (torch's runtime; see execution.analyze).
     `durations`: each action's own time (one measured step replayed, compiler/profile.py)
-    instead of its stage's per-op cost; `costs` still give the latency and the lower bound."""
+    instead of its stage's per-op cost; `delays`: how long each action's input took to arrive
+    from another rank, instead of `costs.latency`; `costs` still give the lower bound."""
     with bulk():
-        return _simulate(schedule, costs or Costs(), memory_limit, in_order, durations)
+        return _simulate(schedule, costs or Costs(), memory_limit, in_order, durations, delays)
 
 
 def _simulate(schedule: Schedule, costs: Costs, memory_limit: Optional[float], in_order: bool,
-              durations: Optional[Callable[[Action], float]] = None) -> SimResult:
+              durations: Optional[Callable[[Action], float]] = None,
+              delays: Optional[Callable[[Action], float]] = None) -> SimResult:
     table = costs.stage_table(schedule.stage_to_rank)
     ex = analyze(schedule, in_order)
-    start, end = _time(ex, table, durations)
+    start, end = _time(ex, table, durations, delays)
     p = schedule.ranks
     busy = tuple(sum(map(sub, end[r], start[r])) for r in range(p))  # sum of (end - start), in C
     makespan = max((row[-1] for row in end if row), default=0.0)
@@ -119,7 +122,8 @@ def time_actions(ex: Execution, table: StageCosts):
 
 
 def _time(ex: Execution, table: StageCosts,
-          durations: Optional[Callable[[Action], float]] = None):
+          durations: Optional[Callable[[Action], float]] = None,
+          delays: Optional[Callable[[Action], float]] = None):
     """Start/end of every action: after its rank's previous action and its input's arrival.
 
     Times live in flat lists indexed by the encoded position (rank * stride + index), so the
@@ -134,19 +138,36 @@ def _time(ex: Execution, table: StageCosts,
     producer = [NONE] * size
     for r, row in enumerate(ex.producer):
         producer[r * stride:r * stride + len(row)] = row
+    delay = None
+    if delays is not None:
+        delay = [lat] * size
+        for r, row in enumerate(order):
+            delay[r * stride:r * stride + len(row)] = list(map(delays, row))
     start = [0.0] * size
     end = [0.0] * size
     free = [0.0] * len(order)
-    for code in ex.topo:
-        r = code // stride
-        t = free[r]
-        dep = producer[code]
-        if dep != NONE:
-            arrive = end[dep] + (lat if dep // stride != r else 0.0)
-            if arrive > t:
-                t = arrive
-        start[code] = t
-        free[r] = end[code] = t + dur[code]
+    if delay is None:  # the local search's inner loop: one constant latency
+        for code in ex.topo:
+            r = code // stride
+            t = free[r]
+            dep = producer[code]
+            if dep != NONE:
+                arrive = end[dep] + (lat if dep // stride != r else 0.0)
+                if arrive > t:
+                    t = arrive
+            start[code] = t
+            free[r] = end[code] = t + dur[code]
+    else:
+        for code in ex.topo:
+            r = code // stride
+            t = free[r]
+            dep = producer[code]
+            if dep != NONE:
+                arrive = end[dep] + (delay[code] if dep // stride != r else 0.0)
+                if arrive > t:
+                    t = arrive
+            start[code] = t
+            free[r] = end[code] = t + dur[code]
     return ([start[r * stride:r * stride + len(row)] for r, row in enumerate(order)],
             [end[r * stride:r * stride + len(row)] for r, row in enumerate(order)])
 

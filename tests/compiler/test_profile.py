@@ -105,6 +105,31 @@ def test_prediction_replays_the_median_measured_step(tmp_path):
     assert "its mean op times (another split)" in e.device_model["profile"]
 
 
+def test_replay_charges_each_transfer_its_own_delay(tmp_path):
+    """F 1 s, BW 2 s everywhere; in the measured step stage 1's input for F mb0 arrived 1 s
+    after stage 0 sent it (every other transfer at once). By hand (1F1B, 2 ranks, 2
+    microbatches): rank 1 runs F0 [2,3], BW0 [3,5], F1 [5,6], BW1 [6,8]; rank 0 F0 [0,1],
+    F1 [1,2], BW0 [5,7], BW1 [8,10]: makespan 10, bubble 1 - 12/20. Without the delays
+    (the step's mean latency 0 on every transfer): makespan 9."""
+    shape = {**SHAPE, "sequences_per_microbatch": 4}
+    even = {"F": (1.0, 1.0), "B": None, "W": None, "BW": (2.0, 2.0)}
+    none = {"F": (0.0, 0.0), "B": None, "W": None, "BW": (0.0, 0.0)}
+    late = dataclasses.replace(_profile([(1.0, None, None, 2.0)] * 2, latency=0.0, shape=shape),
+                               steps=(StepSample(3, 0.0, (even, even),
+                                                 (none, {**none, "F": (1.0, 0.0)})),))
+    assert Profile.from_json(late.to_json(), "x.json") == late
+    plan = _plan(tmp_path, '  schedule = 1f1b\n  split = ["layers.4"]\n'
+                 '  profile = "costs.json"')
+    plan.write_text(plan.read_text().replace("microbatches = 4", "microbatches = 2"))
+    for profile, makespan in ((late, 10.0), (dataclasses.replace(
+            late, steps=(dataclasses.replace(late.steps[0], delays=()),)), 9.0)):
+        _write(tmp_path, profile)
+        e = compile_plan(load_plan(str(plan))).estimates
+        assert e.simulation.makespan == pytest.approx(makespan, rel=1e-12)
+    _write(tmp_path, late)
+    assert compile_plan(load_plan(str(plan))).estimates.bubble == pytest.approx(0.4, rel=1e-12)
+
+
 def test_heavy_last_stage_gets_fewer_layers(tmp_path):
     """auto(profile) balances measured times: a last stage measured 3x slower than its FLOPs
     say gives up layers; an even profile keeps the FLOP-balanced cut."""
