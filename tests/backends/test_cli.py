@@ -156,11 +156,22 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
     replanned = tmp_path / "replanned.plan"
     replanned.write_text(plan.read_text().replace("microbatches = 2",
                                                   f'microbatches = 2\n  profile = "{costs}"'))
-    sim = compile_plan(load_plan(str(replanned))).estimates.simulation
+    estimates = compile_plan(load_plan(str(replanned))).estimates
+    sim = estimates.simulation
     for st, row in zip(profile.stages, sim.costs.per_stage):  # F and B + W = the measured BW
         assert row[0] == pytest.approx(st.F, rel=1e-9)
         assert row[1] + row[2] == pytest.approx(st.BW, rel=1e-9)
-    assert sim.costs.latency == profile.p2p_latency_s
+    # each measured step kept action by action (the trace's slots), and replayed: the
+    # prediction is the median step's simulation, under that step's latency
+    assert [k.step for k in profile.steps] == [2, 3]
+    for k in profile.steps:
+        for st in range(2):
+            for op in ("F", "BW"):
+                assert k.stages[st][op] == pytest.approx(
+                    [slots[(op, st, mb, k.step)] for mb in range(2)], rel=1e-6, abs=1e-7)
+        assert k.delays[0]["F"] == (0.0, 0.0) and k.delays[1]["BW"] == (0.0, 0.0)
+    assert sim.costs.latency in {k.p2p_latency_s for k in profile.steps}
+    assert "the median of its 2 measured steps replayed" in estimates.device_model["profile"]
 
     assert main(["report", str(run_dir)]) == 0
     page = (run_dir / "report.html").read_text()
