@@ -61,7 +61,7 @@ def _hand_fed_losses(plan, steps: int) -> list[float]:
             logits = model(tokens[part], positions[part])
             loss = F.cross_entropy(logits.flatten(0, 1), targets[part].flatten()) / 2
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         opt.step()
         opt.zero_grad()
         losses.append(total)
