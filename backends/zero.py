@@ -36,54 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiler.zero_layout import MemoryBytes, StateBytes, padded, shard_memory
+from ..compiler.zero_layout import FlatLayout, MemoryBytes
 from ..errors import PipeplanError
 from .materialize import FlatTarget, slice_of
 from .zero_window import PrefetchWindow  # noqa: F401 (re-exported: one import for ZeRO)
 
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Where each parameter sits in the flat buffer, and the per-rank shard size."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]
-    numel: int  # real elements
-    padded: int  # buffer length, a multiple of the group size
-    shard: int  # elements per rank
-
-    @staticmethod
-    def of(named: Sequence[tuple[str, torch.Tensor]], world: int) -> "FlatLayout":
-        shapes = tuple(tuple(p.shape) for _, p in named)
-        sizes = [p.numel() for _, p in named]
-        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
-        numel = sum(sizes)
-        full = padded(numel, world)
-        return FlatLayout(tuple(n for n, _ in named), shapes, offsets, numel, full,
-                          full // world)
-
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        return rank * self.shard, (rank + 1) * self.shard
-
-
-def expected_memory(numel: int, dp: int, stage: int, optimizer: str = "adamw",
-                    momentum: bool = False, element_size: int = 4) -> MemoryBytes:
-    """What `ZeroOptimizer.memory()` measures of one FlatShard after a step, from sizes alone.
-
-    `numel` parameters in one flat shard group of `dp` ranks. AdamW keeps two
-    moments per element plus a float32 step counter; SGD keeps a momentum
-    buffer when momentum is on, else nothing. The rule itself is
-    compiler/zero_layout.py's `shard_memory`, which the compiler's estimates use.
-    """
-    if optimizer not in ("adamw", "sgd"):
-        raise PipeplanError(f"no memory model for optimizer {optimizer!r}")
-    per = StateBytes.of(optimizer, momentum)
-    scaled = StateBytes(element_size, element_size, per.optimizer * element_size // 4,
-                        per.counter)
-    return shard_memory(numel, dp, stage, scaled)
 
 
 def _group_size(group) -> int:

@@ -20,7 +20,12 @@ No torch.distributed here: the compiler imports this at compile time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+from ..errors import PipeplanError
+
+if TYPE_CHECKING:
+    import torch
 
 # The kinds of parameters ZeRO keeps in separate shards (each sums its gradient over
 # its own group and its norm over its own spread group), in the runtime's order.
@@ -110,3 +115,45 @@ def group_shards(stages: Sequence[tuple[int, Sequence[tuple[Hashable, str]]]]
             if owner.get(key) is not None and owner[key] not in used:
                 used.append(owner[key])
     return shards, uses
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter sits in the flat buffer, and the per-rank shard size."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int  # real elements
+    padded: int  # buffer length, a multiple of the group size
+    shard: int  # elements per rank
+
+    @staticmethod
+    def of(named: Sequence[tuple[str, torch.Tensor]], world: int) -> "FlatLayout":
+        shapes = tuple(tuple(p.shape) for _, p in named)
+        sizes = [p.numel() for _, p in named]
+        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        numel = sum(sizes)
+        full = padded(numel, world)
+        return FlatLayout(tuple(n for n, _ in named), shapes, offsets, numel, full,
+                          full // world)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard, (rank + 1) * self.shard
+
+
+def expected_memory(numel: int, dp: int, stage: int, optimizer: str = "adamw",
+                    momentum: bool = False, element_size: int = 4) -> MemoryBytes:
+    """What `ZeroOptimizer.memory()` measures of one FlatShard after a step, from sizes alone.
+
+    `numel` parameters in one flat shard group of `dp` ranks. AdamW keeps two
+    moments per element plus a float32 step counter; SGD keeps a momentum
+    buffer when momentum is on, else nothing. The rule itself is
+    compiler/zero_layout.py's `shard_memory`, which the compiler's estimates use.
+    """
+    if optimizer not in ("adamw", "sgd"):
+        raise PipeplanError(f"no memory model for optimizer {optimizer!r}")
+    per = StateBytes.of(optimizer, momentum)
+    scaled = StateBytes(element_size, element_size, per.optimizer * element_size // 4,
+                        per.counter)
+    return shard_memory(numel, dp, stage, scaled)

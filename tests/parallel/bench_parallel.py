@@ -6,7 +6,7 @@
    token, gates mix them) against pipeplan's dispatching layer on one process
    (each expert only on its routed tokens): same math, k/E of the expert FLOPs.
 2. Per-rank bytes of parameters, gradients and AdamW states of a GPT's
-   parameters under ZeRO 0-3 over dp = 4 (zero.expected_memory, the formula the
+   parameters under ZeRO 0-3 over dp = 4 (zero_layout.expected_memory, the formula the
    tests check against measured tensors).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import torch
 
 from pipeplan.backends.expert_parallel import ExpertParallelMoE
-from pipeplan.backends.zero import expected_memory
+from pipeplan.compiler.zero_layout import expected_memory
 from pipeplan.examples.models.gpt import GPT
 from pipeplan.examples.models.moe_gpt import MoE
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeplan.backends.zero import (
-    FlatLayout, FlatShard, MemoryBytes, ZeroOptimizer, expected_memory)
+from pipeplan.backends.zero import FlatShard, ZeroOptimizer
+from pipeplan.compiler.zero_layout import FlatLayout, MemoryBytes, expected_memory
 from pipeplan.errors import PipeplanError
 
 TOL = dict(rtol=1e-9, atol=1e-12)
@@ -34,7 +34,7 @@ def adamw(params):
 
 
 def _expected_bytes(stage: int, world: int, numel: int):
-    """Written out by hand here, independently of zero.expected_memory."""
+    """Written out by hand here, independently of zero_layout.expected_memory."""
     padded = -(-numel // world) * world if stage > 0 else numel
     shard = padded // world if stage > 0 else padded
     params = shard * SIZE if stage == 3 else padded * SIZE
