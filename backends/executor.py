@@ -39,7 +39,7 @@ from ..compiler.compiled import BATCH, StageSpec
 from ..errors import PipeplanError
 from .comm import Direction, PlannedAction, Transfer, carries_grad, op_name
 from .data import Batch
-from .stage import StageRunner
+from .stage import StageRunner, local_part
 
 
 class ActionError(PipeplanError):
@@ -301,7 +301,15 @@ class Executor:
             check = torch.isnan if op == "F" else (lambda x: ~torch.isfinite(x))
             result.flags.append(Flag(label(a), s, mb, what, tuple(floats),
                                      torch.stack([check(v).any() for v in floats.values()]), end))
-        if op in ("W", "BW") and runner.last_grad_norm is not None:
+        if op in ("W", "BW") and self.check_every_action:  # per parameter, named
+            named = [(n, p.grad) for n, p in runner.module.named_parameters()
+                     if p.grad is not None]
+            if named:
+                result.flags.append(Flag(label(a), s, mb, "weight gradients",
+                                         tuple(n for n, _ in named), torch.stack(
+                                             [~torch.isfinite(local_part(g)).all()
+                                              for _, g in named]), end))
+        elif op in ("W", "BW") and runner.last_grad_norm is not None:
             result.flags.append(Flag(label(a), s, mb, "weight gradients", ("",),
                                      ~torch.isfinite(runner.last_grad_norm).reshape(1), end))
 

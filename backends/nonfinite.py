@@ -50,8 +50,9 @@ def _describe(flag: Flag, runners: dict) -> str:
     at = f"stage {flag.stage} microbatch {flag.microbatch} ({flag.label})"
     if flag.what == "the loss":
         return f"the loss of {at}"
-    if flag.what == "weight gradients":
-        name = _first_bad_parameter(runners[flag.stage].module)
+    if flag.what == "weight gradients":  # per parameter from a checked rerun; else look
+        named = [n for n, b in zip(flag.names, flag.bad.tolist()) if b and n]
+        name = named[0] if named else _first_bad_parameter(runners[flag.stage].module)
         return (f"the gradient of parameter `{name}`" if name else "a weight gradient") + \
             f" in {at}"
     bad = [n for n, b in zip(flag.names, flag.bad.tolist()) if b]

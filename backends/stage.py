@@ -193,7 +193,7 @@ class StageRunner:
         if not self.check_grads:
             self.last_grad_norm = None
             return
-        local = [_local(p.grad) for p in self.params if p.grad is not None]
+        local = [local_part(p.grad) for p in self.params if p.grad is not None]
         self.last_grad_norm = (torch.nn.utils.get_total_norm(local, 2.0)
                               if local else None)
 
@@ -225,10 +225,10 @@ class StageRunner:
         return sorted(self._saved)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (TP-sharded gradients); a plain tensor as it is."""
     return t if type(t) is torch.Tensor or not hasattr(t, "to_local") else t.to_local()
 
 
 def _storage(t: torch.Tensor) -> int:
-    return _local(t).untyped_storage().data_ptr()
+    return local_part(t).untyped_storage().data_ptr()

@@ -135,12 +135,12 @@ class M(nn.Module):
 '''
 
 
-def _nan_step(rank, world, source, seed=1, microbatches=2):
+def _nan_step(rank, world, source, seed=1, microbatches=2, dp=1, zero=0):
     plan = Plan(model=ModelSpec(source, capture="fx"), data=DataSpec(seq_len=8, vocab=64, seed=seed),
-                mesh=MeshSpec(pp=2), pipeline=PipelineSpec(
+                mesh=MeshSpec(pp=2, dp=dp), zero=zero, pipeline=PipelineSpec(
                     schedule="1f1b", microbatches=microbatches,
                     split=SplitSpec(kind="points", points=("l1",))),
-                train=TrainSpec(steps=1, global_batch=2 * microbatches, seed=0))
+                train=TrainSpec(steps=1, global_batch=2 * microbatches * dp, seed=0))
     trainer = PipelineTrainer.for_plan(plan)
     before = {k: v.clone() for k, v in trainer.named_parameters().items()}
     try:
@@ -184,3 +184,17 @@ def test_nan_in_a_later_microbatch_is_named_by_the_checked_rerun(spawn, tmp_path
         assert message is not None and unchanged
         assert "parameter `bad.w`" in message and "stage 1 microbatch 1" in message, message
     assert results[0][0] == results[1][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_the_checked_rerun_under_data_parallel_and_zero(spawn, tmp_path, zero):
+    """pp2 x dp2, NaN in every microbatch of both replicas: the rerun starts from zeroed
+    gradients (DP buckets, ZeRO's flat shards) and every rank names the same first action."""
+    (tmp_path / "nanmodel.py").write_text(NAN_MODEL)
+    results = spawn(_nan_step, 4, str(tmp_path / "nanmodel.py") + ":M", 1, 2, 2, zero,
+                    timeout=120)
+    for message, unchanged in results:
+        assert message is not None and unchanged, message
+        assert "parameter `bad.w`" in message and "stage 1 microbatch 0" in message, message
+    assert len({m for m, _ in results}) == 1
