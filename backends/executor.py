@@ -288,30 +288,33 @@ class Executor:
         return dist.batch_isend_irecv(ops), bufs
 
     def _flag(self, a, produced: dict[str, torch.Tensor], result: StepResult, end: float) -> None:
-        """Device-side checks of what the action produced (no host sync); values sent on and
-        input gradients only under `check_every_action`."""
+        """Device-side checks of what the action produced (no host sync). The hot path: the
+        loss, and a stage's weight-gradient norm after its last W/BW; `check_every_action`:
+        also the values sent on, input gradients and each parameter's gradient, by name."""
         op, s, mb = op_name(a), a.stage, a.microbatch
         runner = self.runners[s]
-        floats = {k: v for k, v in produced.items() if v.is_floating_point()}
         if op == "F" and runner.is_last:
             result.flags.append(Flag(label(a), s, mb, "the loss", ("loss",),
                                      ~torch.isfinite(runner.last_loss).reshape(1), end))
-        elif floats and self.check_every_action:  # activations may hold -inf (masks): NaN only
+            return
+        if not self.check_every_action:
+            if runner.last_grad_norm is not None and op in ("W", "BW"):
+                result.flags.append(Flag(label(a), s, mb, "weight gradients", ("",),
+                                         ~torch.isfinite(runner.last_grad_norm).reshape(1), end))
+            return
+        floats = {k: v for k, v in produced.items() if v.is_floating_point()}
+        if floats:  # activations may hold -inf (masks): only NaN is flagged there
             what = "activation" if op == "F" else "input gradient"
             check = torch.isnan if op == "F" else (lambda x: ~torch.isfinite(x))
             result.flags.append(Flag(label(a), s, mb, what, tuple(floats),
                                      torch.stack([check(v).any() for v in floats.values()]), end))
-        if op in ("W", "BW") and self.check_every_action:  # per parameter, named
-            named = [(n, p.grad) for n, p in runner.module.named_parameters()
-                     if p.grad is not None]
-            if named:
-                result.flags.append(Flag(label(a), s, mb, "weight gradients",
-                                         tuple(n for n, _ in named), torch.stack(
-                                             [~torch.isfinite(local_part(g)).all()
-                                              for _, g in named]), end))
-        elif op in ("W", "BW") and runner.last_grad_norm is not None:
-            result.flags.append(Flag(label(a), s, mb, "weight gradients", ("",),
-                                     ~torch.isfinite(runner.last_grad_norm).reshape(1), end))
+        named = [(n, p.grad) for n, p in runner.module.named_parameters()
+                 if p.grad is not None] if op in ("W", "BW") else []
+        if named:
+            result.flags.append(Flag(label(a), s, mb, "weight gradients",
+                                     tuple(n for n, _ in named),
+                                     torch.stack([~torch.isfinite(local_part(g)).all()
+                                                  for _, g in named]), end))
 
     def _run(self, a, batches, acts, grads, result: StepResult) -> dict[str, torch.Tensor]:
         """Run one action; returns the values it produced (outputs or input gradients)."""
@@ -329,8 +332,8 @@ class Executor:
             produced = {v.name: o for v, o in zip(spec.outputs, outputs)}
             acts[(s, mb)] = produced
             return produced
-        if op in ("W", "BW"):
-            runner.check_grads = self.check_every_action or \
+        if op in ("W", "BW"):  # the hot path's norm (the checked rerun flags each weight)
+            runner.check_grads = not self.check_every_action and \
                 self.last_grad_action.get(s) == (op, mb)
         if op in ("B", "BW"):
             out_grads = None

@@ -16,9 +16,7 @@ so the launcher prints it once.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from ..errors import PipeplanError
@@ -29,11 +27,10 @@ class NonFiniteError(PipeplanError):
     """A non-finite loss or gradient; the optimizer step was not applied."""
 
 
-def locate_non_finite(t: int, result: StepResult, loss: float, norm: float,
-                      runners: dict) -> str:
+def locate_non_finite(t: int, result: StepResult, loss: float, norm: float) -> str:
     """The message naming the step, stage, microbatch and value (collective over the world)."""
     flag = result.first_non_finite()
-    mine = None if flag is None else (flag.end, dist.get_rank(), _describe(flag, runners))
+    mine = None if flag is None else (flag.end, dist.get_rank(), _describe(flag))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     found = sorted(x for x in every if x is not None)
@@ -46,28 +43,15 @@ def locate_non_finite(t: int, result: StepResult, loss: float, norm: float,
     return f"{head}; the first: {where} (rank {rank})"
 
 
-def _describe(flag: Flag, runners: dict) -> str:
+def _describe(flag: Flag) -> str:
     at = f"stage {flag.stage} microbatch {flag.microbatch} ({flag.label})"
     if flag.what == "the loss":
         return f"the loss of {at}"
-    if flag.what == "weight gradients":  # per parameter from a checked rerun; else look
-        named = [n for n, b in zip(flag.names, flag.bad.tolist()) if b and n]
-        name = named[0] if named else _first_bad_parameter(runners[flag.stage].module)
-        return (f"the gradient of parameter `{name}`" if name else "a weight gradient") + \
-            f" in {at}"
-    bad = [n for n, b in zip(flag.names, flag.bad.tolist()) if b]
+    bad = [n for n, b in zip(flag.names, flag.bad.tolist()) if b]  # by name (checked rerun)
+    if flag.what == "weight gradients":
+        return f"the gradient of parameter `{bad[0]}` in {at}"
     kind = "NaN in activation" if flag.what == "activation" else "non-finite input gradient"
     return f"{kind} `{bad[0]}` produced by {at}"
-
-
-def _first_bad_parameter(module: torch.nn.Module) -> Optional[str]:
-    for name, p in module.named_parameters():
-        g = p.grad
-        if g is not None:
-            g = g.to_local() if hasattr(g, "to_local") else g
-            if not bool(torch.isfinite(g).all()):
-                return name
-    return None
 
 
 def _fmt(x: float) -> str:

@@ -178,18 +178,26 @@ def measured_latency(pipeline: Sequence[RankTimings], schedule) -> float:
         end = {(a.op, a.stage, a.microbatch): a.done for r in pipeline for a in r.steps[step]}
         for r in pipeline:
             for a in r.steps[step]:
-                if a.op == "F" and a.stage > 0:
-                    producers = [("F", a.stage - 1, a.microbatch)]
-                elif a.op in ("B", "BW") and a.stage + 1 < schedule.stages:
-                    producers = [(op, a.stage + 1, a.microbatch) for op in ("B", "BW")]
-                else:
-                    continue
-                if schedule.stage_to_rank[producers[0][1]] == schedule.stage_to_rank[a.stage]:
-                    continue  # a hand-over in memory
-                done = [end[p] for p in producers if p in end]
-                if done and a.recv_wait > 0 and a.ready - a.recv_wait <= done[0]:
-                    samples.append(max(0.0, a.ready - done[0]))
+                done = producer_done(a, end, schedule)
+                if done is not None and a.recv_wait > 0 and a.ready - a.recv_wait <= done:
+                    samples.append(max(0.0, a.ready - done))
     return mean(samples) if samples else 0.0
+
+
+def producer_done(a: ActionTiming, end: dict, schedule) -> Optional[float]:
+    """When the action on another rank that produced `a`'s input finished (`end`: (op, stage,
+    microbatch) -> done); None when `a` takes none from another rank (a first F, a last
+    stage's backward, a hand-over in memory between two stages of one rank)."""
+    if a.op == "F" and a.stage > 0:
+        producers = [("F", a.stage - 1, a.microbatch)]
+    elif a.op in ("B", "BW") and a.stage + 1 < schedule.stages:
+        producers = [(op, a.stage + 1, a.microbatch) for op in ("B", "BW")]
+    else:
+        return None
+    if schedule.stage_to_rank[producers[0][1]] == schedule.stage_to_rank[a.stage]:
+        return None
+    done = [end[p] for p in producers if p in end]
+    return done[0] if done else None
 
 
 def steady_steps(n: int, warmup: int = 1) -> range:

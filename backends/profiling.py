@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from ..compiler.profile import OPS, Profile, StageProfile, StepSample, workload
-from .observe import RankTimings, measured_latency
+from .observe import RankTimings, measured_latency, producer_done
 
 
 def describe_device() -> str:
@@ -66,25 +66,13 @@ def _step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) -
     for r in pipeline:
         for a in r.steps[k]:
             table[a.stage][a.op][a.microbatch] = a.slot
-            delays[a.stage][a.op][a.microbatch] = _delay(a, done, schedule)
+            # its input's delay from another rank: producer's end to the moment the
+            # consumer, blocked on it, got it; 0 when not blocked or taken from none
+            produced = producer_done(a, done, schedule)
+            delays[a.stage][a.op][a.microbatch] = (max(0.0, a.ready - produced) if produced
+                                                   is not None and a.recv_wait > 0 else 0.0)
     one = [RankTimings(r.rank, r.pp, r.dp, r.tp, (r.steps[k],)) for r in pipeline]
     return StepSample(step, measured_latency(one, schedule), _lists(table), _lists(delays))
-
-
-def _delay(a, done: dict, schedule) -> float:
-    """How long the action's input took from another rank: from the producer's end to the
-    moment the consumer, blocked on it, got it (`ready`); 0 when it was not blocked, or the
-    producer is on its own rank (a hand-over in memory) or there is none."""
-    if a.op == "F" and a.stage > 0:
-        producers = [("F", a.stage - 1, a.microbatch)]
-    elif a.op in ("B", "BW") and a.stage + 1 < schedule.stages:
-        producers = [(op, a.stage + 1, a.microbatch) for op in ("B", "BW")]
-    else:
-        return 0.0
-    if schedule.stage_to_rank[a.stage] == schedule.stage_to_rank[producers[0][1]]:
-        return 0.0
-    ends = [done[p] for p in producers if p in done]
-    return max(0.0, a.ready - ends[0]) if ends and a.recv_wait > 0 else 0.0
 
 
 def _lists(table) -> tuple[dict, ...]:

@@ -236,7 +236,7 @@ class PipelineTrainer:
             dist.all_reduce(mine, group=self.island_group)  # what the loss was, and the norm
             norm = self.sync.norm() if norm is None else norm
             result = self._rerun_checked(batches, rng)
-            raise NonFiniteError(locate_non_finite(t, result, float(mine), norm, self.runners))
+            raise NonFiniteError(locate_non_finite(t, result, float(mine), norm))
         lr = self.plan.train.optimizer.lr
         spans.begin("optimizer", "optimizer step")
         if self.optimizer is not None:
