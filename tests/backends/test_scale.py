@@ -96,34 +96,18 @@ class Bad(nn.Module):
         self.w = nn.Parameter(torch.ones(d))
     def reset_parameters(self):
         nn.init.ones_(self.w)
-    def forward(self, x):
+    def forward(self, x, ids):
         return x + (self.w - self.w).sqrt().sum()
 
-class Parity(nn.Module):
+class Parity(Bad):
     """NaN weight gradient only for a microbatch whose first token is even:
     d (w * k) ** 0.5 / dw = k / (2 sqrt(w k)) = 0 * inf at k = 0."""
-    def __init__(self, d):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(d))
-    def reset_parameters(self):
-        nn.init.ones_(self.w)
     def forward(self, x, ids):
         k = (ids[0, 0] % 2).to(x.dtype)
         return x + (self.w * k).pow(0.5).sum()
 
-class P(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(64, 8)
-        self.l0 = nn.Linear(8, 8)
-        self.l1 = nn.Linear(8, 8)
-        self.bad = Parity(8)
-        self.head = nn.Linear(8, 64)
-    def forward(self, input_ids):
-        return self.head(self.bad(self.l1(torch.tanh(self.l0(self.emb(input_ids)))), input_ids))
-
 class M(nn.Module):
-    def __init__(self, bad_on=1):
+    def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(64, 8)
         self.l0 = nn.Linear(8, 8)
@@ -131,7 +115,12 @@ class M(nn.Module):
         self.bad = Bad(8)
         self.head = nn.Linear(8, 64)
     def forward(self, input_ids):
-        return self.head(self.bad(self.l1(torch.tanh(self.l0(self.emb(input_ids))))))
+        return self.head(self.bad(self.l1(torch.tanh(self.l0(self.emb(input_ids)))), input_ids))
+
+class P(M):
+    def __init__(self):
+        super().__init__()
+        self.bad = Parity(8)
 '''
 
 
