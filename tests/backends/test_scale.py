@@ -13,7 +13,8 @@ from pipeplan.backends.nonfinite import NonFiniteError
 from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.dsl.ast import DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, SplitSpec, TrainSpec
+from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, SplitSpec,
+                              TensorSpec, TrainSpec)
 
 GPT = "pipeplan.examples.models.gpt:GPT"
 
@@ -121,14 +122,20 @@ class P(M):
     def __init__(self):
         super().__init__()
         self.bad = Parity(8)
+
+class T(M):
+    """The NaN inside a tensor-parallel pair: l0 column-, l1 row-parallel around it."""
+    def forward(self, input_ids):
+        return self.head(self.l1(self.bad(torch.tanh(self.l0(self.emb(input_ids))), input_ids)))
 '''
 
 
-def _nan_step(rank, world, source, seed=1, microbatches=2, dp=1, zero=0):
+def _nan_step(rank, world, source, seed=1, microbatches=2, dp=1, zero=0, tp=1):
     plan = Plan(model=ModelSpec(source, capture="fx"), data=DataSpec(seq_len=8, vocab=64, seed=seed),
-                mesh=MeshSpec(pp=2, dp=dp), zero=zero, pipeline=PipelineSpec(
+                mesh=MeshSpec(pp=2, dp=dp, tp=tp), zero=zero, pipeline=PipelineSpec(
                     schedule="1f1b", microbatches=microbatches,
-                    split=SplitSpec(kind="points", points=("l1",))),
+                    split=SplitSpec(kind="points", points=("head" if tp > 1 else "l1",))),
+                tensor=TensorSpec(column=("l0",), row=("l1",)) if tp > 1 else TensorSpec(),
                 train=TrainSpec(steps=1, global_batch=2 * microbatches * dp, seed=0))
     trainer = PipelineTrainer.for_plan(plan)
     before = {k: v.clone() for k, v in trainer.named_parameters().items()}
@@ -187,3 +194,18 @@ def test_the_checked_rerun_under_data_parallel_and_zero(spawn, tmp_path, zero):
         assert message is not None and unchanged, message
         assert "parameter `bad.w`" in message and "stage 1 microbatch 0" in message, message
     assert len({m for m, _ in results}) == 1
+
+
+@pytest.mark.slow
+def test_the_checked_rerun_under_tensor_parallel(spawn, tmp_path):
+    """pp2 x tp2, the NaN between a column- and a row-parallel layer (their weights held as
+    tp shards): the rerun replays the step with the TP collectives in it, and all four ranks
+    name the same action and parameter."""
+    (tmp_path / "nanmodel.py").write_text(NAN_MODEL)
+    results = spawn(_nan_step, 4, str(tmp_path / "nanmodel.py") + ":T", 1, 2, 1, 0, 2,
+                    timeout=120)
+    for message, unchanged in results:
+        assert message is not None and unchanged, message
+        assert "parameter `bad.w`" in message and "stage 0 microbatch 0" in message, message
+    assert len({m for m, _ in results}) == 1
+
