@@ -10,8 +10,9 @@ together (both values are the same on every rank) and reruns the step checked
 values), its executor leaving device-side flags per action (executor.Flag: NaN
 in a value sent on, a non-finite input gradient, a non-finite loss, non-finite
 weight gradients); the ranks agree on the earliest flagged action in time:
-where the first non-finite value appeared. Every rank raises the same message,
-so the launcher prints it once.
+where the first non-finite value appeared, naming every rank that flagged that
+same action (a stage's tp, cp or dp replicas). Every rank raises the same
+message, so the launcher prints it once.
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def locate_non_finite(t: int, result: StepResult, loss: float, norm: float) -> s
     if not found:
         return head + ("; no action produced one, so it arose in the gradient reduction or "
                        "the norm")
-    _, rank, where = found[0]
-    return f"{head}; the first: {where} (rank {rank})"
+    where = found[0][2]  # the replicas of a stage (tp, cp, dp) may flag the same action:
+    ranks = sorted(r for _, r, w in found if w == where)  # all named, whichever ended first
+    return f"{head}; the first: {where} (rank{'s' if len(ranks) > 1 else ''} " \
+           f"{', '.join(map(str, ranks))})"
 
 
 def _describe(flag: Flag) -> str:

@@ -207,5 +207,6 @@ def test_the_checked_rerun_under_tensor_parallel(spawn, tmp_path):
     for message, unchanged in results:
         assert message is not None and unchanged, message
         assert "parameter `bad.w`" in message and "stage 0 microbatch 0" in message, message
+        assert message.endswith("(ranks 0, 1)"), message  # both tp ranks of stage 0
     assert len({m for m, _ in results}) == 1
 
