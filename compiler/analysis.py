@@ -3,7 +3,8 @@
 For every node this records the value it produces (a meta tensor, or a Python
 value such as a size), its forward FLOPs (torch's FlopCounterMode, which knows
 matmul, attention, convolution and einsum through their aten decompositions),
-and the bytes autograd saves for backward (saved-tensor hooks; parameters are
+how many aten ops its forward dispatches (each costs host time; an attention
+call counts as its one fused kernel), and the bytes autograd saves for backward (saved-tensor hooks; parameters are
 not counted, and a tensor saved by several ops counts once). Nothing is
 allocated: parameters of a real model are replaced by meta stand-ins.
 
@@ -29,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch.func import functional_call
 from torch.utils._pytree import tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .compiled import ValueSpec
@@ -50,6 +52,7 @@ class MetaRunError(Exception):
 class NodeCost:
     flops: float  # forward FLOPs
     saved_bytes: int  # activation bytes kept for backward
+    ops: int = 0  # aten ops the forward dispatches (each costs host time: cpu_probe.py)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class MetaRun:
         self._param_ids: set[int] = set()
         self._saved: dict[int, torch.Tensor] = {}  # id(base) -> base, counted once
         self._saved_now = 0
+        self._ops = OpCounter()
 
     # ------------------------------------------------------------------ queries
     def value(self, node: fx.Node) -> Any:
@@ -150,12 +154,13 @@ class MetaRun:
         counter = FlopCounterMode(display=False)
         # data-dependent shapes (nonzero in a leaf MoE's dispatch) are taken at their largest:
         # every element selected, so costs are upper bounds and shapes stay computable
-        with counter, torch.enable_grad(), _nonzero_selects_all(), \
+        with counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             for node in nodes:
                 if node.op == "output":
                     continue
                 before, self._saved_now = counter.get_total_flops(), 0
+                ops_before = self._ops.count
                 if node.op == "placeholder":
                     value = inputs[node.target if node.target in inputs else node.name]
                 else:
@@ -169,8 +174,11 @@ class MetaRun:
                 flops = float(counter.get_total_flops() - before)
                 if flops == 0 and _is_grouped_mm(node):
                     flops = _grouped_mm_flops(value, node.args, self.values)
+                ops = self._ops.count - ops_before
+                if node.op == "call_function" and node.target in SDPA:
+                    ops = 1  # one fused kernel on a device (its meta run is the math path)
                 self.values[node] = value
-                self.costs[node] = NodeCost(flops, saved)
+                self.costs[node] = NodeCost(flops, saved, ops)
 
     def _execute(self, node: fx.Node) -> Any:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
@@ -206,9 +214,10 @@ class MetaRun:
             if t.is_meta:
                 cached = t
             else:
-                cached = torch.empty_like(t, device="meta")
-                if isinstance(t, torch.nn.Parameter):
-                    cached = torch.nn.Parameter(cached, requires_grad=t.requires_grad)
+                with self._ops.paused():  # a stand-in, not an op the model runs
+                    cached = torch.empty_like(t, device="meta")
+                    if isinstance(t, torch.nn.Parameter):
+                        cached = torch.nn.Parameter(cached, requires_grad=t.requires_grad)
             self._meta[id(t)] = cached
             self._meta[id(cached)] = cached
             if isinstance(t, torch.nn.Parameter):
@@ -221,6 +230,28 @@ class MetaRun:
             self._saved[id(base)] = base  # keep alive so ids stay unique
             self._saved_now += _nbytes(base)
         return t
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it (after autograd's decompositions: the kernels
+    a device runs one by one); `paused()` leaves out ops that are not the model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self._paused = 0, False
+
+    @contextlib.contextmanager
+    def paused(self):
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._paused:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _nonzero_selects_all():

@@ -59,6 +59,8 @@ class StageSpec:
     flops: float = 0.0  # forward FLOPs per microbatch
     activation_bytes: int = 0  # bytes saved for backward per microbatch
     recompute_flops: float = 0.0  # forward FLOPs rerun in backward per microbatch (recompute)
+    ops: int = 0  # aten ops the forward dispatches per microbatch (host time per op)
+    recompute_ops: int = 0  # ... rerun in backward per microbatch
     cp_bytes: int = 0  # context parallel: bytes a rank's all-to-alls / ring hops send per microbatch (F+B)
 
 

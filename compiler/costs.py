@@ -43,6 +43,8 @@ class Cost:
     flops: float  # forward
     saved_bytes: int  # kept for backward after recompute
     recompute_flops: float = 0.0  # forward rerun during backward
+    ops: int = 0  # aten ops the forward dispatches
+    recompute_ops: int = 0  # ... rerun during backward
 
     @property
     def total(self) -> float:
@@ -78,7 +80,8 @@ def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]
                     saved += _nbytes(run.value(a))
         elif mode == "selective" and _is_cheap(node, measured.flops):
             recompute, saved = flops, 0
-        costs[node] = Cost(flops, saved, recompute)
+        costs[node] = Cost(flops, saved, recompute, measured.ops,
+                           measured.ops if recompute else 0)
     return costs
 
 

@@ -3,6 +3,7 @@ its links (`DeviceModel`, built from the plan's `device` section, CLI flags, or 
 measured speed), and which link each kind of group of the mesh crosses (`mesh_links`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -25,6 +26,10 @@ class DeviceModel:
     latency_s: float = 10e-6
     tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
     ranks_per_node: Optional[int] = None  # None: tp inside a node, other groups across
+    # host seconds per aten op a stage's forward dispatches, and of backward per such op: the
+    # measured CPU model's (cpu_probe.py); 0 for accelerators (launches overlap the kernels)
+    op_s: float = 0.0
+    op_backward_s: float = 0.0
     origin: str = "built-in defaults"  # where the numbers came from, for the report
     profile: str = ""  # op times and p2p latency measured instead: the cost file (profile.py)
 
@@ -42,7 +47,9 @@ def device_model(plan: Plan, tflops: Optional[float] = None,
                  link_gbps: Optional[float] = None) -> DeviceModel:
     """The plan's device section (built-in defaults where it is silent), then the CLI's
     `--tflops` (sustained) and `--link-gbps` (between nodes) where given. Without a device
-    section or flags on a machine without CUDA: this CPU's measured FLOP/s (cpu_probe.py)."""
+    section or flags on a machine without CUDA: this CPU's measured FLOP/s and host time
+    per op (cpu_probe.py), each rank at its share of the cores when the ranks on one
+    machine (all of them, or `device.ranks_per_node`) outnumber them."""
     d, written = plan.device, [k for k in plan.spans if k.startswith("device.")]
     origin = "built-in defaults"
     if written or d != DeviceSpec():
@@ -52,17 +59,30 @@ def device_model(plan: Plan, tflops: Optional[float] = None,
     flags = [f for f, v in (("--tflops", tflops), ("--link-gbps", link_gbps)) if v is not None]
     if flags:
         origin += "; overridden by " + " ".join(flags)
-    flops = d.sustained_flops
+    flops, op_s, op_backward_s = d.sustained_flops, 0.0, 0.0
     if origin == "built-in defaults" and not torch.cuda.is_available():
-        from .cpu_probe import cpu_flops  # no accelerator here and none described: this CPU
+        from .cpu_probe import cpu_model  # no accelerator here and none described: this CPU
 
-        flops, measured = cpu_flops()
-        origin = f"{measured}; built-in link defaults"
+        cpu = cpu_model()
+        # ranks on one machine share its cores (the local launcher starts them all here)
+        local = min(plan.mesh.world_size, d.ranks_per_node or plan.mesh.world_size)
+        share = max(1.0, local / cores())
+        flops, op_s, op_backward_s = (cpu.flops_per_s / share, cpu.op_s * share,
+                                      cpu.op_backward_s * share)
+        origin = f"{cpu.origin}; built-in link defaults"
+        if share > 1:
+            origin += (f"; {local} ranks share {cores()} cores: each runs at "
+                       f"1/{share:g} of the probe's speed")
     return DeviceModel(
         flops_per_s=tflops * 1e12 if tflops is not None else flops,
         link_bytes_per_s=link_gbps * 1e9 if link_gbps is not None else d.inter_node,
         latency_s=d.latency, tp_link_bytes_per_s=d.intra_node,
-        ranks_per_node=d.ranks_per_node, origin=origin)
+        ranks_per_node=d.ranks_per_node, op_s=op_s, op_backward_s=op_backward_s, origin=origin)
+
+
+def cores() -> int:
+    """CPU cores of this machine (what the measured CPU model's ranks share)."""
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

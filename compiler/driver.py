@@ -104,7 +104,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
 
 def _attach_costs(stages: list[StageSpec], split: Split, costs: dict[fx.Node, Cost],
                   graph: fx.Graph) -> None:
-    """Forward FLOPs and saved bytes per microbatch, summed over each stage's own nodes."""
+    """Forward FLOPs, ops and saved bytes per microbatch, summed over each stage's own nodes."""
     for i, node in enumerate(compute_nodes(graph)):
         c = costs.get(node)
         if c is not None:
@@ -112,6 +112,8 @@ def _attach_costs(stages: list[StageSpec], split: Split, costs: dict[fx.Node, Co
             st.flops += c.flops
             st.activation_bytes += c.saved_bytes
             st.recompute_flops += c.recompute_flops
+            st.ops += c.ops
+            st.recompute_ops += c.recompute_ops
 
 
 def _non_persistent_buffers(model: torch.nn.Module) -> frozenset[str]:

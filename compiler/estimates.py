@@ -275,7 +275,9 @@ def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
 def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
                moe_traffic: list[Traffic], device: DeviceModel):
     """Per-stage (F, B, W) op times in seconds and the p2p message time: a schedules.Costs.
-    The schedule is generated (normalised) and simulated with these same costs."""
+    An op's time is its FLOPs at the device's rate plus, where the device model has one (a
+    CPU), host time per aten op the forward dispatches (backward's split evenly between B
+    and W). The schedule is generated (normalised) and simulated with these same costs."""
     from ..schedules.costs import Costs
     links = mesh_links(plan, device)
     tp = plan.mesh.tp
@@ -286,7 +288,11 @@ def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
                 + ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
                 + st.cp_bytes * float_scale / links.tp) / 2
         f = st.flops / tp / device.flops_per_s
-        table.append((f + coll, f + st.recompute_flops / tp / device.flops_per_s + coll, f))
+        host_b = st.ops * device.op_backward_s / 2  # host time per op: B and W halve it
+        table.append((f + st.ops * device.op_s + coll,
+                      f + host_b + st.recompute_flops / tp / device.flops_per_s
+                      + st.recompute_ops * device.op_s + coll,
+                      f + host_b))
     msg = [sum(_bytes(o) for o in st.outputs) * float_scale for st in stages[:-1]]
     latency = device.latency_s + (max(msg, default=0.0) / links.p2p)
     return Costs(per_stage=tuple(table), latency=latency)

@@ -124,7 +124,9 @@ def device_text(d: dict) -> str:
                 if d.get("profile") else "")
     flops = d['flops_per_s']
     rate = f"{flops / 1e12:g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
-    return (f"{measured}{rate} sustained per device, "
+    host = (f", {d['op_s'] * 1e6:.2g} µs (forward) + {d['op_backward_s'] * 1e6:.2g} µs "
+            "(backward) host time per op" if d.get("op_s") else "")
+    return (f"{measured}{rate} sustained per device{host}, "
             f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node, "
             f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes ({nodes}), "
             f"{d['latency_s'] * 1e6:g} µs latency — from {d.get('origin', 'built-in defaults')}")

@@ -194,25 +194,71 @@ def test_flags_override_the_plan_and_the_report_says_so(make_plan):
     # no device given: the plan's own model is used
     assert compile_plan(plan).estimates.device_model["flops_per_s"] == 50e12
 
+def test_ranks_that_outnumber_the_cores_share_them(make_plan, tmp_path, monkeypatch):
+    """The local launcher starts every rank on this machine: with more ranks than cores, the
+    CPU model gives each rank its share (FLOP/s divided, host time per op multiplied), and
+    says so; a device section is taken as written."""
+    import importlib
+
+    import torch
+
+    from pipeplan.dsl.ast import DeviceSpec
+    dm = importlib.import_module("pipeplan.compiler.device_model")  # the module, not the function
+    if torch.cuda.is_available():
+        pytest.skip("the CPU model applies only where CUDA is not available")
+    monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
+    monkeypatch.setattr(dm, "cores", lambda: 2)
+    own = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))  # 2 ranks, 2 cores
+    assert "share" not in own.origin
+    monkeypatch.setattr(dm, "cores", lambda: 1)
+    shared = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))  # 2 ranks, 1 core
+    assert shared.flops_per_s == own.flops_per_s / 2
+    assert (shared.op_s, shared.op_backward_s) == (own.op_s * 2, own.op_backward_s * 2)
+    assert "2 ranks share 1 cores: each runs at 1/2" in shared.origin
+    written = dm.device_model(_one_stage(make_plan, DeviceSpec(flops=1e12, mfu=0.5), dp=2))
+    assert (written.flops_per_s, written.op_s) == (0.5e12, 0.0)
+
+
 def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tmp_path,
                                                                    monkeypatch):
     """Without a device section (and no CUDA) the estimate assumes this CPU's measured matmul
-    FLOP/s, not a 400 TFLOP/s accelerator; the probe runs once and is cached."""
+    FLOP/s and host time per op, not a 400 TFLOP/s accelerator; the probe runs once and is
+    cached. The op count is the one torch dispatches running the model on CPU (counted here
+    by a dispatch mode of the test's own), the loss included."""
     import json
 
     import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipeplan.tests.compiler.models import Regressor
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
 
     from pipeplan.compiler import cpu_probe
     from pipeplan.dsl.ast import DeviceSpec
     if torch.cuda.is_available():
         pytest.skip("the CPU model applies only where CUDA is not available")
     monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
-    bare = compile_plan(_one_stage(make_plan, DeviceSpec())).estimates
+    compiled = compile_plan(_one_stage(make_plan, DeviceSpec()))
+    bare = compiled.estimates
     cached = json.loads((tmp_path / "cpu_flops.json").read_text())
     assert bare.device_model["flops_per_s"] == cached["flops_per_s"]
     assert 1e8 < cached["flops_per_s"] < 1e13  # a CPU, not the 400e12 default
+    assert 1e-8 < cached["op_s"] < 1e-3 and 1e-8 < cached["op_backward_s"] < 1e-3
     assert bare.device_model["origin"].startswith("measured CPU model")
-    assert bare.step_time_s == pytest.approx(M * 3 * FWD / cached["flops_per_s"], rel=1e-9)
+    model, x, y = Regressor(D, 4), torch.randn(B, D), torch.randn(B, D)
+    with Count() as count:  # 4 x (t, addmm) + mse_loss
+        F.mse_loss(model(x), y)
+    assert compiled.stages[0].ops == count.n
+    host = count.n * (cached["op_s"] + cached["op_backward_s"])  # forward + backward
+    assert bare.step_time_s == pytest.approx(M * (3 * FWD / cached["flops_per_s"] + host),
+                                             rel=1e-9)
 
     def no_probe():
         raise AssertionError("probed again despite the cache")
