@@ -32,40 +32,16 @@ the local count (found by value: an int equal to num_experts).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compiler.experts import ExpertShard
 from ..errors import PipeplanError
 from .materialize import sliced_parameter
 from .expert_dispatch import all_to_all, dispatch_slots, exchange_counts
-
-
-@dataclass(frozen=True)
-class ExpertShard:
-    """The contiguous block of global experts one EP rank holds."""
-
-    num_experts: int
-    ep_size: int
-    ep_rank: int
-
-    @property
-    def local(self) -> int:
-        return self.num_experts // self.ep_size
-
-    @property
-    def first(self) -> int:
-        return self.ep_rank * self.local
-
-    @property
-    def stop(self) -> int:
-        return self.first + self.local
-
-    def global_index(self, local_index: int) -> int:
-        return self.first + local_index
 
 
 def expert_shard(num_experts: int, ep_size: int, ep_rank: int) -> ExpertShard:
@@ -92,11 +68,18 @@ class ExpertParallelExperts(nn.Module):
     """One EP rank's experts of a MoE layer; called as the model's experts module."""
 
     def __init__(self, experts: nn.Module, num_experts: int, group=None,
-                 capacity_factor: Optional[float] = None, drop_policy: str = "probs"):
+                 capacity_factor: Optional[float] = None, drop_policy: str = "probs",
+                 indices: Optional[tuple[int, ...]] = None):
+        """`indices`: this rank's experts as the compiled plan placed them (ExpertPlacement);
+        they must be the contiguous block the all-to-all's layout assumes."""
         super().__init__()
         ep_size = dist.get_world_size(group) if group is not None else 1
         ep_rank = dist.get_rank(group) if group is not None else 0
         self.shard = expert_shard(num_experts, ep_size, ep_rank)
+        if indices is not None and tuple(indices) != self.shard.indices:
+            raise PipeplanError(f"the compiled plan places experts {list(indices)} on expert-"
+                                f"parallel rank {ep_rank}; this runtime holds contiguous blocks "
+                                f"({list(self.shard.indices)} there)")
         self.group = group if ep_size > 1 else None
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         local = local_experts(experts, self.shard)

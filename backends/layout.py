@@ -61,8 +61,10 @@ class StageLayout:
 
     @staticmethod
     def build(plan: Plan, topo: Topology, modules: dict[int, nn.Module],
-              device: torch.device = torch.device("cpu")) -> "StageLayout":
-        """Collective when per-stage parallelism is on (its groups are created here)."""
+              device: torch.device = torch.device("cpu"),
+              experts: tuple = ()) -> "StageLayout":
+        """Collective when per-stage parallelism is on (its groups are created here).
+        `experts`: the compiled plan's expert placement (CompiledPlan.experts)."""
         layout = StageLayout(topo, modules, device)
         if not needs_stage_parallelism(plan):
             return layout
@@ -78,7 +80,7 @@ class StageLayout:
             plan.mesh, topo.tp_group, topo.dp_group,
             sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
         for s in sorted(modules):
-            layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups)
+            layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups, experts)
         for st in layout.parallel.values():
             for p in st.expert_params():
                 layout._norm_group[id(p)] = st.groups.ep

@@ -44,8 +44,8 @@ from torch import nn
 from ..dsl.ast import MeshSpec, Plan
 from ..dsl.errors import Diagnostic, PlanError
 from ..dsl.layout import ep_across_tp, global_rank, group_sizes, groups, mesh_layout
-from ..compiler.experts import experts_dispatched, find_experts
-from ..compiler.patterns import matches_any
+from ..compiler.compiled import ExpertPlacement
+from ..compiler.experts import experts_dispatched
 from ..compiler.zero_layout import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
 from ..errors import PipeplanError
 from .expert_parallel import ExpertParallelExperts, gather_experts
@@ -246,30 +246,37 @@ class ParallelStage:
         return list({id(p): p for p in found}.values())
 
 
-def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups) -> dict:
-    """Each experts module this stage calls (compiler/experts.py) becomes its EP shard."""
+def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups,
+                   placements: tuple[ExpertPlacement, ...]) -> dict:
+    """Each experts module the compiled plan placed (ExpertPlacement.experts) that this
+    stage calls becomes this rank's EP shard of it, the experts the placement gives it."""
     spec = plan.experts
     called = {n.target for n in module.graph.nodes if n.op == "call_module"} \
         if isinstance(module, fx.GraphModule) else {n for n, _ in module.named_modules()}
     capacity = None if spec.dropless else spec.capacity_factor
+    ep_rank = dist.get_rank(groups.ep) if groups.ep is not None else 0
     layers = {}
-    for moe, mod in list(module.named_modules()):
-        found = find_experts(mod, spec.num_experts) if matches_any(moe, spec.modules) else None
-        name = (f"{moe}.{found}" if found else moe) if found is not None else None
+    for placed in placements:
+        name = placed.experts
         if name is None or name not in called:
             continue
         layer = ExpertParallelExperts(module.get_submodule(name), spec.num_experts, groups.ep,
-                                      capacity, spec.drop_policy)
+                                      capacity, spec.drop_policy, placed.shards[ep_rank])
         replace_submodule(module, name, layer)
         layers[name] = layer
     return layers
 
 
-def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups) -> ParallelStage:
-    """Rewrite one stage module in place for this rank's EP and TP groups."""
+def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups,
+                      experts: tuple[ExpertPlacement, ...] = ()) -> ParallelStage:
+    """Rewrite one stage module in place for this rank's EP and TP groups; `experts`: the
+    compiled plan's expert placement (CompiledPlan.experts)."""
     stage = ParallelStage(module, groups)
     if experts_dispatched(plan):
-        stage.experts = _apply_experts(module, plan, groups)
+        if not experts:
+            raise PipeplanError("the plan distributes experts, but no expert placement was "
+                                "given: pass the compiled plan's (CompiledPlan.experts)")
+        stage.experts = _apply_experts(module, plan, groups, experts)
     rules = TensorParallelRules.from_plan(plan.tensor)
     if rules.sequence_parallel and plan.mesh.tp == 1:
         raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")

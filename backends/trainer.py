@@ -149,7 +149,8 @@ class PipelineTrainer:
             apply = apply_ring if plan.context.method == "ring" else apply_ulysses
             for m in modules.values():
                 apply(m, topo.cp_group)
-        self.layout = StageLayout.build(plan, topo, modules, device)  # TP/EP rewrites, in place
+        self.layout = StageLayout.build(plan, topo, modules, device,  # TP/EP rewrites, in place
+                                        compiled.experts)
         self.zero = None
         if plan.zero > 0:  # flat buffers, laid out while the parameters are still meta
             from .parallelize import build_zero_optimizer

@@ -78,6 +78,9 @@ class ExpertPlacement:
 
     module: str  # qualified module name, e.g. "layers.0.moe"
     shards: tuple[tuple[int, ...], ...]  # shards[ep_rank] = expert indices
+    # the experts module expert parallelism shards (qualified, e.g. "layers.0.moe.experts");
+    # None: the layer offers none and runs whole (compiler/experts.py)
+    experts: Optional[str] = None
 
 
 @dataclass

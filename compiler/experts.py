@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -130,6 +131,8 @@ def expert_weights(module: torch.nn.Module, num_experts: int) -> list[str]:
 
 
 def place_experts(plan: Plan, model: torch.nn.Module) -> tuple[ExpertPlacement, ...]:
+    """Per MoE layer: each EP rank's experts (ExpertShard's contiguous blocks) and the experts
+    module they are sliced from; the runtime shards exactly this (backends/parallelize.py)."""
     ex = plan.experts
     if ex is None:
         return ()
@@ -137,8 +140,8 @@ def place_experts(plan: Plan, model: torch.nn.Module) -> tuple[ExpertPlacement, 
     if n % ep:
         raise PlanError.at(plan, "experts.num_experts", f"ep = {ep} does not divide "
                            f"num_experts = {n}", "every expert-parallel rank holds as many experts")
-    placements = []
-    for name in moe_modules(plan, model):
+    names = moe_modules(plan, model)
+    for name in names:
         module = model.get_submodule(name)
         counts = {p.shape[0] for p in module.parameters() if p.dim() >= 2}
         listed = [len(c) for c in module.children() if isinstance(c, torch.nn.ModuleList)]
@@ -147,7 +150,35 @@ def place_experts(plan: Plan, model: torch.nn.Module) -> tuple[ExpertPlacement, 
             raise PlanError.at(plan, "experts.num_experts", f"{name} does not hold {n} experts "
                                f"(its weights stack {', '.join(map(str, have)) or 'no'} on dim 0)",
                                "num_experts must equal the model's expert count")
-        per = n // ep
-        placements.append(ExpertPlacement(name, tuple(tuple(range(r * per, (r + 1) * per))
-                                                      for r in range(ep))))
-    return tuple(placements)
+    calls = experts_modules(plan, model)  # after the counts: that error says more
+    return tuple(ExpertPlacement(name, tuple(ExpertShard(n, ep, r).indices for r in range(ep)),
+                                 calls.get(name)) for name in names)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The contiguous block of global experts one EP rank holds (experts are stacked by
+    global index, so a shard is a slice of dim 0 and checkpoints keep global indices)."""
+
+    num_experts: int
+    ep_size: int
+    ep_rank: int
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def first(self) -> int:
+        return self.ep_rank * self.local
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.local
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(range(self.first, self.stop))
+
+    def global_index(self, local_index: int) -> int:
+        return self.first + local_index

@@ -20,7 +20,6 @@ which every island shares after the last sync) on 4 held-out batches.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pickle
 import socket

@@ -298,7 +298,6 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     # 4. every tensor the graph reads becomes a DTensor
     partial = []
     params = dict(gm.named_parameters(remove_duplicate=False))
-    buffers = dict(gm.named_buffers(remove_duplicate=False))
     for node in list(g.nodes):
         if node.op == "placeholder":
             b.after(node, "replicate", b.to_dtensor("replicate"))

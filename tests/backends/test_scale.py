@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from pipeplan.backends.agreement import check_agreement, compile_shared
-from pipeplan.backends.model import own_stages
 from pipeplan.backends.nonfinite import NonFiniteError
-from pipeplan.backends.topology import build_topology
 from pipeplan.backends.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, SplitSpec,

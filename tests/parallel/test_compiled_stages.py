@@ -71,7 +71,7 @@ def _run_stages(plan, compiled, stages, dp, dp_rank):
 def _moe_worker(rank, world, plan, ref, compiled):
     groups = build_parallel_groups(MeshSpec(dp=world, ep=world), None, dist.group.WORLD)
     modules = copy.deepcopy([s.module for s in compiled.stages])  # keeps tied weights tied
-    stages = [parallelize_stage(m, plan, groups) for m in modules]
+    stages = [parallelize_stage(m, plan, groups, compiled.experts) for m in modules]
     assert all(len(s.experts) == 1 for s in stages)
     _run_stages(plan, compiled, stages, world, rank)
     m = plan.microbatches

@@ -8,6 +8,8 @@ holds half of the experts.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,6 +107,31 @@ def test_shard_mapping_and_errors():
         expert_shard(6, 4, 0)
     with pytest.raises(PipeplanError, match="unknown drop policy"):
         capacity_keep(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), 2, 1, "random")
+
+
+def test_the_runtime_takes_the_compiled_placement():
+    """The compiled plan names each layer's experts module and each rank's experts; the
+    runtime shards what it names, refuses placements its layout cannot hold, and a plan that
+    distributes experts needs the placement."""
+    from pipeplan.backends.parallelize import build_parallel_groups, parallelize_stage
+    from pipeplan.compiler.experts import place_experts
+    from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan
+    from pipeplan.examples.models.moe_gpt import MoEGPT
+    model = MoEGPT(vocab=32, dim=16, layers=2, heads=2, seq_len=8, num_experts=4)
+    plan = Plan(model=ModelSpec("m.py:M"), mesh=MeshSpec(dp=2, ep=2),
+                experts=ExpertsSpec(modules=("layers.*.moe",), num_experts=4, top_k=2))
+    placed = place_experts(plan, model)
+    assert [(p.module, p.experts, p.shards) for p in placed] == [
+        ("layers.0.moe", "layers.0.moe.experts", ((0, 1), (2, 3))),
+        ("layers.1.moe", "layers.1.moe.experts", ((0, 1), (2, 3)))]
+    experts = model.layers[0].moe.experts
+    with pytest.raises(PipeplanError, match=r"places experts \[1, 0, 2, 3\] on expert-parallel "
+                                            r"rank 0; this runtime holds contiguous blocks"):
+        ExpertParallelExperts(experts, 4, None, indices=(1, 0, 2, 3))
+    with pytest.raises(PipeplanError, match="no expert placement was given"):
+        capacity = dataclasses.replace(plan.experts, dropless=False, capacity_factor=1.0)
+        parallelize_stage(model, Plan(model=plan.model, experts=capacity),  # ep 1, capacity
+                          build_parallel_groups(MeshSpec()))
 
 
 def test_interface_is_found_by_structure():

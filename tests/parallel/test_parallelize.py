@@ -20,6 +20,7 @@ from pipeplan.backends.parallelize import (
     ExpertCoords, build_parallel_groups, build_zero_optimizer, expert_group_ranks,
     parallelize_stage, reference_chunk_groups, required_leaf_modules)
 from pipeplan.backends.tp import gather_full_state
+from pipeplan.compiler.experts import place_experts
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan, TensorSpec
 from pipeplan.errors import PipeplanError
 from pipeplan.examples.models.gpt import GPT
@@ -52,7 +53,7 @@ def _ep_worker(rank, world, zero):
     model = copy.deepcopy(ref)
     if zero == 0:  # as a traced stage with the experts calls as leaves (as the capture keeps)
         model = fx.GraphModule(model, _Leaves(("layers.*.moe.experts",)).trace(model))
-    stage = parallelize_stage(model, plan, groups)
+    stage = parallelize_stage(model, plan, groups, place_experts(plan, ref))
     assert sorted(stage.experts) == ["layers.0.moe.experts", "layers.1.moe.experts"]
     assert model.get_submodule("layers.0.moe.experts").w_up.shape[0] == 4
     ref_opt = sgd(ref.parameters())

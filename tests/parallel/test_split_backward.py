@@ -19,6 +19,7 @@ from pipeplan.backends.parallelize import (
 from pipeplan.backends.stage import StageRunner
 from pipeplan.backends.tp import tp_shard_dims, gather_full
 from pipeplan.compiler.compiled import StageSpec, ValueRef, ValueSpec
+from pipeplan.compiler.experts import place_experts
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan, TensorSpec
 from pipeplan.examples.models.gpt import Block
 from pipeplan.examples.models.moe_gpt import MoEBlock
@@ -58,7 +59,7 @@ def _moe_worker(rank, world, zero):
     torch.manual_seed(0)
     ref = MoEBlock(D, 2, 2 * D, 4, 2, 0.01, 0.001)
     block = copy.deepcopy(ref)
-    stage = parallelize_stage(block, plan, groups)
+    stage = parallelize_stage(block, plan, groups, place_experts(plan, ref))
     zero_opt = build_zero_optimizer({1: stage}, plan, lambda ps: torch.optim.SGD(ps, lr=0.1)) \
         if zero else None
     x = torch.randn(world, MB, B, T, D)
