@@ -215,6 +215,9 @@ class BubbleCheck:
     predicted: float
     source: str  # what the prediction simulated
     planned: object  # the simulation (schedules.SimResult, seconds): the trace's planned track
+    # the schedule replayed with each steady step's own measured slots and transfer delays
+    # (median step): what the plan's order alone makes of this run's times (None: not run)
+    replayed: Optional[float] = None
 
 
 def check_bubble(schedule, ranks: Sequence[RankTimings], planned=None,
@@ -228,17 +231,22 @@ def check_bubble(schedule, ranks: Sequence[RankTimings], planned=None,
     n = len(pipeline[0].steps)
     per_step = tuple(measured_bubble([r.steps[k] for r in pipeline]) for k in range(n))
     steady = steady_steps(n, warmup)
+    replay = None
     if planned is None:
+        from ..compiler.profile import replay_steps
+        from .profiling import step_sample
         latency = measured_latency(pipeline, schedule)
         costs = Costs(per_stage=measured_costs(pipeline, schedule.stages,
                                                warmup), latency=latency)
         planned = simulate(schedule, costs)
         planned_source = (f"this run's measured mean per-op costs and p2p latency "
                           f"({latency * 1e3:.2f} ms)")
+        replay = replay_steps([step_sample(k + 1, schedule, pipeline, k) for k in steady],
+                              schedule, costs)[0].bubble
     first = pipeline[0].first_step
     return BubbleCheck(median([per_step[k] for k in steady]), per_step,
                        tuple(first + k + 1 for k in steady), planned.bubble, planned_source,
-                       planned)
+                       planned, replay)
 
 
 def bubble_report(schedule, ranks: Sequence[RankTimings], planned=None,
@@ -250,7 +258,10 @@ def format_bubble(c: BubbleCheck) -> str:
     """'measured bubble X (median of steps a-b), predicted Y by simulating ...'."""
     where = (f"step {c.steps[0]}" if len(c.steps) == 1 else
              f"median of steps {c.steps[0]}-{c.steps[-1]}")
+    replay = ("" if c.replayed is None else
+              f"; {c.replayed:.3f} replaying each step's own measured op times and transfer "
+              f"delays")
     return (f"bubble (whole iteration, 1 - busy/(ranks x makespan), busy = action slots): "
             f"measured {c.measured:.3f} "
             f"({where}), predicted {c.predicted:.3f} by simulating the schedule with "
-            f"{c.source}")
+            f"{c.source}{replay}")

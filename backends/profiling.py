@@ -50,14 +50,14 @@ def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequen
         stages.append(StageProfile(s, ops["F"] or 0.0, ops["B"], ops["W"], ops["BW"],
                                    len(samples.get(("F", s), ())), sent))
     first = pipeline[0].first_step
-    steps = tuple(_step_sample(first + k + 1, schedule, pipeline, k) for k in keep)
+    steps = tuple(step_sample(first + k + 1, schedule, pipeline, k) for k in keep)
     return Profile(hashlib.sha256(plan.source_text.encode()).hexdigest(), describe_device(),
                    schedule.name, tuple(split_points), tuple(stages),
                    measured_latency(steady, schedule), keep.start,
                    tuple(first + k + 1 for k in keep), workload(plan), steps=steps)
 
 
-def _step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) -> StepSample:
+def step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) -> StepSample:
     """One step's slots per stage, op and microbatch, and its own mean p2p latency."""
     m = schedule.microbatches
     table = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]

@@ -38,7 +38,7 @@ def write_run_files(log_dir: str, ranks: Sequence, memory: Sequence, check) -> N
              "memory.json": [dataclasses.asdict(m) for m in memory],
              "bubble.json": {"measured": check.measured, "per_step": list(check.per_step),
                              "steady_steps": list(check.steps), "predicted": check.predicted,
-                             "predicted_from": check.source,
+                             "predicted_from": check.source, "replayed": check.replayed,
                              "definition": "1 - sum(busy) / (ranks x makespan), whole "
                                            "iteration, pipeline at dp 0, tp 0; busy: the "
                                            "actions' slots (compute plus the runtime's work "

@@ -272,13 +272,19 @@ def replayed(profile: Profile, schedule, costs, split_points: Sequence[str]):
     a profiled stage ran B and W but the schedule runs BW, B + W is charged. Returns
     (simulation of the median step, median makespan), or None when the plan's split is
     not the profiled one or the file holds no steps."""
-    from ..schedules.simulate import simulate
-
     if not profile.steps or tuple(split_points) != profile.split_points \
             or schedule.stages != len(profile.stages):
         return None
+    return replay_steps(profile.steps, schedule, costs)
+
+
+def replay_steps(samples: Sequence[StepSample], schedule, costs):
+    """(simulation of the median step by bubble, median makespan) over `samples`, each step
+    simulated with its own measured slots and transfer delays (`replayed`)."""
+    from ..schedules.simulate import simulate
+
     runs = []
-    for sample in profile.steps:
+    for sample in samples:
         step_costs = dataclasses.replace(costs, latency=sample.p2p_latency_s)
         runs.append(simulate(schedule, step_costs,
                              durations=_durations(sample, costs, schedule.stages),

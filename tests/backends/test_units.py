@@ -185,8 +185,8 @@ def test_bubble_costs_and_latency_count_whole_slots():
     (compute plus the runtime's work around it), not its compute alone: the unit the
     simulator charges, so measured and predicted bubbles count the same time as busy."""
     from pipeplan.backends.executor import ActionTiming
-    from pipeplan.backends.observe import (RankTimings, check_bubble, measured_bubble,
-                                           measured_costs, measured_latency)
+    from pipeplan.backends.observe import (RankTimings, check_bubble, format_bubble,
+                                           measured_bubble, measured_costs, measured_latency)
     from pipeplan.backends.trace import chrome_trace
 
     # rank 0: F0 slot [0, 2] (compute [0.5, 1.5]: posting before, sending after), BW0 [5, 7];
@@ -206,6 +206,11 @@ def test_bubble_costs_and_latency_count_whole_slots():
     # so the simulation of the same costs and latency reproduces the measured timeline
     check = check_bubble(schedule, ranks, warmup=0)
     assert check.predicted == pytest.approx(check.measured)
+    # replaying the step with its own slots and transfer delays (F1's input came 0.5 after
+    # F0's slot ended, BW0's at once) reproduces it too, and the end-of-run line says both
+    assert check.replayed == pytest.approx(check.measured)
+    assert f"; {check.replayed:.3f} replaying each step's own measured op times" in \
+        format_bubble(check)
     # the trace draws the slot outside the compute on the runtime lane; waits end at `ready`
     xs = [(e["pid"], e["tid"], e["ts"], e["dur"]) for e in chrome_trace(ranks)["traceEvents"]
           if e["ph"] == "X" and e["tid"] in (1, 3)]
