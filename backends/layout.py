@@ -62,9 +62,9 @@ class StageLayout:
     @staticmethod
     def build(plan: Plan, topo: Topology, modules: dict[int, nn.Module],
               device: torch.device = torch.device("cpu"),
-              experts: tuple = ()) -> "StageLayout":
+              experts: tuple = (), tp_kinds: Optional[dict] = None) -> "StageLayout":
         """Collective when per-stage parallelism is on (its groups are created here).
-        `experts`: the compiled plan's expert placement (CompiledPlan.experts)."""
+        `experts`, `tp_kinds`: the compiled plan's expert placement and TP kinds."""
         layout = StageLayout(topo, modules, device)
         if not needs_stage_parallelism(plan):
             return layout
@@ -80,7 +80,8 @@ class StageLayout:
             plan.mesh, topo.tp_group, topo.dp_group,
             sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
         for s in sorted(modules):
-            layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups, experts)
+            layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups, experts,
+                                                   tp_kinds)
         for st in layout.parallel.values():
             for p in st.expert_params():
                 layout._norm_group[id(p)] = st.groups.ep

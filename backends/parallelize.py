@@ -268,16 +268,20 @@ def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups,
 
 
 def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups,
-                      experts: tuple[ExpertPlacement, ...] = ()) -> ParallelStage:
-    """Rewrite one stage module in place for this rank's EP and TP groups; `experts`: the
-    compiled plan's expert placement (CompiledPlan.experts)."""
+                      experts: tuple[ExpertPlacement, ...] = (),
+                      tp_kinds: Optional[dict[str, str]] = None) -> ParallelStage:
+    """Rewrite one stage module in place for this rank's EP and TP groups; `experts` and
+    `tp_kinds`: the compiled plan's expert placement and TP kinds (CompiledPlan.experts,
+    .tp_rewrites; without kinds, the plan's patterns are matched here, as tests do on
+    modules they build by hand)."""
     stage = ParallelStage(module, groups)
     if experts_dispatched(plan):
         if not experts:
             raise PipeplanError("the plan distributes experts, but no expert placement was "
                                 "given: pass the compiled plan's (CompiledPlan.experts)")
         stage.experts = _apply_experts(module, plan, groups, experts)
-    rules = TensorParallelRules.from_plan(plan.tensor)
+    rules = TensorParallelRules.from_plan(plan.tensor) if tp_kinds is None else \
+        TensorParallelRules.compiled(tp_kinds, plan.tensor.sequence_parallel)
     if rules.sequence_parallel and plan.mesh.tp == 1:
         raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
     if plan.mesh.tp > 1:

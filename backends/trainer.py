@@ -150,7 +150,7 @@ class PipelineTrainer:
             for m in modules.values():
                 apply(m, topo.cp_group)
         self.layout = StageLayout.build(plan, topo, modules, device,  # TP/EP rewrites, in place
-                                        compiled.experts)
+                                        compiled.experts, compiled.tp_rewrites)
         self.zero = None
         if plan.zero > 0:  # flat buffers, laid out while the parameters are still meta
             from .parallelize import build_zero_optimizer

@@ -46,13 +46,23 @@ class TensorParallelRules:
     row: tuple[str, ...] = ()
     vocab: tuple[str, ...] = ()
     sequence_parallel: bool = False
+    # the compiled plan's kinds (CompiledPlan.tp_rewrites: qualified module -> kind, from
+    # `tp_annotations`); when given, they decide and the patterns are not matched again
+    kinds: Optional[tuple[tuple[str, str], ...]] = None
 
     @staticmethod
     def from_plan(tensor_spec) -> "TensorParallelRules":
         return TensorParallelRules(tuple(tensor_spec.column), tuple(tensor_spec.row),
                                    tuple(tensor_spec.vocab), tensor_spec.sequence_parallel)
 
+    @staticmethod
+    def compiled(kinds: dict[str, str], sequence_parallel: bool) -> "TensorParallelRules":
+        return TensorParallelRules(sequence_parallel=sequence_parallel,
+                                   kinds=tuple(sorted(kinds.items())))
+
     def kind_of(self, name: str) -> Optional[str]:
+        if self.kinds is not None:
+            return dict(self.kinds).get(name)
         for kind in KINDS:
             if matches_any(name, getattr(self, kind)):
                 return kind

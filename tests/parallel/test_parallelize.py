@@ -396,3 +396,15 @@ def _partial_grads_worker(rank, world):
 @pytest.mark.slow
 def test_partial_grads_of_a_weight_shared_by_two_stages_are_summed_once(run_workers):
     run_workers(_partial_grads_worker, 2)
+
+
+def test_the_runtime_rewrites_the_compiled_tp_kinds_not_the_patterns_again():
+    """Given the compiled plan's kinds (CompiledPlan.tp_rewrites), they alone decide what is
+    split: a module the plan's patterns would match but the compiled kinds leave out stays
+    whole (as `pipeplan check` showed it)."""
+    from pipeplan.compiler.tensor_parallel import TensorParallelRules
+    patterns = TensorParallelRules.from_plan(TENSOR)
+    compiled = TensorParallelRules.compiled({"layers.0.attn.q": "column"}, False)
+    assert patterns.kind_of("layers.1.attn.q") == "column"
+    assert compiled.kind_of("layers.0.attn.q") == "column"
+    assert compiled.kind_of("layers.1.attn.q") is None
