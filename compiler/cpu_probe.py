@@ -7,10 +7,10 @@ Two numbers, both on one thread (the local launcher gives each rank one or a few
 * host time per op: a small model runs op by op, and on a CPU each aten op costs
   dispatch, autograd bookkeeping and allocation on top of its FLOPs -- for the
   models a CPU trains that is most of the time (the README's example: 0.4 ms of
-  FLOPs per stage forward at the matmul rate, ~1.5 ms measured). Timed on a
-  transformer block of width 8 (FLOPs negligible): seconds per op its forward
-  dispatches, forward and backward (the same count the meta run takes per node,
-  analysis.py), best of a few rounds.
+  FLOPs per stage forward at the matmul rate, ~1.5 ms measured). Timed on the
+  example GPT's transformer block at width 8 (FLOPs negligible): seconds per op
+  its forward dispatches, forward and backward (the same count the meta run takes
+  per node, analysis.py), best of a few rounds.
 
 Rounded to two significant digits and cached per machine and torch version in
 ~/.cache/pipeplan/cpu_flops.json (PIPEPLAN_CACHE moves it), so every compile on
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 N, REPEATS, ROUNDS = 512, 8, 5
@@ -84,32 +83,14 @@ def measure_flops() -> float:
     return _two_digits(2 * N ** 3 * REPEATS / max(_one_thread(run), 1e-9))
 
 
-class _Block(nn.Module):
-    """A pre-norm transformer block: the op mix of the models pipeplan trains."""
-
-    def __init__(self, d: int, heads: int = 2):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
 def measure_op_times() -> tuple[float, float]:
     """(forward, backward) host seconds per op the probe's forward dispatches."""
+    from ..examples.models.gpt import Block  # the example models' pre-norm block: their op mix
     from .analysis import OpCounter
 
     def run():
         torch.manual_seed(0)
-        model = nn.Sequential(*(_Block(WIDTH) for _ in range(BLOCKS)))
+        model = nn.Sequential(*(Block(WIDTH, 2, 4 * WIDTH) for _ in range(BLOCKS)))
         x = torch.randn(2, TOKENS, WIDTH, requires_grad=True)
         with OpCounter() as counted:
             model(x)

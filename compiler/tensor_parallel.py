@@ -21,6 +21,7 @@ pairing broken (a column output reaching anything but a row layer or the loss).
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,9 +61,13 @@ class TensorParallelRules:
         return TensorParallelRules(sequence_parallel=sequence_parallel,
                                    kinds=tuple(sorted(kinds.items())))
 
+    @functools.cached_property
+    def _kind_map(self) -> dict[str, str]:
+        return dict(self.kinds or ())
+
     def kind_of(self, name: str) -> Optional[str]:
         if self.kinds is not None:
-            return dict(self.kinds).get(name)
+            return self._kind_map.get(name)
         for kind in KINDS:
             if matches_any(name, getattr(self, kind)):
                 return kind
