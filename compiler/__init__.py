@@ -6,17 +6,17 @@
 """
 from .compiled import CompiledPlan, StageSpec, ValueRef, ValueSpec
 from .driver import compile_plan
-from .device_model import DeviceModel, device_model
-from .loading import load_model
-from .loss import reference_loss
-from .report import render_summary
+from .estimate.device import DeviceModel, device_model
+from .capture.loading import load_model
+from .capture.loss import reference_loss
+from .estimate.report import render_summary
 from .stages import move_stage
 
 
 def estimates_summary(plan) -> str:
     """`pipeplan check`'s estimate lines: compile on meta and summarise (raises PlanError,
     also when the model's initial weights cannot be drawn per module: loading.check_init)."""
-    from .loading import check_init
+    from .capture.loading import check_init
 
     model = load_model(plan, "meta")
     check_init(plan, model)

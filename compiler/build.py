@@ -21,8 +21,8 @@ import torch
 from .. import __version__
 from ..dsl.ast import SplitSpec
 from .compiled import CompiledPlan
-from .loading import is_path_source, model_source_file
-from .report import render_report
+from .capture.loading import is_path_source, model_source_file
+from .estimate.report import render_report
 
 
 def write_build(compiled: CompiledPlan, out: str | Path) -> Path:

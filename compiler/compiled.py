@@ -79,7 +79,7 @@ class ExpertPlacement:
     module: str  # qualified module name, e.g. "layers.0.moe"
     shards: tuple[tuple[int, ...], ...]  # shards[ep_rank] = expert indices
     # the experts module expert parallelism shards (qualified, e.g. "layers.0.moe.experts");
-    # None: the layer offers none and runs whole (compiler/experts.py)
+    # None: the layer offers none and runs whole (compiler/parallel/ep.py)
     experts: Optional[str] = None
 
 

@@ -18,27 +18,27 @@ import torch
 import torch.fx as fx
 
 from ..dsl.ast import Plan
-from .blocks import blocks_of
-from .checks import check_plan_values, check_runnable
+from .capture.blocks import blocks_of
+from .parallel.checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
-from .costs import Cost, node_costs, param_bytes_per_node
-from .device_model import DeviceModel, device_model
-from .estimates import estimate, normalised, step_costs
-from .experts import expert_weights, experts_modules, place_experts
-from .experts_checks import check_experts
-from .balance import mark_step_statistics
-from .loading import load_model
-from .precision import to_precision
-from .profile import load_profile, node_times, profile_text, profiled_costs, replayed
+from .estimate.costs import Cost, node_costs, param_bytes_per_node
+from .estimate.device import DeviceModel, device_model
+from .estimate.estimates import estimate, normalised, step_costs
+from .parallel.ep import expert_weights, experts_modules, place_experts
+from .parallel.ep_checks import check_experts
+from .parallel.ep_balance import mark_step_statistics
+from .capture.loading import load_model
+from .estimate.precision import to_precision
+from .estimate.profile import load_profile, node_times, profile_text, profiled_costs, replayed
 from .partition import Split, choose_split, compute_nodes
 from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
-from .tensor_parallel import check_pairing, tp_annotations
-from .tied import find_tied
-from .traced import trace_with_loss
-from .context_parallel import attach_context_costs, check_context, heads_split_by_tp
-from .traffic import collective_traffic
-from ..backends.weights import check_weights
+from .parallel.tp import check_pairing, tp_annotations
+from .capture.tied import find_tied
+from .capture.traced import trace_with_loss
+from .parallel.cp import attach_context_costs, check_context, heads_split_by_tp
+from .estimate.traffic import collective_traffic
+from .weights import check_weights
 
 
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
@@ -48,7 +48,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     in place to the plan's precision first: float64 under `train.precision = fp64`).
     `device` is the accelerator model the time estimate assumes (default: the plan's
     device section, see `device_model`). `schedule`: a schedule already decided and
-    verified (rank 0's, broadcast by backends/agreement.py, or a build directory's) used
+    verified (rank 0's, broadcast by backends/runtime/agreement.py, or a build directory's) used
     instead of generating one, so no search runs again; it must fit the stages."""
     device = device or device_model(plan)
     check_plan_values(plan)

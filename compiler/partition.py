@@ -20,8 +20,8 @@ import torch.fx as fx
 
 from ..dsl.ast import Plan
 from ..dsl.errors import PlanError
-from .blocks import block_of, blocks_of, module_path, within
-from .costs import Cost
+from .capture.blocks import block_of, blocks_of, module_path, within
+from .estimate.costs import Cost
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .analysis import MetaRun
-from .blocks import block_of, module_path
+from .capture.analysis import MetaRun
+from .capture.blocks import block_of, module_path
 from .compiled import BATCH, StageSpec, ValueRef
 from .partition import Split, compute_nodes
 

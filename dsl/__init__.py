@@ -4,7 +4,7 @@
 """
 from .ast import Plan, Span
 from .checks import check_plan
-from .schedule_rules import SCHEDULE_KINDS, SCHEDULE_RULES
+from ..schedules.kinds import KINDS, KINDS_TABLE
 from .errors import Diagnostic, PlanError
 from .format import format_plan
 from .layout import RankCoords, format_layout, mesh_layout
@@ -12,5 +12,5 @@ from .load import load_plan, parse_plan
 from .report import check_report
 
 __all__ = ["Plan", "Span", "PlanError", "Diagnostic", "load_plan", "parse_plan", "format_plan",
-           "check_plan", "SCHEDULE_KINDS", "SCHEDULE_RULES", "mesh_layout", "format_layout",
+           "check_plan", "KINDS", "KINDS_TABLE", "mesh_layout", "format_layout",
            "RankCoords", "check_report"]

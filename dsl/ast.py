@@ -60,7 +60,7 @@ class ModelSpec:
     leaf_modules: tuple[str, ...] = ()  # module-path patterns traced as leaves
     loss: str = "cross_entropy"  # cross_entropy | mse | model (the model returns its loss)
     # initial weights from a safetensors file or a Hugging Face `save_pretrained` folder
-    # (relative to the plan file); None: the model's own per-module init (backends/weights.py)
+    # (relative to the plan file); None: the model's own per-module init (backends/state/weights.py)
     weights: Optional[str] = None
 
 
@@ -76,7 +76,7 @@ class DataSpec:
     # for the run is refused by `pipeplan check`)
     wrap: bool = False
     # (model input, data field) pairs: which field of the data each model input reads
-    # (fields: tokens positions mask targets, see backends/data.py); a model input not
+    # (fields: tokens positions mask targets, see backends/runtime/data.py); a model input not
     # named here reads `tokens` if it is the first, and is an error otherwise
     inputs: tuple[tuple[str, str], ...] = ()
 
@@ -115,7 +115,7 @@ class ContextSpec:
 
     ulysses: one all-to-all before each attention op (sequence shards -> head shards)
     and one after (back). ring: each rank keeps its queries and K/V blocks pass around
-    the cp ring (backends/ring_attention.py); the sequence is laid out in 2*cp chunks."""
+    the cp ring (backends/parallel/cp/ring.py); the sequence is laid out in 2*cp chunks."""
 
     method: str = "ulysses"  # ulysses | ring
 
@@ -172,7 +172,7 @@ class ExpertsSpec:
     dispatcher: str = "alltoall"  # alltoall | allgather
     shared_experts: int = 0
     # the model's load-balancing statistics over: one microbatch of one dp rank (the model's
-    # own call) | the whole step (all microbatches and dp/ep ranks; compiler/balance.py)
+    # own call) | the whole step (all microbatches and dp/ep ranks; compiler/parallel/ep_balance.py)
     balance: str = "microbatch"
 
 
@@ -241,7 +241,7 @@ class OuterOptimizerSpec:
 
 @dataclass(frozen=True)
 class SyncSpec:
-    """How data-parallel replicas agree (backends/diloco.py): every step (gradient all-reduce)
+    """How data-parallel replicas agree (backends/parallel/diloco/sync.py): every step (gradient all-reduce)
     or DiLoCo (each dp replica, an island, takes `inner_steps` optimizer steps alone, then the
     islands average their pseudo-gradients and an outer optimizer applies them)."""
 

@@ -6,47 +6,18 @@ read (its error is already reported), so every independent problem is
 reported once, and none is a knock-on effect of another.
 
 What each schedule kind needs (stages per rank, microbatches) is the table in
-schedule_rules.py.
+schedules/kinds.py. The registry (`check`, `Problem`) is rules.py.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
+from . import input_checks, sync_checks  # noqa: F401  (register the model-input, size and sync checks)
 from .ast import ExpertsSpec, OptimizerSpec, Plan
 from .errors import Diagnostic, PlanError
-from .schedule_rules import SCHEDULE_KINDS, SCHEDULE_RULES, min_microbatches
-
-
-# ------------------------------------------------------------------ checks
-@dataclass(frozen=True)
-class Problem:
-    key: str  # the dotted key the error points at
-    message: str
-    hint: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class Check:
-    reads: tuple[str, ...]  # dotted keys (or key prefixes) the check depends on
-    run: Callable[[Plan], Iterable[Problem]]
-
-
-CHECKS: list[Check] = []
-
-
-def check(*reads: str):
-    """Register a check that reads the given dotted keys."""
-    def register(fn: Callable[[Plan], Iterable[Problem]]):
-        CHECKS.append(Check(reads, fn))
-        return fn
-    return register
-
-
-def where(plan: Plan, *keys: str) -> str:
-    """The first of `keys` written in the plan (errors point at what the user wrote)."""
-    return next((k for k in keys if k in plan.spans), keys[-1])
+from .rules import CHECKS, Check, Problem, check, where
+from ..schedules.kinds import KINDS, KINDS_TABLE, min_microbatches
 
 
 def _default(cls, name: str):
@@ -77,7 +48,7 @@ def _expert_parallel(plan: Plan) -> Iterator[Problem]:
 @check("mesh", "pipeline.schedule", "pipeline.virtual")
 def _virtual_stages(plan: Plan) -> Iterator[Problem]:
     p = plan.pipeline
-    rule = SCHEDULE_RULES[p.schedule]
+    rule = KINDS_TABLE[p.schedule]
     key = where(plan, "pipeline.virtual", "pipeline.schedule")
     if rule.min_virtual == rule.max_virtual and p.virtual != rule.min_virtual:
         shape = "the V placement: 2 stages per rank" if rule.min_virtual == 2 else "1 stage per rank"
@@ -123,7 +94,7 @@ def _microbatches(plan: Plan) -> Iterator[Problem]:
     if count < need:
         yield Problem(key, f"{p.schedule} with pp = {pp} needs at least {need} microbatches, "
                            f"got {count}",
-                      f"{SCHEDULE_RULES[p.schedule].why}; use microbatches >= {need} or "
+                      f"{KINDS_TABLE[p.schedule].why}; use microbatches >= {need} or "
                       f"another schedule (zbv has the same V placement and takes any count)")
 
 
@@ -201,7 +172,7 @@ def _experts(plan: Plan) -> Iterator[Problem]:
                       "dropless = false needs a capacity_factor",
                       "add capacity_factor = 1.25 (tokens per expert = factor * tokens * "
                       "top_k / num_experts)")
-    # (aux_loss / z_loss are the model's own; compiler/experts_checks.py refuses them here)
+    # (aux_loss / z_loss are the model's own; compiler/parallel/ep_checks.py refuses them here)
     for arg, value in (("num_experts", e.num_experts), ("top_k", e.top_k)):
         given = plan.model.args.get(arg)
         if isinstance(given, (int, float)) and not isinstance(given, bool) and given != value:
@@ -230,7 +201,7 @@ def _tensor(plan: Plan) -> Iterator[Problem]:
                           "a module is split one way: keep it in one list")
 
 
-# -- context parallel (the checks that need the captured graph: compiler/context_parallel.py)
+# -- context parallel (the checks that need the captured graph: compiler/parallel/cp.py)
 @check("mesh", "context", "data.seq_len", "experts", "sync")
 def _context(plan: Plan) -> Iterator[Problem]:
     m, c = plan.mesh, plan.context
@@ -339,11 +310,11 @@ def find_problems(plan: Plan, world_size: Optional[int] = None,
                    for f in failed for r in c.reads)
 
     problems: list[Problem] = []
-    if plan.pipeline.schedule not in SCHEDULE_RULES:  # only a Plan built in code gets here
+    if plan.pipeline.schedule not in KINDS_TABLE:  # only a Plan built in code gets here
         failed = failed | {"pipeline.schedule"}
         problems.append(Problem("pipeline.schedule",
                                 f"unknown schedule '{plan.pipeline.schedule}'",
-                                "one of " + " ".join(SCHEDULE_KINDS)))
+                                "one of " + " ".join(KINDS)))
     problems += [p for c in CHECKS if not skipped(c) for p in c.run(plan)]
     if not any(f.startswith("mesh") for f in failed):
         problems += launcher_world_size(plan, world_size)
@@ -356,10 +327,10 @@ def resolve(plan: Plan, parsed: bool = False) -> Plan:
     `plan.microbatches` always works; in a `parsed` plan, `virtual` (when the
     file does not say) becomes the kind's natural stages per rank (2 for zbv)."""
     p = plan.pipeline
-    if p.schedule not in SCHEDULE_RULES:
+    if p.schedule not in KINDS_TABLE:
         return plan
     if parsed and "pipeline.virtual" not in plan.spans:
-        p = dataclasses.replace(p, virtual=SCHEDULE_RULES[p.schedule].natural_virtual)
+        p = dataclasses.replace(p, virtual=KINDS_TABLE[p.schedule].natural_virtual)
     if p.microbatches is None and p.microbatch_size is None:
         p = dataclasses.replace(p, microbatches=min_microbatches(p.schedule, plan.mesh.pp))
     return dataclasses.replace(plan, pipeline=p)
@@ -374,6 +345,3 @@ def check_plan(plan: Plan, world_size: Optional[int] = None) -> None:
     if diagnostics:
         raise PlanError(diagnostics, plan.source_text or None, plan.sources)
 
-
-from . import input_checks  # noqa: E402,F401  (registers the model-input and size checks)
-from . import sync_checks  # noqa: E402,F401  (registers the checks of the sync setting)

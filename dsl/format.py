@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ast import Plan
-from .schedule_rules import SCHEDULE_RULES, min_microbatches
+from ..schedules.kinds import KINDS_TABLE, min_microbatches
 from .fields import Line, write_section
 from .schema import PLAN
 
@@ -34,9 +34,9 @@ def format_plan(plan: Plan, full: bool = False, comments: bool = True) -> str:
 def resolved_defaults(plan: Plan) -> dict[str, Any]:
     """Values the resolver fills when the plan leaves them open: not worth writing."""
     p = plan.pipeline
-    if p.schedule not in SCHEDULE_RULES:
+    if p.schedule not in KINDS_TABLE:
         return {}
-    filled = {"pipeline.virtual": SCHEDULE_RULES[p.schedule].natural_virtual}
+    filled = {"pipeline.virtual": KINDS_TABLE[p.schedule].natural_virtual}
     if p.microbatch_size is None:
         filled["pipeline.microbatches"] = min_microbatches(p.schedule, plan.mesh.pp)
     return filled

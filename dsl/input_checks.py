@@ -2,14 +2,14 @@
 
 Registered into dsl/checks.py's table like every other check: each model input
 reads one data field of the right shape and dtype (the fields are made in
-backends/data.py), and the products of bounded sizes stay bounded (dsl/limits.py).
+backends/runtime/data.py), and the products of bounded sizes stay bounded (dsl/limits.py).
 """
 from __future__ import annotations
 
 from typing import Iterator
 
 from .ast import Plan
-from .checks import Problem, check, where
+from .rules import Problem, check, where
 from .limits import MAX_RANKS, MAX_SCHEDULE_SLOTS, MAX_STEP_TOKENS
 
 INTEGER_DTYPES = ("int64", "int32")  # wide enough for a token id or a position
@@ -19,7 +19,7 @@ _FIELD_DTYPES = {"tokens": INTEGER_DTYPES, "positions": INTEGER_DTYPES, "targets
 @check("data.inputs", "model.inputs", "model.loss")
 def _data_inputs(plan: Plan) -> Iterator[Problem]:
     """Each model input reads one data field: [batch, seq], except `mask` (ones of the
-    input's declared shape and dtype); see backends/data.py."""
+    input's declared shape and dtype); see backends/runtime/data.py."""
     names = [i.name for i in plan.model.inputs]
     for name, _ in plan.data.inputs:
         if name not in names:

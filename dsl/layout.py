@@ -14,7 +14,7 @@ ranks of one pipeline stage; ep adds no ranks. Two cases:
   stage's dp x tp ranks, flat index f = dp_i * tp + tp_i, form EP groups of ep
   consecutive ranks: ep rank f % ep, edp replica f // ep. TP peers in one EP
   group hold different experts; the experts call then runs on each TP rank's
-  1/tp share of the tokens (backends/tp/rewrite.py).
+  1/tp share of the tokens (backends/parallel/tp/rewrite.py).
 
 DiLoCo islands (`mesh.islands`, set from the plan's sync): each dp replica trains
 alone, so EP may not take in dp ranks. EP is then always across TP (the second

@@ -7,7 +7,7 @@ is traced, unless --no-model is given.
 from __future__ import annotations
 
 from .ast import Plan
-from .schedule_rules import min_microbatches
+from ..schedules.kinds import min_microbatches
 from .format import format_plan
 from .layout import format_layout
 

@@ -11,18 +11,13 @@ import re
 from typing import Mapping
 
 from . import ast as A
-from .schedule_rules import SCHEDULE_KINDS
+from ..schedules.kinds import KINDS
 from .schema_train import TRAIN, read_sync, write_sync
 from .stage_costs import read_costs, write_costs
-from .limits import (MAX_BATCH, MAX_DIM, MAX_EXPERTS, MAX_LAYER, MAX_MICROBATCHES, MAX_RANKS,
-                     MAX_SEED, MAX_SEQ_LEN, MAX_VIRTUAL, MAX_VOCAB)
-from .fields import (CallShape, Emit, Field, Reading, Section, call_name, join, read_call,
-                     write_call)
-from .syntax import Call, Float, Int, Items, Name, Node, Pattern, RangeNode, Shaped, Size, Str, Table
-from .values import (Invalid, boolean, check_pattern, choice, did_you_mean, duration, integer,
-                     number, patterns, plain_value, rate, shown, text, write_duration, write_float,
-                     write_pattern, write_patterns, write_plain, write_rate, write_size,
-                     write_string)
+from .limits import (MAX_BATCH, MAX_DIM, MAX_EXPERTS, MAX_LAYER, MAX_MICROBATCHES, MAX_RANKS, MAX_SEED, MAX_SEQ_LEN, MAX_VIRTUAL, MAX_VOCAB)
+from .fields import CallShape, Emit, Field, Reading, Section, call_name, join, read_call, write_call
+from .syntax import (Call, Float, Int, Items, Name, Node, Pattern, RangeNode, Shaped, Size, Str, Table)
+from .values import (Invalid, boolean, check_pattern, choice, did_you_mean, duration, integer, number, patterns, plain_value, rate, shown, text, write_duration, write_float, write_pattern, write_patterns, write_plain, write_rate, write_size, write_string)
 
 
 # ---------------------------------------------------------------- model
@@ -116,7 +111,7 @@ MODEL = Section("model", A.ModelSpec, (
     Field("capture", choice("auto", "fx", "export")),
     Field("leaf_modules", patterns, write_patterns),
     Field("loss", choice("cross_entropy", "mse", "model")),
-    Field("weights", text, write_string)  # backends/weights.py checks it,
+    Field("weights", text, write_string)  # backends/state/weights.py checks it,
 ))
 
 # ----------------------------------------------------------------- data
@@ -261,7 +256,7 @@ def _write_memory_limit(limit: A.MemoryLimit) -> str:
 
 
 PIPELINE = Section("pipeline", A.PipelineSpec, (
-    Field("schedule", choice(*SCHEDULE_KINDS)),
+    Field("schedule", choice(*KINDS)),
     Field("microbatches", integer(1, MAX_MICROBATCHES)),
     Field("microbatch_size", integer(1, MAX_BATCH)),
     Field("virtual", integer(1, MAX_VIRTUAL)),

@@ -12,8 +12,7 @@ from . import ast as A
 from .fields import CallShape, Emit, Field, Reading, Section, read_call, write_call
 from .limits import MAX_RANKS, MAX_SEED, MAX_STEPS, MAX_BATCH
 from .syntax import Items, Node
-from .values import (Invalid, boolean, choice, duration, integer, number, shown, text,
-                     write_duration, write_string)
+from .values import (Invalid, boolean, choice, duration, integer, number, shown, text, write_duration, write_string)
 
 
 # ---------------------------------------------------------------- train

@@ -1,4 +1,4 @@
-"""Checks of the plan's `sync` setting (data-parallel sync modes, backends/diloco.py).
+"""Checks of the plan's `sync` setting (data-parallel sync modes, backends/parallel/diloco/sync.py).
 
 DiLoCo makes each data-parallel replica an island that trains alone for
 `inner_steps` steps; what cannot work that way is refused here, at the plan
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from .ast import Plan
-from .checks import Problem, check, where
+from .rules import Problem, check, where
 
 
 @check("sync", "mesh", "zero", "pipeline.schedule", "pipeline.virtual", "train.steps",

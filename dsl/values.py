@@ -16,8 +16,7 @@ from decimal import Decimal, localcontext
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .ast import Span
-from .syntax import (BYTE_RATES, DURATIONS, FLOP_RATES, UNITS, Duration, Float, Int, Items, Name,
-                     Node, Pattern, Rate, Str, kind_of)
+from .syntax import (BYTE_RATES, DURATIONS, FLOP_RATES, UNITS, Duration, Float, Int, Items, Name, Node, Pattern, Rate, Str, kind_of)
 
 Read = Callable[[Node, str], Any]
 

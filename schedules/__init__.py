@@ -11,8 +11,7 @@ from .generate import KINDS, generate
 from .ir import OPS, Action, Schedule, loop_placement, v_placement
 from .memory import peak_per_rank
 from .render import ascii_timeline, chrome_trace, metrics_table, svg_gantt
-from .serialize import (schedule_from_csv, schedule_from_dict, schedule_from_json, schedule_to_csv,
-                        schedule_to_dict, schedule_to_json)
+from .serialize import (schedule_from_csv, schedule_from_dict, schedule_from_json, schedule_to_csv, schedule_to_dict, schedule_to_json)
 from .simulate import Idle, SimResult, simulate
 from .verify import verify
 

@@ -27,6 +27,7 @@ from .bound import makespan_bound
 from .costs import Costs
 from .errors import ScheduleError
 from .fifo_repair import delay_senders
+from .kinds import FIXED_KINDS, KINDS_TABLE, build_fixed
 from .gen_greedy import Policy, Stall, list_schedule
 from .gen_search import search
 from .gen_zero_bubble import zbv_paper, zbv_tagged
@@ -34,7 +35,6 @@ from .ir import Schedule, loop_placement, v_placement
 from .memory import peak_per_rank
 from .simulate import simulate
 
-FIXED_KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv", "vhalf", "vmin", "dualpipev")
 JITTER_RUNS = 160  # phase 2: randomised list-scheduler runs per placement, at most
 JITTER_WORK = 12_000  # ... and at most this many actions scheduled per placement
 JITTER_ACTIONS = 1000  # phase 2 runs up to this many actions (above, the local search does better)
@@ -133,19 +133,16 @@ def _placements(p: int, vs: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]
 
 def _candidates(p: int, m: int, vs: tuple[int, ...], costs: Costs, limit: Optional[float]):
     """Phase 1: the fixed kinds and the deterministic list-scheduler variants."""
-    from .generate import generate  # the fixed kinds, verified at the same memory limit
     actions = 3 * p * max(vs) * m
     huge = actions > HUGE
     for kind in FIXED_KINDS:
         if huge and kind not in CLOSED_FORM:
             continue
         for v in vs:
-            if kind in ("1f1b", "zbh1", "zbh2") and v != 1:
-                continue
-            if kind in ("zbv", "vhalf", "vmin", "dualpipev", "interleaved") and v != 2:
+            if not KINDS_TABLE[kind].allows(v):
                 continue
             try:
-                yield kind, generate(kind, p, m, v, memory_limit=limit)
+                yield kind, build_fixed(kind, p, m, v, limit)
             except ScheduleError:
                 continue
     if huge:

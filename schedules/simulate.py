@@ -88,7 +88,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None,
     """Time the schedule. The lower bound holds for every schedule of the same placement and
     costs within `memory_limit` activations per rank (default: this schedule's own peak).
     in_order=False times it under tag-matched receives (torch's runtime; see execution.analyze).
-    `durations`: each action's own time (one measured step replayed, compiler/profile.py)
+    `durations`: each action's own time (one measured step replayed, compiler/estimate/profile.py)
     instead of its stage's per-op cost; `delays`: how long each action's input took to arrive
     from another rank, instead of `costs.latency`; `costs` still give the lower bound."""
     with bulk():

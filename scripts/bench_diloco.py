@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, port: int, out: str, steps: int, sync: str, ep:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     plan = load(steps, sync, ep)
     trainer = PipelineTrainer.for_plan(plan)
@@ -108,8 +108,8 @@ def run(steps: int, sync: str, ep: bool) -> list[dict]:
 
 
 def held_out_loss(plan, results) -> float:
-    from pipeplan.backends import data
-    from pipeplan.backends.model import build_model, model_loss
+    from pipeplan.backends.runtime import data
+    from pipeplan.backends.state.model import build_model, model_loss
 
     model = build_model(plan)
     state = {}

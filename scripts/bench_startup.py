@@ -28,8 +28,8 @@ def measure(gb: float, mode: str, rank: int) -> dict:
 
     import torch
 
-    from pipeplan.backends.memory import peak_rss_bytes
-    from pipeplan.backends.model import build_model, own_stages
+    from pipeplan.backends.runtime.memory import peak_rss_bytes
+    from pipeplan.backends.state.model import build_model, own_stages
     from pipeplan.compiler.driver import compile_plan
     torch.set_num_threads(1)
     plan = plan_for(gb)

@@ -113,8 +113,8 @@ def _rank(rank: int, world: int, port: int, plan_path: str, steps: int, out_dir:
     import torch
     import torch.distributed as dist
 
-    from pipeplan.backends.memory import return_large_blocks_to_os
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.memory import return_large_blocks_to_os
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
     from pipeplan.dsl.load import load_plan
 
     return_large_blocks_to_os(mmap_threshold)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeplan.backends import data
-from pipeplan.backends.data_check import check_data
+from pipeplan.backends.runtime import data
+from pipeplan.compiler.data import check_data
 from pipeplan.dsl import PlanError, parse_plan
 
 REPO = Path(__file__).resolve().parents[2]

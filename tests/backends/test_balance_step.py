@@ -24,12 +24,12 @@ import dataclasses
 import pytest
 import torch
 
-from pipeplan.backends import data
-from pipeplan.backends.compare import compare
-from pipeplan.backends.model import build_model
-from pipeplan.backends.comm_meter import CommMeter
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.backends.runtime import data
+from pipeplan.backends.verify.compare import compare
+from pipeplan.backends.state.model import build_model
+from TESTS import CommMeter
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.runtime.trainer import PipelineTrainer
 from pipeplan.compiler import compile_plan
 from pipeplan.dsl.ast import InputSpec, Plan
 

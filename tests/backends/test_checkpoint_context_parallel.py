@@ -1,4 +1,4 @@
-"""Checkpoints of a context-parallel run (backends/checkpoint/): resumed bitwise under the same
+"""Checkpoints of a context-parallel run (backends/state/checkpoint/): resumed bitwise under the same
 plan, and resumed under another cp.
 
 Context parallel leaves every parameter whole on each cp rank (like a dp replica) and the
@@ -49,8 +49,8 @@ def plans(folder: str) -> dict:
 
 
 def _run(plan, tag: str, resume: bool):
-    from pipeplan.backends.checkpoint import Checkpointer
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.state.checkpoint import Checkpointer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     trainer = PipelineTrainer.for_plan(plan)
     ckpt = Checkpointer(plan, trainer, plan_hash=tag)
@@ -94,9 +94,9 @@ def test_cp_checkpoint_resumes_bitwise_and_under_another_cp(spawn, tmp_path):
         for n in params:
             torch.testing.assert_close(moved[n], params[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
     # the manifest names cp, so `pipeplan plan-diff` can say what moved
-    from pipeplan.backends.checkpoint import read_manifest, step_dir
+    from pipeplan.backends.state.checkpoint import read_manifest, step_dir
 
-    from pipeplan.backends.plan_diff import checkpoint_lines
+    from pipeplan.cli.plan_diff import checkpoint_lines
     from pipeplan.compiler import compile_plan
 
     folder = step_dir(str(tmp_path), SAVE)

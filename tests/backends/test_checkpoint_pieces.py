@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from pipeplan.backends.checkpoint.pieces import flat_boxes
+from pipeplan.backends.state.checkpoint.pieces import flat_boxes
 
 
 def test_flat_ranges_are_tiled_by_rectangles():

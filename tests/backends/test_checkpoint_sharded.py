@@ -1,4 +1,4 @@
-"""Sharded checkpoints (backends/checkpoint/): resume bitwise, and resume under another plan.
+"""Sharded checkpoints (backends/state/checkpoint/): resume bitwise, and resume under another plan.
 
 One spawned world of 4 ranks, float64, AdamW (a cosine schedule), 4 steps:
 
@@ -58,8 +58,8 @@ BITWISE = {"zero1-tp2-gpipe"}
 
 
 def _run(plan, tag: str, resume: bool):
-    from pipeplan.backends.checkpoint import Checkpointer
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.state.checkpoint import Checkpointer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     trainer = PipelineTrainer.for_plan(plan)
     ckpt = Checkpointer(plan, trainer, plan_hash=tag)

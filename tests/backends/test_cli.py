@@ -85,7 +85,7 @@ def test_verify_reports_equal(tmp_path):
 @pytest.mark.slow
 def test_run_build_dir_writes_metrics_and_trace(tmp_path):
     """`pipeplan compile` then `pipeplan run BUILD/`: the reference's losses, metrics, a trace."""
-    from pipeplan.backends.reference import train_reference
+    from pipeplan.backends.verify.reference import train_reference
     from pipeplan.dsl.load import load_plan
 
     plan = write_plan(tmp_path)
@@ -119,7 +119,7 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
 
     from pipeplan.cli import main
     from pipeplan.compiler import compile_plan
-    from pipeplan.compiler.profile import Profile
+    from pipeplan.compiler.estimate.profile import Profile
     from pipeplan.dsl.load import load_plan
 
     measured = [e for e in events if e["ph"] == "X" and e["pid"] < 1000]

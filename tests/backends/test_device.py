@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeplan.backends.memory import return_large_blocks_to_os
-from pipeplan.backends.worker import RankEnv, rank_device
+from pipeplan.backends.runtime.memory import return_large_blocks_to_os
+from pipeplan.backends.runtime.worker import RankEnv, rank_device
 from pipeplan.errors import PipeplanError
 
 
@@ -46,7 +46,7 @@ def test_a_batch_field_reaches_a_gpu_through_pinned_memory_without_a_host_sync()
     """torch's copy from pageable memory to CUDA waits for the stream (a host sync per
     microbatch); the executor stages batch fields in pinned memory and copies them
     asynchronously. (Stubs: no GPU here.) On CPU the tensor itself."""
-    from pipeplan.backends.executor import to_device
+    from pipeplan.backends.runtime.executor import to_device
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""DiLoCo (backends/diloco.py) against single-process references written here, in float64.
+"""DiLoCo (backends/parallel/diloco/sync.py) against single-process references written here, in float64.
 
 One spawned 4-rank world (pp=2 x dp=2 islands) runs, in a row: DiLoCo H=3 with a Nesterov
 outer step (9 steps, AdamW inside, clipping on), streaming DiLoCo with K=2 fragments, and
@@ -14,11 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from pipeplan.backends import data
-from pipeplan.backends.model import build_model
-from pipeplan.backends.reference import train_reference
-from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, OptimizerSpec, OuterOptimizerSpec,
-                              PipelineSpec, Plan, SplitSpec, LayerRange, SyncSpec, TrainSpec)
+from pipeplan.backends.runtime import data
+from pipeplan.backends.state.model import build_model
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, OptimizerSpec, OuterOptimizerSpec, PipelineSpec, Plan, SplitSpec, LayerRange, SyncSpec, TrainSpec)
 
 STEPS = 9
 ADAMW = OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1)
@@ -48,7 +47,7 @@ CONFIGS = {
 
 
 def _worker(rank, world):
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     out = {}
     for key, plan in CONFIGS.items():

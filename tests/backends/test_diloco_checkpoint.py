@@ -1,4 +1,4 @@
-"""DiLoCo checkpoints (backends/checkpoint/islands.py): resume between syncs, bitwise.
+"""DiLoCo checkpoints (backends/state/checkpoint/islands.py): resume between syncs, bitwise.
 
 One spawned 4-rank world (pp=2 x dp=2 islands), float64, DiLoCo H=3 with a Nesterov outer
 step and AdamW inside, 7 steps (syncs after steps 3 and 6). The run saves after step 4,
@@ -39,8 +39,8 @@ def plans(folder: str) -> dict:
 
 
 def _run(plan, tag: str, resume: bool):
-    from pipeplan.backends.checkpoint import Checkpointer
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.state.checkpoint import Checkpointer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     trainer = PipelineTrainer.for_plan(plan)
     ckpt = Checkpointer(plan, trainer, plan_hash=tag)
@@ -116,16 +116,16 @@ def test_diloco_resumes_between_syncs_bitwise(spawn, tmp_path):
                for n in names)
     assert int(stored["diloco/rounds/0"]) == 1
     # `pipeplan export` reads the global parameters of the last sync
-    from pipeplan.backends.export import read_checkpoint_params
+    from pipeplan.backends.state.export import read_checkpoint_params
 
     exported = read_checkpoint_params(str(tmp_path))
     assert sorted(exported) == sorted(names)
     assert all(torch.equal(exported[n], stored[f"diloco/global/{n}"]) for n in names)
 
     # another H or island count: refused before launch, naming both
-    from pipeplan.backends.checkpoint.manifest import incompatibilities, read_manifest
-    from pipeplan.backends.checkpoint.state import parameter_shapes
-    from pipeplan.backends.layout import with_required_leaves
+    from pipeplan.backends.state.checkpoint.manifest import incompatibilities, read_manifest
+    from pipeplan.backends.state.checkpoint.state import parameter_shapes
+    from pipeplan.backends.runtime.layout import with_required_leaves
     from pipeplan.compiler.driver import compile_plan
 
     plan = plans(str(tmp_path))["diloco"]

@@ -1,4 +1,4 @@
-"""Decoupled DiLoCo checkpoints (backends/checkpoint/store.py): one series per island.
+"""Decoupled DiLoCo checkpoints (backends/state/checkpoint/store.py): one series per island.
 
 Two spawned 2-rank worlds (pp1 x dp2 islands, the example GPT in float64, H=2, AdamW
 inside, decoupled with a 30 s timeout, so every island is present at every sync), each
@@ -51,9 +51,9 @@ def plan_of(folder: str, timeout: float = 30.0):
 
 
 def _worker(rank, world, folder, timeout=30.0):
-    from pipeplan.backends.decoupled import finish
-    from pipeplan.backends.trainer import PipelineTrainer
-    from pipeplan.backends.worker import RankEnv, RunOptions, _train
+    from pipeplan.backends.parallel.diloco.decoupled import finish
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.worker import RankEnv, RunOptions, _train
 
     plan = plan_of(folder, timeout)
     trainer = PipelineTrainer.for_plan(plan)
@@ -75,8 +75,8 @@ def _worker(rank, world, folder, timeout=30.0):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_decoupled_islands_checkpoint_alone_and_resume_their_own_step(spawn, tmp_path):
-    from pipeplan.backends.cli import check_resume
-    from pipeplan.backends.layout import with_required_leaves
+    from pipeplan.cli.run import check_resume
+    from pipeplan.backends.runtime.layout import with_required_leaves
     from pipeplan.compiler.driver import compile_plan
     from pipeplan.errors import PipeplanError
 
@@ -119,7 +119,7 @@ def test_decoupled_islands_checkpoint_alone_and_resume_their_own_step(spawn, tmp
         assert r["state"].keys() == s["state"].keys()
         assert all(torch.equal(r["state"][k], v) for k, v in s["state"].items())
     # `pipeplan export dir` reads island 0's newest: the coordinators' global parameters
-    from pipeplan.backends.export import read_checkpoint_params
+    from pipeplan.backends.state.export import read_checkpoint_params
 
     exported = read_checkpoint_params(folder)
     glob = {k.split("/", 2)[2]: v for k, v in resumed[0]["state"].items()

@@ -60,9 +60,9 @@ def moe_ep_plan(pp: int = 1, tp: int = 2):
 def _run(plan, folder: str):
     """Train STEPS steps; with EP, also save after step SAVE (between syncs) and resume that
     checkpoint in a fresh trainer to the end."""
-    from pipeplan.backends.checkpoint import Checkpointer
-    from pipeplan.backends.checkpoint.state import placed_parameters
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.state.checkpoint import Checkpointer
+    from pipeplan.backends.state.checkpoint.state import placed_parameters
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     ckpt = None
     if plan.mesh.ep > 1:

@@ -3,7 +3,7 @@ group) equals single-process training in float64, under 1f1b and zbv.
 
 With dp = 1 and ep = 2 the experts' EP groups are the TP groups themselves
 (dsl/layout.py): the two TP ranks of a stage hold different experts, and each
-one's experts call takes its half of the token rows (backends/tp/rewrite.py
+one's experts call takes its half of the token rows (backends/parallel/tp/rewrite.py
 `_local_hooks`), routes them by all-to-all over the TP ranks and all-gathers the
 outputs. Attention runs tensor-parallel (q, k, v column, proj row) on the same
 ranks. 3 AdamW steps with gradient clipping on; losses and every parameter
@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.backends.runtime.trainer import PipelineTrainer
 from pipeplan.dsl.ast import MeshSpec, TensorSpec
 
 from .test_equivalence_moe import STEPS, _check, moe_plan

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeplan.backends.compare import compare
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.backends.verify.compare import compare
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.runtime.trainer import PipelineTrainer
 from pipeplan.dsl import parse_plan
-from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, MeshSpec, ModelSpec, OptimizerSpec,
-                              PipelineSpec, Plan, TrainSpec)
+from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TrainSpec)
 
 from ..compiler.test_experts_plan_errors import _extra
 from ..parallel.moe_models import MOE_LAYERS

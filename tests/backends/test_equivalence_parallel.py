@@ -1,6 +1,6 @@
 """Equivalence with per-stage parallelism inside the pipeline: TP, ZeRO 1-3, expert parallel.
 
-The rewrites themselves are issue 6's (backends/parallelize.py); this checks
+The rewrites themselves are issue 6's (backends/parallel/__init__.py); this checks
 that the runtime wires them in so a whole pipelined run still equals
 single-process training, judged in float64 (3 steps, SGD with momentum, gradient
 clipping at 0.5; losses, step-1 gradients and parameters within rtol 1e-9,
@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.verify import judge, train_for_judge
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.verify.run import judge, train_for_judge
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, RecomputeRule, TensorSpec
 
 from .test_equivalence import ADAMW, STEPS, make_plan  # noqa: E402

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.topology import build_topology
-from pipeplan.backends.trainer import PipelineTrainer
-from pipeplan.compiler.compiled import BATCH, CompiledPlan, StageSpec, TiedParam, ValueRef, ValueSpec
-from pipeplan.dsl.ast import DataSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TrainSpec
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.runtime.topology import build_topology
+from pipeplan.backends.runtime.trainer import PipelineTrainer
+from pipeplan.compiler.compiled import (BATCH, CompiledPlan, StageSpec, TiedParam, ValueRef, ValueSpec)
+from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TrainSpec)
 from pipeplan.schedules.ir import Action, Schedule
 
 V, D, SEQ = 16, 8, 4
@@ -139,7 +139,7 @@ def test_hand_split_pp2_dp2(spawn):
 
 
 def _nan_worker(rank, world):
-    from pipeplan.backends.nonfinite import NonFiniteError
+    from pipeplan.backends.runtime.nonfinite import NonFiniteError
 
     plan = tiny_plan(1, 1, m=2)
     torch.manual_seed(0)

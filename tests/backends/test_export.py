@@ -41,8 +41,8 @@ train {{
 
 
 def _gpt_run(rank, world, plan_path):
-    from pipeplan.backends.checkpoint import Checkpointer
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.state.checkpoint import Checkpointer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
     from pipeplan.dsl.load import load_plan
 
     plan = load_plan(str(plan_path)).with_resolved_paths()
@@ -60,7 +60,7 @@ def test_export_of_a_torch_model_loads_with_strict_state_dict(tmp_path):
     checkpoint's names go out as stored."""
     from safetensors.torch import load_file
 
-    from pipeplan.backends.model import build_model
+    from pipeplan.backends.state.model import build_model
     from pipeplan.dsl.load import load_plan
 
     plan_path = tmp_path / "gpt.plan"

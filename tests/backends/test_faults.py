@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeplan.backends.failure import Failure, explain
+from pipeplan.backends.runtime.failure import Failure, explain
 
 HERE = Path(__file__).parent
 

@@ -125,7 +125,7 @@ PLANS = {"moe": _moe_plan, "zero3": _zero3_plan}
 
 
 def _count(rank, world, names):
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     out = {}
     for name in names:
@@ -139,9 +139,9 @@ def _count(rank, world, names):
     return out
 
 
-STEP = "backends/trainer.py:step"  # the loss, once
-NORM = "backends/grads.py:global_norm"  # the gradient norm, once when clipping
-DISPATCH = "backends/expert_parallel.py:forward"  # split sizes, once per MoE layer call
+STEP = "backends/runtime/trainer.py:step"  # the loss, once
+NORM = "backends/runtime/grads.py:global_norm"  # the gradient norm, once when clipping
+DISPATCH = "backends/parallel/ep/experts.py:forward"  # split sizes, once per MoE layer call
 
 
 @pytest.mark.slow

@@ -45,8 +45,8 @@ train { steps = 3  global_batch = 4  optimizer = sgd(lr = 0.1) }
 
 def _hand_fed_losses(plan, steps: int) -> list[float]:
     """The unmodified model, fed tokens = row[:-1] and positions = 0..seq-1 by hand."""
-    from pipeplan.backends import data
-    from pipeplan.backends.model import build_model
+    from pipeplan.backends.runtime import data
+    from pipeplan.backends.state.model import build_model
 
     model = build_model(plan)  # the plan's initial weights (per-module init from the seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -87,7 +87,7 @@ def test_a_forward_taking_tokens_and_positions_trains_pipelined(tmp_path):
 
 def test_the_data_fields_each_input_reads(tmp_path):
     """tokens/positions/mask/targets as the plan binds them, in the declared dtype and shape."""
-    from pipeplan.backends import data
+    from pipeplan.backends.runtime import data
     from pipeplan.dsl import parse_plan
 
     plan = parse_plan(PLAN.replace(

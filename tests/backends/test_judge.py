@@ -15,9 +15,9 @@ import dataclasses
 
 import torch
 
-from pipeplan.backends.compare import FP64, Rule, alias_map, compare
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.verify import judge
+from pipeplan.backends.verify.compare import FP64, Rule, alias_map, compare
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.verify.run import judge
 
 from .test_equivalence import ADAMW, make_plan
 

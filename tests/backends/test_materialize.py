@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeplan.backends.model import build_model, own_stages
-from pipeplan.backends.materialize import param_bytes
-from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.backends.state.model import build_model, own_stages
+from pipeplan.backends.state.materialize import param_bytes
+from pipeplan.backends.runtime.trainer import PipelineTrainer
 from pipeplan.compiler import estimates_summary
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, MeshSpec, ModelSpec, PipelineSpec, Plan,
-                              TensorSpec, TrainSpec)
+from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, TensorSpec, TrainSpec)
 from pipeplan.dsl.errors import PlanError
 
 GPT = "pipeplan.examples.models.gpt:GPT"
@@ -187,8 +186,8 @@ def test_initial_values_hold_one_module_at_a_time():
     """Drawing a whole model's values module by module never holds more than the module
     being initialised (and the tied embedding until its last holder, the head, ran), and
     gives every module's storage back: the skeleton ends all-meta."""
-    from pipeplan.backends.materialize import initial_values
-    from pipeplan.compiler.loading import load_skeleton
+    from pipeplan.backends.state.materialize import initial_values
+    from pipeplan.compiler.capture.loading import load_skeleton
 
     plan = plan_for(args={"vocab": 64, "dim": 32, "layers": 4, "heads": 4, "seq_len": 16})
     skeleton = load_skeleton(plan)

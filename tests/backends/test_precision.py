@@ -25,11 +25,11 @@ import os
 import pytest
 import torch
 
-from pipeplan.backends.compare import compare
-from pipeplan.backends.model import build_model
-from pipeplan.backends.precision import boundary_specs
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.backends.verify.compare import compare
+from pipeplan.backends.state.model import build_model
+from pipeplan.backends.runtime.precision import boundary_specs
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.runtime.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl import load_plan
 from pipeplan.dsl.ast import RecomputeRule, SplitSpec

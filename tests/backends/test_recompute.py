@@ -20,12 +20,12 @@ import weakref
 import pytest
 import torch
 
-from pipeplan.backends import data, recompute
-from pipeplan.backends.model import build_model
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.stage import StageRunner
-from pipeplan.backends.trainer import PipelineTrainer
-from pipeplan.backends.verify import FirstStepGrads, judge, rank_result
+from pipeplan.backends.runtime import data, recompute
+from pipeplan.backends.state.model import build_model
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.runtime.stage import StageRunner
+from pipeplan.backends.runtime.trainer import PipelineTrainer
+from pipeplan.backends.verify.run import FirstStepGrads, judge, rank_result
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import RecomputeRule
 from pipeplan.errors import PipeplanError

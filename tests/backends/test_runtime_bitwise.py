@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 
 BASE = "a61f4ce07a30d55c5060e32481deea890a97c730"  # main before issue 13's runtime changes landed
-RUNTIME = ("backends/executor.py", "backends/stage.py", "backends/split_backward.py",
-           "backends/grads.py", "backends/trainer.py", "backends/observe.py",
-           "backends/nonfinite.py")
+RUNTIME = ("backends/runtime/executor.py", "backends/runtime/stage.py", "backends/runtime/split_backward.py",
+           "backends/runtime/grads.py", "backends/runtime/trainer.py", "backends/observe/progress.py",
+           "backends/runtime/nonfinite.py")
 # calls of the old runtime into parts whose interface changed after BASE (not the runtime
 # under test): since stop 20 the parallel rewrites take the compiled plan's expert placement
 # and TP kinds instead of finding them again
-WIRING = {"backends/trainer.py": [(b"StageLayout.build(plan, topo, modules, device)",
+WIRING = {"backends/runtime/trainer.py": [(b"StageLayout.build(plan, topo, modules, device)",
                                    b"StageLayout.build(plan, topo, modules, device, "
                                    b"compiled.experts, compiled.tp_rewrites)")]}
 ROOT = Path(__file__).resolve().parents[2]  # the package root (the repo root)
@@ -134,7 +134,7 @@ def _rank(rank: int, world: int, port: int, plan_file: str, overrides, steps: in
     import torch
     import torch.distributed as dist
 
-    from pipeplan.backends.verify import train_for_judge
+    from pipeplan.backends.verify.run import train_for_judge
     from pipeplan.dsl.load import load_plan
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -149,7 +149,7 @@ def _drive(out: str, configs) -> None:
     import torch.multiprocessing as mp
 
     import pipeplan
-    import pipeplan.backends.verify  # noqa: F401
+    import pipeplan.backends.verify.run  # noqa: F401
     examples = Path(pipeplan.__file__).parent / "examples"
     for k, (plan, overrides, world, steps) in enumerate(configs):
         mp.start_processes(_rank, args=(world, _free_port(), str(examples / plan), overrides,

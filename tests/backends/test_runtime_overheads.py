@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pipeplan.backends.comm import Direction, Transfer
-from pipeplan.backends.executor import RecvBuffers
+from pipeplan.backends.runtime.comm import Direction, Transfer
+from pipeplan.backends.runtime.executor import RecvBuffers
 from pipeplan.compiler.compiled import ValueSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +43,9 @@ def test_a_receive_buffer_is_reused_only_once_nothing_else_holds_it():
 
 REPLAY = """
 import pickle, sys
-from pipeplan.backends.agreement import fingerprint
-from pipeplan.backends.layout import with_required_leaves
-from pipeplan.compiler.analysis import Propagation
+from pipeplan.backends.runtime.agreement import fingerprint
+from pipeplan.backends.runtime.layout import with_required_leaves
+from pipeplan.compiler.capture.analysis import Propagation
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.load import load_plan
 plan = with_required_leaves(load_plan(sys.argv[1]))
@@ -58,9 +58,9 @@ print("torch._dynamo" in sys.modules, sorted(fingerprint(plan, compiled).items()
 def test_a_rank_replaying_rank_0s_propagation_compiles_the_same_without_dynamo(tmp_path):
     """What every rank but 0 does at start-up (agreement.compile_shared): no meta run, no
     torch._dynamo import, and the fingerprint the ranks compare is rank 0's."""
-    from pipeplan.backends.agreement import fingerprint
-    from pipeplan.backends.layout import with_required_leaves
-    from pipeplan.compiler.analysis import Propagation
+    from pipeplan.backends.runtime.agreement import fingerprint
+    from pipeplan.backends.runtime.layout import with_required_leaves
+    from pipeplan.compiler.capture.analysis import Propagation
     from pipeplan.compiler.driver import compile_plan
     from pipeplan.dsl.load import load_plan
     path = str(ROOT / "examples" / "gpt_pp4_1f1b.plan")

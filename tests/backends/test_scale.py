@@ -7,12 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from pipeplan.backends.agreement import check_agreement, compile_shared
-from pipeplan.backends.nonfinite import NonFiniteError
-from pipeplan.backends.trainer import PipelineTrainer
+from pipeplan.backends.runtime.agreement import check_agreement, compile_shared
+from pipeplan.backends.runtime.nonfinite import NonFiniteError
+from pipeplan.backends.runtime.trainer import PipelineTrainer
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, SplitSpec,
-                              TensorSpec, TrainSpec)
+from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, SplitSpec, TensorSpec, TrainSpec)
 
 GPT = "pipeplan.examples.models.gpt:GPT"
 
@@ -163,7 +162,7 @@ def test_nan_in_a_later_microbatch_is_named_by_the_checked_rerun(spawn, tmp_path
     step is rerun with every action checked and names the first bad microbatch -- here
     microbatch 1 of 4 (0 is finite, 2 or 3 not the first), which the once-per-step check
     alone would place at the stage's last W."""
-    from pipeplan.backends import data
+    from pipeplan.backends.runtime import data
     (tmp_path / "nanmodel.py").write_text(NAN_MODEL)
     source = str(tmp_path / "nanmodel.py") + ":P"
 

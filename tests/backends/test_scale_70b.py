@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeplan.backends.model import own_stages
-from pipeplan.backends.stage import StageRunner
+from pipeplan.backends.state.model import own_stages
+from pipeplan.backends.runtime.stage import StageRunner
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, TrainSpec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeplan.backends.split_backward import backward_input, backward_weight, plan_split
+from pipeplan.backends.runtime.split_backward import backward_input, backward_weight, plan_split
 from pipeplan.examples.models.gpt import Block
 
 
@@ -68,7 +68,7 @@ def test_weight_used_twice_side_by_side_still_splits():
 
 
 def test_split_cache_maps_one_analysis_onto_every_graph_of_the_shape():
-    from pipeplan.backends.split_backward import SplitCache
+    from pipeplan.backends.runtime.split_backward import SplitCache
     torch.manual_seed(0)
     blocks = nn.Sequential(Block(16, 2, 32), Block(16, 2, 32))
     params = list(blocks.parameters())

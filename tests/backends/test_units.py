@@ -7,15 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeplan.backends import data
-from pipeplan.backends.comm import Direction, plan_rank
-from pipeplan.backends.compare import compare
-from pipeplan.backends.launcher import free_port
-from pipeplan.backends.optim import build_optimizer, lr_factor
-from pipeplan.backends.topology import Coords, global_rank
+from pipeplan.backends.runtime import data
+from pipeplan.backends.runtime.comm import Direction, plan_rank
+from pipeplan.backends.verify.compare import compare
+from pipeplan.backends.runtime.launcher import free_port
+from pipeplan.backends.runtime.optim import build_optimizer, lr_factor
+from pipeplan.backends.runtime.topology import Coords, global_rank
 from pipeplan.compiler.compiled import BATCH, StageSpec, ValueRef, ValueSpec
-from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec,
-                              PipelineSpec, Plan, TrainSpec)
+from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TrainSpec)
 from pipeplan.errors import PipeplanError
 from pipeplan.schedules import generate
 
@@ -153,10 +152,9 @@ def test_free_port_is_bindable():
 
 
 def test_measured_bubble_trace_and_costs():
-    from pipeplan.backends.executor import ActionTiming
-    from pipeplan.backends.observe import (RankTimings, bubble_report, measured_bubble,
-                                           measured_costs, measured_latency)
-    from pipeplan.backends.trace import chrome_trace
+    from pipeplan.backends.runtime.executor import ActionTiming
+    from pipeplan.backends.observe.progress import (RankTimings, bubble_report, measured_bubble, measured_costs, measured_latency)
+    from pipeplan.backends.observe.trace import chrome_trace
 
     # rank 0 busy [0,1] and [3,4]; rank 1 busy [1,3]: makespan 4, busy 4 of 8 -> bubble 0.5
     r0 = (ActionTiming("F", 0, 0, 0.0, 1.0, 0.0), ActionTiming("BW", 0, 0, 3.0, 4.0, 2.0))
@@ -184,10 +182,9 @@ def test_bubble_costs_and_latency_count_whole_slots():
     """The bubble, the per-op costs and the latency all use an action's slot [ready, done]
     (compute plus the runtime's work around it), not its compute alone: the unit the
     simulator charges, so measured and predicted bubbles count the same time as busy."""
-    from pipeplan.backends.executor import ActionTiming
-    from pipeplan.backends.observe import (RankTimings, check_bubble, format_bubble,
-                                           measured_bubble, measured_costs, measured_latency)
-    from pipeplan.backends.trace import chrome_trace
+    from pipeplan.backends.runtime.executor import ActionTiming
+    from pipeplan.backends.observe.progress import (RankTimings, check_bubble, format_bubble, measured_bubble, measured_costs, measured_latency)
+    from pipeplan.backends.observe.trace import chrome_trace
 
     # rank 0: F0 slot [0, 2] (compute [0.5, 1.5]: posting before, sending after), BW0 [5, 7];
     # rank 1: blocked [0, 2.5] on F0's output, F1 slot [2.5, 4.5], BW1 [4.5, 5]
@@ -225,8 +222,8 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise():
     import dataclasses
     import io
 
-    from pipeplan.backends.observe import Progress
-    from pipeplan.backends.trainer import StepReport
+    from pipeplan.backends.observe.progress import Progress
+    from pipeplan.backends.runtime.trainer import StepReport
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -251,7 +248,7 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise():
 
 
 def _bucket_holds_gradients_once(rank, world):
-    from pipeplan.backends.grads import _Bucket
+    from pipeplan.backends.runtime.grads import _Bucket
 
     torch.manual_seed(rank)
     params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]

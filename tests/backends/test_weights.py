@@ -150,9 +150,9 @@ def _train_and_checkpoint(rank, world, plan_path, tp_plan_path):
     """The pp2 run (3 steps, a checkpoint), then, in the same processes, one tp2 step."""
     import safetensors
 
-    from pipeplan.backends.checkpoint import Checkpointer
-    from pipeplan.backends.trainer import PipelineTrainer
-    from pipeplan.backends.verify import rank_result
+    from pipeplan.backends.state.checkpoint import Checkpointer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
+    from pipeplan.backends.verify.run import rank_result
     from pipeplan.dsl.load import load_plan
 
     real = safetensors.safe_open
@@ -176,7 +176,7 @@ def _train_and_checkpoint(rank, world, plan_path, tp_plan_path):
 def test_pretrained_pp2_first_loss_rank_reads_and_export_round_trip(pretrained, tmp_path):
     from transformers import LlamaForCausalLM
 
-    from pipeplan.backends import data
+    from pipeplan.backends.runtime import data
     from pipeplan.dsl.load import load_plan
 
     plan_path = write_plan(tmp_path, str(pretrained / "sharded"))
@@ -255,7 +255,7 @@ def test_the_reference_starts_from_the_file(pretrained, tmp_path):
     import dataclasses
     import os
 
-    from pipeplan.backends.model import build_model
+    from pipeplan.backends.state.model import build_model
     from pipeplan.dsl.load import load_plan
 
     stored = file_tensors(pretrained / "single")
@@ -273,7 +273,8 @@ def test_the_reference_starts_from_the_file(pretrained, tmp_path):
 
 
 def test_a_slice_reads_only_that_part(pretrained):
-    from pipeplan.backends.weights import WeightSource, catalogue
+    from pipeplan.backends.state.weights import WeightSource
+    from pipeplan.compiler.weights import catalogue
 
     model = hf_llama()
     source = WeightSource(catalogue(str(pretrained / "sharded")), model)
@@ -288,8 +289,9 @@ def test_a_slice_reads_only_that_part(pretrained):
 def test_fill_reads_a_shard_from_the_source_in_the_target_dtype(pretrained):
     """`fill` with a source: an EP-like block of rows and a TP-like block of columns, each
     read as that part (no init drawn, no `values`), cast to the target's float64."""
-    from pipeplan.backends.materialize import FlatTarget, Slice, fill, sliced_parameter
-    from pipeplan.backends.weights import WeightSource, catalogue
+    from pipeplan.backends.state.materialize import FlatTarget, Slice, fill, sliced_parameter
+    from pipeplan.backends.state.weights import WeightSource
+    from pipeplan.compiler.weights import catalogue
 
     model = hf_llama()
     source = WeightSource(catalogue(str(pretrained / "single")), model)

@@ -32,7 +32,7 @@ def plans():
 
 
 def _train(rank, world, steps, out):
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
     micro_plan, step_plan = plans()
     trainers = {"microbatch": PipelineTrainer.for_plan(micro_plan),
                 "step": PipelineTrainer.for_plan(step_plan)}

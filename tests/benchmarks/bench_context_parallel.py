@@ -64,7 +64,7 @@ class SavedBytes:
 
 
 def _train(rank, world, plan, out):
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's autograd all_to_all
     trainer = PipelineTrainer.for_plan(plan)
     trainer.step(0)  # warm-up

@@ -5,7 +5,7 @@
 
 1. Split backward on a 4-block GPT stage (d=256, batch 8x128): B, then W the
    simple way (walk the whole graph again) vs W reusing B's work
-   (backends/split_backward.py), next to one full backward BW.
+   (backends/runtime/split_backward.py), next to one full backward BW.
 2. --pipeline: `pipeplan run` of a small GPT on pp=2 for several schedule
    kinds: mean step time after warm-up, measured and predicted bubble.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pipeplan.backends.split_backward import backward_input, backward_weight, plan_split
+from pipeplan.backends.runtime.split_backward import backward_input, backward_weight, plan_split
 from pipeplan.examples.models.gpt import Block
 
 REPEATS = 5

@@ -127,7 +127,7 @@ class TorchSide:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                                   ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
-        from pipeplan.backends.optim import build_optimizer
+        from pipeplan.backends.runtime.optim import build_optimizer
         from pipeplan.examples.models.gpt import GPT
         v = SCHEDULES[kind]
         stages = world * v
@@ -164,7 +164,7 @@ class TorchSide:
         self.ops = _time_compute(pipe, self.schedule)
 
     def step(self, t: int) -> torch.Tensor:
-        from pipeplan.backends import data
+        from pipeplan.backends.runtime import data
         batch = data.global_batch(self.plan, t)
         losses: list = []
         if self.holds_first and self.holds_last:
@@ -301,7 +301,7 @@ def _timed(fn, prof=None) -> float:
 
 def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
           profile: str) -> None:
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -369,7 +369,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-    import pipeplan.backends.trainer  # noqa: F401  (imported once, before the ranks fork)
+    import pipeplan.backends.runtime.trainer  # noqa: F401  (imported once, before the ranks fork)
     import torch._dynamo  # noqa: F401
     print(f"GPT dim {MODEL['dim']} x {MODEL['layers']} layers, {MICROBATCHES} microbatches of "
           f"{GLOBAL_BATCH // MICROBATCHES}x{MODEL['seq_len']} tokens, AdamW, gloo, 1 thread "

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from pipeplan.compiler.compiled import BATCH, CompiledPlan
-from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, PipelineSpec,
-                              Plan, SplitSpec, TrainSpec)
+from pipeplan.dsl.ast import DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, SplitSpec, TrainSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeplan.compiler import compile_plan
-from pipeplan.compiler.balance import StepStatistics, step_statistic
+from pipeplan.compiler.parallel.ep_balance import StepStatistics, step_statistic
 from pipeplan.dsl import PlanError, parse_plan
 
 from .test_experts_plan_errors import PLAN, ROUTER, _extra, _position

@@ -52,7 +52,7 @@ def test_compile_writes_a_readable_build(tmp_path, capsys):
     assert rebuilt.plan.pipeline.split.kind == "points"
 
     # the collectives table: one row per (group, op), one column per pipeline rank
-    from pipeplan.compiler.report import human_bytes
+    from pipeplan.compiler.estimate.report import human_bytes
     assert "## Collectives per step" in report
     assert "| group | collective | pp rank 0 | pp rank 1 |" in report
     per_pp = [original.estimates.ranks[r * 2] for r in range(2)]  # dp 2 x tp 1 per pp rank

@@ -94,8 +94,8 @@ def test_fx_only_failure_on_transformers_points_at_forward(make_plan):
 def test_grouped_mm_experts_are_costed_per_routed_token(make_plan):
     """transformers' Mixtral dispatches tokens to experts with a grouped matmul that torch's
     flop counter does not know; the compiler counts 2·rows·K·N for it."""
-    from pipeplan.compiler.blocks import module_path, within
-    from pipeplan.compiler.traced import trace_with_loss
+    from pipeplan.compiler.capture.blocks import module_path, within
+    from pipeplan.compiler.capture.traced import trace_with_loss
     args = {"layers": 1, "dim": 32, "experts": 4, "top_k": 2}
     plan = make_plan("tests/compiler/models.py:tiny_mixtral", args, pp=1, microbatches=1,
                      global_batch=2, seq_len=16)

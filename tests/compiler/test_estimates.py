@@ -120,8 +120,7 @@ def test_expert_parallel_traffic_and_shards(make_plan):
 def test_zero_layout_groups_a_ranks_parameters_as_the_runtime():
     """Per stage one shard per kind; a weight two stages hold (tied, V schedule) lives in
     the first stage's shard and both stages use it."""
-    from pipeplan.compiler.zero_layout import (
-        EXPERT, REPLICATED, TENSOR_PARALLEL, ShardGroup, group_shards)
+    from pipeplan.compiler.parallel.zero import (EXPERT, REPLICATED, TENSOR_PARALLEL, ShardGroup, group_shards)
     shards, uses = group_shards([
         (3, [("emb", TENSOR_PARALLEL), ("head_norm", REPLICATED)]),
         (0, [("emb", TENSOR_PARALLEL), ("w_up", EXPERT), ("ln", REPLICATED)]),
@@ -132,7 +131,7 @@ def test_zero_layout_groups_a_ranks_parameters_as_the_runtime():
 
 
 def test_shard_memory_pads_to_the_group_and_counts_step_counters():
-    from pipeplan.compiler.zero_layout import MemoryBytes, StateBytes, shard_memory
+    from pipeplan.compiler.parallel.zero import MemoryBytes, StateBytes, shard_memory
     # 10 elements over 4 ranks: padded to 12, 3 per rank
     assert shard_memory(10, 4, 1) == MemoryBytes(48, 48, 8 * 3 + 4)
     assert shard_memory(10, 4, 3) == MemoryBytes(12, 12, 8 * 3 + 4)
@@ -182,7 +181,7 @@ def test_dp_all_reduce_uses_the_link_its_group_sits_on(make_plan):
 
 def test_flags_override_the_plan_and_the_report_says_so(make_plan):
     from pipeplan.compiler import device_model
-    from pipeplan.compiler.report import render_summary
+    from pipeplan.compiler.estimate.report import render_summary
     from pipeplan.dsl.ast import DeviceSpec
     plan = _one_stage(make_plan, DeviceSpec(flops=100e12, mfu=0.5, inter_node=20e9))
     model = device_model(plan, tflops=10)
@@ -203,7 +202,7 @@ def test_ranks_that_outnumber_the_cores_share_them(make_plan, tmp_path, monkeypa
     import torch
 
     from pipeplan.dsl.ast import DeviceSpec
-    dm = importlib.import_module("pipeplan.compiler.device_model")  # the module, not the function
+    dm = importlib.import_module("pipeplan.compiler.estimate.device")  # the module, not the function
     if torch.cuda.is_available():
         pytest.skip("the CPU model applies only where CUDA is not available")
     monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
@@ -240,7 +239,7 @@ def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tm
             self.n += 1
             return func(*args, **(kwargs or {}))
 
-    from pipeplan.compiler import cpu_probe
+    from pipeplan.compiler.estimate import cpu_probe
     from pipeplan.dsl.ast import DeviceSpec
     if torch.cuda.is_available():
         pytest.skip("the CPU model applies only where CUDA is not available")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeplan.compiler import compile_plan
-from pipeplan.compiler.loss import reference_loss
+from pipeplan.compiler.capture.loss import reference_loss
 from pipeplan.dsl.ast import ExpertsSpec
 
 from ..parallel.moe_models import MODELS, MOE_LAYERS

@@ -14,7 +14,7 @@ import pytest
 
 from pipeplan.cli import main
 from pipeplan.compiler import compile_plan
-from pipeplan.compiler.profile import Profile, ProfileError, StageProfile, StepSample
+from pipeplan.compiler.estimate.profile import Profile, ProfileError, StageProfile, StepSample
 from pipeplan.dsl import load_plan
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """What the runtime would refuse after launch is refused at compile time, at the plan line.
 
-compiler/checks.py runs inside `compile_plan`, so `pipeplan check` (after
+compiler/parallel/checks.py runs inside `compile_plan`, so `pipeplan check` (after
 tracing), `compile`, and `run` / `verify` before they spawn a process all
 refuse these plans with a PlanError pointing at the line that asks for it.
 Each case compiles on the meta device; no process group is ever created.
@@ -77,7 +77,7 @@ def test_runtime_refusal_is_a_plan_error_at_compile_time(case, tmp_path):
 def test_the_unedited_plans_compile(tmp_path):
     assert compile_plan(parse_plan(MOE, str(tmp_path / "t.plan"))).experts
     assert compile_plan(parse_plan(DENSE, str(tmp_path / "t.plan"))).stages
-    # checkpoints of ZeRO (and TP, EP) shards are no longer refused (backends/checkpoint/)
+    # checkpoints of ZeRO (and TP, EP) shards are no longer refused (backends/state/checkpoint/)
     assert compile_plan(parse_plan(CHECKPOINT, str(tmp_path / "t.plan"))).stages
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(bytes(2 * 17 * 8 * 10))  # 10 steps (the default) of 8 windows
@@ -86,7 +86,7 @@ def test_the_unedited_plans_compile(tmp_path):
 
 
 def test_recompute_writing_its_input_in_place_is_refused(tmp_path):
-    """backends/recompute.py's check, on the compiled stage graphs."""
+    """backends/runtime/recompute.py's check, on the compiled stage graphs."""
     text = DENSE.replace("zero = 1\n", "zero = 1\nrecompute { inplace = full }\n").replace(
         "pipeplan.examples.models.gpt:GPT", "pipeplan.tests.compiler.test_runtime_checks:Inplace"
     ).replace("args = { vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16 }",

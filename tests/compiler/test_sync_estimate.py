@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.compiler import compile_plan
-from pipeplan.compiler.report import render_summary
+from pipeplan.compiler.estimate.report import render_summary
 from pipeplan.dsl.ast import InputSpec, MeshSpec, SyncSpec, TrainSpec
 
 # Regressor(layers=4, dim=8) in two stages of two Linear(8, 8): 2 * (64 + 8) fp32 params each

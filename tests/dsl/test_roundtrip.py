@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeplan.dsl import SCHEDULE_RULES, format_plan, load_plan, parse_plan
+from pipeplan.dsl import KINDS_TABLE, format_plan, load_plan, parse_plan
 from pipeplan.dsl import ast as A
-from pipeplan.dsl.schedule_rules import min_microbatches
+from pipeplan.schedules.kinds import min_microbatches
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.plan"))
 
@@ -56,8 +56,8 @@ plain = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10
 def plans(draw) -> A.Plan:
     pp, dp, tp = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 2))
     ep = draw(st.sampled_from([d for d in range(1, dp + 1) if dp % d == 0]))
-    schedule = draw(st.sampled_from(sorted(SCHEDULE_RULES)))
-    rule = SCHEDULE_RULES[schedule]
+    schedule = draw(st.sampled_from(sorted(KINDS_TABLE)))
+    rule = KINDS_TABLE[schedule]
     virtual = draw(st.integers(rule.min_virtual, rule.max_virtual or 3))
     m = min_microbatches(schedule, pp) * draw(st.integers(1, 3))
     per_mb = draw(st.integers(1, 3))

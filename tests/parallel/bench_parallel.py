@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from pipeplan.backends.expert_parallel import ExpertParallelMoE
-from pipeplan.compiler.zero_layout import expected_memory
+from pipeplan.backends.parallel.ep.experts import ExpertParallelMoE
+from pipeplan.compiler.parallel.zero import expected_memory
 from pipeplan.examples.models.gpt import GPT
 from pipeplan.examples.models.moe_gpt import MoE
 

@@ -14,9 +14,9 @@ def assert_trains_like_reference(plan, label: str, steps: int, inspect=None) -> 
     """`steps` optimizer steps of `plan` on this rank equal the single-process reference:
     every loss, and every parameter this rank holds. `inspect(trainer)` may assert on the
     rewritten stages before training."""
-    from pipeplan.backends.model import build_model
-    from pipeplan.backends.topology import build_topology
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.state.model import build_model
+    from pipeplan.backends.runtime.topology import build_topology
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
     from pipeplan.compiler.driver import compile_plan
 
     ref_losses, ref_params = reference_run(plan, build_model(plan), steps)

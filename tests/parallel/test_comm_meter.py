@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeplan.backends.expert_parallel import ExpertParallelExperts
-from pipeplan.backends.comm_meter import CommMeter
+from pipeplan.backends.parallel.ep.experts import ExpertParallelExperts
+from TESTS import CommMeter
 import torch.fx as fx
 
-from pipeplan.backends.tp import TensorParallelRules, apply_tensor_parallel
+from pipeplan.backends.parallel.tp import TensorParallelRules, apply_tensor_parallel
 from pipeplan.examples.models.gpt import Block
 from pipeplan.examples.models.moe_gpt import MoE
 

@@ -22,15 +22,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeplan.backends import data
-from pipeplan.backends.model import model_loss
-from pipeplan.backends.parallelize import (
-    build_parallel_groups, parallelize_stage, reference_chunk_groups, required_leaf_modules)
-from pipeplan.backends.stage import StageRunner
-from pipeplan.backends.tp import gather_full, tp_shard_dims
+from pipeplan.backends.runtime import data
+from pipeplan.backends.state.model import model_loss
+from pipeplan.backends.parallel import (build_parallel_groups, parallelize_stage, reference_chunk_groups, required_leaf_modules)
+from pipeplan.backends.runtime.stage import StageRunner
+from pipeplan.backends.parallel.tp import gather_full, tp_shard_dims
 from pipeplan.compiler.compiled import BATCH
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.compiler.loading import load_model
+from pipeplan.compiler.capture.loading import load_model
 from pipeplan.dsl.ast import MeshSpec
 from pipeplan.dsl.load import load_plan
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeplan.dsl.ast import (ContextSpec, DataSpec, InputSpec, MeshSpec, ModelSpec,
-                              OptimizerSpec, PipelineSpec, Plan, TrainSpec)
+from pipeplan.dsl.ast import (ContextSpec, DataSpec, InputSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TrainSpec)
 
 from .pipelined_vs_reference import assert_trains_like_reference
 

@@ -16,8 +16,7 @@ import dataclasses
 
 import pytest
 
-from pipeplan.dsl.ast import (ContextSpec, DataSpec, MeshSpec, ModelSpec, OptimizerSpec,
-                              PipelineSpec, Plan, TensorSpec, TrainSpec)
+from pipeplan.dsl.ast import (ContextSpec, DataSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TensorSpec, TrainSpec)
 
 from .pipelined_vs_reference import assert_trains_like_reference
 from .test_context_parallel import INPUTS, STEPS

@@ -39,15 +39,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeplan.backends import data
-from pipeplan.backends.optim import build_optimizer
-from pipeplan.backends.comm_meter import CommMeter
-from pipeplan.backends.parallelize import (
-    build_parallel_groups, build_zero_optimizer, parallelize_stage, required_leaf_modules)
-from pipeplan.backends.stage import StageRunner
+from pipeplan.backends.runtime import data
+from pipeplan.backends.runtime.optim import build_optimizer
+from TESTS import CommMeter
+from pipeplan.backends.parallel import (build_parallel_groups, build_zero_optimizer, parallelize_stage, required_leaf_modules)
+from pipeplan.backends.runtime.stage import StageRunner
 from pipeplan.compiler.compiled import BATCH
 from pipeplan.compiler.driver import compile_plan
-from pipeplan.compiler.loading import load_model
+from pipeplan.compiler.capture.loading import load_model
 from pipeplan.dsl.load import load_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -268,8 +267,8 @@ def test_llama_stage_collectives_equal_the_meter(run_workers):
 
 
 def _p2p_worker(rank, world, plan, compiled):
-    from pipeplan.backends.topology import build_topology
-    from pipeplan.backends.trainer import PipelineTrainer
+    from pipeplan.backends.runtime.topology import build_topology
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
 
     trainer = PipelineTrainer(plan, compiled, build_topology(plan.mesh))
     tied = [t.group for t in trainer.sync.tied if t.group is not None]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from pipeplan.backends.layout import with_required_leaves
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.verify import judge, train_for_judge
+from pipeplan.backends.runtime.layout import with_required_leaves
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.verify.run import judge, train_for_judge
 from pipeplan.dsl.load import load_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

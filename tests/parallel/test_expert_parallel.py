@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeplan.backends.expert_dispatch import capacity_keep, expert_capacity
-from pipeplan.backends.expert_parallel import ExpertParallelExperts, expert_shard, gather_experts
-from pipeplan.compiler.experts import find_experts, offers_interface
+from pipeplan.backends.parallel.ep.dispatch import capacity_keep, expert_capacity
+from pipeplan.backends.parallel.ep.experts import (ExpertParallelExperts, expert_shard, gather_experts)
+from pipeplan.compiler.parallel.ep import find_experts, offers_interface
 from pipeplan.errors import PipeplanError
 
 from .moe_models import MODELS, experts_of
@@ -113,8 +113,8 @@ def test_the_runtime_takes_the_compiled_placement():
     """The compiled plan names each layer's experts module and each rank's experts; the
     runtime shards what it names, refuses placements its layout cannot hold, and a plan that
     distributes experts needs the placement."""
-    from pipeplan.backends.parallelize import build_parallel_groups, parallelize_stage
-    from pipeplan.compiler.experts import place_experts
+    from pipeplan.backends.parallel import build_parallel_groups, parallelize_stage
+    from pipeplan.compiler.parallel.ep import place_experts
     from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan
     from pipeplan.examples.models.moe_gpt import MoEGPT
     model = MoEGPT(vocab=32, dim=16, layers=2, heads=2, seq_len=8, num_experts=4)

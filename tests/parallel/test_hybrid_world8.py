@@ -12,12 +12,10 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from pipeplan.backends.layout import with_required_leaves
-from pipeplan.backends.reference import train_reference
-from pipeplan.backends.verify import judge, train_for_judge
-from pipeplan.dsl.ast import (
-    DataSpec, ExpertsSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TensorSpec,
-    TrainSpec)
+from pipeplan.backends.runtime.layout import with_required_leaves
+from pipeplan.backends.verify.reference import train_reference
+from pipeplan.backends.verify.run import judge, train_for_judge
+from pipeplan.dsl.ast import (DataSpec, ExpertsSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TensorSpec, TrainSpec)
 
 STEPS = 3
 TENSOR = TensorSpec(column=("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v",

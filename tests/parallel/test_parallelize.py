@@ -16,11 +16,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from pipeplan.compiler.patterns import matches_any
-from pipeplan.backends.parallelize import (
-    ExpertCoords, build_parallel_groups, build_zero_optimizer, expert_group_ranks,
-    parallelize_stage, reference_chunk_groups, required_leaf_modules)
-from pipeplan.backends.tp import gather_full_state
-from pipeplan.compiler.experts import place_experts
+from pipeplan.backends.parallel import (ExpertCoords, build_parallel_groups, build_zero_optimizer, expert_group_ranks, parallelize_stage, reference_chunk_groups, required_leaf_modules)
+from pipeplan.backends.parallel.tp import gather_full_state
+from pipeplan.compiler.parallel.ep import place_experts
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan, TensorSpec
 from pipeplan.errors import PipeplanError
 from pipeplan.examples.models.gpt import GPT
@@ -236,7 +234,7 @@ tensor {
 def test_model_checks_point_at_the_plan_line():
     from pipeplan.dsl.errors import PlanError
     from pipeplan.dsl.load import parse_plan
-    from pipeplan.backends.parallelize import check_parallel_model
+    from pipeplan.compiler.parallel.checks import check_parallel_model
 
     plan = parse_plan(PLAN_TEXT, "gpt.plan")
     model = GPT(vocab=256, dim=64, layers=2, heads=4, seq_len=64)
@@ -251,9 +249,9 @@ def test_model_checks_point_at_the_plan_line():
 
 def test_model_checks_experts():
     from pipeplan.dsl.errors import PlanError
-    from pipeplan.backends.parallelize import check_parallel_model
+    from pipeplan.compiler.parallel.checks import check_parallel_model
 
-    from pipeplan.compiler.experts import experts_modules
+    from pipeplan.compiler.parallel.ep import experts_modules
 
     model = MoEGPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8, num_experts=4)
     plan = Plan(model=MODEL, mesh=MeshSpec(dp=2, ep=2),
@@ -318,7 +316,7 @@ def test_zero_with_tensor_parallel_clips_by_the_global_norm(run_workers, zero):
 
 def _prefetch_worker(rank, world):
     """ZeRO-3 over two stages on each rank: the next action's stage is gathered ahead."""
-    from pipeplan.backends.zero import PrefetchWindow
+    from pipeplan.backends.parallel.zero.sharding import PrefetchWindow
 
     mesh = MeshSpec(dp=world)
     plan = Plan(model=MODEL, mesh=mesh, zero=3)
@@ -368,7 +366,7 @@ def test_zero3_prefetch_window_over_two_stages(run_workers):
 
 def test_tied_weights_must_be_split_alike():
     from pipeplan.dsl.errors import PlanError
-    from pipeplan.compiler.tensor_parallel import tp_annotations
+    from pipeplan.compiler.parallel.tp import tp_annotations
 
     model = GPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8)  # tok_emb and lm_head tied
     plan = Plan(model=MODEL, mesh=MeshSpec(tp=2), tensor=TensorSpec(vocab=("lm_head",)))
@@ -379,7 +377,7 @@ def test_tied_weights_must_be_split_alike():
 
 
 def _partial_grads_worker(rank, world):
-    from pipeplan.backends.parallelize import PartialGrads
+    from pipeplan.backends.parallel import PartialGrads
 
     shared, own = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     registry = PartialGrads(dist.group.WORLD)
@@ -402,7 +400,7 @@ def test_the_runtime_rewrites_the_compiled_tp_kinds_not_the_patterns_again():
     """Given the compiled plan's kinds (CompiledPlan.tp_rewrites), they alone decide what is
     split: a module the plan's patterns would match but the compiled kinds leave out stays
     whole (as `pipeplan check` showed it)."""
-    from pipeplan.compiler.tensor_parallel import TensorParallelRules
+    from pipeplan.compiler.parallel.tp import TensorParallelRules
     patterns = TensorParallelRules.from_plan(TENSOR)
     compiled = TensorParallelRules.compiled({"layers.0.attn.q": "column"}, False)
     assert patterns.kind_of("layers.1.attn.q") == "column"

@@ -1,4 +1,4 @@
-"""Ring attention (backends/ring_attention.py) on real gloo rings equals torch's
+"""Ring attention (backends/parallel/cp/ring.py) on real gloo rings equals torch's
 F.scaled_dot_product_attention on the whole sequence, in float64: outputs and dq, dk, dv
 of every rank's positions, causal (load-balanced layout) or not, grouped-query K/V and a
 custom scale, over rings of 4, 3 and 2 ranks; and the bytes each rank sends.
@@ -13,14 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeplan.backends.comm_meter import CommMeter
+from TESTS import CommMeter
 
 TOL = dict(rtol=1e-9, atol=1e-12)
 SEQ = 16
 
 
 def test_ring_columns_load_balance():
-    from pipeplan.backends.ring_attention import ring_columns
+    from pipeplan.backends.parallel.cp.ring import ring_columns
 
     # 8 chunks of 2 positions; rank r holds chunks r and 7 - r
     assert ring_columns(SEQ, 4, 0).tolist() == [0, 1, 14, 15]
@@ -31,7 +31,7 @@ def test_ring_columns_load_balance():
 
 def _case(group, causal: bool, heads: int, kv_heads: int, scale, seed: int,
           seq: int = SEQ) -> None:
-    from pipeplan.backends.ring_attention import ring_attention, ring_columns
+    from pipeplan.backends.parallel.cp.ring import ring_attention, ring_columns
 
     g = torch.Generator().manual_seed(seed)  # the same whole tensors on every rank
     q = torch.randn(2, heads, seq, 8, dtype=torch.float64, generator=g)
@@ -77,7 +77,7 @@ def test_ring_attention_equals_sdpa_on_the_whole_sequence(run_workers):
 
 
 def test_ring_attention_refuses_other_devices():
-    from pipeplan.backends.ring_attention import ring_attention
+    from pipeplan.backends.parallel.cp.ring import ring_attention
     from pipeplan.errors import PipeplanError
 
     q = torch.zeros(1, 1, 4, 2, device="meta")
@@ -98,7 +98,7 @@ def _ring_plan(*edits) -> str:
 
 def test_ring_estimates_count_the_hops_and_heads_do_not_limit_cp():
     from pipeplan.compiler import compile_plan
-    from pipeplan.compiler.report import render_report, render_summary
+    from pipeplan.compiler.estimate.report import render_report, render_summary
     from pipeplan.dsl import parse_plan
 
     ring = compile_plan(parse_plan(_ring_plan(), "ring.plan"))

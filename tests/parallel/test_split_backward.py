@@ -14,12 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from pipeplan.backends.parallelize import (
-    build_parallel_groups, build_zero_optimizer, parallelize_stage)
-from pipeplan.backends.stage import StageRunner
-from pipeplan.backends.tp import tp_shard_dims, gather_full
+from pipeplan.backends.parallel import (build_parallel_groups, build_zero_optimizer, parallelize_stage)
+from pipeplan.backends.runtime.stage import StageRunner
+from pipeplan.backends.parallel.tp import tp_shard_dims, gather_full
 from pipeplan.compiler.compiled import StageSpec, ValueRef, ValueSpec
-from pipeplan.compiler.experts import place_experts
+from pipeplan.compiler.parallel.ep import place_experts
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan, TensorSpec
 from pipeplan.examples.models.gpt import Block
 from pipeplan.examples.models.moe_gpt import MoEBlock

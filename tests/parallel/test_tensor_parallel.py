@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec,
-                              PipelineSpec, Plan, TensorSpec, TrainSpec)
+from pipeplan.dsl.ast import (DataSpec, LRScheduleSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TensorSpec, TrainSpec)
 from pipeplan.dsl.load import load_plan
 
 from .pipelined_vs_reference import assert_trains_like_reference

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeplan.backends.zero import FlatShard, ZeroOptimizer
-from pipeplan.compiler.zero_layout import FlatLayout, MemoryBytes, expected_memory
+from pipeplan.backends.parallel.zero.sharding import FlatShard, ZeroOptimizer
+from pipeplan.compiler.parallel.zero import FlatLayout, MemoryBytes, expected_memory
 from pipeplan.errors import PipeplanError
 
 TOL = dict(rtol=1e-9, atol=1e-12)

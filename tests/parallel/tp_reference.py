@@ -3,7 +3,7 @@
 Shares no code with the TP path: the unmodified model (`.double()`), torch's
 AdamW with the plan's hyper-parameters, `clip_grad_norm_`, the mean
 cross-entropy of each microbatch averaged over the microbatches, on the same
-rows the pipeline reads (backends/data.py draws them; it is the data, not the
+rows the pipeline reads (backends/runtime/data.py draws them; it is the data, not the
 path under test).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeplan.backends import data
+from pipeplan.backends.runtime import data
 
 
 def logits_of(out):

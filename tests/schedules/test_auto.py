@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch.distributed.pipelining.schedules as ts
 
-from pipeplan.schedules import Action, Costs, Schedule, ScheduleError, generate, schedule_from_csv, simulate, verify
+from pipeplan.schedules import (Action, Costs, Schedule, ScheduleError, generate, schedule_from_csv, simulate, verify)
 from pipeplan.schedules.bound import makespan_bound
 from pipeplan.schedules.gen_auto import auto_bound
 from pipeplan.schedules.gen_search import search

@@ -3,8 +3,7 @@ import json
 
 import pytest
 
-from pipeplan.schedules import (KINDS, ScheduleError, generate, schedule_from_csv, schedule_from_json,
-                                 schedule_to_csv, schedule_to_json, simulate, verify)
+from pipeplan.schedules import (KINDS, ScheduleError, generate, schedule_from_csv, schedule_from_json, schedule_to_csv, schedule_to_json, simulate, verify)
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "auto"])

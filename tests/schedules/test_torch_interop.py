@@ -11,8 +11,7 @@ import torch
 import torch.distributed.pipelining.schedules as ts
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from pipeplan.schedules import (Costs, ScheduleError, follow_fifo, generate, schedule_from_csv, schedule_to_csv,
-                                simulate, verify)
+from pipeplan.schedules import (Costs, ScheduleError, follow_fifo, generate, schedule_from_csv, schedule_to_csv, simulate, verify)
 
 P, M = 4, 8
 

@@ -1,0 +1,93 @@
+"""`pipeplan profile`: a run's measured op times written as a cost file (compiler/estimate/profile.py).
+
+Rank 0 gathers every rank's action timings (as for the bubble line), drops the
+warm-up steps and averages, per stage, the F, B, W and BW times of the
+pipeline at dp 0, tp 0 -- each action's slot (executor.ActionTiming): its compute
+plus the runtime's work around it (posting sends and the next receive, checks),
+a real cost per action the simulator then charges; the p2p latency is the mean measured one
+(observe.measured_latency); activation bytes are what each stage sends forward
+per microbatch (its outputs as the compiled plan sizes them). Each measured
+step is also kept action by action (`steps`: every microbatch's slot and the
+step's own p2p latency), which the compiler replays for its prediction.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from statistics import mean
+from typing import Sequence
+
+import torch
+
+from ...compiler.estimate.profile import OPS, Profile, StageProfile, StepSample, workload
+from .progress import RankTimings, measured_latency, producer_done
+
+
+def describe_device() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return (f"cpu: {platform.machine()} {platform.processor() or ''}".rstrip()
+            + f", {torch.get_num_threads()} threads per rank, torch {torch.__version__}")
+
+
+def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequence[RankTimings],
+               warmup: int) -> Profile:
+    pipeline = sorted((r for r in ranks if r.dp == 0 and r.tp == 0), key=lambda r: r.pp)
+    n = len(pipeline[0].steps)
+    keep = range(min(warmup, n - 1), n)  # at least one measured step
+    samples: dict[tuple[str, int], list[float]] = {}
+    for r in pipeline:
+        for k in keep:
+            for a in r.steps[k]:
+                samples.setdefault((a.op, a.stage), []).append(a.slot)
+    steady = [RankTimings(r.rank, r.pp, r.dp, r.tp, tuple(r.steps[k] for k in keep))
+              for r in pipeline]
+    stages = []
+    for s in range(schedule.stages):
+        ops = {op: mean(samples[(op, s)]) if (op, s) in samples else None for op in OPS}
+        sent = _sent_bytes(specs[s]) if s + 1 < schedule.stages else 0  # the last sends none
+        stages.append(StageProfile(s, ops["F"] or 0.0, ops["B"], ops["W"], ops["BW"],
+                                   len(samples.get(("F", s), ())), sent))
+    first = pipeline[0].first_step
+    steps = tuple(step_sample(first + k + 1, schedule, pipeline, k) for k in keep)
+    return Profile(hashlib.sha256(plan.source_text.encode()).hexdigest(), describe_device(),
+                   schedule.name, tuple(split_points), tuple(stages),
+                   measured_latency(steady, schedule), keep.start,
+                   tuple(first + k + 1 for k in keep), workload(plan), steps=steps)
+
+
+def step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) -> StepSample:
+    """One step's slots per stage, op and microbatch, and its own mean p2p latency."""
+    m = schedule.microbatches
+    table = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]
+    delays = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]
+    done = {(a.op, a.stage, a.microbatch): a.done for r in pipeline for a in r.steps[k]}
+    for r in pipeline:
+        for a in r.steps[k]:
+            table[a.stage][a.op][a.microbatch] = a.slot
+            # its input's delay from another rank: producer's end to the moment the
+            # consumer, blocked on it, got it; 0 when not blocked or taken from none
+            produced = producer_done(a, done, schedule)
+            delays[a.stage][a.op][a.microbatch] = (max(0.0, a.ready - produced) if produced
+                                                   is not None and a.recv_wait > 0 else 0.0)
+    one = [RankTimings(r.rank, r.pp, r.dp, r.tp, (r.steps[k],)) for r in pipeline]
+    return StepSample(step, measured_latency(one, schedule), _lists(table), _lists(delays))
+
+
+def _lists(table) -> tuple[dict, ...]:
+    return tuple({op: None if all(t is None for t in times) else tuple(t or 0.0 for t in times)
+                  for op, times in per.items()} for per in table)
+
+
+def _sent_bytes(spec) -> int:
+    from ...compiler.estimate.estimates import _bytes  # a ValueSpec's bytes, as the estimates count them
+
+    return sum(_bytes(v) for v in spec.outputs)
+
+
+def write_profile(path: str, profile: Profile) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(profile.to_json())
+    os.replace(tmp, path)

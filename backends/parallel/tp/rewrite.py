@@ -1,0 +1,376 @@
+"""Tensor parallelism as a rewrite of a stage GraphModule: the model's own ops on DTensors.
+
+`apply_tensor_parallel(gm, rules, group)` shards the parameters the plan's
+patterns name (`<module>.weight`, `<module>.bias`), then edits the graph so
+that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
+
+* stage inputs, buffers, constants and values the graph creates (`arange`,
+  masks) enter as Replicate; replicated parameters as Replicate (under
+  sequence parallel with a partial gradient, summed over tp once per step);
+* a column (or vocab) parameter enters as Shard(0) -- Linear weights are
+  [out, in], so the output features split -- and a row parameter as Shard(1);
+* at a column-parallel use (`linear(x, W)`), x is redistributed to Replicate
+  first: nothing forward (all-gather of the sequence under sequence parallel),
+  and backward the partial input gradients all-reduced (reduce-scattered);
+  column uses reading one value share one redistribution (Megatron's fused QKV);
+* a row-parallel use computes `linear(x, W)` on the split features (a Partial
+  sum), redistributes it to Replicate -- all-reduce -- or to Shard(seq) under
+  sequence parallel -- reduce-scatter -- and only then adds the bias;
+* a vocab-parallel embedding's output is redistributed as a row output;
+* a column/vocab Linear whose logits go only to `cross_entropy(logits.flatten(0, -2), t)`
+  keeps them sharded: the loss runs under torch's loss_parallel; a vocab Linear
+  used otherwise gathers its logits;
+* stage outputs leave as full local tensors (sequence shards all-gathered).
+
+Between those points the model's own ops run unchanged (views to heads,
+RoPE, GQA's repeat, masks, SiLU ...): DTensor keeps global shapes, so the
+captured literal shapes stay right, and its sharding propagation keeps heads
+and features split. A leaf call (fx `call_module` of an unsplit module with
+parameters) sees its parameters as Replicate DTensors for the call. Nothing
+is chosen by attribute names: only the plan's patterns and the graph's uses.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.utils.stateless import _reparametrize_module
+
+from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight, loss_of_logits, shard_dim)
+from ....errors import PipeplanError
+from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal, VocabParallelLoss)
+from .params import SHARD_DIMS, ParameterSlicer, set_parameter
+
+SEQ = "shard:-2"
+SDPA = [F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default]  # sequence parallel splits dim -2 ([..., seq, features])
+
+
+@dataclass(frozen=True)
+class TensorParallelResult:
+    rewrites: dict = field(default_factory=dict)  # qualified module name -> kind
+    sequence_partial: tuple[str, ...] = ()  # params whose grads are partial under SP
+
+
+def _mesh(group, gm: nn.Module) -> DeviceMesh:
+    p = next(iter(gm.parameters()), None)
+    device = p.device.type if p is not None else "cpu"
+    if device == "meta":  # stages are rewritten before their storage exists (model.fill_stages)
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(group, device)
+
+
+class _Builder:
+    """Inserts the conversion modules (one instance per kind) and nodes calling them."""
+
+    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh):
+        self.gm, self.mesh, self.count = gm, mesh, 0
+        self._modules: dict[str, str] = {}
+
+    def module(self, key: str, make) -> str:
+        if key not in self._modules:
+            name = "tp_" + key.replace(":", "").replace("-", "m")
+            self.gm.add_submodule(name, make())
+            self._modules[key] = name
+        return self._modules[key]
+
+    def after(self, node: fx.Node, key: str, make) -> fx.Node:
+        """Insert `module(node)` right after node and route node's other users to it."""
+        with self.gm.graph.inserting_after(node):
+            new = self.gm.graph.call_module(self.module(key, make), (node,))
+        node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        return new
+
+    def before(self, user: fx.Node, value: fx.Node, key: str, make) -> fx.Node:
+        with self.gm.graph.inserting_before(user):
+            return self.gm.graph.call_module(self.module(key, make), (value,))
+
+    def to_dtensor(self, spec):
+        return lambda: ToDTensor(self.mesh, spec)
+
+    def redistribute(self, spec):
+        return lambda: Redistribute(self.mesh, spec)
+
+
+def _functional_form(gm: fx.GraphModule, node: fx.Node) -> None:
+    """A call_module of a split Linear/Embedding -> the functional op on its get_attr nodes."""
+    mod = gm.get_submodule(node.target)
+    g = gm.graph
+    with g.inserting_before(node):
+        w = g.get_attr(f"{node.target}.weight")
+        if isinstance(mod, nn.Linear):
+            b = g.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+            new = g.call_function(F.linear, (node.args[0], w, b))
+        elif isinstance(mod, nn.Embedding):
+            new = g.call_function(F.embedding, (node.args[0], w, mod.padding_idx, mod.max_norm,
+                                                mod.norm_type, mod.scale_grad_by_freq, mod.sparse))
+        else:
+            raise PipeplanError(f"tensor parallel: {node.target} is a {type(mod).__name__}; "
+                                "only Linear and Embedding modules can be split")
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+
+
+_SIZE_METHODS = {"size", "dim", "numel", "stride", "get_device"}
+_SIZE_FUNCTIONS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
+                   torch.ops.aten.sym_stride.int}
+_TENSOR_ATTRS = {"T", "mT", "H", "mH", "real", "imag", "data"}
+
+
+def _is_size_query(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _SIZE_METHODS
+    if n.op == "call_function":
+        if n.target is getattr:
+            return n.args[1] not in _TENSOR_ATTRS
+        return n.target in _SIZE_FUNCTIONS
+    return False
+
+
+def _graph_made(graph: fx.Graph, holds_tensors) -> list[fx.Node]:
+    """Values computed from no stage input or parameter (factories such as `arange`, masks
+    built from sizes) where they meet DTensors: they enter there as Replicate."""
+    tainted: set[fx.Node] = set()
+    made = []
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr") or n.op == "call_module" and holds_tensors(n):
+            tainted.add(n)  # (a leaf call with parameters computes with DTensors)
+        elif n.op in ("call_function", "call_method", "call_module"):
+            if any(a in tainted for a in n.all_input_nodes):
+                if not _is_size_query(n):
+                    tainted.add(n)
+            elif not _is_size_query(n):
+                made.append(n)
+    return [n for n in made if any(u in tainted for u in n.users)]
+
+
+def _leaf_hooks(mod: nn.Module, convert) -> None:
+    """Reparametrize a leaf module's own tensors with DTensors for the duration of a call."""
+    stack = []
+
+    def pre(m, args):
+        values = {n: convert(n, t) for n, t in
+                  list(m.named_parameters(remove_duplicate=False))
+                  + list(m.named_buffers(remove_duplicate=False))}
+        ctx = _reparametrize_module(m, values)
+        ctx.__enter__()
+        stack.append(ctx)
+
+    def post(m, args, out):
+        stack.pop().__exit__(None, None, None)
+
+    mod.register_forward_pre_hook(pre)
+    mod.register_forward_hook(post)
+
+
+def _local_hooks(mod: nn.Module, split_tokens: bool = False) -> None:
+    """A leaf that communicates by itself (pipeplan's expert-parallel layer) runs on this
+    rank's local tensors; its tensor outputs take its first input's placement back.
+
+    `split_tokens` (EP across TP: the TP peers are in one EP group and hold different
+    experts): every input is first redistributed to Shard(0), so each TP rank hands
+    the layer its 1/tp share of the token rows (from Replicate: a local slice, no
+    communication; backward: an all-gather of the rows' gradients); the output rows,
+    Shard(0), are redistributed back to the first input's placement (from Shard(0) to
+    Replicate: an all-gather; backward: each rank keeps its rows' gradient, or a
+    reduce-scatter of a partial one)."""
+    seen = []
+
+    def local(a):
+        if not isinstance(a, DTensor):
+            return a
+        if split_tokens:
+            a = a.redistribute(a.device_mesh, [Shard(0)])
+        return a.to_local()
+
+    def pre(m, args):
+        first = next((a for a in args if isinstance(a, DTensor)), None)
+        seen.append(first)
+        return tuple(local(a) for a in args)
+
+    def post(m, args, out):
+        like = seen.pop()
+        if like is None:
+            return out
+
+        def back(o):
+            if not isinstance(o, torch.Tensor) or isinstance(o, DTensor):
+                return o
+            mesh = like.device_mesh
+            if split_tokens and o.dim() >= 1:
+                shape = torch.Size((like.shape[0],) + tuple(o.shape[1:]))
+                rows = DTensor.from_local(o, mesh, [Shard(0)], run_check=False, shape=shape,
+                                          stride=_contiguous_stride(shape))
+                return rows.redistribute(mesh, like.placements if o.dim() == like.dim()
+                                         else [Replicate()])
+            p = like.placements if o.dim() == like.dim() else [Replicate()]
+            return DTensor.from_local(o, mesh, p, run_check=False)
+        return tuple(back(o) for o in out) if isinstance(out, tuple) else back(out)
+
+    mod.register_forward_pre_hook(pre)
+    mod.register_forward_hook(post)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
+                          slicer: Optional[ParameterSlicer] = None,
+                          local_modules: frozenset = frozenset(),
+                          split_tokens: bool = False) -> TensorParallelResult:
+    """Rewrite stage `gm` in place for the TP group; returns what was split.
+
+    `slicer`: shared by the stage modules of one rank (see ParameterSlicer);
+    `local_modules`: leaf calls that run on local tensors (expert-parallel layers);
+    `split_tokens`: those calls take each TP rank's share of the token rows (EP
+    across TP; see `_local_hooks`).
+    """
+    if not isinstance(gm, fx.GraphModule):
+        raise PipeplanError("tensor parallel rewrites a captured stage graph (fx.GraphModule); "
+                            f"got {type(gm).__name__}")
+    sp = rules.sequence_parallel
+    sliced = slicer if slicer is not None else ParameterSlicer(group)
+    mesh = _mesh(group, gm)
+    b = _Builder(gm, mesh)
+    g = gm.graph
+    rewrites: dict[str, str] = {}
+
+    # 1. split Linear/Embedding leaf calls become functional ops on get_attr nodes
+    for node in list(g.nodes):
+        if node.op == "call_module" and rules.kind_of(node.target):
+            _functional_form(gm, node)
+
+    # 2. shard the parameters the patterns name (one shard per tied parameter and dim)
+    dims: dict[str, int] = {}
+    for name, p in list(gm.named_parameters(remove_duplicate=False)):
+        owner, _, leaf = name.rpartition(".")
+        kind = rules.kind_of(owner)
+        dim = shard_dim(kind, leaf) if kind else None
+        if dim is None:
+            continue
+        set_parameter(gm, name, sliced(p, dim))
+        dims[name] = dim
+        rewrites[owner] = kind
+
+    # 3. the collectives each style implies, around the uses of split parameters
+    out_spec = SEQ if sp else "replicate"
+    entered: dict[fx.Node, fx.Node] = {}
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in LINEARS and _attr(node.args[1]) in dims:
+            w = _attr(node.args[1])
+            kind = rules.kind_of(w.rpartition(".")[0])
+            if kind == "row":
+                _row(b, node, out_spec)
+                continue
+            x = node.args[0]
+            if x not in entered:
+                entered[x] = b.before(node, x, "replicate_in", b.redistribute("replicate"))
+            node.replace_input_with(x, entered[x])
+            loss = loss_of_logits(node)
+            if loss is not None:
+                _vocab_loss(b, loss)
+                rewrites[w.rpartition(".")[0]] = kind + "+loss"
+            elif kind == "vocab":
+                b.after(node, "gather", b.redistribute("replicate"))
+        elif node.target in EMBEDDINGS and _attr(embedding_weight(node)) in dims:
+            b.after(node, "out_" + out_spec, b.redistribute(out_spec))
+        elif node.target in SDPA:
+            name = b.module(f"heads_{SDPA.index(node.target)}", lambda: HeadLocal(node.target))
+            node.op, node.target = "call_module", name
+
+    # 4. every tensor the graph reads becomes a DTensor
+    partial = []
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for node in list(g.nodes):
+        if node.op == "placeholder":
+            b.after(node, "replicate", b.to_dtensor("replicate"))
+        elif node.op == "get_attr":
+            if node.target in dims:
+                spec = f"shard:{dims[node.target]}"
+                b.after(node, spec, b.to_dtensor(spec))
+            elif sp and node.target in params and params[node.target].requires_grad:
+                b.after(node, "partial_grad", lambda: ReplicatedParameter(mesh))
+                partial.append(node.target)
+            else:
+                b.after(node, "replicate", b.to_dtensor("replicate"))
+    def holds_tensors(n):
+        mod = gm.get_submodule(n.target)
+        return any(True for _ in mod.parameters()) or any(True for _ in mod.buffers())
+
+    for node in _graph_made(g, holds_tensors):
+        if node.users:
+            b.after(node, "replicate", b.to_dtensor("replicate"))
+
+    # 5. leaf calls see their own parameters as DTensors
+    for node in list(g.nodes):
+        if node.op == "call_module" and node.target in local_modules:
+            _local_hooks(gm.get_submodule(node.target), split_tokens)
+            if sp and not split_tokens:  # (split: each rank's experts see their own tokens)
+                partial += [node.target + "." + n for n, p in
+                            gm.get_submodule(node.target).named_parameters(remove_duplicate=False)
+                            if p.requires_grad]
+        elif node.op == "call_module" and not node.target.startswith("tp_"):
+            mod = gm.get_submodule(node.target)
+            prefix = node.target + "."
+            rep = ReplicatedParameter(mesh) if sp else ToDTensor(mesh)
+            if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
+                _leaf_hooks(mod, lambda n, t, rep=rep: rep(t) if isinstance(t, nn.Parameter)
+                            else ToDTensor(mesh)(t))
+                if sp:
+                    partial += [prefix + n for n, p in mod.named_parameters(remove_duplicate=False)
+                                if p.requires_grad]
+
+    # 6. stage outputs leave as full local tensors
+    out = next(n for n in g.nodes if n.op == "output")
+    local = b.module("to_local", ToLocal)
+    with g.inserting_before(out):
+        out.args = (fx.node.map_arg(out.args[0], lambda n: g.call_module(local, (n,))),)
+
+    setattr(gm, SHARD_DIMS, dims)
+    g.lint()
+    gm.recompile()
+    return TensorParallelResult(rewrites, tuple(dict.fromkeys(partial)))
+
+
+def _attr(node) -> Optional[str]:
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def _row(b: _Builder, node: fx.Node, out_spec: str) -> None:
+    """linear(x, W, bias) -> redistribute(linear(x, W)) + bias: sum the partial products
+    (all-reduce, or reduce-scatter to sequence shards), then add the replicated bias."""
+    g = b.gm.graph
+    args = list(node.args) + [None] * (3 - len(node.args))
+    bias = node.kwargs.get("bias", args[2])
+    node.args, node.kwargs = (args[0], args[1]), {}
+    end = b.after(node, "out_" + out_spec, b.redistribute(out_spec))
+    if bias is not None:
+        with g.inserting_after(end):
+            add = g.call_function(operator.add, (end, bias))
+        end.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+
+
+def _vocab_loss(b: _Builder, ce: fx.Node) -> None:
+    g = b.gm.graph
+    kwargs = dict(ce.kwargs)
+    name = b.module(f"vocab_loss_{b.count}", lambda: VocabParallelLoss(**kwargs))
+    b.count += 1
+    with g.inserting_before(ce):
+        new = g.call_module(name, ce.args[:2])
+    ce.replace_all_uses_with(new)
+    g.erase_node(ce)

@@ -1,0 +1,185 @@
+"""Local launch: start one `python -m pipeplan ...` process per rank on this machine.
+
+Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so the worker path is the same
+as under torchrun. The launcher watches them: when one exits non-zero it
+names the rank that failed first (one killed by a signal, else the earliest
+error report; see failure.explain) with its last action, and what the others
+reported as a consequence, kills the rest and returns 1.
+Children die with the launcher (PR_SET_PDEATHSIG on Linux) and are killed in
+a `finally`, so no process outlives a run.
+
+A decoupled DiLoCo run (`islands` given: the ranks of each dp replica) survives the
+death of a whole island other than island 0: when one of its ranks dies by a signal,
+the launcher kills the island's other ranks, says so, tells the coordinators through
+the job's store (decoupled.py) and goes on; the failures those ranks report are
+consequences. Any other failure stops every rank as above.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from .failure import ERROR_DIR_ENV, explain, read_beacon, read_failures
+
+GRACE_S = 2.0  # after the first failure, how long the others may take to report theirs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _threads_per_rank(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def launch_local(argv: Sequence[str], world: int,
+                 islands: Optional[Sequence[Sequence[int]]] = None) -> int:
+    """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded.
+
+    The ranks run in their own session, so a Ctrl-C in the terminal reaches only the
+    launcher: it stops every rank at once (see `_kill_all`) and the KeyboardInterrupt
+    goes on to the CLI, which prints one "interrupted" line."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors:
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                env[ERROR_DIR_ENV] = errors
+                env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(world)))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pipeplan", *argv], env=env, start_new_session=True,
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
+            return _watch(procs, errors, _Islands(islands, port) if islands else None)
+        finally:
+            _kill_all(procs)
+
+
+def _watch(procs: list[subprocess.Popen], errors: str, islands: "Optional[_Islands]" = None
+           ) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        if islands is not None:
+            islands.drop_dead(procs, codes, errors)
+            codes = [0 if r in islands.dropped else c for r, c in enumerate(codes)]
+        if all(c == 0 for c in codes):
+            return 0
+        if any(c not in (None, 0) for c in codes):
+            # the others report what they saw (or stop) within the grace period
+            deadline = time.monotonic() + GRACE_S
+            while time.monotonic() < deadline and not _settled(procs, errors):
+                time.sleep(0.05)
+            dropped = islands.dropped if islands is not None else set()
+            final = {r: 0 if r in dropped else p.poll() for r, p in enumerate(procs)}
+            codes_then = {r: (c if c is not None else final[r]) for r, c in enumerate(codes)}
+            _kill_all(procs)
+            beacons = {r: read_beacon(errors, r) for r in range(len(procs))}
+            for line in explain(codes_then, read_failures(errors), beacons):
+                print(f"pipeplan: {line}", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+
+
+def _settled(procs: list[subprocess.Popen], errors: str) -> bool:
+    """Every rank has exited, or one has reported an error: the cause's own report, or
+    (after a signal death) a neighbour's, which says what the death did to the others."""
+    return all(p.poll() is not None for p in procs) or bool(read_failures(errors))
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    """Stop every live rank at once: SIGSTOP them all first (a stopped rank keeps its
+    sockets open, so none sees a peer vanish and prints gloo's C++ errors), then SIGKILL.
+    Ctrl-C is held off meanwhile so a second one cannot leave ranks behind."""
+    live = [p for p in procs if p.poll() is None]
+    previous = _hold_sigint()
+    try:
+        for p in live:
+            _signal(p, signal.SIGSTOP)
+        for p in live:
+            _signal(p, signal.SIGKILL)
+        for p in live:
+            p.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _hold_sigint():
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Islands:
+    """The islands of a decoupled DiLoCo run, and those dropped so far."""
+
+    def __init__(self, islands: Sequence[Sequence[int]], port: int):
+        self.islands = [list(i) for i in islands]
+        self.port = port
+        self.dropped: set[int] = set()  # ranks of lost islands
+
+    def drop_dead(self, procs: list[subprocess.Popen], codes: list, errors: str) -> None:
+        """Drop every island (but island 0) in which a rank died by a signal."""
+        for i, ranks in enumerate(self.islands):
+            if i == 0 or ranks[0] in self.dropped:
+                continue
+            killed = [r for r in ranks if codes[r] is not None and codes[r] < 0]
+            if not killed:
+                continue
+            _kill_all([procs[r] for r in ranks])
+            self.dropped.update(ranks)
+            where = read_beacon(errors, killed[0])
+            left = [j for j, rs in enumerate(self.islands) if rs[0] not in self.dropped]
+            print(f"pipeplan: island {i} lost: rank {killed[0]} was killed by signal "
+                  f"{-codes[killed[0]]}" + (f" in {where}" if where else "")
+                  + f"; stopped its ranks {ranks}; the run goes on with islands {left}",
+                  file=sys.stderr, flush=True)
+            self._tell(i)
+            for r in ranks:  # their consequences are not the run's failures
+                try:
+                    os.remove(os.path.join(errors, f"rank{r}.json"))
+                except OSError:
+                    pass
+
+    def _tell(self, island: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from ..parallel.diloco.decoupled import lost_key
+
+        try:
+            store = dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                                  timeout=timedelta(seconds=5), wait_for_workers=False)
+            store.set(lost_key(island), "1")
+        except Exception as e:  # the coordinators then time the island out instead
+            print(f"pipeplan: could not tell the coordinators: {e}", file=sys.stderr)

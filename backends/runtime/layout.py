@@ -1,0 +1,134 @@
+"""This rank's stage modules after per-stage parallelism, and where each gradient goes.
+
+Without tensor/expert parallelism a stage module is the compiled GraphModule
+as is: every parameter is whole, reduced over the stage's DP group and
+counted once in the global norm. With them (backends/parallel/__init__.py rewrites
+the modules in place) a parameter may be
+
+* a tensor-parallel shard: summed over nothing extra, but its squared norm
+  is summed over the TP group;
+* an expert shard: reduced over the expert-data-parallel group, its squared
+  norm summed over the EP group.
+
+`StageLayout` answers those two questions per parameter and rebuilds full
+parameters (by their reference names) for checks and `pipeplan verify`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...dsl.ast import Plan
+from ...errors import PipeplanError
+from .topology import Topology
+
+
+def needs_stage_parallelism(plan: Plan) -> bool:
+    experts_rewritten = plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless)
+    return plan.mesh.tp > 1 or experts_rewritten or plan.zero > 0
+
+
+def with_required_leaves(plan: Plan) -> Plan:
+    """The plan to compile: module patterns the rewrites need as leaf calls added
+    (none today: the capture keeps the experts calls of MoE layers opaque itself, and
+    tensor parallelism works on the graph as captured), so a plan need not repeat them
+    in model.leaf_modules."""
+    if not needs_stage_parallelism(plan):
+        return plan
+    from ..parallel import required_leaf_modules
+
+    leaves = tuple(plan.model.leaf_modules)
+    extra = tuple(p for p in required_leaf_modules(plan) if p not in leaves)
+    if not extra:
+        return plan
+    return dataclasses.replace(plan, model=dataclasses.replace(plan.model,
+                                                               leaf_modules=leaves + extra))
+
+
+@dataclass
+class StageLayout:
+    topo: Topology
+    modules: dict[int, nn.Module]
+    device: torch.device = torch.device("cpu")
+    parallel: dict = field(default_factory=dict)  # stage -> parallelize.ParallelStage
+    groups: object = None  # parallelize.ParallelGroups
+    _norm_group: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+
+    @staticmethod
+    def build(plan: Plan, topo: Topology, modules: dict[int, nn.Module],
+              device: torch.device = torch.device("cpu"),
+              experts: tuple = (), tp_kinds: Optional[dict] = None) -> "StageLayout":
+        """Collective when per-stage parallelism is on (its groups are created here).
+        `experts`, `tp_kinds`: the compiled plan's expert placement and TP kinds."""
+        layout = StageLayout(topo, modules, device)
+        if not needs_stage_parallelism(plan):
+            return layout
+        try:
+            from ..parallel import build_parallel_groups, parallelize_stage
+            from ..parallel.tp import tp_shard_dims
+        except ModuleNotFoundError as e:
+            raise PipeplanError("this plan needs per-stage parallelism (tp, ep, zero or a "
+                                "capacity factor), which is not installed: backends/parallel/__init__.py "
+                                f"is missing ({e})") from None
+
+        layout.groups = build_parallel_groups(
+            plan.mesh, topo.tp_group, topo.dp_group,
+            sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
+        for s in sorted(modules):
+            layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups, experts,
+                                                   tp_kinds)
+        for st in layout.parallel.values():
+            for p in st.expert_params():
+                layout._norm_group[id(p)] = st.groups.ep
+            params = dict(st.module.named_parameters(remove_duplicate=False))
+            for pname in tp_shard_dims(st.module):
+                if pname in params:
+                    layout._norm_group[id(params[pname])] = st.groups.tp
+        return layout
+
+    def reduce_group(self, stage: int, p: nn.Parameter) -> Optional[dist.ProcessGroup]:
+        """The group p's gradient is summed over (None: no reduction)."""
+        if stage in self.parallel:
+            return self.parallel[stage].grad_group(p)
+        m = self.topo.mesh  # DiLoCo islands: nothing is summed across islands
+        return self.topo.dp_group if m.dp * m.cp > 1 and not m.islands else None
+
+    def norm_group(self, p: nn.Parameter) -> Optional[dist.ProcessGroup]:
+        """The group over which p's squared norm is summed (None: p is whole here)."""
+        return self._norm_group.get(id(p))
+
+    def after_backward(self, stage: int) -> None:
+        """Once a stage's backwards of the step are done (sequence-parallel norm grads)."""
+        if stage in self.parallel:
+            self.parallel[stage].sync_sequence_parallel()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of this rank's stages at full (reference) shape, by reference name.
+
+        Collective over the TP and EP groups when those shard parameters.
+        """
+        from ..parallel.ep.experts import gather_experts
+        from ..parallel.tp import gather_full_state
+
+        out: dict[str, torch.Tensor] = {}
+        for s in sorted(self.modules):
+            module = self.modules[s]
+            names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+            st = self.parallel.get(s)
+            if st is not None and st.tensor is not None:
+                full = gather_full_state(module, st.groups.tp)
+            else:
+                full = dict(module.state_dict(keep_vars=False))
+            if st is not None:
+                for lname, layer in st.experts.items():
+                    for pname, value in gather_experts(layer).items():
+                        full[f"{lname}.{pname}"] = value
+            for n in sorted(names):
+                if n in full:
+                    out.setdefault(n, full[n].detach().clone())
+        return out

@@ -1,0 +1,284 @@
+"""One rank of a run: join the process group, build this rank's stages, train, report.
+
+Entered when the environment names a rank (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT): set by torchrun, or by pipeplan's local launcher, which starts
+the same command once per rank. NCCL when CUDA is available, gloo otherwise.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...dsl.ast import Plan
+from ...errors import PipeplanError
+from .agreement import check_agreement, compile_shared, plan_hash
+from ..state.checkpoint import Checkpointer, latest_step
+from .failure import STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_failure
+from .layout import with_required_leaves
+from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
+from ..observe.progress import Progress, RankTimings, check_bubble, describe_run, format_bubble
+from .topology import Coords, build_topology
+from ..observe.trace import write_trace
+from .trainer import PipelineTrainer
+from ..verify.run import FirstStepGrads, dump_rank
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int
+    trace: Optional[str] = None
+    metrics: Optional[str] = None
+    timeout_s: float = 300.0
+    dump_dir: Optional[str] = None  # `pipeplan verify`: each rank saves losses and parameters here
+    debug: bool = False
+    reset_optimizer: bool = False  # resume the weights only, with a fresh optimizer
+    profile_out: Optional[str] = None  # `pipeplan profile`: rank 0 writes the cost file here
+    warmup: int = 1  # steps left out of the steady-state bubble and the profile
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @staticmethod
+    def from_environ() -> Optional["RankEnv"]:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        return RankEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                       int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
+def check_world(plan: Plan, world_size: int) -> None:
+    if plan.mesh.world_size != world_size:
+        m = plan.mesh
+        raise PipeplanError(
+            f"the plan needs pp*dp*tp = {m.pp}*{m.dp}*{m.tp} = {m.world_size} processes, "
+            if m.cp == 1 else
+            f"the plan needs pp*dp*cp*tp = {m.pp}*{m.dp}*{m.cp}*{m.tp} = {m.world_size} processes, "
+            f"but WORLD_SIZE is {world_size}; launch {m.world_size} processes in total "
+            f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
+
+
+def rank_device(env: RankEnv) -> tuple[torch.device, str]:
+    """(device, process-group backend) of this rank: `cuda:LOCAL_RANK` and NCCL when CUDA is
+    available, else the CPU and gloo. NCCL refuses two ranks on one GPU, so a LOCAL_RANK
+    without its own visible device is refused here, before the process group forms."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise PipeplanError(
+            f"rank {env.rank} has LOCAL_RANK {env.local_rank}, but this node shows {count} CUDA "
+            f"device(s): launch at most one process per GPU (--nproc-per-node {count}), or "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+    return torch.device("cuda", env.local_rank), "nccl"
+
+
+def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash: str,
+             split_points):
+    """(Checkpointer or None, steps already done): resume from the newest checkpoint,
+    resharded to this plan (backends/state/checkpoint/)."""
+    spec = plan.train.checkpoint
+    if spec is None:
+        return None, 0
+    ckpt = Checkpointer(plan, trainer, run_hash, split_points)
+    found = [latest_step(ckpt.folder) if dist.get_rank() == ckpt.leader else None]
+    # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank) decides
+    # for every node of its group: a decoupled island resumes its own newest step
+    dist.broadcast_object_list(found, src=ckpt.leader, group=ckpt.group)
+    if found[0] is None:
+        return ckpt, 0
+    done = ckpt.load(found[0], opts.reset_optimizer)
+    trainer.resume(done)
+    return ckpt, done
+
+
+def _log_dir_metrics(plan: Plan) -> Optional[str]:
+    """Without --metrics, train.log_dir (when set) receives metrics.jsonl."""
+    if not plan.train.log_dir:
+        return None
+    os.makedirs(plan.train.log_dir, exist_ok=True)
+    return os.path.join(plan.train.log_dir, "metrics.jsonl")
+
+
+def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
+           where: list, run_hash: str = "", split_points=()) -> tuple[list[float], list, int]:
+    """The step loop (resuming from a checkpoint); rank 0 prints and writes metrics."""
+    where[0] = "resume from a checkpoint"
+    checkpoints, first = _restore(plan, trainer, opts, run_hash, split_points)
+    metrics = opts.metrics or _log_dir_metrics(plan)
+    progress = Progress(opts.steps, metrics, append=first > 0, resumed_after=first) \
+        if env.rank == 0 else None
+    if progress and first:
+        print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
+    losses, timings, spans = [], [], []
+    try:
+        for t in range(first, opts.steps):
+            where[0] = f"step {t + 1}"
+            report = trainer.step(t)
+            timings.append(report.timings)
+            spans.append(report.spans)
+            losses.append(report.loss)
+            if progress:
+                progress.step(report)
+            elif report.sync_events and plan.sync.decoupled and trainer.topo.coords.pp == 0 \
+                    and trainer.topo.coords.tp == 0:  # each decoupled island's first rank
+                for e in report.sync_events:
+                    print(f"island {trainer.topo.coords.dp}: {e.describe()}", flush=True)
+            if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
+                where[0] = f"checkpoint after step {t + 1}"
+                checkpoints.save(t + 1)
+    finally:
+        if progress:
+            progress.close()
+    return losses, (tuple(timings), tuple(spans)), first
+
+
+def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
+            opts: RunOptions) -> None:
+    """Gather every rank's timings on rank 0: the bubble line, the --trace file, the cost
+    file (`pipeplan profile`) and, with train.log_dir, the run directory's files
+    (`pipeplan report` reads them)."""
+    from ..observe.run_dir import write_run_files
+
+    gathered = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if env.rank != 0 or not mine.steps:
+        return
+    check = check_bubble(run.schedule, gathered, run.planned, run.planned_source, opts.warmup)
+    print(format_bubble(check), flush=True)
+    if opts.trace:
+        write_trace(opts.trace, gathered, check.planned)
+        print(f"trace of every rank's measured actions and the planned timeline: {opts.trace}",
+              flush=True)
+    if opts.profile_out:
+        from ..observe.profiling import profile_of, write_profile
+
+        write_profile(opts.profile_out, profile_of(run.plan, run.schedule, run.split_points,
+                                                   run.specs, gathered, opts.warmup))
+        print(f"cost file (per-stage F, B, W, BW, p2p latency): {opts.profile_out}", flush=True)
+    if run.plan.train.log_dir:
+        write_run_files(run.plan.train.log_dir, gathered, memory, check)
+
+
+@dataclass(frozen=True)
+class _RunFacts:
+    """What the end-of-run reports need from the compiled plan (which is freed before training)."""
+
+    plan: Plan
+    schedule: object
+    split_points: tuple
+    specs: list
+    planned: object  # the compiler's simulation under the plan's profile, or None
+    planned_source: str
+
+
+def _facts(plan: Plan, compiled, specs) -> _RunFacts:
+    planned, source = None, ""
+    if plan.pipeline.profile and compiled.estimates is not None:
+        planned = compiled.estimates.simulation
+        source = f"the plan's profile {plan.pipeline.profile}"
+    return _RunFacts(plan, compiled.schedule, compiled.split_points, specs, planned, source)
+
+
+def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losses,
+                      watch) -> int:
+    """A decoupled DiLoCo run ends without collectives (an island may be lost): no
+    memory and bubble report; rank 0 waits for the islands still running (decoupled.py)."""
+    from ...dsl.layout import mesh_layout
+    from ..parallel.diloco.decoupled import finish
+
+    if opts.dump_dir:
+        dump_rank(opts.dump_dir, env.rank, losses, trainer, None)
+    finish(env.rank, env.world_size, {c.rank: c.dp for c in mesh_layout(plan.mesh)},
+           opts.timeout_s)
+    if env.rank == 0:
+        print(f"cross-island bytes sent by rank 0: {trainer.diloco.bytes_sent:,}", flush=True)
+    watch.stop()
+    return 0
+
+
+def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
+    """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
+
+    `compile_fn(plan, model, schedule=None)` returns the CompiledPlan
+    (compile_plan, or a build directory's schedule pinned onto it); rank 0's
+    schedule reaches the others as `schedule` (agreement.compile_shared).
+    """
+    started = time.perf_counter()
+    check_world(plan, env.world_size)
+    device, backend = rank_device(env)
+    cuda = device.type == "cuda"
+    if plan.mesh.cp > 1 and plan.context.method == "ring":
+        from ..parallel.cp.ring import check_ring_device
+        check_ring_device(device.type)
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        return_large_blocks_to_os()  # peak RSS follows what the rank holds (memory.py)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    dist.init_process_group(backend, rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
+    # a decoupled DiLoCo island other than 0 fails on its own key (failure.island_key)
+    failure_key = island_key(Coords.of(env.rank, plan.mesh).dp if plan.sync.decoupled else None)
+    watch = FailureWatch(env.rank, keys=tuple({STORE_KEY, failure_key})).start()
+    where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
+    try:
+        topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
+        leaves = with_required_leaves(plan)
+        compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
+        check_agreement(leaves, compiled)  # every rank runs the same, or none starts
+        trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
+        param_bytes = trainer.param_bytes
+        trainer.executor.on_action = where.action  # the launcher names a killed rank's action
+        if trainer.prepass is not None:  # experts.balance = step: the routing pre-pass too
+            trainer.prepass.executor.on_action = lambda a: where.action(f"pre-pass {a}")
+        if env.rank == 0:
+            print(describe_run(compiled, env.world_size), flush=True)
+        run = _facts(plan, compiled, trainer.specs)
+        run_hash = plan_hash(leaves, compiled)
+        del compiled  # other ranks' stages go with it
+        grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
+        startup = (time.perf_counter() - started, peak_rss_bytes())
+        losses, (timings, spans), first = _train(plan, trainer, env, opts, where, run_hash,
+                                                 run.split_points)
+        where[0] = "finish"
+        if plan.sync.decoupled:  # no collective at the end: an island may be gone
+            return _finish_decoupled(plan, env, opts, trainer, losses, watch)
+        memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
+                            peak_rss_bytes())
+        every = [None] * env.world_size if env.rank == 0 else None
+        dist.gather_object(memory, every, dst=0)
+        if env.rank == 0:
+            print(memory_lines(every), flush=True)
+        _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
+                            timings, first, spans), every, run, env, opts)
+        if opts.dump_dir:
+            dump_rank(opts.dump_dir, env.rank, losses, trainer, grads)
+        dist.barrier()
+        watch.stop()
+        dist.destroy_process_group()
+        return 0
+    except BaseException as e:  # every failure stops every rank, naming this one
+        watch.stop()
+        detail = str(e) if isinstance(e, PipeplanError) else f"{type(e).__name__}: {e}"
+        message = f"rank {env.rank} failed in {where[0]}: {detail}"
+        report_failure(Failure(env.rank, message, now()), failure_key)
+        if opts.debug or not isinstance(e, PipeplanError):
+            traceback.print_exc()
+        print(message, file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)

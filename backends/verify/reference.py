@@ -1,0 +1,134 @@
+"""The single-process reference: the unmodified model trained on the same global batches.
+
+What every pipelined run must equal. The model is built on CPU under
+`torch.manual_seed(plan.train.seed)`; each step consumes the global batch as
+the dp*m chunks the pipelined run uses (chunk d*m+i is DP rank d's
+microbatch i) and its loss is the mean of the chunk losses. For a dense model
+this is the full-batch mean; for a MoE model the aux loss is computed per
+chunk (per microbatch, as Megatron does), so the split matters and is the same
+on both sides; under `experts.balance = step` the model runs the whole global
+batch in one call, so its own aux loss covers the step's tokens. Under expert parallelism the aux statistics cover one
+microbatch of every DP rank of an EP group, so the reference runs those
+chunks together as one batch (`chunk_groups`).
+
+Besides losses and final parameters it records what the judge (compare.py)
+needs: the gradients of step 1 as the optimizer sees them (after clipping),
+every name of a shared parameter (`aliases`), and for the float32 rule each
+step's gradient scale and the optimizer's per-element reach.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...compiler.estimate.precision import to_precision
+from ...dsl.ast import Plan
+from ..runtime import data
+from .compare import alias_map
+from ..state.model import build_model, model_loss
+from ..runtime.optim import build_lr_scheduler, build_optimizer
+from ..runtime.precision import autocast_for
+
+
+@dataclass
+class ReferenceResult:
+    losses: list[float]  # per step
+    params: dict[str, torch.Tensor]  # final parameters by qualified name
+    grad_norms: list[float]
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # after step 1's clipping
+    aliases: dict[str, str] = field(default_factory=dict)  # every name -> canonical name
+    grad_scale: float = 0.0  # max |gradient element| of step 1 (after clipping)
+    reach: dict[str, torch.Tensor] = field(default_factory=dict)  # canonical name -> A_i
+
+    def fp32_rule(self):
+        """The judge's float32 rule for this run (compare.py)."""
+        from .compare import fp32_rule
+
+        return fp32_rule(self.grad_scale, self.reach)
+
+
+def chunk_groups(plan: Plan) -> list[list[int]]:
+    """Which chunks the reference runs as one batch: one chunk at a time, except
+    under expert parallelism, where the aux loss's statistics cover the same
+    microbatch of every DP rank of one EP group (see parallelize.py)."""
+    dp, m, ep = plan.mesh.dp, plan.microbatches, plan.mesh.ep
+    if plan.experts is not None and plan.experts.balance == "step":
+        return [list(range(dp * m))]  # the whole global batch in one call of the model
+    if ep > 1 and plan.experts is not None:
+        from ..parallel import reference_chunk_groups
+
+        return reference_chunk_groups(dp, m, ep)
+    return [[c] for c in range(dp * m)]
+
+
+def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None) -> ReferenceResult:
+    """Train `model` (default: the plan's model under its seed) for `steps` steps."""
+    model = build_model(plan) if model is None else model
+    to_precision(model, plan.train.precision)  # fp64: as compile_plan converts the stages' model
+    model.train()
+    optimizer = build_optimizer(model.parameters(), plan.train)
+    scheduler = build_lr_scheduler(optimizer, plan.train)
+    groups = chunk_groups(plan)
+    autocast = autocast_for(plan.train.precision, torch.device("cpu"))  # bf16: as the stages
+    losses, norms = [], []
+    named = list(model.named_parameters(remove_duplicate=False))
+    aliases = alias_map(model)
+    reach = _Reach(optimizer, plan.train, dict(model.named_parameters()))
+    first_grads: dict[str, torch.Tensor] = {}
+    grad_scale = 0.0
+    for step in range(steps):
+        total = 0.0
+        chunks = data.chunks(data.global_batch(plan, step), plan.mesh.dp * plan.microbatches)
+        for group in groups:
+            batch = data.concat([chunks[c] for c in group])
+            with autocast():
+                loss = model_loss(plan, model(**batch.inputs), batch.targets) / len(groups)
+            loss.backward()
+            total += float(loss.detach())
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), plan.train.grad_clip if plan.train.grad_clip else float("inf"))
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() if p.grad is not None
+                           else torch.zeros_like(p.detach()) for n, p in named}
+            grad_scale = max((float(g.abs().max()) for g in first_grads.values() if g.numel()),
+                             default=0.0)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        reach.after_step(lr)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+        norms.append(float(norm))
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return ReferenceResult(losses, params, norms, first_grads, aliases, grad_scale,
+                           reach.total)
+
+
+class _Reach:
+    """A_i of the float32 rule (compare.py): how far the optimizer's steps so far move each
+    element per unit of gradient error, summed over steps, from this optimizer's own state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, train, params: dict):
+        self.optimizer, self.spec, self.params = optimizer, train.optimizer, params
+        self.total = {n: torch.zeros_like(p.detach(), dtype=torch.float64)
+                      for n, p in params.items()}
+        self.gmax = 0.0  # running max |g| (the step's G, Adam's m and v average all steps)
+        self.momentum = {n: 0.0 for n in params}
+
+    def after_step(self, lr: float) -> None:
+        grads = [p.grad for p in self.params.values() if p.grad is not None and p.numel()]
+        g_step = max((float(g.abs().max()) for g in grads), default=0.0)
+        self.gmax = max(self.gmax, g_step)
+        for n, p in self.params.items():
+            if self.spec.name == "adamw":
+                state = self.optimizer.state.get(p)
+                if not state:
+                    continue
+                beta2 = self.spec.betas[1]
+                correction = 1 - beta2 ** float(state["step"])
+                denom = (state["exp_avg_sq"].double() / correction).sqrt() + self.spec.eps
+                self.total[n] += 2 * lr * self.gmax / denom
+            else:  # SGD: the momentum buffer carries every past gradient error
+                self.momentum[n] = self.spec.momentum * self.momentum[n] + g_step
+                self.total[n] += lr * self.momentum[n]

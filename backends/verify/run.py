@@ -1,0 +1,133 @@
+"""`pipeplan verify`: the pipelined run and the single-process reference, judged.
+
+Host side (`verify_plan`): both sides run the plan at the judge's precision
+(fp64 unless `--precision fp32`; given to the ranks as the override
+`train.precision=...`, so they compile and train exactly as `pipeplan run`
+would at that precision), then `compare.py` judges losses, step-1 gradients
+and final parameters with the rule of that precision and prints it.
+
+Rank side (`FirstStepGrads`, `dump_rank`): each rank saves its losses, its
+gradients of step 1 as its optimizer sees them (after DP/tied sync and
+clipping, before the update) and its final parameters, all at full shape
+under the reference's names (gathered over TP/EP/ZeRO shards the same way
+parameters are).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...dsl.ast import Plan
+
+JUDGE_PRECISIONS = ("fp64", "fp32")
+
+
+class FirstStepGrads:
+    """Records this rank's step-1 gradients at the optimizer's pre-step hook. Under ZeRO the
+    optimizer sees only each rank's owned slice (the only one clipped; at stage >= 2 the
+    only one there), so the slices are all-gathered over the shard's group (collective)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.by_param: dict[int, torch.Tensor] = {}
+        self._handle = (trainer.optimizer.register_step_pre_hook(self._hook)
+                        if trainer.optimizer is not None else None)
+
+    def _hook(self, optimizer, args, kwargs) -> None:
+        self._handle.remove()
+        for p in self.trainer.parameters_by_name().values():
+            if p.grad is not None:
+                self.by_param[id(p)] = p.grad.detach().clone()
+        zero = self.trainer.zero
+        for fs in (zero.optimizer.shards if zero is not None else ()):
+            if fs.stage < 1 or fs.shard.grad is None:
+                continue  # stage >= 1: only the owned slice is clipped and stepped
+            flat = fs.shard.grad.detach()
+            if fs.world > 1:
+                full = flat.new_empty(fs.layout.padded)
+                dist.all_gather_single(full, flat.contiguous(), group=fs.group)
+                flat = full
+            for p, off, shape in zip(fs.params, fs.layout.offsets, fs.layout.shapes):
+                self.by_param[id(p)] = flat[off:off + p.numel()].view(shape).clone()
+
+    def full(self) -> dict[str, torch.Tensor]:
+        """The recorded gradients at full shape by reference name (collective like the
+        trainer's `named_parameters`: the parameters' own gather, run on the gradients)."""
+        params = list({id(p): p for p in self.trainer.parameters_by_name().values()}.values())
+        saved = [p.data for p in params]
+        try:
+            for p in params:
+                grad = self.by_param.get(id(p))
+                p.data = grad if grad is not None else torch.zeros_like(p.data)
+            return self.trainer.named_parameters()
+        finally:
+            for p, data in zip(params, saved):
+                p.data = data
+
+
+def rank_result(losses, trainer, grads: Optional[FirstStepGrads]) -> dict:
+    """Collective: what this rank hands the judge (losses, step-1 gradients, parameters),
+    on CPU at full shape by reference names."""
+    full_grads = grads.full() if grads is not None else {}
+    params = trainer.named_parameters()
+    return {"losses": list(losses), "grads": {k: v.cpu() for k, v in full_grads.items()},
+            "params": {k: v.cpu() for k, v in params.items()}}
+
+
+def dump_rank(path: str, rank: int, losses, trainer, grads: Optional[FirstStepGrads]) -> None:
+    torch.save(dict(rank_result(losses, trainer, grads), rank=rank),
+               os.path.join(path, f"rank{rank}.pt"))
+
+
+def train_for_judge(plan: Plan, steps: int) -> dict:
+    """One rank of an in-process world (tests): train as `pipeplan run` does, then hand over
+    `rank_result` (collective: every rank of the default group calls it)."""
+    from ..runtime.trainer import PipelineTrainer
+
+    trainer = PipelineTrainer.for_plan(plan)
+    grads = FirstStepGrads(trainer)
+    losses = [trainer.step(t).loss for t in range(steps)]
+    return rank_result(losses, trainer, grads)
+
+
+def judge(ref, results, precision: str = "fp64"):
+    """The verdict (compare.Comparison) on every rank's `rank_result` against the reference
+    (reference.ReferenceResult), by the rule of `precision`."""
+    from .compare import FP64, compare
+
+    rule = FP64 if precision == "fp64" else ref.fp32_rule()
+    with_grads = bool(ref.grads)
+    return compare(ref.losses, ref.params, [r["losses"] for r in results],
+                   [r["params"] for r in results], rule=rule, aliases=ref.aliases,
+                   ref_grads=ref.grads if with_grads else None,
+                   grads_per_rank=[r["grads"] for r in results] if with_grads else None)
+
+
+def judged_plan(plan: Plan, precision: str) -> Plan:
+    """The plan both sides run: at the judge's precision."""
+    return dataclasses.replace(plan, train=dataclasses.replace(plan.train, precision=precision))
+
+
+def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
+    """Run `launch(dump_dir)` (the pipelined ranks, at `precision`), the reference, judge and
+    print; 0 when EQUAL, 1 when DIFFERENT, the launcher's code when a rank failed."""
+    from .reference import train_reference
+
+    with tempfile.TemporaryDirectory(prefix="pipeplan-verify-") as dump:
+        code = launch(dump)
+        if code:
+            return code
+        dumps = [torch.load(os.path.join(dump, f), weights_only=True)
+                 for f in sorted(os.listdir(dump)) if f.endswith(".pt")]
+    print(f"pipeplan: single-process reference, {steps} steps ({precision})", flush=True)
+    ref = train_reference(judged_plan(plan, precision), steps)
+    result = judge(ref, dumps, precision)
+    for step, (r, p) in enumerate(zip(ref.losses, dumps[0]["losses"])):
+        print(f"step {step + 1}: loss {p:.10f}  reference {r:.10f}  diff {abs(p - r):.2e}")
+    print(result.render())
+    return 0 if result.within else 1

@@ -1,0 +1,213 @@
+"""`pipeplan run`, `pipeplan verify`, `pipeplan profile`, `pipeplan report`,
+`pipeplan plan-diff` (plan_diff.py) and `pipeplan export` (export.py).
+
+run PLAN|BUILD/: without a rank in the environment it launches world-size
+local processes (gloo) that each re-enter this command as one rank; under
+torchrun (RANK, WORLD_SIZE, ... set) it is that rank. verify runs the plan
+locally, then the single-process reference, and compares. profile is a short
+run (warm-up + measured steps) that writes a cost file (compiler/estimate/profile.py).
+report turns a run directory (train.log_dir) into report.html (run_dir.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import PipeplanError
+from ..compiler.data import check_data
+from ..backends.runtime.source import RunSource, load_source
+from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
+
+
+def add_commands(sub) -> None:
+    run = sub.add_parser("run", help="train a plan (local processes, or one rank under torchrun)",
+                         description=__doc__.split("\n\n")[1])
+    _common(run)
+    run.add_argument("--steps", type=int, default=None, help="optimizer steps (default: train.steps)")
+    run.add_argument("--trace", metavar="FILE", help="write every rank's measured actions as a Chrome trace")
+    run.add_argument("--metrics", metavar="FILE", help="write one JSON object per step (JSONL)")
+    run.add_argument("--reset-optimizer", action="store_true",
+                     help="resume a checkpoint's weights (and step) with a fresh optimizer")
+    run.add_argument("--dump-dir", help=argparse.SUPPRESS)
+    run.add_argument("--profile-out", help=argparse.SUPPRESS)  # `pipeplan profile`'s ranks
+    run.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
+    run.set_defaults(func=_cmd_run)
+
+    prof = sub.add_parser("profile", help="run a few steps on the plan's own processes and "
+                          "write the measured per-stage costs (a cost file the plan can name)")
+    _common(prof)
+    prof.add_argument("-o", "--out", default="costs.json", help="the cost file (default "
+                      "costs.json); name it in the plan: pipeline { profile = \"costs.json\" }")
+    prof.add_argument("--steps", type=int, default=4, help="measured steps (default 4)")
+    prof.add_argument("--warmup", type=int, default=2, help="steps before them (default 2)")
+    prof.set_defaults(func=_cmd_profile)
+
+    report = sub.add_parser("report", help="write RUN_DIR/report.html: loss and step-time "
+                            "curves, measured vs planned timeline, memory per rank")
+    report.add_argument("run_dir", help="a run's train.log_dir")
+    report.add_argument("-o", "--out", default=None, help="the HTML file (default "
+                        "RUN_DIR/report.html)")
+    report.set_defaults(func=_cmd_report)
+
+    verify = sub.add_parser("verify", help="run a plan and the single-process reference; compare")
+    _common(verify)
+    verify.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    verify.add_argument("--precision", choices=("fp64", "fp32"), default="fp64",
+                        help="both sides' precision and the judge's rule: fp64 (default; every "
+                             "element within rtol 1e-9, atol 1e-12) or fp32 (per-element bounds "
+                             "scaled by the optimizer's reach, see docs/runtime.md)")
+    verify.set_defaults(func=_cmd_verify)
+
+    from ..backends.state.export import add_export_command
+    from .plan_diff import add_command
+
+    add_command(sub)
+    add_export_command(sub)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", help="a plan file, or a build directory from `pipeplan compile`")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a plan value, e.g. --set pipeline.microbatches=8")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds any rank may wait on another before the run fails (default 300)")
+
+
+def _steps(args, source: RunSource) -> int:
+    steps = source.plan.train.steps if args.steps is None else args.steps
+    if steps < 0:
+        raise PipeplanError(f"--steps must be >= 0, got {steps}")
+    return steps
+
+
+def _rank_argv(args, steps: int, dump_dir: str | None = None,
+               precision: str | None = None) -> list[str]:
+    """The command each local rank runs: this run, pinned to `steps` (and `precision`)."""
+    argv = ["--debug"] if getattr(args, "debug", False) else []
+    argv += ["run", args.plan, "--steps", str(steps), "--timeout", str(args.timeout)]
+    for kv in args.set:
+        argv += ["--set", kv]
+    if precision:
+        argv += ["--set", f"train.precision={precision}"]
+    for flag in ("trace", "metrics", "profile_out"):
+        if getattr(args, flag, None):
+            argv += [f"--{flag.replace('_', '-')}", os.path.abspath(getattr(args, flag))]
+    argv += ["--warmup", str(getattr(args, "warmup", 1))]
+    if dump_dir:
+        argv += ["--dump-dir", dump_dir]
+    if getattr(args, "reset_optimizer", False):
+        argv += ["--reset-optimizer"]
+    return argv
+
+
+def precompile(plan, source: RunSource):
+    """Compile on the meta device as every rank will, so every compile-time check (a
+    PlanError at the plan line) runs before any process starts."""
+    from ..backends.runtime.layout import with_required_leaves
+
+    return source.compile(with_required_leaves(plan), None)
+
+
+def check_resume(plan, compiled, reset_optimizer: bool = False) -> None:
+    """Before launch: the newest checkpoint in train.checkpoint.dir (if any) loads under
+    this plan, or one message lists every item that will not (backends/state/checkpoint/)."""
+    from ..backends.state.checkpoint import (check_loadable, checkpoint_folder, latest_step, parameter_shapes, step_dir)
+
+    spec = plan.train.checkpoint
+    if spec is None:
+        return
+    # decoupled DiLoCo: each island resumes its own series (dir/island<d>), checked alike
+    folders = {checkpoint_folder(plan, d) for d in range(plan.mesh.dp)}
+    other = {os.path.join(spec.dir, "island0")} if not plan.sync.decoupled else {spec.dir}
+    stray = [f for f in other - folders if latest_step(f) is not None]
+    if stray:
+        raise PipeplanError(
+            f"checkpoint folder {spec.dir} holds "
+            + ("one series per island (a decoupled diloco run's)" if not plan.sync.decoupled
+               else "one series for the whole run (not a decoupled diloco run's)")
+            + f": {stray[0]}; this plan would not resume it (nothing was started); set sync "
+            "as it was, or start fresh (another train.checkpoint.dir, or move it away)")
+    for folder in sorted(folders):
+        step = latest_step(folder)
+        if step is not None:
+            check_loadable(step_dir(folder, step), plan, parameter_shapes(compiled)[0],
+                           reset_optimizer)
+
+
+def _cmd_run(args) -> int:
+    from ..backends.runtime.launcher import launch_local
+
+    env = RankEnv.from_environ()
+    source = load_source(args.plan, args.set, env.world_size if env else None)
+    steps = _steps(args, source)
+    if env is None:
+        compiled = precompile(source.plan, source)  # fail before spawning anything
+        check_data(source.plan, steps)
+        check_resume(source.plan, compiled, args.reset_optimizer)
+        m = source.plan.mesh
+        print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp}: "
+              f"launching {m.world_size} local processes (gloo)", flush=True)
+        return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
+                            islands=_islands(source.plan))
+    opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
+                      timeout_s=args.timeout, dump_dir=args.dump_dir,
+                      debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
+                      profile_out=args.profile_out, warmup=args.warmup)
+    return run_worker(source.plan, source.compile, env, opts)
+
+
+def _cmd_profile(args) -> int:
+    """`run` for warm-up + measured steps, rank 0 writing the cost file."""
+    if args.steps < 1 or args.warmup < 0:
+        raise PipeplanError(f"pipeplan profile needs --steps >= 1 and --warmup >= 0, got "
+                            f"{args.steps} and {args.warmup}")
+    out = os.path.abspath(args.out)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise PipeplanError(f"{args.out}: its folder does not exist")
+    run_args = argparse.Namespace(**vars(args))
+    run_args.steps, run_args.profile_out = args.warmup + args.steps, out
+    run_args.trace = run_args.metrics = run_args.dump_dir = None
+    run_args.reset_optimizer = False
+    return _cmd_run(run_args)
+
+
+def _cmd_report(args) -> int:
+    from ..backends.observe.run_dir import write_report
+
+    print(f"wrote {write_report(args.run_dir, args.out)}")
+    return 0
+
+
+def _islands(plan):
+    """A decoupled DiLoCo run's islands (the ranks of each dp coordinate): the launcher
+    drops an island that dies instead of stopping the run (backends/parallel/diloco/decoupled.py)."""
+    if not plan.sync.decoupled:
+        return None
+    from ..dsl.layout import mesh_layout
+
+    layout = mesh_layout(plan.mesh)
+    return [[c.rank for c in layout if c.dp == d] for d in range(plan.mesh.dp)]
+
+
+def _cmd_verify(args) -> int:
+    from ..backends.runtime.launcher import launch_local
+    from ..backends.verify.run import judged_plan, verify_plan
+
+    if RankEnv.from_environ() is not None:
+        raise PipeplanError("pipeplan verify launches its own local processes; "
+                            "run it without torchrun")
+    source = load_source(args.plan, args.set, None)
+    steps = _steps(args, source)
+    if source.plan.sync.diloco:
+        raise PipeplanError("pipeplan verify compares a run with one process training on the "
+                            "global batch every step, which a diloco run is not (its islands "
+                            "train apart); tests/backends/test_diloco.py holds DiLoCo's own "
+                            "reference")
+    precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
+    check_data(source.plan, steps)
+    world = source.plan.mesh.world_size
+    print(f"pipeplan: verify {args.plan} in {args.precision}: launching {world} local "
+          f"processes (gloo), {steps} steps", flush=True)
+    return verify_plan(source.plan, steps, args.precision,
+                       lambda dump: launch_local(_rank_argv(args, steps, dump, args.precision),
+                                                 world))

@@ -1,0 +1,310 @@
+"""Build the model a plan names: `path/file.py:Class` (relative to the plan) or `pkg.mod:Class`.
+
+Compile never needs real weights, so the compiler builds the model on the meta
+device; the runtime builds it on CPU. Building on CPU is deterministic: weights
+are drawn under `plan.train.seed` without disturbing the caller's RNG, so every
+rank and the single-process reference get the same initial model.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import importlib.util
+import inspect
+import io
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ...dsl.ast import Plan
+from ...dsl.errors import PlanError
+from .model_checks import check_model_against_plan
+
+
+def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
+    """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
+    model = _construct(plan, (lambda: _on_meta()) if device == "meta" else
+                       (lambda: torch.device(device)))
+    check_model_against_plan(plan, model)
+    return model
+
+
+# In-place initialisers: shape, dtype and device preserved, only values written.
+_FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "constant_", "fill_", "zero_",
+                    "ones_", "zeros_", "eye_", "dirac_", "orthogonal_", "sparse_",
+                    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+                    "exponential_", "random_", "bernoulli_", "log_normal_", "cauchy_",
+                    "geometric_"})
+
+
+class _SkipMetaFills(torch.overrides.TorchFunctionMode):
+    """A meta tensor has no values to fill: initialisers return it as it is. (Running them
+    goes through torch's Python reference kernels, whose first call imports torch._dynamo:
+    ~2 s of every rank's start-up.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _FILLS:
+            t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _on_meta():
+    with torch.device("meta"), _SkipMetaFills():
+        yield
+
+
+def _construct(plan: Plan, context) -> torch.nn.Module:
+    """`cls(**plan.model.args)` under the plan's seed inside `context()`; a failing
+    constructor (an exception or sys.exit) is a PlanError at the model's args."""
+    cls = resolve_model_class(plan)
+    args = dict(plan.model.args)
+    _check_args(plan, cls, args)
+    try:
+        with torch.random.fork_rng(devices=[]), context():
+            torch.manual_seed(plan.train.seed)
+            model = cls(**args)
+    except (Exception, SystemExit) as e:  # the user's constructor failed: point at the args
+        raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
+                           f"{type(e).__name__}: {e}",
+                           "check the constructor arguments against the model's __init__") from e
+    if not isinstance(model, torch.nn.Module):
+        raise PlanError.at(plan, "model.source", f"{cls.__name__} returned "
+                           f"{type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def resolve_model_class(plan: Plan):
+    """The class (or factory function returning a module) named by plan.model.source."""
+    source = plan.model.source
+    where, sep, name = source.rpartition(":")
+    if not sep or not where or not name:
+        raise PlanError.at(plan, "model.source", f"model source {source!r} has no class name",
+                           'write "path/to/file.py:ClassName" or "package.module:ClassName"')
+    module = _import_source(plan, where)
+    cls = getattr(module, name, None)
+    if not callable(cls):
+        candidates = [k for k, v in vars(module).items()
+                      if isinstance(v, type) and issubclass(v, torch.nn.Module)
+                      and v.__module__ == module.__name__]
+        close = difflib.get_close_matches(name, candidates, n=1)
+        hint = (f"did you mean {close[0]!r}?" if close else
+                f"classes defined there: {', '.join(sorted(candidates)) or 'none'}")
+        raise PlanError.at(plan, "model.source", f"no class {name!r} in {where}", hint)
+    return cls
+
+
+def model_source_file(plan: Plan) -> Path | None:
+    """The file defining the plan's model (for the build manifest's hash), if there is one."""
+    where = plan.model.source.rpartition(":")[0]
+    if is_path_source(where):
+        path = _resolve_path(plan, where)
+        return path if path.is_file() else None
+    try:
+        spec = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def is_path_source(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or "\\" in where
+
+
+def _resolve_path(plan: Plan, where: str) -> Path:
+    return Path(plan.resolve_path(where)).resolve()
+
+
+def _import_source(plan: Plan, where: str) -> ModuleType:
+    if is_path_source(where):
+        path = _resolve_path(plan, where)
+        if not path.is_file():
+            raise PlanError.at(plan, "model.source", f"model file not found: {path}",
+                               "paths are relative to the plan file's folder")
+        return _import_file(plan, path)
+    try:
+        with _import_guard(plan, where):
+            return importlib.import_module(where)
+    except ImportError as e:
+        raise PlanError.at(plan, "model.source", f"cannot import module {where!r}: {e}",
+                           "use a dotted module path importable here, or a file path ending in .py"
+                           ) from e
+
+
+def _import_file(plan: Plan, path: Path) -> ModuleType:
+    """Import a model file as part of its package when it has one (relative imports work)."""
+    dotted, top = _package_name(path)
+    try:
+        with _import_guard(plan, str(path)):
+            return _exec_file(path, dotted, top)
+    except PlanError:
+        raise
+    except Exception as e:
+        sys.modules.pop(f"pipeplan_model_{abs(hash(str(path)))}", None)
+        raise PlanError.at(plan, "model.source", f"importing {path} failed: "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def _exec_file(path: Path, dotted: str | None, top: Path | None) -> ModuleType:
+    if dotted is None:
+        name = f"pipeplan_model_{abs(hash(str(path)))}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return module
+    if str(top.parent) not in sys.path and not _known_package(top):
+        sys.path.insert(0, str(top.parent))
+    return importlib.import_module(dotted)
+
+
+@contextlib.contextmanager
+def _import_guard(plan: Plan, what: str):
+    """Import the user's model code as a library: with sys.argv holding only the file (so
+    pipeplan's own arguments are not parsed as the model's), and an exit at import reported
+    at the plan's model.source line instead of ending pipeplan (SystemExit is no Exception)."""
+    argv, err, exited = sys.argv, io.StringIO(), False
+    sys.argv = [what]
+    try:
+        with contextlib.redirect_stderr(err):
+            yield
+    except SystemExit as e:
+        exited = True
+        said = [line for line in err.getvalue().splitlines() if line.strip()]
+        if any(line.startswith("usage:") for line in said):
+            kind = "parses command-line arguments at import and exits"
+        else:
+            kind = f"calls sys.exit({e.code!r}) at import"
+        raise PlanError.at(plan, "model.source", f"{what} {kind}"
+                           + (f": {said[-1].strip()}" if said else ""),
+                           "a model file is imported as a library: move script code (argument "
+                           "parsing, sys.exit) under `if __name__ == \"__main__\":`") from None
+    finally:
+        sys.argv = argv
+        if not exited:
+            sys.stderr.write(err.getvalue())  # what the import printed (warnings) still shows
+
+
+def _package_name(path: Path) -> tuple[str | None, Path | None]:
+    """The dotted module name of `path` inside its package tree, or (None, None) if standalone."""
+    parts, top, d = [path.stem], None, path.parent
+    while (d / "__init__.py").is_file():
+        parts.insert(0, d.name)
+        top, d = d, d.parent
+    if top is None:
+        return None, None
+    known = _known_package(top)
+    if known:  # e.g. the repo folder is imported as `pipeplan`, not by its folder name
+        parts[0] = known
+    return ".".join(parts), top
+
+
+def _known_package(folder: Path) -> str | None:
+    for name, mod in list(sys.modules.items()):
+        if "." not in name and any(Path(p).resolve() == folder.resolve()
+                                   for p in getattr(mod, "__path__", None) or ()):
+            return name
+    return None
+
+
+def _check_args(plan: Plan, cls: type, args: dict) -> None:
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(**args)
+    except TypeError as e:
+        params = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
+        bad = [k for k in args if k not in sig.parameters]
+        key = f"model.args.{bad[0]}" if bad else "model.args"
+        close = difflib.get_close_matches(bad[0], params, n=1) if bad else []
+        hint = (f"did you mean {close[0]!r}? " if close else "") + \
+            f"{cls.__name__} takes: {', '.join(params)}"
+        raise PlanError.at(plan, key, f"wrong arguments for {cls.__name__}: {e}", hint) from e
+
+
+def _fmt_args(args: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items())
+
+
+# --------------------------------------------------------------------------- init
+# The runtime never builds the whole model with weights: `load_skeleton` constructs it
+# with every parameter on the meta device and every buffer where the constructor computed
+# it (CPU), and backends/state/materialize.py initialises only the modules a rank owns, each by
+# the model's own per-module rule (`check_init` below says which) under a seed derived
+# from the module's path.
+
+INIT_HOOK = "_init_weights"  # model-level `_init_weights(module)` (Hugging Face's convention)
+
+
+def load_skeleton(plan: Plan) -> torch.nn.Module:
+    """The plan's model with its parameters on the meta device (nothing allocated) and its
+    buffers computed on CPU by the constructor (rotary inv_freq, causal masks)."""
+    return _construct(plan, _parameters_on_meta)
+
+
+class _parameters_on_meta:
+    """While active, every parameter a module registers is moved to the meta device at
+    once, so the init the constructor runs on it afterwards costs nothing (the trick of
+    accelerate's `init_empty_weights(include_buffers=False)`)."""
+
+    def __enter__(self):
+        self._orig = orig = torch.nn.Module.register_parameter
+
+        def register_parameter(module, name, param):
+            orig(module, name, param)
+            if param is not None and param.device.type != "meta":
+                module._parameters[name] = torch.nn.Parameter(
+                    param.to("meta"), requires_grad=param.requires_grad)
+
+        torch.nn.Module.register_parameter = register_parameter
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.register_parameter = self._orig
+        return False
+
+
+def init_rule(model: torch.nn.Module, module: torch.nn.Module) -> list:
+    """How `module`'s own parameters are initialised, in the constructor's order: the
+    module's `reset_parameters()` (what torch layers run in their __init__), then the
+    model's `_init_weights(module)` (what a model applies to every module after
+    construction, e.g. Hugging Face's `post_init`). Empty: no rule."""
+    steps = []
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        steps.append(reset)
+    hook = getattr(model, INIT_HOOK, None)
+    if callable(hook):
+        steps.append(lambda: hook(module))
+    return steps
+
+
+def check_init(plan: Plan, model: torch.nn.Module) -> None:
+    """Refuse (at the plan's model line) a model whose initial weights cannot be drawn per
+    module: a module owning parameters directly with no rule for them."""
+    for path, module in model.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False)]
+        if own and not init_rule(model, module):
+            where = f"module `{path}`" if path else f"the model ({type(module).__name__}) itself"
+            raise PlanError.at(
+                plan, "model.source",
+                f"{where} ({type(module).__name__}) owns parameters {', '.join(own)} but has "
+                f"no reset_parameters(), and {type(model).__name__} has no "
+                f"{INIT_HOOK}(module): pipeplan cannot initialise them per module",
+                f"give {type(module).__name__} a reset_parameters() that initialises "
+                f"{', '.join(own)}, or give {type(model).__name__} an {INIT_HOOK}(self, module) "
+                "method (see docs/runtime.md, Initial weights)")

@@ -1,0 +1,81 @@
+"""What the plan says about the model, checked against the model once it is built.
+
+Run by `load_model`, so `pipeplan check`, `compile` and `run` (before any process
+starts) refuse the same plans at their plan line, every problem at once:
+
+* each `model.inputs` entry is a parameter of the model's forward, and every
+  forward parameter without a default is among them;
+* each recompute and leaf_modules pattern matches at least one module of the
+  model (a pattern matching nothing would silently do nothing; experts.modules
+  and the tensor lists are checked where they are used).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Iterator
+
+import torch
+
+from ...dsl.ast import Plan
+from ...dsl.errors import Diagnostic, PlanError
+from ..patterns import matches
+
+
+def check_model_against_plan(plan: Plan, model: torch.nn.Module) -> None:
+    """Raise one PlanError listing every problem found (nothing when all is well)."""
+    problems = list(_inputs(plan, model)) + list(_patterns(plan, model))
+    if problems:
+        raise PlanError([Diagnostic(msg, plan.span_of(key), hint) for key, msg, hint in problems],
+                        plan.source_text or None, plan.sources)
+
+
+def _inputs(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, str]]:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return  # forward(**kwargs) takes any name
+    named = {n: p for n, p in params.items() if p.kind is not p.VAR_POSITIONAL}
+    takes = ", ".join(named) or "nothing"
+    cls = type(model).__name__
+    given = [spec.name for spec in plan.model.inputs]
+    for name in given:
+        if name not in named:
+            yield (_key(plan, f"model.inputs.{name}", "model.inputs"),
+                   f"model input '{name}' is not a parameter of {cls}.forward (it takes {takes})",
+                   "model.inputs names the forward's parameters; rename or remove this one")
+    needed = [n for n, p in named.items() if p.default is p.empty]
+    for name in needed:
+        if name not in given:
+            yield (_key(plan, "model.inputs", "model"),
+                   f"{cls}.forward needs '{name}', which model.inputs does not give",
+                   f"add {name} = dtype[dims] to model.inputs (and say which data field it "
+                   "reads in data's inputs = {...})")
+
+
+def _patterns(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, str]]:
+    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    lists = [(f"recompute.{i}", r.pattern, "recompute") for i, r in enumerate(plan.recompute)]
+    lists += [(f"model.leaf_modules.{i}", p, "leaf_modules")  # those the plan file wrote, not
+              for i, p in enumerate(plan.model.leaf_modules)  # the runtime's additions
+              if f"model.leaf_modules.{i}" in plan.spans or not plan.spans]
+    # experts.modules and the tensor lists: compiler/parallel/ep.py, compiler/parallel/tp.py
+    for key, pattern, what in lists:
+        if not any(matches(n, pattern) for n in names):
+            yield (_key(plan, key, key.rsplit(".", 1)[0]),
+                   f"{what} pattern '{pattern}' matches no module of {type(model).__name__}",
+                   _near(pattern, names))
+
+
+def _near(pattern: str, names: list[str]) -> str:
+    """A hint: modules at the pattern's depth ('*' matches one dotted segment)."""
+    depth = pattern.count(".") + 1
+    same = [n for n in names if n.count(".") + 1 == depth][:4]
+    shown = ", ".join(same) + (", ..." if len(same) == 4 else "")
+    return ("`*` matches one dotted segment; modules at this depth: " + shown if same else
+            "`*` matches one dotted segment; no module is nested this deep")
+
+
+def _key(plan: Plan, key: str, fallback: str) -> str:
+    return key if key in plan.spans else fallback

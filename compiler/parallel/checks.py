@@ -1,0 +1,100 @@
+"""The runtime's refusals, run at compile time: `check_runnable(plan, model, stages)`.
+
+Everything the runtime would refuse after its processes start is asked here,
+once the model is loaded and its stage graphs are built, and refused as a
+PlanError at the plan line. `pipeplan check` (after tracing), `pipeplan
+compile`, and `pipeplan run` / `verify` (before spawning a process) all
+compile, so all of them run these checks. Each check names the runtime code
+whose refusal it moves forward:
+
+* checkpoint values (backends/state/checkpoint/; whether a checkpoint loads under the plan is
+  asked by `pipeplan run` before launch, backends/state/checkpoint/manifest.py);
+* data files are checked by compiler/data.py (called after tracing, when the
+  vocabulary is known, and by run/verify with the planned steps); the experts
+  section's values by compiler/parallel/ep_checks.py;
+* the per-stage rewrites' model checks (backends/parallel/__init__.py's
+  `check_parallel_model`: tied weights split alike, sequence-parallel length,
+  MoE layers the expert-parallel layer can shard);
+* recompute rules whose region writes its own input in place
+  (backends/runtime/recompute.py's check, run on the compiled stage graphs).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from ...dsl.ast import Plan
+from ...dsl.errors import Diagnostic, PlanError
+from ...errors import PipeplanError
+from ..compiled import StageSpec
+from ..recompute import check_no_inplace_on_inputs, find_regions
+
+def check_plan_values(plan: Plan) -> None:
+    """The checks that need only the plan (run first: they are cheap)."""
+    check_checkpointable(plan)
+
+
+def check_checkpointable(plan: Plan) -> None:
+    """Checkpoints (DCP) cover every plan's shards; only the values are checked here."""
+    spec = plan.train.checkpoint
+    if spec is None:
+        return
+    if spec.every < 1 or spec.keep < 1:
+        raise PlanError.at(plan, "train.checkpoint", "checkpoint every and keep must be >= 1")
+
+
+def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec]) -> None:
+    """Every runtime refusal that needs the model or the stage graphs."""
+    if _rewrites_stages(plan):
+        check_parallel_model(plan, model)
+    rules = tuple(r for r in plan.recompute if r.mode != "none")
+    if rules:
+        _check_recompute(plan, rules, stages)
+
+
+def _rewrites_stages(plan: Plan) -> bool:
+    """Whether the runtime rewrites stage modules (backends/runtime/layout.py's rule)."""
+    ex = plan.experts
+    return (plan.mesh.tp > 1 or plan.zero > 0
+            or (ex is not None and (plan.mesh.ep > 1 or not ex.dropless)))
+
+
+def _check_recompute(plan: Plan, rules, stages: Sequence[StageSpec]) -> None:
+    for st in stages:
+        if not isinstance(st.module, fx.GraphModule):
+            continue
+        for region in find_regions(st.module.graph, rules):
+            try:
+                check_no_inplace_on_inputs(region)
+            except PipeplanError as e:
+                raise PlanError.at(plan, "recompute", str(e)) from None
+
+
+def _parallel_problems(plan: Plan, model: nn.Module):
+    tp, spec = plan.mesh.tp, plan.experts
+    seq = plan.data.seq_len // plan.mesh.cp  # context parallel: the slice a cp rank holds
+    if plan.tensor.sequence_parallel and tp > 1 and seq % tp:
+        held = f"{seq} positions each of the cp = {plan.mesh.cp} ranks holds" \
+            if plan.mesh.cp > 1 else f"the sequence length {seq}"
+        yield "tensor.sequence_parallel", (f"tp = {tp} does not divide {held} "
+                                           f"(sequence parallel splits it)")
+    if spec is None:
+        return
+    m = plan.mesh
+    if m.ep > 1 and m.dp % m.ep and (m.dp * m.tp) % m.ep:
+        yield "mesh.ep", (f"ep = {m.ep} must divide dp = {m.dp}, or dp x tp = {m.dp * m.tp} "
+                          f"(expert parallel across tensor-parallel ranks)")
+
+
+def check_parallel_model(plan: Plan, model: nn.Module) -> None:
+    """Compile time, before any process group: can the rewrites split this model as planned?
+
+    Raises one PlanError pointing at the plan lines of every problem found.
+    """
+    problems = list(_parallel_problems(plan, model))
+    if problems:
+        hint = "pick sizes that divide the model's dimensions, or change the plan"
+        raise PlanError([Diagnostic(msg, plan.span_of(key), hint) for key, msg in problems],
+                        plan.source_text or None, plan.sources)

@@ -1,0 +1,304 @@
+"""Tensor-parallel annotations: which parameters the plan's `tensor` patterns split, checked.
+
+The patterns name modules (`model.layers.*.self_attn.q_proj`); what is split
+is that module's own parameters as the captured graph uses them:
+
+    column  `<m>.weight` [out, in] and `<m>.bias` split on dim 0 (output features)
+    row     `<m>.weight` split on dim 1 (input features); the bias stays whole
+    vocab   `<m>.weight` split on dim 0: an embedding table's rows or an LM
+            head's output features (its bias too)
+
+A parameter counts as used "Linear-like" where the graph applies it as
+`linear(x, weight, bias)` (an fx `call_module` of a Linear, `F.linear`,
+`aten.linear`) or as an embedding table (`F.embedding`, `aten.embedding`).
+Everything is checked at compile time against the real shapes and the graph,
+so a plan that cannot be split fails at its plan line: tp not dividing the
+features, the heads (where the graph views a column output as [..., heads,
+head_dim]) or the vocabulary; a pattern whose modules have no Linear-like use;
+a weight tied between modules that would split it differently; Megatron's
+pairing broken (a column output reaching anything but a row layer or the loss).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...dsl.ast import Plan
+from ...dsl.errors import PlanError
+from ..patterns import matches, matches_any
+
+KINDS = ("column", "row", "vocab")
+LINEARS = (F.linear, torch.ops.aten.linear.default)
+EMBEDDINGS = (F.embedding, torch.ops.aten.embedding.default)
+_FLATTENS = (torch.ops.aten.flatten.using_ints, torch.flatten)
+
+
+@dataclass(frozen=True)
+class TensorParallelRules:
+    """Which modules (plan module-path patterns) split their parameters which way."""
+
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+    sequence_parallel: bool = False
+    # the compiled plan's kinds (CompiledPlan.tp_rewrites: qualified module -> kind, from
+    # `tp_annotations`); when given, they decide and the patterns are not matched again
+    kinds: Optional[tuple[tuple[str, str], ...]] = None
+
+    @staticmethod
+    def from_plan(tensor_spec) -> "TensorParallelRules":
+        return TensorParallelRules(tuple(tensor_spec.column), tuple(tensor_spec.row),
+                                   tuple(tensor_spec.vocab), tensor_spec.sequence_parallel)
+
+    @staticmethod
+    def compiled(kinds: dict[str, str], sequence_parallel: bool) -> "TensorParallelRules":
+        return TensorParallelRules(sequence_parallel=sequence_parallel,
+                                   kinds=tuple(sorted(kinds.items())))
+
+    @functools.cached_property
+    def _kind_map(self) -> dict[str, str]:
+        return dict(self.kinds or ())
+
+    def kind_of(self, name: str) -> Optional[str]:
+        if self.kinds is not None:
+            return self._kind_map.get(name)
+        for kind in KINDS:
+            if matches_any(name, getattr(self, kind)):
+                return kind
+        return None
+
+
+def shard_dim(kind: str, leaf: str) -> Optional[int]:
+    """The dim a module's parameter `leaf` is split on (None: kept whole)."""
+    if leaf == "weight":
+        return 1 if kind == "row" else 0
+    if leaf == "bias" and kind != "row":
+        return 0
+    return None
+
+
+def embedding_weight(node: fx.Node):
+    return node.args[1] if node.target is F.embedding else node.args[0]
+
+
+def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:
+    """The `cross_entropy(node.flatten(0, -2), t)` that is node's only use, if it is."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    flat = users[0]
+    is_flat = (flat.op == "call_method" and flat.target == "flatten"
+               or flat.op == "call_function" and flat.target in _FLATTENS)
+    if not is_flat or tuple(flat.args[1:]) != (0, -2):
+        return None
+    losses = list(flat.users)
+    if len(losses) != 1:
+        return None
+    ce = losses[0]
+    if ce.op != "call_function" or ce.target is not F.cross_entropy or ce.args[0] is not flat:
+        return None
+    if ce.kwargs.get("weight") is not None or ce.kwargs.get("label_smoothing", 0.0) != 0.0:
+        return None
+    return ce
+
+
+# ------------------------------------------------------------ compile-time checks
+def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
+    """qualified module -> "column" | "row" | "vocab", checked against the parameters' shapes."""
+    tp = plan.mesh.tp
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    out: dict[str, str] = {}
+    for kind in KINDS:
+        for i, pattern in enumerate(getattr(plan.tensor, kind)):
+            key = f"tensor.{kind}.{i}"
+            hits = [n for n in names if matches(n, pattern)]
+            if not hits:
+                close = difflib.get_close_matches(pattern, names, n=1)
+                raise PlanError.at(plan, key, f"no module matches {pattern!r}",
+                                   f"did you mean {close[0]!r}?" if close else
+                                   "patterns are module paths such as layers.*.attn.q")
+            for name in hits:
+                _check_shape(plan, key, kind, name, modules[name], tp)
+                out.setdefault(name, kind)
+    _check_tied(plan, model, out)
+    return out
+
+
+def _check_shape(plan: Plan, key: str, kind: str, name: str, module: torch.nn.Module,
+                 tp: int) -> None:
+    w = module._parameters.get("weight")
+    if w is None or w.dim() != 2:
+        raise PlanError.at(plan, key, f"{name} ({type(module).__name__}) has no 2-d `weight` "
+                           f"for {kind}-parallel to split",
+                           "name the Linear (or Embedding) modules themselves")
+    if getattr(module, "max_norm", None) is not None:
+        raise PlanError.at(plan, key, f"{name} renormalises its rows (max_norm); a split "
+                           "embedding table cannot", "drop max_norm or leave it unsplit")
+    dim = shard_dim(kind, "weight")
+    size = w.shape[dim]
+    what = {"column": "output features", "row": "input features",
+            "vocab": "vocabulary"}[kind]
+    if size % tp:
+        said = f"the vocabulary of {name} ({size})" if kind == "vocab" else \
+            f"the {size} {what} of {name}"
+        raise PlanError.at(plan, key, f"tp = {tp} does not divide {said}",
+                           "pad the vocabulary to a multiple of tp" if kind == "vocab" else
+                           "pick tp among the divisors of the layer width")
+
+
+def _check_tied(plan: Plan, model: torch.nn.Module, kinds: dict[str, str]) -> None:
+    """A weight tied between modules must be split alike in all of them, or not at all."""
+    holders: dict[int, dict[str, Optional[int]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        kind = kinds.get(owner)
+        holders.setdefault(id(p), {})[owner] = shard_dim(kind, leaf) if kind else None
+    for owners in holders.values():
+        if len(set(owners.values())) > 1:
+            listed = ", ".join(f"{n} ({'dim %d' % d if d is not None else 'not split'})"
+                               for n, d in owners.items())
+            split = next(n for n, d in owners.items() if d is not None)
+            raise PlanError.at(plan, _key_of(plan, kinds[split], split),
+                               f"a tied weight would be split differently by its modules: "
+                               f"{listed}", "list them all in the same pattern kind")
+
+
+def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: dict[str, str],
+                  run) -> None:
+    """On the captured graph: every split module has a Linear-like use; tp divides the heads
+    a column output is viewed as; Megatron's pairing (a column output reaches a row layer,
+    or the cross-entropy as vocab-parallel logits; a row layer reads a column output).
+    Only tensor values carry features (`run.is_tensor(node)`); sizes read off a tensor do not."""
+    if not kinds:
+        return
+    linear = linear_calls(graph, model)
+    used = set(linear.values()) | set(_embedding_calls(graph, model).values())
+    for name, kind in kinds.items():
+        if name not in used:
+            raise PlanError.at(plan, _key_of(plan, kind, name),
+                               f"{name} matches a {kind} pattern but the graph never applies "
+                               f"its weight as a Linear or an embedding table",
+                               "tensor patterns name modules whose weight the model uses in "
+                               "linear(x, weight) or embedding(ids, weight)")
+    # inputs the plan feeds from the data's `positions` carry positions (RoPE angles), not
+    # features: a path from them is no "model input" a row layer reads
+    positions = {name for name, source in plan.data.inputs if source == "positions"}
+
+    def is_tensor(n: fx.Node) -> bool:
+        return n.target not in positions if n.op == "placeholder" else run.is_tensor(n)
+
+    for node, name in linear.items():
+        kind = kinds.get(name)
+        if kind in ("column", "vocab") and loss_of_logits(node) is not None:
+            continue  # vocab-parallel cross-entropy on the split logits
+        if kind == "column":
+            _check_heads(plan, node, name, run)
+            for hit in first_linears(node, linear, True, is_tensor):
+                if hit is None or kinds.get(linear[hit]) != "row":
+                    what = "the loss" if hit is None else \
+                        f"{linear[hit]}, which is not row-parallel"
+                    raise PlanError.at(plan, _key_of(plan, "column", name),
+                                       f"column-parallel {name} feeds {what}",
+                                       "Megatron pairing: each column-parallel layer's output goes "
+                                       "(through elementwise ops or attention) into a row-parallel "
+                                       "layer; annotate that layer as row")
+        elif kind == "row":
+            for hit in first_linears(node, linear, False, is_tensor):
+                if hit is None or kinds.get(linear[hit]) != "column":
+                    what = "the model input" if hit is None else \
+                        f"{linear[hit]}, which is not column-parallel"
+                    raise PlanError.at(plan, _key_of(plan, "row", name),
+                                       f"row-parallel {name} reads {what}",
+                                       "Megatron pairing: a row-parallel layer reads the split "
+                                       "features a column-parallel layer computed")
+
+
+_VIEWS = {"view", "reshape", "unflatten"}
+_VIEW_FNS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+             torch.ops.aten._unsafe_view.default, torch.reshape)
+
+
+def _check_heads(plan: Plan, node: fx.Node, name: str, run) -> None:
+    """Where the graph views a column output's features as [..., heads, head_dim], tp must
+    divide heads (each rank then holds whole heads: DTensor keeps the split)."""
+    tp = plan.mesh.tp
+    for user in node.users:
+        is_view = (user.op == "call_method" and user.target in _VIEWS
+                   or user.op == "call_function" and user.target in _VIEW_FNS)
+        if not (is_view and run.is_tensor(user)):
+            continue
+        before, after = tuple(run.value(node).shape), tuple(run.value(user).shape)
+        if len(after) == len(before) + 1 and after[:-2] == before[:-1] \
+                and after[-2] * after[-1] == before[-1] and after[-2] % tp:
+            raise PlanError.at(plan, _key_of(plan, "column", name),
+                               f"tp = {tp} does not divide the {after[-2]} heads of {name} "
+                               f"(the graph views its output as {list(after)} at {user.name})",
+                               "each tensor-parallel rank must hold whole attention heads "
+                               "(GQA: tp must divide the key/value heads too)")
+
+
+def linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+    """Graph nodes applying a module's weight as a Linear -> the module's qualified name
+    (fx `call_module` of a Linear; `linear(x, <m>.weight)` in fx and export graphs)."""
+    modules = dict(model.named_modules())
+    out = {}
+    for n in graph.nodes:
+        if n.op == "call_module" and isinstance(modules.get(n.target), torch.nn.Linear):
+            out[n] = n.target
+        elif n.op == "call_function" and n.target in LINEARS and len(n.args) > 1 \
+                and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr" \
+                and n.args[1].target.endswith(".weight"):
+            out[n] = n.args[1].target.rpartition(".")[0]
+    return out
+
+
+def _embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+    modules = dict(model.named_modules())
+    out = {}
+    for n in graph.nodes:
+        if n.op == "call_module" and isinstance(modules.get(n.target), torch.nn.Embedding):
+            out[n] = n.target
+        elif n.op == "call_function" and n.target in EMBEDDINGS:
+            w = embedding_weight(n)
+            if isinstance(w, fx.Node) and w.op == "get_attr" and w.target.endswith(".weight"):
+                out[n] = w.target.rpartition(".")[0]
+    return out
+
+
+def first_linears(start: fx.Node, linear: dict[fx.Node, str], forward: bool, is_tensor):
+    """The first Linear calls reached from `start` along tensor values (None: the graph's
+    end, or the model's inputs)."""
+    seen, frontier = {start}, list(_next(start, forward, is_tensor))
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in linear:
+            yield n
+        elif n.op in ("output", "placeholder"):
+            yield None
+        elif n.op != "get_attr":  # parameters are not activations
+            following = list(_next(n, forward, is_tensor))
+            if forward and not following:
+                yield None
+            frontier.extend(following)
+
+
+def _next(n: fx.Node, forward: bool, is_tensor):
+    nodes = n.users if forward else n.all_input_nodes
+    return [m for m in nodes if m.op == "output" or is_tensor(m)]
+
+
+def _key_of(plan: Plan, kind: str, name: str) -> str:
+    for i, pattern in enumerate(getattr(plan.tensor, kind)):
+        if matches(name, pattern):
+            return f"tensor.{kind}.{i}"
+    return f"tensor.{kind}"
