@@ -67,7 +67,8 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
         pinned = SplitSpec(kind="points", points=compiled.split_points)
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=pinned))
     if plan.pipeline.profile and not os.path.isabs(plan.pipeline.profile):
-        rel = os.path.relpath(plan.resolve_path(plan.pipeline.profile), out.resolve())
+        rel = os.path.relpath(plan.resolve_path(plan.pipeline.profile, "pipeline.profile"),
+                              out.resolve())
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, profile=rel))
     source = model_source_file(plan)
     where, _, cls = plan.model.source.rpartition(":")
@@ -76,7 +77,8 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model,
                                                                    source=f"{rel}:{cls}"))
     if plan.model.weights and not os.path.isabs(plan.model.weights):  # the same, for weights
-        rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights), out.resolve())
+        rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights, "model.weights"),
+                              out.resolve())
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights=rel))
     return plan
 

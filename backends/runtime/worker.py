@@ -247,6 +247,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         run = _facts(plan, compiled, trainer.specs)
+        planned_activations = (compiled.estimates.ranks[env.rank].activation_bytes
+                               if compiled.estimates is not None else 0)
         run_hash = plan_hash(plan, compiled)
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
@@ -257,7 +259,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
             return _finish_decoupled(plan, env, opts, trainer, losses, watch)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
-                            peak_rss_bytes())
+                            peak_rss_bytes(), trainer.grad_bytes or 0,
+                            trainer.optimizer_bytes(), planned_activations)
         every = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(memory, every, dst=0)
         if env.rank == 0:
