@@ -149,14 +149,22 @@ def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
     """Gather every rank's timings on rank 0: the bubble line, the --trace file, the cost
     file (`pipeplan profile`) and, with train.log_dir, the run directory's files
     (`pipeplan report` reads them)."""
-    from ..observe.run_dir import write_run_files
-
     gathered = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if env.rank != 0 or not mine.steps:
         return
     check = check_bubble(run.schedule, gathered, run.planned, run.planned_source, opts.warmup)
     print(format_bubble(check), flush=True)
+    try:  # checked writable before launch (outputs.py); a disk that fills is said plainly
+        _write_outputs(gathered, memory, run, opts, check)
+    except OSError as e:
+        raise PipeplanError(f"cannot write {e.filename or 'an output'}: {e.strerror or e} "
+                            "(the training itself finished)") from None
+
+
+def _write_outputs(gathered, memory, run: "_RunFacts", opts: RunOptions, check) -> None:
+    from ..observe.run_dir import write_run_files
+
     if opts.trace:
         write_trace(opts.trace, gathered, check.planned)
         print(f"trace of every rank's measured actions and the planned timeline: {opts.trace}",
