@@ -133,3 +133,21 @@ def test_missing_output_folders_are_made(tmp_path):
     r = pipeplan("report", "run", "-o", "new/deeper/r.html", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "new/deeper/r.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_build_directory_writes_where_its_plan_would(tmp_path, monkeypatch, capsys):
+    """`pipeplan compile` copies the plan into BUILD/: its output folders are rewritten
+    relative to BUILD/ so that they still point where the plan's (or the --set's) did."""
+    from pipeplan.backends.runtime.source import load_source
+    from pipeplan.cli import main
+
+    (tmp_path / "plans").mkdir()
+    plan = tmp_path / "plans" / "p.plan"
+    plan.write_text(PLAN.replace("models/gpt.py", str(REPO / "examples/models/gpt.py"))
+                    .replace("train {", 'train {\n  checkpoint { every = 1  dir = "ck" }'))
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", str(plan), "-o", "build/p", "--set", 'train.log_dir="runs/a"']) == 0
+    capsys.readouterr()
+    built = load_source("build/p", [], None).plan
+    assert built.train.log_dir == str(tmp_path / "runs" / "a")
+    assert built.train.checkpoint.dir == str(tmp_path / "plans" / "ck")
