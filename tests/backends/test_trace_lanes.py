@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pipeplan.backends.observe.progress import RankTimings
+from pipeplan.backends.observe.timings import RankTimings
 from pipeplan.backends.observe.trace import PLANNED_PID, chrome_trace
 from pipeplan.backends.runtime.executor import ActionTiming
 from pipeplan.schedules.costs import Costs
