@@ -60,14 +60,15 @@ def write_build(compiled: CompiledPlan, out: str | Path) -> Path:
 
 def resolved_plan(compiled: CompiledPlan, out: Path):
     """The plan with the chosen split pinned (rebuilding it gives the same stages) and the
-    model file's, cost file's and weights' paths made relative to the build directory,
-    where this copy lives."""
+    model file's, cost file's, weights' and outputs' paths made relative to the build
+    directory, where this copy lives."""
     plan = compiled.plan
     if compiled.split_points:
         pinned = SplitSpec(kind="points", points=compiled.split_points)
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=pinned))
     if plan.pipeline.profile and not os.path.isabs(plan.pipeline.profile):
-        rel = os.path.relpath(plan.resolve_path(plan.pipeline.profile), out.resolve())
+        rel = os.path.relpath(plan.resolve_path(plan.pipeline.profile, "pipeline.profile"),
+                              out.resolve())
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, profile=rel))
     source = model_source_file(plan)
     where, _, cls = plan.model.source.rpartition(":")
@@ -76,9 +77,24 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model,
                                                                    source=f"{rel}:{cls}"))
     if plan.model.weights and not os.path.isabs(plan.model.weights):  # the same, for weights
-        rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights), out.resolve())
+        rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights, "model.weights"),
+                              out.resolve())
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights=rel))
-    return plan
+    return _outputs_relative_to(plan, out)
+
+
+def _outputs_relative_to(plan, out: Path):
+    """train.log_dir and train.checkpoint.dir relative to the build directory, pointing where
+    the plan's pointed (`pipeplan run BUILD/` writes where `pipeplan run PLAN` would)."""
+    def moved(value: str, key: str) -> str:
+        return value if os.path.isabs(value) else os.path.relpath(plan.resolve_path(value, key),
+                                                                  out.resolve())
+    t = plan.train
+    ckpt = t.checkpoint and dataclasses.replace(
+        t.checkpoint, dir=moved(t.checkpoint.dir, "train.checkpoint.dir"))
+    log_dir = t.log_dir and moved(t.log_dir, "train.log_dir")
+    return dataclasses.replace(plan, train=dataclasses.replace(t, checkpoint=ckpt,
+                                                               log_dir=log_dir))
 
 
 def stage_source(st) -> str:

@@ -147,4 +147,4 @@ _HINT = ("data = tokens(\"FILE\") reads a .bin of uint16 ids or a .npy integer a
 
 def resolve_data_path(plan: Plan) -> str:
     """A relative data path resolves against the plan file's folder."""
-    return plan.resolve_path(plan.data.path or "")
+    return plan.resolve_path(plan.data.path or "", "data.path")

@@ -310,14 +310,18 @@ class Plan:
             object.__setattr__(self, "mesh", dataclasses.replace(self.mesh,
                                                                  islands=self.sync.diloco))
 
-    def resolve_path(self, path: str) -> str:
-        """A path the plan gives (model file, data, checkpoint.dir, log_dir), absolute: a
-        relative one is relative to the plan file's folder (the working directory for a
-        plan that has no file), so a plan means the same from any directory."""
+    def resolve_path(self, path: str, key: Optional[str] = None) -> str:
+        """A path the plan gives at `key` (model.source, model.weights, data.path,
+        pipeline.profile, train.checkpoint.dir, train.log_dir), absolute. One rule, the
+        shell's: a relative path is relative to where it was written. Written in the plan
+        file: its folder, so a plan means the same from any directory. Given on the command
+        line (`--set KEY=...`, like --trace or -o): the working directory. A plan without a
+        file: the working directory."""
         if os.path.isabs(path):
             return path
-        base = os.path.dirname(os.path.abspath(self.path)) if self.path not in ("", "<plan>") \
-            else os.getcwd()
+        typed = key is not None and self.span_of(key).file.startswith("<--set")
+        base = os.path.dirname(os.path.abspath(self.path)) \
+            if self.path not in ("", "<plan>") and not typed else os.getcwd()
         return os.path.normpath(os.path.join(base, path))
 
     def with_resolved_paths(self) -> "Plan":
@@ -325,9 +329,9 @@ class Plan:
         import dataclasses
 
         t = self.train
-        ckpt = t.checkpoint and dataclasses.replace(t.checkpoint,
-                                                    dir=self.resolve_path(t.checkpoint.dir))
-        log_dir = t.log_dir and self.resolve_path(t.log_dir)
+        ckpt = t.checkpoint and dataclasses.replace(
+            t.checkpoint, dir=self.resolve_path(t.checkpoint.dir, "train.checkpoint.dir"))
+        log_dir = t.log_dir and self.resolve_path(t.log_dir, "train.log_dir")
         return dataclasses.replace(self, train=dataclasses.replace(t, checkpoint=ckpt,
                                                                    log_dir=log_dir))
 

@@ -29,6 +29,7 @@ from . import data
 from ..state.checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor, Span, StepResult
+from .memory import held_bytes
 from .grads import GradSync, ZeroSync, build_tied_groups
 from ..parallel import parallelize
 from ..state.materialize import fresh_meta
@@ -144,6 +145,7 @@ class PipelineTrainer:
         if self.zero is not None:  # the flat buffers hold every trainable parameter
             self.param_bytes = self.zero.param_bytes()
         rules = tuple(r for r in plan.recompute if r.mode != "none")
+        self.grad_bytes = None  # set at the first optimizer step (memory report)
         self.runners = {s: StageRunner(specs[s], m, s == last, scale,
                                        recompute=rules, autocast=self.autocast)
                         for s, m in modules.items()}
@@ -218,6 +220,8 @@ class PipelineTrainer:
             result = self._rerun_checked(batches, rng)
             raise NonFiniteError(locate_non_finite(t, result, float(mine), norm))
         lr = self.plan.train.optimizer.lr
+        if self.grad_bytes is None:  # measured once, for the run's memory report
+            self.grad_bytes = held_bytes(self._grads())
         spans.begin("optimizer", "optimizer step")
         if self.optimizer is not None:
             lr = self.optimizer.param_groups[0]["lr"]
@@ -233,6 +237,19 @@ class PipelineTrainer:
         return StepReport(t, loss_value, norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
                           tuple(result.timings), tuple(result.spans), events)
+
+    def _grads(self):
+        """Every gradient this rank holds: its stages' parameters' and its optimizer's."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else ()
+        yield from (p.grad for runner in self.runners.values() for p in runner.params)
+        yield from (p.grad for g in groups for p in g["params"])
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of the optimizer's state (moments, steps) on this rank."""
+        if self.optimizer is None:
+            return 0
+        return held_bytes(v for state in self.optimizer.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor))
 
     def _rerun_checked(self, batches, rng) -> StepResult:
         """The failed step once more with every action's values checked (executor

@@ -149,14 +149,22 @@ def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
     """Gather every rank's timings on rank 0: the bubble line, the --trace file, the cost
     file (`pipeplan profile`) and, with train.log_dir, the run directory's files
     (`pipeplan report` reads them)."""
-    from ..observe.run_dir import write_run_files
-
     gathered = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if env.rank != 0 or not mine.steps:
         return
     check = check_bubble(run.schedule, gathered, run.planned, run.planned_source, opts.warmup)
     print(format_bubble(check), flush=True)
+    try:  # checked writable before launch (outputs.py); a disk that fills is said plainly
+        _write_outputs(gathered, memory, run, opts, check)
+    except OSError as e:
+        raise PipeplanError(f"cannot write {e.filename or 'an output'}: {e.strerror or e} "
+                            "(the training itself finished)") from None
+
+
+def _write_outputs(gathered, memory, run: "_RunFacts", opts: RunOptions, check) -> None:
+    from ..observe.run_dir import write_run_files
+
     if opts.trace:
         write_trace(opts.trace, gathered, check.planned)
         print(f"trace of every rank's measured actions and the planned timeline: {opts.trace}",
@@ -247,6 +255,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         run = _facts(plan, compiled, trainer.specs)
+        planned_activations = (compiled.estimates.ranks[env.rank].activation_bytes
+                               if compiled.estimates is not None else 0)
         run_hash = plan_hash(plan, compiled)
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
@@ -257,7 +267,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
             return _finish_decoupled(plan, env, opts, trainer, losses, watch)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
-                            peak_rss_bytes())
+                            peak_rss_bytes(), trainer.grad_bytes or 0,
+                            trainer.optimizer_bytes(), planned_activations)
         every = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(memory, every, dst=0)
         if env.rank == 0:

@@ -118,7 +118,7 @@ def is_path_source(where: str) -> bool:
 
 
 def _resolve_path(plan: Plan, where: str) -> Path:
-    return Path(plan.resolve_path(where)).resolve()
+    return Path(plan.resolve_path(where, "model.source")).resolve()
 
 
 def _import_source(plan: Plan, where: str) -> ModuleType:
