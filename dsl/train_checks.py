@@ -14,7 +14,7 @@ from .rules import Problem, check
 from .schema_train import TRACKERS
 
 
-@check("train.eval", "data")
+@check("train.eval", "data", "sync")
 def _eval(plan: Plan) -> Iterator[Problem]:
     spec, d = plan.train.eval, plan.data
     if spec is None:
@@ -23,6 +23,10 @@ def _eval(plan: Plan) -> Iterator[Problem]:
         yield Problem("train.eval", "eval reads held-out documents, and the data holds none",
                       "hold some out: data = text(files = [...], tokenizer = \"...\", "
                       "holdout = 0.05)")
+    if plan.sync.diloco:
+        yield Problem("train.eval", "eval under diloco: each island holds its own weights "
+                      "between syncs, so there is no one model to evaluate",
+                      "remove eval, or use sync = every_step")
     if spec.every > plan.train.steps:
         yield Problem("train.eval.every", f"eval every {spec.every} steps, but training runs "
                       f"{plan.train.steps}: none would run", f"use every <= {plan.train.steps}")
