@@ -40,7 +40,7 @@ class Progress:
         """`append`: continue the metrics file of a resumed run; the rows it holds for
         steps after `resumed_after` (written after the checkpoint the run resumes from,
         and about to be trained again) are dropped so no step appears twice. `live`: the
-        bar (default: when `stream` is a terminal). `trackers`: backends/trackers.py's,
+        bar (default: when `stream` is a terminal). `trackers`: observe/trackers.py's,
         given every row the metrics file gets."""
         self.total = total_steps
         self.stream = stream
