@@ -171,7 +171,7 @@ def load_tokenizer(plan: Plan) -> Tokenizer:
 
 
 def _from_json(path: str, eos: Optional[str]) -> Tokenizer:
-    from tokenizers import Tokenizer as Raw
+    Raw = _require("tokenizers", "data", "data.tokenizer").Tokenizer
 
     try:
         tok = Raw.from_file(path)
@@ -199,7 +199,7 @@ def _from_folder(path: str, eos: Optional[str]) -> Tokenizer:
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             return _from_json(os.path.join(path, "tokenizer.json"), eos)
         raise TextError("data.tokenizer", f"reading the tokenizer folder {path} needs "
-                        "transformers", "pip install transformers") from None
+                        "transformers", "pip install 'pipeplan[data]'") from None
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, ...

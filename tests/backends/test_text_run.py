@@ -66,7 +66,7 @@ def scalars(folder: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.heavy  # three launches of 2 ranks: ~35 s of CPU, minutes on a shared machine
+@pytest.mark.heavy  # two launches of 2 ranks: ~35 s of CPU, minutes on a shared machine
 @pytest.mark.timeout(900)
 def test_text_to_a_run_with_eval_tensorboard_and_exact_resume(tmp_path):
     docs = documents(200)
