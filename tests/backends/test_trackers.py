@@ -101,3 +101,16 @@ def test_wandb_offline_run_holds_the_rows(tmp_path, monkeypatch):
             step = items.pop("_step", r.history.step.num)
             history[step] = {k: v for k, v in items.items() if not k.startswith("_")}
     assert history == {row["step"]: logged(row) for row in ROWS}
+
+
+def test_the_report_draws_the_held_out_loss(tmp_path):
+    from pipeplan.backends.observe.run_dir import write_report
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    page = open(write_report(str(tmp_path))).read()
+    chart = page[page.index('data-name="held-out loss"'):]
+    points = chart[chart.index('class="curve"'):].split('points="')[1].split('"')[0].split()
+    assert len(points) == 3  # the steps that evaluated: 2, 4, 6
+    ys = [float(p.split(",")[1]) for p in points]
+    assert ys[0] < ys[1] < ys[2]  # the loss falls: the curve descends (SVG y grows downward)
+    assert "held-out loss 3.2500 (perplexity 64) after step 6" in page
