@@ -27,6 +27,10 @@ _SOURCE = re.compile(r"(?P<file>[^:]+\.py|[A-Za-z_][\w.]*):(?P<cls>[A-Za-z_]\w*)
 def _source(node: Node, key: str) -> str:
     """file.py:Class, package.module:Class, or a folder (no `:`) holding a config.json."""
     value = text(node, key)
+    if value.endswith(".py"):  # a model file without its class
+        raise Invalid(f"model source '{value}' is not file.py:Class or package.module:Class",
+                      f'name the class: source = "{value}:ClassName" (relative to this plan '
+                      "file)")
     if not _SOURCE.fullmatch(value) and (":" in value or not value.strip()):
         raise Invalid(f"model source '{value}' is not file.py:Class, package.module:Class or a "
                       "model folder", 'e.g. source = "models/gpt.py:GPT" or source = '
