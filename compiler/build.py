@@ -21,7 +21,7 @@ import torch
 from .. import __version__
 from ..dsl.ast import SplitSpec
 from .compiled import CompiledPlan
-from .capture.loading import is_path_source, model_source_file
+from .capture.loading import is_folder_source, is_path_source, model_source_file
 from .estimate.report import render_report
 
 
@@ -78,7 +78,21 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
     if plan.model.weights and not os.path.isabs(plan.model.weights):  # the same, for weights
         rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights), out.resolve())
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights=rel))
+    if is_folder_source(plan.model.source):  # a model folder, and text data's paths
+        plan = dataclasses.replace(plan, model=dataclasses.replace(
+            plan.model, source=_moved(plan, plan.model.source, out)))
+    d = plan.data
+    if d.kind == "text":
+        plan = dataclasses.replace(plan, data=dataclasses.replace(
+            d, files=tuple(_moved(plan, f, out) for f in d.files),
+            tokenizer=_moved(plan, d.tokenizer, out), cache=_moved(plan, d.cache, out)))
     return plan
+
+
+def _moved(plan, path: str, out: Path) -> str:
+    """A plan path (relative to the plan file) relative to the build directory instead."""
+    return path if os.path.isabs(path) else os.path.relpath(plan.resolve_path(path),
+                                                            out.resolve())
 
 
 def stage_source(st) -> str:

@@ -168,3 +168,18 @@ def stored_embedding(path: Path) -> torch.Tensor:
     from safetensors.torch import load_file
 
     return load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+
+
+def test_a_build_directory_keeps_pointing_at_the_folder_and_the_text(folder):
+    """`pipeplan compile -o DIR`: the plan copy in DIR names the same model folder, text,
+    tokenizer and token cache (its paths rewritten relative to DIR)."""
+    from pipeplan.dsl.load import load_plan
+
+    path = write_plan(folder, name="b.plan")
+    out = folder / "build" / "deep"
+    assert main(["compile", str(path), "-o", str(out)]) == 0
+    plan, copy = load_plan(str(path)), load_plan(str(out / "plan.plan"))
+    assert copy.model.source != plan.model.source  # rewritten, relative to the build
+    for get in (lambda p: p.model.source, lambda p: p.model.weights, lambda p: p.data.files[0],
+                lambda p: p.data.tokenizer, lambda p: p.data.cache):
+        assert copy.resolve_path(get(copy)) == plan.resolve_path(get(plan))
