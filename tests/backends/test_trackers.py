@@ -114,3 +114,34 @@ def test_the_report_draws_the_held_out_loss(tmp_path):
     ys = [float(p.split(",")[1]) for p in points]
     assert ys[0] < ys[1] < ys[2]  # the loss falls: the curve descends (SVG y grows downward)
     assert "held-out loss 3.2500 (perplexity 64) after step 6" in page
+
+
+def test_the_progress_bar_and_line_show_the_held_out_loss(tmp_path):
+    import dataclasses
+    import io
+    import math
+
+    from pipeplan.backends.observe.progress import Progress
+    from pipeplan.backends.runtime.trainer import StepReport
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    first = StepReport(0, 2.5, None, 0.01, 0.5, 1000, ())
+    tty = Terminal()
+    bar = Progress(3, tmp_path / "m.jsonl", stream=tty)
+    bar.step(first, eval_loss=2.0)
+    bar.step(dataclasses.replace(first, step=1, loss=2.25))  # the last eval stays shown
+    bar.close()
+    shown = tty.getvalue().split("\r")[-1]
+    assert "loss 2.2500  eval 2.0000 (ppl 7.389)" in shown, shown
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert rows[0]["eval_loss"] == 2.0 and rows[0]["eval_perplexity"] == math.exp(2.0)
+    assert "eval_loss" not in rows[1]
+    pipe = io.StringIO()
+    plain = Progress(3, stream=pipe)
+    plain.step(first, eval_loss=2.0)
+    plain.close()
+    assert pipe.getvalue() == ("step 1/3  loss 2.5000  lr 1.00e-02  eval_loss 2.0000  "
+                               "ppl 7.389  2,000 tok/s  500 ms\n")
