@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -25,7 +24,6 @@ from ..dsl.ast import Plan
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
-_BLANK = re.compile(r"\n\s*\n")
 
 
 class TextError(Exception):
@@ -75,11 +73,21 @@ def documents(path: str, field: str, key: str) -> Iterator[str]:
     elif path.endswith(PARQUET_SUFFIXES):
         yield from _parquet_documents(path, field, key)
     else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        for doc in _BLANK.split(text):
-            if doc.strip():
-                yield doc.strip("\n")
+        yield from _text_documents(path)
+
+
+def _text_documents(path: str) -> Iterator[str]:
+    """Paragraphs of a text file (split at blank lines), read line by line."""
+    lines: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                yield "".join(lines).rstrip("\n")
+                lines = []
+    if lines:
+        yield "".join(lines).rstrip("\n")
 
 
 def _jsonl_documents(path: str, field: str, key: str) -> Iterator[str]:
@@ -213,6 +221,6 @@ def _from_folder(path: str, eos: Optional[str]) -> Tokenizer:
                         "say which token ends a document: eos = \"...\" in data = text(...)")
 
     def encode(texts: list[str]) -> list[list[int]]:
-        return tok(texts, add_special_tokens=False)["input_ids"]
+        return tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
     return Tokenizer(encode, len(tok), int(eos_id))

@@ -22,7 +22,7 @@ import torch
 from pipeplan.backends.runtime import data
 from pipeplan.cli import main
 from pipeplan.compiler.data import check_data
-from pipeplan.dsl import parse_plan
+from pipeplan.dsl import PlanError, parse_plan
 
 from .text_corpus import build_tokenizer, documents, reference_tokens, write_jsonl, write_text
 
@@ -137,6 +137,9 @@ def test_windows_each_once_per_epoch_in_a_seeded_order(corpus, tmp_path):
     txt = write_text(tmp_path / "c.txt", docs)
     plan, _ = plan_at(tmp_path, [txt], tok_json, ', eos = "<eos>", wrap = true', steps=40)
     ids, cache = cache_ids(plan)
+    once, _ = plan_at(tmp_path, [txt], tok_json, steps=40, name="once.plan")  # no wrap
+    with pytest.raises(PlanError, match=r"read 160 \(1\.4 epochs\)"):
+        check_data(once)
     windows = ids[:cache.split // (SEQ + 1) * (SEQ + 1)].reshape(-1, SEQ + 1).astype(np.int64)
     n = len(windows)
     read = np.concatenate([data.global_batch(plan, t).input_ids.numpy() for t in range(40)])
