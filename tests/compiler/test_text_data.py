@@ -130,6 +130,11 @@ def test_the_cache_is_reused_until_an_input_changes(corpus, tmp_path):
     assert changed.path != first.path and changed.documents == len(docs) - 1
     assert sorted(p.name for p in (tmp_path / ".pipeplan-cache").glob("*.npy")) == \
         sorted({Path(first.path).name, Path(changed.path).name})
+    moved, _ = plan_at(tmp_path, [txt], tok_json, ', eos = "<eos>", cache = "elsewhere/tokens"',
+                       name="moved.plan")
+    there = check_data(moved)
+    assert Path(there.path).parent == tmp_path / "elsewhere" / "tokens"
+    assert np.array_equal(np.load(there.path), np.load(changed.path))
 
 
 def test_windows_each_once_per_epoch_in_a_seeded_order(corpus, tmp_path):
