@@ -84,6 +84,7 @@ def wandb_records(path: str):
             yield record
 
 
+@pytest.mark.slow  # W&B starts its service process: ~15 s
 def test_wandb_offline_run_holds_the_rows(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
