@@ -112,10 +112,16 @@ def _atomic_write(path: str, write: Callable) -> None:
     os.replace(tmp, path)
 
 
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
 def tokenizer_files(plan: Plan) -> tuple[str, ...]:
-    """The files the plan's tokenizer is read from (hashed into the cache key)."""
+    """The files the plan's tokenizer is read from (hashed into the cache key): a folder's
+    files but model weights (a model folder may hold its tokenizer too)."""
     path = plan.resolve_path(plan.data.tokenizer)
-    return tuple(_walk(path)) if os.path.exists(path) else ()
+    if not os.path.exists(path):
+        return ()
+    return tuple(f for f in _walk(path) if f == path or not f.endswith(_WEIGHTS))
 
 
 def cached(plan: Plan) -> Optional[TokenCache]:
