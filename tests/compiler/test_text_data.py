@@ -174,6 +174,8 @@ BAD = {  # name -> (files, extra, plan vocab, what stderr says, the text the car
     "empty text": (["empty.txt"], ', eos = "<eos>"', 64, "holds no text", '"empty.txt"'),
     "unknown field": (["c.jsonl"], ', eos = "<eos>", field = "body"', 64,
                       "has no field 'body' (it has: id, text)", '"body"'),
+    "unknown column": (["c.parquet"], ', eos = "<eos>", field = "body"', 64,
+                       "has no column 'body' (it has: text)", '"body"'),
     "vocab too big": (["c.txt"], ', eos = "<eos>"', 16, "the tokenizer has", '"TOK"'),
     "no eos": (["c.txt"], "", 64, "names no end-of-document token", '"TOK"'),
     "eos not a token": (["c.txt"], ', eos = "</s>"', 64, "'</s>' is not a token", '"</s>"'),
@@ -188,6 +190,10 @@ def test_bad_text_input_is_refused_at_the_data_line(corpus, tmp_path, capsys, na
     write_text(tmp_path / "c.txt", docs)
     write_jsonl(tmp_path / "c.jsonl", docs)
     (tmp_path / "empty.txt").write_text("\n\n  \n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet")
     files, extra, vocab, says, under = BAD[name]
     train = "  eval { every = 1 }" if name == "no held-out text" else ""
     _, path = plan_at(tmp_path, files, tok_json, extra, vocab=vocab, train=train, parse=False)
