@@ -21,7 +21,7 @@ import torch
 from .. import __version__
 from ..dsl.ast import SplitSpec
 from .compiled import CompiledPlan
-from .capture.loading import is_path_source, model_source_file
+from .capture.loading import is_folder_source, is_path_source, model_source_file
 from .estimate.report import render_report
 
 
@@ -80,21 +80,33 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
         rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights, "model.weights"),
                               out.resolve())
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights=rel))
+    if is_folder_source(plan.model.source):  # a model folder, and text data's paths
+        plan = dataclasses.replace(plan, model=dataclasses.replace(
+            plan.model, source=_moved(plan, plan.model.source, out, "model.source")))
+    d = plan.data
+    if d.kind == "text":
+        plan = dataclasses.replace(plan, data=dataclasses.replace(
+            d, files=tuple(_moved(plan, f, out, "data.files") for f in d.files),
+            tokenizer=_moved(plan, d.tokenizer, out, "data.tokenizer"),
+            cache=_moved(plan, d.cache, out, "data.cache")))
     return _outputs_relative_to(plan, out)
 
 
 def _outputs_relative_to(plan, out: Path):
     """train.log_dir and train.checkpoint.dir relative to the build directory, pointing where
     the plan's pointed (`pipeplan run BUILD/` writes where `pipeplan run PLAN` would)."""
-    def moved(value: str, key: str) -> str:
-        return value if os.path.isabs(value) else os.path.relpath(plan.resolve_path(value, key),
-                                                                  out.resolve())
     t = plan.train
     ckpt = t.checkpoint and dataclasses.replace(
-        t.checkpoint, dir=moved(t.checkpoint.dir, "train.checkpoint.dir"))
-    log_dir = t.log_dir and moved(t.log_dir, "train.log_dir")
+        t.checkpoint, dir=_moved(plan, t.checkpoint.dir, out, "train.checkpoint.dir"))
+    log_dir = t.log_dir and _moved(plan, t.log_dir, out, "train.log_dir")
     return dataclasses.replace(plan, train=dataclasses.replace(t, checkpoint=ckpt,
                                                                log_dir=log_dir))
+
+
+def _moved(plan, path: str, out: Path, key: str) -> str:
+    """A plan path at `key` (resolved by the plan's rule) relative to the build directory."""
+    return path if os.path.isabs(path) else os.path.relpath(plan.resolve_path(path, key),
+                                                            out.resolve())
 
 
 def stage_source(st) -> str:

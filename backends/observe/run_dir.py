@@ -101,8 +101,14 @@ def _metrics_section(rows) -> str:
     tps = [r.get("tokens_per_s", 0.0) for r in rows]
     summary = (f"<p>{len(rows)} steps; final loss {rows[-1]['loss']:.4f}; median step time "
                f"{median(times):.1f} ms; median {median(tps):,.0f} tokens/s</p>")
+    held = [r for r in rows if r.get("eval_loss") is not None]  # train.eval's rows
+    if held:
+        summary += (f"<p>held-out loss {held[-1]['eval_loss']:.4f} (perplexity "
+                    f"{held[-1]['eval_perplexity']:.4g}) after step {held[-1]['step']}</p>")
     return ("<h2>Loss and step time</h2>" + summary
             + line_chart("loss", steps, [r["loss"] for r in rows], "step", "loss")
+            + (line_chart("held-out loss", [r["step"] for r in held],
+                          [r["eval_loss"] for r in held], "step", "loss") if held else "")
             + line_chart("step time", steps, times, "step", "ms"))
 
 

@@ -172,6 +172,7 @@ class PipelineTrainer:
                                  schedule.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
+        self.eval_executor: Optional[Executor] = None  # train.eval's forward-only pass
         self.prepass = None  # experts.balance = step: the routing pre-pass (balance.py)
         if plan.experts is not None and plan.experts.balance == "step":
             from .balance import RoutingPrepass
@@ -250,6 +251,37 @@ class PipelineTrainer:
             return 0
         return held_bytes(v for state in self.optimizer.state.values() for v in state.values()
                           if isinstance(v, torch.Tensor))
+
+    def evaluate(self, count: int) -> float:
+        """The held-out loss (`train.eval`): the mean over `count` held-out global batches of
+        the loss as the step computes it, forward only, through this run's own stages and
+        pipeline (the schedule's F actions in its order, no gradients kept). Collective:
+        every rank calls it together."""
+        if self.eval_executor is None:
+            self.eval_executor = self._forward_only_executor()
+        total = 0.0
+        for k in range(count):
+            batches = data.dp_eval_microbatches(self.plan, k, self.topo.coords.dp,
+                                                self.topo.coords.cp)
+            with self.prepass.run(batches) if self.prepass else contextlib.nullcontext(), \
+                    torch.no_grad():
+                result = self.eval_executor.run_step(batches)
+            mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+            dist.all_reduce(mine, group=self.island_group)
+            total += float(mine)
+        return total / count
+
+    def _forward_only_executor(self) -> Executor:
+        """An executor of this rank's F actions alone, in the schedule's order (dropping the
+        backward keeps each rank's receives in an order the verified schedule allows)."""
+        forwards = [p for p in self.executor.planned if op_name(p.action) == "F"]
+        around = None
+        if self.zero is not None and self.plan.zero == 3:
+            from ..parallel.zero.sharding import PrefetchWindow
+
+            around = PrefetchWindow(self.zero, [p.action.stage for p in forwards])
+        return Executor(forwards, self.runners, self.specs, self.plan.microbatches,
+                        self.topo.peer, self.device, around_action=around)
 
     def _rerun_checked(self, batches, rng) -> StepResult:
         """The failed step once more with every action's values checked (executor

@@ -9,7 +9,6 @@ CI installs Chromium (.ci/run); without a `chromium` binary the test is skipped,
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

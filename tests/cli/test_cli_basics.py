@@ -12,22 +12,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent.parent
-PLAN = f"""
-model {{
+PLAN = """
+model {
   source = "models/gpt.py:GPT"
-  args = {{ vocab = 64, dim = 32, layers = 4, heads = 4, seq_len = 16 }}
-  inputs = {{ input_ids = int64[batch, seq] }}
+  args = { vocab = 64, dim = 32, layers = 4, heads = 4, seq_len = 16 }
+  inputs = { input_ids = int64[batch, seq] }
   capture = fx
-}}
+}
 data = synthetic(seed = 1, vocab = 64, seq_len = 16)
-mesh {{ pp = 2 }}
-pipeline {{ schedule = 1f1b  microbatches = 2 }}
-train {{
+mesh { pp = 2 }
+pipeline { schedule = 1f1b  microbatches = 2 }
+train {
   steps = 2
   global_batch = 4
   optimizer = sgd(lr = 0.1)
   log_dir = "logs"
-}}
+}
 """
 
 
