@@ -34,13 +34,22 @@ class DeviceModel:
     hardware: Optional[DeviceProfile] = None  # what ops are costed on (optime.py)
 
     def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
-        """Bandwidth of a group of global ranks: inside a node when all share one
-        (ranks are numbered node by node); without ranks_per_node, `inside_by_default`."""
+        """Bandwidth per rank of a group of global ranks: inside a node when all share one
+        (ranks are numbered node by node; without ranks_per_node, `inside_by_default`).
+        Across nodes NCCL runs one ring per NIC, each crossing the network once per node and
+        NVLink otherwise, so a group with g members in each node gets g NICs' bandwidth
+        (at most NVLink's): min(intra, g x inter)."""
+        ranks = list(ranks)
         if self.ranks_per_node is None:
-            inside = inside_by_default
-        else:
-            inside = len({g // self.ranks_per_node for g in ranks}) <= 1
-        return self.tp_link_bytes_per_s if inside else self.link_bytes_per_s
+            if inside_by_default:
+                return self.tp_link_bytes_per_s
+            return self.link_bytes_per_s
+        per_node: dict[int, int] = {}
+        for g in ranks:
+            per_node[g // self.ranks_per_node] = per_node.get(g // self.ranks_per_node, 0) + 1
+        if len(per_node) <= 1:
+            return self.tp_link_bytes_per_s
+        return min(self.tp_link_bytes_per_s, min(per_node.values()) * self.link_bytes_per_s)
 
 
 _OVERRIDES = (("memory_bandwidth", "memory_bandwidth"), ("intra_node", "intra_node"),
