@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..compiler.estimate.device import DeviceModel, device_model
+from ..compiler.estimate.device import device_model
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -16,13 +16,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("-o", "--out", default=None, help="build directory (default: build/<plan name>)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a plan key, e.g. --set mesh.pp=8 (repeatable)")
-    d = DeviceModel()
     c.add_argument("--tflops", type=_positive, default=None,
-                   help="sustained TFLOP/s per device for the time estimate; overrides the "
-                        f"plan's device flops x mfu (default {d.flops_per_s / 1e12:g})")
+                   help="peak TFLOP/s per device in the plan's compute precision for the time "
+                        "model; overrides the device profile's and the plan's device flops")
     c.add_argument("--link-gbps", type=_positive, default=None,
-                   help="bandwidth between nodes in GB/s; overrides the plan's device "
-                        f"inter_node (default {d.link_bytes_per_s / 1e9:g})")
+                   help="bandwidth between nodes in GB/s per device; overrides the plan's "
+                        "device inter_node")
     c.set_defaults(func=run_compile)
 
 
