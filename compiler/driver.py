@@ -106,7 +106,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                                  expert_params, estimates)
     if not profile:  # the time model's step: the same simulation, its breakdown per rank
         estimates.prediction = estimates.timing.time_on(device, estimates.simulation, times)
-        estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
+        if estimates.sync is None:  # DiLoCo: the sync estimate's average step stands
+            estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,
