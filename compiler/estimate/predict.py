@@ -22,6 +22,7 @@ spends its step on (compute / exposed communication / bubble / optimizer).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ...dsl.ast import Plan
 from ..compiled import StageSpec
@@ -161,6 +162,14 @@ class Timing:
         step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s)
         return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
                           device.flops_per_s)
+
+
+def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
+    """The predicted step of a compiled plan (`compile_plan(plan)`) on `device` (default: the
+    plan's own), re-timed from its stored Timing: no tracing, per-stage arithmetic and one
+    simulation of its schedule. What a plan search calls per candidate device."""
+    from .device import device_model
+    return compiled.estimates.timing.time_on(device or device_model(compiled.plan))
 
 
 def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWork],

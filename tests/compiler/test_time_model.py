@@ -144,3 +144,5 @@ def test_retime_on_another_device_without_tracing(make_plan):
     assert one.mfu == pytest.approx(timing.model_flops_per_gpu / one.step_s / hw.flops["fp32"])
     flops = sum(3 * st.flops for st in compiled.stages) * compiled.plan.microbatches
     assert one.step_s == pytest.approx(flops / (hw.flops["fp32"] * 0.5), rel=1e-9)
+    from pipeplan.compiler import predicted  # the plan's own device, re-timed
+    assert predicted(compiled).step_s == pytest.approx(compiled.estimates.step_time_s)
