@@ -16,12 +16,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a plan key, e.g. --set mesh.pp=8 (repeatable)")
     c.add_argument("--tflops", type=_positive, default=None,
-                   help="sustained TFLOP/s per device for the time estimate; overrides the "
-                        "plan's device flops x mfu (default: the plan's device section, else "
-                        "the built-in device model, shown by `pipeplan check`)")
+                   help="peak TFLOP/s per device in the plan's compute precision for the time "
+                        "model; overrides the device profile's and the plan's device flops")
     c.add_argument("--link-gbps", type=_positive, default=None,
-                   help="bandwidth between nodes in GB/s; overrides the plan's device "
-                        "inter_node (default: as for --tflops)")
+                   help="bandwidth between nodes in GB/s per device; overrides the plan's "
+                        "device inter_node")
     c.set_defaults(func=run_compile)
 
 

@@ -7,6 +7,7 @@
 from .compiled import CompiledPlan, StageSpec, ValueRef, ValueSpec
 from .driver import compile_plan
 from .estimate.device import DeviceModel, device_model
+from .estimate.predict import Prediction, predicted
 from .capture.loading import load_model
 from .capture.loss import reference_loss
 from .estimate.report import render_summary
@@ -25,4 +26,4 @@ def estimates_summary(plan) -> str:
 
 __all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary",
            "move_stage", "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel",
-           "device_model"]
+           "device_model", "predicted", "Prediction"]

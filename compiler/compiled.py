@@ -107,13 +107,17 @@ class Estimates:
     ranks: list[RankEstimate]
     bubble: float  # whole-iteration: 1 - sum busy / (ranks * makespan)
     step_time_s: float
-    device_model: dict  # {"flops_per_s": x, "link_bytes_per_s": y, "latency_s": z}
+    device_model: dict  # DeviceModel as a dict: peak flops_per_s, links, latency, hardware
     simulation: Any = field(default=None, repr=False)  # schedules.SimResult, times in seconds
     sync: Any = None  # sync_estimate.SyncEstimate under DiLoCo (dp bytes per step are averaged)
     # Per stage, the tp / ep collectives its rewrite implies per step on each of its ranks:
     # {(group, op): (calls, bytes handed in)} (estimates.stage_collectives).
     stage_collectives: list = field(default_factory=list)
     prepass_s: float = 0.0  # experts.balance = step: the routing pre-pass, in step_time_s
+    # estimate/predict.py: the step per pipeline rank (compute / exposed comm / bubble /
+    # optimizer), predicted MFU and TFLOP/s per GPU (None when a cost file times the plan)
+    prediction: Any = None
+    timing: Any = field(default=None, repr=False)  # predict.Timing: re-time on any device
 
 
 @dataclass

@@ -23,7 +23,9 @@ from .parallel.checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
 from .estimate.costs import Cost, node_costs, param_bytes_per_node
 from .estimate.device import DeviceModel, device_model
-from .estimate.estimates import estimate, normalised, step_costs
+from .estimate.estimates import estimate, normalised
+from .estimate.optime import op_times, stage_work
+from .estimate.predict import action_costs, timing_of
 from .parallel.ep import expert_weights, experts_modules, place_experts
 from .parallel.ep_checks import check_experts
 from .parallel.ep_balance import mark_step_statistics
@@ -79,10 +81,14 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     attach_context_costs(plan, stages, split, graph, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
+    work = stage_work(graph, compute_nodes(graph), split.stage_of, costs, tp_kinds,
+                      plan.mesh.tp, len(stages))  # each stage's ops, for the time model
     if profile:
         times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)
     else:
-        times = stage_costs(plan, step_costs(plan, stages, tp_traffic, moe_traffic, device))
+        ops = [op_times(plan, w, device.hardware) for w in work]
+        times = stage_costs(plan, action_costs(plan, stages, ops, tp_traffic, moe_traffic,
+                                               device))
     schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
         decided_schedule(plan, stages, schedule)
     for st in stages:
@@ -96,6 +102,12 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
         device = dataclasses.replace(device, profile=profile_text(plan, profile, replay))
     estimates = estimate(plan, stages, schedule, times, tied, tp_kinds, expert_params,
                          tp_traffic, moe_traffic, device, replay)
+    estimates.timing = timing_of(plan, stages, schedule, work, tp_traffic, moe_traffic, tp_kinds,
+                                 expert_params, estimates)
+    if not profile:  # the time model's step: the same simulation, its breakdown per rank
+        estimates.prediction = estimates.timing.time_on(device, estimates.simulation, times)
+        if estimates.sync is None:  # DiLoCo: the sync estimate's average step stands
+            estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,

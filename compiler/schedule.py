@@ -1,8 +1,8 @@
 """The pipeline schedule for a compiled plan, from the schedule engine, costed by stage.
 
-Stage op times come from the compiler's cost model under the device model
-(estimates.step_costs: F = forward FLOPs, B = forward + recompute, W = forward,
-plus collectives; p2p latency), so cost-aware kinds (`auto`, the zero-bubble
+Stage op times come from the time model on the device (estimate/predict.action_costs:
+each stage's ops on the device, B with its recompute, plus exposed collectives; p2p
+latency), so cost-aware kinds (`auto`, the zero-bubble
 family) order ops for this model and these links, not for equal stages. A plan's
 `pipeline { costs = [[F, B, W], ...] }` replaces the estimated ratios between stages
 and ops (stage_costs), for the schedule and the time estimate alike.

@@ -282,24 +282,19 @@ class SyncSpec:
 # -------------------------------------------------------------------- device
 @dataclass(frozen=True)
 class DeviceSpec:
-    """The device model the compiler's time estimate assumes (per accelerator and links).
+    """The device the compiler's time model costs ops on: a built-in profile by name
+    (compiler/estimate/devices.py: a100, a100-40gb, h100, h200, b200), each key written here
+    overriding the profile's value (None: the profile's). No name and no key: this machine's
+    measured CPU without CUDA, else h100. MFU is an output of the model, not a key."""
 
-    The defaults are an H100-class node: ~1000 TFLOP/s dense bf16 peak at 40%
-    model-FLOPs utilisation (400 TFLOP/s sustained), NVLink inside a node,
-    400 Gb/s InfiniBand between nodes."""
-
-    flops: float = 1000e12  # peak FLOP/s per device
-    mfu: float = 0.4  # fraction of the peak sustained (model FLOPs utilisation)
-    intra_node: float = 450e9  # bytes/s per device inside a node
-    inter_node: float = 50e9  # bytes/s per device between nodes
-    latency: float = 10e-6  # seconds per point-to-point message
-    # ranks sharing a node (global ranks numbered node by node); None: tensor-parallel
-    # groups inside a node, every other group across nodes (the multi-node worst case)
+    name: Optional[str] = None  # a built-in profile
+    flops: Optional[float] = None  # peak dense FLOP/s per device in the compute precision
+    memory_bandwidth: Optional[float] = None  # bytes/s of device memory
+    intra_node: Optional[float] = None  # bytes/s per device inside a node, one direction
+    inter_node: Optional[float] = None  # bytes/s per device between nodes, one direction
+    latency: Optional[float] = None  # seconds per point-to-point message
+    # ranks sharing a node (global ranks numbered node by node); None: the profile's
     ranks_per_node: Optional[int] = None
-
-    @property
-    def sustained_flops(self) -> float:
-        return self.flops * self.mfu
 
 
 # ---------------------------------------------------------------------- plan

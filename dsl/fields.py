@@ -54,6 +54,7 @@ class Field:
     write: Callable = write_scalar
     nested: bool = False
     section: Optional["Section"] = None
+    shorthand: Optional[str] = None  # with `section`: the key a plain value fills (device = a100)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Section:
     cls: type
     fields: tuple[Field, ...]
     noun: str = "key"  # "key" in blocks, "argument" in calls
+    retired: tuple[tuple[str, str, str], ...] = ()  # (key, message, hint): refused with a hint
 
     def field(self, key: str) -> Optional[Field]:
         return next((f for f in self.fields if f.key == key), None)
@@ -103,6 +105,10 @@ def read_entries(r: Reading, entries: Sequence[Entry], prefix: str, section: Sec
                     f"it is already set at line {first.line}; keep one", key)
             continue
         seen[e.key] = e.key_span
+        retired = next((x for x in section.retired if x[0] == e.key), None)
+        if field is None and retired is not None:
+            r.error(e.key_span, retired[1], retired[2], key)
+            continue
         if field is None:
             r.error(e.key_span, f"unknown {section.noun} '{e.key}' in {section.title}",
                     did_you_mean(e.key, section.keys()), key)
@@ -125,6 +131,10 @@ def read_field(r: Reading, field: Field, e: Entry, key: str) -> tuple[bool, Any]
     try:
         if field.section is not None:
             r.spans[key] = e.key_span
+            if not isinstance(node, Table) and field.shorthand is not None:
+                inner = field.section.field(field.shorthand)
+                ok, value = read_field(r, inner, e, join(key, field.shorthand))
+                return ok, _build(field.section.cls, {field.shorthand: value} if ok else {})
             if not isinstance(node, Table):
                 raise Invalid(f"{key} must be a block {{ ... }}, {shown(node)}")
             return True, read_section(r, node, key, field.section, e.key_span)

@@ -375,14 +375,25 @@ def _write_recompute(rules: tuple[A.RecomputeRule, ...], key: str, emit: Emit) -
 
 
 # --------------------------------------------------------------- device
+def _device_name(node: Node, key: str) -> str:
+    """A profile's name (checked against the built-in profiles by the compiler)."""
+    if isinstance(node, (Name, Str)) and node.value:
+        return node.value
+    raise Invalid(f"{key} must name a device profile like a100 or h100, {shown(node)}")
+
+
 DEVICE = Section("device", A.DeviceSpec, (
+    Field("name", _device_name),
     Field("flops", rate("flops"), write_rate("flops")),
-    Field("mfu", number(above=0, hi=1)),
+    Field("memory_bandwidth", rate("bytes"), write_rate("bytes")),
     Field("intra_node", rate("bytes"), write_rate("bytes")),
     Field("inter_node", rate("bytes"), write_rate("bytes")),
     Field("latency", duration, write_duration),
     Field("ranks_per_node", integer(1, MAX_RANKS)),
-))
+), retired=(("mfu", "device.mfu is gone: the time model predicts MFU from the device's "
+                    "ops (pipeplan check prints it)",
+             "name a device (device = a100) and override its facts (flops = 312TFLOP/s, "
+             "memory_bandwidth = 2TB/s, ...) instead"),))
 
 # ----------------------------------------------------------------- plan
 PLAN = Section("the plan", A.Plan, (
@@ -397,5 +408,5 @@ PLAN = Section("the plan", A.Plan, (
     Field("sync", read_sync, write_sync, nested=True),
     Field("recompute", _recompute, _write_recompute, nested=True),
     Field("train", section=TRAIN),
-    Field("device", section=DEVICE),
+    Field("device", section=DEVICE, shorthand="name"),
 ))

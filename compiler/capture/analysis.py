@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..compiled import ValueSpec
+from .work import Work, WorkLog, attention_work
 
 _META = torch.device("meta")
 SDPA = {torch.nn.functional.scaled_dot_product_attention,
@@ -53,6 +54,7 @@ class NodeCost:
     flops: float  # forward FLOPs
     saved_bytes: int  # activation bytes kept for backward
     ops: int = 0  # aten ops the forward dispatches (each costs host time: cpu_probe.py)
+    work: Work = Work()  # its matmuls by shape and the bytes its other ops move (work.py)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ class MetaRun:
         self._param_ids: set[int] = set()
         self._saved: dict[int, torch.Tensor] = {}  # id(base) -> base, counted once
         self._saved_now = 0
-        self._ops = OpCounter()
+        self._ops = OpCounter(lambda t: id(t._base if t._base is not None else t)
+                              in self._param_ids)
 
     # ------------------------------------------------------------------ queries
     def value(self, node: fx.Node) -> Any:
@@ -174,11 +177,13 @@ class MetaRun:
                 flops = float(counter.get_total_flops() - before)
                 if flops == 0 and _is_grouped_mm(node):
                     flops = _grouped_mm_flops(value, node.args, self.values)
-                ops = self._ops.count - ops_before
+                ops, work = self._ops.count - ops_before, self._ops.log.take()
                 if node.op == "call_function" and node.target in SDPA:
                     ops = 1  # one fused kernel on a device (its meta run is the math path)
+                    work = attention_work(value, self.values[node.args[0]],
+                                          self.values[node.args[1]], flops)
                 self.values[node] = value
-                self.costs[node] = NodeCost(flops, saved, ops)
+                self.costs[node] = NodeCost(flops, saved, ops, work)
 
     def _execute(self, node: fx.Node) -> Any:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
@@ -236,9 +241,10 @@ class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched under it (after autograd's decompositions: the kernels
     a device runs one by one); `paused()` leaves out ops that are not the model's."""
 
-    def __init__(self):
+    def __init__(self, is_param=lambda t: False):
         super().__init__()
         self.count, self._paused = 0, False
+        self.log, self._is_param = WorkLog(), is_param  # each op's work (work.py)
 
     @contextlib.contextmanager
     def paused(self):
@@ -249,9 +255,11 @@ class OpCounter(TorchDispatchMode):
             self._paused = before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not self._paused:
             self.count += 1
-        return func(*args, **(kwargs or {}))
+            self.log.record(func, args, kwargs, out, self._is_param)
+        return out
 
 
 def _nonzero_selects_all():

@@ -31,6 +31,7 @@ from ...dsl.ast import Plan
 from ..capture.analysis import SDPA, MetaRun
 from ..capture.blocks import module_path
 from ..patterns import matches, outermost_match
+from ..capture.work import Work
 
 _VIEWS = {"view", "reshape", "transpose", "permute", "t", "expand", "contiguous", "unsqueeze",
           "squeeze", "flatten"}
@@ -45,6 +46,8 @@ class Cost:
     recompute_flops: float = 0.0  # forward rerun during backward
     ops: int = 0  # aten ops the forward dispatches
     recompute_ops: int = 0  # ... rerun during backward
+    work: Work = Work()  # what the forward asks of a device (work.py), before `scale`
+    scale: float = 1.0  # the share of `work` training runs (experts dispatched at top-k)
 
     @property
     def total(self) -> float:
@@ -70,18 +73,19 @@ def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]
             scale = _expert_scale(plan, node, path, run)
             flops, saved = flops * scale, int(saved * scale)
         mode, module = _recompute_mode(plan, path)
-        recompute = 0.0
+        recompute, rerun = 0.0, False
         if mode == "full":
-            recompute, saved = flops, 0
+            recompute, saved, rerun = flops, 0, True
             for a in node.all_input_nodes:  # the module's inputs stay saved
                 if a not in external_inputs_seen and not _inside(a, module) \
                         and run.is_tensor(a) and a.op != "get_attr":
                     external_inputs_seen.add(a)
                     saved += _nbytes(run.value(a))
         elif mode == "selective" and _is_cheap(node, measured.flops):
-            recompute, saved = flops, 0
+            recompute, saved, rerun = flops, 0, True
         costs[node] = Cost(flops, saved, recompute, measured.ops,
-                           measured.ops if recompute else 0)
+                           measured.ops if rerun else 0, measured.work,
+                           flops / measured.flops if measured.flops else 1.0)
     return costs
 
 

@@ -1,83 +1,120 @@
-"""What the time estimate assumes about the hardware: one accelerator's sustained FLOP/s and
-its links (`DeviceModel`, built from the plan's `device` section, CLI flags, or this CPU's
-measured speed), and which link each kind of group of the mesh crosses (`mesh_links`)."""
+"""What the time model assumes about the hardware: a device profile with the plan's overrides
+(`DeviceModel`, from the plan's `device` section, CLI flags, or this CPU's measured speed),
+and which link each kind of group of the mesh crosses (`mesh_links`)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 import torch
 
 from ...dsl.ast import DeviceSpec, Plan
+from ...dsl.errors import PlanError
+from ...dsl.values import did_you_mean
+from .devices import NAMES, DeviceProfile, cpu_profile, profile
 from ...dsl.layout import global_rank, groups, mesh_layout
 
 
 @dataclass(frozen=True)
 class DeviceModel:
-    """What the time estimate assumes about one accelerator and its links.
+    """What the time model assumes about one accelerator and its links: a device profile
+    (devices.py: datasheet facts and fitted efficiencies) with the plan's overrides, and the
+    figures the rest of the estimate reads off it. `device_model(plan)` builds it."""
 
-    `device_model(plan)` builds it from the plan's `device` section (its defaults
-    where the plan is silent) and the CLI's flags; the field defaults here are
-    those built-in defaults."""
-
-    flops_per_s: float = 400e12  # sustained: the plan's peak × mfu (1000 TFLOP/s × 0.4)
-    link_bytes_per_s: float = 50e9  # between nodes (p2p, dp, ep), e.g. 400 Gb/s InfiniBand
+    flops_per_s: float = 989e12  # peak dense FLOP/s in the plan's compute precision
+    link_bytes_per_s: float = 50e9  # between nodes (p2p, dp, ep), per GPU, one direction
     latency_s: float = 10e-6
-    tp_link_bytes_per_s: float = 450e9  # inside a node (tp), e.g. NVLink 4
+    tp_link_bytes_per_s: float = 450e9  # inside a node, as collectives get it (x link fit)
     ranks_per_node: Optional[int] = None  # None: tp inside a node, other groups across
-    # host seconds per aten op a stage's forward dispatches, and of backward per such op: the
-    # measured CPU model's (cpu_probe.py); 0 for accelerators (launches overlap the kernels)
-    op_s: float = 0.0
+    op_s: float = 0.0  # host seconds per aten op (the measured CPU; 0 on accelerators)
     op_backward_s: float = 0.0
     origin: str = "built-in defaults"  # where the numbers came from, for the report
     profile: str = ""  # op times and p2p latency measured instead: the cost file (profile.py)
+    hardware: Optional[DeviceProfile] = None  # what ops are costed on (optime.py)
 
     def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
-        """Bandwidth of a group of global ranks: inside a node when all share one
-        (ranks are numbered node by node); without ranks_per_node, `inside_by_default`."""
+        """Bandwidth per rank of a group of global ranks: inside a node when all share one
+        (ranks are numbered node by node; without ranks_per_node, `inside_by_default`).
+        Across nodes NCCL runs one ring per NIC, each crossing the network once per node and
+        NVLink otherwise, so a group with g members in each node gets g NICs' bandwidth
+        (at most NVLink's): min(intra, g x inter)."""
+        ranks = list(ranks)
         if self.ranks_per_node is None:
-            inside = inside_by_default
-        else:
-            inside = len({g // self.ranks_per_node for g in ranks}) <= 1
-        return self.tp_link_bytes_per_s if inside else self.link_bytes_per_s
+            if inside_by_default:
+                return self.tp_link_bytes_per_s
+            return self.link_bytes_per_s
+        per_node: dict[int, int] = {}
+        for g in ranks:
+            per_node[g // self.ranks_per_node] = per_node.get(g // self.ranks_per_node, 0) + 1
+        if len(per_node) <= 1:
+            return self.tp_link_bytes_per_s
+        return min(self.tp_link_bytes_per_s, min(per_node.values()) * self.link_bytes_per_s)
+
+
+_OVERRIDES = (("memory_bandwidth", "memory_bandwidth"), ("intra_node", "intra_node"),
+              ("inter_node", "inter_node"), ("latency", "latency"),
+              ("ranks_per_node", "ranks_per_node"))
 
 
 def device_model(plan: Plan, tflops: Optional[float] = None,
                  link_gbps: Optional[float] = None) -> DeviceModel:
-    """The plan's device section (built-in defaults where it is silent), then the CLI's
-    `--tflops` (sustained) and `--link-gbps` (between nodes) where given. Without a device
-    section or flags on a machine without CUDA: this CPU's measured FLOP/s and host time
-    per op (cpu_probe.py), each rank at its share of the cores when the ranks on one
-    machine (all of them, or `device.ranks_per_node`) outnumber them."""
-    d, written = plan.device, [k for k in plan.spans if k.startswith("device.")]
-    origin = "built-in defaults"
-    if written or d != DeviceSpec():
-        span = plan.span_of("device")
-        origin = (f"plan device section ({span.file}:{span.line}), built-in defaults for "
-                  "keys it leaves out")
+    """The plan's device: its named profile (devices.py) with each key it writes overriding
+    the profile's value, then the CLI's `--tflops` (peak) and `--link-gbps` (between nodes).
+    No name and no key: on a machine without CUDA, this CPU's measured FLOP/s and host time
+    per op (cpu_probe.py), each rank at its share of the cores when the ranks on one machine
+    (all of them, or `device.ranks_per_node`) outnumber them; with CUDA, h100."""
+    d = plan.device
+    if d == DeviceSpec() and not torch.cuda.is_available():
+        hw, origin = _this_cpu(plan)
+    else:
+        hw = profile(d.name or "h100")
+        if hw is None:
+            raise PlanError.at(plan, "device.name" if d.name else "device",
+                               f"unknown device '{d.name}'", did_you_mean(d.name or "", NAMES))
+        origin = f"profile {hw.name} (devices.py; fit: {hw.efficiency.source})"
+        if d != DeviceSpec():
+            span = plan.span_of("device")
+            origin += f"; plan device section ({span.file}:{span.line})"
+        hw = replace(hw, **{f: getattr(d, k) for k, f in _OVERRIDES if getattr(d, k) is not None})
+        if d.flops is not None:
+            hw = replace(hw, flops={**hw.flops, dtype_of(plan): d.flops})
+    if tflops is not None:
+        hw = replace(hw, flops={**hw.flops, dtype_of(plan): tflops * 1e12})
+    if link_gbps is not None:
+        hw = replace(hw, inter_node=link_gbps * 1e9)
     flags = [f for f, v in (("--tflops", tflops), ("--link-gbps", link_gbps)) if v is not None]
     if flags:
         origin += "; overridden by " + " ".join(flags)
-    flops, op_s, op_backward_s = d.sustained_flops, 0.0, 0.0
-    if origin == "built-in defaults" and not torch.cuda.is_available():
-        from .cpu_probe import cpu_model  # no accelerator here and none described: this CPU
+    return model_of(plan, hw, origin)
 
-        cpu = cpu_model()
-        # ranks on one machine share its cores (the local launcher starts them all here)
-        local = min(plan.mesh.world_size, d.ranks_per_node or plan.mesh.world_size)
-        share = max(1.0, local / cores())
-        flops, op_s, op_backward_s = (cpu.flops_per_s / share, cpu.op_s * share,
-                                      cpu.op_backward_s * share)
-        origin = f"{cpu.origin}; built-in link defaults"
-        if share > 1:
-            origin += (f"; {local} ranks share {cores()} cores: each runs at "
-                       f"1/{share:g} of the probe's speed")
+
+def model_of(plan: Plan, hw: DeviceProfile, origin: str = "") -> DeviceModel:
+    """The DeviceModel of a profile (what a planner calls with a profile of its own)."""
     return DeviceModel(
-        flops_per_s=tflops * 1e12 if tflops is not None else flops,
-        link_bytes_per_s=link_gbps * 1e9 if link_gbps is not None else d.inter_node,
-        latency_s=d.latency, tp_link_bytes_per_s=d.intra_node,
-        ranks_per_node=d.ranks_per_node, op_s=op_s, op_backward_s=op_backward_s, origin=origin)
+        flops_per_s=hw.flops[dtype_of(plan)], link_bytes_per_s=hw.inter_node,
+        latency_s=hw.latency, tp_link_bytes_per_s=hw.intra_node * hw.efficiency.link,
+        ranks_per_node=hw.ranks_per_node, op_s=hw.op_s, op_backward_s=hw.op_backward_s,
+        origin=origin or hw.name, hardware=hw)
+
+
+def dtype_of(plan: Plan) -> str:
+    """The compute precision a device's peak is read for."""
+    return {"bf16": "bf16", "fp64": "fp64"}.get(plan.train.precision, "fp32")
+
+
+def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
+    from .cpu_probe import cpu_model  # no accelerator here and none described: this CPU
+    cpu = cpu_model()
+    # ranks on one machine share its cores (the local launcher starts them all here)
+    local = plan.mesh.world_size
+    share = max(1.0, local / cores())
+    origin = f"{cpu.origin}; built-in link defaults"
+    if share > 1:
+        origin += (f"; {local} ranks share {cores()} cores: each runs at "
+                   f"1/{share:g} of the probe's speed")
+    return cpu_profile(cpu.flops_per_s / share, cpu.op_s * share,
+                       cpu.op_backward_s * share), origin
 
 
 def cores() -> int:

@@ -39,17 +39,13 @@ Accounting (stated in the report, so a reader can check it):
   Every rank of a pipeline rank's dp x tp x ep slice holds and sends alike
   (shards are padded evenly), so each global rank's entry is its pipeline
   rank's; only a rank's share of the all-to-all rows follows its routing.
-* Time, under a device model (`device_model`: the plan's `device` section,
-  then CLI flags): op times = FLOPs / (tp · sustained FLOP/s), plus the
-  stage's tp and ep traffic, each over its group's link (`mesh_links`: inside
-  a node or across; half in F, half in B); p2p messages take latency + bytes /
-  the slowest neighbouring-rank link. The
-  schedule is generated (normalised) and simulated with those costs; step
-  time = the simulated makespan plus the DP gradient all-reduce over the dp
-  group's link (not overlapped), plus, under `experts.balance = step`, the
-  routing pre-pass (`routing_prepass_s`: the schedule's forwards alone,
-  simulated; their FLOPs, activation sends and the forward half of the EP
-  all-to-alls are added to each rank's, the all-to-all calls to its collectives).
+* Time: the time model (predict.py: per-op times on the device, exposed collectives,
+  the schedule simulated with those per-action costs, the DP reduction's exposed tail, the
+  optimizer step; driver.py puts its step in `step_time_s`), plus, under
+  `experts.balance = step`, the routing pre-pass (`routing_prepass_s`: the schedule's
+  forwards alone, simulated; their FLOPs, activation sends and the forward half of the EP
+  all-to-alls are added to each rank's, the all-to-all calls to its collectives). The
+  makespan + unoverlapped DP time computed here is what DiLoCo's sync estimate starts from.
 """
 from __future__ import annotations
 
@@ -60,7 +56,7 @@ import torch
 
 from ...dsl.ast import Plan
 from ...dsl.layout import group_sizes
-from .collectives import ep_bytes, implied_collectives, ring_bytes, tp_bytes
+from .collectives import ep_bytes, implied_collectives, ring_bytes
 from .device import DeviceModel, mesh_links
 from ..compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from ..parallel.ep import experts_dispatched
@@ -119,7 +115,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
              tp_kinds: dict[str, str], expert_params: set[str], tp_traffic: list[Traffic],
              moe_traffic: list[Traffic], device: DeviceModel, replay=None) -> Estimates:
     """Estimates for every global rank (pp outermost, tp innermost; a pipeline rank's dp × tp
-    ranks hold the same shares, so they get equal numbers). `costs` (from step_costs, in
+    ranks hold the same shares, so they get equal numbers). `costs` (predict.action_costs, in
     seconds) time the schedule under `device`; `replay` (profile.replayed: the median
     profiled step's simulation and the median makespan) replaces that timing."""
     mesh = plan.mesh
@@ -268,32 +264,6 @@ def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
-
-
-def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
-               moe_traffic: list[Traffic], device: DeviceModel):
-    """Per-stage (F, B, W) op times in seconds and the p2p message time: a schedules.Costs.
-    An op's time is its FLOPs at the device's rate plus, where the device model has one (a
-    CPU), host time per aten op the forward dispatches (backward's split evenly between B
-    and W). The schedule is generated (normalised) and simulated with these same costs."""
-    from ...schedules.costs import Costs
-    links = mesh_links(plan, device)
-    tp = plan.mesh.tp
-    float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    table = []
-    for st in stages:
-        coll = (tp_bytes(plan, tp_traffic, [st], float_scale) / links.tp
-                + ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
-                + st.cp_bytes * float_scale / links.tp) / 2
-        f = st.flops / tp / device.flops_per_s
-        host_b = st.ops * device.op_backward_s / 2  # host time per op: B and W halve it
-        table.append((f + st.ops * device.op_s + coll,
-                      f + host_b + st.recompute_flops / tp / device.flops_per_s
-                      + st.recompute_ops * device.op_s + coll,
-                      f + host_b))
-    msg = [sum(_bytes(o) for o in st.outputs) * float_scale for st in stages[:-1]]
-    latency = device.latency_s + (max(msg, default=0.0) / links.p2p)
-    return Costs(per_stage=tuple(table), latency=latency)
 
 
 def normalised(costs):

@@ -103,8 +103,10 @@ def _estimates(c: CompiledPlan) -> str:
             + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied", "cp"))
             + " |")
     rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
-             f"- predicted step time: **{e.step_time_s:.4g} s** (simulated pipeline + DP "
-             "all-reduce, not overlapped)",
+             f"- predicted step time: **{e.step_time_s:.4g} s** (one simulated timeline: "
+             "per-op times on the device, exposed collectives, the DP reduction's tail, "
+             "the optimizer; docs/compiler.md)",
+             *(f"- {line}" for line in breakdown_lines(e.prediction)),
              *([f"- of which the routing pre-pass (experts.balance = step): "
                 f"{e.prepass_s:.4g} s"] if e.prepass_s else []),
              *([f"- {sync_line(e.sync, human_bytes)} (dp column: average per step)"]
@@ -113,6 +115,19 @@ def _estimates(c: CompiledPlan) -> str:
              "- accounting: see docs/compiler.md (bytes per element by precision and ZeRO stage; "
              "activations held from F to W/BW under this schedule)", ""]
     return "\n".join(rows)
+
+
+def breakdown_lines(p) -> list[str]:
+    """The time model's step per pipeline rank and its predicted MFU (estimate/predict.py)."""
+    if p is None:
+        return []
+    lines = ["step per pp rank (s): compute / exposed comm / bubble / optimizer"]
+    for r in p.ranks:
+        lines.append(f"  pp rank {r.rank:>3}: {r.compute:.4g} / {r.comm:.4g} / "
+                     f"{max(r.bubble, 0.0):.4g} / {r.optimizer:.4g}")
+    lines.append(f"predicted MFU {p.mfu:.3f} (model FLOPs / peak), {p.tflops_per_gpu:.4g} "
+                 "TFLOP/s per GPU (recompute included)")
+    return lines
 
 
 def device_text(d: dict) -> str:
@@ -124,9 +139,14 @@ def device_text(d: dict) -> str:
                 if d.get("profile") else "")
     flops = d['flops_per_s']
     rate = f"{flops / 1e12:g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+    hw = d.get("hardware") or {}
+    eff = hw.get("efficiency") or {}
+    if hw.get("memory_bandwidth"):
+        rate += (f" peak ({eff.get('gemm_peak', 1):.2f} of it in GEMMs), "
+                 f"{hw['memory_bandwidth'] / 1e9:g} GB/s memory ({eff.get('memory', 1):.2f} of it)")
     host = (f", {d['op_s'] * 1e6:.2g} µs (forward) + {d['op_backward_s'] * 1e6:.2g} µs "
             "(backward) host time per op" if d.get("op_s") else "")
-    return (f"{measured}{rate} sustained per device{host}, "
+    return (f"{measured}{rate} per device{host}, "
             f"{d['tp_link_bytes_per_s'] / 1e9:g} GB/s inside a node, "
             f"{d['link_bytes_per_s'] / 1e9:g} GB/s between nodes ({nodes}), "
             f"{d['latency_s'] * 1e6:g} µs latency — from {d.get('origin', 'built-in defaults')}")
@@ -239,6 +259,7 @@ def render_summary(compiled: CompiledPlan) -> str:
                      + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
                  f"{e.step_time_s:.4g} s")
+    lines += breakdown_lines(e.prediction)
     if e.prepass_s:
         lines.append(f"routing pre-pass (experts.balance = step): {e.prepass_s:.4g} s of the "
                      f"step: a no-grad forward of every microbatch before the schedule")

@@ -87,9 +87,9 @@ def test_the_routing_prepass_is_in_the_estimates():
     FLOPs and its activation sends in every rank's numbers; nothing under microbatch."""
     two_stages = PLAN.replace("dp = 2  ep = 2", "pp = 2  dp = 2  ep = 2") \
         .replace("microbatches = 1", "microbatches = 2").replace("global_batch = 4", "global_batch = 8")
-    # a device without host time per op: the statistics' wrappers add ops, not FLOPs, so the
-    # two plans' schedules run the same op times
-    two_stages += "device { flops = 1PFLOP/s }\n"
+    # a device without host time per op, its memory free: the statistics' wrappers add
+    # memory-bound ops, not FLOPs, so the two plans' schedules run the same op times
+    two_stages += "device {\n  flops = 1PFLOP/s\n  memory_bandwidth = 1000000TB/s\n}\n"
     micro = compile_plan(parse_plan(two_stages, "t.plan"))
     step = compile_plan(parse_plan(
         two_stages.replace("num_experts = 4\n}", "num_experts = 4\n  balance = step\n}"), "t.plan"))

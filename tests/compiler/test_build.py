@@ -71,15 +71,15 @@ def test_report_states_the_plans_device_model_and_flag_overrides(tmp_path, capsy
         '  args = { layers = 4 }\n  inputs = { x = float32[batch, 8] }\n  loss = mse\n}\n'
         "mesh { pp = 2 }\npipeline { schedule = 1f1b  microbatches = 2 }\n"
         "train { global_batch = 4 }\n"
-        "device {\n  flops = 20TFLOP/s\n  mfu = 0.5\n  inter_node = 100Gb/s\n}\n"
+        "device {\n  name = a100\n  flops = 20TFLOP/s\n  inter_node = 100Gb/s\n}\n"
         "data = synthetic(inputs = { x = mask })\n")  # the one data field of any shape
     out = tmp_path / "build"
     assert main(["compile", str(plan_path), "-o", str(out), "--link-gbps", "25"]) == 0
     report = (out / "report.md").read_text()
-    assert ("10 TFLOP/s sustained per device, 450 GB/s inside a node, 25 GB/s between nodes"
-            in report)
-    assert f"from plan device section ({plan_path}:10), built-in defaults for keys it leaves " \
-           "out; overridden by --link-gbps" in report
+    assert "20 TFLOP/s peak (" in report and " GB/s between nodes" in report
+    assert "25 GB/s between nodes" in report
+    assert "from profile a100 (devices.py; fit: " in report
+    assert f"plan device section ({plan_path}:10); overridden by --link-gbps" in report
     assert "| group | collective |" not in report  # dp = tp = 1: nothing collective
     assert "No collectives" in report
-    assert "device {\n  flops = 20TFLOP/s" in (out / "plan.plan").read_text()
+    assert "device {\n  name = a100\n  flops = 20TFLOP/s" in (out / "plan.plan").read_text()

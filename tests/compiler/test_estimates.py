@@ -153,27 +153,50 @@ def _one_stage(make_plan, device, dp=1):
                      device=device)
 
 
+FREE_MEMORY = 1e30  # a device whose memory traffic costs nothing: only FLOPs take time
+
+
+def _gemm_peak() -> float:
+    import json
+
+    from pipeplan.compiler.estimate.devices import calibration_path
+    with open(calibration_path(), encoding="utf-8") as f:
+        return json.load(f)["a100"]["gemm_peak"]
+
+
 def test_step_time_follows_the_plans_device_model(make_plan):
-    """One stage, one rank: the step is m microbatches of F + B + W = 3 forwards at the
-    sustained rate (peak × mfu); no link is used."""
+    """One stage, one rank: the step is m microbatches of F + B + W = 3 forwards of GEMMs at
+    the peak the plan writes times the fitted GEMM fraction (calibration.json); memory is
+    made free and no link is used."""
     from pipeplan.dsl.ast import DeviceSpec
-    for flops, mfu in ((100e12, 0.5), (1e12, 0.25), (3e9, 1.0)):
-        compiled = compile_plan(_one_stage(make_plan, DeviceSpec(flops=flops, mfu=mfu)))
+    for flops in (100e12, 1e12, 3e9):
+        device = DeviceSpec(name="a100", flops=flops, memory_bandwidth=FREE_MEMORY)
+        compiled = compile_plan(_one_stage(make_plan, device))
         assert compiled.stages[0].flops == FWD
         est = compiled.estimates
-        assert est.step_time_s == pytest.approx(M * 3 * FWD / (flops * mfu), rel=1e-12)
-        assert est.device_model["flops_per_s"] == flops * mfu
-        assert est.device_model["origin"].startswith("plan device section")
+        assert est.step_time_s == pytest.approx(M * 3 * FWD / (flops * _gemm_peak()),
+                                                rel=1e-9)
+        assert est.device_model["flops_per_s"] == flops
+        assert est.device_model["origin"].startswith("profile a100")
+        assert "plan device section" in est.device_model["origin"]
 
 
 def test_dp_all_reduce_uses_the_link_its_group_sits_on(make_plan):
-    """dp = 2 all-reduces the 4 layers' fp32 grads: a ring sends 2(n-1)/n of them, after the
-    pipeline (not overlapped), over the network unless both ranks share a node."""
+    """dp = 2 all-reduces the 4 layers' fp32 grads: a ring sends 2(n-1)/n of them when the
+    one stage's last backward ends (nothing left to overlap: all exposed), over the network
+    unless both ranks share a node (the profile's 8 per node unless the plan says), NVLink
+    at the fitted fraction collectives get."""
+    import json
+
+    from pipeplan.compiler.estimate.devices import calibration_path
     from pipeplan.dsl.ast import DeviceSpec
+    with open(calibration_path(), encoding="utf-8") as f:
+        nvlink = 400e9 * json.load(f)["a100"]["link"]
     grads = 4 * 4 * (D * D + D)
     sent = 2 * (2 - 1) / 2 * grads
-    for ranks_per_node, link in ((None, 20e9), (1, 20e9), (2, 400e9), (8, 400e9)):
-        device = DeviceSpec(intra_node=400e9, inter_node=20e9, ranks_per_node=ranks_per_node)
+    for ranks_per_node, link in ((None, nvlink), (1, 20e9), (2, nvlink), (8, nvlink)):
+        device = DeviceSpec(name="a100", intra_node=400e9, inter_node=20e9,
+                            ranks_per_node=ranks_per_node, memory_bandwidth=FREE_MEMORY)
         est = compile_plan(_one_stage(make_plan, device, dp=2)).estimates
         assert est.ranks[0].comm_bytes["dp"] == sent
         assert est.step_time_s - est.simulation.makespan == pytest.approx(sent / link, rel=1e-9)
@@ -183,15 +206,25 @@ def test_flags_override_the_plan_and_the_report_says_so(make_plan):
     from pipeplan.compiler import device_model
     from pipeplan.compiler.estimate.report import render_summary
     from pipeplan.dsl.ast import DeviceSpec
-    plan = _one_stage(make_plan, DeviceSpec(flops=100e12, mfu=0.5, inter_node=20e9))
+    plan = _one_stage(make_plan, DeviceSpec(name="a100", flops=100e12, inter_node=20e9,
+                                            memory_bandwidth=FREE_MEMORY))
     model = device_model(plan, tflops=10)
     assert (model.flops_per_s, model.link_bytes_per_s) == (10e12, 20e9)
     assert model.origin.endswith("overridden by --tflops")
     compiled = compile_plan(plan, device=model)
-    assert compiled.estimates.step_time_s == pytest.approx(M * 3 * FWD / 10e12, rel=1e-12)
+    assert compiled.estimates.step_time_s == pytest.approx(M * 3 * FWD / (10e12 * _gemm_peak()),
+                                                           rel=1e-9)
     assert "overridden by --tflops" in render_summary(compiled)
     # no device given: the plan's own model is used
-    assert compile_plan(plan).estimates.device_model["flops_per_s"] == 50e12
+    assert compile_plan(plan).estimates.device_model["flops_per_s"] == 100e12
+
+
+def test_unknown_device_is_refused_at_its_line(make_plan):
+    from pipeplan.dsl.ast import DeviceSpec
+    from pipeplan.dsl.errors import PlanError
+    with pytest.raises(PlanError) as info:
+        compile_plan(_one_stage(make_plan, DeviceSpec(name="h101")))
+    assert "unknown device 'h101'" in str(info.value) and "did you mean 'h100'" in str(info.value)
 
 def test_ranks_that_outnumber_the_cores_share_them(make_plan, tmp_path, monkeypatch):
     """The local launcher starts every rank on this machine: with more ranks than cores, the
@@ -214,8 +247,8 @@ def test_ranks_that_outnumber_the_cores_share_them(make_plan, tmp_path, monkeypa
     assert shared.flops_per_s == own.flops_per_s / 2
     assert (shared.op_s, shared.op_backward_s) == (own.op_s * 2, own.op_backward_s * 2)
     assert "2 ranks share 1 cores: each runs at 1/2" in shared.origin
-    written = dm.device_model(_one_stage(make_plan, DeviceSpec(flops=1e12, mfu=0.5), dp=2))
-    assert (written.flops_per_s, written.op_s) == (0.5e12, 0.0)
+    written = dm.device_model(_one_stage(make_plan, DeviceSpec(flops=1e12), dp=2))
+    assert (written.flops_per_s, written.op_s) == (1e12, 0.0)
 
 
 def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tmp_path,

@@ -10,8 +10,9 @@ from pipeplan.dsl.values import write_duration, write_rate
 MODEL = 'model { source = "m.py:M" }\n'
 DEVICE = MODEL + """\
 device {
+  name = h100
   flops = 989.5TFLOP/s  # H100 dense bf16
-  mfu = 0.45
+  memory_bandwidth = 3.35TB/s
   intra_node = 900GB/s
   inter_node = 400Gb/s
   latency = 8us
@@ -22,10 +23,11 @@ device {
 
 def test_device_section_reads_every_unit(pos):
     plan = parse_plan(DEVICE, "d.plan")
-    assert plan.device == DeviceSpec(flops=989.5e12, mfu=0.45, intra_node=900e9,
+    assert plan.device == DeviceSpec(name="h100", flops=989.5e12, memory_bandwidth=3.35e12,
+                                     intra_node=900e9,
                                      inter_node=50e9,  # 400 Gb/s is 50 GB/s: bits
                                      latency=8e-6, ranks_per_node=4)
-    assert plan.device.sustained_flops == pytest.approx(989.5e12 * 0.45)
+    assert parse_plan(MODEL + "device = a100\n").device == DeviceSpec(name="a100")
     for key, text in (("flops", "989.5TFLOP/s"), ("inter_node", "400Gb/s"), ("latency", "8us")):
         span = plan.span_of(f"device.{key}")
         assert (span.line, span.col) == pos(DEVICE, text)
@@ -60,15 +62,14 @@ def test_units_do_not_change_other_tokens():
 def test_canonical_form_round_trips_and_keeps_comments():
     plan = parse_plan(DEVICE, "d.plan")
     text = format_plan(plan)
-    assert "device {\n  flops = 989.5TFLOP/s  # H100 dense bf16\n" in text
+    assert "device {\n  name = h100\n  flops = 989.5TFLOP/s  # H100 dense bf16\n" in text
     assert "  inter_node = 50GB/s\n" in text and "  latency = 8us\n" in text
     assert parse_plan(text, "d.plan") == plan and format_plan(parse_plan(text, "d.plan")) == text
     # without a device section nothing is written; check's full form states the defaults
     bare = parse_plan(MODEL)
     assert "device" not in format_plan(bare)
     full = format_plan(bare, full=True)
-    assert "device {\n  flops = 1PFLOP/s\n  mfu = 0.4\n  intra_node = 450GB/s\n" \
-           "  inter_node = 50GB/s\n  latency = 10us\n}\n" in full
+    assert "device {}\n" in full  # every key from the profile (or this CPU, measured)
     assert parse_plan(full) == bare
 
 
@@ -85,7 +86,7 @@ def test_writers_give_back_the_exact_value(value):
 BAD = MODEL + """\
 device {
   flop = 989TFLOP/s
-  mfu = 1.5
+  mfu = 0.5
   intra_node = 450GB
   inter_node = 0GB/s
   latency = 8
@@ -99,7 +100,8 @@ def test_every_bad_value_is_reported_at_its_spot(errors_of, pos):
     found = errors_of(BAD, path="b.plan")
     expected = [
         ("flop", "unknown key 'flop' in device"),
-        ("1.5", "device.mfu must be at most 1, got 1.5"),
+        ("mfu", "device.mfu is gone: the time model predicts MFU from the device's ops "
+                "(pipeplan check prints it)"),
         ("450GB", "device.intra_node must be a rate like 450GB/s (or 400Gb/s in bits), got a size"),
         ("0GB/s", "device.inter_node must be above 0, got 0/s"),
         ("8\n", "device.latency must be a duration like 10us, got 8"),
@@ -112,9 +114,12 @@ def test_every_bad_value_is_reported_at_its_spot(errors_of, pos):
     assert "hint: did you mean 'flops'?" in str(info.value)
 
 
-def test_mfu_must_be_positive(errors_of):
-    message = errors_of(MODEL + "device { mfu = 0 }")[0][3]
-    assert message == "device.mfu must be greater than 0, got 0"
+def test_mfu_is_refused_with_a_hint():
+    with pytest.raises(PlanError) as info:
+        parse_plan(MODEL + "device {\n  name = a100\n  mfu = 0.5\n}\n", "m.plan")
+    text = str(info.value)
+    assert "m.plan:4:3: error: device.mfu is gone" in text
+    assert "hint: name a device (device = a100) and override its facts" in text
 
 
 def test_override_sets_a_device_key(tmp_path):

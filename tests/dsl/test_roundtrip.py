@@ -142,7 +142,9 @@ def plans(draw) -> A.Plan:
     recompute = tuple(A.RecomputeRule(p, draw(st.sampled_from(["none", "full", "selective"])))
                       for p in rules)
     device = draw(st.one_of(st.just(A.DeviceSpec()), st.builds(
-        A.DeviceSpec, flops=rates, mfu=st.floats(1e-3, 1.0), intra_node=rates, inter_node=rates,
+        A.DeviceSpec, name=st.one_of(st.none(), st.sampled_from(["a100", "h100", "b200"])),
+        flops=rates, memory_bandwidth=st.one_of(st.none(), rates), intra_node=rates,
+        inter_node=rates,
         latency=st.one_of(st.just(0.0), st.floats(1e-12, 10.0)),
         ranks_per_node=st.one_of(st.none(), st.integers(1, 64)))))
     return A.Plan(model=model, data=data, mesh=A.MeshSpec(pp, dp, tp, ep), pipeline=pipeline,

@@ -1,0 +1,171 @@
+"""Per-op time on a device profile: each node's work (work.py) under the plan's tensor split.
+
+The model (docs/compiler.md, "The time model"):
+
+* a matmul-like kernel (its local M, N, K) takes max(FLOPs / (peak x gemm_peak),
+  bytes / (bandwidth x memory)): a roofline, so thin products (attention's scores with a
+  head dimension of 64-160, a TP-split layer's few columns) are bound by memory;
+* a memory-bound kernel (norm, activation, softmax, dropout, elementwise, copy) takes
+  bytes moved / (bandwidth x memory);
+* host time per aten op where the profile has one (the measured CPU: dispatch and
+  autograd bookkeeping, cpu_probe.py): forward ops in F, backward's split between B and W;
+* backward: each matmul's two products (the input gradient in B; the weight gradient in W
+  when one operand is a parameter, else in B too) at the forward's shape; memory-bound
+  kernels read and write twice the forward's bytes, in B; nodes recomputed (full or
+  selective) run their forward again in B.
+
+Tensor parallel divides what the rewrite splits, found by following the graph: a
+column-parallel layer's N and a row-parallel layer's K are 1/tp, every node reading a value
+computed between them (a column output's views, the attention core, the activation) does
+1/tp of its work (its batch dimension), and a row layer's output is whole again; under
+sequence parallel the whole values' memory-bound kernels also run on 1/tp of the sequence.
+Floats move in the plan's compute precision (bf16: 2 bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.fx as fx
+
+from ...dsl.ast import Plan
+from ..capture.blocks import module_path
+from ..capture.work import Gemm
+from .costs import Cost
+from .device import dtype_of
+from .devices import DeviceProfile
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """One stage's compute seconds per microbatch, by action."""
+
+    f: float
+    b: float
+    w: float
+
+
+def _float_bytes(plan: Plan) -> int:
+    return {"bf16": 2, "fp64": 8}.get(plan.train.precision, 4)
+
+
+def gemm_time(g: Gemm, dev: DeviceProfile, peak: float, float_bytes: int) -> float:
+    """A roofline: the slower of its FLOPs at the sustained GEMM rate and its operands'
+    and result's bytes at the sustained memory bandwidth."""
+    return max(g.flops / (peak * dev.efficiency.gemm_peak),
+               g.elements * float_bytes / _bandwidth(dev))
+
+
+def memory_time(elements: float, other_bytes: float, dev: DeviceProfile, float_bytes: int,
+                div: float = 1.0) -> float:
+    """Memory-bound kernels: bytes moved over the sustained memory bandwidth."""
+    return (elements * float_bytes + other_bytes) / div / _bandwidth(dev)
+
+
+def _bandwidth(dev: DeviceProfile) -> float:
+    """Sustained memory bandwidth; a profile without one (the measured CPU: host time per op
+    dominates) moves bytes for free."""
+    bw = dev.memory_bandwidth * dev.efficiency.memory
+    return bw if bw > 0 else float("inf")
+
+
+def shard(g: Gemm, kind: Optional[str], tp: int) -> Gemm:
+    """The local shape on one TP rank: column/vocab N/tp, row K/tp, else batch/tp."""
+    if tp <= 1:
+        return g
+    if kind in ("column", "vocab"):
+        return Gemm(g.batch, g.m, max(1, g.n // tp), g.k)
+    if kind == "row":
+        return Gemm(g.batch, g.m, g.n, max(1, g.k // tp))
+    if g.batch >= tp:
+        return Gemm(g.batch // tp, g.m, g.n, g.k)
+    return Gemm(g.batch, max(1, g.m // tp), g.n, g.k)
+
+
+def split_kinds(graph: fx.Graph, tp_kinds: dict[str, str], tp: int,
+                costs: dict[fx.Node, Cost]) -> dict[fx.Node, str]:
+    """Each node the TP rewrite splits -> its kind ("column", "row", "vocab", or "inner": it
+    reads a value split between a column and a row layer). Nodes kept whole are absent. A
+    vocab-parallel lookup (no matmul) writes its rows whole; a vocab-parallel head splits
+    its logits."""
+    if tp <= 1 or not tp_kinds:
+        return {}
+    out, split_values = {}, set()
+    for node in graph.nodes:
+        kind = tp_kinds.get(module_path(node) or "") if _calls_module(node) else None
+        if kind == "vocab" and not (node in costs and costs[node].work.gemms):
+            kind = None  # an embedding lookup: its output is all-reduced whole
+        if kind is not None:
+            out[node] = kind
+            if kind != "row":
+                split_values.add(node)
+        elif any(a in split_values for a in node.all_input_nodes):
+            out[node] = "inner"
+            split_values.add(node)
+    return out
+
+
+def _calls_module(node: fx.Node) -> bool:
+    return node.op == "call_module" or (
+        node.op == "call_function" and any(a.op == "get_attr" for a in node.all_input_nodes))
+
+
+@dataclass
+class StageWork:
+    """One stage's ops per microbatch, grouped so a device can cost them in a few steps (and
+    a planner can re-cost them for another device or tp without tracing again):
+    gemms (shape, TP kind, recomputed) -> count; memory-bound (split, recomputed) ->
+    [float elements, other bytes, kernels]."""
+
+    gemms: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    ops: int = 0  # aten ops the forward dispatches (host time on a CPU)
+    recompute_ops: int = 0
+
+    def add(self, cost: Cost, kind: Optional[str]) -> None:
+        rec = bool(cost.recompute_ops or cost.recompute_flops)
+        self.ops += cost.ops
+        self.recompute_ops += cost.recompute_ops
+        for g in cost.work.gemms:
+            key = (g, kind, rec)
+            self.gemms[key] = self.gemms.get(key, 0.0) + cost.scale
+        w = cost.work
+        m = self.memory.setdefault((kind is not None, rec), [0.0, 0.0, 0])
+        m[0] += w.float_elements * cost.scale
+        m[1] += w.other_bytes * cost.scale
+        m[2] += w.kernels
+
+
+def stage_work(graph: fx.Graph, nodes: list[fx.Node], stage_of, costs: dict[fx.Node, Cost],
+               tp_kinds: dict[str, str], tp: int, stages: int) -> list[StageWork]:
+    """Per stage, its nodes' work (`stage_of(i)`: the stage of nodes[i])."""
+    kinds = split_kinds(graph, tp_kinds, tp, costs)
+    out = [StageWork() for _ in range(stages)]
+    for i, node in enumerate(nodes):
+        c = costs.get(node)
+        if c is not None:
+            out[stage_of(i)].add(c, kinds.get(node))
+    return out
+
+
+def op_times(plan: Plan, work: StageWork, dev: DeviceProfile) -> OpTimes:
+    """(F, B, W) seconds of one stage per microbatch on one rank (recompute in B)."""
+    tp, fb = plan.mesh.tp, _float_bytes(plan)
+    peak = dev.flops[dtype_of(plan)]
+    f = b = w = 0.0
+    for (g, kind, rec), n in work.gemms.items():
+        t = gemm_time(shard(g, kind, tp if kind else 1), dev, peak, fb) * n
+        f += t
+        b += t * (2 if rec else 1)
+        if kind in ("column", "row", "vocab") or g.batch == 1:
+            w += t  # a product with a weight: its second product is the weight gradient
+        else:
+            b += t  # two activations (attention): both products are input gradients
+    sp = plan.tensor.sequence_parallel
+    for (split, rec), (elements, other, _) in work.memory.items():
+        t = memory_time(elements, other, dev, fb, tp if split or sp else 1)
+        f += t
+        b += t * (3 if rec else 2)  # backward reads and writes twice; recompute once more
+    host_b = work.ops * dev.op_backward_s / 2  # host time per op (a CPU): B and W halve it
+    return OpTimes(f + work.ops * dev.op_s, b + host_b + work.recompute_ops * dev.op_s,
+                   w + host_b)

@@ -1,0 +1,201 @@
+"""Predicted step time: per-action costs, one simulated timeline, and what each pipeline rank
+spends its step on (compute / exposed communication / bubble / optimizer).
+
+* Action costs (`action_costs`): each stage's F, B, W from its ops on the device
+  (optime.py), plus the tensor-parallel collectives the rewrite places in them
+  (collectives.py), each call latency x ring steps + the bytes its ring sends / the tp
+  group's link, exposed (the runtime does not overlap them): half in F, half in B, and
+  the forward's half again in B where the stage recomputes; expert all-to-alls and
+  context-parallel exchanges likewise by bytes / link. p2p: latency + the largest message
+  / the link between neighbouring pipeline ranks, on its own stream (the simulator's
+  arrival delay: the sender does not wait).
+* Gradient reduction (`exposed_reduction`): the runtime (backends/runtime/grads.py)
+  launches each stage's bucketed DP all-reduce when that stage's last W/BW of the step
+  ends, one after another on the communication stream, and waits before the optimizer:
+  only what outlasts the rank's last action is exposed.
+* Optimizer: one memory-bound pass over the rank's shard (read parameters, gradients and
+  states, write parameters and states) at the device's sustained memory bandwidth.
+
+`Timing.time_on(device)` re-times a compiled plan on any device model without tracing
+(per-stage arithmetic and one simulation): the function a plan search calls per candidate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ...dsl.ast import Plan
+from ..compiled import StageSpec
+from .collectives import _tp_microbatch, ep_bytes, ring_bytes
+from .device import DeviceModel, mesh_links
+from .optime import OpTimes, StageWork, op_times
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """Seconds of one pipeline rank's step: compute + comm + bubble + optimizer = step."""
+
+    rank: int
+    compute: float  # its ops: F, B, W and recompute
+    comm: float  # exposed: collectives inside its actions + the DP reduction's tail
+    bubble: float  # waiting: for other ranks' actions, p2p arrivals, the slowest rank
+    optimizer: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    ranks: tuple[RankTime, ...]  # per pipeline rank (its dp x tp ranks alike)
+    flops_per_gpu: float  # model FLOPs per step per GPU (recompute counted: hardware FLOPs)
+    model_flops_per_gpu: float  # without recompute: what MFU counts
+    peak: float  # the device's peak FLOP/s in the compute precision
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Achieved FLOP/s per GPU as Megatron-LM reports it (recompute included), in T."""
+        return self.flops_per_gpu / self.step_s / 1e12 if self.step_s else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs (no recompute) per second over peak."""
+        return self.model_flops_per_gpu / self.step_s / self.peak if self.step_s else 0.0
+
+
+def collective_s(op: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """One ring collective a rank hands `nbytes`: a latency per ring step + bytes sent."""
+    if n <= 1:
+        return 0.0
+    return latency * (n - 1) + ring_bytes(op, nbytes, n) / bandwidth
+
+
+def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_traffic,
+                 moe_traffic, device: DeviceModel):
+    """Seconds per (F, B, W) of each stage and the p2p delay: a schedules.Costs."""
+    from ...schedules.costs import Costs
+    links = mesh_links(plan, device)
+    tp = plan.mesh.tp
+    float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
+    table = []
+    for st, t in zip(stages, ops):
+        calls = _tp_microbatch(plan, tp_traffic, {st.index}, float_scale) if tp > 1 else []
+        tp_s = sum(collective_s(op, n, tp, links.tp, device.latency_s) for op, n in calls)
+        other = (ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
+                 + st.cp_bytes * float_scale / links.tp)
+        again = tp_s / 2 if st.recompute_ops or st.recompute_flops else 0.0
+        comm = (tp_s + other) / 2
+        table.append((t.f + comm, t.b + comm + again, t.w))
+    msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
+           for st in stages[:-1]]
+    latency = device.latency_s + max(msg, default=0.0) / links.p2p
+    return Costs(per_stage=tuple(table), latency=latency)
+
+
+def exposed_reduction(jobs: list[tuple[float, float]], compute_end: float) -> float:
+    """The overlap rule: reductions (ready time, duration) run one at a time, in order of
+    readiness, on the communication stream; what ends after `compute_end` is exposed."""
+    t = 0.0
+    for ready, duration in sorted(jobs):
+        t = max(t, ready) + duration
+    return max(0.0, t - compute_end)
+
+
+def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
+              optimizer_s: list[float]) -> tuple[float, tuple[RankTime, ...]]:
+    """(step seconds, per pipeline rank) of one simulated step. `dp_s[s]`: seconds to reduce
+    stage s's gradients over dp; `optimizer_s[r]`: rank r's optimizer step."""
+    table = costs.stage_table(schedule.stage_to_rank)
+    rows = []
+    for r, actions in enumerate(schedule.order):
+        compute = sum(_op_time(ops, a) for a in actions)
+        busy = sum(table.time(a.op, a.stage) for a in actions)
+        end = sim.end[r][-1] if actions else 0.0
+        last = {a.stage: e for a, e in zip(actions, sim.end[r]) if a.op in ("W", "BW")}
+        exposed = exposed_reduction([(e, dp_s[s]) for s, e in last.items()], end)
+        rows.append((r, compute, busy - compute + exposed, end + exposed, optimizer_s[r]))
+    step = max((end + opt for _, _, _, end, opt in rows), default=0.0)
+    return step, tuple(RankTime(r, c, comm, step - c - comm - opt, opt)
+                       for r, c, comm, _, opt in rows)
+
+
+def _op_time(ops: list[OpTimes], a) -> float:
+    t = ops[a.stage]
+    return {"F": t.f, "B": t.b, "W": t.w, "BW": t.b + t.w}[a.op]
+
+
+@dataclass
+class Timing:
+    """What timing a compiled plan needs, kept so it can be timed again on any device model
+    without tracing: each stage's grouped ops (optime.StageWork), the traffic of its
+    collectives, the schedule, the ring bytes each stage reduces over dp, each pipeline
+    rank's optimizer bytes, and the FLOPs per GPU."""
+
+    plan: Plan
+    stages: list
+    schedule: object
+    work: list  # StageWork per stage
+    tp_traffic: list
+    moe_traffic: list
+    dp_bytes: list  # per stage: ring bytes one of its ranks sends to reduce its gradients
+    optimizer_bytes: list  # per pipeline rank: bytes its optimizer step reads and writes
+    flops_per_gpu: float
+    model_flops_per_gpu: float
+
+    def costs(self, device: DeviceModel):
+        """(per-stage op times, the schedule's action costs in seconds) on `device`."""
+        ops = [op_times(self.plan, w, device.hardware) for w in self.work]
+        return ops, action_costs(self.plan, self.stages, ops, self.tp_traffic,
+                                 self.moe_traffic, device)
+
+    def time_on(self, device: DeviceModel, sim=None, costs=None) -> Prediction:
+        """The predicted step on `device`: costs, one simulation of the schedule (or `sim`,
+        already run with `costs`), the breakdown per rank."""
+        from ...schedules.simulate import simulate
+        ops, own = self.costs(device)
+        if sim is None:
+            costs = own
+            sim = simulate(self.schedule, costs)
+        hw = device.hardware
+        dp_link = mesh_links(self.plan, device).dp
+        dp_s = [b / dp_link for b in self.dp_bytes]
+        bw = hw.memory_bandwidth * hw.efficiency.memory
+        opt_s = [b / bw if bw > 0 else 0.0 for b in self.optimizer_bytes]
+        step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s)
+        return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
+                          device.flops_per_s)
+
+
+def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
+    """The predicted step of a compiled plan (`compile_plan(plan)`) on `device` (default: the
+    plan's own), re-timed from its stored Timing: no tracing, per-stage arithmetic and one
+    simulation of its schedule. What a plan search calls per candidate device."""
+    from .device import device_model
+    return compiled.estimates.timing.time_on(device or device_model(compiled.plan))
+
+
+def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWork],
+              tp_traffic, moe_traffic, tp_kinds: dict[str, str], expert_params: set[str],
+              estimates) -> Timing:
+    """A compiled plan's Timing: per stage the ring bytes of its DP reduction (the runtime's
+    ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes."""
+    from .estimates import _state_bytes, rank_shards, state_bytes
+    per, dp_bytes, opt_bytes = state_bytes(plan), [], [0.0] * plan.mesh.pp
+    shard = {0: 1, 1: plan.mesh.dp, 2: plan.mesh.dp, 3: plan.mesh.dp}.get(plan.zero, 1)
+    for st in stages:
+        layout = rank_shards(plan, [st], tp_kinds, expert_params)
+        dp_bytes.append(_state_bytes(plan, layout, {}).comm_bytes.get("dp", 0))
+        n = sum(layout.numel.values())
+        opt_bytes[st.rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
+    world = plan.mesh.world_size
+    flops = sum(r.flops for r in estimates.ranks) / world
+    model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
+        * plan.mesh.cp / world
+    return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
+                  flops, model)
+
+
+def _nbytes(spec) -> int:
+    import torch
+    n = 1
+    for d in spec.shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()

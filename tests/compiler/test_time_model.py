@@ -1,0 +1,148 @@
+"""The time model's parts against hand arithmetic: the work the meta run records per op, the
+roofline, the TP split read off the graph, the overlap rule on a hand-built timeline, and
+re-timing a compiled plan on another device (estimate/optime.py, estimate/predict.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeplan.compiler import compile_plan
+from pipeplan.compiler.capture.work import Gemm, WorkLog
+from pipeplan.compiler.estimate.device import device_model, model_of
+from pipeplan.compiler.estimate.devices import Efficiency, profile
+from pipeplan.compiler.estimate.optime import gemm_time, memory_time, shard
+from pipeplan.compiler.estimate.predict import breakdown, exposed_reduction
+from pipeplan.dsl.ast import DeviceSpec, InputSpec, MeshSpec, TensorSpec, TrainSpec
+from pipeplan.schedules import generate
+from pipeplan.schedules.costs import Costs
+from pipeplan.schedules.simulate import simulate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Log(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.log = WorkLog()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.log.record(func, args, kwargs, out, lambda t: False)
+        return out
+
+
+def test_work_of_a_linear_a_view_and_a_layer_norm():
+    """A [4, 6] x [6, 5] Linear is one GEMM of that shape; a view moves nothing; a layer norm
+    reads its input and writes its output (and two statistics per row)."""
+    x = torch.randn(4, 6, device="meta")
+    w, b = torch.randn(5, 6, device="meta"), torch.randn(5, device="meta")
+    with _Log() as m:
+        torch.nn.functional.linear(x, w, b)
+    work = m.log.take()
+    assert work.gemms == (Gemm(1, 4, 5, 6),) and work.float_elements == 0
+    with _Log() as m:
+        x.view(2, 12).transpose(0, 1)
+    assert m.log.take().float_elements == 0
+    with _Log() as m:
+        torch.nn.functional.layer_norm(x, (6,))
+    work = m.log.take()
+    assert work.kernels == 1 and work.float_elements == 4 * 6 * 2 + 2 * 4
+
+
+def test_roofline_by_hand():
+    a100 = profile("a100")
+    e = a100.efficiency
+    peak, bw = 312e12, 2039e9 * e.memory
+    big = Gemm(1, 8192, 8192, 8192)  # compute-bound: FLOPs at the sustained GEMM rate
+    assert gemm_time(big, a100, peak, 2) == pytest.approx(2 * 8192 ** 3 / (peak * e.gemm_peak))
+    thin = Gemm(64, 2048, 2048, 8)  # attention-like scores with a tiny head: memory-bound
+    moved = 64 * (2048 * 8 * 2 + 2048 * 2048) * 2
+    assert gemm_time(thin, a100, peak, 2) == pytest.approx(moved / bw)
+    assert memory_time(1e9, 5e8, a100, 2, div=2) == pytest.approx((2e9 + 5e8) / 2 / bw)
+    assert shard(Gemm(1, 8, 16, 32), "column", 4) == Gemm(1, 8, 4, 32)
+    assert shard(Gemm(1, 8, 16, 32), "row", 4) == Gemm(1, 8, 16, 8)
+    assert shard(Gemm(8, 8, 16, 32), "inner", 4) == Gemm(2, 8, 16, 32)
+
+
+def test_overlap_rule_on_a_hand_built_timeline():
+    """Reductions run one at a time in order of readiness; only what outlasts the compute is
+    exposed: ready 1.0 for 0.5 s -> ends 1.5; ready 2.0 for 1.0 s -> ends 3.0; compute ends 2.5."""
+    assert exposed_reduction([(2.0, 1.0), (1.0, 0.5)], 2.5) == pytest.approx(0.5)
+    assert exposed_reduction([(0.0, 1.0), (0.5, 1.0)], 5.0) == 0.0  # hidden behind compute
+    assert exposed_reduction([(1.0, 2.0), (1.0, 2.0)], 1.0) == pytest.approx(4.0)  # queued
+    assert exposed_reduction([], 3.0) == 0.0
+
+
+def test_breakdown_parts_sum_to_the_step_on_an_interleaved_timeline():
+    """2 ranks x 2 stages each, 4 microbatches, F = B = W = 1, 1 s reductions per stage: on
+    each rank the earlier stage's (stage r) gradients are final before its last action, so only
+    the later one's reduction can be exposed; every rank's parts sum to the step."""
+    schedule = generate("interleaved", ranks=2, microbatches=4, virtual=2)
+    costs = Costs(per_stage=((1.0, 1.0, 1.0),) * 4)
+    sim = simulate(schedule, costs)
+
+    class Ops:
+        f = b = w = 1.0
+    ops = [Ops()] * 4
+    step, ranks = breakdown(schedule, sim, ops, costs, [1.0] * 4, [0.25, 0.25])
+    for r in ranks:
+        assert r.compute + r.comm + r.bubble + r.optimizer == pytest.approx(step)
+        actions = schedule.order[r.rank]
+        assert r.compute == pytest.approx(sum(2.0 if a.op == "BW" else 1.0 for a in actions))
+    ends = [dict((a.stage, e) for a, e in zip(schedule.order[r], sim.end[r]) if a.op in ("W", "BW"))
+            for r in range(2)]
+    for r in range(2):
+        last = sim.end[r][-1]
+        queue = sorted(ends[r].values())
+        t = 0.0
+        for ready in queue:
+            t = max(t, ready) + 1.0
+        assert ranks[r].comm == pytest.approx(max(0.0, t - last))
+    assert step == pytest.approx(max(sim.end[r][-1] + ranks[r].comm + 0.25 for r in range(2)))
+
+
+def _gpt(make_plan, tp: int, device=DeviceSpec(name="a100")):
+    pre = "layers.*."
+    tensor = TensorSpec(column=(pre + "attn.q", pre + "attn.k", pre + "attn.v", pre + "mlp.up"),
+                        row=(pre + "attn.proj", pre + "mlp.down")) if tp > 1 else TensorSpec()
+    return make_plan("examples/models/gpt.py:GPT", {"vocab": 64, "dim": 32, "layers": 2,
+                                                    "heads": 4, "seq_len": 16},
+                     pp=1, inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),),
+                     microbatches=1, mesh=MeshSpec(pp=1, tp=tp), tensor=tensor,
+                     train=TrainSpec(global_batch=2), device=device)
+
+
+def test_tensor_parallel_splits_what_the_rewrite_splits(make_plan):
+    """tp = 2: the column layers' N and the row layers' K halve, the attention core between
+    them works on half the heads, the norms and the residual stay whole."""
+    compiled = compile_plan(_gpt(make_plan, 2))
+    work = compiled.estimates.timing.work[0]
+    kinds = {}
+    for (g, kind, _), n in work.gemms.items():
+        kinds.setdefault(kind, set()).add((g.m, g.n, g.k))
+    assert kinds["column"] == {(32, 32, 32), (32, 128, 32)}  # q, k, v; mlp.up (unsharded)
+    assert kinds["row"] == {(32, 32, 32), (32, 32, 128)}  # proj; mlp.down
+    assert {k for k in kinds} >= {"inner"}  # the attention core reads split values
+    whole = work.memory.get((False, False), [0, 0, 0])
+    assert whole[0] > 0  # layer norms, residual adds: whole on every TP rank
+
+
+def test_retime_on_another_device_without_tracing(make_plan):
+    """Timing.time_on: the same compiled plan on a device with twice the peak and free memory
+    and links takes half the compute; MFU is the model FLOPs over the step at peak."""
+    compiled = compile_plan(_gpt(make_plan, 1))
+    timing = compiled.estimates.timing
+    base = device_model(compiled.plan)
+    hw = dataclasses.replace(base.hardware, memory_bandwidth=1e30, intra_node=1e30,
+                             inter_node=1e30, latency=0.0,
+                             efficiency=Efficiency(0.5, 1.0, 1.0))
+    one = timing.time_on(model_of(compiled.plan, hw))
+    two = timing.time_on(model_of(compiled.plan, dataclasses.replace(
+        hw, flops={k: 2 * v for k, v in hw.flops.items()})))
+    assert two.step_s == pytest.approx(one.step_s / 2, rel=1e-9)
+    assert one.mfu == pytest.approx(timing.model_flops_per_gpu / one.step_s / hw.flops["fp32"])
+    flops = sum(3 * st.flops for st in compiled.stages) * compiled.plan.microbatches
+    assert one.step_s == pytest.approx(flops / (hw.flops["fp32"] * 0.5), rel=1e-9)
+    from pipeplan.compiler import predicted  # the plan's own device, re-timed
+    assert predicted(compiled).step_s == pytest.approx(compiled.estimates.step_time_s)
