@@ -49,10 +49,27 @@ class MetaRunError(Exception):
 
 
 @dataclass(frozen=True)
+class Saved:
+    """One storage a node's forward saves for backward: `key` names the storage (the node
+    that first produced it, `<node>#<k>`), `owner` what it holds (a cast copy: the
+    value or parameter it was cast from); `dims`: the saved tensor's rank (a 0-d scalar
+    is never split)."""
+
+    key: str
+    nbytes: int
+    owner: str  # the node that produced it; "param:<name>" for a parameter's cast
+    dims: int = 1
+    source: str = ""  # the key of the storage it is a cast copy of (autocast), if one
+
+
+@dataclass(frozen=True)
 class NodeCost:
     flops: float  # forward FLOPs
     saved_bytes: int  # activation bytes kept for backward
     ops: int = 0  # aten ops the forward dispatches (each costs host time: cpu_probe.py)
+    saves: tuple = ()  # Saved, each storage once per node (activations.py walks them)
+    outs: tuple = ()  # (key, bytes) of the storages of the node's tensor output(s)
+    tensor_out: bool = False  # the output is one tensor (not a tuple)
 
 
 @dataclass(frozen=True)
@@ -110,14 +127,24 @@ class Propagation:
 class MetaRun:
     """Executes graph nodes on meta tensors, incrementally; results stay queryable by node."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, autocast: Optional[torch.dtype] = None):
+        """`autocast`: run as under `torch.autocast("cpu", autocast)`, on fake CPU tensors
+        (meta tensors have no autocast): what is saved then is what a bf16 run saves."""
         self.gm = gm
+        self.autocast = autocast
+        self._device = _META if autocast is None else torch.device("cpu")
         self.values: dict[fx.Node, Any] = {}
         self.costs: dict[fx.Node, NodeCost] = {}
         self._meta: dict[int, torch.Tensor] = {}  # id(real tensor) -> meta stand-in
         self._param_ids: set[int] = set()
         self._saved: dict[int, torch.Tensor] = {}  # id(base) -> base, counted once
         self._saved_now = 0
+        self._keys: dict[int, str] = {}  # id(base) -> storage key (Saved.key)
+        self._owners: dict[str, tuple[str, str]] = {}  # key -> (owner, source) (Saved)
+        self._param_names: dict[int, str] = {}  # id(meta parameter) -> qualified name
+        self._alive: list = []  # bases with keys, kept alive so ids stay unique
+        self._node: Optional[fx.Node] = None  # the node running now
+        self._saves: dict[str, Saved] = {}  # ... and what it saved
         self._ops = OpCounter()
 
     # ------------------------------------------------------------------ queries
@@ -154,23 +181,31 @@ class MetaRun:
         counter = FlopCounterMode(display=False)
         # data-dependent shapes (nonzero in a leaf MoE's dispatch) are taken at their largest:
         # every element selected, so costs are upper bounds and shapes stay computable
-        with counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
+        with self._mode(), counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             for node in nodes:
                 if node.op == "output":
                     continue
                 before, self._saved_now = counter.get_total_flops(), 0
                 ops_before = self._ops.count
+                self._node, self._saves = node, {}
                 if node.op == "placeholder":
                     value = inputs[node.target if node.target in inputs else node.name]
+                    if self.autocast is not None:
+                        value = self._to_meta(value, parameter=False)
                 else:
                     try:
                         value = self._execute(node)
                     except Exception as e:
                         raise MetaRunError(node, e) from e
+                    if node.op == "call_function" and node.target in SDPA:
+                        value = _fused_layout(value)
                 saved = self._saved_now
+                outs = self._register(node, value)
+                saves = tuple(self._saves.values())
                 if node.op == "call_function" and node.target in SDPA:
                     saved = _fused_attention_saved_bytes(value, node.args, self.values)
+                    saves = self._fused_attention_saves(node, value, outs)
                 flops = float(counter.get_total_flops() - before)
                 if flops == 0 and _is_grouped_mm(node):
                     flops = _grouped_mm_flops(value, node.args, self.values)
@@ -178,22 +213,23 @@ class MetaRun:
                 if node.op == "call_function" and node.target in SDPA:
                     ops = 1  # one fused kernel on a device (its meta run is the math path)
                 self.values[node] = value
-                self.costs[node] = NodeCost(flops, saved, ops)
+                self.costs[node] = NodeCost(flops, saved, ops, saves, outs,
+                                            isinstance(value, torch.Tensor))
 
     def _execute(self, node: fx.Node) -> Any:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
         # graphs exported from a real model name its device; run them on meta instead
-        args, kwargs = torch.utils._pytree.tree_map_only(torch.device, lambda d: _META,
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.device, lambda d: self._device,
                                                          (args, kwargs))
         if node.op == "get_attr":
-            return self._to_meta(_fetch_attr(self.gm, node.target))
+            return self._to_meta(_fetch_attr(self.gm, node.target), name=node.target)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
             module = self.gm.get_submodule(node.target)
-            state = {k: self._to_meta(t) for k, t in
+            state = {k: self._to_meta(t, name=f"{node.target}.{k}") for k, t in
                      (*module.named_parameters(remove_duplicate=False),
                       *module.named_buffers(remove_duplicate=False))}
             try:
@@ -206,22 +242,37 @@ class MetaRun:
                 return value
         raise AssertionError(f"unexpected node op {node.op}")
 
-    def _to_meta(self, t: Any) -> Any:
+    def _mode(self):
+        """Fake CPU tensors under autocast, or nothing (meta tensors)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        stack = contextlib.ExitStack()
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(torch.autocast("cpu", dtype=self.autocast))
+        return stack
+
+    def _to_meta(self, t: Any, parameter: bool = True, name: str = "") -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         cached = self._meta.get(id(t))
         if cached is None:
-            if t.is_meta:
+            if t.is_meta and self.autocast is None:
                 cached = t
             else:
                 with self._ops.paused():  # a stand-in, not an op the model runs
-                    cached = torch.empty_like(t, device="meta")
+                    cached = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                 device=self._device)
+                    if not parameter and t.requires_grad:
+                        cached.requires_grad_(True)
                     if isinstance(t, torch.nn.Parameter):
                         cached = torch.nn.Parameter(cached, requires_grad=t.requires_grad)
             self._meta[id(t)] = cached
             self._meta[id(cached)] = cached
             if isinstance(t, torch.nn.Parameter):
                 self._param_ids.add(id(cached))
+        if name and id(cached) in self._param_ids:
+            self._param_names.setdefault(id(cached), name)
         return cached
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -229,7 +280,56 @@ class MetaRun:
         if id(base) not in self._param_ids and id(base) not in self._saved:
             self._saved[id(base)] = base  # keep alive so ids stay unique
             self._saved_now += _nbytes(base)
+        if id(base) not in self._param_ids and self._node is not None:
+            key = self._key(base, self._node)
+            self._saves.setdefault(key, Saved(key, _nbytes(base), *self._owners[key][:1],
+                                              t.dim(), self._owners[key][1]))
         return t
+
+    def _key(self, base: torch.Tensor, node: fx.Node) -> str:
+        """The storage's key, given on first sight to the node producing it."""
+        key = self._keys.get(id(base))
+        if key is None:
+            key = self._keys[id(base)] = f"{node.name}#{len(self._alive)}"
+            self._alive.append(base)
+            owner, source = node.name, ""
+            src = self._ops.copies.get(id(base))
+            if src is not None:  # a cast copy (autocast): it holds what it was cast from
+                src = src._base if src._base is not None else src
+                if id(src) in self._param_ids:
+                    owner = "param:" + self._param_names.get(id(src), "")
+                elif id(src) in self._keys:
+                    source = self._keys[id(src)]
+                    owner = self._owners[source][0]
+            self._owners[key] = (owner, source)
+        return key
+
+    def _register(self, node: fx.Node, value: Any) -> tuple:
+        """(key, bytes) of the storages `value` (a node's output) lives in."""
+        outs = {}
+        for t in torch.utils._pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                base = t._base if t._base is not None else t
+                if id(base) not in self._param_ids:
+                    outs.setdefault(self._key(base, node), _nbytes(base))
+        return tuple(outs.items())
+
+    def _fused_attention_saves(self, node: fx.Node, out: torch.Tensor, outs: tuple) -> tuple:
+        """What a fused kernel saves: q, k, v, the output and one float32 per row."""
+        saves = {}
+        for a in node.args[:3]:
+            if isinstance(a, fx.Node) and isinstance(self.values.get(a), torch.Tensor):
+                t = self.values[a]
+                base = t._base if t._base is not None else t
+                key = self._key(base, a)
+                saves[key] = Saved(key, _nbytes(base), self._owners[key][0], t.dim(),
+                                   self._owners[key][1])
+        for key, nbytes in outs:
+            saves[key] = Saved(key, nbytes, node.name, out.dim())
+        rows = out.numel() // out.shape[-1]
+        key = f"{node.name}#lse"
+        saves[key] = Saved(key, 4 * rows, node.name, out.dim() - 1)
+        return tuple(saves.values())
 
 
 class OpCounter(TorchDispatchMode):
@@ -239,6 +339,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count, self._paused = 0, False
+        self.copies: dict[int, torch.Tensor] = {}  # id(a cast's output) -> its input
 
     @contextlib.contextmanager
     def paused(self):
@@ -251,7 +352,10 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._paused:
             self.count += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
+            self.copies[id(out)] = args[0]  # (both stay alive: the run keeps saved bases)
+        return out
 
 
 def _nonzero_selects_all():
@@ -261,6 +365,15 @@ def _nonzero_selects_all():
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _fused_layout(out: Any) -> Any:
+    """A fused attention kernel's output: [batch, heads, seq, dim] viewed from a
+    [batch, seq, heads, dim] buffer (so the usual transpose back to [batch, seq, features]
+    is a view, not a copy; the meta math path returns it contiguous)."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 4:
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _fused_attention_saved_bytes(out: torch.Tensor, args: tuple, values: dict) -> int:

@@ -124,9 +124,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     profiled step's simulation and the median makespan) replaces that timing."""
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    act_div = mesh.tp if plan.tensor.sequence_parallel else 1
-    peaks = activation_peaks(schedule, [st.activation_bytes * float_scale / act_div
-                                        for st in stages])
+    peaks = activation_peaks(schedule, [st.activation_bytes for st in stages])
     per_pp = []
     for r in range(mesh.pp):
         mine = [st for st in stages if st.rank == r]

@@ -179,7 +179,7 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
     if not kinds:
         return
     linear = linear_calls(graph, model)
-    used = set(linear.values()) | set(_embedding_calls(graph, model).values())
+    used = set(linear.values()) | set(embedding_calls(graph, model).values())
     for name, kind in kinds.items():
         if name not in used:
             raise PlanError.at(plan, _key_of(plan, kind, name),
@@ -259,7 +259,7 @@ def linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
     return out
 
 
-def _embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+def embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
     modules = dict(model.named_modules())
     out = {}
     for n in graph.nodes:
