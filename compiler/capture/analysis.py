@@ -315,15 +315,23 @@ class MetaRun:
         return tuple(outs.items())
 
     def _fused_attention_saves(self, node: fx.Node, out: torch.Tensor, outs: tuple) -> tuple:
-        """What a fused kernel saves: q, k, v, the output and one float32 per row."""
+        """What a fused kernel saves: q, k, v and a mask (a copy in the output's dtype where
+        they are of another: autocast's cast, a boolean mask made float), the output and
+        one float32 per row (torch's CPU flash kernel; CUDA's keep the same)."""
         saves = {}
-        for a in node.args[:3]:
-            if isinstance(a, fx.Node) and isinstance(self.values.get(a), torch.Tensor):
-                t = self.values[a]
-                base = t._base if t._base is not None else t
-                key = self._key(base, a)
-                saves[key] = Saved(key, _nbytes(base), self._owners[key][0], t.dim(),
-                                   self._owners[key][1])
+        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        for i, a in enumerate((*node.args[:3], mask)):
+            if not (isinstance(a, fx.Node) and isinstance(self.values.get(a), torch.Tensor)):
+                continue
+            t = self.values[a]
+            base = t._base if t._base is not None else t
+            key = self._key(base, a)
+            owner, source = self._owners[key]
+            if t.dtype == out.dtype:
+                saves[key] = Saved(key, _nbytes(base), owner, t.dim(), source)
+            else:  # a copy of its own, holding what it was made from
+                copy = f"{node.name}#cast{i}"
+                saves[copy] = Saved(copy, t.numel() * out.element_size(), owner, t.dim(), key)
         for key, nbytes in outs:
             saves[key] = Saved(key, nbytes, node.name, out.dim())
         rows = out.numel() // out.shape[-1]
