@@ -188,16 +188,17 @@ class _Step:
 
 
 def _steps(region: Region, stage: _Stage) -> list:
-    """The region's nodes, with the rewrite's collectives: a column layer's input is
-    redistributed to replicated (all-gathered under sequence parallel; one per value, as
-    Megatron's fused QKV), a row layer's (and a split embedding's) output summed."""
+    """The region's nodes, with the rewrite's collectives: under sequence parallel a column
+    layer's input all-gathered (one per value, as Megatron's fused QKV; a no-op on a
+    stage input, which arrives whole), a row layer's (and a split embedding's) output
+    summed."""
     steps, step_of, entered = [], {}, {}
     split = stage.split
     for n in region.nodes:
         c = stage.cost.get(n)
         inputs = [step_of.get(a, a) for a in n.all_input_nodes]
         role = stage.roles.get(n)
-        if role == "column":
+        if role == "column" and split.sequence_parallel:  # (else a no-op, rerun freely)
             x = n.args[0]
             if x not in entered:
                 value = stage.value(x) if n not in stage.gathered else \

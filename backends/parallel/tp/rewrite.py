@@ -98,11 +98,8 @@ class _Builder:
 
     def served(self, new: fx.Node, node: fx.Node) -> fx.Node:
         """`new` belongs to the module `node` was traced in (a recompute region stays one
-        run of nodes); a collective is marked so that recompute never reruns it."""
+        run of nodes)."""
         new.meta[TRACED_IN] = module_path(node)
-        if new.op == "call_module" and isinstance(self.gm.get_submodule(new.target),
-                                                  Redistribute):
-            new.meta[COLLECTIVE] = True
         return new
 
     def to_dtensor(self, spec):
@@ -296,15 +293,16 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
             x = node.args[0]
             if x not in entered:
                 entered[x] = b.before(node, x, "replicate_in", b.redistribute("replicate"))
+                entered[x].meta[COLLECTIVE] = sp  # all-gathers the sequence (else a no-op)
             node.replace_input_with(x, entered[x])
             loss = loss_of_logits(node)
             if loss is not None:
                 _vocab_loss(b, loss)
                 rewrites[w.rpartition(".")[0]] = kind + "+loss"
             elif kind == "vocab":
-                b.after(node, "gather", b.redistribute("replicate"))
+                b.after(node, "gather", b.redistribute("replicate")).meta[COLLECTIVE] = True
         elif node.target in EMBEDDINGS and _attr(embedding_weight(node)) in dims:
-            b.after(node, "out_" + out_spec, b.redistribute(out_spec))
+            b.after(node, "out_" + out_spec, b.redistribute(out_spec)).meta[COLLECTIVE] = True
         elif node.target in SDPA:
             name = b.module(f"heads_{SDPA.index(node.target)}", lambda: HeadLocal(node.target))
             node.meta[TRACED_IN], node.meta[ATTENTION] = module_path(node), True
@@ -376,6 +374,7 @@ def _row(b: _Builder, node: fx.Node, out_spec: str) -> None:
     bias = node.kwargs.get("bias", args[2])
     node.args, node.kwargs = (args[0], args[1]), {}
     end = b.after(node, "out_" + out_spec, b.redistribute(out_spec))
+    end.meta[COLLECTIVE] = True
     if bias is not None:
         with g.inserting_after(end):
             add = b.served(g.call_function(operator.add, (end, bias)), node)
