@@ -180,3 +180,54 @@ def test_llama_tp2_estimate_equals_what_the_runtime_keeps(run_workers):
     assert kinds == {"column", "row"} and len(own.tp_rewrites) == 4 * 7  # q k v o gate up down
     cases.append(("llama tp2 sp bf16, the model's own plan", plan, own))
     run_workers(_worker, 2, cases, timeout=380)
+
+
+# ------------------------------------------------- Korthikanti et al. 2022, §4
+def _per_layer(tp: int, sp: bool = False, mode=None) -> int:
+    """Estimated bytes one more MegatronLayer adds (2 layers minus 1), 16-bit (bf16 weights
+    and activations, no autocast), s = 16, b = 2, h = 32, a = 4."""
+    from pipeplan.dsl.ast import DataSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, TrainSpec
+    split = TensorSpec(column=("layers.*.q", "layers.*.k", "layers.*.v", "layers.*.up"),
+                       row=("layers.*.proj", "layers.*.down"), sequence_parallel=sp)
+    got = []
+    for layers in (1, 2):
+        plan = Plan(model=ModelSpec("pipeplan.tests.parallel.tp_models:MegatronGPT",
+                                    args={"layers": layers, "dim": 32, "heads": 4},
+                                    capture="fx"),
+                    data=DataSpec(seq_len=16, vocab=64, seed=0), mesh=MeshSpec(tp=tp),
+                    pipeline=PipelineSpec(schedule="1f1b", microbatches=1),
+                    tensor=split if tp > 1 else TensorSpec(), train=TrainSpec(global_batch=2),
+                    recompute=(RecomputeRule("layers.*", mode),) if mode else ())
+        model = load_model(plan, "cpu").to(torch.bfloat16)
+        got.append(compile_plan(plan, model).stages[0].activation_bytes)
+    return got[1] - got[0]
+
+
+def test_a_megatron_layer_reproduces_korthikanti_2022():
+    """Activations per layer (bytes, 16-bit; s sequence, b micro-batch, h hidden, a heads,
+    t tp), Korthikanti et al. 2022 (arXiv 2205.05198) eq. 1-4: none sbh(34 + 5as/h), TP
+    sbh(10 + 24/t + 5as/(ht)), TP+SP sbh(34/t + 5as/(ht)), full recompute 2sbh. The
+    estimate equals each plus what runs differently here, every term named:
+
+    * CPU dropout keeps a noise tensor of the input's dtype (2 bytes), not a 1-byte mask:
+      + as^2 b (attention) + 2sbh (after the projection and the MLP), split as they are;
+    * LayerNorm keeps float32 mean and rstd per token: + 2 * 8sb;
+    * under SP the runtime saves a column layer's all-gathered input, whole (Megatron
+      saves its shard and gathers again in backward): + 2 * 2sbh (1 - 1/t);
+    * recompute never reruns a collective: under TP the two row outputs stay (+ 2 * 2sbh,
+      sequence shards under SP), under SP also the two all-gathered column inputs.
+    """
+    s, b, h, a, t = 16, 2, 32, 4, 2
+    sbh, attention = s * b * h, a * s * s * b
+
+    def extras(t: int, sp: bool) -> float:
+        seq = t if sp else 1
+        return attention / t + 2 * sbh / seq + 2 * 8 * s * b / seq \
+            + (2 * 2 * sbh * (1 - 1 / t) if sp else 0)
+
+    assert _per_layer(1) == sbh * (34 + 5 * a * s / h) + extras(1, False)
+    assert _per_layer(t) == sbh * (10 + 24 / t + 5 * a * s / (h * t)) + extras(t, False)
+    assert _per_layer(t, sp=True) == sbh * (34 / t + 5 * a * s / (h * t)) + extras(t, True)
+    assert _per_layer(1, mode="full") == 2 * sbh
+    assert _per_layer(t, mode="full") == 2 * sbh + 2 * 2 * sbh
+    assert _per_layer(t, sp=True, mode="full") == 2 * sbh / t + 2 * 2 * sbh / t + 2 * 2 * sbh
