@@ -178,7 +178,8 @@ class MetaRun:
                                      self.costs[n])) for n in nodes)
 
     def _execute_all(self, nodes: list[fx.Node], inputs: dict[str, torch.Tensor]) -> None:
-        counter = FlopCounterMode(display=False)
+        # a run for saved records alone (under autocast) takes FLOPs from the meta run
+        counter = FlopCounterMode(display=False) if self.autocast is None else _NoFlops()
         # data-dependent shapes (nonzero in a leaf MoE's dispatch) are taken at their largest:
         # every element selected, so costs are upper bounds and shapes stay computable
         with self._mode(), counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
@@ -338,6 +339,11 @@ class MetaRun:
         key = f"{node.name}#lse"
         saves[key] = Saved(key, 4 * rows, node.name, out.dim() - 1)
         return tuple(saves.values())
+
+
+class _NoFlops(contextlib.nullcontext):
+    def get_total_flops(self) -> int:
+        return 0
 
 
 class OpCounter(TorchDispatchMode):

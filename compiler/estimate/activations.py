@@ -24,6 +24,7 @@ regions from compiler/recompute.py); tests compare the two byte for byte.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -90,7 +91,9 @@ def saved_records(precision: str, gm: fx.GraphModule, run: MetaRun) -> dict[str,
     again = MetaRun(gm, autocast=torch.bfloat16)
     inputs = {n.target: run.value(n) for n in gm.graph.nodes if n.op == "placeholder"}
     again.run([n for n in gm.graph.nodes if n.op != "output"], inputs)
-    return {n.name: c for n, c in again.costs.items()}
+    return {n.name: dataclasses.replace(c, saves=again.costs[n].saves, outs=again.costs[n].outs,
+                                        tensor_out=again.costs[n].tensor_out)
+            for n, c in run.costs.items() if n in again.costs}
 
 
 # ------------------------------------------------------------------- walker

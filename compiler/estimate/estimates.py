@@ -15,11 +15,11 @@ Accounting (stated in the report, so a reader can check it):
   Bytes per element: 4 / 4 / AdamW 8 (SGD 4 with momentum), with bf16 too:
   the runtime's bf16 is autocast over fp32 master weights, so parameters,
   gradients (and their reductions) and optimizer states stay fp32.
-* Activations: the bytes each stage saves for backward per microbatch, held
-  from its F until its W (or BW) — the schedule engine's memory rule — so a
-  rank's peak is found by walking its action list. bf16 halves float bytes;
-  with sequence parallelism they are divided by tp (without it, the estimate
-  keeps the replicated size: an upper bound).
+* Activations: the bytes each stage keeps for backward per microbatch on one
+  rank (StageSpec.activation_bytes: estimate/activations.py, exact against the
+  runtime under TP, sequence parallel, recompute and bf16), held from its F
+  until its W (or BW) — the schedule engine's memory rule — so a rank's peak
+  is found by walking its action list.
 * Collectives per step (`RankEstimate.collectives`): the bytes each rank
   hands to each collective, {(group, op): n}, as backends' CommMeter counts
   them at the call sites. dp/edp: ZeRO's gradient reduction (all-reduce, or

@@ -114,18 +114,23 @@ def _gpt(overrides, rule=None):
 FULL, SELECTIVE = RecomputeRule("layers.*", "full"), RecomputeRule("layers.*", "selective")
 
 
+def _gpt_cases(spec) -> list:
+    return [(name, *_gpt(extra, rule)) for name, extra, rule in spec]
+
+
 def test_gpt_tp2_estimate_equals_what_the_runtime_keeps(run_workers):
-    cases = []
-    for name, extra, rule in [("tp", [], None), ("tp full", [], FULL),
-                              ("tp sp selective", SP, SELECTIVE), ("tp sp full", SP, FULL),
-                              ("tp sp bf16", SP + BF16, None),
-                              ("tp bf16 selective", BF16, SELECTIVE)]:
-        plan, compiled = _gpt(extra, rule)
-        cases.append((name, plan, compiled))
+    cases = _gpt_cases([("tp", [], None), ("tp full", [], FULL),
+                        ("tp bf16 selective", BF16, SELECTIVE)])
     # tp divides what it splits: less than a whole copy, more than a half
     whole = _gpt(["mesh.tp=1", "tensor.column=[]", "tensor.row=[]", "tensor.vocab=[]"])[1]
     for w, t in zip(whole.stages, cases[0][2].stages):
         assert w.activation_bytes / 2 < t.activation_bytes < w.activation_bytes
+    run_workers(_worker, 2, cases, timeout=200)
+
+
+def test_gpt_tp2_sequence_parallel_estimate_equals_what_the_runtime_keeps(run_workers):
+    cases = _gpt_cases([("tp sp selective", SP, SELECTIVE), ("tp sp full", SP, FULL),
+                        ("tp sp bf16", SP + BF16, None)])
     run_workers(_worker, 2, cases, timeout=200)
 
 

@@ -210,5 +210,12 @@ def _stride_like(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     if local.dim() == 4 and local.transpose(1, 2).is_contiguous():
         b, h, t, d = shape
         return (t * h * d, d, h * d, 1)
-    return DTensor._contiguous_stride(shape) if hasattr(DTensor, "_contiguous_stride") else \
-        tuple(torch.empty(shape, device="meta").stride())
+    return _contiguous_stride(shape)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
