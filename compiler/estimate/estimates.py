@@ -62,6 +62,7 @@ from ...dsl.ast import Plan
 from ...dsl.layout import group_sizes
 from .collectives import ep_bytes, implied_collectives, ring_bytes, tp_bytes
 from .device import DeviceModel, mesh_links
+from ...schedules.memory import held_peaks
 from ..compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from ..parallel.ep import experts_dispatched
 from .traffic import Traffic
@@ -124,7 +125,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     profiled step's simulation and the median makespan) replaces that timing."""
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    peaks = activation_peaks(schedule, [st.activation_bytes for st in stages])
+    peaks = held_peaks(schedule, [st.activation_bytes for st in stages])[0]
     per_pp = []
     for r in range(mesh.pp):
         mine = [st for st in stages if st.rank == r]
@@ -251,21 +252,6 @@ def _partial_grads(plan: Plan, layout: RankShards) -> tuple[int, int]:
     """(how many, bytes): the replicated gradients sequence parallel sums over tp."""
     keys = [k for s in layout.shards if s.kind != TENSOR_PARALLEL for k in s.keys]
     return len(keys), sum(layout.numel[k] for k in keys) * state_bytes(plan).grad
-
-
-def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
-    """Peak activation bytes per rank: F adds the stage's bytes, W or BW frees them."""
-    peaks = []
-    for actions in schedule.order:
-        held = peak = 0.0
-        for a in actions:
-            if a.op == "F":
-                held += stage_bytes[a.stage]
-            elif a.op in ("W", "BW"):
-                held -= stage_bytes[a.stage]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
 
 
 def step_costs(plan: Plan, stages: list[StageSpec], tp_traffic: list[Traffic],
