@@ -4,12 +4,18 @@ For every node this records the value it produces (a meta tensor, or a Python
 value such as a size), its forward FLOPs (torch's FlopCounterMode, which knows
 matmul, attention, convolution and einsum through their aten decompositions),
 how many aten ops its forward dispatches (each costs host time; an attention
-call counts as its one fused kernel), and the bytes autograd saves for backward (saved-tensor hooks; parameters are
-not counted, and a tensor saved by several ops counts once). Nothing is
-allocated: parameters of a real model are replaced by meta stand-ins.
+call counts as its one fused kernel), and what autograd saves for backward
+(saved-tensor hooks): one `Saved` record per storage, keyed by the node that
+produced it and naming the value or parameter it holds (a cast copy: what it
+was cast from); parameters are not counted. compiler/estimate/activations.py
+walks the records. Nothing is allocated: parameters of a real model are
+replaced by meta stand-ins. `MetaRun(gm, autocast=torch.bfloat16)` runs on fake
+CPU tensors under autocast instead (meta tensors have no autocast): the
+records a bf16 run saves.
 
-Attention is costed as a fused kernel would run it (FlashAttention saves q, k,
-v, the output and one float per row), not as the meta math path runs it.
+Attention is costed as a fused kernel would run it (torch's CPU flash kernel:
+q, k, v, a mask, the output laid out [batch, seq, heads, dim], one float32 per
+row), not as the meta math path runs it.
 Ops whose output shape depends on data (`nonzero` in a leaf MoE's dispatch)
 run as if everything were selected: shapes stay computable, costs are upper
 bounds (costs.py scales a leaf MoE back to top-k).
