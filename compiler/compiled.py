@@ -43,6 +43,7 @@ class ValueSpec:
 class ValueRef:
     name: str  # the value's name (an fx node name, or a batch field)
     source: Union[str, int]  # BATCH, or the producing stage's index
+    requires_grad: bool = True  # a received value a gradient flows back to (not RoPE tables)
 
 
 @dataclass

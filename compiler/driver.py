@@ -21,6 +21,7 @@ from ..dsl.ast import Plan
 from .capture.blocks import blocks_of
 from .parallel.checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
+from .estimate.activations import TensorSplit, saved_records, stage_saved_bytes
 from .estimate.costs import Cost, node_costs, param_bytes_per_node
 from .estimate.device import DeviceModel, device_model
 from .estimate.estimates import estimate, normalised
@@ -78,6 +79,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                           _non_persistent_buffers(model))
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
+    _attach_activations(plan, stages, traced.run, costs, tp_kinds)
     attach_context_costs(plan, stages, split, graph, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
@@ -116,16 +118,26 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
 
 def _attach_costs(stages: list[StageSpec], split: Split, costs: dict[fx.Node, Cost],
                   graph: fx.Graph) -> None:
-    """Forward FLOPs, ops and saved bytes per microbatch, summed over each stage's own nodes."""
+    """Forward FLOPs and ops per microbatch, summed over each stage's own nodes."""
     for i, node in enumerate(compute_nodes(graph)):
         c = costs.get(node)
         if c is not None:
             st = stages[split.stage_of(i)]
             st.flops += c.flops
-            st.activation_bytes += c.saved_bytes
             st.recompute_flops += c.recompute_flops
             st.ops += c.ops
             st.recompute_ops += c.recompute_ops
+
+
+def _attach_activations(plan: Plan, stages: list[StageSpec], run, costs: dict[fx.Node, Cost],
+                        tp_kinds: dict[str, str]) -> None:
+    """Bytes each stage's forward keeps for backward on one rank (estimate/activations.py)."""
+    records = saved_records(plan.train.precision, run.gm, run)
+    scale = {n.name: c.scale for n, c in costs.items() if c.scale != 1.0}
+    split = TensorSplit(plan.mesh.tp, plan.tensor.sequence_parallel, tp_kinds) \
+        if plan.mesh.tp > 1 else None
+    for st in stages:
+        st.activation_bytes = stage_saved_bytes(st.module, records, plan.recompute, split, scale)
 
 
 def _non_persistent_buffers(model: torch.nn.Module) -> frozenset[str]:

@@ -1,6 +1,7 @@
 """Recompute regions: which consecutive nodes of a stage graph a `recompute` rule covers,
-and the compile-time refusal of a region that writes into its inputs in place
-(backends/runtime/recompute.py runs the regions)."""
+which of their nodes drop what they save and rerun, and the compile-time refusal of a
+region that writes into its inputs in place (backends/runtime/recompute.py runs the
+regions; compiler/estimate/activations.py counts what they keep, by the same rules)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,7 +11,8 @@ import torch.fx as fx
 
 from ..dsl.ast import RecomputeRule
 from ..errors import PipeplanError
-from .capture.blocks import module_path
+from .capture.analysis import SDPA
+from .capture.blocks import ATTENTION, COLLECTIVE, module_path
 from .patterns import outermost_match
 
 
@@ -31,19 +33,38 @@ class Region:
     nodes: list[fx.Node] = field(default_factory=list)
 
 
+def recompute_mode(rules: Sequence[RecomputeRule], path) -> tuple[str, object]:
+    """The last matching rule wins; returns (mode, the matched module)."""
+    mode, module = "none", None
+    for rule in rules:
+        hit = outermost_match(path, rule.pattern)
+        if hit is not None:
+            mode, module = rule.mode, hit
+    return mode, module
+
+
+def is_attention(node: fx.Node) -> bool:
+    """The model's attention op (or the TP rewrite's call of it on local heads)."""
+    return node.op == "call_function" and node.target in SDPA or bool(node.meta.get(ATTENTION))
+
+
+def dropped(region: Region, node: fx.Node, flops: float) -> bool:
+    """Whether a region's node drops what it saves and reruns in backward: under `full`
+    every node, under `selective` those without matmul work (`flops`, forward, counted by
+    torch's FlopCounterMode) and attention. A collective the TP rewrite inserted is never
+    rerun (its output is kept instead: recompute adds no communication)."""
+    if node.meta.get(COLLECTIVE):
+        return False
+    return region.mode == "full" or is_attention(node) or flops == 0
+
+
 def find_regions(graph: fx.Graph, rules: Sequence[RecomputeRule]) -> list[Region]:
-    """Maximal runs of nodes in one matched module (the last matching rule wins, as in
-    compiler/estimate/costs.py)."""
+    """Maximal runs of nodes in one matched module."""
     regions: list[Region] = []
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        mode, module = "none", None
-        path = module_path(node)
-        for rule in rules:
-            hit = outermost_match(path, rule.pattern)
-            if hit is not None:
-                mode, module = rule.mode, hit
+        mode, module = recompute_mode(rules, module_path(node))
         if mode == "none":
             continue
         prev = regions[-1] if regions else None

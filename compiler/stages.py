@@ -86,7 +86,7 @@ def _stage(gm: fx.GraphModule, k: int, layout: _Layout, sends: tuple, run: MetaR
     inputs = []
     for node in layout.received[k]:
         env[node] = g.placeholder(node.name)
-        inputs.append(ValueRef(node.name, k - 1))
+        inputs.append(ValueRef(node.name, k - 1, bool(run.spec(node).requires_grad)))
     mine = sorted(layout.computes[k], key=order.__getitem__)
     batch = sorted({a for n in mine for a in n.all_input_nodes if a.op == "placeholder"},
                    key=order.__getitem__)

@@ -28,19 +28,26 @@ def delta(op: str, share: float) -> float:
 
 def peak_per_rank(schedule: Schedule) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """Peak held activations per rank, and the position in the rank's list where it is first reached."""
-    share = stage_share(schedule)
+    peaks, where = held_peaks(schedule, stage_share(schedule))
+    return tuple(round(p, 9) for p in peaks), where
+
+
+def held_peaks(schedule: Schedule, amounts) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per rank, the peak of what F adds (`amounts[stage]`: a share of the rank's layers,
+    or bytes: compiler/estimate/estimates.py) and W or BW frees, and the first position
+    in the rank's list where it is reached."""
     peaks, where = [], []
     for actions in schedule.order:
         held, peak, at = 0.0, 0.0, -1
         for i, a in enumerate(actions):
             op = a.op
             if op == F:
-                held += share[a.stage]
+                held += amounts[a.stage]
                 if held > peak + 1e-9:
                     peak, at = held, i
             elif op != B:  # W or BW
-                held -= share[a.stage]
-        peaks.append(round(peak, 9))
+                held -= amounts[a.stage]
+        peaks.append(peak)
         where.append(at)
     return tuple(peaks), tuple(where)
 

@@ -13,6 +13,12 @@ a region a node is *dropped* or *kept*:
   at its first call) and the
   attention core (SDPA) are dropped; matmul nodes (Linear, bmm...) keep what
   they save, and their outputs stay as recompute inputs where needed.
+* The nodes tensor parallelism inserts belong to the module of the node they
+  serve (a region stays whole); its collectives are never dropped (their
+  outputs are kept: a recompute never communicates).
+
+The rules are compiler/recompute.py's; compiler/estimate/activations.py
+counts what they keep, and tests compare it with `SavedBytes` byte for byte.
 
 Autograd's saved-tensor hooks do the dropping: a tensor a dropped node saves
 is replaced by a placeholder, unless it is a parameter, a region input or a
@@ -26,8 +32,8 @@ Split backward (B then W): B's unpacks keep the cache, W's and BW's take
 entries out of it. So W after B never recomputes a second time and never
 finds a saved tensor gone; the cache dies with the microbatch's graph.
 
-`SavedBytes` measures what a forward keeps for backward (unique storages,
-parameters excluded: the compiler's rule), to compare with the estimate.
+`SavedBytes` measures what a forward keeps for backward (unique storages, a
+DTensor's local one; parameters excluded: the compiler's rule).
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ from torch.distributed.tensor import DTensor
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from ...compiler.capture.analysis import SDPA
-from ...compiler.recompute import Region, check_no_inplace_on_inputs, draws_random, find_regions
+from ...compiler.capture.blocks import COLLECTIVE
+from ...compiler.recompute import (Region, check_no_inplace_on_inputs, draws_random, dropped,
+                                   find_regions)
 from ...dsl.ast import RecomputeRule
 
 
@@ -58,7 +65,7 @@ class SavedBytes:
         if key in self._params or key in self._seen:
             return
         self._seen.add(key)
-        self.bytes += t.untyped_storage().nbytes()
+        self.bytes += _local(t).untyped_storage().nbytes()
 
     def hooks(self) -> ContextManager:
         """Count every tensor packed under this context (outside recompute regions)."""
@@ -68,10 +75,14 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel stage's values: the local tensor (its storage is what this rank
+    holds; a DTensor's own is the global size)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _storage(t: torch.Tensor) -> int:
-    if isinstance(t, DTensor):  # a tensor-parallel stage's values: the local tensor's storage
-        t = t._local_tensor
-    return t.untyped_storage().data_ptr()
+    return _local(t).untyped_storage().data_ptr()
 
 
 def _never(_):
@@ -159,10 +170,8 @@ class StageProgram:
         raise AssertionError(f"unexpected node op {node.op}")
 
     def dropped(self, region: Region, node: fx.Node) -> bool:
-        """Whether `node` drops what it saves (selective: no matmul work, or SDPA)."""
-        if region.mode == "full" or node.op == "call_function" and node.target in SDPA:
-            return True
-        return self._flops[node] == 0
+        """Whether `node` drops what it saves and reruns (compiler/recompute.py's rule)."""
+        return dropped(region, node, self._flops.get(node, 0.0))
 
     def measure(self, region: Region, env: dict) -> None:
         """Selective, first call: each node's FLOPs (torch's FlopCounterMode), from one dry
@@ -172,6 +181,10 @@ class StageProgram:
         scratch = dict(env)
         with torch.random.fork_rng(devices=[]), torch.no_grad(), self.autocast():
             for node in region.nodes:
+                if node.meta.get(COLLECTIVE):  # never rerun: a stand-in, no communication
+                    scratch[node] = self.module.get_submodule(node.target).stand_in(
+                        scratch[node.args[0]])
+                    continue
                 counter = FlopCounterMode(display=False)
                 with counter:
                     scratch[node] = self.run_node(node, scratch)

@@ -76,6 +76,8 @@ class StageRunner:
         self._split = SplitCache(self.params)
         # Positions of the inputs fed by the previous stage (their gradients go back).
         self.upstream_inputs = [i for i, ref in enumerate(spec.inputs) if ref.source != "batch"]
+        # ... of those, the ones a gradient flows back to (a received RoPE table: none)
+        self.grad_inputs = {i for i in self.upstream_inputs if spec.inputs[i].requires_grad}
         self._saved: dict[int, _Saved] = {}
         # Device-side values the executor's non-finite flags read (never synced per action):
         self.last_loss: Optional[torch.Tensor] = None  # the last F's unscaled loss (last stage)
@@ -88,9 +90,11 @@ class StageRunner:
         grad_inputs, names, prepared = [], [], []
         for i, x in enumerate(inputs):
             if i in self.upstream_inputs and x.is_floating_point():
-                x = x.detach().requires_grad_(True)
-                grad_inputs.append(x)
-                names.append(self.spec.inputs[i].name)
+                x = x.detach()
+                if i in self.grad_inputs:
+                    x.requires_grad_(True)
+                    grad_inputs.append(x)
+                    names.append(self.spec.inputs[i].name)
             prepared.append(x)
         meter = SavedBytes(self.params) if self.saved_bytes is not None else None
         if self.program is not None:

@@ -4,12 +4,18 @@ For every node this records the value it produces (a meta tensor, or a Python
 value such as a size), its forward FLOPs (torch's FlopCounterMode, which knows
 matmul, attention, convolution and einsum through their aten decompositions),
 how many aten ops its forward dispatches (each costs host time; an attention
-call counts as its one fused kernel), and the bytes autograd saves for backward (saved-tensor hooks; parameters are
-not counted, and a tensor saved by several ops counts once). Nothing is
-allocated: parameters of a real model are replaced by meta stand-ins.
+call counts as its one fused kernel), and what autograd saves for backward
+(saved-tensor hooks): one `Saved` record per storage, keyed by the node that
+produced it and naming the value or parameter it holds (a cast copy: what it
+was cast from); parameters are not counted. compiler/estimate/activations.py
+walks the records. Nothing is allocated: parameters of a real model are
+replaced by meta stand-ins. `MetaRun(gm, autocast=torch.bfloat16)` runs on fake
+CPU tensors under autocast instead (meta tensors have no autocast): the
+records a bf16 run saves.
 
-Attention is costed as a fused kernel would run it (FlashAttention saves q, k,
-v, the output and one float per row), not as the meta math path runs it.
+Attention is costed as a fused kernel would run it (torch's CPU flash kernel:
+q, k, v, a mask, the output laid out [batch, seq, heads, dim], one float32 per
+row), not as the meta math path runs it.
 Ops whose output shape depends on data (`nonzero` in a leaf MoE's dispatch)
 run as if everything were selected: shapes stay computable, costs are upper
 bounds (costs.py scales a leaf MoE back to top-k).
@@ -50,11 +56,28 @@ class MetaRunError(Exception):
 
 
 @dataclass(frozen=True)
+class Saved:
+    """One storage a node's forward saves for backward: `key` names the storage (the node
+    that first produced it, `<node>#<k>`), `owner` what it holds (a cast copy: the
+    value or parameter it was cast from); `dims`: the saved tensor's rank (a 0-d scalar
+    is never split)."""
+
+    key: str
+    nbytes: int
+    owner: str  # the node that produced it; "param:<name>" for a parameter's cast
+    dims: int = 1
+    source: str = ""  # the key of the storage it is a cast copy of (autocast), if one
+
+
+@dataclass(frozen=True)
 class NodeCost:
     flops: float  # forward FLOPs
     saved_bytes: int  # activation bytes kept for backward
     ops: int = 0  # aten ops the forward dispatches (each costs host time: cpu_probe.py)
     work: Work = Work()  # its matmuls by shape and the bytes its other ops move (work.py)
+    saves: tuple = ()  # Saved, each storage once per node (activations.py walks them)
+    outs: tuple = ()  # (key, bytes) of the storages of the node's tensor output(s)
+    tensor_out: bool = False  # the output is one tensor (not a tuple)
 
 
 @dataclass(frozen=True)
@@ -112,14 +135,24 @@ class Propagation:
 class MetaRun:
     """Executes graph nodes on meta tensors, incrementally; results stay queryable by node."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, autocast: Optional[torch.dtype] = None):
+        """`autocast`: run as under `torch.autocast("cpu", autocast)`, on fake CPU tensors
+        (meta tensors have no autocast): what is saved then is what a bf16 run saves."""
         self.gm = gm
+        self.autocast = autocast
+        self._device = _META if autocast is None else torch.device("cpu")
         self.values: dict[fx.Node, Any] = {}
         self.costs: dict[fx.Node, NodeCost] = {}
         self._meta: dict[int, torch.Tensor] = {}  # id(real tensor) -> meta stand-in
         self._param_ids: set[int] = set()
         self._saved: dict[int, torch.Tensor] = {}  # id(base) -> base, counted once
         self._saved_now = 0
+        self._keys: dict[int, str] = {}  # id(base) -> storage key (Saved.key)
+        self._owners: dict[str, tuple[str, str]] = {}  # key -> (owner, source) (Saved)
+        self._param_names: dict[int, str] = {}  # id(meta parameter) -> qualified name
+        self._alive: list = []  # bases with keys, kept alive so ids stay unique
+        self._node: Optional[fx.Node] = None  # the node running now
+        self._saves: dict[str, Saved] = {}  # ... and what it saved
         self._ops = OpCounter(lambda t: id(t._base if t._base is not None else t)
                               in self._param_ids)
 
@@ -154,26 +187,35 @@ class MetaRun:
                                      self.costs[n])) for n in nodes)
 
     def _execute_all(self, nodes: list[fx.Node], inputs: dict[str, torch.Tensor]) -> None:
-        counter = FlopCounterMode(display=False)
+        # a run for saved records alone (under autocast) takes FLOPs from the meta run
+        counter = FlopCounterMode(display=False) if self.autocast is None else _NoFlops()
         # data-dependent shapes (nonzero in a leaf MoE's dispatch) are taken at their largest:
         # every element selected, so costs are upper bounds and shapes stay computable
-        with counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
+        with self._mode(), counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             for node in nodes:
                 if node.op == "output":
                     continue
                 before, self._saved_now = counter.get_total_flops(), 0
                 ops_before = self._ops.count
+                self._node, self._saves = node, {}
                 if node.op == "placeholder":
                     value = inputs[node.target if node.target in inputs else node.name]
+                    if self.autocast is not None:
+                        value = self._to_meta(value, parameter=False)
                 else:
                     try:
                         value = self._execute(node)
                     except Exception as e:
                         raise MetaRunError(node, e) from e
+                    if node.op == "call_function" and node.target in SDPA:
+                        value = _fused_layout(value)
                 saved = self._saved_now
+                outs = self._register(node, value)
+                saves = tuple(self._saves.values())
                 if node.op == "call_function" and node.target in SDPA:
                     saved = _fused_attention_saved_bytes(value, node.args, self.values)
+                    saves = self._fused_attention_saves(node, value, outs)
                 flops = float(counter.get_total_flops() - before)
                 if flops == 0 and _is_grouped_mm(node):
                     flops = _grouped_mm_flops(value, node.args, self.values)
@@ -183,22 +225,23 @@ class MetaRun:
                     work = attention_work(value, self.values[node.args[0]],
                                           self.values[node.args[1]], flops)
                 self.values[node] = value
-                self.costs[node] = NodeCost(flops, saved, ops, work)
+                self.costs[node] = NodeCost(flops, saved, ops, work, saves, outs,
+                                            isinstance(value, torch.Tensor))
 
     def _execute(self, node: fx.Node) -> Any:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
         # graphs exported from a real model name its device; run them on meta instead
-        args, kwargs = torch.utils._pytree.tree_map_only(torch.device, lambda d: _META,
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.device, lambda d: self._device,
                                                          (args, kwargs))
         if node.op == "get_attr":
-            return self._to_meta(_fetch_attr(self.gm, node.target))
+            return self._to_meta(_fetch_attr(self.gm, node.target), name=node.target)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
             module = self.gm.get_submodule(node.target)
-            state = {k: self._to_meta(t) for k, t in
+            state = {k: self._to_meta(t, name=f"{node.target}.{k}") for k, t in
                      (*module.named_parameters(remove_duplicate=False),
                       *module.named_buffers(remove_duplicate=False))}
             try:
@@ -211,22 +254,37 @@ class MetaRun:
                 return value
         raise AssertionError(f"unexpected node op {node.op}")
 
-    def _to_meta(self, t: Any) -> Any:
+    def _mode(self):
+        """Fake CPU tensors under autocast, or nothing (meta tensors)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        stack = contextlib.ExitStack()
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(torch.autocast("cpu", dtype=self.autocast))
+        return stack
+
+    def _to_meta(self, t: Any, parameter: bool = True, name: str = "") -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         cached = self._meta.get(id(t))
         if cached is None:
-            if t.is_meta:
+            if t.is_meta and self.autocast is None:
                 cached = t
             else:
                 with self._ops.paused():  # a stand-in, not an op the model runs
-                    cached = torch.empty_like(t, device="meta")
+                    cached = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                 device=self._device)
+                    if not parameter and t.requires_grad:
+                        cached.requires_grad_(True)
                     if isinstance(t, torch.nn.Parameter):
                         cached = torch.nn.Parameter(cached, requires_grad=t.requires_grad)
             self._meta[id(t)] = cached
             self._meta[id(cached)] = cached
             if isinstance(t, torch.nn.Parameter):
                 self._param_ids.add(id(cached))
+        if name and id(cached) in self._param_ids:
+            self._param_names.setdefault(id(cached), name)
         return cached
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +292,69 @@ class MetaRun:
         if id(base) not in self._param_ids and id(base) not in self._saved:
             self._saved[id(base)] = base  # keep alive so ids stay unique
             self._saved_now += _nbytes(base)
+        if id(base) not in self._param_ids and self._node is not None:
+            key = self._key(base, self._node)
+            self._saves.setdefault(key, Saved(key, _nbytes(base), *self._owners[key][:1],
+                                              t.dim(), self._owners[key][1]))
         return t
+
+    def _key(self, base: torch.Tensor, node: fx.Node) -> str:
+        """The storage's key, given on first sight to the node producing it."""
+        key = self._keys.get(id(base))
+        if key is None:
+            key = self._keys[id(base)] = f"{node.name}#{len(self._alive)}"
+            self._alive.append(base)
+            owner, source = node.name, ""
+            src = self._ops.copies.get(id(base))
+            if src is not None:  # a cast copy (autocast): it holds what it was cast from
+                src = src._base if src._base is not None else src
+                if id(src) in self._param_ids:
+                    owner = "param:" + self._param_names.get(id(src), "")
+                elif id(src) in self._keys:
+                    source = self._keys[id(src)]
+                    owner = self._owners[source][0]
+            self._owners[key] = (owner, source)
+        return key
+
+    def _register(self, node: fx.Node, value: Any) -> tuple:
+        """(key, bytes) of the storages `value` (a node's output) lives in."""
+        outs = {}
+        for t in torch.utils._pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                base = t._base if t._base is not None else t
+                if id(base) not in self._param_ids:
+                    outs.setdefault(self._key(base, node), _nbytes(base))
+        return tuple(outs.items())
+
+    def _fused_attention_saves(self, node: fx.Node, out: torch.Tensor, outs: tuple) -> tuple:
+        """What a fused kernel saves: q, k, v and a mask (a copy in the output's dtype where
+        they are of another: autocast's cast, a boolean mask made float), the output and
+        one float32 per row (torch's CPU flash kernel; CUDA's keep the same)."""
+        saves = {}
+        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        for i, a in enumerate((*node.args[:3], mask)):
+            if not (isinstance(a, fx.Node) and isinstance(self.values.get(a), torch.Tensor)):
+                continue
+            t = self.values[a]
+            base = t._base if t._base is not None else t
+            key = self._key(base, a)
+            owner, source = self._owners[key]
+            if t.dtype == out.dtype:
+                saves[key] = Saved(key, _nbytes(base), owner, t.dim(), source)
+            else:  # a copy of its own, holding what it was made from
+                copy = f"{node.name}#cast{i}"
+                saves[copy] = Saved(copy, t.numel() * out.element_size(), owner, t.dim(), key)
+        for key, nbytes in outs:
+            saves[key] = Saved(key, nbytes, node.name, out.dim())
+        rows = out.numel() // out.shape[-1]
+        key = f"{node.name}#lse"
+        saves[key] = Saved(key, 4 * rows, node.name, out.dim() - 1)
+        return tuple(saves.values())
+
+
+class _NoFlops(contextlib.nullcontext):
+    def get_total_flops(self) -> int:
+        return 0
 
 
 class OpCounter(TorchDispatchMode):
@@ -245,6 +365,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.count, self._paused = 0, False
         self.log, self._is_param = WorkLog(), is_param  # each op's work (work.py)
+        self.copies: dict[int, torch.Tensor] = {}  # id(a cast's output) -> its input
 
     @contextlib.contextmanager
     def paused(self):
@@ -259,6 +380,8 @@ class OpCounter(TorchDispatchMode):
         if not self._paused:
             self.count += 1
             self.log.record(func, args, kwargs, out, self._is_param)
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
+            self.copies[id(out)] = args[0]  # (both stay alive: the run keeps saved bases)
         return out
 
 
@@ -269,6 +392,15 @@ def _nonzero_selects_all():
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _fused_layout(out: Any) -> Any:
+    """A fused attention kernel's output: [batch, heads, seq, dim] viewed from a
+    [batch, seq, heads, dim] buffer (so the usual transpose back to [batch, seq, features]
+    is a view, not a copy; the meta math path returns it contiguous)."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 4:
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _fused_attention_saved_bytes(out: torch.Tensor, args: tuple, values: dict) -> int:

@@ -62,8 +62,16 @@ def _outermost_containers(model: torch.nn.Module) -> list[str]:
     return found
 
 
+# node.meta keys a runtime rewrite sets on the nodes it inserts (backends' parallel/tp):
+TRACED_IN = "pipeplan_traced_in"  # the module path of the node it serves (module_path)
+COLLECTIVE = "pipeplan_collective"  # it communicates: a recompute never reruns it
+ATTENTION = "pipeplan_attention"  # it is the model's attention op, on local heads
+
+
 def module_path(node: fx.Node) -> Optional[str]:
     """The qualified name of the deepest module `node` was traced in (None: the root)."""
+    if TRACED_IN in node.meta:
+        return node.meta[TRACED_IN]
     if node.op == "call_module":
         return node.target
     if node.op == "get_attr":

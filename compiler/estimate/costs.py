@@ -12,9 +12,9 @@ training really costs:
   A MoE traced as a leaf with a data-dependent dispatch loop runs with
   everything selected, so each expert takes all T·top_k (token, slot) pairs
   (transformers' eager pattern); it counts 1 / num_experts of that.
-* recompute rules: `full` keeps only the module's inputs and reruns its forward
-  in backward; `selective` drops what non-matmul ops saved (norms, activations,
-  attention cores) and reruns those.
+* recompute rules (compiler/recompute.py): `full` reruns a module's forward in
+  backward, `selective` its nodes without matmul work and attention. What a
+  stage keeps is compiler/estimate/activations.py's to count.
 
 Backward costs two forwards (grad w.r.t. inputs, B, and w.r.t. weights, W, one
 each) — the usual matmul accounting.
@@ -28,9 +28,10 @@ import torch
 import torch.fx as fx
 
 from ...dsl.ast import Plan
-from ..capture.analysis import SDPA, MetaRun
+from ..capture.analysis import MetaRun
 from ..capture.blocks import module_path
 from ..patterns import matches, outermost_match
+from ..recompute import Region, dropped, recompute_mode
 from ..capture.work import Work
 
 _VIEWS = {"view", "reshape", "transpose", "permute", "t", "expand", "contiguous", "unsqueeze",
@@ -42,12 +43,12 @@ class Cost:
     """One node, one microbatch."""
 
     flops: float  # forward
-    saved_bytes: int  # kept for backward after recompute
+    saved_bytes: int  # saved for backward, no recompute (a stage's: activations.py)
     recompute_flops: float = 0.0  # forward rerun during backward
     ops: int = 0  # aten ops the forward dispatches
     recompute_ops: int = 0  # ... rerun during backward
     work: Work = Work()  # what the forward asks of a device (work.py), before `scale`
-    scale: float = 1.0  # the share of `work` training runs (experts dispatched at top-k)
+    scale: float = 1.0  # the share of its work and saves training runs (experts at top-k)
 
     @property
     def total(self) -> float:
@@ -56,36 +57,29 @@ class Cost:
 
 
 def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]:
+    """Per node: forward FLOPs (experts at top-k), the FLOPs and ops a recompute rule reruns,
+    and the share of what it saves that counts (experts at top-k; what a stage keeps is
+    activations.py's to count)."""
     costs = {}
-    external_inputs_seen: set[fx.Node] = set()
     experts_calls = _experts_calls(plan, graph, run)
     for node in graph.nodes:
         measured = run.costs.get(node)
         if measured is None:
             continue
-        flops, saved = measured.flops, measured.saved_bytes
+        flops = measured.flops
         path = module_path(node)
         routed = experts_calls.get(node)
         if routed is not None:  # an experts call (compiler/parallel/ep_cost.py)
-            scale = routed / flops if flops else 1.0
-            flops, saved = routed, int(saved * min(1.0, scale))
+            scale = min(1.0, routed / flops) if flops else 1.0
+            flops = routed
         else:
             scale = _expert_scale(plan, node, path, run)
-            flops, saved = flops * scale, int(saved * scale)
-        mode, module = _recompute_mode(plan, path)
-        recompute, rerun = 0.0, False
-        if mode == "full":
-            recompute, saved, rerun = flops, 0, True
-            for a in node.all_input_nodes:  # the module's inputs stay saved
-                if a not in external_inputs_seen and not _inside(a, module) \
-                        and run.is_tensor(a) and a.op != "get_attr":
-                    external_inputs_seen.add(a)
-                    saved += _nbytes(run.value(a))
-        elif mode == "selective" and _is_cheap(node, measured.flops):
-            recompute, saved, rerun = flops, 0, True
-        costs[node] = Cost(flops, saved, recompute, measured.ops,
-                           measured.ops if rerun else 0, measured.work,
-                           flops / measured.flops if measured.flops else 1.0)
+            flops = flops * scale
+        mode, _ = recompute_mode(plan.recompute, path)
+        reruns = mode != "none" and dropped(Region("", mode), node, measured.flops)
+        recompute = flops if reruns else 0.0
+        costs[node] = Cost(flops, int(measured.saved_bytes * scale), recompute, measured.ops,
+                           measured.ops if reruns else 0, measured.work, scale)
     return costs
 
 
@@ -136,26 +130,6 @@ def _through_views(node: fx.Node):
         if a.op == "call_method" and a.target in _VIEWS or \
                 a.op == "call_function" and getattr(a.target, "__name__", "") in _VIEWS:
             yield from _through_views(a)
-
-
-def _recompute_mode(plan: Plan, path: Optional[str]) -> tuple[str, Optional[str]]:
-    """The last matching rule wins; returns (mode, the matched module)."""
-    mode, module = "none", None
-    for rule in plan.recompute:
-        hit = outermost_match(path, rule.pattern)
-        if hit is not None:
-            mode, module = rule.mode, hit
-    return mode, module
-
-
-def _inside(node: fx.Node, module: Optional[str]) -> bool:
-    p = module_path(node)
-    return module is not None and p is not None and (p == module or p.startswith(module + "."))
-
-
-def _is_cheap(node: fx.Node, flops: float) -> bool:
-    """Selective recompute reruns ops that are not matmuls (and the attention core)."""
-    return flops == 0 or (node.op == "call_function" and node.target in SDPA)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -15,11 +15,11 @@ Accounting (stated in the report, so a reader can check it):
   Bytes per element: 4 / 4 / AdamW 8 (SGD 4 with momentum), with bf16 too:
   the runtime's bf16 is autocast over fp32 master weights, so parameters,
   gradients (and their reductions) and optimizer states stay fp32.
-* Activations: the bytes each stage saves for backward per microbatch, held
-  from its F until its W (or BW) — the schedule engine's memory rule — so a
-  rank's peak is found by walking its action list. bf16 halves float bytes;
-  with sequence parallelism they are divided by tp (without it, the estimate
-  keeps the replicated size: an upper bound).
+* Activations: the bytes each stage keeps for backward per microbatch on one
+  rank (StageSpec.activation_bytes: estimate/activations.py, exact against the
+  runtime under TP, sequence parallel, recompute and bf16), held from its F
+  until its W (or BW) — the schedule engine's memory rule — so a rank's peak
+  is found by walking its action list.
 * Collectives per step (`RankEstimate.collectives`): the bytes each rank
   hands to each collective, {(group, op): n}, as backends' CommMeter counts
   them at the call sites. dp/edp: ZeRO's gradient reduction (all-reduce, or
@@ -58,6 +58,7 @@ from ...dsl.ast import Plan
 from ...dsl.layout import group_sizes
 from .collectives import ep_bytes, implied_collectives, ring_bytes
 from .device import DeviceModel, mesh_links
+from ...schedules.memory import held_peaks
 from ..compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from ..parallel.ep import experts_dispatched
 from .traffic import Traffic
@@ -120,9 +121,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     profiled step's simulation and the median makespan) replaces that timing."""
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    act_div = mesh.tp if plan.tensor.sequence_parallel else 1
-    peaks = activation_peaks(schedule, [st.activation_bytes * float_scale / act_div
-                                        for st in stages])
+    peaks = held_peaks(schedule, [st.activation_bytes for st in stages])[0]
     per_pp = []
     for r in range(mesh.pp):
         mine = [st for st in stages if st.rank == r]
@@ -249,21 +248,6 @@ def _partial_grads(plan: Plan, layout: RankShards) -> tuple[int, int]:
     """(how many, bytes): the replicated gradients sequence parallel sums over tp."""
     keys = [k for s in layout.shards if s.kind != TENSOR_PARALLEL for k in s.keys]
     return len(keys), sum(layout.numel[k] for k in keys) * state_bytes(plan).grad
-
-
-def activation_peaks(schedule, stage_bytes: list[float]) -> list[float]:
-    """Peak activation bytes per rank: F adds the stage's bytes, W or BW frees them."""
-    peaks = []
-    for actions in schedule.order:
-        held = peak = 0.0
-        for a in actions:
-            if a.op == "F":
-                held += stage_bytes[a.stage]
-            elif a.op in ("W", "BW"):
-                held -= stage_bytes[a.stage]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
 
 
 def normalised(costs):

@@ -110,7 +110,10 @@ def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:
 
 # ------------------------------------------------------------ compile-time checks
 def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
-    """qualified module -> "column" | "row" | "vocab", checked against the parameters' shapes."""
+    """qualified module -> "column" | "row" | "vocab", checked against the parameters' shapes.
+    Without `tensor` patterns, the model's own plan (`model_tp_plan`) or a refusal."""
+    if not any(getattr(plan.tensor, kind) for kind in KINDS):
+        return model_tp_plan(plan, model)
     tp = plan.mesh.tp
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
@@ -126,6 +129,46 @@ def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
                                    "patterns are module paths such as layers.*.attn.q")
             for name in hits:
                 _check_shape(plan, key, kind, name, modules[name], tp)
+                out.setdefault(name, kind)
+    _check_tied(plan, model, out)
+    return out
+
+
+# transformers' tensor-parallel styles (config.base_model_tp_plan) the rewrite runs
+HF_STYLES = {"colwise": "column", "rowwise": "row"}
+
+
+def model_tp_plan(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
+    """`mesh.tp > 1` with no `tensor` patterns: the split a Hugging Face model declares for
+    itself (`config.base_model_tp_plan`: module pattern -> colwise / rowwise, relative to
+    the base model), checked like the plan's own; refused at `mesh.tp` when the model has
+    none (a tp that split nothing would run every rank on the whole model). A plan that
+    distributes experts may use tp ranks for expert parallelism alone."""
+    declared = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    if not declared:
+        if plan.experts is not None and plan.mesh.ep > 1:
+            return {}
+        raise PlanError.at(plan, "mesh.tp", f"mesh.tp = {plan.mesh.tp} splits nothing: the "
+                           "plan has no `tensor` patterns and the model declares no tensor-"
+                           "parallel plan (config.base_model_tp_plan)",
+                           "name Megatron's pairs, e.g. tensor { column = [layers.*.attn.q, "
+                           "layers.*.mlp.up]  row = [layers.*.attn.proj, layers.*.mlp.down] }, "
+                           "or set mesh.tp = 1")
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = prefix + "." if prefix and isinstance(getattr(model, prefix, None),
+                                                   torch.nn.Module) else ""
+    modules = dict(model.named_modules())
+    out: dict[str, str] = {}
+    for pattern, style in declared.items():
+        kind = HF_STYLES.get(style)
+        if kind is None:
+            raise PlanError.at(plan, "mesh.tp", f"the model's tensor-parallel plan splits "
+                               f"{pattern} as {style!r}, which pipeplan's rewrite does not "
+                               f"run (it runs {', '.join(sorted(HF_STYLES))})",
+                               "write the split in a tensor section: column / row / vocab")
+        for name in modules:
+            if name and matches(name, prefix + pattern):
+                _check_shape(plan, "mesh.tp", kind, name, modules[name], plan.mesh.tp)
                 out.setdefault(name, kind)
     _check_tied(plan, model, out)
     return out
@@ -179,7 +222,7 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
     if not kinds:
         return
     linear = linear_calls(graph, model)
-    used = set(linear.values()) | set(_embedding_calls(graph, model).values())
+    used = set(linear.values()) | set(embedding_calls(graph, model).values())
     for name, kind in kinds.items():
         if name not in used:
             raise PlanError.at(plan, _key_of(plan, kind, name),
@@ -259,7 +302,7 @@ def linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
     return out
 
 
-def _embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+def embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
     modules = dict(model.named_modules())
     out = {}
     for n in graph.nodes:
@@ -298,7 +341,8 @@ def _next(n: fx.Node, forward: bool, is_tensor):
 
 
 def _key_of(plan: Plan, kind: str, name: str) -> str:
+    """The plan line that split `name` (mesh.tp: the model's own plan, `model_tp_plan`)."""
     for i, pattern in enumerate(getattr(plan.tensor, kind)):
         if matches(name, pattern):
             return f"tensor.{kind}.{i}"
-    return f"tensor.{kind}"
+    return f"tensor.{kind}" if any(getattr(plan.tensor, k) for k in KINDS) else "mesh.tp"

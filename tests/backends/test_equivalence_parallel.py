@@ -48,8 +48,8 @@ def parallel_plan(name: str):
 CONFIGS = ("tp2", "tp2-sp", "zero1", "zero2", "zero3", "zero3-zbv", "zero1-tp2",
            "ep2-1f1b", "ep2-zbv")
 ADAM_ON = {"zero2": (ADAMW,), "ep2-zbv": (ADAMW,)}
-# activation recompute inside the rewritten stages (collectives rerun in backward)
-RECOMPUTE = {"tp2-sp": "selective", "zero3-zbv": "full", "ep2-zbv": "full"}
+# activation recompute inside the rewritten stages (TP collectives kept, not rerun; EP's rerun)
+RECOMPUTE = {"tp2": "full", "tp2-sp": "selective", "zero3-zbv": "full", "ep2-zbv": "full"}
 
 
 def recompute_plan(name: str):

@@ -91,3 +91,44 @@ class WindowLM(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
+
+
+class MegatronLayer(nn.Module):
+    """The transformer layer Korthikanti et al. 2022 count activations of (§4.1): LayerNorm,
+    Q/K/V and output projections, attention computed by hand (QK^T, softmax, dropout,
+    times V: no fused kernel), dropout after the projection and after the MLP (h -> 4h
+    GELU -> h), residuals."""
+
+    def __init__(self, dim: int, heads: int, p: float = 0.1):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        a = self.heads
+        y = self.ln1(x)
+        q, k, v = (f(y).view(b, s, a, d // a).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-2, -1)) * (d // a) ** -0.5
+        probs = F.dropout(scores.softmax(-1), self.p, self.training)
+        y = (probs @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + F.dropout(self.proj(y), self.p, self.training)
+        return x + F.dropout(self.down(F.gelu(self.up(self.ln2(x)))), self.p, self.training)
+
+
+class MegatronGPT(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(MegatronLayer(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))

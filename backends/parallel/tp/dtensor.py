@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import empty as distributed_empty
 from torch.distributed.tensor.parallel import loss_parallel
 
 
@@ -110,6 +111,14 @@ class Redistribute(nn.Module):
             return x
         return x.redistribute(self.mesh, [_resolve(self._placement, x.dim())])
 
+    def stand_in(self, x):
+        """A value of the output's shape and placement, without communicating (what a
+        dry run of the graph needs: recompute's FLOP count)."""
+        if not isinstance(x, DTensor):
+            return x
+        return distributed_empty(x.shape, dtype=x.dtype, device_mesh=self.mesh,
+                                 placements=[_resolve(self._placement, x.dim())])
+
 
 class ToLocal(nn.Module):
     """A stage output as a full local tensor (what the next stage or the loss reads)."""
@@ -188,4 +197,25 @@ class HeadLocal(nn.Module):
         args = [local(a) for a in args]
         kwargs = {n: local(a) for n, a in kwargs.items()}
         out = self.op(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
-        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+        shape = torch.Size((out.shape[0], q.shape[1]) + tuple(out.shape[2:]))
+        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False, shape=shape,
+                                  stride=_stride_like(out, shape))
+
+
+def _stride_like(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """Global strides for attention's output: a fused kernel's [batch, seq, heads, dim]
+    buffer viewed as [batch, heads, seq, dim] where the local output is laid out so (DTensor
+    decides views by these strides: the usual transpose-and-reshape back to features then
+    stays a view, as on one device, instead of a copy of the output)."""
+    if local.dim() == 4 and local.transpose(1, 2).is_contiguous():
+        b, h, t, d = shape
+        return (t * h * d, d, h * d, 1)
+    return _contiguous_stride(shape)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))

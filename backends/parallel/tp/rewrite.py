@@ -44,9 +44,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight, loss_of_logits, shard_dim)
+from ....compiler.capture.blocks import ATTENTION, COLLECTIVE, TRACED_IN, module_path
+from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight,
+                                      loss_of_logits, shard_dim)
 from ....errors import PipeplanError
-from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal, VocabParallelLoss)
+from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
+                      VocabParallelLoss)
 from .params import SHARD_DIMS, ParameterSlicer, set_parameter
 
 SEQ = "shard:-2"
@@ -86,11 +89,18 @@ class _Builder:
         with self.gm.graph.inserting_after(node):
             new = self.gm.graph.call_module(self.module(key, make), (node,))
         node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
-        return new
+        return self.served(new, node)
 
     def before(self, user: fx.Node, value: fx.Node, key: str, make) -> fx.Node:
         with self.gm.graph.inserting_before(user):
-            return self.gm.graph.call_module(self.module(key, make), (value,))
+            new = self.gm.graph.call_module(self.module(key, make), (value,))
+        return self.served(new, user)
+
+    def served(self, new: fx.Node, node: fx.Node) -> fx.Node:
+        """`new` belongs to the module `node` was traced in (a recompute region stays one
+        run of nodes)."""
+        new.meta[TRACED_IN] = module_path(node)
+        return new
 
     def to_dtensor(self, spec):
         return lambda: ToDTensor(self.mesh, spec)
@@ -115,6 +125,9 @@ def _functional_form(gm: fx.GraphModule, node: fx.Node) -> None:
             raise PipeplanError(f"tensor parallel: {node.target} is a {type(mod).__name__}; "
                                 "only Linear and Embedding modules can be split")
     new.meta = dict(node.meta)
+    for attr in new.all_input_nodes:
+        if attr.op == "get_attr":
+            attr.meta[TRACED_IN] = module_path(node)
     node.replace_all_uses_with(new)
     g.erase_node(node)
 
@@ -280,17 +293,19 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
             x = node.args[0]
             if x not in entered:
                 entered[x] = b.before(node, x, "replicate_in", b.redistribute("replicate"))
+                entered[x].meta[COLLECTIVE] = sp  # all-gathers the sequence (else a no-op)
             node.replace_input_with(x, entered[x])
             loss = loss_of_logits(node)
             if loss is not None:
                 _vocab_loss(b, loss)
                 rewrites[w.rpartition(".")[0]] = kind + "+loss"
             elif kind == "vocab":
-                b.after(node, "gather", b.redistribute("replicate"))
+                b.after(node, "gather", b.redistribute("replicate")).meta[COLLECTIVE] = True
         elif node.target in EMBEDDINGS and _attr(embedding_weight(node)) in dims:
-            b.after(node, "out_" + out_spec, b.redistribute(out_spec))
+            b.after(node, "out_" + out_spec, b.redistribute(out_spec)).meta[COLLECTIVE] = True
         elif node.target in SDPA:
             name = b.module(f"heads_{SDPA.index(node.target)}", lambda: HeadLocal(node.target))
+            node.meta[TRACED_IN], node.meta[ATTENTION] = module_path(node), True
             node.op, node.target = "call_module", name
 
     # 4. every tensor the graph reads becomes a DTensor
@@ -359,9 +374,10 @@ def _row(b: _Builder, node: fx.Node, out_spec: str) -> None:
     bias = node.kwargs.get("bias", args[2])
     node.args, node.kwargs = (args[0], args[1]), {}
     end = b.after(node, "out_" + out_spec, b.redistribute(out_spec))
+    end.meta[COLLECTIVE] = True
     if bias is not None:
         with g.inserting_after(end):
-            add = g.call_function(operator.add, (end, bias))
+            add = b.served(g.call_function(operator.add, (end, bias)), node)
         end.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
 
 
