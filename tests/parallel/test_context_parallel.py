@@ -138,9 +138,11 @@ def test_plan_checks(edit, line, message):
     # the model numbers positions itself: every slice would count from 0
     (("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }", ""), 8,
      r"the model makes positions itself"),
-    # a mask tensor made on the local slice (WindowLM's SDPA block)
+    # WindowLM: its first block's attention is eager (a softmax over the keys, outside
+    # SDPA), refused by the sequence-locality check before its second block's mask tensor
     (('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.tp_models:WindowLM"'),
-     8, r"takes a mask tensor"),
+     8, r"`softmax` \(node `softmax`\) in module `layers.0.attn` takes a softmax over the "
+        r"sequence"),
 ])
 def test_graph_checks(edit, line, message):
     from pipeplan.compiler import compile_plan
