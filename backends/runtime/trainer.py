@@ -58,7 +58,8 @@ class StepReport:
 def check_supported(plan: Plan) -> None:
     """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it:
     also a model whose initial weights cannot be drawn per module (materialize.py)."""
-    from ...compiler.capture.loading import check_init, load_model
+    from ...compiler.capture.init_rules import check_init
+    from ...compiler.capture.loading import load_model
 
     check_checkpointable(plan)
     check_init(plan, load_model(plan, "meta"))

@@ -127,6 +127,8 @@ def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
     print(f"pipeplan: single-process reference, {steps} steps ({precision})", flush=True)
     ref = train_reference(judged_plan(plan, precision), steps)
     result = judge(ref, dumps, precision)
+    for note in ref.notes:
+        print(f"pipeplan: {note}", flush=True)
     for step, (r, p) in enumerate(zip(ref.losses, dumps[0]["losses"])):
         print(f"step {step + 1}: loss {p:.10f}  reference {r:.10f}  diff {abs(p - r):.2e}")
     print(result.render())
