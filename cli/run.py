@@ -148,7 +148,7 @@ def _cmd_run(args) -> int:
         print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
         return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
-                            islands=_islands(source.plan))
+                            islands=_islands(source.plan), seed=source.plan.train.seed)
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
                       debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
@@ -210,4 +210,4 @@ def _cmd_verify(args) -> int:
           f"processes (gloo), {steps} steps", flush=True)
     return verify_plan(source.plan, steps, args.precision,
                        lambda dump: launch_local(_rank_argv(args, steps, dump, args.precision),
-                                                 world))
+                                                 world, seed=source.plan.train.seed))

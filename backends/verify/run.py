@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ...dsl.ast import Plan
+from ...errors import PipeplanError
 
 JUDGE_PRECISIONS = ("fp64", "fp32")
 
@@ -116,8 +117,6 @@ def judged_plan(plan: Plan, precision: str) -> Plan:
 def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
     """Run `launch(dump_dir)` (the pipelined ranks, at `precision`), the reference, judge and
     print; 0 when EQUAL, 1 when DIFFERENT, the launcher's code when a rank failed."""
-    from .reference import train_reference
-
     with tempfile.TemporaryDirectory(prefix="pipeplan-verify-") as dump:
         code = launch(dump)
         if code:
@@ -125,7 +124,7 @@ def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
         dumps = [torch.load(os.path.join(dump, f), weights_only=True)
                  for f in sorted(os.listdir(dump)) if f.endswith(".pt")]
     print(f"pipeplan: single-process reference, {steps} steps ({precision})", flush=True)
-    ref = train_reference(judged_plan(plan, precision), steps)
+    ref = reference_like_the_ranks(judged_plan(plan, precision), steps)
     result = judge(ref, dumps, precision)
     for note in ref.notes:
         print(f"pipeplan: {note}", flush=True)
@@ -133,3 +132,46 @@ def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
         print(f"step {step + 1}: loss {p:.10f}  reference {r:.10f}  diff {abs(p - r):.2e}")
     print(result.render())
     return 0 if result.within else 1
+
+
+def reference_like_the_ranks(plan: Plan, steps: int):
+    """`train_reference` under the PYTHONHASHSEED the launcher gives the ranks
+    (runtime/launcher.hash_seed): here when this process already runs under it, else in a
+    fresh interpreter started with it (a process cannot change its own hash seed)."""
+    from ..runtime.launcher import HASH_SEED_ENV, hash_seed
+    from .reference import train_reference
+
+    want = hash_seed(plan.train.seed)
+    if os.environ.get(HASH_SEED_ENV) == want:
+        return train_reference(plan, steps)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="pipeplan-reference-") as out:
+        path = os.path.join(out, "reference.pt")
+        before = os.environ.get(HASH_SEED_ENV)
+        os.environ[HASH_SEED_ENV] = want  # the spawned interpreter starts with this env
+        try:
+            child = ctx.Process(target=_reference_child, args=(plan, steps, path))
+            child.start()
+        finally:
+            if before is None:
+                os.environ.pop(HASH_SEED_ENV)
+            else:
+                os.environ[HASH_SEED_ENV] = before
+        child.join()
+        if child.exitcode != 0 or not os.path.exists(path):
+            said = open(path + ".err").read() if os.path.exists(path + ".err") else \
+                f"exit code {child.exitcode}"
+            raise PipeplanError(f"the single-process reference failed: {said}")
+        return torch.load(path, weights_only=False)
+
+
+def _reference_child(plan: Plan, steps: int, path: str) -> None:
+    from .reference import train_reference
+
+    try:
+        torch.save(train_reference(plan, steps), path)
+    except Exception as e:  # said by the parent, as one line
+        with open(path + ".err", "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
