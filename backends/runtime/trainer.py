@@ -147,9 +147,12 @@ class PipelineTrainer:
         if plan.mesh.cp > 1:  # attention over the whole sequence (ulysses.py, ring_attention.py)
             from ..parallel.cp.ring import apply_ring
             from ..parallel.cp.ulysses import apply_ulysses
+            from ..parallel.cp.positions import renumber_positions
+            from .data import cp_columns
             apply = apply_ring if plan.context.method == "ring" else apply_ulysses
             for m in modules.values():
                 apply(m, topo.cp_group)
+                renumber_positions(m, cp_columns(plan, topo.coords.cp))
         self.layout = StageLayout.build(plan, topo, modules, device,  # TP/EP rewrites, in place
                                         compiled.experts, compiled.tp_rewrites)
         self.zero = None

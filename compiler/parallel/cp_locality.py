@@ -33,7 +33,7 @@ from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA
 from ..capture.blocks import module_path
-from .cp import sdpa_arguments
+from .cp import POSITIONS, sdpa_arguments
 from .cp_rules import (MODULE_RULES, RULES, Dims, Mixing, NoRule, Op, attention, pointwise,
                        same_as_first)
 
@@ -101,6 +101,13 @@ def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.
             continue
         if node.op in ("get_attr", "output"):
             continue
+        sized = _sequence_size(node, seq)
+        if sized is not None:  # a shape or length of the sequence, or arange over it
+            seq[node] = sized
+            if sized == POSITIONS_DIMS:
+                node.meta[POSITIONS] = True
+                yield node, "positions", ""
+            continue
         touched = [a for a in pytree.tree_leaves((node.args, node.kwargs))
                    if isinstance(a, fx.Node) and _carries(seq.get(a))]
         if not touched:
@@ -123,6 +130,42 @@ def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.
         yield node, "attention" if rule is attention else "per-position", ""
 
 
+POSITIONS_DIMS = Dims({0})
+_LENGTH = "length"  # seq[node] of an int that is the local sequence length
+ARANGE_NAMES = ("arange",)
+
+
+class _Shape(tuple):
+    """seq[node] of a shape (`x.shape`, `x.size()`): the dims of it that are the sequence."""
+
+
+def _sequence_size(node: fx.Node, seq: dict):
+    """What `node` is when it reads the sequence's size or numbers its positions: a _Shape,
+    _LENGTH, or POSITIONS_DIMS for `arange(length)` (start 0, step 1) -- the positions this
+    rank's slice holds, which the runtime renumbers globally
+    (backends/parallel/cp/positions.py); None otherwise."""
+    args = node.args
+    name = getattr(node.target, "__name__", node.target) if node.op != "call_method" \
+        else node.target
+    name = name.split(".")[0] if isinstance(name, str) else name
+    got = [seq.get(a) for a in args] if args else []
+    first = got[0] if got else None
+    if name == "getattr" and len(args) == 2 and args[1] == "shape" and _carries(first):
+        return _Shape(first)
+    if name == "size" and _carries(first):
+        return _Shape(first) if len(args) == 1 else (_LENGTH if args[1] in first else None)
+    if name == "sym_size" and _carries(first):
+        return _LENGTH if args[1] in first else None
+    if name == "getitem" and isinstance(first, _Shape) and isinstance(args[1], int):
+        return _LENGTH if args[1] in first else None
+    if name in ARANGE_NAMES:
+        start, end = (args[0], args[1]) if len(args) >= 2 else (0, args[0] if args else None)
+        step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+        if start == 0 and step == 1 and isinstance(end, fx.Node) and seq.get(end) == _LENGTH:
+            return POSITIONS_DIMS
+    return None
+
+
 def _carries(got) -> bool:
     if isinstance(got, frozenset):
         return bool(got)
@@ -139,7 +182,7 @@ def check_locality(plan: Plan, gm: fx.GraphModule, run, end: fx.Node,
         return
     key = "context.method" if "context.method" in plan.spans else "mesh.cp"
     for node, kind, detail in sequence_locality(gm, run, sequence_inputs(plan), end, per_token):
-        if kind not in ("mixing", "unknown"):
+        if kind not in ("mixing", "unknown"):  # positions: marked for the runtime
             continue
         where = module_path(node)
         module = f" in module `{where}`" if where else ""
