@@ -86,3 +86,53 @@ def _kernel1_worker(rank, world):
 @pytest.mark.slow
 def test_kernel1_convolution_trains_under_cp_like_the_whole_sequence(run_workers):
     run_workers(_kernel1_worker, 2, timeout=300)
+
+
+# ------------------------------------------------- positions the model makes itself
+GPT = """\
+model {
+  source = "pipeplan.examples.models.gpt:GPT"
+  args = { vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16 }
+  inputs = { input_ids = int64[batch, seq] }
+  capture = fx
+}
+data = synthetic(seed = 7, vocab = 64, seq_len = 16)
+mesh { pp = 1, cp = 2 }
+context { method = METHOD }
+pipeline { schedule = 1f1b, microbatches = 2 }
+train { steps = 3, global_batch = 4, grad_clip = 0.5, optimizer = adamw(lr = 0.003), seed = 11 }
+"""
+
+
+def test_runs_of_positions():
+    import torch
+
+    from pipeplan.backends.parallel.cp.positions import runs
+    from pipeplan.backends.parallel.cp.ring import ring_columns
+
+    assert runs(torch.arange(8, 16)) == [(8, 16)]
+    assert runs(ring_columns(16, 2, 0)) == [(0, 4), (12, 16)]  # chunks r and 2cp-1-r
+
+
+def test_example_gpt_arange_is_tied_to_the_sequence_not_refused():
+    from pipeplan.compiler.parallel.cp import POSITIONS
+
+    compiled = compile_plan(parse_plan(GPT.replace("METHOD", "ring"), "gpt.plan"))
+    marked = [n for s in compiled.stages for n in s.module.graph.nodes if n.meta.get(POSITIONS)]
+    assert len(marked) == 1 and "arange" in str(marked[0].target), marked
+
+
+def _gpt_worker(rank, world, methods):
+    from .pipelined_vs_reference import assert_trains_like_reference
+
+    for method in methods:
+        plan = parse_plan(GPT.replace("METHOD", method), "gpt.plan")
+        assert_trains_like_reference(plan, f"example GPT, cp2 {method}", 3)
+
+
+@pytest.mark.slow
+def test_example_gpt_with_its_own_positions_trains_under_cp_like_the_whole_sequence(
+        run_workers):
+    """The GPT's learned position embedding reads `arange(t)`: renumbered per rank (the
+    ring's load-balanced chunks included), both methods equal the whole-sequence model."""
+    run_workers(_gpt_worker, 2, ["ulysses", "ring"], timeout=400)
