@@ -170,6 +170,13 @@ def reference_like_the_ranks(plan: Plan, steps: int, kind: str = "reference"):
         return _REFERENCES[kind]()(plan, steps)
     import multiprocessing
 
+    from multiprocessing.reduction import ForkingPickler
+    from types import MappingProxyType
+
+    from ...dsl.ast import _frozen_map
+
+    # the plan's frozen mappings travel as what they wrap
+    ForkingPickler.register(MappingProxyType, lambda m: (_frozen_map, (dict(m),)))
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="pipeplan-reference-") as out:
         path = os.path.join(out, "reference.pt")
