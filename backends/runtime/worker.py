@@ -22,9 +22,9 @@ from ...errors import PipeplanError
 from .agreement import check_agreement, compile_shared, plan_hash
 from ..state.checkpoint import Checkpointer, latest_step
 from .failure import STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_failure
-from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
-from ..observe.progress import Progress, RankTimings, check_bubble, describe_run, format_bubble
+from ..observe.progress import Progress, describe_run
+from ..observe.timings import RankTimings, check_bubble, format_bubble
 from .topology import Coords, build_topology
 from ..observe.trace import write_trace
 from .trainer import PipelineTrainer
@@ -237,9 +237,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
-        leaves = with_required_leaves(plan)
-        compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
-        check_agreement(leaves, compiled)  # every rank runs the same, or none starts
+        compiled = compile_shared(plan, compile_fn)  # on meta: no weights; rank 0 decides
+        check_agreement(plan, compiled)  # every rank runs the same, or none starts
         trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
         param_bytes = trainer.param_bytes
         trainer.executor.on_action = where.action  # the launcher names a killed rank's action
@@ -248,7 +247,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         run = _facts(plan, compiled, trainer.specs)
-        run_hash = plan_hash(leaves, compiled)
+        run_hash = plan_hash(plan, compiled)
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         startup = (time.perf_counter() - started, peak_rss_bytes())

@@ -9,8 +9,8 @@
   (`grouped_mm`, which has no float64 kernel); in float64 both the pipelined run and the
   reference run the model's own `batched_mm` instead, said in verify's report.
 
-The pipelined side is `verify`'s own rank code (`train_for_judge`), the reference
-`train_reference` (the unmodified model's forward on one process), the verdict `judge`.
+The pipelined side is verify's rank code (tests/backends/judging.py `train_for_judge`),
+the reference `train_reference` (the unmodified model's forward on one process), the verdict `judge`.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def plan_for(model: str, pp: int = 2, schedule: str = "1f1b") -> Plan:
 
 
 def _worker(rank, world, models):
-    from pipeplan.backends.verify.run import train_for_judge
+    from .judging import train_for_judge
 
     return [train_for_judge(plan_for(m), STEPS) for m in models]
 

@@ -3,7 +3,7 @@
 compiler/parallel/cp_locality.py marks (node.meta["pipeplan_cp_positions"]) every
 `arange(length)` of the graph whose length is the sequence's (read from an input's shape):
 on a cp rank it would number the rank's slice 0..S/cp-1. `renumber_positions` replaces
-each with the positions the rank holds (backends/runtime/data.py `cp_columns`: a
+each with the positions the rank holds (`cp_columns`, which the data's slices follow too: a
 contiguous block under Ulysses, chunks r and 2cp-1-r under ring attention's load-balanced
 layout): one `arange(start, stop)` per contiguous run of them, concatenated, keeping the
 call's own dtype and device arguments.
@@ -14,6 +14,18 @@ import torch
 import torch.fx as fx
 
 from ....compiler.parallel.cp import POSITIONS
+from ....dsl.ast import Plan
+
+
+def cp_columns(plan: Plan, cp_rank: int) -> torch.Tensor:
+    """The sequence positions context-parallel rank `cp_rank` holds (dsl/checks.py checked
+    that they divide evenly): a contiguous block, or chunks r and 2cp-1-r under ring
+    attention (backends/runtime/data.py slices tokens, targets and positions by them)."""
+    seq, cp = plan.data.seq_len, plan.mesh.cp
+    if plan.context is not None and plan.context.method == "ring":
+        from .ring import ring_columns
+        return ring_columns(seq, cp, cp_rank)
+    return torch.arange(cp_rank * seq // cp, (cp_rank + 1) * seq // cp)
 
 
 def runs(columns: torch.Tensor) -> list[tuple[int, int]]:
