@@ -148,7 +148,7 @@ def _sequence_size(node: fx.Node, seq: dict):
     name = getattr(node.target, "__name__", node.target) if node.op != "call_method" \
         else node.target
     name = name.split(".")[0] if isinstance(name, str) else name
-    got = [seq.get(a) for a in args] if args else []
+    got = [seq.get(a) if isinstance(a, fx.Node) else None for a in args]
     first = got[0] if got else None
     if name == "getattr" and len(args) == 2 and args[1] == "shape" and _carries(first):
         return _Shape(first)
