@@ -174,6 +174,14 @@ def _carries(got) -> bool:
     return False
 
 
+# attention written out (q @ k^T, softmax over the keys, @ v) mixes positions in these ops
+EAGER_OPS = ("softmax", "_softmax", "log_softmax", "matmul", "bmm", "baddbmm")
+EAGER_HINT = ("attention written out as matmul and softmax (eager) is not recognised as "
+              "attention: context parallel rewrites scaled_dot_product_attention calls; select "
+              "the model's SDPA attention (attn_implementation = \"sdpa\" for transformers) "
+              "or train without mesh.cp")
+
+
 def check_locality(plan: Plan, gm: fx.GraphModule, run, end: fx.Node,
                    per_token: frozenset = frozenset()) -> None:
     """Refuse (at `context.method`, else `mesh.cp`) the first op outside attention that
@@ -192,6 +200,7 @@ def check_locality(plan: Plan, gm: fx.GraphModule, run, end: fx.Node,
                 plan, key, f"`{name}` (node `{node.name}`){module} {detail}: it mixes "
                 "positions outside attention, so split over cp = "
                 f"{plan.mesh.cp} ranks it would compute another function than the model",
+                EAGER_HINT if name in EAGER_OPS else
                 "context parallel splits the sequence and rewrites only attention "
                 "(scaled_dot_product_attention); a model with convolutions, scans, "
                 "cumulative sums or pooling over the sequence cannot run split: train "
