@@ -153,7 +153,7 @@ def _cmd_run(args) -> int:
         print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp}: "
               f"launching {m.world_size} local processes (gloo)", flush=True)
         return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
-                            islands=_islands(source.plan))
+                            islands=_islands(source.plan), seed=source.plan.train.seed)
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
                       debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
@@ -207,11 +207,14 @@ def _cmd_verify(args) -> int:
                             "run it without torchrun")
     source = load_source(args.plan, args.set, None)
     steps = _steps(args, source)
-    if source.plan.sync.diloco:
-        raise PipeplanError("pipeplan verify compares a run with one process training on the "
-                            "global batch every step, which a diloco run is not (its islands "
-                            "train apart); compare a diloco run with its own runs instead "
-                            "(e.g. the same plan resumed against uninterrupted)")
+    if source.plan.sync.diloco and args.precision != "fp64":
+        raise PipeplanError("pipeplan verify judges a diloco plan against its island-by-island "
+                            "reference in fp64 only (the fp32 rule bounds one optimizer, not "
+                            "the outer step); run it with --precision fp64")
+    if source.plan.sync.decoupled:
+        raise PipeplanError("pipeplan verify judges synchronous DiLoCo (its islands sync in "
+                            "lockstep); a decoupled run's syncs follow arrival order, which no "
+                            "single-process reference reproduces")
     precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
     check_data(source.plan, steps)
     world = source.plan.mesh.world_size
@@ -219,4 +222,4 @@ def _cmd_verify(args) -> int:
           f"processes (gloo), {steps} steps", flush=True)
     return verify_plan(source.plan, steps, args.precision,
                        lambda dump: launch_local(_rank_argv(args, steps, dump, args.precision),
-                                                 world))
+                                                 world, seed=source.plan.train.seed))

@@ -16,8 +16,8 @@ from .stages import move_stage
 
 def estimates_summary(plan) -> str:
     """`pipeplan check`'s estimate lines: compile on meta and summarise (raises PlanError,
-    also when the model's initial weights cannot be drawn per module: loading.check_init)."""
-    from .capture.loading import check_init
+    also when the model's initial weights cannot be drawn per module: init_rules.check_init)."""
+    from .capture.init_rules import check_init
 
     model = load_model(plan, "meta")
     check_init(plan, model)

@@ -40,6 +40,7 @@ from .parallel.tp import check_pairing, tp_annotations
 from .capture.tied import find_tied
 from .capture.traced import trace_with_loss
 from .parallel.cp import attach_context_costs, check_context, heads_split_by_tp
+from .parallel.cp_locality import check_locality
 from .estimate.traffic import collective_traffic
 from .weights import check_weights
 
@@ -69,6 +70,9 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     mark_step_statistics(plan, traced.module, traced.run, traced.loss, traced.prediction, moe)
     check_pairing(plan, graph, model, tp_kinds, traced.run)
     tp_heads = heads_split_by_tp(plan, graph, model, tp_kinds, traced.run)
+    check_locality(plan, traced.module, traced.run,
+                   traced.prediction if traced.prediction is not None else traced.loss,
+                   frozenset(moe.values()))
     check_context(plan, graph, traced.run, tp_heads)
     costs = node_costs(plan, graph, traced.run)
     measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None

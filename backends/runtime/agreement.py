@@ -86,7 +86,8 @@ def plan_hash(plan: Plan, compiled: CompiledPlan) -> str:
 
 
 def check_agreement(plan: Plan, compiled: CompiledPlan) -> None:
-    """Collective over the world: raise on every rank unless all fingerprints are equal."""
+    """Collective over the world: raise on every rank unless all fingerprints are equal.
+    When the stages differ, the first differing node of their graph code is named."""
     mine = fingerprint(plan, compiled)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -100,10 +101,35 @@ def check_agreement(plan: Plan, compiled: CompiledPlan) -> None:
             versions.setdefault(fp[k], []).append(r)
         lines.append(f"the {k} differ: " + "; ".join(
             f"{_ranks(rs)} {h}" for h, rs in versions.items()))
+    if "stages" in differ:
+        codes = [None] * dist.get_world_size()
+        dist.all_gather_object(codes, [s.code for s in compiled.stages])
+        lines.append(first_difference(codes))
     raise PipeplanError(
         "the ranks would not run one compiled plan (stopped before step 1): "
         + ", and ".join(lines)
-        + "; start every rank with the same plan, model file and pipeplan version")
+        + "; start every rank with the same plan, model file and pipeplan version, and the "
+        "same PYTHONHASHSEED (pipeplan's launcher sets it from train.seed; set it yourself "
+        "under torchrun): a capture whose node order follows Python's hash seed (a loop over "
+        "a set) differs between ranks otherwise")
+
+
+def first_difference(codes: list) -> str:
+    """Where the stage graph code of some rank first departs from rank 0's: the stage and
+    the first differing line of each side (the node it defines)."""
+    for r, theirs in enumerate(codes[1:], start=1):
+        for i, (a, b) in enumerate(zip(codes[0], theirs)):
+            if a == b:
+                continue
+            for x, y in zip(a.splitlines(), b.splitlines()):
+                if x != y:
+                    return (f"stage {i}'s graph first differs at rank 0's `{x.strip()}` "
+                            f"where rank {r} has `{y.strip()}`")
+            return f"stage {i}'s graph has {len(a.splitlines())} lines on rank 0, " \
+                   f"{len(b.splitlines())} on rank {r}"
+        if len(theirs) != len(codes[0]):
+            return f"rank 0 has {len(codes[0])} stages, rank {r} {len(theirs)}"
+    return "the stages' graph code is the same: they differ in parameters, buffers or boundaries"
 
 
 def _ranks(rs: list[int]) -> str:

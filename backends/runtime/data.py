@@ -244,15 +244,7 @@ def share_of(plan: Plan, batch: Batch, dp_rank: int, cp_rank: int = 0) -> list[B
     per_dp = plan.train.global_batch // dp
     share = batch.rows(dp_rank * per_dp, (dp_rank + 1) * per_dp)
     if plan.mesh.cp > 1:
+        from ..parallel.cp.positions import cp_columns
+
         share = share.columns(cp_columns(plan, cp_rank))
     return chunks(share, m)
-
-
-def cp_columns(plan: Plan, cp_rank: int) -> torch.Tensor:
-    """The sequence positions context-parallel rank `cp_rank` holds (dsl/checks.py checked
-    that they divide evenly)."""
-    seq, cp = plan.data.seq_len, plan.mesh.cp
-    if plan.context is not None and plan.context.method == "ring":
-        from ..parallel.cp.ring import ring_columns
-        return ring_columns(seq, cp, cp_rank)
-    return torch.arange(cp_rank * seq // cp, (cp_rank + 1) * seq // cp)

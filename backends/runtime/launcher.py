@@ -2,7 +2,10 @@
 
 Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so the worker path is the same
-as under torchrun. The launcher watches them: when one exits non-zero it
+as under torchrun, and one PYTHONHASHSEED (`hash_seed`: the user's when set, else
+the plan's train.seed): a model whose Python code iterates over a set (Gemma 3's
+`set(config.layer_types)`) is then captured in the same node order on every rank
+(backends/verify/run.py runs the reference under the same value). The launcher watches them: when one exits non-zero it
 names the rank that failed first (one killed by a signal, else the earliest
 error report; see failure.explain) with its last action, and what the others
 reported as a consequence, kills the rest and returns 1.
@@ -50,9 +53,20 @@ def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
+HASH_SEED_ENV = "PYTHONHASHSEED"
+
+
+def hash_seed(seed: int) -> str:
+    """The PYTHONHASHSEED every rank (and the verify reference) runs under: the user's when
+    set, else the plan's seed (folded into the range Python accepts)."""
+    return os.environ.get(HASH_SEED_ENV) or str(seed % (2 ** 32 - 1) + 1)
+
+
 def launch_local(argv: Sequence[str], world: int,
-                 islands: Optional[Sequence[Sequence[int]]] = None) -> int:
+                 islands: Optional[Sequence[Sequence[int]]] = None,
+                 seed: Optional[int] = None) -> int:
     """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded.
+    `seed`: the plan's train.seed, giving every rank the same PYTHONHASHSEED (`hash_seed`).
 
     The ranks run in their own session, so a Ctrl-C in the terminal reaches only the
     launcher: it stops every rank at once (see `_kill_all`) and the KeyboardInterrupt
@@ -67,6 +81,8 @@ def launch_local(argv: Sequence[str], world: int,
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 env[ERROR_DIR_ENV] = errors
                 env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(world)))
+                if seed is not None:
+                    env[HASH_SEED_ENV] = hash_seed(seed)
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "pipeplan", *argv], env=env, start_new_session=True,
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))

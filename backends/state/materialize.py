@@ -4,8 +4,8 @@ The model is constructed once per process as a *skeleton* (compiler/capture/load
 `load_skeleton`): parameters on the meta device, buffers computed by the
 constructor on CPU. Initial values are drawn module by module
 (`initial_values`): every module that directly owns a wanted parameter runs its
-init rule (`reset_parameters()`, then the model's `_init_weights(module)`, see
-`compiler.loading.init_rule`) on CPU under `torch.manual_seed(module_seed(seed,
+init rule (`reset_parameters()`, then the nearest enclosing module's
+`_init_weights(module)`, see `compiler.capture.init_rules.init_rule`) on CPU under `torch.manual_seed(module_seed(seed,
 path))`. A parameter's initial value is therefore a function of the plan's seed
 and the module owning it, never of which other modules a process holds (nor of
 its device: the rule always draws on CPU), so a rank holding stages 2-3 and the
@@ -122,7 +122,7 @@ def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool
     drawn module by module in model order (see the module docstring). With `keep` the
     values stay in `model`; without, each module's storage goes back to meta once its
     parameters are handed out. `source` supplies named tensors instead of the init."""
-    from ...compiler.capture.loading import init_rule
+    from ...compiler.capture.init_rules import init_rule
 
     params = dict(model.named_parameters(remove_duplicate=False))
     wanted = set(names)
@@ -158,7 +158,7 @@ def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool
                     key[id(new)] = key.pop(id(p))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, path))
-            for step in init_rule(model, mod):
+            for step in init_rule(model, mod, path):
                 step()
         for leaf, p in list(mod._parameters.items()):
             if p is None or last.get(id(p)) != i:
@@ -188,13 +188,18 @@ def _from_source(source: Mapping[str, torch.Tensor], names, value: torch.Tensor)
 
 
 def _check_covered(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """The run-time net under `check_init` (which cannot judge a rule that reads values)."""
     if value.is_floating_point() and bool(torch.isnan(value).any()):
-        owner = name.rpartition(".")[0]
+        from ...compiler.capture.init_rules import init_owner
+
+        path = name.rpartition(".")[0]
+        owner = init_owner(model, path)
+        hook = f"{type(owner).__name__}._init_weights(module)" if owner is not None else \
+            "no enclosing _init_weights(module)"
         raise PipeplanError(
-            f"parameter `{name}` was not initialised: no rule of module `{owner}` "
-            f"({type(model.get_submodule(owner)).__name__}) set it (its reset_parameters() "
-            f"or {type(model).__name__}._init_weights(module)); see docs/runtime.md, "
-            "Initial weights")
+            f"parameter `{name}` was not initialised: no rule of module `{path}` "
+            f"({type(model.get_submodule(path)).__name__}) set it (its reset_parameters() "
+            f"or {hook}); see docs/runtime.md, Initial weights")
 
 
 def fresh_meta(modules: Iterable[nn.Module]) -> None:

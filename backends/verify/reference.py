@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...compiler.estimate.precision import to_precision
+from ...compiler.estimate.precision import kernel_notes, to_precision
 from ...dsl.ast import Plan
 from ..runtime import data
 from .compare import alias_map
@@ -40,6 +40,7 @@ class ReferenceResult:
     aliases: dict[str, str] = field(default_factory=dict)  # every name -> canonical name
     grad_scale: float = 0.0  # max |gradient element| of step 1 (after clipping)
     reach: dict[str, torch.Tensor] = field(default_factory=dict)  # canonical name -> A_i
+    notes: list[str] = field(default_factory=list)  # kernels switched for the precision
 
     def fp32_rule(self):
         """The judge's float32 rule for this run (compare.py)."""
@@ -99,7 +100,7 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
         norms.append(float(norm))
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return ReferenceResult(losses, params, norms, first_grads, aliases, grad_scale,
-                           reach.total)
+                           reach.total, kernel_notes(model))
 
 
 class _Reach:

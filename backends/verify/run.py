@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ...dsl.ast import Plan
+from ...errors import PipeplanError
 
 JUDGE_PRECISIONS = ("fp64", "fp32")
 
@@ -104,19 +105,104 @@ def judged_plan(plan: Plan, precision: str) -> Plan:
 
 def verify_plan(plan: Plan, steps: int, precision: str, launch) -> int:
     """Run `launch(dump_dir)` (the pipelined ranks, at `precision`), the reference, judge and
-    print; 0 when EQUAL, 1 when DIFFERENT, the launcher's code when a rank failed."""
-    from .reference import train_reference
-
+    print; 0 when EQUAL, 1 when DIFFERENT, the launcher's code when a rank failed. A DiLoCo
+    plan is judged island by island against its own reference (verify/diloco.py)."""
     with tempfile.TemporaryDirectory(prefix="pipeplan-verify-") as dump:
         code = launch(dump)
         if code:
             return code
         dumps = [torch.load(os.path.join(dump, f), weights_only=True)
                  for f in sorted(os.listdir(dump)) if f.endswith(".pt")]
+    judged = judged_plan(plan, precision)
+    if plan.sync.diloco:
+        print(f"pipeplan: island-by-island DiLoCo reference, {steps} steps ({precision})",
+              flush=True)
+        from .diloco import judge_islands
+        refs = reference_like_the_ranks(judged, steps, "islands")
+        verdicts = judge_islands(judged, refs, dumps)
+        for d, (ref, verdict) in enumerate(zip(refs, verdicts)):
+            print(f"island {d}:")
+            _print_losses(ref, _first_of_island(judged, dumps, d))
+            print(verdict.render())
+        return 0 if all(v.within for v in verdicts) else 1
     print(f"pipeplan: single-process reference, {steps} steps ({precision})", flush=True)
-    ref = train_reference(judged_plan(plan, precision), steps)
+    ref = reference_like_the_ranks(judged, steps)
     result = judge(ref, dumps, precision)
-    for step, (r, p) in enumerate(zip(ref.losses, dumps[0]["losses"])):
-        print(f"step {step + 1}: loss {p:.10f}  reference {r:.10f}  diff {abs(p - r):.2e}")
+    for note in ref.notes:
+        print(f"pipeplan: {note}", flush=True)
+    _print_losses(ref, dumps[0])
     print(result.render())
     return 0 if result.within else 1
+
+
+def _first_of_island(plan: Plan, dumps: list, island: int) -> dict:
+    from ...dsl.layout import mesh_layout
+
+    ranks = {c.rank for c in mesh_layout(plan.mesh) if c.dp == island}
+    return next(r for r in dumps if r["rank"] in ranks)
+
+
+def _print_losses(ref, dump: dict) -> None:
+    for step, (r, p) in enumerate(zip(ref.losses, dump["losses"])):
+        print(f"step {step + 1}: loss {p:.10f}  reference {r:.10f}  diff {abs(p - r):.2e}")
+
+
+def reference_like_the_ranks(plan: Plan, steps: int, kind: str = "reference"):
+    """`train_reference` (kind "islands": DiLoCo's `train_islands`) under the PYTHONHASHSEED
+    the launcher gives the ranks (runtime/launcher.hash_seed): here when this process
+    already runs under it, else in a fresh interpreter started with it (a process cannot
+    change its own hash seed)."""
+    from ..runtime.launcher import HASH_SEED_ENV, hash_seed
+
+    want = hash_seed(plan.train.seed)
+    if os.environ.get(HASH_SEED_ENV) == want:
+        return _REFERENCES[kind]()(plan, steps)
+    import multiprocessing
+
+    from multiprocessing.reduction import ForkingPickler
+    from types import MappingProxyType
+
+    from ...dsl.ast import _frozen_map
+
+    # the plan's frozen mappings travel as what they wrap
+    ForkingPickler.register(MappingProxyType, lambda m: (_frozen_map, (dict(m),)))
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="pipeplan-reference-") as out:
+        path = os.path.join(out, "reference.pt")
+        before = os.environ.get(HASH_SEED_ENV)
+        os.environ[HASH_SEED_ENV] = want  # the spawned interpreter starts with this env
+        try:
+            child = ctx.Process(target=_reference_child, args=(plan, steps, path, kind))
+            child.start()
+        finally:
+            if before is None:
+                os.environ.pop(HASH_SEED_ENV)
+            else:
+                os.environ[HASH_SEED_ENV] = before
+        child.join()
+        if child.exitcode != 0 or not os.path.exists(path):
+            said = open(path + ".err").read() if os.path.exists(path + ".err") else \
+                f"exit code {child.exitcode}"
+            raise PipeplanError(f"the single-process reference failed: {said}")
+        return torch.load(path, weights_only=False)
+
+
+def _reference_child(plan: Plan, steps: int, path: str, kind: str) -> None:
+    try:
+        torch.save(_REFERENCES[kind]()(plan, steps), path)
+    except Exception as e:  # said by the parent, as one line
+        with open(path + ".err", "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+
+
+def _train_reference():
+    from .reference import train_reference
+    return train_reference
+
+
+def _train_islands():
+    from .diloco import train_islands
+    return train_islands
+
+
+_REFERENCES = {"reference": _train_reference, "islands": _train_islands}

@@ -311,10 +311,9 @@ def _fmt_args(args: dict) -> str:
 # The runtime never builds the whole model with weights: `load_skeleton` constructs it
 # with every parameter on the meta device and every buffer where the constructor computed
 # it (CPU), and backends/state/materialize.py initialises only the modules a rank owns, each by
-# the model's own per-module rule (`check_init` below says which) under a seed derived
-# from the module's path.
-
-INIT_HOOK = "_init_weights"  # model-level `_init_weights(module)` (Hugging Face's convention)
+# the model's own per-module rule (compiler/capture/init_rules.py says which, and
+# `check_init` there proves it covers every parameter) under a seed derived from the
+# module's path.
 
 
 def load_skeleton(plan: Plan) -> torch.nn.Module:
@@ -343,35 +342,3 @@ class _parameters_on_meta:
     def __exit__(self, *exc):
         torch.nn.Module.register_parameter = self._orig
         return False
-
-
-def init_rule(model: torch.nn.Module, module: torch.nn.Module) -> list:
-    """How `module`'s own parameters are initialised, in the constructor's order: the
-    module's `reset_parameters()` (what torch layers run in their __init__), then the
-    model's `_init_weights(module)` (what a model applies to every module after
-    construction, e.g. Hugging Face's `post_init`). Empty: no rule."""
-    steps = []
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        steps.append(reset)
-    hook = getattr(model, INIT_HOOK, None)
-    if callable(hook):
-        steps.append(lambda: hook(module))
-    return steps
-
-
-def check_init(plan: Plan, model: torch.nn.Module) -> None:
-    """Refuse (at the plan's model line) a model whose initial weights cannot be drawn per
-    module: a module owning parameters directly with no rule for them."""
-    for path, module in model.named_modules():
-        own = [n for n, p in module.named_parameters(recurse=False)]
-        if own and not init_rule(model, module):
-            where = f"module `{path}`" if path else f"the model ({type(module).__name__}) itself"
-            raise PlanError.at(
-                plan, "model.source",
-                f"{where} ({type(module).__name__}) owns parameters {', '.join(own)} but has "
-                f"no reset_parameters(), and {type(model).__name__} has no "
-                f"{INIT_HOOK}(module): pipeplan cannot initialise them per module",
-                f"give {type(module).__name__} a reset_parameters() that initialises "
-                f"{', '.join(own)}, or give {type(model).__name__} an {INIT_HOOK}(self, module) "
-                "method (see docs/runtime.md, Initial weights)")

@@ -6,6 +6,8 @@ dtype the runtime derives from it, is float64.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 PRECISIONS = ("fp32", "bf16", "fp64")
@@ -27,4 +29,44 @@ def to_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     if dtype != torch.float32 and any(t.is_floating_point() and t.dtype != dtype
                                       for t in (*model.parameters(), *model.buffers())):
         model.to(dtype)
+    exact_experts_kernels(model, dtype)
     return model
+
+
+# Experts kernels of transformers (`experts_implementation`, transformers/integrations/moe.py)
+# with no float64 kernel -> the model's own implementation computing the same products:
+# torch's grouped_mm takes float32/bf16/fp16 matrices only; batched_mm gathers each token's
+# expert weights and multiplies them per token (bmm), in any dtype.
+NO_FLOAT64 = {"grouped_mm": "batched_mm"}
+_NOTE = "_pipeplan_kernel_note"
+
+
+def exact_experts_kernels(model: torch.nn.Module, dtype: torch.dtype) -> Optional[str]:
+    """Under float64, switch every transformers model inside `model` whose experts run a
+    kernel without a float64 path (NO_FLOAT64) to its exact equivalent, with the model's
+    own `set_experts_implementation`; the note said (None: nothing switched)."""
+    if dtype != torch.float64:
+        return None
+    switched = []
+    for path, mod in model.named_modules():
+        get = getattr(mod, "get_experts_implementation", None)
+        can = getattr(mod, "_can_set_experts_implementation", None)
+        if not callable(get) or not (callable(can) and can()):
+            continue
+        now = get()
+        if any(v in NO_FLOAT64 for v in now.values()):
+            mod.set_experts_implementation({k: NO_FLOAT64.get(v, v) for k, v in now.items()})
+            switched.append(path or type(mod).__name__)
+    if not switched:
+        return None
+    note = (f"experts of {', '.join(switched)} run transformers' batched_mm "
+            "(experts_implementation), not grouped_mm: torch's grouped_mm has no float64 "
+            "kernel; batched_mm computes the same per-token products (run and reference alike)")
+    setattr(model, _NOTE, note)
+    return note
+
+
+def kernel_notes(model: torch.nn.Module) -> list[str]:
+    """What `to_precision` switched in `model`, for the report."""
+    note = getattr(model, _NOTE, None)
+    return [note] if note else []

@@ -20,9 +20,12 @@ after (the output: back to sequence shards).
 * an attention mask tensor: it is computed from the local slice ([.., S/cp, S/cp]) and
   the whole-sequence mask is never built (transformers materialises one under
   torch.export); only `is_causal` or no mask is exact after the all-to-all;
-* positions made inside the model (`arange` over the local length): each rank would
-  number its slice from 0; feed position_ids from the data's `positions` field, which
-  each cp rank receives with its global offsets (backends/runtime/data.py).
+* positions made inside the model by an `arange` not tied to the sequence's length (a
+  literal length, as torch.export bakes it): each rank would number its slice from 0;
+  feed position_ids from the data's `positions` field, which each cp rank receives with
+  its global offsets (backends/runtime/data.py). An `arange(x.shape[seq])` (fx captures)
+  is marked by compiler/parallel/cp_locality.py and renumbered to the rank's global
+  positions at run time (backends/parallel/cp/positions.py).
 
 Ring attention (`context { method = ring }`, backends/parallel/cp/ring.py) keeps each
 rank's queries and passes K/V blocks around the cp ring: heads do not limit cp (only tp,
@@ -48,6 +51,7 @@ from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA, MetaRun
 
+POSITIONS = "pipeplan_cp_positions"  # node.meta: an arange cp_locality.py ties to the sequence
 ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
           torch.ops.aten.arange.start_step}
 
@@ -133,7 +137,8 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
                                "context parallel supports attention with is_causal or no "
                                "mask (transformers models materialise their mask when "
                                "exported)")
-    made = [n for n in graph.nodes if n.op == "call_function" and n.target in ARANGE]
+    made = [n for n in graph.nodes if n.op == "call_function" and n.target in ARANGE
+            and not n.meta.get(POSITIONS)]  # cp_locality: renumbered at run time
     if made:
         raise PlanError.at(plan, key, f"the model makes positions itself (`{made[0].name}`: "
                            "arange over the local sequence), so every cp rank would number "

@@ -1,0 +1,56 @@
+"""Positions a context-parallel stage numbers itself: each rank's global positions.
+
+compiler/parallel/cp_locality.py marks (node.meta["pipeplan_cp_positions"]) every
+`arange(length)` of the graph whose length is the sequence's (read from an input's shape):
+on a cp rank it would number the rank's slice 0..S/cp-1. `renumber_positions` replaces
+each with the positions the rank holds (`cp_columns`, which the data's slices follow too: a
+contiguous block under Ulysses, chunks r and 2cp-1-r under ring attention's load-balanced
+layout): one `arange(start, stop)` per contiguous run of them, concatenated, keeping the
+call's own dtype and device arguments.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ....compiler.parallel.cp import POSITIONS
+from ....dsl.ast import Plan
+
+
+def cp_columns(plan: Plan, cp_rank: int) -> torch.Tensor:
+    """The sequence positions context-parallel rank `cp_rank` holds (dsl/checks.py checked
+    that they divide evenly): a contiguous block, or chunks r and 2cp-1-r under ring
+    attention (backends/runtime/data.py slices tokens, targets and positions by them)."""
+    seq, cp = plan.data.seq_len, plan.mesh.cp
+    if plan.context is not None and plan.context.method == "ring":
+        from .ring import ring_columns
+        return ring_columns(seq, cp, cp_rank)
+    return torch.arange(cp_rank * seq // cp, (cp_rank + 1) * seq // cp)
+
+
+def runs(columns: torch.Tensor) -> list[tuple[int, int]]:
+    """`columns` (ascending within runs) as contiguous [start, stop) runs, in order."""
+    out: list[list[int]] = []
+    for c in columns.tolist():
+        if out and out[-1][1] == c:
+            out[-1][1] = c + 1
+        else:
+            out.append([c, c + 1])
+    return [(a, b) for a, b in out]
+
+
+def renumber_positions(gm: fx.GraphModule, columns: torch.Tensor) -> int:
+    """Replace every marked arange of `gm` by this rank's global positions `columns`, in
+    place; returns how many."""
+    marked = [n for n in gm.graph.nodes if n.meta.get(POSITIONS)]
+    for node in marked:
+        kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
+        with gm.graph.inserting_before(node):
+            parts = [gm.graph.call_function(torch.arange, (a, b), kwargs)
+                     for a, b in runs(columns)]
+            new = parts[0] if len(parts) == 1 else gm.graph.call_function(torch.cat, (parts,))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    if marked:
+        gm.recompile()
+    return len(marked)

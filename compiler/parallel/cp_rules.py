@@ -1,0 +1,406 @@
+"""The sequence rules of context parallel: one rule per op, how it moves or mixes the sequence.
+
+Each rule takes one graph op (`Op`: its arguments, their meta values and which of their
+dims carry the sequence) and returns the dims of its output that carry the sequence --
+views, transposes and broadcasts move them, a linear or a norm over features keeps them
+-- or raises `Mixing` (the op combines positions: a convolution, a cumulative op, a
+reduction, softmax, sort or a matmul over the sequence, a shift, a concatenation along it)
+or `NoRule`. `RULES` (op name -> rule, torch-level and aten names alike; aten ops tagged
+pointwise need no entry) and `MODULE_RULES` (leaf module type -> op name) are the one
+table; compiler/parallel/cp_locality.py walks the graph with it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+Dims = frozenset  # the dims of one tensor value that carry the sequence
+
+
+class Mixing(Exception):
+    """The op combines positions along the sequence (message: how)."""
+
+
+class NoRule(Exception):
+    """No rule says how the op treats the sequence."""
+
+
+class Op:
+    """One graph node as the rules see it: its arguments (self first for methods and
+    modules), the meta values of its tensors and the sequence dims of its inputs."""
+
+    def __init__(self, node: fx.Node, run, seq: dict, name: str,
+                 module: Optional[nn.Module] = None):
+        self.node, self.run, self._seq, self.name, self.module = node, run, seq, name, module
+        self.args, self.kwargs = node.args, node.kwargs
+
+    def arg(self, i: int, name: str, default=None):
+        if len(self.args) > i:
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    def value(self, a):
+        return self.run.value(a) if isinstance(a, fx.Node) else a
+
+    def dims(self, a) -> Dims:
+        got = self._seq.get(a) if isinstance(a, fx.Node) else None
+        return got if isinstance(got, frozenset) else Dims()
+
+    def ndim(self, a) -> int:
+        return self.value(a).dim()
+
+    @property
+    def out(self):
+        return self.run.value(self.node)
+
+    def tensor_inputs(self) -> list[fx.Node]:
+        return [a for a in pytree.tree_leaves((self.args, self.kwargs))
+                if isinstance(a, fx.Node) and isinstance(self._seq.get(a), frozenset)
+                and self._seq[a]]
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _dim_list(d, ndim: int) -> Optional[list[int]]:
+    """A dim argument as a list of non-negative dims; None: all dims."""
+    if d is None or (isinstance(d, (list, tuple)) and len(d) == 0):
+        return None
+    if isinstance(d, (list, tuple)):
+        return [_norm(int(x), ndim) for x in d]
+    return [_norm(int(d), ndim)]
+
+
+# ------------------------------------------------------------------------- rules
+def pointwise(op: Op) -> Dims:
+    """Element by element, inputs broadcast against each other (right-aligned)."""
+    out = op.out
+    if not isinstance(out, torch.Tensor):
+        raise NoRule("its output is not a tensor")
+    dims = set()
+    for a in op.tensor_inputs():
+        shift = out.dim() - op.ndim(a)
+        for d in op.dims(a):
+            if d + shift < 0 or out.shape[d + shift] != op.value(a).shape[d]:
+                raise NoRule("its output does not keep the sequence where its inputs have it")
+            dims.add(d + shift)
+    return Dims(dims)
+
+
+def view(op: Op) -> Dims:
+    """A reshape: the output dims that cover the input's sequence dims (row-major)."""
+    src, out = op.value(op.args[0]), op.out
+    pin, pout = _prefix(src.shape), _prefix(out.shape)
+    dims = set()
+    for d in op.dims(op.args[0]):
+        lo, hi = pin[d], pin[d + 1]
+        dims.update(j for j in range(out.dim())
+                    if out.shape[j] > 1 and pout[j] < hi and pout[j + 1] > lo)
+    return Dims(dims)
+
+
+def _prefix(shape) -> list[int]:
+    out = [1]
+    for s in shape:
+        out.append(out[-1] * int(s))
+    return out
+
+
+def permute(op: Op) -> Dims:
+    x = op.args[0]
+    n = op.ndim(x)
+    order = op.args[1:] if len(op.args) > 2 or isinstance(op.arg(1, "dims"), int) \
+        else op.arg(1, "dims")
+    order = [_norm(int(d), n) for d in order]
+    return Dims(order.index(d) for d in op.dims(x))
+
+
+def transpose(op: Op) -> Dims:
+    x = op.args[0]
+    n = op.ndim(x)
+    if op.name == "t":
+        a, b = 0, 1
+    else:
+        a, b = _norm(int(op.arg(1, "dim0")), n), _norm(int(op.arg(2, "dim1")), n)
+    swap = {a: b, b: a}
+    return Dims(swap.get(d, d) for d in op.dims(x))
+
+
+def reduction(op: Op) -> Dims:
+    x = op.args[0]
+    n = op.ndim(x)
+    over = _dim_list(op.arg(1, "dim"), n)
+    over = list(range(n)) if over is None else over
+    hit = sorted(set(over) & op.dims(x))
+    if hit:
+        raise Mixing(f"reduces over the sequence (dim {hit[0]})")
+    keep = bool(op.arg(2, "keepdim", False))
+    dims = Dims(d if keep else d - sum(o < d for o in over) for d in op.dims(x))
+    return (dims, dims) if isinstance(op.out, (tuple, list)) else dims
+
+
+def along(pos: int, name: str = "dim", default=-1, what: str = "runs along the sequence",
+          many: bool = False):
+    """An op that keeps its input's shape and combines values along one dim."""
+
+    def rule(op: Op) -> Any:
+        x = op.args[0]
+        n = op.ndim(x)
+        d = op.arg(pos, name, default)
+        over = _dim_list(d, n) or list(range(n))
+        if set(over) & op.dims(x):
+            raise Mixing(what)
+        dims = Dims(op.dims(x) | set().union(*(op.dims(a) for a in op.tensor_inputs())))
+        return (dims,) * len(op.out) if isinstance(op.out, (tuple, list)) else dims
+
+    return rule
+
+
+def cat(op: Op) -> Dims:
+    tensors = op.arg(0, "tensors")
+    n = op.out.dim()
+    d = _norm(int(op.arg(1, "dim", 0)), n)
+    dims = set().union(*(op.dims(t) for t in tensors))
+    if d in dims:
+        raise Mixing("concatenates along the sequence")
+    return Dims(dims)
+
+
+def stack(op: Op) -> Dims:
+    tensors = op.arg(0, "tensors")
+    d = _norm(int(op.arg(1, "dim", 0)), op.out.dim())
+    return Dims(s + (s >= d) for t in tensors for s in op.dims(t))
+
+
+def split(pos: int, default=0, drops: bool = False):
+    def rule(op: Op):
+        x = op.args[0]
+        d = _norm(int(op.arg(pos, "dim", default)), op.ndim(x))
+        if d in op.dims(x):
+            raise Mixing("splits the sequence into pieces")
+        dims = Dims(s - (drops and s > d) for s in op.dims(x))
+        return tuple(dims for _ in op.out)
+
+    return rule
+
+
+def select(op: Op) -> Dims:
+    x = op.args[0]
+    d = _norm(int(op.arg(1, "dim")), op.ndim(x))
+    if d in op.dims(x):
+        raise Mixing("picks one position of the sequence")
+    return Dims(s - (s > d) for s in op.dims(x))
+
+
+def slice_(op: Op) -> Dims:
+    x = op.args[0]
+    d = _norm(int(op.arg(1, "dim", 0)), op.ndim(x))
+    size = op.value(x).shape[d]
+    start, end, step = (op.value(op.arg(i, n, d)) for i, n, d in
+                        ((2, "start", None), (3, "end", None), (4, "step", 1)))
+    if d in op.dims(x) and not _whole(start, end, step, size):
+        raise Mixing("takes part of the sequence (a shift or a window)")
+    return op.dims(x)
+
+
+def narrow(op: Op) -> Dims:
+    x = op.args[0]
+    d = _norm(int(op.arg(1, "dim")), op.ndim(x))
+    size = op.value(x).shape[d]
+    if d in op.dims(x) and not (op.value(op.arg(2, "start")) == 0
+                                and op.value(op.arg(3, "length")) == size):
+        raise Mixing("takes part of the sequence (a shift or a window)")
+    return op.dims(x)
+
+
+def _whole(start, end, step, size) -> bool:
+    return (start in (None, 0) and (end is None or (isinstance(end, int) and end >= size))
+            and step in (None, 1))
+
+
+def getitem(op: Op):
+    x, index = op.args[0], op.args[1]
+    got = op._seq.get(x)
+    if isinstance(got, tuple):  # an element of a tuple-valued op
+        return got[index]
+    value = op.value(x)
+    if not isinstance(value, torch.Tensor):
+        raise NoRule("it indexes a container the rules do not follow")
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, (fx.Node, torch.Tensor, list)) for i in items):
+        raise NoRule("advanced (tensor) indexing")
+    n_used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    d_in, d_out, mapping = 0, 0, {}
+    for i in items:
+        if i is Ellipsis:
+            skip = value.dim() - n_used
+            for _ in range(skip):
+                mapping[d_in] = d_out
+                d_in, d_out = d_in + 1, d_out + 1
+        elif i is None:
+            d_out += 1
+        elif isinstance(i, int):
+            if d_in in op.dims(x):
+                raise Mixing("picks one position of the sequence")
+            d_in += 1
+        elif isinstance(i, slice):
+            whole = _whole(op.value(i.start), op.value(i.stop), op.value(i.step),
+                           value.shape[d_in])
+            if d_in in op.dims(x) and not whole:
+                raise Mixing("takes part of the sequence (a shift or a window)")
+            mapping[d_in] = d_out
+            d_in, d_out = d_in + 1, d_out + 1
+        else:
+            raise NoRule(f"index {i!r}")
+    while d_in < value.dim():
+        mapping[d_in] = d_out
+        d_in, d_out = d_in + 1, d_out + 1
+    return Dims(mapping[d] for d in op.dims(x))
+
+
+def linear(op: Op) -> Dims:
+    x = op.args[0]
+    if op.ndim(x) - 1 in op.dims(x):
+        raise Mixing("contracts the sequence (a linear layer over positions)")
+    return op.dims(x)
+
+
+def embedding(op: Op) -> Dims:
+    """aten.embedding(weight, indices); F.embedding(input, weight); nn.Embedding(input)."""
+    ids = op.args[1] if isinstance(op.node.target, torch._ops.OpOverload) else op.args[0]
+    return op.dims(ids)
+
+
+def norm_over_last(count: Callable[[Op], int]):
+    def rule(op: Op) -> Dims:
+        x = op.args[0]
+        n = op.ndim(x)
+        if any(d >= n - count(op) for d in op.dims(x)):
+            raise Mixing("normalises over the sequence")
+        out = op.out
+        dims = op.dims(x)
+        return (dims,) * len(out) if isinstance(out, (tuple, list)) else dims
+
+    return rule
+
+
+def _normalized_count(op: Op) -> int:
+    if op.module is not None:
+        return len(getattr(op.module, "normalized_shape", (1,)))
+    shape = op.arg(1, "normalized_shape")
+    return len(shape) if isinstance(shape, (list, tuple)) else 1
+
+
+def convolution(op: Op) -> Dims:
+    x = op.args[0]
+    weight = op.module.weight if op.module is not None else op.value(op.args[1])
+    kernel = tuple(weight.shape[2:])
+    if any(d >= 2 for d in op.dims(x)) and any(k > 1 for k in kernel):
+        raise Mixing(f"convolves over the sequence (kernel {kernel})")
+    if 1 in op.dims(x):
+        raise Mixing("contracts the sequence (it is the convolution's channel dim)")
+    return op.dims(x)
+
+
+def matmul(op: Op) -> Dims:
+    a, b = op.args[0], op.args[1]
+    na, nb, no = op.ndim(a), op.ndim(b), op.out.dim()
+    if na - 1 in op.dims(a) or (nb >= 2 and nb - 2 in op.dims(b)) or (nb == 1 and op.dims(b)):
+        raise Mixing("contracts the sequence (a matmul over positions)")
+    dims = set()
+    for d in op.dims(a):
+        dims.add(no - 2 if (na >= 2 and d == na - 2) else d + no - na)
+    for d in op.dims(b):
+        dims.add(no - 1 if d == nb - 1 else d + no - nb)
+    return Dims(dims)
+
+
+def addmm(op: Op) -> Dims:
+    """addmm/baddbmm(input, a, b): a matmul plus a broadcast input."""
+    inner = Op(op.node, op.run, op._seq, "matmul")
+    inner.args = op.args[1:3]
+    dims = matmul(inner)
+    bias = op.args[0]
+    return Dims(dims | {d + op.out.dim() - op.ndim(bias) for d in op.dims(bias)})
+
+
+def attention(op: Op) -> Dims:
+    return op.dims(op.args[0])
+
+
+def same_as_first(op: Op) -> Dims:
+    """A per-position module call (the experts call: each token is routed on its own)."""
+    return op.dims(op.args[0])
+
+
+def constant(op: Op) -> Dims:
+    return Dims()
+
+
+POINTWISE = frozenset({
+    "add", "sub", "mul", "div", "truediv", "floordiv", "floor_divide", "neg", "pow", "rsqrt",
+    "sqrt", "exp", "log", "log1p", "expm1", "silu", "gelu", "relu", "tanh", "sigmoid",
+    "softplus", "to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int",
+    "bool", "clone", "contiguous", "detach", "alias", "where", "clamp", "clamp_min",
+    "clamp_max", "masked_fill", "dropout", "_to_copy", "abs", "sin", "cos", "eq", "ne", "lt",
+    "gt", "le", "ge", "reciprocal", "erf", "mod", "remainder", "sign", "maximum", "minimum",
+    "logical_not", "logical_and", "logical_or", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "lift_fresh_copy", "copy", "fill", "square",
+    "iadd", "imul", "isub", "itruediv", "and_", "or_", "invert", "lerp", "addcmul", "addcdiv",
+    "nan_to_num", "hardtanh", "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid",
+    "gelu_tanh", "tanh_", "requires_grad_", "float_power", "exp2", "round", "floor", "ceil",
+    "trunc", "isnan", "isinf", "isfinite", "signbit", "triu_", "native_dropout",
+})
+VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze",
+                   "unsqueeze", "view_as", "reshape_as", "_reshape_alias"})
+CONSTANT = frozenset({"zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_full",
+                      "new_empty", "arange", "tensor", "scalar_tensor", "eye", "size", "dim",
+                      "numel", "sym_size", "sym_numel", "sym_stride", "stride"})
+
+RULES: dict[str, Callable] = {
+    **{k: pointwise for k in POINTWISE}, **{k: view for k in VIEWS},
+    **{k: constant for k in CONSTANT},
+    "expand": pointwise, "expand_as": pointwise, "broadcast_to": pointwise,
+    "permute": permute, "transpose": transpose, "swapaxes": transpose, "t": transpose,
+    "sum": reduction, "mean": reduction, "amax": reduction, "amin": reduction,
+    "max": reduction, "min": reduction, "prod": reduction, "var": reduction, "std": reduction,
+    "norm": reduction, "logsumexp": reduction, "argmax": reduction, "argmin": reduction,
+    "any": reduction, "all": reduction, "count_nonzero": reduction, "var_mean": reduction,
+    "softmax": along(1, what="takes a softmax over the sequence"),
+    "log_softmax": along(1, what="takes a softmax over the sequence"),
+    "_softmax": along(1, what="takes a softmax over the sequence"),
+    "cumsum": along(1, what="accumulates along the sequence (cumsum)"),
+    "cumprod": along(1, what="accumulates along the sequence (cumprod)"),
+    "cummax": along(1, what="accumulates along the sequence (cummax)"),
+    "logcumsumexp": along(1, what="accumulates along the sequence (logcumsumexp)"),
+    "sort": along(1, what="sorts along the sequence"),
+    "argsort": along(1, what="sorts along the sequence"),
+    "topk": along(2, what="picks the top positions of the sequence"),
+    "flip": along(1, "dims", what="reverses the sequence"),
+    "roll": along(2, "dims", what="shifts the sequence (roll)"),
+    "diff": along(2, what="differences neighbouring positions"),
+    "gather": along(1, what="gathers positions along the sequence"),
+    "index_select": along(1, what="picks positions of the sequence"),
+    "cat": cat, "concat": cat, "concatenate": cat, "stack": stack,
+    "chunk": split(2), "split": split(2), "split_with_sizes": split(2),
+    "tensor_split": split(2), "unbind": split(1, drops=True),
+    "select": select, "slice": slice_, "narrow": narrow, "getitem": getitem,
+    "linear": linear, "embedding": embedding,
+    "layer_norm": norm_over_last(_normalized_count),
+    "rms_norm": norm_over_last(_normalized_count),
+    "native_layer_norm": norm_over_last(_normalized_count),
+    "conv1d": convolution, "conv2d": convolution, "convolution": convolution,
+    "matmul": matmul, "bmm": matmul, "mm": matmul, "addmm": addmm, "baddbmm": addmm,
+    "scaled_dot_product_attention": attention,
+}
+MODULE_RULES: dict[type, str] = {
+    nn.Linear: "linear", nn.Embedding: "embedding", nn.Conv1d: "conv1d",
+    nn.Conv2d: "conv2d", nn.LayerNorm: "layer_norm", nn.RMSNorm: "rms_norm",
+    nn.Dropout: "dropout", nn.Identity: "alias", nn.GELU: "gelu", nn.ReLU: "relu",
+    nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
+}

@@ -1,0 +1,131 @@
+"""Tiny random configs of transformers families and small hand-written models for the
+any-model tests (no downloads): each builds in well under a second."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cp_models import CAUSAL_SDPA, _register_causal_sdpa
+from .tp_models import RMSNorm
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+
+
+def jamba(layers: int = 2):
+    """Jamba: a Mamba layer (causal conv1d and a selective scan over the sequence) then an
+    attention layer with MoE, attention through CAUSAL_SDPA (no mask tensor), so nothing
+    but the Mamba layer stands between it and context parallel."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    _register_causal_sdpa()
+    cfg = JambaConfig(**SMALL, num_hidden_layers=layers, num_experts=2, num_experts_per_tok=1,
+                      expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+                      attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+                      mamba_dt_rank=4, attn_implementation=CAUSAL_SDPA)
+    return JambaForCausalLM(cfg)
+
+
+class CausalConvLM(nn.Module):
+    """A short causal convolution over the sequence (depthwise, kernel 3, as in Mamba or
+    Hyena blocks) before causal SDPA attention: position t reads t-2..t."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kernel: int = 3):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, padding=kernel - 1)
+        self.norm = RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        t = x.shape[1]
+        x = x + self.conv(x.transpose(1, 2))[..., :t].transpose(1, 2)
+        b, _, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
+def gemma3(layers: int = 4):
+    """Gemma 3 text: sliding-window and full attention layers; its forward loops over
+    `set(config.layer_types)`, whose order follows Python's hash seed."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**SMALL, num_hidden_layers=layers, head_dim=8, sliding_window=4,
+                           attn_implementation="sdpa")
+    return Gemma3ForCausalLM(cfg)
+
+
+def qwen3_moe(layers: int = 2):
+    """Qwen3-MoE with transformers' default experts kernel (grouped_mm), as its config sets it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=layers,
+                         num_experts=4, num_experts_per_tok=2, head_dim=8,
+                         attn_implementation="sdpa")
+    return Qwen3MoeForCausalLM(cfg)
+
+
+class WrappedLlama(nn.Module):
+    """A user module holding transformers' LlamaForCausalLM, returning its logits: how most
+    people wrap a Hugging Face model. The user module has no init rule of its own."""
+
+    def __init__(self, layers: int = 4):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(LlamaConfig(**SMALL, num_hidden_layers=layers,
+                                                  attn_implementation="sdpa"))
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+class WrappedMixtral(nn.Module):
+    """The same around MixtralForCausalLM (its default experts kernel)."""
+
+    def __init__(self, layers: int = 4):
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        self.model = MixtralForCausalLM(MixtralConfig(**SMALL, num_hidden_layers=layers,
+                                                      num_local_experts=4,
+                                                      num_experts_per_tok=2,
+                                                      attn_implementation="sdpa"))
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+class SeqOpLM(nn.Module):
+    """Causal SDPA attention after one op on the embeddings: "cumsum" (a running sum over
+    the sequence), "mean" (pooling over it), "roll" (a shift along it) mix positions;
+    "features" (a running sum over the features) does not."""
+
+    def __init__(self, op: str = "features", vocab: int = 64, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.op, self.heads = op, heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        if self.op == "cumsum":
+            x = x.cumsum(dim=1)
+        elif self.op == "mean":
+            x = x - x.mean(dim=1, keepdim=True)
+        elif self.op == "roll":
+            x = x + torch.roll(x, 1, dims=1)
+        else:
+            x = x.cumsum(dim=-1)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))
