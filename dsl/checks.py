@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Optional
 
-from . import input_checks, sync_checks  # noqa: F401  (register the model-input, size and sync checks)
+from . import compile_checks, input_checks, sync_checks  # noqa: F401  (register the compile,
+# model-input, size and sync checks)
 from .ast import ExpertsSpec, OptimizerSpec, Plan
 from .errors import Diagnostic, PlanError
 from .rules import CHECKS, Check, Problem, check, where
