@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeplan.backends.verify.reference import train_reference
 from pipeplan.backends.verify.run import judge, train_for_judge
-from pipeplan.dsl.ast import CompileSpec, Plan
+from pipeplan.dsl.ast import CompileSpec, ModelSpec, Plan
 from pipeplan.tests.backends.test_equivalence import ADAMW, KINDS, SGD, STEPS, make_plan
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
@@ -102,4 +102,29 @@ def _every_worker(rank, world):
 def test_every_schedule_kind_in_graphs_mode_equals_single_process(spawn, world):
     results = spawn(_every_worker, world, timeout=1700)
     failures = _judge_all(_every_configs(world), results)
+    assert not failures, "\n".join(failures)
+
+
+HF = {"llama": "pipeplan.tests.compiler.models:tiny_llama",
+      "mixtral": "pipeplan.tests.parallel.moe_models:mixtral"}
+
+
+def hf_plan(model: str, kind: str) -> Plan:
+    """transformers' Llama / Mixtral (float64, batched_mm experts) on pp=2 in graphs mode."""
+    base = make_plan("gpt", kind, 2, 1, ADAMW)
+    return graphs(dataclasses.replace(base, model=ModelSpec(HF[model], capture="export")))
+
+
+HF_CONFIGS = [(m, k) for m in HF for k in ("1f1b", "interleaved", "zbv", "dualpipev")]
+
+
+def _hf_worker(rank, world):
+    return [train_for_judge(hf_plan(m, k), STEPS) for m, k in HF_CONFIGS]
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(3000)
+def test_hf_llama_and_mixtral_in_graphs_mode_equal_single_process(spawn):
+    results = spawn(_hf_worker, 2, timeout=2900)
+    failures = _judge_all([hf_plan(m, k) for m, k in HF_CONFIGS], results)
     assert not failures, "\n".join(failures)
