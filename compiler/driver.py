@@ -78,8 +78,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
     check_runnable(plan, model, stages)
-    check_joint_graphs(plan, stages, graph, traced.run.values)
     _attach_costs(stages, split, costs, graph)
+    check_joint_graphs(plan, stages, graph, traced.run.values)
     attach_context_costs(plan, stages, split, graph, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)

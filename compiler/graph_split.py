@@ -206,3 +206,22 @@ def _extract(name: str, graph: fx.Graph, members: set, wanted: list, key_of: dic
     g.output(tuple(env[w] if isinstance(w, fx.Node) else w for _, w in wanted))
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Stage{name}")
     return Part(name, gm, inputs, [k for k, _ in wanted])
+
+
+def saved_bytes(graphs: StageGraphs) -> int:
+    """Bytes F leaves for the backward of one microbatch: the distinct storages of the
+    values it saves and of the stage inputs B/W read (from the traced values' metadata;
+    the runtime measures the same on the real tensors)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    placeholders = [n for n in graphs.joint.gm.graph.nodes if n.op == "placeholder"]
+    by_key = {("p", i): n for i, n in enumerate(placeholders)}
+    produced = dict(zip(graphs.F.outputs, graphs.F.gm.graph.output_node().args[0]))
+    storages: dict = {}
+    for key in graphs.saved_keys():
+        node = produced.get(key, by_key.get(key))
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            storage = val.untyped_storage()
+            storages[StorageWeakRef(storage)] = storage.nbytes()
+    return sum(storages.values())

@@ -188,7 +188,11 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
     meta value of each node of `graph`); one that cannot be is refused at the
     `compile.mode` line with the op named. The traced graphs are kept on the stage
     (`StageSpec.joint`), so a CPU runtime on these stage objects need not trace again
-    (another device traces its own: kernels differ)."""
+    (another device traces its own: kernels differ), and the stage's activation bytes
+    per microbatch are the bytes F saves for B and W (graph_split.saved_bytes). Call
+    after the per-node costs are attached (this replaces their saved-bytes sum)."""
+    from .graph_split import saved_bytes, split_joint
+
     if not plan.compile.graphs:
         return
     by_name = {n.target if n.op == "placeholder" else n.name: values.get(n)
@@ -201,3 +205,5 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
         except JointTraceError as e:
             raise PlanError.at(plan, "compile.mode", f"stage {st.index} cannot run as compiled "
                                f"graphs: {e}", "use compile { mode = eager }") from None
+        # exact by construction: what F hands to B and W is what the runtime keeps
+        st.activation_bytes = saved_bytes(split_joint(st.joint))
