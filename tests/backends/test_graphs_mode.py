@@ -128,3 +128,37 @@ def test_hf_llama_and_mixtral_in_graphs_mode_equal_single_process(spawn):
     results = spawn(_hf_worker, 2, timeout=2900)
     failures = _judge_all([hf_plan(m, k) for m, k in HF_CONFIGS], results)
     assert not failures, "\n".join(failures)
+
+
+def _inductor_worker(rank, world, cache: str, steps: int):
+    import os
+
+    from pipeplan.backends.runtime import inductor
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    plan = _fp32(dataclasses.replace(make_plan("gpt", "zbv", 2, 1),
+                                     compile=CompileSpec(mode="inductor")), steps)
+    result = train_for_judge(plan, steps)
+    return result, [(c.part, c.seconds, c.cache_hit) for c in inductor.COMPILES]
+
+
+def _fp32(plan: Plan, steps: int) -> Plan:
+    return dataclasses.replace(plan, train=dataclasses.replace(plan.train, precision="fp32",
+                                                               steps=steps))
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(3000)
+def test_inductor_zbv_20_fp32_steps_within_the_fp32_rule_and_cached(spawn, tmp_path):
+    steps = 20
+    # two worlds, one after the other: the second finds every graph in the on-disk cache
+    runs = [spawn(_inductor_worker, 2, str(tmp_path), steps, timeout=1400) for _ in range(2)]
+    ref = train_reference(_fp32(make_plan("gpt", "zbv", 2, 1), steps), steps)
+    for out in runs:
+        got = judge(ref, [o[0] for o in out], precision="fp32")
+        assert got.within, got.render()
+    for first, second in zip(*runs):
+        cold, warm = first[1], second[1]
+        assert cold and len(warm) == len(cold) and all(hit for _, _, hit in warm), warm
+        print("inductor compile s, cold:", round(sum(s for _, s, _ in cold), 1),
+              "warm:", round(sum(s for _, s, _ in warm), 1))
