@@ -28,17 +28,18 @@ from .stage import StageRunner
 
 
 @dataclass
+class _Compiled:
+    graphs: StageGraphs
+    calls: dict = field(default_factory=dict)  # part name -> callable
+
+
+@dataclass
 class _Pending:
     """What one microbatch keeps from F (and then B) for its backward."""
 
     values: dict  # key -> tensor: saved values, stage inputs, then tangents and handed values
+    compiled: _Compiled  # the graphs its F ran (its inputs' shapes)
     after_b: bool = False
-
-
-@dataclass
-class _Compiled:
-    graphs: StageGraphs
-    calls: dict = field(default_factory=dict)  # part name -> callable
 
 
 class GraphStageRunner(StageRunner):
@@ -81,7 +82,7 @@ class GraphStageRunner(StageRunner):
                 joint = trace_joint(self.module, inputs, needs)
             self.trace_seconds += time.perf_counter() - start
             self._add(key, joint)
-        self._compiled = self._by_shape[key]
+        self._compiled = self._by_shape[key]  # the graphs of the microbatch in F now
         return self._compiled.graphs
 
     def _state(self) -> list[torch.Tensor]:
@@ -116,7 +117,7 @@ class GraphStageRunner(StageRunner):
         keep = {k: values[k] for k in g.saved_keys()}
         if self.saved_bytes is not None:
             self.saved_bytes[mb] = tensor_bytes(keep.values(), self.params)
-        self._saved[mb] = _Pending(keep)
+        self._saved[mb] = _Pending(keep, self._compiled)
         return outputs
 
     # --------------------------------------------------------------- backward
@@ -166,6 +167,7 @@ class GraphStageRunner(StageRunner):
     def backward_input(self, mb: int, out_grads=None) -> dict[str, torch.Tensor]:
         """B: gradients of the float upstream inputs; keeps what W reads."""
         pending = self._saved[mb]
+        self._compiled = pending.compiled
         g = self._compiled.graphs
         self._tangents(pending, out_grads)
         produced = self._call(g.B, pending.values)
@@ -173,16 +175,16 @@ class GraphStageRunner(StageRunner):
         need = set(g.W.inputs)
         pending.values = {k: v for k, v in {**pending.values, **produced}.items() if k in need}
         pending.after_b = True
-        if self.handed_bytes is not None:
+        if self.handed_bytes is not None:  # what B adds for W: handed values, tangents
             self.handed_bytes[mb] = tensor_bytes(
-                [v for k, v in pending.values.items() if k[0] in ("v", "t")
-                 and k in set(g.B.outputs) | {("t", t) for t in range(len(g.joint.tangent_outputs))}],
+                [v for k, v in pending.values.items() if k[0] == "t" or k in set(g.B.outputs)],
                 self.params)
         return grads
 
     def backward_weight(self, mb: int) -> None:
         """W: weight gradients, accumulated into `.grad`; frees the microbatch's values."""
         pending = self._saved.pop(mb)
+        self._compiled = pending.compiled
         self.last_grad_norm = None
         if not pending.after_b:
             raise RuntimeError(f"W(stage {self.spec.index}, mb {mb}) ran before its B")
@@ -194,6 +196,7 @@ class GraphStageRunner(StageRunner):
     def backward_full(self, mb: int, out_grads=None) -> dict[str, torch.Tensor]:
         """BW: input and weight gradients in one graph; frees the microbatch's values."""
         pending = self._saved.pop(mb)
+        self._compiled = pending.compiled
         self.last_grad_norm = None
         g = self._compiled.graphs
         self._tangents(pending, out_grads)
