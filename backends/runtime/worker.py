@@ -23,7 +23,8 @@ from .agreement import check_agreement, compile_shared, plan_hash
 from ..state.checkpoint import Checkpointer, latest_step
 from .failure import STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_failure
 from .layout import with_required_leaves
-from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
+from .memory import (RankMemory, graphs_note, memory_lines, peak_rss_bytes,
+                     return_large_blocks_to_os)
 from ..observe.progress import Progress, RankTimings, check_bubble, describe_run, format_bubble
 from .topology import Coords, build_topology
 from ..observe.trace import write_trace
@@ -258,7 +259,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
             return _finish_decoupled(plan, env, opts, trainer, losses, watch)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
-                            peak_rss_bytes())
+                            peak_rss_bytes(), graphs_note(trainer.runners))
         every = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(memory, every, dst=0)
         if env.rank == 0:
