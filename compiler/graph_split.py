@@ -48,13 +48,6 @@ class Part:
     inputs: list[Key]
     outputs: list[Key]
 
-    def matmuls(self) -> list[fx.Node]:
-        return [n for n in self.gm.graph.nodes if n.op == "call_function" and n.target in MATMULS]
-
-
-MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-                     torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default})
-
 
 @dataclass
 class StageGraphs:
