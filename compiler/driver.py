@@ -6,7 +6,9 @@
     graph, step-wide load-balancing statistics marked (balance.py) -> measured costs (profile.py,
     when the plan names a cost file) -> split
     -> stage graphs -> runtime checks (checks.py: what the runtime would refuse after
-    launch, refused here at the plan line) -> schedule -> placement -> tied parameters
+    launch, refused here at the plan line) -> joint graphs (compile.mode = graphs |
+    inductor: each stage traced forward + backward, refused at the plan line if it cannot
+    be) -> schedule -> placement -> tied parameters
     -> estimates
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .parallel.ep_balance import mark_step_statistics
 from .capture.loading import load_model
 from .estimate.precision import to_precision
 from .estimate.profile import load_profile, node_times, profile_text, profiled_costs, replayed
+from .graphs import check_joint_graphs
 from .partition import Split, choose_split, compute_nodes
 from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
@@ -84,6 +87,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
     _attach_activations(plan, stages, traced.run, costs, tp_kinds)
+    check_joint_graphs(plan, stages, graph, traced.run.values)  # graphs mode: exact bytes
     attach_context_costs(plan, stages, split, graph, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)

@@ -196,6 +196,24 @@ class TensorSpec:
     sequence_parallel: bool = False
 
 
+# ------------------------------------------------------------------- compile
+COMPILE_MODES = ("eager", "graphs", "inductor")
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """How each stage runs (docs/compiler.md, "Compiled stages"). eager: the stage graph op
+    by op under autograd. graphs: its joint forward+backward graph, partitioned into F, B,
+    W and BW graphs called with explicit saved values (no autograd tape). inductor: those
+    graphs compiled by torch's inductor (cached on disk)."""
+
+    mode: str = "eager"  # eager | graphs | inductor
+
+    @property
+    def graphs(self) -> bool:
+        return self.mode != "eager"
+
+
 @dataclass(frozen=True)
 class RecomputeRule:
     pattern: str
@@ -307,6 +325,7 @@ class Plan:
     experts: Optional[ExpertsSpec] = None
     context: Optional[ContextSpec] = None
     tensor: TensorSpec = field(default_factory=TensorSpec)
+    compile: CompileSpec = field(default_factory=CompileSpec)
     zero: int = 0
     sync: SyncSpec = field(default_factory=SyncSpec)
     recompute: tuple[RecomputeRule, ...] = ()

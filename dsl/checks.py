@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Optional
 
-from . import input_checks, sync_checks, train_checks  # noqa: F401  (register the model-input,
-# size, sync, eval and tracker checks)
+from . import compile_checks, input_checks, sync_checks, train_checks  # noqa: F401  (register
+# the compile, model-input, size, sync, eval and tracker checks)
 from .ast import ExpertsSpec, OptimizerSpec, Plan
 from .errors import Diagnostic, PlanError
 from .layout import ep_fits

@@ -374,6 +374,9 @@ def _write_recompute(rules: tuple[A.RecomputeRule, ...], key: str, emit: Emit) -
     return [(f"{key}.{i}", f"{write_pattern(x.pattern)} = {x.mode}") for i, x in enumerate(rules)]
 
 
+# -------------------------------------------------------------- compile
+COMPILE = Section("compile", A.CompileSpec, (Field("mode", choice(*A.COMPILE_MODES)),))
+
 # --------------------------------------------------------------- device
 def _device_name(node: Node, key: str) -> str:
     """A profile's name (checked against the built-in profiles by the compiler)."""
@@ -404,6 +407,7 @@ PLAN = Section("the plan", A.Plan, (
     Field("experts", section=EXPERTS),
     Field("context", section=CONTEXT),
     Field("tensor", section=TENSOR),
+    Field("compile", section=COMPILE),
     Field("zero", integer(0, 3)),
     Field("sync", read_sync, write_sync, nested=True),
     Field("recompute", _recompute, _write_recompute, nested=True),

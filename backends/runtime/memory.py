@@ -66,6 +66,22 @@ class RankMemory:
     grad_bytes: int = 0  # gradients held at the first optimizer step (measured)
     optimizer_bytes: int = 0  # optimizer state at the end of the run (measured)
     activation_bytes: int = 0  # the plan's estimate of the rank's peak saved activations
+    graphs: str = ""  # compile.mode = graphs | inductor: tracing / compile seconds per stage
+
+
+def graphs_note(runners) -> str:
+    """compile.mode = graphs | inductor: each stage's seconds of tracing and partitioning
+    (and of inductor compiling, with its cache hits); "" for eager stage runners."""
+    from .inductor import COMPILES
+
+    parts = [f"stage {s} {r.trace_seconds:.1f} s" for s, r in sorted(runners.items())
+             if hasattr(r, "trace_seconds")]
+    if not parts:
+        return ""
+    hits = sum(c.cache_hit for c in COMPILES)
+    cache = f"; inductor {sum(c.seconds for c in COMPILES):.1f} s of it, cache hits " \
+        f"{hits}/{len(COMPILES)}" if COMPILES else ""
+    return "graphs traced: " + ", ".join(parts) + cache
 
 
 def memory_lines(ranks: list[RankMemory]) -> str:
@@ -73,4 +89,5 @@ def memory_lines(ranks: list[RankMemory]) -> str:
     return "\n".join(
         f"rank {m.rank} (pp {m.pp}): start-up {m.startup_s:.1f} s, parameters "
         f"{m.param_bytes / mb:.1f} MiB, peak RSS {m.startup_peak / mb:.0f} MiB at start-up, "
-        f"{m.peak / mb:.0f} MiB in the run" for m in ranks)
+        f"{m.peak / mb:.0f} MiB in the run" + (f"; {m.graphs}" if m.graphs else "")
+        for m in ranks)

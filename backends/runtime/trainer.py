@@ -71,6 +71,26 @@ def _boundary_specs(plan: Plan, stages) -> list:
     return [dataclasses.replace(spec, module=s.module) for spec, s in zip(specs, stages)]
 
 
+def make_runner(plan: Plan, spec, module, is_last: bool, scale: float, rules, autocast,
+                device_type: str) -> StageRunner:
+    """The stage runner `compile.mode` asks for: eager autograd (stage.py), or the
+    partitioned joint graph (graph_stage.py; inductor.py compiles its graphs). The
+    compiler's trace of the stage (`spec.joint`) is reused where it traced for this
+    device type without autocast."""
+    if not plan.compile.graphs:
+        return StageRunner(spec, module, is_last, scale, recompute=rules, autocast=autocast)
+    from ...compiler.graphs.joint import TRACE_DEVICE
+    from .graph_stage import GraphStageRunner
+
+    compile_part = None
+    if plan.compile.mode == "inductor":
+        from .inductor import compile_part
+    joint = spec.joint if plan.train.precision != "bf16" and device_type == TRACE_DEVICE \
+        else None
+    return GraphStageRunner(spec, module, is_last, scale, autocast=autocast,
+                            compile_part=compile_part, joint=joint)
+
+
 def _stage_order_by_last_grad(order, stages_here) -> list[int]:
     last = {s: -1 for s in stages_here}
     for i, a in enumerate(order):
@@ -146,9 +166,8 @@ class PipelineTrainer:
             self.param_bytes = self.zero.param_bytes()
         rules = tuple(r for r in plan.recompute if r.mode != "none")
         self.grad_bytes = None  # set at the first optimizer step (memory report)
-        self.runners = {s: StageRunner(specs[s], m, s == last, scale,
-                                       recompute=rules, autocast=self.autocast)
-                        for s, m in modules.items()}
+        self.runners = {s: make_runner(plan, specs[s], m, s == last, scale, rules,
+                                       self.autocast, device.type) for s, m in modules.items()}
         # Keep the specs without the other ranks' modules so their weights can be freed.
         self.specs = [dataclasses.replace(s, module=None) for s in specs]
         planned = plan_rank(schedule, self.specs, pp)

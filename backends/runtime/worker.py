@@ -22,7 +22,8 @@ from ...errors import PipeplanError
 from .agreement import check_agreement, compile_shared, plan_hash
 from ..state.checkpoint import Checkpointer, latest_step
 from .failure import STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_failure
-from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
+from .memory import (RankMemory, graphs_note, memory_lines, peak_rss_bytes,
+                     return_large_blocks_to_os)
 from ..observe.progress import Progress, describe_run
 from ..observe.timings import RankTimings, check_bubble, format_bubble
 from .topology import Coords, build_topology
@@ -290,7 +291,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
             return _finish_decoupled(plan, env, opts, trainer, losses, watch)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes(), trainer.grad_bytes or 0,
-                            trainer.optimizer_bytes(), planned_activations)
+                            trainer.optimizer_bytes(), planned_activations,
+                            graphs_note(trainer.runners))
         every = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(memory, every, dst=0)
         if env.rank == 0:

@@ -1,0 +1,40 @@
+"""Compiled stages (`compile { mode = graphs | inductor }`): each stage's joint forward +
+backward graph (joint.py), partitioned into F, B, W and BW (split.py); `check_joint_graphs`
+is the compile phase that traces them, refusing at the `compile.mode` line what cannot be."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.fx as fx
+
+from ...dsl.ast import Plan
+from ...dsl.errors import PlanError
+from ..compiled import BATCH, StageSpec
+from .joint import TRACE_DEVICE, JointTraceError, trace_joint
+from .split import saved_bytes, split_joint
+
+
+def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
+                       values: dict) -> None:
+    """compile.mode = graphs | inductor: every stage traced jointly (forward + backward) on
+    fake CPU tensors of its parameters and per-microbatch inputs (`values`: the capture's
+    meta value of each node of `graph`); one that cannot be is refused at the
+    `compile.mode` line with the op named. The traced graphs are kept on the stage
+    (`StageSpec.joint`), so a CPU runtime on these stage objects need not trace again
+    (another device traces its own: kernels differ), and the stage's activation bytes
+    per microbatch are the bytes F saves for B and W (split.py: saved_bytes). Call
+    after the per-node costs are attached (this replaces their saved-bytes sum)."""
+    if not plan.compile.graphs:
+        return
+    by_name = {n.target if n.op == "placeholder" else n.name: values.get(n)
+               for n in graph.nodes}
+    for st in stages:
+        inputs = [by_name[r.name] for r in st.inputs]
+        needs = [r.source != BATCH for r in st.inputs]
+        try:
+            st.joint = trace_joint(st.module, inputs, needs, on=TRACE_DEVICE)
+        except JointTraceError as e:
+            raise PlanError.at(plan, "compile.mode", f"stage {st.index} cannot run as compiled "
+                               f"graphs: {e}", "use compile { mode = eager }") from None
+        # exact by construction: what F hands to B and W is what the runtime keeps
+        st.activation_bytes = saved_bytes(split_joint(st.joint))

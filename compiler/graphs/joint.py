@@ -1,0 +1,180 @@
+"""The joint graph of one stage: forward and backward traced together, functionalised.
+
+`trace_joint(module, inputs, needs_grad)` traces a stage GraphModule with
+AOTAutograd (`aot_export_joint_simple`: make_fx under functionalisation and
+fake tensors) into one FX graph of aten ops whose placeholders are the
+stage's parameters, buffers and inputs (the primals) followed by one tangent
+per output that carries a gradient, and whose outputs are the stage outputs
+followed by one gradient per primal (None where there is none). The
+partition into F / B / W / BW is split.py's.
+
+What cannot be traced jointly is refused with the op named (`JointTraceError`):
+a custom `torch.autograd.Function` (its backward is the user's Python, which
+AOTAutograd would inline or refuse), an op whose output shape depends on the
+data (`nonzero`, boolean masking: control flow on values), an output that is a
+view of an input, a stage that writes a buffer or an input in place.
+
+A stage output that is one of its inputs unchanged (a skip value forwarded
+through a middle stage) is not part of the graph: `JointGraph.passthrough`
+maps it to the input, and its gradient is added to that input's.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ...errors import PipeplanError
+
+
+class JointTraceError(PipeplanError):
+    """A stage that cannot be traced into one forward+backward graph; names the op."""
+
+
+@dataclass
+class JointGraph:
+    """One stage's joint graph and what its placeholders and outputs are."""
+
+    gm: fx.GraphModule
+    param_names: list[str]  # primals [0, P): the stage's distinct parameters
+    buffer_names: list[str]  # primals [P, P+B)
+    num_inputs: int  # primals [P+B, P+B+I): the stage inputs, in spec order
+    grad_inputs: list[int]  # input positions that receive a gradient
+    outputs: list[int]  # stage output positions produced by the graph, in graph order
+    passthrough: dict[int, int]  # stage output position -> the input it forwards unchanged
+    tangent_outputs: list[int]  # stage output position of each tangent, in order
+
+    @property
+    def num_primals(self) -> int:
+        return len(self.param_names) + len(self.buffer_names) + self.num_inputs
+
+
+def stage_outputs_passthrough(module: fx.GraphModule) -> dict[int, int]:
+    """Output position -> input position for outputs that are a placeholder itself."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in module.graph.nodes if n.op == "output").args[0]
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    return {k: placeholders.index(o) for k, o in enumerate(out)
+            if isinstance(o, fx.Node) and o.op == "placeholder"}
+
+
+def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
+                needs_grad: Sequence[bool], on: Optional[str] = None) -> JointGraph:
+    """Trace `module(*inputs)` forward and backward. `inputs` are example tensors of the
+    right shapes and dtypes (real or meta); `needs_grad[i]`: input i gets a gradient.
+    Parameters are the module's own (trainable ones get gradients); call under the
+    precision context (autocast) the stage runs in. `on`: trace for that device type with
+    fake tensors instead of the module's and the inputs' own (the compiler's check of a
+    model on the meta device: meta kernels are not the device's -- attention decomposes
+    differently, some backward kernels are missing)."""
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+    from torch.func import functional_call
+
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    buffers = list(module.named_buffers()) + frozen
+    passthrough = stage_outputs_passthrough(module)
+    names = [n for n, _ in params] + [n for n, _ in buffers]
+    count = len(names)
+    kept: list[int] = []
+
+    def stage(*args):
+        values = dict(zip(names, args[:count]))
+        out = functional_call(module, values, tuple(args[count:]), tie_weights=True)
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        kept[:] = [k for k in range(len(out)) if k not in passthrough]
+        return tuple(out[k] for k in kept)
+
+    mode = contextlib.nullcontext()
+    if on is not None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+        with mode:
+            params = [(n, torch.empty(p.shape, dtype=p.dtype, device=on)) for n, p in params]
+            buffers = [(n, torch.empty(b.shape, dtype=b.dtype, device=on)) for n, b in buffers]
+            inputs = [torch.empty(x.shape, dtype=x.dtype, device=on) for x in inputs]
+    grad_flags = _fake_forward(module, params, buffers, inputs, needs_grad)
+    with mode:
+        args = [p.detach().requires_grad_(True) for _, p in params] + \
+            [b.detach() for _, b in buffers] + \
+            [x.detach().requires_grad_(bool(g) and x.is_floating_point())
+             for x, g in zip(inputs, needs_grad)]
+    try:
+        with mode:
+            gm = aot_export_joint_simple(stage, args, trace_joint=True,
+                                         num_params_buffers=count)
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
+        raise JointTraceError(f"{e.args[0] if e.args else e}: its output shape depends on the "
+                              "values (data-dependent), so no fixed graph computes it") from None
+    except torch._subclasses.fake_tensor.DataDependentOutputException as e:
+        raise JointTraceError(f"{e.args[0] if e.args else e}: its result is read as a Python "
+                              "value (data-dependent control flow)") from None
+    except RuntimeError as e:
+        if "alias inputs" in str(e) or "mutat" in str(e):
+            raise JointTraceError("the stage returns a view of an input or writes an input or "
+                                  "buffer in place (" + str(e).split(".")[0] + ")") from None
+        raise
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tangent_outputs = [k for k in kept if grad_flags[k]]
+    if len(placeholders) - len(args) != len(tangent_outputs):
+        raise JointTraceError(f"the joint graph has {len(placeholders) - len(args)} output "
+                              f"gradients, the forward {len(tangent_outputs)}")
+    return JointGraph(gm, [n for n, _ in params], [n for n, _ in buffers], len(inputs),
+                      [i for i, (x, g) in enumerate(zip(inputs, needs_grad))
+                       if g and x.is_floating_point()],
+                      list(kept), passthrough, tangent_outputs)
+
+
+def _fake_forward(module, params, buffers, inputs, needs_grad) -> list[bool]:
+    """A forward on fake tensors with autograd on: which stage outputs require grad (those get
+    a tangent); any node of its autograd graph made by a custom torch.autograd.Function is
+    refused, by the Function's name."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.func import functional_call
+
+    fake = next((x.fake_mode for x in [t for _, t in params + buffers] + list(inputs)
+                 if isinstance(x, FakeTensor)), None)
+    with fake or FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        def own(x: torch.Tensor) -> torch.Tensor:
+            return x.detach() if isinstance(x, FakeTensor) else mode.from_tensor(x)
+
+        values = {n: own(p).requires_grad_(True) for n, p in params}
+        values.update((n, own(b)) for n, b in buffers)
+        args = [own(x).requires_grad_(bool(g) and x.is_floating_point())
+                for x, g in zip(inputs, needs_grad)]
+        try:
+            with torch.enable_grad():
+                out = functional_call(module, values, tuple(args), tie_weights=True)
+        except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                torch._subclasses.fake_tensor.DataDependentOutputException):
+            return []  # trace_joint names the op
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    found = _custom_function(torch.utils._pytree.tree_leaves(out))
+    if found is not None:
+        raise JointTraceError(f"custom autograd.Function {found}: its backward is Python "
+                              "code, not part of a traceable graph")
+    return [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+
+
+def _custom_function(outputs) -> Optional[str]:
+    seen, stack = set(), [o.grad_fn for o in outputs
+                          if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            cls = node._forward_cls
+            return f"{cls.__module__}.{cls.__qualname__}"
+        stack.extend(c for c, _ in node.next_functions)
+    return None
+
+
+TRACE_DEVICE = "cpu"  # the compiler traces for this device type (fake tensors, nothing allocated)
+
+

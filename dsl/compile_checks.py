@@ -1,0 +1,45 @@
+"""Checks of the plan's `compile` section (docs/compiler.md, "Compiled stages").
+
+`graphs` and `inductor` run each stage as its partitioned joint graph
+(backends/runtime/graph_stage.py). What that runtime does not do yet is refused
+here at the `compile.mode` line, each with the reason: one table, `UNSUPPORTED`.
+Stages that cannot be traced jointly (a custom autograd.Function, an op whose
+shape depends on the data) are refused after tracing (compiler/checks.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from .ast import Plan
+from .rules import Problem, check
+
+# (what the plan asks for, why graphs mode refuses it) -- docs/compiler.md lists the same
+UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
+    ("mesh.tp > 1", lambda p: p.mesh.tp > 1,
+     "tensor parallelism runs its collectives in custom autograd Functions (DTensor "
+     "rewrites), which the joint graph does not trace"),
+    ("mesh.ep > 1", lambda p: p.mesh.ep > 1,
+     "expert parallelism's all-to-all is a custom autograd Function"),
+    ("mesh.cp > 1", lambda p: p.mesh.cp > 1,
+     "context parallelism's ring / all-to-all attention is a custom autograd Function"),
+    ("zero = 3", lambda p: p.zero == 3,
+     "ZeRO-3 gathers and frees each stage's parameters around every action, while the "
+     "graphs read them live"),
+    ("experts.dropless = false", lambda p: p.experts is not None and not p.experts.dropless,
+     "the capacity rewrite of the experts is a runtime module swap not traced jointly"),
+    ("recompute rules", lambda p: any(r.mode != "none" for r in p.recompute),
+     "recompute regions are not yet a partition choice of the joint graph"),
+    ("sync = diloco", lambda p: p.sync.diloco, "DiLoCo islands are not built on compiled stages"),
+    ("experts.balance = step", lambda p: p.experts is not None and p.experts.balance == "step",
+     "the routing pre-pass runs the stages eagerly"),
+)
+
+
+@check("compile", "mesh", "zero", "experts", "recompute", "sync")
+def _compile(plan: Plan) -> Iterator[Problem]:
+    if not plan.compile.graphs:
+        return
+    for what, asks, why in UNSUPPORTED:
+        if asks(plan):
+            yield Problem("compile.mode", f"compile.mode = {plan.compile.mode} does not run "
+                          f"with {what}: {why}", "use compile { mode = eager } for this plan")

@@ -1,0 +1,37 @@
+"""The `compile` section: its values reach the plan, and what graphs mode does not run is
+refused at the `compile.mode` line (the example plans, as the CLI reads them)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeplan.dsl.errors import PlanError
+from pipeplan.dsl.load import load_plan
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+
+
+def _load(name: str, *overrides: str):
+    return load_plan(os.path.join(EXAMPLES, name), list(overrides))
+
+
+def test_mode_default_and_values():
+    assert _load("gpt_pp4_1f1b.plan").compile.mode == "eager"
+    for mode in ("graphs", "inductor"):
+        assert _load("gpt_pp4_1f1b.plan", f"compile.mode={mode}").compile.graphs
+
+
+@pytest.mark.parametrize("name, why", [("hybrid_pp2_dp2_tp2.plan", "mesh.tp > 1"),
+                                       ("moe_pp2_ep2_zbv.plan", "mesh.ep > 1")])
+def test_parallelism_graphs_mode_does_not_run_is_refused_at_the_mode_line(name, why):
+    with pytest.raises(PlanError) as e:
+        _load(name, "compile.mode=graphs")
+    text = str(e.value)
+    assert why in text and "compile.mode = graphs" in text
+    assert "compile { mode = eager }" in text  # the hint
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(PlanError, match="eager"):
+        _load("gpt_pp4_1f1b.plan", "compile.mode=fast")
