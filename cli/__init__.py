@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "pipeplan.cli.compile",  # compile
     "pipeplan.cli.schedule",  # schedule
     "pipeplan.cli.run",  # run, verify, plan-diff, export
+    "pipeplan.cli.checkpoint",  # checkpoint verify
 )
 
 

@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import Optional
 
 ERROR_DIR_ENV = "PIPEPLAN_ERROR_DIR"
+HEARTBEAT_S = 30.0  # a local rank without a heartbeat this long is stopped (--heartbeat)
 STORE_KEY = "pipeplan/failure"
 
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from .failure import ERROR_DIR_ENV, explain, read_beacon, read_failures
+from .failure import ERROR_DIR_ENV, HEARTBEAT_S, explain, read_beacon, read_failures
 
 GRACE_S = 2.0  # after the first failure, how long the others may take to report theirs
 
@@ -51,7 +51,8 @@ def _threads_per_rank(world: int) -> int:
 
 
 def launch_local(argv: Sequence[str], world: int,
-                 islands: Optional[Sequence[Sequence[int]]] = None) -> int:
+                 islands: Optional[Sequence[Sequence[int]]] = None,
+                 heartbeat_s: float = HEARTBEAT_S) -> int:
     """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded.
 
     The ranks run in their own session, so a Ctrl-C in the terminal reaches only the

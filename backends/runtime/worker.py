@@ -6,6 +6,7 @@ the same command once per rank. NCCL when CUDA is available, gloo otherwise.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -20,7 +21,9 @@ import torch.distributed as dist
 from ...dsl.ast import Plan
 from ...errors import PipeplanError
 from .agreement import check_agreement, compile_shared, plan_hash
-from ..state.checkpoint import Checkpointer, latest_step
+from ..state.checkpoint import Checkpointer
+from ..state.checkpoint.lock import HELD_ENV, FolderLock
+from ..state.checkpoint.verify import resume_choice
 from .failure import STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_failure
 from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
@@ -42,6 +45,8 @@ class RunOptions:
     reset_optimizer: bool = False  # resume the weights only, with a fresh optimizer
     profile_out: Optional[str] = None  # `pipeplan profile`: rank 0 writes the cost file here
     warmup: int = 1  # steps left out of the steady-state bubble and the profile
+    resume_from: Optional[str] = None  # a step_N folder (--resume-from), else the newest intact
+    resume_verified: bool = False  # the launcher chose and verified it (None: start fresh)
 
 
 @dataclass(frozen=True)
@@ -92,13 +97,17 @@ def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash:
     if spec is None:
         return None, 0
     ckpt = Checkpointer(plan, trainer, run_hash, split_points)
-    found = [latest_step(ckpt.folder) if dist.get_rank() == ckpt.leader else None]
-    # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank) decides
-    # for every node of its group: a decoupled island resumes its own newest step
+    if dist.get_rank() == 0 and HELD_ENV not in os.environ:  # torchrun: no launcher holds it
+        atexit.register(FolderLock(spec.dir).acquire().release)
+    found = [None]
+    if dist.get_rank() == ckpt.leader:
+        # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank)
+        # decides for every node of its group: a decoupled island resumes its own series
+        found[0] = resume_choice(ckpt.folder, opts.resume_from, opts.resume_verified)
     dist.broadcast_object_list(found, src=ckpt.leader, group=ckpt.group)
     if found[0] is None:
         return ckpt, 0
-    done = ckpt.load(found[0], opts.reset_optimizer)
+    done = ckpt.load(found[0], opts.reset_optimizer, verified=True)
     trainer.resume(done)
     return ckpt, done
 
