@@ -117,15 +117,12 @@ def precompile(plan, source: RunSource):
     return source.compile(with_required_leaves(plan), None)
 
 
-def check_resume(plan, compiled, reset_optimizer: bool = False,
-                 resume_from: str | None = None) -> dict | None:
-    """Before launch: what each series of train.checkpoint.dir resumes from ({series:
-    a verified step folder, or None to start fresh}; None without checkpointing): the
-    newest intact checkpoint (a damaged newer one skipped with a warning) or
-    --resume-from's, refused when damaged; and it loads under this plan, or one message
-    lists every item that will not (backends/state/checkpoint/)."""
-    from ..backends.state.checkpoint import (check_loadable, checkpoint_folder, latest_step,
-                                             parameter_shapes)
+def choose_resume(plan, resume_from: str | None = None) -> dict | None:
+    """Before launch, before compiling: what each series of train.checkpoint.dir resumes
+    from ({series: a verified step folder, or None to start fresh}; None without
+    checkpointing): the newest intact checkpoint (a damaged newer one skipped with a
+    warning) or --resume-from's, refused when damaged (backends/state/checkpoint/verify.py)."""
+    from ..backends.state.checkpoint import checkpoint_folder, latest_step
     from ..backends.state.checkpoint.verify import resume_choice
 
     spec = plan.train.checkpoint
@@ -148,13 +145,21 @@ def check_resume(plan, compiled, reset_optimizer: bool = False,
                else "one series for the whole run (not a decoupled diloco run's)")
             + f": {stray[0]}; this plan would not resume it (nothing was started); set sync "
             "as it was, or start fresh (another train.checkpoint.dir, or move it away)")
-    chosen = {}
-    for folder in sorted(folders):
-        found = resume_choice(folder, resume_from and os.path.abspath(resume_from))
+    return {folder: resume_choice(folder, resume_from and os.path.abspath(resume_from))
+            for folder in sorted(folders)}
+
+
+def check_resume(plan, compiled, reset_optimizer: bool = False,
+                 chosen: dict | None = None) -> None:
+    """Before launch: the checkpoints chosen (choose_resume; by default the newest) load
+    under this plan, or one message lists every item that will not."""
+    from ..backends.state.checkpoint import check_loadable, parameter_shapes
+
+    if chosen is None:
+        chosen = choose_resume(plan)
+    for found in (chosen or {}).values():
         if found is not None:
             check_loadable(found, plan, parameter_shapes(compiled)[0], reset_optimizer)
-        chosen[folder] = found
-    return chosen
 
 
 def _resume_argv(plan, chosen: dict | None) -> list[str]:
@@ -173,10 +178,10 @@ def _cmd_run(args) -> int:
     steps = _steps(args, source)
     if env is None:
         with _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
+            chosen = choose_resume(source.plan, getattr(args, "resume_from", None))
             compiled = precompile(source.plan, source)  # fail before spawning anything
             check_data(source.plan, steps)
-            chosen = check_resume(source.plan, compiled, args.reset_optimizer,
-                                  getattr(args, "resume_from", None))
+            check_resume(source.plan, compiled, args.reset_optimizer, chosen)
             m = source.plan.mesh
             print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} "
                   f"tp={m.tp}: launching {m.world_size} local processes (gloo)", flush=True)
