@@ -24,7 +24,9 @@ from .agreement import check_agreement, compile_shared, plan_hash
 from ..state.checkpoint import Checkpointer
 from ..state.checkpoint.lock import HELD_ENV, FolderLock
 from ..state.checkpoint.verify import resume_choice
-from .failure import STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_failure
+from .failure import (STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_done,
+                      report_failure)
+from .launcher import LOCAL_STORE_ENV
 from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
 from ..observe.progress import Progress, RankTimings, check_bubble, describe_run, format_bubble
@@ -72,6 +74,25 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"the plan needs pp*dp*cp*tp = {m.pp}*{m.dp}*{m.cp}*{m.tp} = {m.world_size} processes, "
             f"but WORLD_SIZE is {world_size}; launch {m.world_size} processes in total "
             f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
+
+
+def local_store(env: RankEnv, timeout: timedelta):
+    """Under pipeplan's local launcher, the job's TCP store listening on 127.0.0.1 only
+    (c10d's own binds every interface); None otherwise (torchrun's rendezvous as configured).
+    The launcher also sets GLOO_SOCKET_IFNAME=lo, so gloo's listeners are loopback too."""
+    if os.environ.get(LOCAL_STORE_ENV) != "1":
+        return None
+    import socket
+
+    port = int(os.environ["MASTER_PORT"])
+    if env.rank != 0:
+        return dist.TCPStore("127.0.0.1", port, env.world_size, False, timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(max(128, env.world_size))
+    return dist.TCPStore("127.0.0.1", port, env.world_size, True, timeout,
+                         wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 def rank_device(env: RankEnv) -> tuple[torch.device, str]:
@@ -214,6 +235,7 @@ def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losse
     if env.rank == 0:
         print(f"cross-island bytes sent by rank 0: {trainer.diloco.bytes_sent:,}", flush=True)
     watch.stop()
+    report_done(env.rank)
     return 0
 
 
@@ -225,6 +247,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     schedule reaches the others as `schedule` (agreement.compile_shared).
     """
     started = time.perf_counter()
+    where = Beacon(env.rank, "setup").start_heartbeat()  # for the launcher (failure.py)
     check_world(plan, env.world_size)
     device, backend = rank_device(env)
     cuda = device.type == "cuda"
@@ -238,16 +261,18 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    dist.init_process_group(backend, rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
+    timeout = timedelta(seconds=opts.timeout_s)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            store=local_store(env, timeout))
     # a decoupled DiLoCo island other than 0 fails on its own key (failure.island_key)
     failure_key = island_key(Coords.of(env.rank, plan.mesh).dp if plan.sync.decoupled else None)
     watch = FailureWatch(env.rank, keys=tuple({STORE_KEY, failure_key})).start()
-    where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
     try:
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
         leaves = with_required_leaves(plan)
+        where[0] = "model import and compile"
         compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
+        where[0] = "setup"
         check_agreement(leaves, compiled)  # every rank runs the same, or none starts
         trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
         param_bytes = trainer.param_bytes
@@ -279,6 +304,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         dist.barrier()
         watch.stop()
         dist.destroy_process_group()
+        report_done(env.rank)
         return 0
     except BaseException as e:  # every failure stops every rank, naming this one
         watch.stop()
