@@ -113,17 +113,22 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_that_exits_0_at_model_import_is_a_failure(tmp_path):
+    """Rank 1 ends with a C-level _exit(0) while importing the model (nothing of Python runs
+    after it): the run fails at once, naming the rank, its code and where it was."""
     model = tmp_path / "quits.py"
-    model.write_text("import os\nif os.environ.get('RANK') == '1':\n    os._exit(0)\n"
+    model.write_text("import ctypes, os\nif os.environ.get('RANK') == '1':\n"
+                     "    ctypes.CDLL(None)._exit(0)\n"
                      f"import sys\nsys.path.insert(0, {str(REPO.parent)!r})\n"
                      "from pipeplan.examples.models.gpt import GPT\n")
     proc = _start(_plan(tmp_path, source=f"{model}:GPT"), "--timeout", 60)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 1, out + err
-    assert "rank 1 exited with code 0 during model import and compile without reporting" in err, err
+    assert "run failed: rank 1 exited with code 0 during model import and compile without " \
+           "reporting that it finished" in err, err
 
 
 def test_check_refuses_a_model_that_calls_os_exit_at_import(tmp_path):
+    """os._exit(0) at import ended `pipeplan check` with 0 and no word."""
     model = tmp_path / "quits.py"
     model.write_text("import os\nos._exit(0)\n")
     r = subprocess.run([sys.executable, "-m", "pipeplan", "check", str(_plan(tmp_path, source=f"{model}:GPT"))],
