@@ -6,7 +6,6 @@ the same command once per rank. NCCL when CUDA is available, gloo otherwise.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import time
@@ -118,8 +117,6 @@ def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash:
     if spec is None:
         return None, 0
     ckpt = Checkpointer(plan, trainer, run_hash, split_points)
-    if dist.get_rank() == 0 and HELD_ENV not in os.environ:  # torchrun: no launcher holds it
-        atexit.register(FolderLock(spec.dir).acquire().release)
     found = [None]
     if dist.get_rank() == ckpt.leader:
         # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank)
@@ -131,6 +128,15 @@ def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash:
     done = ckpt.load(found[0], opts.reset_optimizer, verified=True)
     trainer.resume(done)
     return ckpt, done
+
+
+def _folder_lock(plan: Plan, env: RankEnv):
+    """Under torchrun (no pipeplan launcher holds it), rank 0 locks train.checkpoint.dir for
+    the run (backends/state/checkpoint/lock.py); None otherwise."""
+    spec = plan.train.checkpoint
+    if spec is None or env.rank != 0 or HELD_ENV in os.environ:
+        return None
+    return FolderLock(spec.dir).acquire()
 
 
 def _log_dir_metrics(plan: Plan) -> Optional[str]:
@@ -222,7 +228,7 @@ def _facts(plan: Plan, compiled, specs) -> _RunFacts:
 
 
 def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losses,
-                      watch) -> int:
+                      watch, lock=None) -> int:
     """A decoupled DiLoCo run ends without collectives (an island may be lost): no
     memory and bubble report; rank 0 waits for the islands still running (decoupled.py)."""
     from ...dsl.layout import mesh_layout
@@ -235,6 +241,8 @@ def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losse
     if env.rank == 0:
         print(f"cross-island bytes sent by rank 0: {trainer.diloco.bytes_sent:,}", flush=True)
     watch.stop()
+    if lock is not None:
+        lock.release()
     report_done(env.rank)
     return 0
 
@@ -267,7 +275,9 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     # a decoupled DiLoCo island other than 0 fails on its own key (failure.island_key)
     failure_key = island_key(Coords.of(env.rank, plan.mesh).dp if plan.sync.decoupled else None)
     watch = FailureWatch(env.rank, keys=tuple({STORE_KEY, failure_key})).start()
+    lock = None
     try:
+        lock = _folder_lock(plan, env)
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
         leaves = with_required_leaves(plan)
         where[0] = "model import and compile"
@@ -290,7 +300,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
                                                  run.split_points)
         where[0] = "finish"
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
-            return _finish_decoupled(plan, env, opts, trainer, losses, watch)
+            return _finish_decoupled(plan, env, opts, trainer, losses, watch, lock)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes())
         every = [None] * env.world_size if env.rank == 0 else None
@@ -304,10 +314,14 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         dist.barrier()
         watch.stop()
         dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
         report_done(env.rank)
         return 0
     except BaseException as e:  # every failure stops every rank, naming this one
         watch.stop()
+        if lock is not None:
+            lock.release()
         detail = str(e) if isinstance(e, PipeplanError) else f"{type(e).__name__}: {e}"
         message = f"rank {env.rank} failed in {where[0]}: {detail}"
         report_failure(Failure(env.rank, message, now()), failure_key)
