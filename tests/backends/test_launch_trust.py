@@ -145,7 +145,7 @@ def test_sigterm_to_the_launcher_says_what_it_stopped_and_cleans_up(tmp_path):
     try:
         _wait_for_step(proc, " 2/100000")
         ranks = _children(proc.pid)
-        assert sorted(ranks) == [0, 1] and list(tmp.iterdir())  # its beacon folder
+        assert sorted(ranks) == [0, 1] and list(tmp.glob("pipeplan-errors-*"))  # its beacons
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -154,7 +154,7 @@ def test_sigterm_to_the_launcher_says_what_it_stopped_and_cleans_up(tmp_path):
     assert proc.returncode == 143, err
     assert "pipeplan: stopped by SIGTERM: stopped ranks 0, 1" in err, err
     assert "Traceback" not in err and "frame #" not in err, err
-    assert list(tmp.iterdir()) == []
+    assert list(tmp.glob("pipeplan-*")) == []  # (torch's own caches may stay)
     assert all(not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
                for pid in ranks.values())
 
