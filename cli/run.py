@@ -14,10 +14,13 @@ import argparse
 import contextlib
 import os
 
+import torch
+
 from ..errors import PipeplanError
 from ..compiler.data import check_data
 from ..backends.runtime.source import RunSource, load_source
 from ..backends.runtime.failure import HEARTBEAT_S
+from ..backends.runtime.memory import check_local_memory
 from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
 
 
@@ -180,6 +183,8 @@ def _cmd_run(args) -> int:
         with _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
             chosen = choose_resume(source.plan, getattr(args, "resume_from", None))
             compiled = precompile(source.plan, source)  # fail before spawning anything
+            if not torch.cuda.is_available():  # every rank on this machine's memory
+                check_local_memory(source.plan, compiled)
             check_data(source.plan, steps)
             check_resume(source.plan, compiled, args.reset_optimizer, chosen)
             m = source.plan.mesh

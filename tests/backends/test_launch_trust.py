@@ -176,3 +176,21 @@ def test_a_stopped_rank_is_named_by_its_heartbeat(tmp_path):
     assert "rank 1 stopped responding: no heartbeat for 4 s" in err, err
     assert took < 20, took  # the collective timeout is 300 s
     assert "frame #" not in err and "Traceback" not in err, err
+
+
+def test_a_model_larger_than_the_machine_is_refused_at_model_args(tmp_path):
+    """model.args that scale the model past this machine's memory: refused at the plan's
+    model.args line from the meta trace's estimate, before any rank starts."""
+    import math
+
+    from pipeplan.backends.runtime.memory import machine_memory_bytes
+
+    total = machine_memory_bytes()
+    dim = 2 * math.ceil(math.sqrt(total / (2 * 12 * 4)) / 64) * 64  # parameters alone > total
+    plan = _plan(tmp_path).read_text().replace("dim = 16", f"dim = {dim}")
+    (tmp_path / "p.plan").write_text(plan)
+    r = subprocess.run([sys.executable, "-m", "pipeplan", "run", str(tmp_path / "p.plan")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "p.plan:4:" in r.stderr and "args = {" in r.stderr, r.stderr  # the line, echoed
+    assert "more than this machine's" in r.stderr and "launching" not in r.stdout, r.stderr
