@@ -1,6 +1,7 @@
-"""The `pipeplan` command: one sub-command per job, each owned by its subpackage.
+"""The `pipeplan` command: one module of this package per command (or per few commands
+that share their options), the only place that imports every layer.
 
-Each subpackage's `cli` module exposes `add_commands(subparsers)`; a command's
+Each module exposes `add_commands(subparsers)`; a command's
 handler returns an exit code. User errors (PipeplanError, PlanError, and an
 OSError on a file the user named) print their message and exit 2, never a
 traceback unless --debug is given.
@@ -14,12 +15,14 @@ import traceback
 
 from ..errors import PipeplanError
 
-# Subpackages whose `cli.add_commands` contribute sub-commands, in help order.
+# The modules whose `add_commands` contribute sub-commands, in help order.
 COMMAND_MODULES = (
     "pipeplan.cli.check",  # check, fmt
     "pipeplan.cli.compile",  # compile
     "pipeplan.cli.schedule",  # schedule
-    "pipeplan.cli.run",  # run, verify, plan-diff, export
+    "pipeplan.cli.run",  # run, profile, report, verify
+    "pipeplan.cli.plan_diff",  # plan-diff
+    "pipeplan.cli.export",  # export
     "pipeplan.cli.checkpoint",  # checkpoint verify
 )
 

@@ -111,13 +111,12 @@ def checkpoint_lines(folder: str, compiled) -> list[str]:
 
 
 def plan_diff(a_path: str, b_path: str, checkpoint: str | None = None) -> list[str]:
-    from .run import precompile
     from ..backends.runtime.source import load_source
 
     compiled = []
     for path in (a_path, b_path):
         source = load_source(path, [], None)
-        compiled.append(precompile(source.plan, source))
+        compiled.append(source.compile(source.plan, None))  # on meta, as every rank will
     lines = [f"A = {a_path}", f"B = {b_path}"]
     lines += side_by_side(plan_rows(compiled[0]), plan_rows(compiled[1]))
     if checkpoint:
@@ -125,7 +124,7 @@ def plan_diff(a_path: str, b_path: str, checkpoint: str | None = None) -> list[s
     return lines
 
 
-def add_command(sub) -> None:
+def add_commands(sub) -> None:
     p = sub.add_parser("plan-diff", help="what changes from plan A to plan B (and whether a "
                        "checkpoint loads under B)", description=__doc__.split("\n\n")[1])
     p.add_argument("a", help="plan A (a plan file or build directory)")

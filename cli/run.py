@@ -1,5 +1,4 @@
-"""`pipeplan run`, `pipeplan verify`, `pipeplan profile`, `pipeplan report`,
-`pipeplan plan-diff` (plan_diff.py) and `pipeplan export` (export.py).
+"""`pipeplan run`, `pipeplan verify`, `pipeplan profile` and `pipeplan report`.
 
 run PLAN|BUILD/: without a rank in the environment it launches world-size
 local processes (gloo) that each re-enter this command as one rank; under
@@ -67,12 +66,6 @@ def add_commands(sub) -> None:
                              "scaled by the optimizer's reach, see docs/runtime.md)")
     verify.set_defaults(func=_cmd_verify)
 
-    from ..backends.state.export import add_export_command
-    from .plan_diff import add_command
-
-    add_command(sub)
-    add_export_command(sub)
-
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="a plan file, or a build directory from `pipeplan compile`")
@@ -115,9 +108,7 @@ def _rank_argv(args, steps: int, dump_dir: str | None = None,
 def precompile(plan, source: RunSource):
     """Compile on the meta device as every rank will, so every compile-time check (a
     PlanError at the plan line) runs before any process starts."""
-    from ..backends.runtime.layout import with_required_leaves
-
-    return source.compile(with_required_leaves(plan), None)
+    return source.compile(plan, None)
 
 
 def choose_resume(plan, resume_from: str | None = None) -> dict | None:

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 from . import input_checks, sync_checks  # noqa: F401  (register the model-input, size and sync checks)
 from .ast import ExpertsSpec, OptimizerSpec, Plan
 from .errors import Diagnostic, PlanError
+from .layout import ep_fits
 from .rules import CHECKS, Check, Problem, check, where
 from ..schedules.kinds import KINDS, KINDS_TABLE, min_microbatches
 
@@ -29,7 +30,7 @@ def _default(cls, name: str):
 @check("mesh", "experts")
 def _expert_parallel(plan: Plan) -> Iterator[Problem]:
     m = plan.mesh
-    if m.ep > 1 and m.dp % m.ep and (m.dp * m.tp) % m.ep:
+    if not ep_fits(m):
         yield Problem("mesh.ep", f"ep = {m.ep} divides neither dp = {m.dp} nor dp x tp = "
                       f"{m.dp * m.tp}",
                       "ep re-divides the ranks of each pipeline stage (it does not add "

@@ -55,6 +55,12 @@ class GroupSizes:
     cp: int = 1
 
 
+def ep_fits(mesh: MeshSpec) -> bool:
+    """EP re-divides the ranks of each pipeline stage (it adds none): ep divides dp, or
+    dp x tp (expert parallel across tensor-parallel ranks)."""
+    return mesh.ep == 1 or mesh.dp % mesh.ep == 0 or (mesh.dp * mesh.tp) % mesh.ep == 0
+
+
 def ep_across_tp(mesh: MeshSpec) -> bool:
     """Whether EP groups take in tensor-parallel ranks (ep > 1 not dividing dp, or DiLoCo
     islands, whose dp ranks no EP group may span)."""

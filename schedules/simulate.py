@@ -116,11 +116,6 @@ def _simulate(schedule: Schedule, costs: Costs, memory_limit: Optional[float], i
         start=tuple(map(tuple, start)), end=tuple(map(tuple, end)), in_order=in_order)
 
 
-def time_actions(ex: Execution, table: StageCosts):
-    """(start, end) per rank and position, without the reports (the local search's inner loop)."""
-    return _time(ex, table)
-
-
 def _time(ex: Execution, table: StageCosts,
           durations: Optional[Callable[[Action], float]] = None,
           delays: Optional[Callable[[Action], float]] = None):

@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 
-from ...compiler.estimate.profile import OPS, Profile, StageProfile, StepSample, workload
-from .progress import RankTimings, measured_latency, producer_done
+from ...compiler.estimate.profile import OPS, Profile, StageProfile, workload
+from .timings import RankTimings, measured_latency, step_sample
 
 
 def describe_device() -> str:
@@ -55,29 +55,6 @@ def profile_of(plan, schedule, split_points: Sequence[str], specs, ranks: Sequen
                    schedule.name, tuple(split_points), tuple(stages),
                    measured_latency(steady, schedule), keep.start,
                    tuple(first + k + 1 for k in keep), workload(plan), steps=steps)
-
-
-def step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) -> StepSample:
-    """One step's slots per stage, op and microbatch, and its own mean p2p latency."""
-    m = schedule.microbatches
-    table = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]
-    delays = [{op: [None] * m for op in OPS} for _ in range(schedule.stages)]
-    done = {(a.op, a.stage, a.microbatch): a.done for r in pipeline for a in r.steps[k]}
-    for r in pipeline:
-        for a in r.steps[k]:
-            table[a.stage][a.op][a.microbatch] = a.slot
-            # its input's delay from another rank: producer's end to the moment the
-            # consumer, blocked on it, got it; 0 when not blocked or taken from none
-            produced = producer_done(a, done, schedule)
-            delays[a.stage][a.op][a.microbatch] = (max(0.0, a.ready - produced) if produced
-                                                   is not None and a.recv_wait > 0 else 0.0)
-    one = [RankTimings(r.rank, r.pp, r.dp, r.tp, (r.steps[k],)) for r in pipeline]
-    return StepSample(step, measured_latency(one, schedule), _lists(table), _lists(delays))
-
-
-def _lists(table) -> tuple[dict, ...]:
-    return tuple({op: None if all(t is None for t in times) else tuple(t or 0.0 for t in times)
-                  for op, times in per.items()} for per in table)
 
 
 def _sent_bytes(spec) -> int:

@@ -3,9 +3,8 @@
 What the runtime calls, per rank (calls marked *collective* must be made by
 every rank of the world, in the same order):
 
-* compile time: `required_leaf_modules(plan)`: module patterns the capture
-  must keep as leaf calls (MoE layers; tensor parallel needs none);
-  `check_parallel_model(plan, model)`: PlanErrors at plan lines.
+* compile time (compiler/parallel/checks.py): `check_parallel_model(plan, model)`:
+  PlanErrors at plan lines, before any process starts.
 * `build_parallel_groups(mesh, tp_group, dp_group)` (*collective*): tp and dp
   come from the runtime's DeviceMesh; expert parallelism re-divides the ranks
   of a pipeline stage into EP groups (dsl/layout.py): `ep` consecutive dp
@@ -27,7 +26,7 @@ every rank of the world, in the same order):
 
 Aux losses are the model's own, computed by its code over the tokens of one
 call (one microbatch of one dp rank), so the reference runs one chunk at a
-time (`reference_chunk_groups`); under `experts.balance = step` their
+time (backends/verify/reference.py: `chunk_groups`); under `experts.balance = step` their
 statistics cover the whole step (backends/runtime/balance.py) and the reference runs
 the whole global batch at once (reference.chunk_groups).
 """
@@ -42,11 +41,13 @@ import torch.fx as fx
 from torch import nn
 
 from ...dsl.ast import MeshSpec, Plan
-from ...dsl.layout import ep_across_tp, global_rank, group_sizes, groups, mesh_layout
+from ...dsl.layout import ep_across_tp, ep_fits, global_rank, group_sizes, groups, mesh_layout
 from ...compiler.compiled import ExpertPlacement
+from ...compiler.parallel.checks import rewrites_stages
 from ...compiler.parallel.ep import experts_dispatched
 from ...compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
 from ...errors import PipeplanError
+from .layout import StageLayout
 from .ep.experts import ExpertParallelExperts, gather_experts
 from .tp import (ParameterSlicer, TensorParallelResult, TensorParallelRules, apply_tensor_parallel, gather_full, tp_shard_dims)
 from .tp.params import sync_partial_grads
@@ -64,18 +65,6 @@ def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------ groups
-@dataclass(frozen=True)
-class ExpertCoords:
-    """Where a dp rank sits once expert parallelism re-divides the dp ranks."""
-
-    ep_rank: int  # which block of experts it holds
-    ep_block: int  # which EP group (consecutive dp ranks) it belongs to
-
-    @staticmethod
-    def of(dp_rank: int, mesh: MeshSpec) -> "ExpertCoords":
-        return ExpertCoords(dp_rank % mesh.ep, dp_rank // mesh.ep)
-
-
 @dataclass(frozen=True)
 class ParallelGroups:
     """The process groups one rank's stages use (None: a group of one)."""
@@ -122,7 +111,7 @@ class PartialGrads:
 
 
 def check_expert_mesh(mesh: MeshSpec) -> None:
-    if mesh.ep > 1 and mesh.dp % mesh.ep and (mesh.dp * mesh.tp) % mesh.ep:
+    if not ep_fits(mesh):  # dsl/checks.py refuses it at the plan line; here for Plans built in code
         raise PipeplanError(
             f"expert parallel size {mesh.ep} must divide dp ({mesh.dp}) or dp x tp "
             f"({mesh.dp * mesh.tp}): EP groups re-divide the ranks of a pipeline stage "
@@ -252,8 +241,6 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups,
         stage.experts = _apply_experts(module, plan, groups, experts)
     rules = TensorParallelRules.from_plan(plan.tensor) if tp_kinds is None else \
         TensorParallelRules.compiled(tp_kinds, plan.tensor.sequence_parallel)
-    if rules.sequence_parallel and plan.mesh.tp == 1:
-        raise PipeplanError("tensor.sequence_parallel needs mesh.tp > 1")
     if plan.mesh.tp > 1:
         stage.tensor = apply_tensor_parallel(module, rules, groups.tp, groups.slicer,
                                              frozenset(stage.experts),
@@ -261,23 +248,6 @@ def parallelize_stage(module: nn.Module, plan: Plan, groups: ParallelGroups,
         if groups.partial_grads is not None:
             groups.partial_grads.register(stage.partial_params())
     return stage
-
-
-def required_leaf_modules(plan: Plan) -> tuple[str, ...]:
-    """Module patterns a traced stage must call as leaves for the rewrites to apply."""
-    # None: the capture keeps experts calls opaque itself (compiler/capture/experts_call.py), and
-    # tensor parallelism shards parameters on the graph as captured (backends/parallel/tp/).
-    return ()
-
-
-def reference_chunk_groups(dp: int, microbatches: int, ep: int) -> list[list[int]]:
-    """Chunk indices (chunk d*m+i: dp rank d's microbatch i) the reference runs together.
-
-    One chunk at a time, whatever `ep`: expert parallelism moves tokens to
-    experts and back but every aux loss is the model's own, computed over the
-    tokens of one call (one microbatch of one dp rank), as in the reference.
-    """
-    return [[c] for c in range(dp * microbatches)]
 
 
 # --------------------------------------------------------------------- ZeRO
@@ -326,3 +296,41 @@ def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
                                 spread, device))
     return StageZero(ZeroOptimizer(shards, make_optimizer),
                      {s: [shards[i] for i in uses.get(s, [])] for s in stages})
+
+
+# ------------------------------------------------------------- the one entry
+def parallelize(plan: Plan, topo, modules: dict[int, nn.Module], device: torch.device,
+                experts: tuple[ExpertPlacement, ...], tp_kinds: Optional[dict[str, str]],
+                make_optimizer) -> tuple[StageLayout, Optional[StageZero]]:
+    """This rank's stage modules (still on meta) made parallel in place, axis by axis, in
+    the one order that works (collective: every rank calls it):
+
+    1. context parallel (cp/): each SDPA call of the captured stage graph becomes Ulysses
+       or ring attention over the cp group; it wraps the graph's own attention nodes, so it
+       goes first, on the graph as captured;
+    2. expert parallel, then tensor parallel (`parallelize_stage`: ep/, tp/): the experts modules are wrapped first so that TP's DTensor rewrite of the
+       stage graph leaves each one an opaque call;
+    3. ZeRO (zero/): flat buffers laid out over the parameters as the rewrites left them
+       (TP slices, this rank's experts) while they are still meta.
+
+    Weights come after all three, outside (state/materialize.py: `fill_stages`), so a rank
+    gives storage only to the shards it owns. Returns the layout (where each gradient is
+    summed) and the ZeRO optimizer (None at zero = 0)."""
+    if plan.mesh.cp > 1:
+        from .cp.ring import apply_ring
+        from .cp.ulysses import apply_ulysses
+
+        apply = apply_ring if plan.context.method == "ring" else apply_ulysses
+        for m in modules.values():
+            apply(m, topo.cp_group)
+    if not rewrites_stages(plan):
+        return StageLayout.build(topo, modules, device), None
+    groups = build_parallel_groups(
+        plan.mesh, topo.tp_group, topo.dp_group,
+        sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
+    parallel = {s: parallelize_stage(modules[s], plan, groups, experts, tp_kinds)
+                for s in sorted(modules)}
+    layout = StageLayout.build(topo, modules, device, groups, parallel)
+    zero = build_zero_optimizer(layout.parallel, plan, make_optimizer, device) \
+        if plan.zero > 0 else None
+    return layout, zero

@@ -28,19 +28,10 @@ import torch.distributed as dist
 
 from ...compiler.compiled import TiedParam
 from .stage import StageRunner
-from .layout import StageLayout
+from ..parallel.layout import StageLayout
 from .topology import Topology, global_rank
 
 BUCKET_BYTES = 25 * 2**20
-
-
-def unique_params(params) -> list[torch.nn.Parameter]:
-    seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 @dataclass

@@ -23,7 +23,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...compiler.parallel.checks import check_checkpointable
 from ...compiler.compiled import CompiledPlan
 from ...dsl.ast import Plan
 from . import data
@@ -31,7 +30,7 @@ from ..state.checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor, Span, StepResult
 from .grads import GradSync, ZeroSync, build_tied_groups
-from .layout import StageLayout
+from ..parallel import parallelize
 from ..state.materialize import fresh_meta
 from ..state.model import fill_stages
 from .nonfinite import NonFiniteError, locate_non_finite
@@ -53,15 +52,6 @@ class StepReport:
     timings: tuple[ActionTiming, ...]
     spans: tuple[Span, ...] = ()  # sends, gradient sync, norm, loss all-reduce, optimizer
     sync_events: tuple = ()  # DiLoCo: the syncs after this step (diloco.SyncEvent)
-
-
-def check_supported(plan: Plan) -> None:
-    """Refuse what this runtime cannot run yet, pointing at the plan line, never ignoring it:
-    also a model whose initial weights cannot be drawn per module (materialize.py)."""
-    from ...compiler.capture.loading import check_init, load_model
-
-    check_checkpointable(plan)
-    check_init(plan, load_model(plan, "meta"))
 
 
 def _boundary_specs(plan: Plan, stages) -> list:
@@ -116,11 +106,10 @@ class PipelineTrainer:
         materialised with the reference's initial weights (collective: every rank of the
         process group calls it)."""
         from ...compiler.driver import compile_plan
-        from .layout import with_required_leaves
         from .topology import build_topology
 
         topo = build_topology(plan.mesh, device.type)
-        compiled = compile_plan(with_required_leaves(plan))  # meta: no weights anywhere
+        compiled = compile_plan(plan)  # meta: no weights anywhere
         return cls(plan, compiled, topo, device)  # materialises this rank's shards only
 
     def __init__(self, plan: Plan, compiled: CompiledPlan, topo: Topology,
@@ -132,7 +121,7 @@ class PipelineTrainer:
         # DiLoCo: an island's gradient is the mean over its own share (no dp all-reduce);
         # context parallel: cp ranks hold equal slices of each microbatch's tokens
         islands = plan.sync.diloco
-        scale = 1.0 / (plan.microbatches * (1 if islands else plan.mesh.dp) * plan.mesh.cp)
+        scale = 1.0 / (schedule.microbatches * (1 if islands else plan.mesh.dp) * plan.mesh.cp)
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
         modules = {s.index: s.module for s in compiled.stages_of_rank(pp)}
@@ -143,20 +132,10 @@ class PipelineTrainer:
             modules = {s: m.to(device) for s, m in modules.items()}
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
-        if plan.mesh.cp > 1:  # attention over the whole sequence (ulysses.py, ring_attention.py)
-            from ..parallel.cp.ring import apply_ring
-            from ..parallel.cp.ulysses import apply_ulysses
-            apply = apply_ring if plan.context.method == "ring" else apply_ulysses
-            for m in modules.values():
-                apply(m, topo.cp_group)
-        self.layout = StageLayout.build(plan, topo, modules, device,  # TP/EP rewrites, in place
-                                        compiled.experts, compiled.tp_rewrites)
-        self.zero = None
-        if plan.zero > 0:  # flat buffers, laid out while the parameters are still meta
-            from ..parallel import build_zero_optimizer
-
-            self.zero = build_zero_optimizer(
-                self.layout.parallel, plan, lambda ps: build_optimizer(ps, plan.train), device)
+        # cp, then ep and tp, then ZeRO, in place (backends/parallel: parallelize)
+        self.layout, self.zero = parallelize(plan, topo, modules, device, compiled.experts,
+                                             compiled.tp_rewrites,
+                                             lambda ps: build_optimizer(ps, plan.train))
         # Only now does this rank's part get storage: its TP slices and its experts (under
         # ZeRO-3 its flat shard of them alone), each drawn by its module's init and sliced,
         # module by module (model.fill_stages).
@@ -188,14 +167,14 @@ class PipelineTrainer:
             self.optimizer = build_optimizer(self.sync.params, plan.train) if self.sync.params else None
         self.scheduler = build_lr_scheduler(self.optimizer, plan.train) if self.optimizer else None
         self.executor = Executor(planned, self.runners, self.specs,
-                                 plan.microbatches, topo.peer, device, self.sync.stage_done,
+                                 schedule.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
         self.prepass = None  # experts.balance = step: the routing pre-pass (balance.py)
         if plan.experts is not None and plan.experts.balance == "step":
             from .balance import RoutingPrepass
 
-            self.prepass = RoutingPrepass(planned, self.runners, self.specs, plan.microbatches,
+            self.prepass = RoutingPrepass(planned, self.runners, self.specs, schedule.microbatches,
                                           topo.peer, device, topo.dp_group, plan.mesh.dp)
         self.diloco, self.island_group = None, None  # DiLoCo: the island (loss, checkpoints)
         if islands:

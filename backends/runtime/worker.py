@@ -26,9 +26,9 @@ from ..state.checkpoint.verify import resume_choice
 from .failure import (STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_done,
                       report_failure)
 from .launcher import LOCAL_STORE_ENV
-from .layout import with_required_leaves
 from .memory import RankMemory, memory_lines, peak_rss_bytes, return_large_blocks_to_os
-from ..observe.progress import Progress, RankTimings, check_bubble, describe_run, format_bubble
+from ..observe.progress import Progress, describe_run
+from ..observe.timings import RankTimings, check_bubble, format_bubble
 from .topology import Coords, build_topology
 from ..observe.trace import write_trace
 from .trainer import PipelineTrainer
@@ -279,11 +279,10 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     try:
         lock = _folder_lock(plan, env)
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
-        leaves = with_required_leaves(plan)
         where[0] = "model import and compile"
-        compiled = compile_shared(leaves, compile_fn)  # on meta: no weights; rank 0 decides
+        compiled = compile_shared(plan, compile_fn)  # on meta: no weights; rank 0 decides
         where[0] = "setup"
-        check_agreement(leaves, compiled)  # every rank runs the same, or none starts
+        check_agreement(plan, compiled)  # every rank runs the same, or none starts
         trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
         param_bytes = trainer.param_bytes
         trainer.executor.on_action = where.action  # the launcher names a killed rank's action
@@ -292,7 +291,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         run = _facts(plan, compiled, trainer.specs)
-        run_hash = plan_hash(leaves, compiled)
+        run_hash = plan_hash(plan, compiled)
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         startup = (time.perf_counter() - started, peak_rss_bytes())

@@ -49,16 +49,13 @@ class ReferenceResult:
 
 
 def chunk_groups(plan: Plan) -> list[list[int]]:
-    """Which chunks the reference runs as one batch: one chunk at a time, except
-    under expert parallelism, where the aux loss's statistics cover the same
-    microbatch of every DP rank of one EP group (see parallelize.py)."""
-    dp, m, ep = plan.mesh.dp, plan.microbatches, plan.mesh.ep
+    """Which chunks the reference runs as one batch: one chunk (one microbatch of one dp
+    rank) at a time, whatever ep -- the model's aux losses are its own, computed over the
+    tokens of one call, and expert parallelism only moves tokens -- except under
+    `experts.balance = step`, where the statistics cover the whole global batch."""
+    dp, m = plan.mesh.dp, plan.microbatches
     if plan.experts is not None and plan.experts.balance == "step":
         return [list(range(dp * m))]  # the whole global batch in one call of the model
-    if ep > 1 and plan.experts is not None:
-        from ..parallel import reference_chunk_groups
-
-        return reference_chunk_groups(dp, m, ep)
     return [[c] for c in range(dp * m)]
 
 

@@ -84,17 +84,6 @@ def dump_rank(path: str, rank: int, losses, trainer, grads: Optional[FirstStepGr
                os.path.join(path, f"rank{rank}.pt"))
 
 
-def train_for_judge(plan: Plan, steps: int) -> dict:
-    """One rank of an in-process world (tests): train as `pipeplan run` does, then hand over
-    `rank_result` (collective: every rank of the default group calls it)."""
-    from ..runtime.trainer import PipelineTrainer
-
-    trainer = PipelineTrainer.for_plan(plan)
-    grads = FirstStepGrads(trainer)
-    losses = [trainer.step(t).loss for t in range(steps)]
-    return rank_result(losses, trainer, grads)
-
-
 def judge(ref, results, precision: str = "fp64"):
     """The verdict (compare.Comparison) on every rank's `rank_result` against the reference
     (reference.ReferenceResult), by the rule of `precision`."""

@@ -47,15 +47,15 @@ def check_checkpointable(plan: Plan) -> None:
 
 def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec]) -> None:
     """Every runtime refusal that needs the model or the stage graphs."""
-    if _rewrites_stages(plan):
+    if rewrites_stages(plan):
         check_parallel_model(plan, model)
     rules = tuple(r for r in plan.recompute if r.mode != "none")
     if rules:
         _check_recompute(plan, rules, stages)
 
 
-def _rewrites_stages(plan: Plan) -> bool:
-    """Whether the runtime rewrites stage modules (backends/runtime/layout.py's rule)."""
+def rewrites_stages(plan: Plan) -> bool:
+    """Whether the runtime rewrites stage modules (per-stage parallelism: backends/parallel)."""
     ex = plan.experts
     return (plan.mesh.tp > 1 or plan.zero > 0
             or (ex is not None and (plan.mesh.ep > 1 or not ex.dropless)))
@@ -73,19 +73,14 @@ def _check_recompute(plan: Plan, rules, stages: Sequence[StageSpec]) -> None:
 
 
 def _parallel_problems(plan: Plan, model: nn.Module):
-    tp, spec = plan.mesh.tp, plan.experts
+    tp = plan.mesh.tp
     seq = plan.data.seq_len // plan.mesh.cp  # context parallel: the slice a cp rank holds
     if plan.tensor.sequence_parallel and tp > 1 and seq % tp:
         held = f"{seq} positions each of the cp = {plan.mesh.cp} ranks holds" \
             if plan.mesh.cp > 1 else f"the sequence length {seq}"
         yield "tensor.sequence_parallel", (f"tp = {tp} does not divide {held} "
                                            f"(sequence parallel splits it)")
-    if spec is None:
-        return
-    m = plan.mesh
-    if m.ep > 1 and m.dp % m.ep and (m.dp * m.tp) % m.ep:
-        yield "mesh.ep", (f"ep = {m.ep} must divide dp = {m.dp}, or dp x tp = {m.dp * m.tp} "
-                          f"(expert parallel across tensor-parallel ranks)")
+    # ep dividing dp or dp x tp: dsl/checks.py (dsl/layout.py: ep_fits), before any model
 
 
 def check_parallel_model(plan: Plan, model: nn.Module) -> None:

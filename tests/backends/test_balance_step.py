@@ -27,7 +27,7 @@ import torch
 from pipeplan.backends.runtime import data
 from pipeplan.backends.verify.compare import compare
 from pipeplan.backends.state.model import build_model
-from TESTS import CommMeter
+from ..parallel.comm_meter import CommMeter
 from pipeplan.backends.verify.reference import train_reference
 from pipeplan.backends.runtime.trainer import PipelineTrainer
 from pipeplan.compiler import compile_plan

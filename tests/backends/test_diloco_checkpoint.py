@@ -125,12 +125,11 @@ def test_diloco_resumes_between_syncs_bitwise(spawn, tmp_path):
     # another H or island count: refused before launch, naming both
     from pipeplan.backends.state.checkpoint.manifest import incompatibilities, read_manifest
     from pipeplan.backends.state.checkpoint.state import parameter_shapes
-    from pipeplan.backends.runtime.layout import with_required_leaves
     from pipeplan.compiler.driver import compile_plan
 
     plan = plans(str(tmp_path))["diloco"]
     manifest = read_manifest(str(tmp_path / f"step_{SAVE:06d}"))
-    shapes = parameter_shapes(compile_plan(with_required_leaves(plan)))[0]
+    shapes = parameter_shapes(compile_plan(plan))[0]
     assert incompatibilities(manifest, plan, shapes) == []
     h4 = dataclasses.replace(plan, sync=dataclasses.replace(plan.sync, inner_steps=4))
     [problem] = incompatibilities(manifest, h4, shapes)

@@ -76,7 +76,6 @@ def _worker(rank, world, folder, timeout=30.0):
 @pytest.mark.timeout(300)
 def test_decoupled_islands_checkpoint_alone_and_resume_their_own_step(spawn, tmp_path):
     from pipeplan.cli.run import check_resume
-    from pipeplan.backends.runtime.layout import with_required_leaves
     from pipeplan.compiler.driver import compile_plan
     from pipeplan.errors import PipeplanError
 
@@ -98,7 +97,7 @@ def test_decoupled_islands_checkpoint_alone_and_resume_their_own_step(spawn, tmp
         assert manifest["step"] == 4 and manifest["sync"]["decoupled"] is True
         shutil.rmtree(os.path.join(island, "step_000006"))
 
-    compiled = compile_plan(with_required_leaves(plan))
+    compiled = compile_plan(plan)
     check_resume(plan, compiled)  # the islands' series load under the plan
     synchronous = dataclasses.replace(plan, sync=dataclasses.replace(plan.sync, decoupled=False,
                                                                      timeout=30.0))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.backends.verify.reference import train_reference
-from pipeplan.backends.verify.run import judge, train_for_judge
+from pipeplan.backends.verify.run import judge
+from .judging import train_for_judge
 from pipeplan.dsl.ast import (DataSpec, MeshSpec, ModelSpec, OptimizerSpec, PipelineSpec, Plan, TrainSpec)
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv", "vhalf", "vmin", "dualpipev", "auto")

@@ -16,7 +16,8 @@ import dataclasses
 import pytest
 
 from pipeplan.backends.verify.reference import train_reference
-from pipeplan.backends.verify.run import judge, train_for_judge
+from pipeplan.backends.verify.run import judge
+from .judging import train_for_judge
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, RecomputeRule, TensorSpec
 
 from .test_equivalence import ADAMW, STEPS, make_plan  # noqa: E402

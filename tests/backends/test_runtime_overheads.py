@@ -44,11 +44,10 @@ def test_a_receive_buffer_is_reused_only_once_nothing_else_holds_it():
 REPLAY = """
 import pickle, sys
 from pipeplan.backends.runtime.agreement import fingerprint
-from pipeplan.backends.runtime.layout import with_required_leaves
 from pipeplan.compiler.capture.analysis import Propagation
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.load import load_plan
-plan = with_required_leaves(load_plan(sys.argv[1]))
+plan = load_plan(sys.argv[1])
 with Propagation.replay(pickle.load(open(sys.argv[2], "rb"))):
     compiled = compile_plan(plan)
 print("torch._dynamo" in sys.modules, sorted(fingerprint(plan, compiled).items()))
@@ -59,12 +58,11 @@ def test_a_rank_replaying_rank_0s_propagation_compiles_the_same_without_dynamo(t
     """What every rank but 0 does at start-up (agreement.compile_shared): no meta run, no
     torch._dynamo import, and the fingerprint the ranks compare is rank 0's."""
     from pipeplan.backends.runtime.agreement import fingerprint
-    from pipeplan.backends.runtime.layout import with_required_leaves
     from pipeplan.compiler.capture.analysis import Propagation
     from pipeplan.compiler.driver import compile_plan
     from pipeplan.dsl.load import load_plan
     path = str(ROOT / "examples" / "gpt_pp4_1f1b.plan")
-    plan = with_required_leaves(load_plan(path))
+    plan = load_plan(path)
     with Propagation.record() as recorded:
         compiled = compile_plan(plan)
     assert recorded.table

@@ -153,7 +153,7 @@ def test_free_port_is_bindable():
 
 def test_measured_bubble_trace_and_costs():
     from pipeplan.backends.runtime.executor import ActionTiming
-    from pipeplan.backends.observe.progress import (RankTimings, bubble_report, measured_bubble, measured_costs, measured_latency)
+    from pipeplan.backends.observe.timings import (RankTimings, bubble_report, measured_bubble, measured_costs, measured_latency)
     from pipeplan.backends.observe.trace import chrome_trace
 
     # rank 0 busy [0,1] and [3,4]; rank 1 busy [1,3]: makespan 4, busy 4 of 8 -> bubble 0.5
@@ -183,7 +183,7 @@ def test_bubble_costs_and_latency_count_whole_slots():
     (compute plus the runtime's work around it), not its compute alone: the unit the
     simulator charges, so measured and predicted bubbles count the same time as busy."""
     from pipeplan.backends.runtime.executor import ActionTiming
-    from pipeplan.backends.observe.progress import (RankTimings, check_bubble, format_bubble, measured_bubble, measured_costs, measured_latency)
+    from pipeplan.backends.observe.timings import (RankTimings, check_bubble, format_bubble, measured_bubble, measured_costs, measured_latency)
     from pipeplan.backends.observe.trace import chrome_trace
 
     # rank 0: F0 slot [0, 2] (compute [0.5, 1.5]: posting before, sending after), BW0 [5, 7];

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from pipeplan.backends.parallel.ep.experts import ExpertParallelExperts
-from TESTS import CommMeter
+from .comm_meter import CommMeter
 import torch.fx as fx
 
 from pipeplan.backends.parallel.tp import TensorParallelRules, apply_tensor_parallel

@@ -1,7 +1,6 @@
 """The compiler's real stage GraphModules, rewritten by parallelize_stage, train like the model.
 
-The example plans are compiled with the leaf modules `required_leaf_modules`
-asks for; each of 2 gloo ranks runs all 4 stages itself (the pipeline's p2p
+The example plans are compiled as the runtime compiles them; each of 2 gloo ranks runs all 4 stages itself (the pipeline's p2p
 is the runtime's business, tested there) with the runtime's StageRunner and
 split backward, and its gradients, summed per `grad_group` (or gathered from
 their TP shards), equal the single-process reference's:
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from pipeplan.backends.runtime import data
 from pipeplan.backends.state.model import model_loss
-from pipeplan.backends.parallel import (build_parallel_groups, parallelize_stage, reference_chunk_groups, required_leaf_modules)
+from pipeplan.backends.parallel import (build_parallel_groups, parallelize_stage)
 from pipeplan.backends.runtime.stage import StageRunner
 from pipeplan.backends.parallel.tp import gather_full, tp_shard_dims
 from pipeplan.compiler.compiled import BATCH
@@ -41,7 +40,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _compiled(name: str, overrides=()):
     plan = load_plan(str(EXAMPLES / name), overrides=SMALL + list(overrides))
-    leaves = plan.model.leaf_modules + required_leaf_modules(plan)
+    leaves = plan.model.leaf_modules
     plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, leaf_modules=leaves))
     model = load_model(plan, "cpu")
     return plan, copy.deepcopy(model), compile_plan(plan, model)
@@ -76,7 +75,7 @@ def _moe_worker(rank, world, plan, ref, compiled):
     m = plan.microbatches
 
     chunks = data.chunks(data.global_batch(plan, 0), world * m)
-    groups_of_chunks = reference_chunk_groups(world, m, world)
+    groups_of_chunks = [[c] for c in range(world * m)]
     for group in groups_of_chunks:
         batch = data.concat([chunks[c] for c in group])
         (model_loss(plan, ref(batch.input_ids), batch.targets) / len(groups_of_chunks)).backward()

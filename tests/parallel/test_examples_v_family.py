@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from pipeplan.backends.runtime.layout import with_required_leaves
 from pipeplan.backends.verify.reference import train_reference
-from pipeplan.backends.verify.run import judge, train_for_judge
+from pipeplan.backends.verify.run import judge
+from ..backends.judging import train_for_judge
 from pipeplan.dsl.load import load_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -33,7 +33,7 @@ PLANS = {"gpt_pp4_1f1b.plan": ["pipeline.split=auto", "train.global_batch=8"],
 def _plan(name: str):
     plan = load_plan(str(EXAMPLES / name), overrides=SMALL + PLANS[name])
     assert plan.pipeline.schedule == "zbv" and plan.train.optimizer.name == "adamw"
-    return with_required_leaves(plan)
+    return plan
 
 
 def _worker(rank, world, name):

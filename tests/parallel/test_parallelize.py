@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from pipeplan.compiler.patterns import matches_any
-from pipeplan.backends.parallel import (ExpertCoords, build_parallel_groups, build_zero_optimizer, expert_group_ranks, parallelize_stage, reference_chunk_groups, required_leaf_modules)
+from pipeplan.backends.parallel import (build_parallel_groups, build_zero_optimizer, expert_group_ranks, parallelize_stage)
 from pipeplan.backends.parallel.tp import gather_full_state
 from pipeplan.compiler.parallel.ep import place_experts
 from pipeplan.dsl.ast import ExpertsSpec, MeshSpec, ModelSpec, Plan, TensorSpec
@@ -62,7 +62,7 @@ def _ep_worker(rank, world, zero):
         ids = torch.randint(0, 32, (world, mbs, 2, 8))
         targets = torch.randint(0, 32, (world, mbs, 2, 8))
         ref_opt.zero_grad()
-        chunks = reference_chunk_groups(world, mbs, 2)
+        chunks = [[c] for c in range(world * mbs)]  # one call per chunk: the aux loss is per call
         ref_loss = 0.0
         for group in chunks:
             rows = [(c // mbs, c % mbs) for c in group]
@@ -144,7 +144,7 @@ def _traced_tp_worker(rank, world, sequence_parallel):
     torch.manual_seed(0)
     ref = _GPTWithLoss(vocab=32, dim=16, layers=2, heads=2, seq_len=8)
     model = copy.deepcopy(ref)
-    stage_module = fx.GraphModule(model, _Leaves(required_leaf_modules(plan)).trace(model))
+    stage_module = fx.GraphModule(model, _Leaves(()).trace(model))
     stage = parallelize_stage(stage_module, plan, groups)
     assert stage.tensor.rewrites["layers.1.attn.q"] == "column"
     assert stage.tensor.rewrites["lm_head"] == "vocab+loss"  # logits never gathered
@@ -185,7 +185,6 @@ def test_expert_groups_redivide_dp():
     ep, edp = expert_group_ranks(mesh)
     assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert ExpertCoords.of(3, mesh) == ExpertCoords(ep_rank=1, ep_block=1)
     ep, edp = expert_group_ranks(MeshSpec(pp=1, dp=2, tp=2, ep=2))
     assert ep == [[0, 2], [1, 3]] and sorted(edp) == [[0], [1], [2], [3]]
     # EP across TP: ep consecutive ranks of a stage's dp x tp block
@@ -195,23 +194,11 @@ def test_expert_groups_redivide_dp():
     assert ep == [[0, 1, 2, 3]] and edp == [[0], [1], [2], [3]]
 
 
-def test_reference_chunks_and_leaves():
-    # the model's aux losses cover one call's tokens: the reference runs chunk by chunk
-    assert reference_chunk_groups(dp=4, microbatches=2, ep=2) == [[c] for c in range(8)]
-    assert reference_chunk_groups(dp=2, microbatches=3, ep=1) == [[0], [1], [2], [3], [4], [5]]
-    plan = Plan(model=MODEL, mesh=MeshSpec(tp=2, dp=2, ep=2), experts=EXPERTS, tensor=TENSOR)
-    assert required_leaf_modules(plan) == ()  # experts: kept by the capture; TP: none
-
-
 def test_bad_meshes_are_errors():
     with pytest.raises(PipeplanError, match="must divide dp"):
         build_parallel_groups(MeshSpec(dp=2, ep=4))
     with pytest.raises(PipeplanError, match=r"must divide dp \(2\) or dp x tp \(4\)"):
         build_parallel_groups(MeshSpec(dp=2, tp=2, ep=8))
-    plan = Plan(model=MODEL, tensor=TensorSpec(sequence_parallel=True))
-    with pytest.raises(PipeplanError, match="sequence_parallel needs mesh.tp > 1"):
-        parallelize_stage(GPT(vocab=32, dim=16, layers=1, heads=2, seq_len=8), plan,
-                          build_parallel_groups(plan.mesh))
 
 
 PLAN_TEXT = """model {
@@ -258,9 +245,10 @@ def test_model_checks_experts():
                 experts=ExpertsSpec(modules=("layers.*.attn",), num_experts=4))
     with pytest.raises(PlanError, match="offers no experts module"):
         experts_modules(plan, model)
+    from pipeplan.dsl.checks import check_plan  # the mesh rule, once: dsl/layout.py ep_fits
     plan = Plan(model=MODEL, mesh=MeshSpec(dp=1, tp=3, ep=2), experts=EXPERTS)
-    with pytest.raises(PlanError, match=r"ep = 2 must divide dp = 1, or dp x tp = 3"):
-        check_parallel_model(plan, model)
+    with pytest.raises(PlanError, match=r"ep = 2 divides neither dp = 1 nor dp x tp = 3"):
+        check_plan(plan)
     check_parallel_model(Plan(model=MODEL, mesh=MeshSpec(dp=1, tp=2, ep=2), experts=EXPERTS),
                          model)  # EP across TP
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from TESTS import CommMeter
+from .comm_meter import CommMeter
 
 TOL = dict(rtol=1e-9, atol=1e-12)
 SEQ = 16

@@ -5,7 +5,7 @@ An island is one data-parallel replica: a whole pipeline x TP group, running the
 compiled plan (its schedule, TP and EP inside: dsl/layout.py keeps EP groups on an
 island's tp ranks) with the plan's optimizer as the *inner* optimizer and no per-step
 gradient all-reduce across islands (the mesh's `islands` flag takes the dp groups out of
-gradient sync, backends/runtime/layout.py; trainer.py scales the loss by 1/microbatches: an
+gradient sync, backends/parallel/layout.py; trainer.py scales the loss by 1/microbatches: an
 island's gradient is the mean over its own share of the global batch).
 
 The math, per fragment f of the parameters (the run of stages

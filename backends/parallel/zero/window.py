@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
-if TYPE_CHECKING:
-    from .sharding import StageZero
+
+class Gathers(Protocol):
+    """What the window drives (sharding.StageZero at stage 3)."""
+
+    def gather(self, stage: int) -> None: ...
+    def prefetch(self, stage: int) -> None: ...
+    def release(self, stage: int, keep=None) -> None: ...
 
 
 class PrefetchWindow:
@@ -19,7 +24,7 @@ class PrefetchWindow:
     Use as the runtime's `around(stage)` context manager, once per action.
     """
 
-    def __init__(self, zero: "StageZero", stages_in_order: Sequence[int]):
+    def __init__(self, zero: Gathers, stages_in_order: Sequence[int]):
         self.zero, self.order = zero, list(stages_in_order)
         self.position = 0
         self.prefetches = 0  # how many gathers were started ahead (for tests and reports)

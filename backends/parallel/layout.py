@@ -15,7 +15,6 @@ parameters (by their reference names) for checks and `pipeplan verify`.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,31 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...dsl.ast import Plan
-from ...errors import PipeplanError
-from .topology import Topology
-
-
-def needs_stage_parallelism(plan: Plan) -> bool:
-    experts_rewritten = plan.experts is not None and (plan.mesh.ep > 1 or not plan.experts.dropless)
-    return plan.mesh.tp > 1 or experts_rewritten or plan.zero > 0
-
-
-def with_required_leaves(plan: Plan) -> Plan:
-    """The plan to compile: module patterns the rewrites need as leaf calls added
-    (none today: the capture keeps the experts calls of MoE layers opaque itself, and
-    tensor parallelism works on the graph as captured), so a plan need not repeat them
-    in model.leaf_modules."""
-    if not needs_stage_parallelism(plan):
-        return plan
-    from ..parallel import required_leaf_modules
-
-    leaves = tuple(plan.model.leaf_modules)
-    extra = tuple(p for p in required_leaf_modules(plan) if p not in leaves)
-    if not extra:
-        return plan
-    return dataclasses.replace(plan, model=dataclasses.replace(plan.model,
-                                                               leaf_modules=leaves + extra))
+from ..runtime.topology import Topology
 
 
 @dataclass
@@ -60,28 +35,13 @@ class StageLayout:
     _norm_group: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict)
 
     @staticmethod
-    def build(plan: Plan, topo: Topology, modules: dict[int, nn.Module],
-              device: torch.device = torch.device("cpu"),
-              experts: tuple = (), tp_kinds: Optional[dict] = None) -> "StageLayout":
-        """Collective when per-stage parallelism is on (its groups are created here).
-        `experts`, `tp_kinds`: the compiled plan's expert placement and TP kinds."""
-        layout = StageLayout(topo, modules, device)
-        if not needs_stage_parallelism(plan):
-            return layout
-        try:
-            from ..parallel import build_parallel_groups, parallelize_stage
-            from ..parallel.tp import tp_shard_dims
-        except ModuleNotFoundError as e:
-            raise PipeplanError("this plan needs per-stage parallelism (tp, ep, zero or a "
-                                "capacity factor), which is not installed: backends/parallel/__init__.py "
-                                f"is missing ({e})") from None
+    def build(topo: Topology, modules: dict[int, nn.Module], device: torch.device,
+              groups=None, parallel: Optional[dict] = None) -> "StageLayout":
+        """The layout of stages `parallelize` rewrote (`parallel`: stage -> ParallelStage,
+        made with `groups`); without them, plain stages (no per-stage parallelism)."""
+        from .tp import tp_shard_dims
 
-        layout.groups = build_parallel_groups(
-            plan.mesh, topo.tp_group, topo.dp_group,
-            sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
-        for s in sorted(modules):
-            layout.parallel[s] = parallelize_stage(modules[s], plan, layout.groups, experts,
-                                                   tp_kinds)
+        layout = StageLayout(topo, modules, device, dict(parallel or {}), groups)
         for st in layout.parallel.values():
             for p in st.expert_params():
                 layout._norm_group[id(p)] = st.groups.ep
