@@ -174,7 +174,7 @@ def test_a_stopped_rank_is_named_by_its_heartbeat(tmp_path):
             proc.kill()
     assert proc.returncode == 1, err
     assert "rank 1 stopped responding: no heartbeat for 4 s" in err, err
-    assert took < 20, took  # the collective timeout is 300 s
+    assert took < 60, took  # the collective timeout is 300 s (22.8 s seen at load 35)
     assert "frame #" not in err and "Traceback" not in err, err
 
 
