@@ -1,7 +1,8 @@
 """The `pipeplan` command: one module of this package per command (or per few commands
 that share their options), the only place that imports every layer.
 
-Each module exposes `add_commands(subparsers)`; a command's
+Each module exposes `add_commands(subparsers)` and imports only argparse at its top
+(`pipeplan --help` and `--version` answer without torch); a command's
 handler returns an exit code. User errors (PipeplanError, PlanError, and an
 OSError on a file the user named) print their message and exit 2, never a
 traceback unless --debug is given.
@@ -13,6 +14,7 @@ import importlib
 import sys
 import traceback
 
+from .. import __version__
 from ..errors import PipeplanError
 
 # The modules whose `add_commands` contribute sub-commands, in help order.
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipeplan",
         description="Compile plan files into pipeline-parallel / MoE training programs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"pipeplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

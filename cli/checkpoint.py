@@ -14,8 +14,6 @@ import os
 import time
 
 from ..errors import PipeplanError
-from ..backends.state.checkpoint.integrity import step_dir, steps
-from ..backends.state.checkpoint.verify import LEGACY, problems
 
 
 def add_commands(sub) -> None:
@@ -29,6 +27,8 @@ def add_commands(sub) -> None:
 
 def _folders(path: str) -> list[str]:
     """The checkpoints under `path`, newest first per series."""
+    from ..backends.state.checkpoint.integrity import step_dir, steps
+
     if os.path.isfile(os.path.join(path, "manifest.json")) or \
             os.path.isfile(os.path.join(path, ".metadata")):
         return [path]
@@ -44,6 +44,8 @@ def _folders(path: str) -> list[str]:
 
 
 def _cmd_verify(args) -> int:
+    from ..backends.state.checkpoint.verify import LEGACY, problems
+
     bad = 0
     for folder in _folders(args.dir):
         started = time.perf_counter()

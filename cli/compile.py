@@ -6,7 +6,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..compiler.estimate.device import DeviceModel, device_model
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -16,13 +15,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("-o", "--out", default=None, help="build directory (default: build/<plan name>)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a plan key, e.g. --set mesh.pp=8 (repeatable)")
-    d = DeviceModel()
     c.add_argument("--tflops", type=_positive, default=None,
                    help="sustained TFLOP/s per device for the time estimate; overrides the "
-                        f"plan's device flops x mfu (default {d.flops_per_s / 1e12:g})")
+                        "plan's device flops x mfu (default: the plan's device section, else "
+                        "the built-in device model, shown by `pipeplan check`)")
     c.add_argument("--link-gbps", type=_positive, default=None,
                    help="bandwidth between nodes in GB/s; overrides the plan's device "
-                        f"inter_node (default {d.link_bytes_per_s / 1e9:g})")
+                        "inter_node (default: as for --tflops)")
     c.set_defaults(func=run_compile)
 
 
@@ -40,6 +39,7 @@ def run_compile(args: argparse.Namespace) -> int:
     from ..dsl import load_plan
     from ..compiler.build import write_build
     from ..compiler.driver import compile_plan
+    from ..compiler.estimate.device import device_model
     from ..compiler.estimate.report import render_summary
     started = time.perf_counter()
     plan = load_plan(args.plan, args.overrides)

@@ -6,15 +6,14 @@ the schedule (kind, virtual stages, microbatches), the split, the stage
 placement, the expert placement, and each rank's estimates (memory and
 FLOPs per step). With `--checkpoint DIR` (a checkpoint folder, or a
 train.checkpoint.dir holding step_* folders: the newest), it says whether
-that checkpoint loads under B (backends/state/checkpoint/manifest.py's refusals,
-one line each) and what is resharded on load.
+that checkpoint loads under B (else every reason it does not, one line each)
+and what is resharded on load.
 """
 from __future__ import annotations
 
 import os
 
 from ..errors import PipeplanError
-from ..backends.state.checkpoint.manifest import incompatibilities, plan_summary
 
 MIB = 1 << 20
 
@@ -24,6 +23,8 @@ def _mesh(m: dict) -> str:
 
 
 def plan_rows(compiled) -> dict[str, str]:
+    from ..backends.state.checkpoint.manifest import plan_summary
+
     """Item -> its value in words, for one compiled plan."""
     plan = compiled.plan
     s = plan_summary(plan, compiled.split_points)
@@ -78,6 +79,7 @@ def _checkpoint_folder(path: str) -> str:
 def checkpoint_lines(folder: str, compiled) -> list[str]:
     """Whether the checkpoint in `folder` loads under the compiled plan, and what reshards."""
     from ..backends.state.checkpoint import parameter_shapes
+    from ..backends.state.checkpoint.manifest import incompatibilities, plan_summary
 
     from ..backends.state.checkpoint.verify import verify_offering
 

@@ -4,8 +4,10 @@ run PLAN|BUILD/: without a rank in the environment it launches world-size
 local processes (gloo) that each re-enter this command as one rank; under
 torchrun (RANK, WORLD_SIZE, ... set) it is that rank. verify runs the plan
 locally, then the single-process reference, and compares. profile is a short
-run (warm-up + measured steps) that writes a cost file (compiler/estimate/profile.py).
-report turns a run directory (train.log_dir) into report.html (run_dir.py).
+run (warm-up + measured steps) that writes a cost file. report turns a run
+directory (train.log_dir) into report.html. Everything a run writes is checked
+before any process starts (backends/runtime/outputs.py). Only argparse at import:
+`pipeplan --help` answers without importing torch.
 """
 from __future__ import annotations
 
@@ -13,23 +15,25 @@ import argparse
 import contextlib
 import os
 
-import torch
-
 from ..errors import PipeplanError
-from ..compiler.data import check_data
-from ..backends.runtime.source import RunSource, load_source
-from ..backends.runtime.failure import HEARTBEAT_S
-from ..backends.runtime.memory import check_local_memory
-from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
+
+RUN_HELP = """Train the plan: with no rank in the environment, start one local process per rank
+(gloo) on this machine; under torchrun, be the rank torchrun started. A path on the
+command line (--trace, --metrics, a --set value) is relative to the working
+directory; a path in the plan file is relative to the plan file's folder. Output
+folders are made, and an output that cannot be written is refused before any
+process starts."""
 
 
 def add_commands(sub) -> None:
     run = sub.add_parser("run", help="train a plan (local processes, or one rank under torchrun)",
-                         description=__doc__.split("\n\n")[1])
+                         description=RUN_HELP)
     _common(run)
     run.add_argument("--steps", type=int, default=None, help="optimizer steps (default: train.steps)")
-    run.add_argument("--trace", metavar="FILE", help="write every rank's measured actions as a Chrome trace")
-    run.add_argument("--metrics", metavar="FILE", help="write one JSON object per step (JSONL)")
+    run.add_argument("--trace", metavar="FILE", help="write what every rank did, and the plan, as a Chrome trace "
+                     "(open it in Perfetto)")
+    run.add_argument("--metrics", metavar="FILE", help="write one JSON object per step: loss, lr, grad norm, tokens/s, "
+                     "step time (JSONL)")
     run.add_argument("--reset-optimizer", action="store_true",
                      help="resume a checkpoint's weights (and step) with a fresh optimizer")
     run.add_argument("--resume-from", metavar="STEP_DIR",
@@ -45,14 +49,15 @@ def add_commands(sub) -> None:
                           "write the measured per-stage costs (a cost file the plan can name)")
     _common(prof)
     prof.add_argument("-o", "--out", default="costs.json", help="the cost file (default "
-                      "costs.json); name it in the plan: pipeline { profile = \"costs.json\" }")
+                      "costs.json, relative to the working directory); name it in the plan: "
+                      "pipeline { profile = \"costs.json\" }, relative to the plan file")
     prof.add_argument("--steps", type=int, default=4, help="measured steps (default 4)")
     prof.add_argument("--warmup", type=int, default=2, help="steps before them (default 2)")
     prof.set_defaults(func=_cmd_profile)
 
     report = sub.add_parser("report", help="write RUN_DIR/report.html: loss and step-time "
                             "curves, measured vs planned timeline, memory per rank")
-    report.add_argument("run_dir", help="a run's train.log_dir")
+    report.add_argument("run_dir", help="the folder a run wrote (its train.log_dir)")
     report.add_argument("-o", "--out", default=None, help="the HTML file (default "
                         "RUN_DIR/report.html)")
     report.set_defaults(func=_cmd_report)
@@ -63,7 +68,7 @@ def add_commands(sub) -> None:
     verify.add_argument("--precision", choices=("fp64", "fp32"), default="fp64",
                         help="both sides' precision and the judge's rule: fp64 (default; every "
                              "element within rtol 1e-9, atol 1e-12) or fp32 (per-element bounds "
-                             "scaled by the optimizer's reach, see docs/runtime.md)")
+                             "scaled by the optimizer's reach)")
     verify.set_defaults(func=_cmd_verify)
 
 
@@ -73,12 +78,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override a plan value, e.g. --set pipeline.microbatches=8")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="seconds any rank may wait on another before the run fails (default 300)")
-    p.add_argument("--heartbeat", type=float, default=HEARTBEAT_S, metavar="S",
-                   help=f"a local run stops when a rank shows no sign of life (stopped, hung "
-                        f"outside a collective) for S seconds (default {HEARTBEAT_S:g})")
+    p.add_argument("--heartbeat", type=float, default=None, metavar="S",
+                   help="a local run stops when a rank shows no sign of life (stopped, hung "
+                        "outside a collective) for S seconds (default 30: "
+                        "backends/runtime/failure.HEARTBEAT_S)")
 
 
-def _steps(args, source: RunSource) -> int:
+def _steps(args, source) -> int:
     steps = source.plan.train.steps if args.steps is None else args.steps
     if steps < 0:
         raise PipeplanError(f"--steps must be >= 0, got {steps}")
@@ -105,7 +111,7 @@ def _rank_argv(args, steps: int, dump_dir: str | None = None,
     return argv
 
 
-def precompile(plan, source: RunSource):
+def precompile(plan, source):
     """Compile on the meta device as every rank will, so every compile-time check (a
     PlanError at the plan line) runs before any process starts."""
     return source.compile(plan, None)
@@ -166,14 +172,22 @@ def _resume_argv(plan, chosen: dict | None) -> list[str]:
 
 def _cmd_run(args) -> int:
     from ..backends.runtime.launcher import launch_local
+    from ..backends.runtime.outputs import check_outputs, run_outputs
+    from ..backends.runtime.source import load_source
+    from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
+    from ..backends.runtime.memory import check_local_memory
+    from ..compiler.data import check_data
 
     env = RankEnv.from_environ()
     source = load_source(args.plan, args.set, env.world_size if env else None)
     steps = _steps(args, source)
+    check_outputs(run_outputs(source.plan, args.trace, args.metrics, args.profile_out))
     if env is None:
         with _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
             chosen = choose_resume(source.plan, getattr(args, "resume_from", None))
             compiled = precompile(source.plan, source)  # fail before spawning anything
+            import torch
+
             if not torch.cuda.is_available():  # every rank on this machine's memory
                 check_local_memory(source.plan, compiled)
             check_data(source.plan, steps)
@@ -183,7 +197,7 @@ def _cmd_run(args) -> int:
                   f"tp={m.tp}: launching {m.world_size} local processes (gloo)", flush=True)
             argv = _rank_argv(args, steps, args.dump_dir) + _resume_argv(source.plan, chosen)
             return launch_local(argv, m.world_size, islands=_islands(source.plan),
-                                heartbeat_s=args.heartbeat)
+                                heartbeat_s=_heartbeat(args))
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
                       debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
@@ -211,14 +225,18 @@ def _folder_lock(plan):
             os.environ.pop(HELD_ENV, None)
 
 
+def _heartbeat(args) -> float:
+    from ..backends.runtime.failure import HEARTBEAT_S
+
+    return HEARTBEAT_S if getattr(args, "heartbeat", None) is None else args.heartbeat
+
+
 def _cmd_profile(args) -> int:
     """`run` for warm-up + measured steps, rank 0 writing the cost file."""
     if args.steps < 1 or args.warmup < 0:
         raise PipeplanError(f"pipeplan profile needs --steps >= 1 and --warmup >= 0, got "
                             f"{args.steps} and {args.warmup}")
     out = os.path.abspath(args.out)
-    if not os.path.isdir(os.path.dirname(out)):
-        raise PipeplanError(f"{args.out}: its folder does not exist")
     run_args = argparse.Namespace(**vars(args))
     run_args.steps, run_args.profile_out = args.warmup + args.steps, out
     run_args.trace = run_args.metrics = run_args.dump_dir = None
@@ -228,7 +246,10 @@ def _cmd_profile(args) -> int:
 
 def _cmd_report(args) -> int:
     from ..backends.observe.run_dir import write_report
+    from ..backends.runtime.outputs import check_outputs
 
+    if args.out:
+        check_outputs([("-o", os.path.abspath(args.out), False)])
     print(f"wrote {write_report(args.run_dir, args.out)}")
     return 0
 
@@ -246,7 +267,10 @@ def _islands(plan):
 
 def _cmd_verify(args) -> int:
     from ..backends.runtime.launcher import launch_local
+    from ..backends.runtime.source import load_source
+    from ..backends.runtime.worker import RankEnv
     from ..backends.verify.run import judged_plan, verify_plan
+    from ..compiler.data import check_data
 
     if RankEnv.from_environ() is not None:
         raise PipeplanError("pipeplan verify launches its own local processes; "
@@ -256,8 +280,8 @@ def _cmd_verify(args) -> int:
     if source.plan.sync.diloco:
         raise PipeplanError("pipeplan verify compares a run with one process training on the "
                             "global batch every step, which a diloco run is not (its islands "
-                            "train apart); tests/backends/test_diloco.py holds DiLoCo's own "
-                            "reference")
+                            "train apart); compare a diloco run with its own runs instead "
+                            "(e.g. the same plan resumed against uninterrupted)")
     precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
     check_data(source.plan, steps)
     world = source.plan.mesh.world_size
@@ -265,4 +289,4 @@ def _cmd_verify(args) -> int:
           f"processes (gloo), {steps} steps", flush=True)
     return verify_plan(source.plan, steps, args.precision,
                        lambda dump: launch_local(_rank_argv(args, steps, dump, args.precision),
-                                                 world, heartbeat_s=args.heartbeat))
+                                                 world, heartbeat_s=_heartbeat(args)))

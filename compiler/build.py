@@ -21,7 +21,7 @@ import torch
 from .. import __version__
 from ..dsl.ast import SplitSpec
 from .compiled import CompiledPlan
-from .capture.loading import is_path_source, model_source_file
+from .capture.loading import is_folder_source, is_path_source, model_source_file
 from .estimate.report import render_report
 
 
@@ -60,14 +60,15 @@ def write_build(compiled: CompiledPlan, out: str | Path) -> Path:
 
 def resolved_plan(compiled: CompiledPlan, out: Path):
     """The plan with the chosen split pinned (rebuilding it gives the same stages) and the
-    model file's, cost file's and weights' paths made relative to the build directory,
-    where this copy lives."""
+    model file's, cost file's, weights' and outputs' paths made relative to the build
+    directory, where this copy lives."""
     plan = compiled.plan
     if compiled.split_points:
         pinned = SplitSpec(kind="points", points=compiled.split_points)
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=pinned))
     if plan.pipeline.profile and not os.path.isabs(plan.pipeline.profile):
-        rel = os.path.relpath(plan.resolve_path(plan.pipeline.profile), out.resolve())
+        rel = os.path.relpath(plan.resolve_path(plan.pipeline.profile, "pipeline.profile"),
+                              out.resolve())
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, profile=rel))
     source = model_source_file(plan)
     where, _, cls = plan.model.source.rpartition(":")
@@ -76,9 +77,36 @@ def resolved_plan(compiled: CompiledPlan, out: Path):
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model,
                                                                    source=f"{rel}:{cls}"))
     if plan.model.weights and not os.path.isabs(plan.model.weights):  # the same, for weights
-        rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights), out.resolve())
+        rel = os.path.relpath(compiled.plan.resolve_path(plan.model.weights, "model.weights"),
+                              out.resolve())
         plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights=rel))
-    return plan
+    if is_folder_source(plan.model.source):  # a model folder, and text data's paths
+        plan = dataclasses.replace(plan, model=dataclasses.replace(
+            plan.model, source=_moved(plan, plan.model.source, out, "model.source")))
+    d = plan.data
+    if d.kind == "text":
+        plan = dataclasses.replace(plan, data=dataclasses.replace(
+            d, files=tuple(_moved(plan, f, out, "data.files") for f in d.files),
+            tokenizer=_moved(plan, d.tokenizer, out, "data.tokenizer"),
+            cache=_moved(plan, d.cache, out, "data.cache")))
+    return _outputs_relative_to(plan, out)
+
+
+def _outputs_relative_to(plan, out: Path):
+    """train.log_dir and train.checkpoint.dir relative to the build directory, pointing where
+    the plan's pointed (`pipeplan run BUILD/` writes where `pipeplan run PLAN` would)."""
+    t = plan.train
+    ckpt = t.checkpoint and dataclasses.replace(
+        t.checkpoint, dir=_moved(plan, t.checkpoint.dir, out, "train.checkpoint.dir"))
+    log_dir = t.log_dir and _moved(plan, t.log_dir, out, "train.log_dir")
+    return dataclasses.replace(plan, train=dataclasses.replace(t, checkpoint=ckpt,
+                                                               log_dir=log_dir))
+
+
+def _moved(plan, path: str, out: Path, key: str) -> str:
+    """A plan path at `key` (resolved by the plan's rule) relative to the build directory."""
+    return path if os.path.isabs(path) else os.path.relpath(plan.resolve_path(path, key),
+                                                            out.resolve())
 
 
 def stage_source(st) -> str:

@@ -95,8 +95,13 @@ def _stats(path: str, size: int, mtime: int) -> TokenStats:
 
 
 def plan_vocab(plan: Plan) -> Optional[int]:
-    """The vocabulary the plan states (model.args.vocab), if any."""
+    """The vocabulary the plan states (model.args.vocab, or a model folder's config.json
+    vocab_size), if any."""
     v = plan.model.args.get("vocab")
+    if v is None and ":" not in plan.model.source:
+        from .capture.loading import folder_config
+
+        v = (folder_config(plan) or {}).get("vocab_size")
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
@@ -105,6 +110,8 @@ def check_data(plan: Plan, steps: Optional[int] = None, vocab: Optional[int] = N
 
     `steps`: the steps the run will take (default train.steps); `vocab`: the number of
     classes the model predicts, when known (else model.args.vocab)."""
+    if plan.data.kind == "text":
+        return check_text(plan, steps, vocab)
     if plan.data.kind != "file":
         return
 
@@ -147,4 +154,37 @@ _HINT = ("data = tokens(\"FILE\") reads a .bin of uint16 ids or a .npy integer a
 
 def resolve_data_path(plan: Plan) -> str:
     """A relative data path resolves against the plan file's folder."""
-    return plan.resolve_path(plan.data.path or "")
+    return plan.resolve_path(plan.data.path or "", "data.path")
+
+
+def check_text(plan: Plan, steps: Optional[int] = None, vocab: Optional[int] = None):
+    """`data = text(...)`: the inputs read and tokenise (once: compiler/text.py caches the
+    tokens), the tokenizer fits the model's vocabulary, and the windows suffice for the run
+    (training) and for train.eval (held out). Returns the TokenCache."""
+    from .documents import TextError
+    from .text import prepare, refuse
+
+    try:
+        cache = prepare(plan, vocab if vocab is not None else plan_vocab(plan))
+    except TextError as e:
+        raise refuse(plan, e) from None
+    window = plan.data.seq_len + 1
+    train, held = cache.split // window, cache.held_out_tokens // window
+    steps = plan.train.steps if steps is None else steps
+    need = steps * plan.train.global_batch
+    if train == 0:
+        raise PlanError.at(plan, "data", f"the text's training documents make {cache.split} "
+                           f"tokens, fewer than one window of seq_len + 1 = {window}",
+                           "give more text, or a shorter seq_len")
+    if need > train and not plan.data.wrap:
+        raise PlanError.at(plan, "data", f"the text makes {train:,} training windows of "
+                           f"seq_len + 1 = {window} tokens, but {steps} steps of global_batch "
+                           f"= {plan.train.global_batch} read {need:,} ({need / train:.1f} "
+                           "epochs)", "add wrap = true to data = text(...) to train more than "
+                           "one epoch (reshuffled each epoch), or train fewer steps")
+    if plan.train.eval is not None and held == 0:
+        raise PlanError.at(plan, "data.holdout" if "data.holdout" in plan.spans else "data",
+                           f"the held-out documents make {cache.held_out_tokens} tokens, fewer "
+                           f"than one window of seq_len + 1 = {window}: nothing to evaluate on",
+                           "hold out more (a larger holdout), or give more text")
+    return cache

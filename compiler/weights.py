@@ -204,7 +204,7 @@ def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def weights_path(plan: Plan) -> str:
-    return plan.resolve_path(plan.model.weights)
+    return plan.resolve_path(plan.model.weights, "model.weights")
 
 
 def plan_catalogue(plan: Plan) -> dict[str, Stored]:

@@ -53,7 +53,9 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    source: str  # "path/to/file.py:Class" (relative to the plan file) or "pkg.mod:Class"
+    # "path/to/file.py:Class" (relative to the plan file), "pkg.mod:Class", or a Hugging Face
+    # model folder (config.json; `save_pretrained`): built from its config, random init
+    source: str
     args: Mapping[str, Value] = field(default_factory=_frozen_map)
     inputs: tuple[InputSpec, ...] = (InputSpec("input_ids", "int64", ("batch", "seq")),)
     capture: str = "auto"  # auto | fx | export
@@ -67,7 +69,7 @@ class ModelSpec:
 # ---------------------------------------------------------------------- data
 @dataclass(frozen=True)
 class DataSpec:
-    kind: str = "synthetic"  # synthetic | file
+    kind: str = "synthetic"  # synthetic | file | text
     seq_len: int = 128
     seed: int = 0  # synthetic only
     vocab: int = 256  # synthetic only
@@ -75,6 +77,15 @@ class DataSpec:
     # file only: read past the file's end from its start again (else a file too short
     # for the run is refused by `pipeplan check`)
     wrap: bool = False
+    # text only (compiler/text.py): documents in .txt/.md (split by a blank line), .jsonl,
+    # .parquet or save_to_disk folders, tokenised by `tokenizer` into a cached token file
+    files: tuple[str, ...] = ()
+    tokenizer: Optional[str] = None  # a save_pretrained folder or a tokenizer.json
+    field: str = "text"  # the JSONL field / Parquet or dataset column holding the text
+    eos: Optional[str] = None  # the token after each document (default: the tokenizer's)
+    holdout: float = 0.0  # share of documents held out (train.eval reads them)
+    shuffle: bool = True  # windows in a seeded order (train.seed), another each epoch
+    cache: str = ".pipeplan-cache"  # where the token files go (relative to the plan)
     # (model input, data field) pairs: which field of the data each model input reads
     # (fields: tokens positions mask targets, see backends/runtime/data.py); a model input not
     # named here reads `tokens` if it is the first, and is an error otherwise
@@ -217,6 +228,15 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
+class EvalSpec:
+    """`train { eval { every = N  batches = K } }`: after every N-th step, K global batches of
+    held-out windows, forward only, through the run's own pipeline."""
+
+    every: int
+    batches: int = 1
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     steps: int = 10
     global_batch: int = 8  # sequences per optimizer step, over all dp ranks
@@ -227,6 +247,8 @@ class TrainSpec:
     seed: int = 0
     checkpoint: Optional[CheckpointSpec] = None
     log_dir: Optional[str] = None
+    eval: Optional["EvalSpec"] = None  # held-out loss every N steps (needs data holdout)
+    log: tuple[str, ...] = ("jsonl",)  # trackers: jsonl tensorboard wandb (observe/trackers.py)
 
 
 # ---------------------------------------------------------------------- sync
@@ -310,14 +332,18 @@ class Plan:
             object.__setattr__(self, "mesh", dataclasses.replace(self.mesh,
                                                                  islands=self.sync.diloco))
 
-    def resolve_path(self, path: str) -> str:
-        """A path the plan gives (model file, data, checkpoint.dir, log_dir), absolute: a
-        relative one is relative to the plan file's folder (the working directory for a
-        plan that has no file), so a plan means the same from any directory."""
+    def resolve_path(self, path: str, key: Optional[str] = None) -> str:
+        """A path the plan gives at `key` (model.source, model.weights, data.path,
+        pipeline.profile, train.checkpoint.dir, train.log_dir), absolute. One rule, the
+        shell's: a relative path is relative to where it was written. Written in the plan
+        file: its folder, so a plan means the same from any directory. Given on the command
+        line (`--set KEY=...`, like --trace or -o): the working directory. A plan without a
+        file: the working directory."""
         if os.path.isabs(path):
             return path
-        base = os.path.dirname(os.path.abspath(self.path)) if self.path not in ("", "<plan>") \
-            else os.getcwd()
+        typed = key is not None and self.span_of(key).file.startswith("<--set")
+        base = os.path.dirname(os.path.abspath(self.path)) \
+            if self.path not in ("", "<plan>") and not typed else os.getcwd()
         return os.path.normpath(os.path.join(base, path))
 
     def with_resolved_paths(self) -> "Plan":
@@ -325,9 +351,9 @@ class Plan:
         import dataclasses
 
         t = self.train
-        ckpt = t.checkpoint and dataclasses.replace(t.checkpoint,
-                                                    dir=self.resolve_path(t.checkpoint.dir))
-        log_dir = t.log_dir and self.resolve_path(t.log_dir)
+        ckpt = t.checkpoint and dataclasses.replace(
+            t.checkpoint, dir=self.resolve_path(t.checkpoint.dir, "train.checkpoint.dir"))
+        log_dir = t.log_dir and self.resolve_path(t.log_dir, "train.log_dir")
         return dataclasses.replace(self, train=dataclasses.replace(t, checkpoint=ckpt,
                                                                    log_dir=log_dir))
 

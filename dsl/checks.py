@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Optional
 
-from . import input_checks, sync_checks  # noqa: F401  (register the model-input, size and sync checks)
+from . import input_checks, sync_checks, train_checks  # noqa: F401  (register the model-input,
+# size, sync, eval and tracker checks)
 from .ast import ExpertsSpec, OptimizerSpec, Plan
 from .errors import Diagnostic, PlanError
 from .layout import ep_fits
@@ -345,4 +346,3 @@ def check_plan(plan: Plan, world_size: Optional[int] = None) -> None:
     diagnostics = find_problems(resolve(plan), world_size)
     if diagnostics:
         raise PlanError(diagnostics, plan.source_text or None, plan.sources)
-

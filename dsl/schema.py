@@ -25,10 +25,16 @@ _SOURCE = re.compile(r"(?P<file>[^:]+\.py|[A-Za-z_][\w.]*):(?P<cls>[A-Za-z_]\w*)
 
 
 def _source(node: Node, key: str) -> str:
+    """file.py:Class, package.module:Class, or a folder (no `:`) holding a config.json."""
     value = text(node, key)
-    if not _SOURCE.fullmatch(value):
+    if value.endswith(".py"):  # a model file without its class
         raise Invalid(f"model source '{value}' is not file.py:Class or package.module:Class",
-                      'e.g. source = "models/gpt.py:GPT" (relative to this plan file)')
+                      f'name the class: source = "{value}:ClassName" (relative to this plan '
+                      "file)")
+    if not _SOURCE.fullmatch(value) and (":" in value or not value.strip()):
+        raise Invalid(f"model source '{value}' is not file.py:Class, package.module:Class or a "
+                      "model folder", 'e.g. source = "models/gpt.py:GPT" or source = '
+                      '"llama-tiny" (a save_pretrained folder), relative to this plan file')
     return value
 
 
@@ -166,20 +172,67 @@ _TOKENS = CallShape(Section("tokens()", A.DataSpec, (
     Field("wrap", boolean),
     _INPUTS,
 ), noun="argument"), positional=("path",))
-_DATA_SHAPES = {"synthetic": _SYNTHETIC, "tokens": _TOKENS}
+
+
+def _paths(node: Node, key: str) -> tuple[str, ...]:
+    """A list of paths in double quotes (one string is a one-item list)."""
+    if not isinstance(node, Items):
+        return (text(node, key),)
+    if not node.items:
+        raise Invalid(f"{key} is empty", 'name at least one file: files = ["corpus.txt"]')
+    out = []
+    for item in node.items:
+        try:
+            out.append(text(item, key))
+        except Invalid as e:
+            raise Invalid(e.message, e.hint, item.span) from None
+    return tuple(out)
+
+
+def _write_paths(paths: tuple[str, ...]) -> str:
+    return "[" + ", ".join(write_string(p) for p in paths) + "]"
+
+
+def _cache_dir(node: Node, key: str) -> str:
+    value = text(node, key)
+    if not value.strip():
+        raise Invalid(f"{key} is empty", 'name a folder, e.g. cache = ".pipeplan-cache"')
+    return value
+
+
+# text(...): documents -> a tokenizer -> a cached token file (compiler/text.py)
+_TEXT = CallShape(Section("text()", A.DataSpec, (
+    Field("files", _paths, _write_paths),
+    Field("tokenizer", text, write_string),
+    Field("seq_len", integer(1, MAX_SEQ_LEN)),
+    Field("field", text, write_string),
+    Field("eos", text, write_string),
+    Field("holdout", number(lo=0, hi=0.5)),
+    Field("shuffle", boolean),
+    Field("wrap", boolean),
+    Field("cache", _cache_dir, write_string),
+    _INPUTS,
+), noun="argument"), positional=("files",))
+_DATA_SHAPES = {"synthetic": _SYNTHETIC, "tokens": _TOKENS, "text": _TEXT}
+_DATA_KINDS = {"synthetic": "synthetic", "tokens": "file", "text": "text"}  # call -> kind
 
 
 def _data(r: Reading, node: Node, key: str) -> A.DataSpec:
     name, values = read_call(r, node, key, _DATA_SHAPES)
-    if name == "tokens":
-        return A.DataSpec(kind="file", **values)
-    return A.DataSpec(kind="synthetic", **values)
+    if name == "text" and "tokenizer" not in values and f"{key}.tokenizer" not in r.failed:
+        r.error(node.span, "text() needs a tokenizer",
+                'add tokenizer = "FOLDER" (a save_pretrained folder) or "tokenizer.json"',
+                f"{key}.tokenizer")
+    if name == "text" and "files" not in values and f"{key}.files" not in r.failed:
+        r.error(node.span, "text() needs files", 'e.g. text(files = ["corpus.txt"], ...)',
+                f"{key}.files")
+    return A.DataSpec(kind=_DATA_KINDS[name], **values)
 
 
 def _write_data(data: A.DataSpec, key: str, emit: Emit) -> str:
-    if data.kind == "file":
-        return write_call("tokens", data, _TOKENS.section, key, emit, _TOKENS.positional)
-    return write_call("synthetic", data, _SYNTHETIC.section, key, emit)
+    name = next(n for n, kind in _DATA_KINDS.items() if kind == data.kind)
+    shape = _DATA_SHAPES[name]
+    return write_call(name, data, shape.section, key, emit, shape.positional)
 
 
 # ----------------------------------------------------------------- mesh

@@ -74,6 +74,34 @@ CHECKPOINT = Section("checkpoint", A.CheckpointSpec, (
     Field("keep", integer(1, MAX_STEPS)),
 ))
 
+EVAL = Section("eval", A.EvalSpec, (
+    Field("every", integer(1, MAX_STEPS)),
+    Field("batches", integer(1, MAX_STEPS)),
+))
+# tracker -> (the module it needs, the pip extra installing it); backends/observe/trackers.py
+TRACKERS = {"jsonl": (None, None), "tensorboard": ("tensorboard", "tensorboard"),
+            "wandb": ("wandb", "wandb")}
+
+
+def _trackers(node: Node, key: str) -> tuple[str, ...]:
+    """`log = [jsonl, tensorboard]` (one name is a one-item list; [] logs nothing)."""
+    items = node.items if isinstance(node, Items) else (node,)
+    read, out = choice(*TRACKERS), []
+    for item in items:
+        try:
+            name = read(item, "tracker")
+        except Invalid as e:
+            raise Invalid(e.message, e.hint, item.span) from None
+        if name in out:
+            raise Invalid(f"tracker {name} is named twice", "keep one", item.span)
+        out.append(name)
+    return tuple(out)
+
+
+def _write_trackers(names: tuple[str, ...]) -> str:
+    return "[" + ", ".join(names) + "]"
+
+
 TRAIN = Section("train", A.TrainSpec, (
     Field("steps", integer(1, MAX_STEPS)),
     Field("global_batch", integer(1, MAX_BATCH)),
@@ -84,6 +112,8 @@ TRAIN = Section("train", A.TrainSpec, (
     Field("seed", integer(0, MAX_SEED)),
     Field("checkpoint", section=CHECKPOINT),
     Field("log_dir", text, write_string),
+    Field("eval", section=EVAL),
+    Field("log", _trackers, _write_trackers),
 ))
 
 # ----------------------------------------------------------------- sync

@@ -61,19 +61,33 @@ def _label(result: SimResult, rank: int, a) -> str:
     return f"{op}{a.microbatch}"
 
 
+_FILL = {F: "-", B: "~", W: "+", BW: "="}
+
+
+def ascii_legend(result: SimResult) -> str:
+    """What the ASCII timeline's characters mean (only what this schedule draws)."""
+    s = result.schedule
+    used = [o for o in (F, B, W, BW) if any(a.op == o for row in s.order for a in row)]
+    boxes = ", ".join(f"{o}{_FILL[o] * 3} {_NAMES[o].split(' ', 1)[1]}" for o in used)
+    later = ("; upper case: the rank's first stage, lower case: its later stage"
+             if max(s.stages_per_rank()) > 1 else "")
+    return (f"a box is its op and microbatch, then its fill: {boxes}{later}; "
+            "a box of one column shows its op only; '.': idle")
+
+
 def ascii_timeline(result: SimResult, width: int = 120) -> str:
     """A row per rank, time left to right at `width` columns per makespan; '.' is idle."""
     span = result.makespan or 1.0
     scale = width / span
-    lines = [f"time 0 .. {result.makespan:g}  ({span / width:.3g} per column; "
-             "F/B/W/BW = op of the rank's first stage, lower case = its later stage; number = microbatch)"]
+    lines = [f"time 0 .. {result.makespan:g}  ({span / width:.3g} per column)",
+             ascii_legend(result)]
     for r, row in enumerate(result.schedule.order):
         cells = ["."] * width
         for a, t0, t1 in zip(row, result.start[r], result.end[r]):
             c0, c1 = int(round(t0 * scale)), max(int(round(t0 * scale)) + 1, int(round(t1 * scale)))
             c1 = min(c1, width)
             text = _label(result, r, a)
-            fill = {F: "-", B: "~", W: "+", BW: "="}[a.op]
+            fill = _FILL[a.op]
             for k, c in enumerate(range(c0, c1)):
                 cells[c] = text[k] if k < len(text) and c1 - c0 > 1 else (fill if c1 - c0 > 1 else text[0])
         lines.append(f"rank {r:<3}|" + "".join(cells) + "|")
@@ -151,53 +165,71 @@ def nice_ticks(span: float, target: int = 10) -> list[float]:
     return [i * step for i in range(int(span / step + 1e-9) + 1)]
 
 
+TITLE_CHAR_PX = 8.0  # width of one 13 px monospace character
+
+
 def gantt_svg(title: str, rows: Sequence[tuple[str, Sequence[tuple]]], span: float,
               unit: str = "", legend: Sequence[tuple[str, str]] = (), row_h: int = 28,
               max_width: float = MAX_WIDTH_PX) -> str:
     """A standalone SVG Gantt: `rows` = (name, boxes), a box = (t0, t1, fill, text, tooltip,
     opacity). Wide enough that the shortest labelled box shows its text (up to `max_width`
     px; a box too narrow for its text keeps it as a tooltip), a time axis with round ticks in
-    `unit`, a legend of (colour, meaning)."""
+    `unit`, a legend of (colour, meaning). Everything is drawn inside the SVG's box: boxes
+    are clipped to [0, span], and the width fits the title, the unit and the legend."""
     span = span or 1.0
     need = [(len(b[3]) * CHAR_PX + 4) / (b[1] - b[0]) for _, boxes in rows for b in boxes
             if b[3] and b[1] > b[0]]
     scale = min(max(1200.0 / span, max(need, default=0.0)), max_width / span)
     left = 8 + CHAR_PX * max((len(n) for n, _ in rows), default=6)
     top = 40
-    width = int(left + span * scale + 60)
+    axis_end = left + span * scale
+    keys = _legend_widths(legend)
+    width = int(math.ceil(max(axis_end + 12 + CHAR_PX * len(unit), 8 + TITLE_CHAR_PX * len(title),
+                              left + sum(keys), axis_end + 20)))
     axis_y = top + len(rows) * row_h
     height = int(axis_y + 60)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="monospace" font-size="11">',
-           f'<text x="4" y="18" font-size="13">{html.escape(title)}</text>']
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="gantt" width="{width}" '
+           f'height="{height}" font-family="monospace" font-size="11">',
+           f'<text class="title" x="4" y="18" font-size="13">{html.escape(title)}</text>']
     for k, (name, boxes) in enumerate(rows):
         y = top + k * row_h
-        out.append(f'<text x="4" y="{y + row_h * 0.65:.1f}">{html.escape(name)}</text>')
+        out.append(f'<g class="row" data-name="{html.escape(name)}">'
+                   f'<text class="row-label" x="4" y="{y + row_h * 0.65:.1f}">'
+                   f'{html.escape(name)}</text>')
         for t0, t1, fill, text, tip, opacity in boxes:
+            t0, t1 = max(0.0, min(t0, span)), max(0.0, min(t1, span))  # inside the axis
             x, w = left + t0 * scale, max(1.0, (t1 - t0) * scale)
-            out.append(f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row_h - 4}" '
-                       f'fill="{fill}" fill-opacity="{opacity:g}" stroke="white" '
-                       f'stroke-width="0.5"><title>{html.escape(tip)}</title></rect>')
+            x = min(x, axis_end - w)
+            out.append(f'<rect class="box" x="{x:.2f}" y="{y + 2}" width="{w:.2f}" '
+                       f'height="{row_h - 4}" fill="{fill}" fill-opacity="{opacity:g}" '
+                       f'stroke="white" stroke-width="0.5"><title>{html.escape(tip)}</title>'
+                       f'</rect>')
             if text and w >= len(text) * CHAR_PX + 2:
                 out.append(f'<text x="{x + 2:.2f}" y="{y + row_h * 0.65:.1f}" fill="white">'
                            f'{html.escape(text)}</text>')
-    out.append(f'<line class="axis" x1="{left}" y1="{axis_y}" x2="{left + span * scale:.2f}" '
+        out.append("</g>")
+    out.append(f'<line class="axis" x1="{left}" y1="{axis_y}" x2="{axis_end:.2f}" '
                f'y2="{axis_y}" stroke="black"/>')
     for t in nice_ticks(span):
         x = left + t * scale
         out.append(f'<line class="tick" x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" '
                    f'stroke="black"/><text x="{x:.2f}" y="{axis_y + 16}" text-anchor="middle">'
                    f'{t:g}</text>')
-    out.append(f'<text x="{left + span * scale + 6:.2f}" y="{axis_y + 16}">{html.escape(unit)}'
-               f'</text>')
+    out.append(f'<text class="unit" x="{axis_end + 12:.2f}" y="{axis_y + 16}">'
+               f'{html.escape(unit)}</text>')
     x = left
-    for fill, meaning in legend:
+    for (fill, meaning), w in zip(legend, keys):
         out.append(f'<g class="legend"><rect x="{x:.1f}" y="{axis_y + 28}" width="12" '
                    f'height="12" fill="{fill}"/><text x="{x + 16:.1f}" y="{axis_y + 38}">'
                    f'{html.escape(meaning)}</text></g>')
-        x += 16 + CHAR_PX * len(meaning) + 14
+        x += w
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _legend_widths(legend: Sequence[tuple[str, str]]) -> list[float]:
+    """Each legend entry's width: its swatch, its text, a gap."""
+    return [16 + CHAR_PX * len(meaning) + 14 for _, meaning in legend]
 
 
 def op_legend(ops: Sequence[str] = (F, B, W, BW), later: bool = True) -> list[tuple[str, str]]:

@@ -101,8 +101,14 @@ def _metrics_section(rows) -> str:
     tps = [r.get("tokens_per_s", 0.0) for r in rows]
     summary = (f"<p>{len(rows)} steps; final loss {rows[-1]['loss']:.4f}; median step time "
                f"{median(times):.1f} ms; median {median(tps):,.0f} tokens/s</p>")
+    held = [r for r in rows if r.get("eval_loss") is not None]  # train.eval's rows
+    if held:
+        summary += (f"<p>held-out loss {held[-1]['eval_loss']:.4f} (perplexity "
+                    f"{held[-1]['eval_perplexity']:.4g}) after step {held[-1]['step']}</p>")
     return ("<h2>Loss and step time</h2>" + summary
             + line_chart("loss", steps, [r["loss"] for r in rows], "step", "loss")
+            + (line_chart("held-out loss", [r["step"] for r in held],
+                          [r["eval_loss"] for r in held], "step", "loss") if held else "")
             + line_chart("step time", steps, times, "step", "ms"))
 
 
@@ -164,9 +170,9 @@ def _timeline_section(trace, bubble) -> str:
                 f"{bubble['steady_steps'][-1]}), predicted {bubble['predicted']:.3f} from "
                 f"{html.escape(bubble['predicted_from'])}</p>")
     mine = [e for e in events if e["pid"] < PLANNED_PID and e["args"].get("step") == step]
-    t0 = min(e["ts"] for e in mine if e["tid"] == 0)
-    t1 = max(e["ts"] + e["dur"] for e in mine)
-    planned = [e for e in events if e["pid"] >= PLANNED_PID and t0 - 1 <= e["ts"] <= t1]
+    planned = [e for e in events if e["pid"] >= PLANNED_PID and e["args"].get("step") == step]
+    t0 = min(e["ts"] for e in mine + planned)  # the step's first event, of any lane
+    t1 = max(e["ts"] + e["dur"] for e in mine + planned)
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     rows = []
@@ -176,10 +182,22 @@ def _timeline_section(trace, bubble) -> str:
         rows.append((f"rank {pid}{pp} measured", _boxes(mine, pid, t0)))
         if pp_pid is not None and any(e["pid"] == pp_pid for e in planned):
             rows.append((f"pp {pp_pid - PLANNED_PID} planned", _boxes(planned, pp_pid, t0)))
-    legend = op_legend() + [(c, k) for k, c in _OTHER.items()]
-    svg = gantt_svg(f"step {step}, ms from its first action", rows, (t1 - t0) / 1e3, "ms",
-                    legend, max_width=2400)
+    svg = gantt_svg(f"step {step}, ms from its first event", rows, (t1 - t0) / 1e3, "ms",
+                    _legend(mine + planned), max_width=2400)
     return head + text + f'<div class="scroll">{svg}</div>'
+
+
+def _legend(events) -> list:
+    """(colour, meaning) of each kind the drawn events hold, in a fixed order."""
+    kinds = {e["cat"] for e in events}
+    ops = [op for op in ("F", "B", "W", "BW") if op in kinds]
+    return (op_legend(ops, later=False) + [(c, k) for k, c in _OTHER.items() if k in kinds]
+            + [(c, k) for k, c in sorted(_other_kinds(kinds).items())])
+
+
+def _other_kinds(kinds) -> dict:
+    """Kinds neither an op nor one of _OTHER's (a pre-pass, a DiLoCo sync): grey."""
+    return {k: "#888888" for k in kinds if k not in _COLORS and k not in _OTHER}
 
 
 def _planned_pid(name: str) -> Optional[int]:
@@ -201,29 +219,80 @@ def _boxes(events, pid: int, t0: float) -> list:
 
 
 # ------------------------------------------------------------------ memory
+_PARTS = (("param_bytes", "parameters", "#f28e2b"), ("grad_bytes", "gradients", "#e15759"),
+          ("optimizer_bytes", "optimizer state", "#59a14f"),
+          ("activation_bytes", "activations (planned peak)", "#b07aa1"),
+          ("peak", "peak RSS", "#4e79a7"))
+_MIB = 1 << 20
+
+
 def _memory_section(memory) -> str:
     head = "<h2>Memory per rank</h2>"
     if not memory:
         return head + _missing("memory.json")
-    mb = 1 << 20
-    rows = "".join(f"<tr><td>{m['rank']}</td><td>{m['pp']}</td><td>{m['param_bytes'] / mb:.1f}"
-                   f"</td><td>{m['startup_peak'] / mb:.0f}</td><td>{m['peak'] / mb:.0f}</td>"
-                   f"<td>{m['startup_s']:.1f}</td></tr>" for m in memory)
-    table = ("<table><tr><th>rank</th><th>pp</th><th>parameters MiB</th><th>peak RSS at "
-             "start-up MiB</th><th>peak RSS MiB</th><th>start-up s</th></tr>" + rows + "</table>")
-    top = max(m["peak"] for m in memory) or 1
-    w, bar_h = 500, 18
-    bars = [f'<svg xmlns="http://www.w3.org/2000/svg" class="memory" width="{w + 160}" '
-            f'height="{len(memory) * (bar_h + 6) + 10}" font-family="sans-serif" font-size="11">']
+    parts = [p for p in _PARTS if any(m.get(p[0]) for m in memory)]
+    cells = "".join(f"<th>{html.escape(label)} MiB</th>" for _, label, _ in parts)
+    rows = "".join(f"<tr><td>{m['rank']}</td><td>{m['pp']}</td>"
+                   + "".join(f"<td>{m.get(key, 0) / _MIB:.2f}</td>" for key, _, _ in parts)
+                   + f"<td>{m['startup_peak'] / _MIB:.0f}</td><td>{m['startup_s']:.1f}</td></tr>"
+                   for m in memory)
+    table = ("<table><tr><th>rank</th><th>pp</th>" + cells + "<th>peak RSS at start-up "
+             "MiB</th><th>start-up s</th></tr>" + rows + "</table>")
+    note = ("<p>Bytes on a logarithmic axis, so parts a thousand times smaller than the "
+            "process still show: parameters, gradients and optimizer state as the rank holds "
+            "them after its first step; activations as the plan's estimate of the rank's peak "
+            "of saved microbatches; peak RSS as the OS measured it.</p>")
+    return head + table + note + memory_chart(memory, parts)
+
+
+def memory_chart(memory, parts, w: int = 520, bar_h: int = 12) -> str:
+    """Per rank one bar per part on a log2 byte axis, each bar labelled with its MiB."""
+    values = [m.get(key, 0) for m in memory for key, _, _ in parts if m.get(key, 0) > 0]
+    lo = 2 ** (math.floor(math.log2(min(values))) - 1)  # the smallest part shows too
+    hi = 2 ** math.ceil(math.log2(max(values)) + 1e-9)
+    sx = lambda v: w * (math.log2(max(v, lo)) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))  # noqa: E731
+    left, group = 70, len(parts) * (bar_h + 2) + 10
+    height = 30 + len(memory) * group + 50
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="memory" width="{left + w + 90}" '
+           f'height="{height}" font-family="sans-serif" font-size="11">']
     for k, m in enumerate(memory):
-        y = 5 + k * (bar_h + 6)
-        bars.append(f'<text x="4" y="{y + 13}">rank {m["rank"]}</text>'
-                    f'<rect class="peak" x="60" y="{y}" width="{m["peak"] / top * w:.1f}" '
-                    f'height="{bar_h}" fill="#4e79a7"><title>peak RSS {m["peak"] / mb:.0f} MiB'
-                    f'</title></rect><rect class="params" x="60" y="{y}" '
-                    f'width="{m["param_bytes"] / top * w:.1f}" height="{bar_h}" fill="#f28e2b">'
-                    f'<title>parameters {m["param_bytes"] / mb:.1f} MiB</title></rect>'
-                    f'<text x="{66 + m["peak"] / top * w:.1f}" y="{y + 13}">'
-                    f'{m["peak"] / mb:.0f} MiB</text>')
-    bars.append("</svg>")
-    return head + table + "<p>blue: peak RSS; orange: parameters</p>" + "\n".join(bars)
+        y0 = 20 + k * group
+        out.append(f'<text class="row-label" x="4" y="{y0 + group / 2:.0f}">rank {m["rank"]}</text>')
+        for j, (key, label, colour) in enumerate(parts):
+            v, y = m.get(key, 0), y0 + j * (bar_h + 2)
+            bar = sx(v) if v > 0 else 0.0
+            out.append(f'<rect class="part" data-part="{key}" x="{left}" y="{y}" '
+                       f'width="{bar:.1f}" height="{bar_h}" fill="{colour}"><title>rank '
+                       f'{m["rank"]} {html.escape(label)}: {v / _MIB:.3f} MiB</title></rect>'
+                       f'<text x="{left + bar + 4:.1f}" y="{y + bar_h - 2}">{_size(v)}</text>')
+    axis_y = 20 + len(memory) * group
+    out.append(f'<line class="axis" x1="{left}" y1="{axis_y}" x2="{left + w}" y2="{axis_y}" '
+               f'stroke="black"/>')
+    ticks = _log_ticks(lo, hi)
+    for t in ticks:
+        x = left + sx(t)
+        out.append(f'<line class="tick" x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" '
+                   f'y2="{axis_y + 4}" stroke="black"/><text x="{x:.1f}" y="{axis_y + 15}" '
+                   f'text-anchor="middle">{_size(t)}</text>')
+    x = left
+    for _, label, colour in parts:
+        out.append(f'<g class="legend"><rect x="{x}" y="{axis_y + 26}" width="10" height="10" '
+                   f'fill="{colour}"/><text x="{x + 13}" y="{axis_y + 35}">'
+                   f'{html.escape(label)}</text></g>')
+        x += 13 + 6 * len(label) + 12
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """Powers of two from lo to hi, every k-th so that about six show."""
+    a, b = int(round(math.log2(lo))), int(round(math.log2(hi)))
+    k = max(1, math.ceil((b - a) / 6))
+    return [2.0 ** e for e in range(a, b + 1, k)]
+
+
+def _size(v: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= scale:
+            return f"{v / scale:.3g} {unit}"
+    return f"{v:.0f} B"

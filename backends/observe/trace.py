@@ -62,23 +62,57 @@ def chrome_trace(ranks: Sequence, planned=None) -> dict:
 
 
 def _slice(name: str, cat: str, pid: int, tid: int, ts_s: float, dur_s: float, args: dict):
-    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": ts_s * US,
-            "dur": dur_s * US, "args": args}
+    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid,
+            **on_ns_grid(ts_s * US, (ts_s + dur_s) * US), "args": args}
+
+
+def on_ns_grid(start_us: float, end_us: float) -> dict:
+    """ts and dur in µs rounded to whole ns, so a slice ending where the next one starts
+    does not overlap it by a rounding error (Perfetto nests slices by their ns times)."""
+    a, b = round(start_us * 1000), round(end_us * 1000)
+    return {"ts": a / 1000, "dur": (b - a) / 1000}
 
 
 def _planned(ranks: Sequence, planned, t0: float) -> list:
-    """The planned timeline once per measured step of pipeline 0 (dp 0, tp 0)."""
+    """The planned timeline once per measured step of pipeline 0 (dp 0, tp 0), each slice
+    tagged with its step. A step's plan that outlasts the measured step would overlap the
+    next step's plan on one track (which Perfetto cannot nest): such a step goes on the
+    first lane of its planned rank that is free by then (lane 0 "planned", then
+    "planned, overlapping the step before")."""
     from ...schedules.render import SECONDS, chrome_trace as planned_trace
 
     pipeline = sorted((r for r in ranks if r.dp == 0 and r.tp == 0), key=lambda r: r.pp)
-    events = []
+    events, free = [], {}  # free: pid -> each lane's end (µs)
     for step in range(min((len(r.steps) for r in pipeline), default=0)):
         starts = [r.steps[step][0].ready for r in pipeline if r.steps[step]]
         if not starts:
             continue
+        n = pipeline[0].first_step + step + 1
         trace = planned_trace(planned, SECONDS, pid_offset=PLANNED_PID,
                               t0_us=(min(starts) - t0) * US, label="planned pp rank")
-        events += [e for e in trace["traceEvents"] if step == 0 or e["ph"] != "M"]
+        lane = {}
+        for pid in {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}:
+            mine = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid]
+            begin, end = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+            ends = free.setdefault(pid, [])
+            lane[pid] = next((k for k, e in enumerate(ends) if e <= begin), len(ends))
+            ends[lane[pid]:lane[pid] + 1] = [end]
+        for e in trace["traceEvents"]:
+            if e["ph"] == "M":
+                continue
+            if "tid" in e:
+                e["tid"] = lane.get(e["pid"], 0)
+            if e["ph"] == "X":
+                e["args"]["step"] = n
+                e.update(on_ns_grid(e["ts"], e["ts"] + e["dur"]))
+            events.append(e)
+    for pid, ends in sorted(free.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": pid,
+                       "args": {"name": f"planned pp rank {pid - PLANNED_PID}"}})
+        events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": k,
+                    "args": {"name": "planned" if k == 0 else
+                             f"planned {k + 1}: a step whose plan overlaps the one before"}}
+                   for k in range(len(ends))]
     for r in pipeline:
         events.append({"name": "process_sort_index", "ph": "M", "pid": PLANNED_PID + r.pp,
                        "args": {"sort_index": 2 * r.pp * 1000 + 1000 - 1}})

@@ -47,9 +47,11 @@ from ...compiler.parallel.checks import rewrites_stages
 from ...compiler.parallel.ep import experts_dispatched
 from ...compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL, group_shards
 from ...errors import PipeplanError
+from ..runtime.topology import new_groups
 from .layout import StageLayout
 from .ep.experts import ExpertParallelExperts, gather_experts
-from .tp import (ParameterSlicer, TensorParallelResult, TensorParallelRules, apply_tensor_parallel, gather_full, tp_shard_dims)
+from .tp import (ParameterSlicer, TensorParallelResult, TensorParallelRules, apply_tensor_parallel,
+                 gather_full_state, tp_shard_dims)
 from .tp.params import sync_partial_grads
 from .zero.sharding import FlatShard, PrefetchWindow, StageZero, ZeroOptimizer  # noqa: F401 (re-exported)
 
@@ -143,14 +145,13 @@ def build_parallel_groups(mesh: MeshSpec, tp_group=None, dp_group=None,
     ep = edp = stats = None
     if mesh.ep > 1:
         ep_lists, edp_lists = expert_group_ranks(mesh)
-        ep, _ = dist.new_subgroups_by_enumeration(ep_lists)
+        _, ep = new_groups(ep_lists)
         if group_sizes(mesh).edp > 1:
-            edp, _ = dist.new_subgroups_by_enumeration(edp_lists)
+            _, edp = new_groups(edp_lists)
     elif not mesh.islands:
         edp = dp_group
     if sequence_parallel_experts and mesh.tp > 1:
-        stats = tp_group if mesh.ep == 1 else \
-            dist.new_subgroups_by_enumeration(expert_stats_ranks(mesh))[0]
+        stats = tp_group if mesh.ep == 1 else new_groups(expert_stats_ranks(mesh))[1]
     tp = tp_group if mesh.tp > 1 else None
     # with context parallel dp_group is the flattened dp x cp group (backends/runtime/topology.py);
     # DiLoCo islands sum no gradient over dp (edp: the island's own expert replicas)
@@ -182,9 +183,8 @@ class ParallelStage:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The stage's state under the reference's names and full shapes (collective over
         the tp and ep groups; with ZeRO-3, call between `gather` and `release`)."""
-        dims = tp_shard_dims(self.module) if self.tensor is not None else {}
-        state = {k: gather_full(v, dims.get(k), self.groups.tp)
-                 for k, v in self.module.state_dict().items()}
+        state = gather_full_state(self.module, self.groups.tp) if self.tensor is not None \
+            else dict(self.module.state_dict())
         for name, layer in self.experts.items():
             for key, value in gather_experts(layer).items():
                 state[f"{name}.{key}"] = value

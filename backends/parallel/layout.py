@@ -72,22 +72,12 @@ class StageLayout:
 
         Collective over the TP and EP groups when those shard parameters.
         """
-        from ..parallel.ep.experts import gather_experts
-        from ..parallel.tp import gather_full_state
-
         out: dict[str, torch.Tensor] = {}
         for s in sorted(self.modules):
             module = self.modules[s]
             names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
             st = self.parallel.get(s)
-            if st is not None and st.tensor is not None:
-                full = gather_full_state(module, st.groups.tp)
-            else:
-                full = dict(module.state_dict(keep_vars=False))
-            if st is not None:
-                for lname, layer in st.experts.items():
-                    for pname, value in gather_experts(layer).items():
-                        full[f"{lname}.{pname}"] = value
+            full = st.full_state_dict() if st is not None else dict(module.state_dict())
             for n in sorted(names):
                 if n in full:
                     out.setdefault(n, full[n].detach().clone())

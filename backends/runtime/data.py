@@ -1,10 +1,13 @@
 """Training data: the global batch of step t, and how DP ranks and microbatches share it.
 
 Step t's global batch is `train.global_batch` rows of `seq_len + 1` tokens,
-a pure function of (data spec, t): synthetic tokens from a seeded
-torch.Generator (a learnable stream, see `_synthetic_rows`), or sequential
-windows of a memory-mapped token file (.bin of uint16, or .npy; checked before
-launch by compiler/data.py). input_ids = row[:-1], targets = row[1:]; the
+a pure function of (data spec, t) -- so a resumed run reads exactly the windows the
+uninterrupted one would: synthetic tokens from a seeded torch.Generator (a
+learnable stream, see `_synthetic_rows`), sequential windows of a memory-mapped
+token file (.bin of uint16, or .npy; checked before launch by
+compiler/data.py), or windows of the token file tokenised from text
+(`data = text(...)`, compiler/text.py) in a seeded order per epoch; an
+evaluation reads the text's held-out windows (`eval_batch`). input_ids = row[:-1], targets = row[1:]; the
 model's inputs are fields made from them (see Batch).
 
 Sharing (the same for the pipelined run and the reference): DP rank d takes
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -136,11 +140,73 @@ def _file_rows(path: str, spec: DataSpec, step: int, rows: int) -> torch.Tensor:
     return torch.from_numpy(out.astype(np.int64))
 
 
+# ------------------------------------------------------------------ text
+_CACHES: dict = {}  # (plan folder, data spec, seed) -> TokenCache: found once per process
+
+
+def text_cache(plan: Plan):
+    """The plan's token cache (compiler/text.py): tokenised before launch, found here."""
+    key = (plan.resolve_path(""), plan.data, plan.train.seed)
+    if key not in _CACHES:
+        from ...compiler.documents import TextError
+        from ...compiler.text import prepare
+
+        try:
+            _CACHES[key] = prepare(plan)
+        except TextError as e:
+            raise PipeplanError(f"data: {e.message}") from None
+    return _CACHES[key]
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(windows: int, seed: int, epoch: int) -> np.ndarray:
+    """The training windows' order in `epoch`: a permutation drawn from (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(windows)
+
+
+def train_window(plan: Plan, windows: int, i: int) -> int:
+    """Which training window the run's `i`-th row reads: epoch by epoch, each epoch every
+    window once, in a seeded order (`data.shuffle`, `train.seed`) or in file order."""
+    epoch, j = divmod(i, windows)
+    if not plan.data.shuffle:
+        return j
+    return int(_epoch_order(windows, plan.train.seed, epoch)[j])
+
+
+def _text_rows(plan: Plan, step: int, rows: int) -> torch.Tensor:
+    cache = text_cache(plan)
+    tokens, window = open_token_file(cache.path), plan.data.seq_len + 1
+    windows = cache.split // window
+    first = step * rows
+    if not plan.data.wrap and first + rows > windows:
+        raise PipeplanError(f"the text makes {windows} training windows; step {step + 1} needs "
+                            f"windows up to {first + rows} (set wrap = true in data = text(...))")
+    at = [train_window(plan, windows, first + r) * window for r in range(rows)]
+    return torch.from_numpy(np.stack([tokens[a:a + window] for a in at]).astype(np.int64))
+
+
+def eval_batch(plan: Plan, k: int) -> Batch:
+    """Held-out batch `k` of an evaluation: `global_batch` consecutive held-out windows
+    (the same ones at every evaluation, so the numbers compare), from the start again
+    when the held-out part is shorter."""
+    cache = text_cache(plan)
+    tokens, window = open_token_file(cache.path), plan.data.seq_len + 1
+    windows = cache.held_out_tokens // window
+    if windows == 0:
+        raise PipeplanError("train.eval: the held-out text makes no window")
+    rows = plan.train.global_batch
+    at = [cache.split + ((k * rows + r) % windows) * window for r in range(rows)]
+    data = torch.from_numpy(np.stack([tokens[a:a + window] for a in at]).astype(np.int64))
+    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous(), feeds_of(plan))
+
+
 def global_batch(plan: Plan, step: int) -> Batch:
     """Step `step`'s whole global batch (every DP rank's rows)."""
     rows = plan.train.global_batch
     if plan.data.kind == "file":
         data = _file_rows(resolve_data_path(plan), plan.data, step, rows)
+    elif plan.data.kind == "text":
+        data = _text_rows(plan, step, rows)
     else:
         data = _synthetic_rows(plan.data, step, rows)
     return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous(), feeds_of(plan))
@@ -165,9 +231,18 @@ def concat(batches: list[Batch]) -> Batch:
 def dp_microbatches(plan: Plan, step: int, dp_rank: int, cp_rank: int = 0) -> list[Batch]:
     """DP rank `dp_rank`'s microbatches of step `step`, in microbatch order (their sequence
     slice `cp_rank` under context parallel)."""
+    return share_of(plan, global_batch(plan, step), dp_rank, cp_rank)
+
+
+def dp_eval_microbatches(plan: Plan, k: int, dp_rank: int, cp_rank: int = 0) -> list[Batch]:
+    """The same share of held-out batch `k` (train.eval)."""
+    return share_of(plan, eval_batch(plan, k), dp_rank, cp_rank)
+
+
+def share_of(plan: Plan, batch: Batch, dp_rank: int, cp_rank: int = 0) -> list[Batch]:
     dp, m = plan.mesh.dp, plan.microbatches
     per_dp = plan.train.global_batch // dp
-    share = global_batch(plan, step).rows(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+    share = batch.rows(dp_rank * per_dp, (dp_rank + 1) * per_dp)
     if plan.mesh.cp > 1:
         share = share.columns(cp_columns(plan, cp_rank))
     return chunks(share, m)

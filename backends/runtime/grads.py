@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ...compiler.compiled import TiedParam
 from .stage import StageRunner
 from ..parallel.layout import StageLayout
-from .topology import Topology, global_rank
+from .topology import Topology, global_rank, new_groups
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -52,14 +52,9 @@ def build_tied_groups(tied: Sequence[TiedParam], runners: dict[int, StageRunner]
     mesh, out = topo.mesh, []
     for t in tied:
         holders = sorted({stage_to_rank[s] for s in t.stages})
-        mine = None
-        for dp in range(mesh.dp):
-            for cp in range(mesh.cp):
-                for tp in range(mesh.tp):
-                    ranks = [global_rank(mesh, pp, dp, tp, cp) for pp in holders]
-                    group = dist.new_group(ranks) if len(ranks) > 1 else None
-                    if topo.rank in ranks:
-                        mine = group
+        lists = [[global_rank(mesh, pp, dp, tp, cp) for pp in holders]
+                 for dp in range(mesh.dp) for cp in range(mesh.cp) for tp in range(mesh.tp)]
+        _, mine = new_groups(lists, singletons=False)
         local = [(s, n) for s, n in zip(t.stages, t.names) if s in runners]
         if not local:
             continue

@@ -43,6 +43,19 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (None skipped; a DTensor: its local
+    shard), what the rank holds for them."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class RankMemory:
     rank: int
@@ -51,6 +64,9 @@ class RankMemory:
     param_bytes: int  # parameters this rank materialised
     startup_peak: int  # peak RSS when the first step begins
     peak: int  # peak RSS at the end of the run
+    grad_bytes: int = 0  # gradients held at the first optimizer step (measured)
+    optimizer_bytes: int = 0  # optimizer state at the end of the run (measured)
+    activation_bytes: int = 0  # the plan's estimate of the rank's peak saved activations
 
 
 def memory_lines(ranks: list[RankMemory]) -> str:

@@ -1,14 +1,18 @@
-"""Where a global rank sits in the (pp, dp, cp, tp) mesh, and the process groups it uses.
+"""Where a global rank sits in the (pp, dp, cp, tp) mesh, and every process group a run
+creates: the one module that calls torch's group constructors.
 
 pp is outermost and tp innermost, as in Megatron and torchtitan (the formula:
 dsl/layout.py, `global_rank`; cp only with context parallel). The coordinates are a
-pure function of the rank (`Coords`); the groups come from one torch DeviceMesh
-so every group any part of pipeplan uses is derived from the same layout.
+pure function of the rank (`Coords`); the mesh's groups come from one torch DeviceMesh
+(`build_topology`), and the groups an axis needs beyond it (expert parallel, tied
+parameters, DiLoCo islands) from `new_groups`, given the rank lists that axis's rule
+computes (backends/parallel/, grads.py), so every group is derived from the same layout
+and created by every rank in the same order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
@@ -73,3 +77,17 @@ def build_topology(mesh: MeshSpec, device_type: str = "cpu") -> Topology:
     return Topology(mesh=mesh, rank=rank, coords=Coords.of(rank, mesh), device_mesh=dm,
                     pp_group=dm.get_group("pp"), dp_group=dpcp.get_group(),
                     tp_group=dm.get_group("tp"), cp_group=dm.get_group("cp"))
+
+
+def new_groups(rank_lists: Sequence[Sequence[int]], singletons: bool = True
+               ) -> tuple[list[Optional[dist.ProcessGroup]], Optional[dist.ProcessGroup]]:
+    """Collective: one process group per list of global ranks, created by every rank in the
+    same order (torch requires it); returns all of them and this rank's (None: in none).
+    `singletons=False`: a list of one rank gets no group (None)."""
+    me, groups, mine = dist.get_rank(), [], None
+    for ranks in rank_lists:
+        group = dist.new_group(list(ranks)) if len(ranks) > 1 or singletons else None
+        groups.append(group)
+        if me in ranks:
+            mine = group
+    return groups, mine

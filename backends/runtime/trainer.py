@@ -29,6 +29,7 @@ from . import data
 from ..state.checkpoint import parameter_shapes
 from .comm import op_name, plan_rank
 from .executor import ActionTiming, Executor, Span, StepResult
+from .memory import held_bytes
 from .grads import GradSync, ZeroSync, build_tied_groups
 from ..parallel import parallelize
 from ..state.materialize import fresh_meta
@@ -144,6 +145,7 @@ class PipelineTrainer:
         if self.zero is not None:  # the flat buffers hold every trainable parameter
             self.param_bytes = self.zero.param_bytes()
         rules = tuple(r for r in plan.recompute if r.mode != "none")
+        self.grad_bytes = None  # set at the first optimizer step (memory report)
         self.runners = {s: StageRunner(specs[s], m, s == last, scale,
                                        recompute=rules, autocast=self.autocast)
                         for s, m in modules.items()}
@@ -170,6 +172,7 @@ class PipelineTrainer:
                                  schedule.microbatches, topo.peer, device, self.sync.stage_done,
                                  around)
         self.holds_loss = last in self.runners and topo.coords.tp == 0
+        self.eval_executor: Optional[Executor] = None  # train.eval's forward-only pass
         self.prepass = None  # experts.balance = step: the routing pre-pass (balance.py)
         if plan.experts is not None and plan.experts.balance == "step":
             from .balance import RoutingPrepass
@@ -218,6 +221,8 @@ class PipelineTrainer:
             result = self._rerun_checked(batches, rng)
             raise NonFiniteError(locate_non_finite(t, result, float(mine), norm))
         lr = self.plan.train.optimizer.lr
+        if self.grad_bytes is None:  # measured once, for the run's memory report
+            self.grad_bytes = held_bytes(self._grads())
         spans.begin("optimizer", "optimizer step")
         if self.optimizer is not None:
             lr = self.optimizer.param_groups[0]["lr"]
@@ -233,6 +238,50 @@ class PipelineTrainer:
         return StepReport(t, loss_value, norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
                           tuple(result.timings), tuple(result.spans), events)
+
+    def _grads(self):
+        """Every gradient this rank holds: its stages' parameters' and its optimizer's."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else ()
+        yield from (p.grad for runner in self.runners.values() for p in runner.params)
+        yield from (p.grad for g in groups for p in g["params"])
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of the optimizer's state (moments, steps) on this rank."""
+        if self.optimizer is None:
+            return 0
+        return held_bytes(v for state in self.optimizer.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor))
+
+    def evaluate(self, count: int) -> float:
+        """The held-out loss (`train.eval`): the mean over `count` held-out global batches of
+        the loss as the step computes it, forward only, through this run's own stages and
+        pipeline (the schedule's F actions in its order, no gradients kept). Collective:
+        every rank calls it together."""
+        if self.eval_executor is None:
+            self.eval_executor = self._forward_only_executor()
+        total = 0.0
+        for k in range(count):
+            batches = data.dp_eval_microbatches(self.plan, k, self.topo.coords.dp,
+                                                self.topo.coords.cp)
+            with self.prepass.run(batches) if self.prepass else contextlib.nullcontext(), \
+                    torch.no_grad():
+                result = self.eval_executor.run_step(batches)
+            mine = result.loss if self.holds_loss else torch.zeros_like(result.loss)
+            dist.all_reduce(mine, group=self.island_group)
+            total += float(mine)
+        return total / count
+
+    def _forward_only_executor(self) -> Executor:
+        """An executor of this rank's F actions alone, in the schedule's order (dropping the
+        backward keeps each rank's receives in an order the verified schedule allows)."""
+        forwards = [p for p in self.executor.planned if op_name(p.action) == "F"]
+        around = None
+        if self.zero is not None and self.plan.zero == 3:
+            from ..parallel.zero.sharding import PrefetchWindow
+
+            around = PrefetchWindow(self.zero, [p.action.stage for p in forwards])
+        return Executor(forwards, self.runners, self.specs, self.plan.microbatches,
+                        self.topo.peer, self.device, around_action=around)
 
     def _rerun_checked(self, batches, rng) -> StepResult:
         """The failed step once more with every action's values checked (executor

@@ -140,24 +140,30 @@ def _folder_lock(plan: Plan, env: RankEnv):
 
 
 def _log_dir_metrics(plan: Plan) -> Optional[str]:
-    """Without --metrics, train.log_dir (when set) receives metrics.jsonl."""
-    if not plan.train.log_dir:
+    """Without --metrics, train.log_dir (when set, and train.log names jsonl) receives
+    metrics.jsonl."""
+    if not plan.train.log_dir or "jsonl" not in plan.train.log:
         return None
     os.makedirs(plan.train.log_dir, exist_ok=True)
     return os.path.join(plan.train.log_dir, "metrics.jsonl")
 
 
 def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
-           where: list, run_hash: str = "", split_points=()) -> tuple[list[float], list, int]:
-    """The step loop (resuming from a checkpoint); rank 0 prints and writes metrics."""
+           where: list, run_hash: str = "", split_points=(), trackers=None
+           ) -> tuple[list[float], list, int]:
+    """The step loop (resuming from a checkpoint), with train.eval's held-out loss after
+    every N-th step; rank 0 prints and writes metrics (and to `trackers`, opened here)."""
     where[0] = "resume from a checkpoint"
     checkpoints, first = _restore(plan, trainer, opts, run_hash, split_points)
+    if env.rank == 0 and trackers is not None:
+        trackers.open(first)
     metrics = opts.metrics or _log_dir_metrics(plan)
-    progress = Progress(opts.steps, metrics, append=first > 0, resumed_after=first) \
-        if env.rank == 0 else None
+    progress = Progress(opts.steps, metrics, append=first > 0, resumed_after=first,
+                        trackers=trackers) if env.rank == 0 else None
     if progress and first:
         print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
     losses, timings, spans = [], [], []
+    evaluate = plan.train.eval
     try:
         for t in range(first, opts.steps):
             where[0] = f"step {t + 1}"
@@ -165,8 +171,12 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
             timings.append(report.timings)
             spans.append(report.spans)
             losses.append(report.loss)
+            held = None
+            if evaluate is not None and (t + 1) % evaluate.every == 0:
+                where[0] = f"eval after step {t + 1}"
+                held = trainer.evaluate(evaluate.batches)
             if progress:
-                progress.step(report)
+                progress.step(report, held)
             elif report.sync_events and plan.sync.decoupled and trainer.topo.coords.pp == 0 \
                     and trainer.topo.coords.tp == 0:  # each decoupled island's first rank
                 for e in report.sync_events:
@@ -181,18 +191,27 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
 
 
 def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
-            opts: RunOptions) -> None:
+            opts: RunOptions):
     """Gather every rank's timings on rank 0: the bubble line, the --trace file, the cost
     file (`pipeplan profile`) and, with train.log_dir, the run directory's files
-    (`pipeplan report` reads them)."""
-    from ..observe.run_dir import write_run_files
-
+    (`pipeplan report` reads them). Returns rank 0's BubbleCheck (None elsewhere)."""
     gathered = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if env.rank != 0 or not mine.steps:
-        return
+        return None
     check = check_bubble(run.schedule, gathered, run.planned, run.planned_source, opts.warmup)
     print(format_bubble(check), flush=True)
+    try:  # checked writable before launch (outputs.py); a disk that fills is said plainly
+        _write_outputs(gathered, memory, run, opts, check)
+    except OSError as e:
+        raise PipeplanError(f"cannot write {e.filename or 'an output'}: {e.strerror or e} "
+                            "(the training itself finished)") from None
+    return check
+
+
+def _write_outputs(gathered, memory, run: "_RunFacts", opts: RunOptions, check) -> None:
+    from ..observe.run_dir import write_run_files
+
     if opts.trace:
         write_trace(opts.trace, gathered, check.planned)
         print(f"trace of every rank's measured actions and the planned timeline: {opts.trace}",
@@ -205,6 +224,16 @@ def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
         print(f"cost file (per-stage F, B, W, BW, p2p latency): {opts.profile_out}", flush=True)
     if run.plan.train.log_dir:
         write_run_files(run.plan.train.log_dir, gathered, memory, check)
+
+
+def _trackers(plan: Plan):
+    """Rank 0's trackers beyond metrics.jsonl (train.log), or None."""
+    if not any(name != "jsonl" for name in plan.train.log):
+        return None
+    from ..observe.trackers import Trackers
+
+    name = os.path.splitext(os.path.basename(plan.path))[0] or "pipeplan"
+    return Trackers([n for n in plan.train.log if n != "jsonl"], plan.train.log_dir, name)
 
 
 @dataclass(frozen=True)
@@ -291,23 +320,30 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(describe_run(compiled, env.world_size), flush=True)
         run = _facts(plan, compiled, trainer.specs)
+        planned_activations = (compiled.estimates.ranks[env.rank].activation_bytes
+                               if compiled.estimates is not None else 0)
         run_hash = plan_hash(plan, compiled)
         del compiled  # other ranks' stages go with it
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         startup = (time.perf_counter() - started, peak_rss_bytes())
+        trackers = _trackers(plan) if env.rank == 0 else None
         losses, (timings, spans), first = _train(plan, trainer, env, opts, where, run_hash,
-                                                 run.split_points)
+                                                 run.split_points, trackers)
         where[0] = "finish"
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
             return _finish_decoupled(plan, env, opts, trainer, losses, watch, lock)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
-                            peak_rss_bytes())
+                            peak_rss_bytes(), trainer.grad_bytes or 0,
+                            trainer.optimizer_bytes(), planned_activations)
         every = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(memory, every, dst=0)
         if env.rank == 0:
             print(memory_lines(every), flush=True)
-        _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
-                            timings, first, spans), every, run, env, opts)
+        check = _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
+                                    timings, first, spans), every, run, env, opts)
+        if trackers is not None:
+            trackers.summary(opts.steps, check.measured if check else None, every)
+            trackers.close()
         if opts.dump_dir:
             dump_rank(opts.dump_dir, env.rank, losses, trainer, grads)
         dist.barrier()

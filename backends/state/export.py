@@ -1,4 +1,4 @@
-"""Trained weights out: `pipeplan export CHECKPOINT -o OUT [--plan PLAN]`.
+"""Trained weights out: `pipeplan export CHECKPOINT -o OUT [--plan PLAN]` (cli/export.py).
 
 A run's checkpoint (backends/state/checkpoint/, DCP) holds every parameter under
 the unmodified model's name, `params/<name>` (a DiLoCo run's: the islands'

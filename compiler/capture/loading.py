@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import json
 import os
 import sys
 from pathlib import Path
@@ -62,11 +63,15 @@ def _on_meta():
 
 
 def _construct(plan: Plan, context) -> torch.nn.Module:
-    """`cls(**plan.model.args)` under the plan's seed inside `context()`; a failing
-    constructor (an exception or sys.exit) is a PlanError at the model's args."""
-    cls = resolve_model_class(plan)
-    args = dict(plan.model.args)
-    _check_args(plan, cls, args)
+    """`cls(**plan.model.args)` (a model folder: its config, the args overriding config
+    fields) under the plan's seed inside `context()`; a failing constructor (an exception
+    or sys.exit) is a PlanError at the model's args."""
+    if is_folder_source(plan.model.source):
+        cls, args = folder_model(plan), {}
+    else:
+        cls = resolve_model_class(plan)
+        args = dict(plan.model.args)
+        _check_args(plan, cls, args)
     try:
         with torch.random.fork_rng(devices=[]), context():
             torch.manual_seed(plan.train.seed)
@@ -102,7 +107,11 @@ def resolve_model_class(plan: Plan):
 
 
 def model_source_file(plan: Plan) -> Path | None:
-    """The file defining the plan's model (for the build manifest's hash), if there is one."""
+    """The file defining the plan's model (for the build manifest's hash), if there is one:
+    a model folder's config.json."""
+    if is_folder_source(plan.model.source):
+        path = model_folder(plan) / "config.json"
+        return path if path.is_file() else None
     where = plan.model.source.rpartition(":")[0]
     if is_path_source(where):
         path = _resolve_path(plan, where)
@@ -114,12 +123,70 @@ def model_source_file(plan: Plan) -> Path | None:
     return Path(spec.origin) if spec is not None and spec.origin else None
 
 
+# ------------------------------------------------------------- a model folder
+def is_folder_source(source: str) -> bool:
+    """`source = "FOLDER"` (or ".../config.json"): a Hugging Face model folder (the schema
+    admits no other source without a `:Class`)."""
+    return ":" not in source
+
+
+def model_folder(plan: Plan) -> Path:
+    path = _resolve_path(plan, plan.model.source)
+    return path.parent if path.name == "config.json" else path
+
+
+def folder_config(plan: Plan) -> dict | None:
+    """A model folder's config.json as plain JSON (no transformers), or None."""
+    try:
+        with open(model_folder(plan) / "config.json", encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def folder_model(plan: Plan):
+    """A function building the folder's model from its config.json with random weights
+    (transformers' AutoModelForCausalLM.from_config; model.weights loads the folder's
+    weights). model.args override config fields; the KV cache is off (training)."""
+    folder = model_folder(plan)
+    if not (folder / "config.json").is_file():
+        raise PlanError.at(plan, "model.source", f"model folder {folder} has no config.json"
+                           if folder.is_dir() else f"model folder {folder} does not exist",
+                           "name a folder written by save_pretrained (it holds config.json), "
+                           "or a model file: source = \"file.py:Class\"")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise PlanError.at(plan, "model.source", "a model folder is built by transformers, "
+                           "which is not installed", "pip install transformers") from None
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # transformers raises ValueError, OSError, KeyError, ...
+        raise PlanError.at(plan, "model.source", f"{folder}/config.json is not a transformers "
+                           f"config: {type(e).__name__}: {e}") from None
+    for key, value in plan.model.args.items():
+        if not hasattr(config, key):
+            close = difflib.get_close_matches(key, list(config.to_dict()), n=1)
+            raise PlanError.at(plan, f"model.args.{key}", f"{type(config).__name__} has no "
+                               f"field {key!r}", f"did you mean {close[0]!r}?" if close else
+                               "model.args of a model folder override its config.json fields")
+        setattr(config, key, list(value) if isinstance(value, tuple) else value)
+    config.use_cache = False
+
+    def build():
+        return AutoModelForCausalLM.from_config(config)
+
+    build.__name__ = (config.architectures or [type(config).__name__])[0]
+    return build
+
+
 def is_path_source(where: str) -> bool:
     return where.endswith(".py") or "/" in where or "\\" in where
 
 
 def _resolve_path(plan: Plan, where: str) -> Path:
-    return Path(plan.resolve_path(where)).resolve()
+    return Path(plan.resolve_path(where, "model.source")).resolve()
 
 
 def _import_source(plan: Plan, where: str) -> ModuleType:

@@ -138,7 +138,7 @@ def _check_prediction(plan: Plan, value) -> None:
         raise PlanError.at(plan, "data.vocab", f"synthetic tokens go up to {plan.data.vocab - 1} "
                            f"but the model predicts {value.shape[-1]} classes",
                            f"set data vocab = {value.shape[-1]} (or the model's vocabulary)")
-    if kind == "cross_entropy" and plan.data.kind == "file":
+    if kind == "cross_entropy" and plan.data.kind in ("file", "text"):
         from ..data import check_data
 
         check_data(plan, vocab=value.shape[-1])  # the token ids are the targets' classes

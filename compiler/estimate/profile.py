@@ -197,7 +197,7 @@ def load_profile(plan: Plan) -> Optional[Profile]:
     workload); None when it names none."""
     if not plan.pipeline.profile:
         return None
-    path = plan.resolve_path(plan.pipeline.profile)
+    path = plan.resolve_path(plan.pipeline.profile, "pipeline.profile")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

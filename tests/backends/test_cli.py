@@ -194,7 +194,8 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
     rows_drawn = [t.text for t in svgs[2].iter(ns + "text") if t.get("x") == "4"][1:]  # 0: title
     assert rows_drawn == ["rank 0 (pp 0) measured", "pp 0 planned", "rank 1 (pp 1) measured",
                           "pp 1 planned"]
-    assert len([r for r in svgs[3].iter(ns + "rect") if r.get("class") == "peak"]) == 2
+    parts = [r.get("data-part") for r in svgs[3].iter(ns + "rect") if r.get("class") == "part"]
+    assert parts.count("peak") == 2 and parts.count("param_bytes") == 2
 
 
 @pytest.mark.slow

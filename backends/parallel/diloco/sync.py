@@ -234,16 +234,10 @@ def fragment_params(runners: dict, stages: int, fragments: int, tied) -> list:
 def island_groups(mesh) -> tuple[list, Optional[dist.ProcessGroup]]:
     """One process group per island (the ranks of one dp coordinate), created by every
     rank in the same order; returns (all groups, this rank's)."""
-    from ...runtime.topology import global_rank
+    from ...runtime.topology import global_rank, new_groups
 
-    mine, groups = None, []
-    for d in range(mesh.dp):
-        ranks = [global_rank(mesh, p, d, t) for p in range(mesh.pp) for t in range(mesh.tp)]
-        g = dist.new_group(ranks)
-        groups.append(g)
-        if dist.get_rank() in ranks:
-            mine = g
-    return groups, mine
+    return new_groups([[global_rank(mesh, p, d, t) for p in range(mesh.pp) for t in range(mesh.tp)]
+                       for d in range(mesh.dp)])
 
 
 def build_diloco(plan, runners: dict, tied, topo) -> DiLoCo:
