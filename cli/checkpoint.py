@@ -2,10 +2,10 @@
 
 DIR is one checkpoint (a step_N folder) or a train.checkpoint.dir (each of its
 step_N folders, and a decoupled DiLoCo run's island<d>/ series). For each it
-checks what resume, `export` and `plan-diff` check before loading
-(backends/state/checkpoint/verify.py): manifest.json readable; every file it
-lists present, of its size and its sha256; `.metadata` readable without
-running code (an allow-list of DCP's classes) and naming only listed files.
+checks what resume, `export` and `plan-diff` check before loading:
+manifest.json readable; every file it lists present, of its size and its
+sha256; `.metadata` readable without running code (an allow-list of DCP's
+classes) and naming only listed files.
 Exit 0 when every checkpoint checked is intact, 1 when one is damaged.
 """
 from __future__ import annotations

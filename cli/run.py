@@ -80,8 +80,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="seconds any rank may wait on another before the run fails (default 300)")
     p.add_argument("--heartbeat", type=float, default=None, metavar="S",
                    help="a local run stops when a rank shows no sign of life (stopped, hung "
-                        "outside a collective) for S seconds (default 30: "
-                        "backends/runtime/failure.HEARTBEAT_S)")
+                        "outside a collective) for S seconds (default 30)")
 
 
 def _steps(args, source) -> int:
