@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "pipeplan.cli.run",  # run, profile, report, verify
     "pipeplan.cli.plan_diff",  # plan-diff
     "pipeplan.cli.export",  # export
+    "pipeplan.cli.checkpoint",  # checkpoint verify
 )
 
 

@@ -79,10 +79,15 @@ def _checkpoint_folder(path: str) -> str:
 def checkpoint_lines(folder: str, compiled) -> list[str]:
     """Whether the checkpoint in `folder` loads under the compiled plan, and what reshards."""
     from ..backends.state.checkpoint import parameter_shapes
-    from ..backends.state.checkpoint.manifest import (incompatibilities, plan_summary,
-                                                      read_manifest)
+    from ..backends.state.checkpoint.manifest import incompatibilities, plan_summary
 
-    manifest = read_manifest(folder)
+    from ..backends.state.checkpoint.verify import verify_offering
+
+    try:
+        manifest = verify_offering(folder, "--checkpoint {}")
+    except PipeplanError as e:  # damaged, or would run code: it does not load
+        return [f"checkpoint {folder} does NOT load under B:"] + [
+            f"  {line}" for line in str(e).splitlines()]
     plan = compiled.plan
     problems = incompatibilities(manifest, plan, parameter_shapes(compiled)[0])
     head = f"checkpoint {folder} (step {manifest.get('step')})"

@@ -12,6 +12,7 @@ before any process starts (backends/runtime/outputs.py). Only argparse at import
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 from ..errors import PipeplanError
@@ -35,6 +36,10 @@ def add_commands(sub) -> None:
                      "step time (JSONL)")
     run.add_argument("--reset-optimizer", action="store_true",
                      help="resume a checkpoint's weights (and step) with a fresh optimizer")
+    run.add_argument("--resume-from", metavar="STEP_DIR",
+                     help="resume from this checkpoint (a step_N folder; verified first) "
+                          "instead of the newest intact one in train.checkpoint.dir")
+    run.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--dump-dir", help=argparse.SUPPRESS)
     run.add_argument("--profile-out", help=argparse.SUPPRESS)  # `pipeplan profile`'s ranks
     run.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
@@ -73,6 +78,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override a plan value, e.g. --set pipeline.microbatches=8")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="seconds any rank may wait on another before the run fails (default 300)")
+    p.add_argument("--heartbeat", type=float, default=None, metavar="S",
+                   help="a local run stops when a rank shows no sign of life (stopped, hung "
+                        "outside a collective) for S seconds (default 30)")
 
 
 def _steps(args, source) -> int:
@@ -108,14 +116,23 @@ def precompile(plan, source):
     return source.compile(plan, None)
 
 
-def check_resume(plan, compiled, reset_optimizer: bool = False) -> None:
-    """Before launch: the newest checkpoint in train.checkpoint.dir (if any) loads under
-    this plan, or one message lists every item that will not (backends/state/checkpoint/)."""
-    from ..backends.state.checkpoint import (check_loadable, checkpoint_folder, latest_step, parameter_shapes, step_dir)
+def choose_resume(plan, resume_from: str | None = None) -> dict | None:
+    """Before launch, before compiling: what each series of train.checkpoint.dir resumes
+    from ({series: a verified step folder, or None to start fresh}; None without
+    checkpointing): the newest intact checkpoint (a damaged newer one skipped with a
+    warning) or --resume-from's, refused when damaged (backends/state/checkpoint/verify.py)."""
+    from ..backends.state.checkpoint import checkpoint_folder, latest_step
+    from ..backends.state.checkpoint.verify import resume_choice
 
     spec = plan.train.checkpoint
     if spec is None:
-        return
+        if resume_from:
+            raise PipeplanError("--resume-from needs train.checkpoint in the plan (where the "
+                                "resumed run writes its checkpoints)")
+        return None
+    if resume_from and plan.sync.decoupled:
+        raise PipeplanError("--resume-from: a decoupled diloco run resumes each island's own "
+                            f"series under {spec.dir}; leave it out")
     # decoupled DiLoCo: each island resumes its own series (dir/island<d>), checked alike
     folders = {checkpoint_folder(plan, d) for d in range(plan.mesh.dp)}
     other = {os.path.join(spec.dir, "island0")} if not plan.sync.decoupled else {spec.dir}
@@ -127,11 +144,29 @@ def check_resume(plan, compiled, reset_optimizer: bool = False) -> None:
                else "one series for the whole run (not a decoupled diloco run's)")
             + f": {stray[0]}; this plan would not resume it (nothing was started); set sync "
             "as it was, or start fresh (another train.checkpoint.dir, or move it away)")
-    for folder in sorted(folders):
-        step = latest_step(folder)
-        if step is not None:
-            check_loadable(step_dir(folder, step), plan, parameter_shapes(compiled)[0],
-                           reset_optimizer)
+    return {folder: resume_choice(folder, resume_from and os.path.abspath(resume_from))
+            for folder in sorted(folders)}
+
+
+def check_resume(plan, compiled, reset_optimizer: bool = False,
+                 chosen: dict | None = None) -> None:
+    """Before launch: the checkpoints chosen (choose_resume; by default the newest) load
+    under this plan, or one message lists every item that will not."""
+    from ..backends.state.checkpoint import check_loadable, parameter_shapes
+
+    if chosen is None:
+        chosen = choose_resume(plan)
+    for found in (chosen or {}).values():
+        if found is not None:
+            check_loadable(found, plan, parameter_shapes(compiled)[0], reset_optimizer)
+
+
+def _resume_argv(plan, chosen: dict | None) -> list[str]:
+    """The launcher's decision for its ranks (one series: they do not verify again)."""
+    if chosen is None or plan.sync.decoupled:
+        return []
+    (found,) = chosen.values()
+    return (["--resume-from", found] if found else []) + ["--resume-verified"]
 
 
 def _cmd_run(args) -> int:
@@ -139,6 +174,7 @@ def _cmd_run(args) -> int:
     from ..backends.runtime.outputs import check_outputs, run_outputs
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
+    from ..backends.runtime.memory import check_local_memory
     from ..compiler.data import check_data
 
     env = RankEnv.from_environ()
@@ -146,19 +182,52 @@ def _cmd_run(args) -> int:
     steps = _steps(args, source)
     check_outputs(run_outputs(source.plan, args.trace, args.metrics, args.profile_out))
     if env is None:
-        compiled = precompile(source.plan, source)  # fail before spawning anything
-        check_data(source.plan, steps)
-        check_resume(source.plan, compiled, args.reset_optimizer)
-        m = source.plan.mesh
-        print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} tp={m.tp}: "
-              f"launching {m.world_size} local processes (gloo)", flush=True)
-        return launch_local(_rank_argv(args, steps, args.dump_dir), m.world_size,
-                            islands=_islands(source.plan), seed=source.plan.train.seed)
+        with _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
+            chosen = choose_resume(source.plan, getattr(args, "resume_from", None))
+            compiled = precompile(source.plan, source)  # fail before spawning anything
+            import torch
+
+            if not torch.cuda.is_available():  # every rank on this machine's memory
+                check_local_memory(source.plan, compiled)
+            check_data(source.plan, steps)
+            check_resume(source.plan, compiled, args.reset_optimizer, chosen)
+            m = source.plan.mesh
+            print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} "
+                  f"tp={m.tp}: launching {m.world_size} local processes (gloo)", flush=True)
+            argv = _rank_argv(args, steps, args.dump_dir) + _resume_argv(source.plan, chosen)
+            return launch_local(argv, m.world_size, islands=_islands(source.plan),
+                                seed=source.plan.train.seed, heartbeat_s=_heartbeat(args))
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
                       debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
-                      profile_out=args.profile_out, warmup=args.warmup)
+                      profile_out=args.profile_out, warmup=args.warmup,
+                      resume_from=getattr(args, "resume_from", None),
+                      resume_verified=getattr(args, "resume_verified", False))
     return run_worker(source.plan, source.compile, env, opts)
+
+
+@contextlib.contextmanager
+def _folder_lock(plan):
+    """Hold the lock of train.checkpoint.dir (if any) for the launcher and its ranks
+    (backends/state/checkpoint/lock.py): the ranks inherit HELD_ENV and do not lock again."""
+    from ..backends.state.checkpoint.lock import HELD_ENV, FolderLock
+
+    spec = plan.train.checkpoint
+    if spec is None:
+        yield
+        return
+    with FolderLock(spec.dir):
+        os.environ[HELD_ENV] = spec.dir
+        try:
+            yield
+        finally:
+            os.environ.pop(HELD_ENV, None)
+
+
+def _heartbeat(args) -> float:
+    from ..backends.runtime.failure import HEARTBEAT_S
+
+    return HEARTBEAT_S if getattr(args, "heartbeat", None) is None else args.heartbeat
 
 
 def _cmd_profile(args) -> int:
@@ -222,4 +291,5 @@ def _cmd_verify(args) -> int:
           f"processes (gloo), {steps} steps", flush=True)
     return verify_plan(source.plan, steps, args.precision,
                        lambda dump: launch_local(_rank_argv(args, steps, dump, args.precision),
-                                                 world, seed=source.plan.train.seed))
+                                                 world, seed=source.plan.train.seed,
+                                                 heartbeat_s=_heartbeat(args)))

@@ -23,17 +23,40 @@ class Diagnostic:
                sources: Optional[Mapping[str, str]] = None) -> str:
         """`sources` (file -> text) wins over `source_text` for the span's file."""
         s = self.span
-        out = [f"{s.file}:{s.line}:{s.col}: error: {self.message}"]
+        message = self.message
+        if len(message) > ECHO_MESSAGE:  # a message quoting a huge value
+            message = (message[:ECHO_MESSAGE] + f"... ({len(message) - ECHO_MESSAGE:,} more "
+                       "characters)")
+        out = [f"{s.file}:{s.line}:{s.col}: error: {message}"]
         if sources and s.file in sources:
             source_text = sources[s.file]
         line = _source_line(s, source_text)
         if line is not None:
             width = max(1, (s.end_col - s.col) if s.end_line == s.line else len(line) - s.col + 1)
+            line, col, width = clip_line(line, s.col, width)
             out.append(f"    {line}")
-            out.append("    " + " " * (s.col - 1) + "^" * width)
+            out.append("    " + " " * (col - 1) + "^" * width)
         if self.hint:
             out.append(f"  hint: {self.hint}")
         return "\n".join(out)
+
+
+ECHO_COLUMNS = 160  # at most this much of a source line is echoed under an error
+ECHO_MESSAGE = 1000  # and of a message (which may quote a value)
+ECHO_BEFORE = 40  # columns kept before the caret when the line is cut
+
+
+def clip_line(line: str, col: int, width: int) -> tuple[str, int, int]:
+    """(the part of `line` echoed, the caret's column in it, its width): a long line (a
+    400k-element list) is cut around the span, each cut marked "...", the caret clipped."""
+    if len(line) <= ECHO_COLUMNS:
+        return line, col, width
+    start = max(0, min(col - 1 - ECHO_BEFORE, len(line) - ECHO_COLUMNS))
+    part = line[start:start + ECHO_COLUMNS]
+    head = "..." if start > 0 else ""
+    tail = "..." if start + ECHO_COLUMNS < len(line) else ""
+    col = col - start + len(head)
+    return head + part + tail, col, max(1, min(width, len(head + part) - col + 1))
 
 
 def _source_line(span: Span, source_text: Optional[str]) -> Optional[str]:

@@ -162,6 +162,20 @@ def label(action) -> str:
     return f"{op_name(action)} s{action.stage} mb{action.microbatch}"
 
 
+def value_origin(module, name: str) -> str:
+    """`name` (a traced value of the stage) with the model's module that computed it, from
+    the trace's module stack (`add_2 (in module layers.0)`); the name alone when unknown."""
+    graph = getattr(module, "graph", None)
+    for node in getattr(graph, "nodes", ()):
+        if node.name == name:
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                path = list(stack.values())[-1][0]
+                return f"{name} (in module `{path}`)"
+            break
+    return name
+
+
 class Executor:
     """Executes `planned` (this rank's action list) over its stage runners.
 
@@ -306,7 +320,8 @@ class Executor:
         if floats:  # activations may hold -inf (masks): only NaN is flagged there
             what = "activation" if op == "F" else "input gradient"
             check = torch.isnan if op == "F" else (lambda x: ~torch.isfinite(x))
-            result.flags.append(Flag(label(a), s, mb, what, tuple(floats),
+            names = tuple(value_origin(runner.module, k) for k in floats)
+            result.flags.append(Flag(label(a), s, mb, what, names,
                                      torch.stack([check(v).any() for v in floats.values()]), end))
         named = [(n, p.grad) for n, p in runner.module.named_parameters()
                  if p.grad is not None] if op in ("W", "BW") else []

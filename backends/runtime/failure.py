@@ -16,12 +16,21 @@ A rank killed by a signal reports nothing, so each rank also keeps a `Beacon`:
 a small memory-mapped file in $PIPEPLAN_ERROR_DIR holding what it is doing
 now ("step 21: F s1 mb0"), rewritten per action (a memory write, no syscall).
 It survives the process, so the launcher can name a dead rank's last action.
+Its last 8 bytes are a heartbeat: a counter a daemon thread of the rank bumps
+every HEARTBEAT_TICK_S, also while the rank waits in a collective. A rank whose
+counter stands still (stopped, or its interpreter wedged) for --heartbeat
+seconds is named by the launcher well before the collective timeout.
+
+A rank that finishes says so (`report_done`: `rank<N>.done`); one that exits
+without it, even with code 0 (os._exit at model import, a C-level exit), is a
+failure, named with where it was.
 """
 from __future__ import annotations
 
 import json
 import mmap
 import os
+import struct
 import sys
 import threading
 import time
@@ -30,6 +39,8 @@ from datetime import timedelta
 from typing import Optional
 
 ERROR_DIR_ENV = "PIPEPLAN_ERROR_DIR"
+HEARTBEAT_S = 30.0  # a local rank without a heartbeat this long is stopped (--heartbeat)
+HEARTBEAT_TICK_S = 0.5
 STORE_KEY = "pipeplan/failure"
 
 
@@ -139,6 +150,7 @@ def now() -> float:
 
 
 BEACON_BYTES = 256
+TEXT_BYTES = BEACON_BYTES - 8  # then the heartbeat counter (little-endian uint64)
 
 
 class Beacon:
@@ -149,7 +161,7 @@ class Beacon:
     """
 
     def __init__(self, rank: int, phase: str):
-        self.phase, self._map = phase, None
+        self.phase, self._map, self._beats = phase, None, 0
         folder = os.environ.get(ERROR_DIR_ENV)
         if folder:
             try:
@@ -173,15 +185,50 @@ class Beacon:
 
     def _write(self, text: str) -> None:
         if self._map is not None:
-            data = text.encode("utf-8", "replace")[:BEACON_BYTES - 1]
+            data = text.encode("utf-8", "replace")[:TEXT_BYTES - 1]
             self._map[:len(data) + 1] = data + b"\0"
+
+    def start_heartbeat(self) -> "Beacon":
+        """Bump the heartbeat counter every HEARTBEAT_TICK_S from a daemon thread."""
+        if self._map is not None:
+            threading.Thread(target=self._beat, name="pipeplan-heartbeat", daemon=True).start()
+        return self
+
+    def _beat(self) -> None:
+        while True:
+            self._beats += 1
+            self._map[TEXT_BYTES:] = struct.pack("<Q", self._beats)
+            time.sleep(HEARTBEAT_TICK_S)
+
+
+def read_heartbeat(folder: str, rank: int) -> Optional[int]:
+    """Rank `rank`'s heartbeat counter (None: no beacon yet, or no heartbeat started)."""
+    try:
+        with open(os.path.join(folder, f"rank{rank}.where"), "rb") as f:
+            raw = f.read(BEACON_BYTES)[TEXT_BYTES:]
+    except OSError:
+        return None
+    beats = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+    return beats or None
+
+
+def report_done(rank: int) -> None:
+    """Tell the local launcher this rank finished its run (it exits 0 next)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        with open(os.path.join(folder, f"rank{rank}.done"), "w"):
+            pass
+
+
+def reported_done(folder: str, rank: int) -> bool:
+    return os.path.exists(os.path.join(folder, f"rank{rank}.done"))
 
 
 def read_beacon(folder: str, rank: int) -> Optional[str]:
     """The last thing rank `rank` said it was doing, if it kept a beacon."""
     try:
         with open(os.path.join(folder, f"rank{rank}.where"), "rb") as f:
-            text = f.read(BEACON_BYTES).split(b"\0", 1)[0].decode("utf-8", "replace")
+            text = f.read(TEXT_BYTES).split(b"\0", 1)[0].decode("utf-8", "replace")
     except OSError:
         return None
     return text or None
@@ -197,31 +244,36 @@ def _signal_name(code: int) -> str:
 
 
 def explain(codes: dict[int, Optional[int]], reports: list[Failure],
-            beacons: dict[int, Optional[str]]) -> list[str]:
+            beacons: dict[int, Optional[str]], unreported: frozenset = frozenset()) -> list[str]:
     """The launcher's lines about a failed run: the rank that failed first, then the rest.
 
     The cause is, in order: a rank that died by a signal (it cannot report, and every
-    report after it is a consequence: a neighbour's "connection closed"); else the
-    earliest report by time; else a rank that exited non-zero without a report.
+    report after it is a consequence: a neighbour's "connection closed"); else one that
+    exited 0 without reporting that it finished (`unreported`: os._exit, a C-level exit;
+    no rank stops that way because of another); else the earliest report by time; else
+    a rank that exited non-zero without a report.
     `codes`: each rank's exit code when the launcher decided (None: still running,
     negative: killed by that signal); `beacons`: each rank's last recorded action.
     """
     world = len(codes)
     killed = [r for r, c in codes.items() if c is not None and c < 0]
-    silent = [r for r, c in codes.items() if c not in (None, 0) and c > 0
+    silent = [r for r, c in codes.items() if c is not None and (c > 0 or r in unreported)
               and r not in {f.rank for f in reports}]
+    silent = [r for r in silent if r in unreported] + [r for r in silent if r not in unreported]
     if killed:
         cause = killed[0]
         where = beacons.get(cause)
         lines = [f"run failed: rank {cause} was killed by {_signal_name(codes[cause])}"
                  + (f" in {where}" if where else "") + " (it reported no error)"]
-    elif reports:
+    elif reports and not (silent and silent[0] in unreported):
         cause, lines = reports[0].rank, [f"run failed: {reports[0].message}"]
     elif silent:
         cause = silent[0]
         where = beacons.get(cause)
-        lines = [f"run failed: rank {cause} exited with code {codes[cause]} without reporting "
-                 f"an error" + (f" (last seen in {where})" if where else "")]
+        lines = [f"run failed: rank {cause} exited with code {codes[cause]} during "
+                 f"{where or 'startup'} without reporting "
+                 + ("an error" if codes[cause] else "that it finished (a silent exit is no "
+                    "success)")]
     else:
         return [f"run failed; stopped all {world} ranks"]
     after = [f for f in reports if f.rank != cause]

@@ -5,12 +5,17 @@ MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so the worker path is the same
 as under torchrun, and one PYTHONHASHSEED (`hash_seed`: the user's when set, else
 the plan's train.seed): a model whose Python code iterates over a set (Gemma 3's
 `set(config.layer_types)`) is then captured in the same node order on every rank
-(backends/verify/run.py runs the reference under the same value). The launcher watches them: when one exits non-zero it
-names the rank that failed first (one killed by a signal, else the earliest
-error report; see failure.explain) with its last action, and what the others
-reported as a consequence, kills the rest and returns 1.
+(backends/verify/run.py runs the reference under the same value). Everything
+listens on loopback only (rank 0's store: worker.local_store; gloo:
+GLOO_SOCKET_IFNAME=lo unless set). The launcher
+watches them: when one exits non-zero, or 0 without reporting that it
+finished, or stops beating (its heartbeat, failure.py, stands still for
+`heartbeat_s`), it names the rank that failed first (one killed by a signal,
+else the earliest error report; see failure.explain) with its last action,
+and what the others reported as a consequence, kills the rest and returns 1.
+SIGTERM to the launcher stops every rank, says which, and returns 143.
 Children die with the launcher (PR_SET_PDEATHSIG on Linux) and are killed in
-a `finally`, so no process outlives a run.
+a `finally`, so no process outlives a run; the temporary folder goes with it.
 
 A decoupled DiLoCo run (`islands` given: the ranks of each dp replica) survives the
 death of a whole island other than island 0: when one of its ranks dies by a signal,
@@ -30,7 +35,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from .failure import ERROR_DIR_ENV, explain, read_beacon, read_failures
+from .failure import (ERROR_DIR_ENV, HEARTBEAT_S, explain, read_beacon, read_failures,
+                      read_heartbeat, reported_done)
 
 GRACE_S = 2.0  # after the first failure, how long the others may take to report theirs
 
@@ -64,7 +70,7 @@ def hash_seed(seed: int) -> str:
 
 def launch_local(argv: Sequence[str], world: int,
                  islands: Optional[Sequence[Sequence[int]]] = None,
-                 seed: Optional[int] = None) -> int:
+                 seed: Optional[int] = None, heartbeat_s: float = HEARTBEAT_S) -> int:
     """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded.
     `seed`: the plan's train.seed, giving every rank the same PYTHONHASHSEED (`hash_seed`).
 
@@ -74,33 +80,80 @@ def launch_local(argv: Sequence[str], world: int,
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors:
         procs: list[subprocess.Popen] = []
+        previous = _on_sigterm()
         try:
             for rank in range(world):
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
                            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 env[ERROR_DIR_ENV] = errors
+                env[LOCAL_STORE_ENV] = "1"
+                env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
                 env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(world)))
                 if seed is not None:
                     env[HASH_SEED_ENV] = hash_seed(seed)
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "pipeplan", *argv], env=env, start_new_session=True,
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
-            return _watch(procs, errors, _Islands(islands, port) if islands else None)
+            return _watch(procs, errors, _Islands(islands, port) if islands else None,
+                          heartbeat_s)
+        except _Terminated:
+            live = [r for r, p in enumerate(procs) if p.poll() is None]
+            _kill_all(procs)
+            seen = [f"rank {r} in {w}" for r in live if (w := read_beacon(errors, r))]
+            print(f"pipeplan: stopped by SIGTERM: stopped ranks {', '.join(map(str, live))}"
+                  + (f" ({'; '.join(seen)})" if seen else "") + "; removed its temporary "
+                  "folder", file=sys.stderr, flush=True)
+            return 128 + signal.SIGTERM
         finally:
             _kill_all(procs)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
 
-def _watch(procs: list[subprocess.Popen], errors: str, islands: "Optional[_Islands]" = None
-           ) -> int:
+LOCAL_STORE_ENV = "PIPEPLAN_LOCAL_STORE"  # worker.local_store: rank 0's store on loopback
+LOOPBACK = "lo"  # Linux's loopback interface, for gloo
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the launcher."""
+
+
+def _on_sigterm():
+    """Turn SIGTERM into _Terminated (main thread only); returns the previous handler."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise _Terminated()
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+def _watch(procs: list[subprocess.Popen], errors: str, islands: "Optional[_Islands]" = None,
+           heartbeat_s: float = HEARTBEAT_S) -> int:
+    beats = _Heartbeats(len(procs), errors, heartbeat_s)
     while True:
         codes = [p.poll() for p in procs]
         if islands is not None:
             islands.drop_dead(procs, codes, errors)
             codes = [0 if r in islands.dropped else c for r, c in enumerate(codes)]
-        if all(c == 0 for c in codes):
+        dropped = islands.dropped if islands is not None else set()
+        unreported = frozenset(r for r, c in enumerate(codes) if c == 0 and r not in dropped
+                               and not reported_done(errors, r))
+        if all(c == 0 for c in codes) and not unreported:
             return 0
-        if any(c not in (None, 0) for c in codes):
+        stopped = beats.stopped(codes)
+        if stopped is not None:
+            _kill_all(procs)
+            where = read_beacon(errors, stopped)
+            print(f"pipeplan: run failed: rank {stopped} stopped responding: no heartbeat for "
+                  f"{heartbeat_s:g} s" + (f" (last seen in {where})" if where else "")
+                  + f"; stopped all {len(procs)} ranks", file=sys.stderr, flush=True)
+            return 1
+        if unreported or any(c not in (None, 0) for c in codes):
             # the others report what they saw (or stop) within the grace period
             deadline = time.monotonic() + GRACE_S
             while time.monotonic() < deadline and not _settled(procs, errors):
@@ -110,10 +163,31 @@ def _watch(procs: list[subprocess.Popen], errors: str, islands: "Optional[_Islan
             codes_then = {r: (c if c is not None else final[r]) for r, c in enumerate(codes)}
             _kill_all(procs)
             beacons = {r: read_beacon(errors, r) for r in range(len(procs))}
-            for line in explain(codes_then, read_failures(errors), beacons):
+            for line in explain(codes_then, read_failures(errors), beacons, unreported):
                 print(f"pipeplan: {line}", file=sys.stderr)
             return 1
         time.sleep(0.05)
+
+
+class _Heartbeats:
+    """When each running rank's heartbeat counter last moved (failure.Beacon)."""
+
+    def __init__(self, world: int, errors: str, limit_s: float):
+        self.errors, self.limit_s = errors, limit_s
+        self.last: list = [None] * world  # (counter, when it was first seen at that value)
+
+    def stopped(self, codes: list) -> Optional[int]:
+        """The first running rank whose heartbeat stood still for limit_s, or None."""
+        now = time.monotonic()
+        for r, code in enumerate(codes):
+            beat = read_heartbeat(self.errors, r) if code is None else None
+            if beat is None:  # not started yet (no beacon), or exited
+                continue
+            if self.last[r] is None or self.last[r][0] != beat:
+                self.last[r] = (beat, now)
+            elif now - self.last[r][1] > self.limit_s:
+                return r
+        return None
 
 
 def _settled(procs: list[subprocess.Popen], errors: str) -> bool:

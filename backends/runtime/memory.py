@@ -1,4 +1,5 @@
-"""What a rank holds: its peak resident memory, read from the OS (printed at a run's end)."""
+"""What a rank holds: its peak resident memory, read from the OS (printed at a run's end);
+and, before a local run launches, whether the compiler's estimate of it fits this machine."""
 from __future__ import annotations
 
 import ctypes
@@ -91,3 +92,42 @@ def memory_lines(ranks: list[RankMemory]) -> str:
         f"{m.param_bytes / mb:.1f} MiB, peak RSS {m.startup_peak / mb:.0f} MiB at start-up, "
         f"{m.peak / mb:.0f} MiB in the run" + (f"; {m.graphs}" if m.graphs else "")
         for m in ranks)
+
+
+GIB = 1 << 30
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_local_memory(plan, compiled, total: int | None = None) -> None:
+    """Before a local CPU run launches: the compiler's estimate of what all its ranks hold
+    (parameters, gradients, optimizer state, activations: the meta trace's shapes, nothing
+    allocated) fits this machine's memory, else a PlanError at `model.args` (the values
+    that scale the model). `total`: the machine's bytes (default: read from the OS)."""
+    from ...dsl.errors import PlanError
+
+    total = machine_memory_bytes() if total is None else total
+    est = compiled.estimates
+    if est is None or not total:
+        return
+    parts = {k: sum(getattr(r, f"{k}_bytes") for r in est.ranks)
+             for k in ("param", "grad", "optimizer", "activation")}
+    need = sum(parts.values())
+    if need <= total:
+        return
+    raise PlanError.at(
+        plan, "model.args", f"this model needs about {need / GIB:,.1f} GiB on its {len(est.ranks)} "
+        f"local ranks (parameters {parts['param'] / GIB:,.1f}, gradients "
+        f"{parts['grad'] / GIB:,.1f}, optimizer state {parts['optimizer'] / GIB:,.1f}, "
+        f"activations {parts['activation'] / GIB:,.1f} GiB: the compiler's estimate from "
+        f"the meta trace), more than this machine's {total / GIB:,.1f} GiB; nothing was "
+        f"started", "make the model smaller (model.args), or run it under torchrun on "
+        "machines that hold it")

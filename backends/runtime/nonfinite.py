@@ -54,7 +54,8 @@ def _describe(flag: Flag) -> str:
     if flag.what == "weight gradients":
         return f"the gradient of parameter `{bad[0]}` in {at}"
     kind = "NaN in activation" if flag.what == "activation" else "non-finite input gradient"
-    return f"{kind} `{bad[0]}` produced by {at}"
+    name, _, origin = bad[0].partition(" ")  # executor.value_origin: "add_2 (in module `x`)"
+    return f"{kind} `{name}`{' ' + origin if origin else ''} produced by {at}"
 
 
 def _fmt(x: float) -> str:

@@ -20,8 +20,12 @@ import torch.distributed as dist
 from ...dsl.ast import Plan
 from ...errors import PipeplanError
 from .agreement import check_agreement, compile_shared, plan_hash
-from ..state.checkpoint import Checkpointer, latest_step
-from .failure import STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_failure
+from ..state.checkpoint import Checkpointer
+from ..state.checkpoint.lock import HELD_ENV, FolderLock
+from ..state.checkpoint.verify import resume_choice
+from .failure import (STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_done,
+                      report_failure)
+from .launcher import LOCAL_STORE_ENV
 from .memory import (RankMemory, graphs_note, memory_lines, peak_rss_bytes,
                      return_large_blocks_to_os)
 from ..observe.progress import Progress, describe_run
@@ -43,6 +47,8 @@ class RunOptions:
     reset_optimizer: bool = False  # resume the weights only, with a fresh optimizer
     profile_out: Optional[str] = None  # `pipeplan profile`: rank 0 writes the cost file here
     warmup: int = 1  # steps left out of the steady-state bubble and the profile
+    resume_from: Optional[str] = None  # a step_N folder (--resume-from), else the newest intact
+    resume_verified: bool = False  # the launcher chose and verified it (None: start fresh)
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,25 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"(e.g. torchrun --nproc-per-node ...) or change the plan's mesh")
 
 
+def local_store(env: RankEnv, timeout: timedelta):
+    """Under pipeplan's local launcher, the job's TCP store listening on 127.0.0.1 only
+    (c10d's own binds every interface); None otherwise (torchrun's rendezvous as configured).
+    The launcher also sets GLOO_SOCKET_IFNAME=lo, so gloo's listeners are loopback too."""
+    if os.environ.get(LOCAL_STORE_ENV) != "1":
+        return None
+    import socket
+
+    port = int(os.environ["MASTER_PORT"])
+    if env.rank != 0:
+        return dist.TCPStore("127.0.0.1", port, env.world_size, False, timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(max(128, env.world_size))
+    return dist.TCPStore("127.0.0.1", port, env.world_size, True, timeout,
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+
+
 def rank_device(env: RankEnv) -> tuple[torch.device, str]:
     """(device, process-group backend) of this rank: `cuda:LOCAL_RANK` and NCCL when CUDA is
     available, else the CPU and gloo. NCCL refuses two ranks on one GPU, so a LOCAL_RANK
@@ -93,15 +118,26 @@ def _restore(plan: Plan, trainer: PipelineTrainer, opts: "RunOptions", run_hash:
     if spec is None:
         return None, 0
     ckpt = Checkpointer(plan, trainer, run_hash, split_points)
-    found = [latest_step(ckpt.folder) if dist.get_rank() == ckpt.leader else None]
-    # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank) decides
-    # for every node of its group: a decoupled island resumes its own newest step
+    found = [None]
+    if dist.get_rank() == ckpt.leader:
+        # the leader's view (rank 0, or under decoupled DiLoCo the island's first rank)
+        # decides for every node of its group: a decoupled island resumes its own series
+        found[0] = resume_choice(ckpt.folder, opts.resume_from, opts.resume_verified)
     dist.broadcast_object_list(found, src=ckpt.leader, group=ckpt.group)
     if found[0] is None:
         return ckpt, 0
-    done = ckpt.load(found[0], opts.reset_optimizer)
+    done = ckpt.load(found[0], opts.reset_optimizer, verified=True)
     trainer.resume(done)
     return ckpt, done
+
+
+def _folder_lock(plan: Plan, env: RankEnv):
+    """Under torchrun (no pipeplan launcher holds it), rank 0 locks train.checkpoint.dir for
+    the run (backends/state/checkpoint/lock.py); None otherwise."""
+    spec = plan.train.checkpoint
+    if spec is None or env.rank != 0 or HELD_ENV in os.environ:
+        return None
+    return FolderLock(spec.dir).acquire()
 
 
 def _log_dir_metrics(plan: Plan) -> Optional[str]:
@@ -222,7 +258,7 @@ def _facts(plan: Plan, compiled, specs) -> _RunFacts:
 
 
 def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losses,
-                      watch) -> int:
+                      watch, lock=None) -> int:
     """A decoupled DiLoCo run ends without collectives (an island may be lost): no
     memory and bubble report; rank 0 waits for the islands still running (decoupled.py)."""
     from ...dsl.layout import mesh_layout
@@ -235,6 +271,9 @@ def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losse
     if env.rank == 0:
         print(f"cross-island bytes sent by rank 0: {trainer.diloco.bytes_sent:,}", flush=True)
     watch.stop()
+    if lock is not None:
+        lock.release()
+    report_done(env.rank)
     return 0
 
 
@@ -246,6 +285,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     schedule reaches the others as `schedule` (agreement.compile_shared).
     """
     started = time.perf_counter()
+    where = Beacon(env.rank, "setup").start_heartbeat()  # for the launcher (failure.py)
     check_world(plan, env.world_size)
     device, backend = rank_device(env)
     cuda = device.type == "cuda"
@@ -259,15 +299,19 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    dist.init_process_group(backend, rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=opts.timeout_s))
+    timeout = timedelta(seconds=opts.timeout_s)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            store=local_store(env, timeout))
     # a decoupled DiLoCo island other than 0 fails on its own key (failure.island_key)
     failure_key = island_key(Coords.of(env.rank, plan.mesh).dp if plan.sync.decoupled else None)
     watch = FailureWatch(env.rank, keys=tuple({STORE_KEY, failure_key})).start()
-    where = Beacon(env.rank, "setup")  # what this rank is doing, for the failure message
+    lock = None
     try:
+        lock = _folder_lock(plan, env)
         topo = build_topology(plan.mesh, "cuda" if cuda else "cpu")
+        where[0] = "model import and compile"
         compiled = compile_shared(plan, compile_fn)  # on meta: no weights; rank 0 decides
+        where[0] = "setup"
         check_agreement(plan, compiled)  # every rank runs the same, or none starts
         trainer = PipelineTrainer(plan, compiled, topo, device)  # only this rank's shards
         param_bytes = trainer.param_bytes
@@ -288,7 +332,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
                                                  run.split_points, trackers)
         where[0] = "finish"
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
-            return _finish_decoupled(plan, env, opts, trainer, losses, watch)
+            return _finish_decoupled(plan, env, opts, trainer, losses, watch, lock)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes(), trainer.grad_bytes or 0,
                             trainer.optimizer_bytes(), planned_activations,
@@ -307,9 +351,14 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         dist.barrier()
         watch.stop()
         dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
+        report_done(env.rank)
         return 0
     except BaseException as e:  # every failure stops every rank, naming this one
         watch.stop()
+        if lock is not None:
+            lock.release()
         detail = str(e) if isinstance(e, PipeplanError) else f"{type(e).__name__}: {e}"
         message = f"rank {env.rank} failed in {where[0]}: {detail}"
         report_failure(Failure(env.rank, message, now()), failure_key)

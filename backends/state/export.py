@@ -1,6 +1,6 @@
 """Trained weights out: `pipeplan export CHECKPOINT -o OUT [--plan PLAN]` (cli/export.py).
 
-A run's checkpoint (backends/checkpoint.py, DCP) holds every parameter under
+A run's checkpoint (backends/state/checkpoint/, DCP) holds every parameter under
 the unmodified model's name, `params/<name>` (a DiLoCo run's: the islands'
 global parameters of the last sync, `diloco/global/<name>`; its islands'
 own parameters are `island<d>/params/<name>`). `read_checkpoint_params` is the
@@ -42,17 +42,17 @@ class CheckpointError(PipeplanError):
 
 
 def checkpoint_step_dir(path: str) -> str:
-    """`path` itself when it is one checkpoint (holds DCP's .metadata), else its newest
-    `step_N` folder (a run's checkpoint.dir; a decoupled DiLoCo run's: island 0's, whose
-    global parameters are the coordinators' own)."""
+    """`path` itself when it is one checkpoint (holds a manifest or DCP's .metadata), else
+    its newest `step_N` folder (a run's checkpoint.dir; a decoupled DiLoCo run's: island
+    0's, whose global parameters are the coordinators' own)."""
     from .checkpoint.store import newest
 
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", "manifest.json")):
         return path
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint folder")
     found = newest(path)
-    if found is None or not os.path.isfile(os.path.join(found, ".metadata")):
+    if found is None:
         raise CheckpointError(f"{path}: not a checkpoint (no .metadata) and no step_N "
                               "checkpoint in it")
     return found
@@ -60,18 +60,19 @@ def checkpoint_step_dir(path: str) -> str:
 
 def read_checkpoint_params(path: str, check=None) -> dict[str, torch.Tensor]:
     """Every parameter a run's checkpoint holds, by its name in the unmodified model, as full
-    CPU tensors (no process group needed). `check(shapes)`, given {name: shape} from the
-    metadata, runs before anything is allocated (it raises to refuse)."""
-    import torch.distributed.checkpoint as dcp
+    CPU tensors (no process group needed). Its files are verified against its manifest
+    first (checkpoint/verify.py: a damaged one is refused, the previous intact one
+    offered), and nothing of it is unpickled but DCP's allow-listed metadata
+    (checkpoint/trusted.py). `check(shapes)`, given {name: shape} from the metadata, runs
+    before anything is allocated (it raises to refuse)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from .checkpoint.trusted import NoBytesLoadPlanner, load, read_metadata
+    from .checkpoint.verify import verify_offering
+
     folder = checkpoint_step_dir(path)
-    try:
-        metadata = dcp.FileSystemReader(folder).read_metadata()
-    except Exception as e:  # pickle / IO errors of a damaged .metadata
-        raise CheckpointError(f"{os.path.join(folder, '.metadata')}: unreadable checkpoint "
-                              f"metadata ({type(e).__name__}: {e})") from None
-    keys = metadata.state_dict_metadata
+    verify_offering(folder, "pipeplan export {} ...")
+    keys = read_metadata(folder).state_dict_metadata
     prefix = PARAMS if any(k.startswith(PARAMS) for k in keys) else DILOCO_GLOBAL
     stored = {key[len(prefix):]: md for key, md in keys.items()
               if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
@@ -82,13 +83,9 @@ def read_checkpoint_params(path: str, check=None) -> dict[str, torch.Tensor]:
         check({name: tuple(md.size) for name, md in stored.items()})
     state = {prefix + name: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for name, md in stored.items()}
-    try:
-        with warnings.catch_warnings():  # no process group here, on purpose
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    except Exception as e:
-        raise CheckpointError(f"{folder}: reading the parameters failed: "
-                              f"{type(e).__name__}: {e}") from None
+    with warnings.catch_warnings():  # no process group here, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(state, folder, NoBytesLoadPlanner(), no_dist=True)
     return {key[len(prefix):]: t for key, t in state.items()}
 
 

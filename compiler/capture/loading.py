@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -241,9 +242,12 @@ def _exec_file(path: Path, dotted: str | None, top: Path | None) -> ModuleType:
 def _import_guard(plan: Plan, what: str):
     """Import the user's model code as a library: with sys.argv holding only the file (so
     pipeplan's own arguments are not parsed as the model's), and an exit at import reported
-    at the plan's model.source line instead of ending pipeplan (SystemExit is no Exception)."""
-    argv, err, exited = sys.argv, io.StringIO(), False
+    at the plan's model.source line instead of ending pipeplan (SystemExit is no Exception;
+    os._exit is caught here too, or `pipeplan check` would end with its code and no word:
+    a silent exit 0 would read as success)."""
+    argv, err, exited, hard_exit = sys.argv, io.StringIO(), False, os._exit
     sys.argv = [what]
+    os._exit = _refuse_os_exit
     try:
         with contextlib.redirect_stderr(err):
             yield
@@ -252,6 +256,8 @@ def _import_guard(plan: Plan, what: str):
         said = [line for line in err.getvalue().splitlines() if line.strip()]
         if any(line.startswith("usage:") for line in said):
             kind = "parses command-line arguments at import and exits"
+        elif isinstance(e, _OsExit):
+            kind = f"calls os._exit({e.code!r}) at import"
         else:
             kind = f"calls sys.exit({e.code!r}) at import"
         raise PlanError.at(plan, "model.source", f"{what} {kind}"
@@ -259,9 +265,17 @@ def _import_guard(plan: Plan, what: str):
                            "a model file is imported as a library: move script code (argument "
                            "parsing, sys.exit) under `if __name__ == \"__main__\":`") from None
     finally:
-        sys.argv = argv
+        sys.argv, os._exit = argv, hard_exit
         if not exited:
             sys.stderr.write(err.getvalue())  # what the import printed (warnings) still shows
+
+
+class _OsExit(SystemExit):
+    """os._exit called by a model module while pipeplan imports it."""
+
+
+def _refuse_os_exit(code: int) -> None:
+    raise _OsExit(code)
 
 
 def _package_name(path: Path) -> tuple[str | None, Path | None]:

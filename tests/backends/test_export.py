@@ -5,11 +5,13 @@
   tied head under both names), loads with `load_state_dict(strict=True)` and gives
   the run's own final parameters; without `--plan` the checkpoint's names go out as
   stored.
-* A folder that is not a checkpoint, or one whose metadata is unreadable: exit 2,
+* A folder that is not a checkpoint, one without a manifest, or one whose metadata is
+  unreadable: exit 2,
   the path and the reason named, no traceback, nothing written.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -99,6 +101,13 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     (tmp_path / "run" / "step_000004").mkdir(parents=True)
     (tmp_path / "run" / "step_000004" / ".metadata").write_bytes(b"not a pickle")
     assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err  # no manifest: nothing is read before it is verified
+    assert "step_000004: no manifest.json" in err and "Traceback" not in err
+    from pipeplan.backends.state.checkpoint.integrity import digest
+    files = digest(str(tmp_path / "run" / "step_000004"), [".metadata"])
+    (tmp_path / "run" / "step_000004" / "manifest.json").write_text(json.dumps(
+        {"format": 2, "step": 4, "parameters": {}, "files": files}))
+    assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err  # its bytes as recorded, but not a pickle DCP wrote
     assert "step_000004/.metadata" in err and "unreadable" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()

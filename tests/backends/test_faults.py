@@ -74,8 +74,14 @@ def test_explain_prefers_a_signal_death_then_the_earliest_report():
     lines = explain({0: 1, 1: 1, 2: 1, 3: 1}, [first, neighbour], {})
     assert lines[0] == "run failed: rank 3 failed in step 1: F s3 mb0: ValueError: bad"
     lines = explain({0: None, 1: 7}, [], {1: "setup"})
-    assert lines[0] == "run failed: rank 1 exited with code 7 without reporting an error " \
-                       "(last seen in setup)"
+    assert lines[0] == "run failed: rank 1 exited with code 7 during setup without " \
+                       "reporting an error"
+    # exit 0 without reporting that it finished: the cause, before a neighbour's report
+    reset = Failure(0, "rank 0 failed in setup: RuntimeError: Connection reset by peer", 9.0)
+    lines = explain({0: 1, 1: 0}, [reset], {1: "model import and compile"}, frozenset({1}))
+    assert lines[0].startswith("run failed: rank 1 exited with code 0 during model import "
+                               "and compile without reporting that it finished"), lines
+    assert lines[1].startswith("consequence: rank 0 failed"), lines
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from pipeplan.backends.runtime import launcher
+from pipeplan.backends.runtime.failure import ERROR_DIR_ENV
 from pipeplan.backends.runtime.agreement import first_difference
 
 GEMMA3 = """\
@@ -40,6 +41,8 @@ def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeyp
     class Started:
         def __init__(self, argv, env, **kwargs):
             envs.append(env)
+            # a rank that finished says so (failure.report_done), or the launcher fails it
+            open(os.path.join(env[ERROR_DIR_ENV], f"rank{env['RANK']}.done"), "w").close()
 
         def poll(self):
             return 0

@@ -15,6 +15,7 @@ uninterrupted run's; the runtime is printed.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -129,6 +130,14 @@ def test_soak_three_random_kills_resume_bitwise(tmp_path):
     assert sorted(got) == sorted(want) and want
     differ = [n for n in want if not torch.equal(want[n], got[n])]
     assert not differ, differ
+    timing = [json.loads((d / "manifest.json").read_text())["timing"]
+              for d in sorted(ckpt.glob("step_*"))]
+    write = sum(t["write_s"] for t in timing) / len(timing)
+    digest = sum(t["hash_s"] for t in timing) / len(timing)
+    print(f"\nsoak: per checkpoint (the {len(timing)} kept, "
+          f"{sum(f.stat().st_size for f in ckpt.glob('step_*/*')) // len(timing):,} bytes): "
+          f"write {write * 1e3:.1f} ms, sha256 of every file {digest * 1e3:.1f} ms "
+          f"(hash/write {digest / write:.2f})")
     print(f"\nsoak: {STEPS} steps, checkpoint every {EVERY}, kills (rank, newest checkpoint "
           f"step) {kills}: every one of {len(want)} parameters bitwise equal to the "
           f"uninterrupted run; reference {reference_s:.1f} s, total {total_s:.1f} s")

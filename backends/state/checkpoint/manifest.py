@@ -12,6 +12,9 @@ checkpoint came from, in words a person and `plan_diff` can read:
     parameters: name -> global shape
     data: step, tokens            (the data position: step t's batch is a function of t)
     lr                            (the LR after the last step: the schedule replays from step)
+    files: name -> size, sha256   every other file of the folder (integrity.py); the
+                                  manifest is written after them, atomically
+    timing: write_s, hash_s       how long the write and the hashing took (BENCHMARKS.md)
 
 `incompatibilities(manifest, plan, shapes, reset_optimizer)` lists, one line
 each, what will not load under a plan (with the choices); `pipeplan run`
@@ -28,7 +31,8 @@ from ....errors import PipeplanError
 from .islands import describe, sync_summary
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: with "files" (checksums); 1 (none) still reads, unverified
+FORMATS = (1, 2)
 SHOWN = 6  # names listed per refused item before "and N more"
 
 
@@ -47,8 +51,9 @@ def optimizer_summary(plan: Plan) -> dict:
 
 
 def build_manifest(plan: Plan, step: int, plan_hash: str, shapes: dict, split_points,
-                   lr: float) -> dict:
-    return {"format": FORMAT, "step": step, "plan_hash": plan_hash,
+                   lr: float, files: dict, timing: dict) -> dict:
+    return {"format": FORMAT, "step": step, "plan_hash": plan_hash, "files": files,
+            "timing": timing,
             "plan": plan_summary(plan, split_points), "optimizer": optimizer_summary(plan),
             "sync": sync_summary(plan),
             "parameters": {n: list(s) for n, s in sorted(shapes.items())},
@@ -57,8 +62,13 @@ def build_manifest(plan: Plan, step: int, plan_hash: str, shapes: dict, split_po
 
 
 def write_manifest(folder: str, manifest: dict) -> None:
-    with open(os.path.join(folder, MANIFEST), "w") as f:
+    """Atomically: a temporary file, flushed to disk, renamed over manifest.json."""
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST))
 
 
 def read_manifest(folder: str) -> dict:
@@ -75,10 +85,10 @@ def read_manifest(folder: str) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PipeplanError(f"checkpoint manifest {path}: cannot be read ({e}); point "
                             f"train.checkpoint.dir at another folder to start fresh") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or \
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS or \
             not isinstance(manifest.get("parameters"), dict):
-        raise PipeplanError(f"checkpoint manifest {path}: not a format-{FORMAT} pipeplan "
-                            f"manifest; point train.checkpoint.dir at another folder")
+        raise PipeplanError(f"checkpoint manifest {path}: not a pipeplan manifest (format "
+                            f"{FORMAT}); point train.checkpoint.dir at another folder")
     return manifest
 
 

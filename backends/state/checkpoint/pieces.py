@@ -19,10 +19,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .trusted import NoBytesLoadPlanner
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class PiecesSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-class PiecesLoadPlanner(DefaultLoadPlanner):
+class PiecesLoadPlanner(NoBytesLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         # DCP's set-up maps every value it does not know to None, in place: keep ours
         pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}

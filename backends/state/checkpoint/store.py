@@ -1,10 +1,15 @@
 """Save every N steps, atomically; resume from the newest complete checkpoint.
 
 Atomic: every rank writes `DIR/.step_000010.tmp/`; after all have finished
-(a barrier) rank 0 adds the manifest, renames the folder to
-`DIR/step_000010/` and deletes the oldest beyond `keep`. A crash mid-write
-leaves only a .tmp folder, which resume ignores, so a checkpoint already
-written stays intact.
+(a barrier) every rank hashes a share of the files (integrity.py), rank 0
+adds the manifest with every file's size and sha256 (written last, itself
+atomically), renames the folder to `DIR/step_000010/` and deletes the oldest
+beyond `keep`. A crash mid-write leaves only a .tmp folder, which resume
+ignores, so a checkpoint already written stays intact; one damaged later is
+found by its checksums before anything loads it (verify.py).
+
+Loading reads DCP's metadata with an allow-list and never unpickles objects
+(trusted.py).
 
 Decoupled DiLoCo (backends/parallel/diloco/decoupled.py): the islands are at different steps and may be
 lost, so each island checkpoints alone, at its own steps, into its own series
@@ -14,25 +19,21 @@ island's process group only, and the island's first rank writes the manifest.
 from __future__ import annotations
 
 import os
-import re
 import shutil
+import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ....dsl.ast import Plan
-from .manifest import build_manifest, check_loadable, write_manifest
+from .integrity import checkpoint_files, digest_share, step_dir, steps
+from .manifest import MANIFEST, build_manifest, check_loadable, write_manifest
 from .pieces import PiecesLoadPlanner, PiecesSavePlanner
 from .islands import after_load as islands_after_load
 from .state import after_load, rank_pieces
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def step_dir(folder: str, step: int) -> str:
-    return os.path.join(folder, f"step_{step:06d}")
-
+from .trusted import load as trusted_load
+from .verify import verify
 
 def checkpoint_folder(plan: Plan, island: int) -> str:
     """Where this rank's checkpoints go: train.checkpoint.dir, or under decoupled DiLoCo
@@ -42,11 +43,9 @@ def checkpoint_folder(plan: Plan, island: int) -> str:
 
 
 def latest_step(folder: str) -> Optional[int]:
-    """The newest complete checkpoint's step in `folder` (None: nothing to resume)."""
-    if not os.path.isdir(folder):
-        return None
-    steps = [int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(folder)) if m]
-    return max(steps, default=None)
+    """The newest checkpoint's step in `folder` (None: none); verify.choose picks the
+    newest intact one."""
+    return next(iter(steps(folder)), None)
 
 
 class Checkpointer:
@@ -85,36 +84,53 @@ class Checkpointer:
         dist.barrier(group=self.group)
         state = dict(rank_pieces(self.trainer, "written"))
         state.update(self._extras(step))
+        started = time.perf_counter()
         dcp.save(state, checkpoint_id=tmp, planner=PiecesSavePlanner(), process_group=self.group)
         dist.barrier(group=self.group)
+        written = time.perf_counter()
+        files = self._digests(tmp)
         if dist.get_rank() == self.leader:
             optimizer = self.trainer.optimizer
             lr = optimizer.param_groups[0]["lr"] if optimizer else self.plan.train.optimizer.lr
+            timing = {"write_s": round(written - started, 6),
+                      "hash_s": round(time.perf_counter() - written, 6)}
             write_manifest(tmp, build_manifest(self.plan, step, self.plan_hash,
-                                               self.trainer.global_shapes, self.split_points, lr))
+                                               self.trainer.global_shapes, self.split_points, lr,
+                                               files, timing))
             final = step_dir(folder, step)
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
-            steps = sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(folder)) if m)
-            for old in steps[:-self.spec.keep]:
+            for old in steps(folder)[self.spec.keep:]:  # newest first
                 shutil.rmtree(step_dir(folder, old), ignore_errors=True)
         dist.barrier(group=self.group)
 
-    def load(self, step: int, reset_optimizer: bool = False) -> int:
-        """Restore what was saved at `step` (resharded to this plan); returns the step.
+    def _digests(self, tmp: str) -> dict:
+        """Every file's size and sha256 (on the leader; each rank of the group hashes a
+        share of the files, the leader gathers them)."""
+        group_rank = dist.get_rank(self.group) if self.group else dist.get_rank()
+        size = dist.get_world_size(self.group)
+        mine = digest_share(tmp, checkpoint_files(tmp, MANIFEST), group_rank, size)
+        shares = [None] * size if dist.get_rank() == self.leader else None
+        dist.gather_object(mine, shares, dst=self.leader, group=self.group)
+        return {k: v for share in shares or () for k, v in share.items()}
 
-        `reset_optimizer`: the weights only; the optimizer starts fresh."""
-        import torch.distributed.checkpoint as dcp
+    def load(self, where: int | str, reset_optimizer: bool = False,
+             verified: bool = False) -> int:
+        """Restore a checkpoint, resharded to this plan; returns its step. `where`: a step
+        of this run's series, or a step_N folder.
 
-        folder = step_dir(self.folder, step)
+        `reset_optimizer`: the weights only; the optimizer starts fresh. `verified`: its
+        files were checked against the manifest already (verify.py); else checked here."""
+        folder = step_dir(self.folder, where) if isinstance(where, int) else where
+        if not verified:
+            verify(folder)
         manifest = check_loadable(folder, self.plan, self.trainer.global_shapes,
                                   reset_optimizer, before_launch=False)
         state = dict(rank_pieces(self.trainer, "first", with_optimizer=not reset_optimizer))
-        extras = self._extras(step)
+        extras = self._extras(int(manifest["step"]))
         same_plan = bool(self.plan_hash) and manifest.get("plan_hash") == self.plan_hash
         state.update(extras if same_plan else {"step": extras["step"]})
-        dcp.load(state, checkpoint_id=folder, planner=PiecesLoadPlanner(),
-                 process_group=self.group)
+        trusted_load(state, folder, PiecesLoadPlanner(), process_group=self.group)
         after_load(self.trainer)
         islands_after_load(self.trainer, state)
         if same_plan:
