@@ -17,7 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeplan.backends.verify.reference import train_reference
-from pipeplan.backends.verify.run import judge, train_for_judge
+from pipeplan.backends.verify.run import judge
+from .judging import train_for_judge
 from pipeplan.dsl.ast import CompileSpec, ModelSpec, Plan
 from pipeplan.tests.backends.test_equivalence import ADAMW, KINDS, SGD, STEPS, make_plan
 
