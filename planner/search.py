@@ -49,15 +49,17 @@ class SearchResult:
 
 def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
            cons: Constraints = Constraints(), top_k: int = 10, max_evals: int = 2000,
-           progress: bool = False) -> SearchResult:
+           progress: bool = False, units: Optional[Units] = None) -> SearchResult:
+    """The top `top_k` candidates that fit `capacity_bytes` (less the headroom). `units`: the
+    model already measured for this plan (units.measure), else it is measured here."""
     rpn = device.ranks_per_node or gpus
     tp_values = tuple(t for t in divisors(gpus) if t <= rpn or not cons.tp_in_node)
     cp_values = (1,) if cons.fixed.get("cp", 0) == 1 or plan.experts is not None else \
         tuple(c for c in divisors(gpus) if c <= 8)
     bar = _bar(progress)
     pattern = recompute_pattern(_blocks(plan))
-    units = measure(plan, tp_values, cp_values, pattern,
-                    progress=(lambda s: bar.write(s)) if bar else None)
+    units = units or measure(plan, tp_values, cp_values, pattern,
+                             progress=(lambda s: bar.write(s)) if bar else None)
     result = SearchResult([], units, capacity=capacity_bytes * (1 - cons.headroom), gpus=gpus)
     cands = enumerate_space(plan, gpus, len(units.blocks), cons, rpn, units.refused,
                             pattern is not None, result.not_considered,
