@@ -178,10 +178,21 @@ def _links_cached(key, plan, device):
 
 
 def state(units: Units, c: Candidate, split: tuple[int, ...], stage_rank: tuple[int, ...],
-          actions: Optional[dict] = None) -> list:
+          actions: Optional[list] = None) -> list:
     """RankEstimate (params, grads, optimizer, dp bytes) per pipeline rank (_state_bytes on
-    the rank's flat shards as the runtime lays them)."""
+    the rank's flat shards as the runtime lays them). `actions`: per rank, how many actions
+    run each stage (ZeRO-3 gathers); None: one each."""
     plan = plan_of(units.plan, c, units.blocks)
+    layouts = _layouts(units, c, split, stage_rank)
+    return [_state_bytes(plan, lay, actions[r] if actions is not None else
+                         {s: 1 for s in lay.uses}) for r, lay in enumerate(layouts)]
+
+
+def _layouts(units: Units, c: Candidate, split: tuple[int, ...], stage_rank) -> list:
+    """Each pipeline rank's RankShards (cached: the same for every ZeRO stage and kind)."""
+    key = ("layout", c.pp, c.tp, c.ep, c.cp, split, stage_rank)  # parameters: no batch, no rewrite
+    if key in units.cache:
+        return units.cache[key]
     table = _table(units, c)
     bounds = (0,) + split + (len(table),)
     out = []
@@ -192,14 +203,14 @@ def state(units: Units, c: Candidate, split: tuple[int, ...], stage_rank: tuple[
                 continue
             params = []
             for u in table[a:b]:
-                for key, kind, n in u.params:
-                    numel[key] = n // c.tp if kind == TENSOR_PARALLEL else \
+                for k, kind, n in u.params:
+                    numel[k] = n // c.tp if kind == TENSOR_PARALLEL else \
                         n // c.ep if kind == EXPERT else n
-                    params.append((key, kind))
+                    params.append((k, kind))
             listed.append((s, params))
         shards, uses = group_shards(listed)
-        acts = actions[r] if actions is not None else {s: 1 for s, _ in listed}
-        out.append(_state_bytes(plan, RankShards(shards, uses, numel), acts))
+        out.append(RankShards(shards, uses, numel))
+    units.cache[key] = out
     return out
 
 

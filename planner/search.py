@@ -76,9 +76,10 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     # it includes): the fixed kinds first, then auto under the bound they leave
     bounded.sort(key=lambda b: (b[1].schedule == "auto", b))
     top: list[Ranked] = []
+    has_auto = any(b[1].schedule == "auto" for b in bounded)
     for lb, c in _iter(bounded, progress, "evaluating", total=min(len(bounded), max_evals)):
         if len(top) >= top_k and lb >= top[-1].prediction.step_time_s:
-            if c.schedule == "auto" or not any(b[1].schedule == "auto" for b in bounded):
+            if c.schedule == "auto" or not has_auto:
                 result.closed = True
                 break
             continue  # the fixed kinds are closed; auto's turn
