@@ -155,3 +155,15 @@ def test_bad_arguments_are_refused_clearly(tmp_path, capsys, argv, message):
     src.write_text(PLAN)
     assert main(["plan", str(src)] + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_planner_imports_point_down():
+    """planner/ sits above compiler, dsl and schedules; it imports neither cli nor backends."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2] / "planner"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                top = (node.module or "").split(".")[0]
+                assert top not in ("cli", "backends"), f"{path.name} imports {node.module}"
