@@ -31,7 +31,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "section; memory then from --memory)")
     p.add_argument("--memory", type=float, default=None,
                    help="device memory in GB (default: the device's)")
-    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="GPUs per node (default 8 with --device, else the plan's device section)")
     p.add_argument("--top", type=int, default=10, help="plans to print (K)")
     p.add_argument("-o", "--out", default=None, help="write the chosen plan here")
     p.add_argument("--pick", type=int, default=1, help="which of the top K to write (1 = best)")
@@ -72,6 +73,7 @@ def split_sets(sets: list[str]) -> tuple[dict, list[str]]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from ..compiler.estimate.device import device_model
+    from ..dsl.ast import MeshSpec
     from ..dsl.load import load_plan
     from ..planner.devices import DEVICES
     from ..planner.report import not_considered, plan_text, summary, table
@@ -89,8 +91,8 @@ def run_plan(args: argparse.Namespace) -> int:
         d = DEVICES[args.device]
         plan = dataclasses.replace(plan, device=dataclasses.replace(
             plan.device, flops=d.flops, mfu=d.mfu, intra_node=d.intra_node,
-            inter_node=d.inter_node, latency=d.latency, ranks_per_node=args.ranks_per_node))
-    else:
+            inter_node=d.inter_node, latency=d.latency, ranks_per_node=args.ranks_per_node or 8))
+    elif args.ranks_per_node:
         plan = dataclasses.replace(plan, device=dataclasses.replace(
             plan.device, ranks_per_node=args.ranks_per_node))
     memory = args.memory * 1e9 if args.memory else \
@@ -104,7 +106,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise PipeplanError(f"--schedules: unknown kind {unknown[0]!r}; kinds: {', '.join(KINDS)}")
     cons = Constraints(fixed=fixed, max_pp=args.max_pp, schedules=kinds,
                        no_recompute=args.no_recompute, headroom=args.headroom)
-    device = device_model(plan)
+    # the device model of N ranks (a CPU's measured model splits its cores among them)
+    device = device_model(dataclasses.replace(plan, mesh=MeshSpec(pp=1, dp=args.gpus)))
     result = search(plan, args.gpus, device, memory, cons, top_k=args.top,
                     max_evals=args.max_evals, progress=not args.no_progress)
     out = sys.stdout
@@ -131,7 +134,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     for name, low in (("gpus", 1), ("top", 1), ("pick", 1), ("ranks_per_node", 1),
                       ("max_evals", 1)):
-        if getattr(args, name) < low:
+        if getattr(args, name) is not None and getattr(args, name) < low:
             raise PipeplanError(f"--{name.replace('_', '-')} must be at least {low}")
     if not 0 <= args.headroom < 1:
         raise PipeplanError("--headroom must be in [0, 1)")
