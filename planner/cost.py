@@ -217,32 +217,53 @@ def _layouts(units: Units, c: Candidate, split: tuple[int, ...], stage_rank) -> 
 def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float, int]:
     """(no schedule of `c` is faster, no rank of `c` holds fewer bytes than the fullest)."""
     sh = shape(units, c, device)
-    m = c.microbatches
-    best = float("inf")
     places = [placement(c.schedule, c.pp, len(sh.per_stage))]
     if c.schedule == "auto" and c.virtual == 2:
         places.append(placement("zbv", c.pp, len(sh.per_stage)))
-    for place in places:
-        worst = 0.0
-        for r in range(c.pp):
-            mine = [s for s, rr in enumerate(place) if rr == r]
-            work = m * sum(sum(sh.per_stage[s]) for s in mine)
-            first = min(mine)
-            head = sum(sh.per_stage[s][0] + sh.latency for s in range(first))
-            tail = sum(sh.per_stage[s][1] + sh.per_stage[s][2] + sh.latency
-                       for s in range(first)) if c.schedule in UNSPLIT_BACKWARD else 0.0
-            worst = max(worst, head + work + tail)
-        best = min(best, worst)
+    unsplit = c.schedule in UNSPLIT_BACKWARD
+    best = min(_pipe_bound(units, c, sh, place, unsplit) for place in places)
     key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute, device,
            places[0], c.zero)
     if key not in units.cache:
-        units.cache[key] = state(units, c, sh.split, places[0])
-    ranks = units.cache[key]
-    dp = max(rk.comm_bytes["dp"] for rk in ranks) / sh.links.dp
-    held = max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes
-               + max(sh.act[s] for s, rr in enumerate(places[0]) if rr == i)
-               for i, rk in enumerate(ranks))
-    return best + dp, int(held)
+        ranks = state(units, c, sh.split, places[0])
+        dp = max(rk.comm_bytes["dp"] for rk in ranks) / sh.links.dp
+        acts = _rank_max(sh.act, places[0], c.pp)
+        held = max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a
+                   for rk, a in zip(ranks, acts))
+        units.cache[key] = (dp, int(held))
+    dp, held = units.cache[key]
+    return best + dp, held
+
+
+def _rank_max(values, place, pp: int) -> list:
+    out = [0.0] * pp
+    for s, r in enumerate(place):
+        out[r] = max(out[r], values[s])
+    return out
+
+
+def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> float:
+    """The pipeline's part of the bound (cached per shape, placement and backward kind):
+    per rank, m x its work + the forward fill before its first stage (+ the drain of an
+    unsplit backward through the stages before it), the largest over ranks."""
+    key = ("pipe", id(sh), place, unsplit, c.microbatches)
+    if key in units.cache:
+        return units.cache[key]
+    work, first = [0.0] * c.pp, [None] * c.pp
+    for s, r in enumerate(place):
+        work[r] += sum(sh.per_stage[s])
+        if first[r] is None:
+            first[r] = s
+    fill, drain, f_acc, b_acc = [], [], 0.0, 0.0
+    for s in range(len(sh.per_stage)):  # prefix sums over stages before s
+        fill.append(f_acc)
+        drain.append(b_acc)
+        f_acc += sh.per_stage[s][0] + sh.latency
+        b_acc += sh.per_stage[s][1] + sh.per_stage[s][2] + sh.latency
+    worst = max(fill[first[r]] + c.microbatches * work[r] + (drain[first[r]] if unsplit else 0.0)
+                for r in range(c.pp))
+    units.cache[key] = worst
+    return worst
 
 
 def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
