@@ -11,9 +11,9 @@ walking the schedule (`activation_peaks`), state bytes by ZeRO stage (`_state_by
 When the per-op time model lands (branch `predict`), only this file changes.
 
 `lower_bound(units, cand, device)` is no longer than any schedule of the candidate can be:
-the busiest rank's work plus the fill it must wait for before its first stage gets a
-microbatch and, for kinds whose backward is not split (gpipe, 1f1b, interleaved), the
-drain of its last backward through the stages before it; plus the DP reduction.
+per rank, the fill before its first stage gets a microbatch, then its work, or its forward
+and input-gradient work followed by the drain of its last backward through the stages
+before it (W may overlap the drain); the worst rank; plus the DP reduction.
 """
 from __future__ import annotations
 
@@ -243,24 +243,32 @@ def _rank_max(values, place, pp: int) -> list:
 
 
 def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> float:
-    """The pipeline's part of the bound (cached per shape, placement and backward kind):
-    per rank, m x its work + the forward fill before its first stage (+ the drain of an
-    unsplit backward through the stages before it), the largest over ranks."""
+    """The pipeline's part of the bound (cached per shape, placement and backward kind).
+    Rank r cannot start before the first microbatch's forward reaches its first stage s0
+    (the fill); its last B is on s0 (backward flows down), and the B chain of that
+    microbatch through the stages before s0 (the drain) follows it, while its W may
+    overlap the drain: max over r of fill + max(m x work, m x (F + B) + drain); with an
+    unsplit backward (one BW op) W is part of B."""
     key = ("pipe", id(sh), place, unsplit, c.microbatches)
     if key in units.cache:
         return units.cache[key]
-    work, first = [0.0] * c.pp, [None] * c.pp
+    work, fb, first = [0.0] * c.pp, [0.0] * c.pp, [None] * c.pp
     for s, r in enumerate(place):
-        work[r] += sum(sh.per_stage[s])
-        if first[r] is None:
+        f, b, w = sh.per_stage[s]
+        work[r] += f + b + w
+        fb[r] += f + b + (w if unsplit else 0.0)
+        if first[r] is None or s < first[r]:
             first[r] = s
     fill, drain, f_acc, b_acc = [], [], 0.0, 0.0
-    for s in range(len(sh.per_stage)):  # prefix sums over stages before s
+    for s in range(len(sh.per_stage)):  # prefix sums over the stages before s
         fill.append(f_acc)
         drain.append(b_acc)
-        f_acc += sh.per_stage[s][0] + sh.latency
-        b_acc += sh.per_stage[s][1] + sh.per_stage[s][2] + sh.latency
-    worst = max(fill[first[r]] + c.microbatches * work[r] + (drain[first[r]] if unsplit else 0.0)
+        f, b, w = sh.per_stage[s]
+        hop = sh.latency if s + 1 < len(place) and place[s + 1] != place[s] else 0.0
+        f_acc += f + hop  # a message between ranks only (same-rank stages hand over in memory)
+        b_acc += b + (w if unsplit else 0.0) + hop
+    m = c.microbatches
+    worst = max(fill[first[r]] + max(m * work[r], m * fb[r] + drain[first[r]])
                 for r in range(c.pp))
     units.cache[key] = worst
     return worst
