@@ -122,13 +122,34 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.out:
         command = "pipeplan plan " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
             if len(sys.argv) > 2 else "pipeplan plan"
-        text = plan_text(plan, result, args.pick - 1, command, plan.device.flops)
+        text = plan_text(_paths_from(plan, args.out), result, args.pick - 1, command,
+                         plan.device.flops)
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
         out.write(f"wrote {args.out} (#{args.pick})\n")
         if not args.no_verify:
             out.write(_verify(args.out, result.top[args.pick - 1].prediction, args.gpus))
     return 0
+
+
+def _paths_from(plan, out: str):
+    """The plan with its model, weights and data paths relative to `out`'s folder (the
+    written plan may live elsewhere than the one it was planned from)."""
+    import os
+    where = os.path.dirname(os.path.abspath(out))
+
+    def moved(path):
+        return path if path is None or os.path.isabs(path) else \
+            os.path.relpath(plan.resolve_path(path), where)
+
+    from ..compiler.capture.loading import is_path_source
+    file, colon, cls = plan.model.source.rpartition(":")
+    source = plan.model.source
+    if colon and is_path_source(file):
+        source = f"{moved(file)}:{cls}"
+    model = dataclasses.replace(plan.model, source=source, weights=moved(plan.model.weights))
+    data = dataclasses.replace(plan.data, path=moved(plan.data.path))
+    return dataclasses.replace(plan, model=model, data=data)
 
 
 def _check_args(args: argparse.Namespace) -> None:
