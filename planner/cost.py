@@ -17,9 +17,7 @@ before it (W may overlap the drain); the worst rank; plus the DP reduction.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 from ..compiler.estimate.collectives import _role_collectives, ring_bytes
@@ -319,7 +317,3 @@ def _comm_in_ops(units: Units, c: Candidate, device: DeviceModel, sh: Shape, pla
             t += tp_b / links.tp + ep_b / links.ep + u.cp_bytes * fs / links.tp
         per_rank[place[s]] += t * c.microbatches + 2 * sh.latency * c.microbatches
     return max(per_rank)
-
-
-def with_split(c: Candidate, split: tuple[int, ...]) -> Candidate:
-    return dataclasses.replace(c, split=split)

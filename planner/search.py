@@ -48,10 +48,11 @@ class SearchResult:
 
 
 def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
-           cons: Constraints = Constraints(), top_k: int = 10, max_evals: int = 2000,
+           cons: Optional[Constraints] = None, top_k: int = 10, max_evals: int = 2000,
            progress: bool = False, units: Optional[Units] = None) -> SearchResult:
     """The top `top_k` candidates that fit `capacity_bytes` (less the headroom). `units`: the
     model already measured for this plan (units.measure), else it is measured here."""
+    cons = cons or Constraints()
     rpn = device.ranks_per_node or gpus
     tp_values = tuple(t for t in divisors(gpus) if t <= rpn or not cons.tp_in_node)
     cp_values = (1,) if cons.fixed.get("cp", 0) == 1 or plan.experts is not None else \

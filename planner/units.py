@@ -30,7 +30,7 @@ from ..compiler.estimate.costs import node_costs
 from ..compiler.estimate.precision import to_precision
 from ..compiler.estimate.traffic import collective_traffic
 from ..compiler.parallel.cp import attach_context_costs, check_context, heads_split_by_tp
-from ..compiler.parallel.ep import experts_dispatched, experts_modules, expert_weights, \
+from ..compiler.parallel.ep import experts_modules, expert_weights, \
     place_experts
 from ..compiler.parallel.ep_balance import mark_step_statistics
 from ..compiler.parallel.ep_checks import check_experts

@@ -5,7 +5,6 @@ capture and estimate for each), never the planner's unit tables or bounds.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 
