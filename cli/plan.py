@@ -116,14 +116,16 @@ def run_plan(args: argparse.Namespace) -> int:
     if not result.top:
         out.write("no candidate fits: relax a constraint, add GPUs or memory\n")
         return 1
-    out.write(table(result, plan.device.flops))
+    written = device.origin.startswith("plan device section")
+    peak = plan.device.flops if written else device.flops_per_s  # a CPU: its measured rate
+    out.write(table(result, peak))
     if args.pick > len(result.top):
         raise PipeplanError(f"--pick {args.pick}: only {len(result.top)} plans were found")
     if args.out:
         command = "pipeplan plan " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
             if len(sys.argv) > 2 else "pipeplan plan"
-        text = plan_text(_paths_from(plan, args.out), result, args.pick - 1, command,
-                         plan.device.flops)
+        text = plan_text(_paths_from(plan, args.out), result, args.pick - 1, command, peak,
+                         written)
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
         out.write(f"wrote {args.out} (#{args.pick})\n")

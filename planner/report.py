@@ -7,6 +7,8 @@ the search used.
 """
 from __future__ import annotations
 
+import re
+
 from ..dsl.ast import Plan
 from ..dsl.format import format_plan
 from .cost import Prediction
@@ -33,7 +35,7 @@ def table(result: SearchResult, peak_flops: float) -> str:
     for i, r in enumerate(result.top, 1):
         p = r.prediction
         rows.append(f"{i:>3}  {r.candidate.label():<58} {p.step_time_s:>10.4g} "
-                    f"{tflops(p):>8.1f} {mfu(p, peak_flops):>5.2f} {p.peak_bytes / GIB:>9.2f} "
+                    f"{tflops(p):>8.3g} {mfu(p, peak_flops):>5.2f} {p.peak_bytes / GIB:>9.2f} "
                     f"{p.bubble:>7.3f} {p.comm_s:>9.3g}")
     return "\n".join(rows) + "\n"
 
@@ -62,8 +64,10 @@ def not_considered(result: SearchResult) -> str:
 
 
 def plan_text(base: Plan, result: SearchResult, pick: int, command: str,
-              peak_flops: float) -> str:
-    """The picked candidate (0-based) as a plan file with its comment block."""
+              peak_flops: float, device_section: bool = True) -> str:
+    """The picked candidate (0-based) as a plan file with its comment block. Without
+    `device_section` (the search timed this machine's measured CPU model), the plan has none,
+    so `pipeplan check` measures the same way."""
     chosen: Ranked = result.top[pick]
     c, p = chosen.candidate, chosen.prediction
     plan = plan_of(base, c, result.units.blocks)
@@ -78,7 +82,12 @@ def plan_text(base: Plan, result: SearchResult, pick: int, command: str,
              f"{mfu(p, peak_flops):.2f}, peak {p.peak_bytes / GIB:.2f} GiB per rank "
              f"(capacity {result.capacity / GIB:.1f} GiB), bubble {p.bubble:.3f}"]
     lines += _why(result, pick)
-    return "\n".join(lines) + "\n\n" + format_plan(plan, full=True, comments=False)
+    text = format_plan(plan, full=True, comments=False)
+    if not device_section:
+        lines.append("# Device: this machine's measured CPU model (no device section, so "
+                     "`pipeplan check` measures it the same way)")
+        text = re.sub(r"\ndevice \{\n.*?\n\}\n", "\n", text, flags=re.S)
+    return "\n".join(lines) + "\n\n" + text
 
 
 def _why(result: SearchResult, pick: int) -> list[str]:
