@@ -21,6 +21,7 @@ from ..errors import PipeplanError
 COMMAND_MODULES = (
     "pipeplan.cli.check",  # check, fmt
     "pipeplan.cli.compile",  # compile
+    "pipeplan.cli.plan",  # plan (planner/: search the plan space)
     "pipeplan.cli.schedule",  # schedule
     "pipeplan.cli.run",  # run, profile, report, verify
     "pipeplan.cli.plan_diff",  # plan-diff

@@ -1,0 +1,319 @@
+"""The one question the search asks: a candidate -> its predicted step time and peak memory.
+
+`predict(units, cand, device)` is the narrow interface; everything else in planner/ only
+ranks its answers. Today it is the compiler's estimate (compiler/estimate/estimates.py)
+computed from unit sums instead of a new trace: per-stage op times as `step_costs` makes
+them (FLOPs / tp at the device's sustained rate, host time per op, half of the stage's TP /
+EP / CP bytes on F and on B), the schedule generated on the normalised costs and simulated
+on the real ones (`make_schedule` + `simulate`), plus the DP reduction over the dp link
+(`_state_bytes`: ZeRO's collectives of each rank's flat shards), activation peaks by
+walking the schedule (`activation_peaks`), state bytes by ZeRO stage (`_state_bytes`).
+When the per-op time model lands (branch `predict`), only this file changes.
+
+`lower_bound(units, cand, device)` is no longer than any schedule of the candidate can be:
+per rank, the fill before its first stage gets a microbatch, then its work, or its forward
+and input-gradient work followed by the drain of its last backward through the stages
+before it (W may overlap the drain); the worst rank; plus the DP reduction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..compiler.estimate.collectives import _role_collectives, ring_bytes
+from ..compiler.estimate.device import DeviceModel, mesh_links
+from ..compiler.estimate.estimates import RankShards, _state_bytes, activation_peaks, \
+    normalised, routing_prepass_s
+from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
+from ..schedules import generate
+from ..schedules.costs import Costs
+from ..schedules.simulate import simulate
+from .space import Candidate, V_KINDS, plan_of
+from .units import Unit, Units
+
+UNSPLIT_BACKWARD = ("gpipe", "1f1b", "interleaved")  # their backward is one BW op
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What `pipeplan plan` prints per candidate (seconds, bytes, FLOPs per step)."""
+
+    step_time_s: float
+    makespan_s: float  # the simulated pipeline
+    dp_time_s: float  # gradient reduction after it (not overlapped in today's model)
+    comm_s: float  # TP/EP/CP time inside the busiest rank's ops + p2p latency + dp
+    bubble: float  # idle / total over the whole iteration (simulate's definition)
+    peak_bytes: int  # the fullest rank: params + grads + optimizer + activations
+    state_bytes: int  # ... of which parameters, gradients and optimizer states
+    flops_per_gpu: float  # executed FLOPs per step per GPU, recompute included
+    model_flops_per_gpu: float  # without recompute (for MFU)
+    split: tuple[int, ...]  # unit index where stages 1..S-1 begin
+    placement: tuple[int, ...]  # stage -> pipeline rank
+
+
+def _table(units: Units, c: Candidate) -> list[Unit]:
+    return units.at(c.mbs, c.tp > 1, c.sp, c.recompute, c.cp)
+
+
+def _unit_times(units: Units, c: Candidate, device: DeviceModel, links) -> list[tuple]:
+    """(F, B, W) seconds per unit, as step_costs times a stage (sums over units add up)."""
+    fps, fs = device.flops_per_s, 0.5 if units.plan.train.precision == "bf16" else 1.0
+    out = []
+    for u in _table(units, c):
+        tp_b = _tp_bytes(u, c)
+        ep_b = _ep_bytes(units.plan, u, c) if c.ep > 1 else 0.0
+        coll = (tp_b / links.tp + ep_b / links.ep + u.cp_bytes * fs / links.tp) / 2
+        f = u.flops / c.tp / fps
+        host_b = u.ops * device.op_backward_s / 2
+        out.append((f + u.ops * device.op_s + coll,
+                    f + host_b + u.recompute_flops / c.tp / fps + u.recompute_ops * device.op_s
+                    + coll, f + host_b))
+    return out
+
+
+def _tp_bytes(u: Unit, c: Candidate) -> float:
+    """Bytes a rank sends through the unit's TP collectives per microbatch (tp_bytes)."""
+    return sum(ring_bytes(op, n, c.tp) for role, nbytes in u.tp_traffic
+               for op, n in _role_collectives(role, nbytes, c.tp, c.sp))
+
+
+def _ep_bytes(plan, u: Unit, c: Candidate) -> float:
+    ex = plan.experts
+    fs = 0.5 if plan.train.precision == "bf16" else 1.0
+    share = c.tp if c.ep > c.dp else 1  # EP across TP: each TP rank moves 1/tp of the rows
+    return (4 * ex.top_k * u.ep_tokens + 2 * u.ep_weights) * fs * (c.ep - 1) / c.ep / share
+
+
+def balanced_split(weights: list[float], stages: int) -> tuple[int, ...]:
+    """Unit indices where stages 1..S-1 begin, minimising the heaviest stage (bisection on
+    the bottleneck, a fixed 60 steps, then the greedy cut that meets it): deterministic."""
+    n = len(weights)
+    if stages <= 1:
+        return ()
+    lo, hi = max(weights), sum(weights)
+
+    def cuts(limit: float) -> Optional[list[int]]:
+        out, acc = [], 0.0
+        for i, w in enumerate(weights):
+            left = stages - 1 - len(out)  # cuts still to make
+            must = n - i <= left  # every later stage needs a unit
+            if i > 0 and left > 0 and (acc + w > limit or must):
+                out.append(i)
+                acc = 0.0
+            acc += w
+            if acc > limit:
+                return None
+        return out if len(out) == stages - 1 else None
+
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if cuts(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return tuple(cuts(hi * (1 + 1e-12)) or cuts(hi * (1 + 1e-9)))
+
+
+def placement(kind: str, pp: int, stages: int) -> tuple[int, ...]:
+    """Stage -> pipeline rank before the schedule is generated: the V for V kinds, else the
+    loop (auto decides at generation; its bound takes the lighter of the two)."""
+    if kind in V_KINDS:
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(stages))
+    return tuple(s % pp for s in range(stages))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A candidate's stages before any schedule: op times, split, state memory per rank."""
+
+    per_stage: tuple  # (F, B, W) seconds
+    latency: float
+    split: tuple[int, ...]
+    act: tuple[float, ...]  # activation bytes per microbatch per stage (what the walk adds)
+    links: object
+
+
+def shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
+    """The candidate's stages (cached: the schedule kind and ZeRO stage do not change them)."""
+    key = ("shape", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute, device)
+    if key not in units.cache:
+        units.cache[key] = _shape(units, c, device)
+    return units.cache[key]
+
+
+def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
+    plan = plan_of(units.plan, c, units.blocks)
+    links = _links(plan, device)
+    times = _unit_times(units, c, device, links)
+    stages = c.pp * c.virtual
+    split = balanced_split([sum(t) for t in times], stages)
+    bounds = (0,) + split + (len(times),)
+    per_stage = tuple(tuple(sum(times[i][k] for i in range(a, b)) for k in range(3))
+                      for a, b in zip(bounds, bounds[1:]))
+    table = _table(units, c)
+    fs = 0.5 if units.plan.train.precision == "bf16" else 1.0
+    div = c.tp if c.sp and c.tp > 1 else 1
+    act = tuple(sum(table[i].activation_bytes for i in range(a, b)) * fs / div
+                for a, b in zip(bounds, bounds[1:]))
+    msg = [table[b - 1].out_bytes * fs for b in bounds[1:-1]]
+    latency = device.latency_s + max(msg, default=0.0) / links.p2p
+    return Shape(per_stage, latency, split, act, links)
+
+
+def _links(plan, device: DeviceModel):
+    m = plan.mesh
+    return _links_cached((m.pp, m.dp, m.tp, m.ep, m.cp, m.islands), plan, device)
+
+
+_LINKS: dict = {}
+
+
+def _links_cached(key, plan, device):
+    k = key + (device,)
+    if k not in _LINKS:
+        _LINKS[k] = mesh_links(plan, device)
+    return _LINKS[k]
+
+
+def state(units: Units, c: Candidate, split: tuple[int, ...], stage_rank: tuple[int, ...],
+          actions: Optional[list] = None) -> list:
+    """RankEstimate (params, grads, optimizer, dp bytes) per pipeline rank (_state_bytes on
+    the rank's flat shards as the runtime lays them). `actions`: per rank, how many actions
+    run each stage (ZeRO-3 gathers); None: one each."""
+    plan = plan_of(units.plan, c, units.blocks)
+    layouts = _layouts(units, c, split, stage_rank)
+    return [_state_bytes(plan, lay, actions[r] if actions is not None else
+                         {s: 1 for s in lay.uses}) for r, lay in enumerate(layouts)]
+
+
+def _layouts(units: Units, c: Candidate, split: tuple[int, ...], stage_rank) -> list:
+    """Each pipeline rank's RankShards (cached: the same for every ZeRO stage and kind)."""
+    key = ("layout", c.pp, c.tp, c.ep, c.cp, split, stage_rank)  # parameters: no batch, no rewrite
+    if key in units.cache:
+        return units.cache[key]
+    table = _table(units, c)
+    bounds = (0,) + split + (len(table),)
+    out = []
+    for r in range(c.pp):
+        listed, numel = [], {}
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if stage_rank[s] != r:
+                continue
+            params = []
+            for u in table[a:b]:
+                for k, kind, n in u.params:
+                    numel[k] = n // c.tp if kind == TENSOR_PARALLEL else \
+                        n // c.ep if kind == EXPERT else n
+                    params.append((k, kind))
+            listed.append((s, params))
+        shards, uses = group_shards(listed)
+        out.append(RankShards(shards, uses, numel))
+    units.cache[key] = out
+    return out
+
+
+def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float, int]:
+    """(no schedule of `c` is faster, no rank of `c` holds fewer bytes than the fullest)."""
+    sh = shape(units, c, device)
+    places = [placement(c.schedule, c.pp, len(sh.per_stage))]
+    if c.schedule == "auto" and c.virtual == 2:
+        places.append(placement("zbv", c.pp, len(sh.per_stage)))
+    unsplit = c.schedule in UNSPLIT_BACKWARD
+    best = min(_pipe_bound(units, c, sh, place, unsplit) for place in places)
+    key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute, device,
+           places[0], c.zero)
+    if key not in units.cache:
+        ranks = state(units, c, sh.split, places[0])
+        dp = max(rk.comm_bytes["dp"] for rk in ranks) / sh.links.dp
+        acts = _rank_max(sh.act, places[0], c.pp)
+        held = max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a
+                   for rk, a in zip(ranks, acts))
+        units.cache[key] = (dp, int(held))
+    dp, held = units.cache[key]
+    return best + dp, held
+
+
+def _rank_max(values, place, pp: int) -> list:
+    out = [0.0] * pp
+    for s, r in enumerate(place):
+        out[r] = max(out[r], values[s])
+    return out
+
+
+def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> float:
+    """The pipeline's part of the bound (cached per shape, placement and backward kind).
+    Rank r cannot start before the first microbatch's forward reaches its first stage s0
+    (the fill); its last B is on s0 (backward flows down), and the B chain of that
+    microbatch through the stages before s0 (the drain) follows it, while its W may
+    overlap the drain: max over r of fill + max(m x work, m x (F + B) + drain); with an
+    unsplit backward (one BW op) W is part of B."""
+    key = ("pipe", id(sh), place, unsplit, c.microbatches)
+    if key in units.cache:
+        return units.cache[key]
+    work, fb, first = [0.0] * c.pp, [0.0] * c.pp, [None] * c.pp
+    for s, r in enumerate(place):
+        f, b, w = sh.per_stage[s]
+        work[r] += f + b + w
+        fb[r] += f + b + (w if unsplit else 0.0)
+        if first[r] is None or s < first[r]:
+            first[r] = s
+    fill, drain, f_acc, b_acc = [], [], 0.0, 0.0
+    for s in range(len(sh.per_stage)):  # prefix sums over the stages before s
+        fill.append(f_acc)
+        drain.append(b_acc)
+        f, b, w = sh.per_stage[s]
+        hop = sh.latency if s + 1 < len(place) and place[s + 1] != place[s] else 0.0
+        f_acc += f + hop  # a message between ranks only (same-rank stages hand over in memory)
+        b_acc += b + (w if unsplit else 0.0) + hop
+    m = c.microbatches
+    worst = max(fill[first[r]] + max(m * work[r], m * fb[r] + drain[first[r]])
+                for r in range(c.pp))
+    units.cache[key] = worst
+    return worst
+
+
+def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
+    """The compiler's estimate of candidate `c` (what `pipeplan check` prints for its plan)."""
+    sh = shape(units, c, device)
+    costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
+    sched = generate(c.schedule, ranks=c.pp, microbatches=c.microbatches,
+                     virtual=c.virtual, costs=normalised(costs))
+    sim = simulate(sched, costs)
+    peaks = activation_peaks(sched, list(sh.act))
+    actions = []
+    for r in range(c.pp):
+        stages = [a.stage for a in sched.order[r]]
+        actions.append({s: stages.count(s) for s in set(stages)})
+    ranks = state(units, c, sh.split, sched.stage_to_rank, actions)
+    dp = max(rk.comm_bytes["dp"] for rk in ranks) / sh.links.dp
+    plan = plan_of(units.plan, c, units.blocks, sh.split)
+    prepass = routing_prepass_s(plan, sched, costs)
+    states = [rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes for rk in ranks]
+    peak = max(s + int(a) for s, a in zip(states, peaks))
+    table = _table(units, c)
+    world = c.pp * c.dp * c.cp * c.tp
+    hw = sum(3 * u.flops + u.recompute_flops for u in table) * c.microbatches * c.dp * c.cp
+    model = sum(3 * u.flops for u in table) * c.microbatches * c.dp * c.cp
+    step = sim.makespan + prepass + dp
+    comm = dp + _comm_in_ops(units, c, device, sh, sched.stage_to_rank)
+    return Prediction(step, sim.makespan, dp, comm, sim.bubble, int(peak),
+                      int(max(states)), hw / world, model / world, sh.split,
+                      tuple(sched.stage_to_rank))
+
+
+def _comm_in_ops(units: Units, c: Candidate, device: DeviceModel, sh: Shape, place) -> float:
+    """The busiest rank's TP/EP/CP collective time per step plus its p2p latencies (today's
+    model charges them inside the ops, nothing overlapped)."""
+    links = sh.links
+    fs = 0.5 if units.plan.train.precision == "bf16" else 1.0
+    table = _table(units, c)
+    bounds = (0,) + sh.split + (len(table),)
+    per_rank = [0.0] * c.pp
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        t = 0.0
+        for u in table[a:b]:
+            tp_b = _tp_bytes(u, c)
+            ep_b = _ep_bytes(units.plan, u, c) if c.ep > 1 else 0.0
+            t += tp_b / links.tp + ep_b / links.ep + u.cp_bytes * fs / links.tp
+        per_rank[place[s]] += t * c.microbatches + 2 * sh.latency * c.microbatches
+    return max(per_rank)

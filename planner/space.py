@@ -1,0 +1,206 @@
+"""The plan space: which candidates exist for a model on N GPUs, and the plan each one is.
+
+A `Candidate` names every choice the search makes: mesh (pp, dp, tp, cp, ep), schedule
+kind and stages per rank, microbatch size and count, sequence parallel, recompute mode,
+ZeRO stage (the split follows from them: cost.balanced_split). `enumerate_space` lists
+them in a fixed order under the user's constraints and the rules `pipeplan check` applies
+(schedules/kinds.py for the kinds; divisibility of the batch, experts and sequence), and
+says once per reason what it left out. `plan_of` turns a candidate into the Plan
+(dataclasses.replace on the user's plan), which dsl/format.py writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
+from ..schedules.kinds import KINDS, KINDS_TABLE, min_microbatches
+
+V_KINDS = tuple(k for k, kind in KINDS_TABLE.items() if kind.placement == "V")
+AUTO_ACTIONS = 20_000  # schedules/gen_auto.py's BIG: above it auto keeps few variants
+MAX_INTERLEAVE = 4  # interleaved: virtual 2..4 (Narayanan et al. 2021 use 2-4 chunks per rank)
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    pp: int
+    dp: int
+    tp: int
+    cp: int
+    ep: int
+    schedule: str
+    virtual: int
+    mbs: int  # sequences per microbatch
+    microbatches: int  # per dp rank per step
+    sp: bool
+    recompute: str  # none | selective | full, on every layer
+    zero: int
+    split: tuple[int, ...] = ()  # filled by the cost model: unit where stages 1.. begin
+
+    def label(self) -> str:
+        v = f" v{self.virtual}" if self.virtual > 1 else ""
+        extra = "".join(f" {k}{getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
+        return (f"pp{self.pp} tp{self.tp} dp{self.dp}{extra} {self.schedule}{v} "
+                f"mbs{self.mbs}x{self.microbatches}{' sp' if self.sp else ''} "
+                f"rc={self.recompute} z{self.zero}")
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user fixes or limits (`pipeplan plan --set ... --max-pp ...`)."""
+
+    fixed: dict = field(default_factory=dict)  # Candidate field -> value
+    max_pp: Optional[int] = None
+    schedules: tuple[str, ...] = KINDS
+    no_recompute: bool = False  # must fit without recompute
+    headroom: float = 0.0  # fraction of device memory left free
+    tp_in_node: bool = True  # tp no larger than ranks_per_node
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def recompute_pattern(blocks: tuple[str, ...]) -> Optional[str]:
+    """The layer stack's pattern (`layers.*`): the prefix most blocks share before an index."""
+    prefixes = [b.rpartition(".")[0] for b in blocks if b.rpartition(".")[2].isdigit()]
+    if not prefixes:
+        return None
+    best = max(sorted(set(prefixes)), key=prefixes.count)
+    return f"{best}.*"
+
+
+def enumerate_space(plan: Plan, gpus: int, units: int, cons: Constraints,
+                    ranks_per_node: int, refused: dict, has_pattern: bool,
+                    not_considered: dict, measured: frozenset = frozenset()) -> list[Candidate]:
+    """Every candidate in a fixed order. `units`: blocks of the model (stages ≤ units);
+    `refused`: ("tp"|"cp", value) -> the compiler's reason; `measured`: the ("cp", value)
+    pairs the compiler's checks ran on; reasons for what is left out are
+    added to `not_considered` (reason -> values)."""
+    def skip(reason: str, what: str) -> None:
+        not_considered.setdefault(reason, [])
+        if what not in not_considered[reason]:
+            not_considered[reason].append(what)
+
+    fx = cons.fixed
+    gb, seq = plan.train.global_batch, plan.data.seq_len
+    ex = plan.experts
+    has_tp = bool(plan.tensor.column or plan.tensor.row or plan.tensor.vocab)
+    out = []
+    for tp in divisors(gpus):
+        if not _ok(fx, "tp", tp):
+            continue
+        if tp > 1 and not has_tp:
+            skip("tp > 1: the plan names no tensor-parallel patterns (a `tensor` section)",
+                 f"tp={tp}")
+            continue
+        if cons.tp_in_node and tp > ranks_per_node:
+            skip(f"tp larger than the {ranks_per_node} ranks of a node", f"tp={tp}")
+            continue
+        if ("tp", tp) in refused:
+            skip(refused[("tp", tp)], f"tp={tp}")
+            continue
+        for cp in divisors(gpus // tp):
+            if not _ok(fx, "cp", cp):
+                continue
+            if cp > 1 and (("cp", cp) in refused or ("cp", cp) not in measured or ex is not None
+                           or seq % cp):
+                skip(refused.get(("cp", cp)) or ("cp with experts is not supported" if ex
+                     else f"cp does not divide seq_len {seq}" if seq % cp else
+                     "cp above 8 (not searched)"), f"cp={cp}")
+                continue
+            for pp in divisors(gpus // (tp * cp)):
+                if not _ok(fx, "pp", pp):
+                    continue
+                if cons.max_pp is not None and pp > cons.max_pp:
+                    skip(f"pipeline deeper than --max-pp {cons.max_pp}", f"pp={pp}")
+                    continue
+                if pp > units:
+                    skip(f"more pipeline ranks than the model's {units} blocks", f"pp={pp}")
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if not _ok(fx, "dp", dp):
+                    continue
+                if gb % dp:
+                    skip(f"global_batch {gb} not divisible by dp", f"dp={dp}")
+                    continue
+                out.extend(_inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip))
+    return out
+
+
+def _inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip):
+    ex = plan.experts
+    eps = [e for e in divisors(dp) if ex is not None and ex.num_experts % e == 0] or [1]
+    for ep in eps:
+        if not _ok(fx, "ep", ep):
+            continue
+        for kind, virtual in _kinds(cons, pp):
+            if pp * virtual > units:
+                skip("more stages (pp x virtual) than the model's blocks",
+                     f"pp={pp} {kind} v{virtual}")
+                continue
+            if not _ok(fx, "schedule", kind) or not _ok(fx, "virtual", virtual):
+                continue
+            for mbs in divisors(plan.train.global_batch // dp):
+                m = plan.train.global_batch // dp // mbs
+                if not _ok(fx, "mbs", mbs) or not _ok(fx, "microbatches", m):
+                    continue
+                if m < min_microbatches(kind, pp):
+                    continue  # the kinds table's minimum (dualpipev: 2 pp)
+                if kind == "auto" and 3 * pp * virtual * m > AUTO_ACTIONS:
+                    skip(f"schedule auto above {AUTO_ACTIONS} actions (3 x stages x "
+                         "microbatches): there it runs only the fixed kinds the planner "
+                         "tries itself, at seconds per run", f"pp={pp} v{virtual} m={m}")
+                    continue
+                for sp in ((False, True) if tp > 1 and ex is None else (False,)):
+                    if not _ok(fx, "sp", sp):
+                        continue
+                    modes = ("none",) if cons.no_recompute or not has_pattern else \
+                        ("none", "selective", "full")
+                    for rc in modes:
+                        if not _ok(fx, "recompute", rc):
+                            continue
+                        for z in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                            if _ok(fx, "zero", z):
+                                yield Candidate(pp, dp, tp, cp, ep, kind, virtual, mbs, m,
+                                                sp, rc, z)
+
+
+def _kinds(cons: Constraints, pp: int):
+    """(kind, virtual) pairs: every allowed kind at each stages-per-rank it takes. With one
+    pipeline rank the kinds coincide but for memory: 1f1b and gpipe."""
+    for kind in cons.schedules:
+        if pp == 1 and kind not in ("1f1b", "gpipe"):
+            continue
+        rule = KINDS_TABLE[kind]
+        top = rule.max_virtual if rule.max_virtual is not None else MAX_INTERLEAVE
+        if kind == "gpipe" or pp == 1:
+            top = 1
+        for v in range(rule.min_virtual, top + 1):
+            yield kind, v
+
+
+def _ok(fixed: dict, key: str, value) -> bool:
+    return key not in fixed or fixed[key] == value
+
+
+def plan_of(plan: Plan, c: Candidate, blocks: tuple[str, ...],
+            split: Optional[tuple[int, ...]] = None) -> Plan:
+    """The user's plan with every choice of `c` written in (the split as block names)."""
+    split = c.split if split is None else split
+    pattern = recompute_pattern(blocks)
+    rules = () if c.recompute == "none" or pattern is None else \
+        (RecomputeRule(pattern, c.recompute),)
+    tensor = plan.tensor if c.tp > 1 else dataclasses.replace(
+        plan.tensor, column=(), row=(), vocab=())
+    tensor = dataclasses.replace(tensor, sequence_parallel=c.sp and c.tp > 1)
+    spec = SplitSpec("points", points=tuple(blocks[i] for i in split)) if split else \
+        SplitSpec("points", points=()) if c.pp * c.virtual == 1 else SplitSpec()
+    return dataclasses.replace(
+        plan, mesh=MeshSpec(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, cp=c.cp),
+        pipeline=dataclasses.replace(plan.pipeline, schedule=c.schedule,
+                                     microbatches=c.microbatches, microbatch_size=None,
+                                     virtual=c.virtual, split=spec),
+        tensor=tensor, recompute=rules, zero=c.zero,
+        context=(plan.context or ContextSpec()) if c.cp > 1 else None)

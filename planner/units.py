@@ -1,0 +1,262 @@
+"""The model measured once per rewrite: per-block tables the search sums instead of recompiling.
+
+The compiler's own front half runs once per capture key (microbatch size, cp): load on meta,
+capture, shape and cost propagation. Then, per rewrite the search needs (tensor parallel on
+or off, sequence parallel, recompute none / selective / full), the compiler's passes run on
+that one capture with a split at every block (`blocks_of`: embeddings, each layer, the head),
+so each block becomes one `Unit`: its forward FLOPs, recomputed FLOPs, aten ops, saved bytes,
+the bytes crossing its end, its TP collectives per microbatch, its experts traffic and its
+parameters by ZeRO kind. A candidate's stage is a run of consecutive units; every number
+the time and memory estimate reads is a sum over the run (compiler/driver.py sums the same
+per-node costs by stage), so no candidate is traced again.
+
+Microbatch size: the model is captured at sizes 1 and 2; every number of a unit at size b is
+then read off the line through those two captures, v(b) = v(1) + (b - 1)(v(2) - v(1)) (a
+position table's bytes do not grow with the batch, a layer's do), when both captures have the
+same units, parameters and traffic roles; otherwise each size is captured itself. The
+planner's chosen plan is compiled for real at its own size afterwards (`pipeplan plan`
+prints both estimates), and the tests compare the two at sizes never captured.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ..compiler.capture.blocks import blocks_of
+from ..compiler.capture.loading import load_model
+from ..compiler.capture.traced import trace_with_loss
+from ..compiler.estimate.costs import node_costs
+from ..compiler.estimate.precision import to_precision
+from ..compiler.estimate.traffic import collective_traffic
+from ..compiler.parallel.cp import attach_context_costs, check_context, heads_split_by_tp
+from ..compiler.parallel.ep import experts_modules, expert_weights, \
+    place_experts
+from ..compiler.parallel.ep_balance import mark_step_statistics
+from ..compiler.parallel.ep_checks import check_experts
+from ..compiler.parallel.tp import check_pairing, tp_annotations
+from ..compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL
+from ..compiler.partition import compute_nodes, first_position, Split
+from ..compiler.stages import build_stages
+from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
+from ..dsl.errors import PlanError
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One block of the model, one microbatch (at the capture's microbatch size)."""
+
+    name: str  # the block where it begins (a split point)
+    flops: float
+    recompute_flops: float
+    ops: int
+    recompute_ops: int
+    activation_bytes: int  # saved for backward (float bytes at fp32; bf16 halves them)
+    out_bytes: int  # what crosses its end (step_costs's message: every output)
+    cp_bytes: float
+    tp_traffic: tuple  # (role, bytes at the plan's precision) per TP traffic item (traffic.py)
+    ep_tokens: int  # experts call rows moved (traffic role "tokens")
+    ep_weights: int
+    params: tuple  # (key, kind, numel before tp/ep division)
+
+
+@dataclass
+class Units:
+    """Per-block tables for every rewrite, by microbatch size (linear, or captured each)."""
+
+    plan: Plan
+    blocks: tuple[str, ...]
+    tables: dict = field(default_factory=dict)  # (mbs, tp_on, sp, recompute, cp) -> [Unit]
+    affine: Optional[bool] = None
+    refused: dict = field(default_factory=dict)  # what the compiler refuses, per axis value
+    capture: Optional[Callable] = None  # (mbs, cp) -> per-rewrite tables
+    captures: int = 0  # how many times the model was captured
+    cache: dict = field(default_factory=dict)  # the cost model's per-shape results
+
+    def at(self, mbs: int, tp_on: bool, sp: bool, recompute: str, cp: int = 1) -> list[Unit]:
+        key = (mbs, tp_on, sp, recompute, cp)
+        if key not in self.tables:
+            one = (1, tp_on, sp, recompute, cp)
+            if self.affine and (2,) + one[1:] in self.tables:
+                self.tables[key] = [_line(a, b, mbs) for a, b in
+                                    zip(self.tables[one], self.tables[(2,) + one[1:]])]
+            else:
+                self.capture(mbs, cp)
+        return self.tables[key]
+
+
+_NUMBERS = ("flops", "recompute_flops", "ops", "recompute_ops", "activation_bytes", "out_bytes",
+            "cp_bytes", "ep_tokens", "ep_weights")
+
+
+def _line(a: Unit, b: Unit, size: int) -> Unit:
+    """Unit `a` (size 1) and `b` (size 2) read at `size` on the line through them."""
+    k = size - 1
+    return dataclasses.replace(
+        a, **{f: getattr(a, f) + k * (getattr(b, f) - getattr(a, f)) for f in _NUMBERS},
+        tp_traffic=tuple((r, n + k * (m - n)) for (r, n), (_, m) in zip(a.tp_traffic,
+                                                                         b.tp_traffic)))
+
+
+def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
+            recompute_pattern: Optional[str], progress=None) -> Units:
+    """Capture `plan`'s model at microbatch sizes 1 and 2 (once each) and build its unit
+    tables; record which tp and cp values the compiler's own checks refuse, and why."""
+    model = load_model(plan, "meta")
+    to_precision(model, plan.train.precision)
+    units = Units(plan, tuple(blocks_of(model)))
+    first = []
+
+    def capture(mbs: int, cp: int) -> None:
+        units.captures += 1
+        if progress:
+            progress(f"capturing the model (microbatch {mbs}, cp {cp})")
+        first.append(_capture(units, model, plan, mbs, cp, tp_values, recompute_pattern))
+
+    for tp in tp_values:  # shapes tp must divide (tp_annotations), before any capture
+        if tp > 1:
+            try:
+                tp_annotations(unit_plan(plan, units.blocks, 1, tp, False, "none", None), model)
+            except PlanError as e:
+                units.refused[("tp", tp)] = e.diagnostics[0].message
+    tp_values = tuple(t for t in tp_values if ("tp", t) not in units.refused)
+    units.capture = capture
+    capture(1, 1)
+    capture(2, 1)
+    units.affine = all(_same_shape(t1, units.tables[(2,) + key[1:]])
+                       for key, t1 in list(units.tables.items()) if key[0] == 1)
+    _refusals(units, model, plan, first[0], tp_values, cp_values)
+    return units
+
+
+def _same_shape(t1: list[Unit], t2: list[Unit]) -> bool:
+    """Same blocks, parameters and traffic roles at both sizes (so a line joins them)."""
+    return len(t1) == len(t2) and all(
+        a.name == b.name and a.params == b.params
+        and [r for r, _ in a.tp_traffic] == [r for r, _ in b.tp_traffic]
+        for a, b in zip(t1, t2))
+
+
+def unit_plan(plan: Plan, blocks: tuple[str, ...], mbs: int, tp: int, sp: bool,
+              recompute: str, pattern: Optional[str], cp: int = 1) -> Plan:
+    """The plan the compiler measures units with: one pipeline rank holding one stage per
+    block, one microbatch of `mbs` sequences."""
+    rules = () if recompute == "none" or pattern is None else (RecomputeRule(pattern, recompute),)
+    context = (plan.context or ContextSpec()) if cp > 1 else None
+    tensor = plan.tensor if tp > 1 else dataclasses.replace(plan.tensor, column=(), row=(),
+                                                            vocab=(), sequence_parallel=False)
+    tensor = dataclasses.replace(tensor, sequence_parallel=sp and tp > 1)
+    return dataclasses.replace(
+        plan, mesh=MeshSpec(pp=1, dp=1, tp=tp, ep=1, cp=cp),
+        pipeline=dataclasses.replace(plan.pipeline, schedule="gpipe", microbatches=1,
+                                     microbatch_size=None, virtual=len(blocks),
+                                     split=SplitSpec("points", points=blocks[1:]),
+                                     memory_limit=None, costs=None, profile=None),
+        train=dataclasses.replace(plan.train, global_batch=mbs), tensor=tensor,
+        recompute=rules, zero=0, context=context)
+
+
+def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, pattern) -> None:
+    blocks = units.blocks
+    tp_probe = min((t for t in tp_values if t > 1), default=1)
+    probe = unit_plan(plan, blocks, mbs, tp_probe, False, "none", pattern, cp)
+    traced = trace_with_loss(probe, model)
+    graph, run = traced.module.graph, traced.run
+    experts = place_experts(probe, model)
+    moe = experts_modules(probe, model)
+    check_experts(probe, graph, run, moe)
+    mark_step_statistics(probe, traced.module, run, traced.loss, traced.prediction, moe)
+    nodes = compute_nodes(graph)
+    positions = tuple(first_position(probe, model, nodes, n, "pipeline.split") for n in blocks[1:])
+    split = Split(blocks[1:], positions)
+    stages = build_stages(traced.module, split, run, traced.loss, set(blocks))
+    expert_params = {f"{e.module}.{w}" for e in experts
+                     for w in expert_weights(model.get_submodule(e.module),
+                                             plan.experts.num_experts)} if plan.experts else set()
+    fs = 0.5 if plan.train.precision == "bf16" else 1.0
+    for tp_on in ((False, True) if tp_probe > 1 else (False,)):
+        p_tp = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, False, "none", pattern, cp)
+        kinds = tp_annotations(p_tp, model) if tp_on else {}
+        tp_heads = heads_split_by_tp(p_tp, graph, model, kinds, run)
+        tp_traffic, moe_traffic = collective_traffic(model, graph, run, split, kinds, experts)
+        for sp in ((False, True) if tp_on else (False,)):
+            for mode in (RECOMPUTE_MODES if pattern else ("none",)):
+                p = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, sp, mode, pattern, cp)
+                costs = node_costs(p, graph, run)
+                cp_stages = [dataclasses.replace(st, cp_bytes=0.0) for st in stages]
+                attach_context_costs(p, cp_stages, split, graph, run, tp_heads)
+                table = []
+                for st in stages:
+                    own = [c for i, n in enumerate(nodes) if split.stage_of(i) == st.index
+                           for c in (costs.get(n),) if c is not None]
+                    table.append(Unit(
+                        name=blocks[st.index],
+                        flops=sum(c.flops for c in own),
+                        recompute_flops=sum(c.recompute_flops for c in own),
+                        ops=sum(c.ops for c in own),
+                        recompute_ops=sum(c.recompute_ops for c in own),
+                        activation_bytes=sum(c.saved_bytes for c in own),
+                        out_bytes=sum(_nbytes(o) for o in st.outputs),
+                        cp_bytes=cp_stages[st.index].cp_bytes,
+                        tp_traffic=tuple((t.role, int(t.nbytes * fs)) for t in tp_traffic
+                                         if t.stage == st.index) if tp_on else (),
+                        ep_tokens=sum(t.nbytes for t in moe_traffic
+                                      if t.stage == st.index and t.role == "tokens"),
+                        ep_weights=sum(t.nbytes for t in moe_traffic
+                                       if t.stage == st.index and t.role == "weights"),
+                        params=_params(st, kinds, expert_params, plan)))
+                units.tables[(mbs, tp_on, sp, mode, cp)] = table
+    return traced
+
+
+def _params(st, tp_kinds: dict, expert_params: set, plan: Plan) -> tuple:
+    """(key, kind, full numel) of each trainable parameter, as estimates.rank_shards kinds
+    them (a row-parallel bias stays replicated)."""
+    out = []
+    dispatched = plan.experts is not None
+    for name, p in st.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        tk = tp_kinds.get(owner)
+        if dispatched and name in expert_params:
+            kind = EXPERT
+        elif tk is not None and not (tk == "row" and leaf == "bias"):
+            kind = TENSOR_PARALLEL
+        else:
+            kind = REPLICATED
+        out.append((id(p), kind, p.numel()))
+    return tuple(out)
+
+
+def _nbytes(spec) -> int:
+    import torch
+    n = 1
+    for d in spec.shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+
+
+def _refusals(units: Units, model, plan: Plan, traced, tp_values, cp_values) -> None:
+    """Each tp (and cp) value the compiler's own checks refuse on this model (on its first
+    capture): the reason."""
+    for tp in tp_values:
+        if tp == 1 or ("tp", tp) in units.refused:
+            continue
+        p = unit_plan(plan, units.blocks, 1, tp, False, "none", None)
+        try:
+            kinds = tp_annotations(p, model)
+            check_pairing(p, traced.module.graph, model, kinds, traced.run)
+        except PlanError as e:
+            units.refused[("tp", tp)] = e.diagnostics[0].message
+    for cp in cp_values:
+        if cp == 1:
+            continue
+        p = dataclasses.replace(unit_plan(plan, units.blocks, 1, 1, False, "none", None, cp),
+                                context=plan.context or ContextSpec())
+        try:
+            check_context(p, traced.module.graph, traced.run, {})
+        except PlanError as e:
+            units.refused[("cp", cp)] = e.diagnostics[0].message

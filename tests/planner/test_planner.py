@@ -1,0 +1,168 @@
+"""`pipeplan plan` on a tiny GPT and 8 ranks, judged by the compiler itself.
+
+The reference is `compile_plan` on plans written out layout by layout (its own split,
+capture and estimate for each), never the planner's unit tables or bounds.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from pipeplan.cli import main
+from pipeplan.compiler import compile_plan
+from pipeplan.compiler.estimate.device import device_model
+from pipeplan.dsl.load import load_plan, parse_plan
+from pipeplan.planner.cost import lower_bound, predict
+from pipeplan.planner.search import search
+from pipeplan.planner.space import Constraints, enumerate_space, plan_of
+from pipeplan.planner.units import measure
+
+GPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models", "gpt.py")
+PLAN = f"""model {{
+  source = "{os.path.abspath(GPT)}:GPT"
+  args = {{ vocab = 64, dim = 32, layers = 4, heads = 4, seq_len = 32 }}
+  inputs = {{ input_ids = int64[batch, seq] }}
+  capture = fx
+}}
+data = synthetic(seed = 0, vocab = 64, seq_len = 32)
+mesh {{ tp = 2 }}
+tensor {{
+  column = [layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, layers.*.mlp.up]
+  row = [layers.*.attn.proj, layers.*.mlp.down]
+}}
+train {{ global_batch = 8 }}
+device {{ flops = 20TFLOP/s  mfu = 0.5  intra_node = 100GB/s  inter_node = 10GB/s  ranks_per_node = 4 }}
+"""
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "tiny.plan"
+    path.write_text(PLAN)
+    return load_plan(str(path))
+
+
+@pytest.fixture(scope="module")
+def units(plan):
+    """The model measured once for every search here (two captures)."""
+    return measure(plan, (1, 2, 4, 8), (1, 2, 4, 8), "layers.*")
+
+
+def _peak(est) -> int:
+    return max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
+               for r in est.ranks)
+
+
+def _reference(plan, layouts):
+    """{layout: (step time, peak bytes)} from the compiler, each layout its own plan."""
+    out = {}
+    for pp, tp, mbs in layouts:
+        dp = 8 // (pp * tp)
+        text = PLAN.replace("mesh { tp = 2 }", f"mesh {{ pp = {pp}  dp = {dp}  tp = {tp} }}\n"
+                            f"pipeline {{ schedule = 1f1b  microbatch_size = {mbs} }}")
+        if tp == 1:
+            text = text.split("tensor {")[0] + "train {" + text.split("train {")[1]
+        est = compile_plan(parse_plan(text, plan.path)).estimates
+        out[(pp, tp, mbs)] = (est.step_time_s, _peak(est))
+    return out
+
+
+def test_search_returns_the_exhaustive_optimum_and_only_plans_that_fit(plan, units):
+    layouts = [(pp, tp, mbs) for pp, tp in itertools.product((1, 2, 4), (1, 2))
+               for mbs in (1, 2, 4, 8) if (8 // (pp * tp)) * mbs <= 8]
+    ref = _reference(plan, layouts)
+    capacity = sorted(p for _, p in ref.values())[len(ref) // 2]  # half the layouts fit
+    fits = {k: v for k, v in ref.items() if v[1] <= capacity}
+    assert 0 < len(fits) < len(ref)
+    cons = Constraints(fixed={"zero": 0, "sp": False, "recompute": "none"},
+                       schedules=("1f1b",))
+    res = search(plan, 8, device_model(plan), capacity, cons, top_k=5, units=units)
+    assert res.closed and res.top
+    best = res.top[0]
+    # at least as fast as every layout that fits (the planner's split may beat auto(flops))
+    assert best.prediction.step_time_s <= min(t for t, _ in fits.values()) * (1 + 1e-9)
+    for r in res.top:  # every proposal, compiled on its own, fits and is estimated alike
+        est = compile_plan(plan_of(plan, r.candidate, res.units.blocks)).estimates
+        assert _peak(est) <= capacity
+        assert est.step_time_s == pytest.approx(r.prediction.step_time_s, rel=1e-9)
+        assert _peak(est) == r.prediction.peak_bytes
+    over = [k for k in ref if k not in fits]
+    chosen = {(r.candidate.pp, r.candidate.tp, r.candidate.mbs) for r in res.top}
+    assert not chosen & set(over)
+
+
+def test_constraints_are_honoured(plan, units):
+    cons = Constraints(fixed={"tp": 2, "zero": 1}, max_pp=2, schedules=("zbh1", "gpipe"),
+                       no_recompute=True)
+    res = search(plan, 8, device_model(plan), 1e9, cons, top_k=20, units=units)
+    assert res.top
+    for r in res.top:
+        c = r.candidate
+        assert (c.tp, c.zero, c.recompute) == (2, 1, "none")
+        assert c.pp <= 2 and c.schedule in ("zbh1", "gpipe")
+    assert any("--max-pp 2" in reason for reason in res.not_considered)
+
+
+def test_bound_never_exceeds_the_prediction(plan, units):
+    cands = enumerate_space(plan, 8, len(units.blocks), Constraints(), 4, units.refused, True,
+                            {}, frozenset({("cp", 1)}))
+    dev = device_model(plan)
+    for c in cands[::max(1, len(cands) // 60)]:  # 60 spread over the space, every kind
+        lb, held = lower_bound(units, c, dev)
+        p = predict(units, c, dev)
+        assert lb <= p.step_time_s * (1 + 1e-12), c.label()
+        assert held <= p.peak_bytes, c.label()
+
+
+def test_not_considered_names_each_reason_once(plan, units):
+    res = search(plan, 8, device_model(plan), 1e9,
+                 Constraints(tp_in_node=False, schedules=("1f1b",)), top_k=1, units=units)
+    reasons = res.not_considered
+    assert any("tp = 8 does not divide the 4 heads" in r for r in reasons)
+    assert any("makes positions itself" in r for r in reasons)  # cp: the model's arange
+    assert len(reasons) == len(set(reasons))
+
+
+def test_cli_writes_a_plan_check_accepts_with_the_same_estimates(plan, tmp_path, capsys):
+    src = tmp_path / "tiny.plan"
+    src.write_text(PLAN)
+    out = tmp_path / "best.plan"
+    code = main(["plan", str(src), "--gpus", "8", "--memory", "0.004", "--ranks-per-node", "4",
+                 "--schedules", "1f1b,zbv,interleaved", "--set", "zero=1", "--top", "3",
+                 "-o", str(out), "--pick", "2", "--no-progress", "--no-verify"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    written = load_plan(str(out), world_size=8)
+    assert written.zero == 1 and written.pipeline.schedule in ("1f1b", "zbv", "interleaved")
+    est = compile_plan(written).estimates  # what `pipeplan check` estimates for it
+    assert f" {est.step_time_s:.4g} " in printed.split("\n  2  ")[1].split("\n")[0]
+    assert "# Chose #2:" in out.read_text()
+    assert main(["check", str(out), "--world-size", "8"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "0", "--memory", "1"], "--gpus must be at least 1"),
+    (["--gpus", "8", "--device", "tpu"], "known devices"),
+    (["--gpus", "8", "--memory", "1", "--set", "mesh.tp=two"], "not a valid value"),
+    (["--gpus", "8", "--memory", "1", "--schedules", "1f2b"], "unknown kind"),
+    (["--gpus", "8"], "give --device"),
+])
+def test_bad_arguments_are_refused_clearly(tmp_path, capsys, argv, message):
+    src = tmp_path / "tiny.plan"
+    src.write_text(PLAN)
+    assert main(["plan", str(src)] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_planner_imports_point_down():
+    """planner/ sits above compiler, dsl and schedules; it imports neither cli nor backends."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2] / "planner"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                top = (node.module or "").split(".")[0]
+                assert top not in ("cli", "backends"), f"{path.name} imports {node.module}"
