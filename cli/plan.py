@@ -27,12 +27,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="a plan giving the model, data, global batch and optimizer "
                    "(and a tensor section: the modules tensor parallelism may split)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) to plan for")
-    p.add_argument("--device", default=None, help="a100 | h100 (default: the plan's device "
-                   "section; memory then from --memory)")
+    p.add_argument("--device", default=None, help="a built-in device profile: a100, a100-40gb, "
+                   "h100, h200, b200 (compiler/estimate/devices.py; default: the plan's device)")
     p.add_argument("--memory", type=float, default=None,
-                   help="device memory in GB (default: the device's)")
+                   help="device memory in GB (default: the device profile's capacity)")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="GPUs per node (default 8 with --device, else the plan's device section)")
+                   help="GPUs per node (default: the plan's, else the profile's)")
     p.add_argument("--top", type=int, default=10, help="plans to print (K)")
     p.add_argument("-o", "--out", default=None, help="write the chosen plan here")
     p.add_argument("--pick", type=int, default=1, help="which of the top K to write (1 = best)")
@@ -73,9 +73,9 @@ def split_sets(sets: list[str]) -> tuple[dict, list[str]]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from ..compiler.estimate.device import device_model
-    from ..dsl.ast import MeshSpec
+    from ..compiler.estimate.devices import NAMES, profile
+    from ..dsl.ast import DeviceSpec, MeshSpec
     from ..dsl.load import load_plan
-    from ..planner.devices import DEVICES
     from ..planner.report import not_considered, plan_text, summary, table
     from ..planner.search import search
     from ..planner.space import Constraints
@@ -85,21 +85,18 @@ def run_plan(args: argparse.Namespace) -> int:
     fixed, overrides = split_sets(args.sets)
     plan = load_plan(args.plan, overrides)
     if args.device:
-        if args.device not in DEVICES:
-            raise PipeplanError(f"--device {args.device!r}: known devices: "
-                                f"{', '.join(DEVICES)}")
-        d = DEVICES[args.device]
-        plan = dataclasses.replace(plan, device=dataclasses.replace(
-            plan.device, flops=d.flops, mfu=d.mfu, intra_node=d.intra_node,
-            inter_node=d.inter_node, latency=d.latency, ranks_per_node=args.ranks_per_node or 8))
+        if profile(args.device) is None:
+            raise PipeplanError(f"--device {args.device!r}: known devices: {', '.join(NAMES)}")
+        plan = dataclasses.replace(plan, device=DeviceSpec(
+            name=args.device, ranks_per_node=args.ranks_per_node or plan.device.ranks_per_node))
     elif args.ranks_per_node:
         plan = dataclasses.replace(plan, device=dataclasses.replace(
             plan.device, ranks_per_node=args.ranks_per_node))
-    memory = args.memory * 1e9 if args.memory else \
-        DEVICES[args.device].memory_bytes if args.device else None
+    named = profile(plan.device.name) if plan.device.name else None
+    memory = args.memory * 1e9 if args.memory else named.memory_bytes if named else None
     if memory is None:
-        raise PipeplanError("give --device (a100, h100) or --memory GB: the capacity the plan "
-                            "must fit")
+        raise PipeplanError("give --device (" + ", ".join(NAMES) + ") or --memory GB: the "
+                            "capacity the plan must fit")
     kinds = tuple(k.strip() for k in args.schedules.split(",")) if args.schedules else KINDS
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
@@ -116,8 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if not result.top:
         out.write("no candidate fits: relax a constraint, add GPUs or memory\n")
         return 1
-    written = device.origin.startswith("plan device section")
-    peak = plan.device.flops if written else device.flops_per_s  # a CPU: its measured rate
+    written = plan.device != DeviceSpec()  # else this machine's measured model, as check's
+    peak = device.flops_per_s  # in the compute precision
     out.write(table(result, peak))
     if args.pick > len(result.top):
         raise PipeplanError(f"--pick {args.pick}: only {len(result.top)} plans were found")

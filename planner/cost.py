@@ -1,32 +1,38 @@
 """The one question the search asks: a candidate -> its predicted step time and peak memory.
 
 `predict(units, cand, device)` is the narrow interface; everything else in planner/ only
-ranks its answers. Today it is the compiler's estimate (compiler/estimate/estimates.py)
-computed from unit sums instead of a new trace: per-stage op times as `step_costs` makes
-them (FLOPs / tp at the device's sustained rate, host time per op, half of the stage's TP /
-EP / CP bytes on F and on B), the schedule generated on the normalised costs and simulated
-on the real ones (`make_schedule` + `simulate`), plus the DP reduction over the dp link
-(`_state_bytes`: ZeRO's collectives of each rank's flat shards), activation peaks by
-walking the schedule (`activation_peaks`), state bytes by ZeRO stage (`_state_bytes`).
-When the per-op time model lands (branch `predict`), only this file changes.
+ranks its answers. It is the compiler's time model (compiler/estimate/predict.py,
+optime.py; docs/compiler.md "The time model") computed from unit sums instead of a new
+trace: each stage's ops are the sum of its units' grouped ops (optime.StageWork), timed by
+`op_times` on the device profile; the TP collectives inside its actions, EP and CP bytes
+exposed as `action_costs` places them; the schedule generated on the normalised costs and
+simulated on the real ones; then `predict.breakdown`: each stage's DP reduction overlapped
+from its last W (`exposed_reduction`), the optimizer's memory-bound pass per rank. Memory:
+activation peaks by walking the schedule (`held_peaks`), state bytes by ZeRO stage
+(`_state_bytes`).
 
 `lower_bound(units, cand, device)` is no longer than any schedule of the candidate can be:
 per rank, the fill before its first stage gets a microbatch, then its work, or its forward
 and input-gradient work followed by the drain of its last backward through the stages
-before it (W may overlap the drain); the worst rank; plus the DP reduction.
+before it (W may overlap the drain); the worst rank (the DP reduction may overlap, the
+optimizer is not counted: both only lengthen the step).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from ..compiler.estimate.collectives import _role_collectives, ring_bytes
+from ..compiler.estimate.collectives import _role_collectives
 from ..compiler.estimate.device import DeviceModel, mesh_links
-from ..compiler.estimate.estimates import RankShards, _state_bytes, activation_peaks, \
-    normalised, routing_prepass_s
+from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
+    routing_prepass_s, state_bytes
+from ..compiler.estimate.optime import StageWork, op_times
+from ..compiler.estimate.predict import breakdown, collective_s
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
+from ..dsl.layout import ep_across_tp
 from ..schedules import generate
 from ..schedules.costs import Costs
+from ..schedules.memory import held_peaks
 from ..schedules.simulate import simulate
 from .space import Candidate, V_KINDS, plan_of
 from .units import Unit, Units
@@ -40,8 +46,8 @@ class Prediction:
 
     step_time_s: float
     makespan_s: float  # the simulated pipeline
-    dp_time_s: float  # gradient reduction after it (not overlapped in today's model)
-    comm_s: float  # TP/EP/CP time inside the busiest rank's ops + p2p latency + dp
+    dp_time_s: float  # after the pipeline: the DP reduction's exposed tail + the optimizer
+    comm_s: float  # the busiest rank's exposed communication (predict.RankTime.comm)
     bubble: float  # idle / total over the whole iteration (simulate's definition)
     peak_bytes: int  # the fullest rank: params + grads + optimizer + activations
     state_bytes: int  # ... of which parameters, gradients and optimizer states
@@ -55,32 +61,42 @@ def _table(units: Units, c: Candidate) -> list[Unit]:
     return units.at(c.mbs, c.tp > 1, c.sp, c.recompute, c.cp)
 
 
-def _unit_times(units: Units, c: Candidate, device: DeviceModel, links) -> list[tuple]:
-    """(F, B, W) seconds per unit, as step_costs times a stage (sums over units add up)."""
-    fps, fs = device.flops_per_s, 0.5 if units.plan.train.precision == "bf16" else 1.0
-    out = []
-    for u in _table(units, c):
-        tp_b = _tp_bytes(u, c)
-        ep_b = _ep_bytes(units.plan, u, c) if c.ep > 1 else 0.0
-        coll = (tp_b / links.tp + ep_b / links.ep + u.cp_bytes * fs / links.tp) / 2
-        f = u.flops / c.tp / fps
-        host_b = u.ops * device.op_backward_s / 2
-        out.append((f + u.ops * device.op_s + coll,
-                    f + host_b + u.recompute_flops / c.tp / fps + u.recompute_ops * device.op_s
-                    + coll, f + host_b))
+def _work(units: list[Unit]) -> StageWork:
+    """The grouped ops of a run of units (optime.StageWork.add's sums)."""
+    out = StageWork()
+    for u in units:
+        for key, n in u.work.gemms.items():
+            out.gemms[key] = out.gemms.get(key, 0.0) + n
+        for key, (e, o, k) in u.work.memory.items():
+            m = out.memory.setdefault(key, [0.0, 0.0, 0])
+            m[0] += e
+            m[1] += o
+            m[2] += k
+        out.ops += u.work.ops
+        out.recompute_ops += u.work.recompute_ops
     return out
 
 
-def _tp_bytes(u: Unit, c: Candidate) -> float:
-    """Bytes a rank sends through the unit's TP collectives per microbatch (tp_bytes)."""
-    return sum(ring_bytes(op, n, c.tp) for role, nbytes in u.tp_traffic
-               for op, n in _role_collectives(role, nbytes, c.tp, c.sp))
+def _stage_times(units: Units, c: Candidate, plan, device: DeviceModel, links,
+                 run: list[Unit]):
+    """(OpTimes, (F, B, W) seconds) of a run of units as one stage: action_costs's rule."""
+    t = op_times(plan, _work(run), device.hardware)
+    fs = 0.5 if plan.train.precision == "bf16" else 1.0
+    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s) for u in run
+               for role, nbytes in u.tp_traffic
+               for op, n in _role_collectives(role, nbytes, c.tp, c.sp)) if c.tp > 1 else 0.0
+    ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
+    other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
+    again = tp_s / 2 if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
+    comm = (tp_s + other) / 2
+    return t, (t.f + comm, t.b + comm + again, t.w)
 
 
 def _ep_bytes(plan, u: Unit, c: Candidate) -> float:
+    """A unit's EP all-to-all bytes per microbatch (collectives.ep_bytes)."""
     ex = plan.experts
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
-    share = c.tp if c.ep > c.dp else 1  # EP across TP: each TP rank moves 1/tp of the rows
+    share = c.tp if ep_across_tp(plan.mesh) else 1  # EP across TP: 1/tp of the rows each
     return (4 * ex.top_k * u.ep_tokens + 2 * u.ep_weights) * fs * (c.ep - 1) / c.ep / share
 
 
@@ -124,9 +140,10 @@ def placement(kind: str, pp: int, stages: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Shape:
-    """A candidate's stages before any schedule: op times, split, state memory per rank."""
+    """A candidate's stages before any schedule: op times, split, activations per stage."""
 
-    per_stage: tuple  # (F, B, W) seconds
+    ops: tuple  # optime.OpTimes per stage (compute alone)
+    per_stage: tuple  # (F, B, W) seconds, collectives included (action_costs)
     latency: float
     split: tuple[int, ...]
     act: tuple[float, ...]  # activation bytes per microbatch per stage (what the walk adds)
@@ -135,7 +152,8 @@ class Shape:
 
 def shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     """The candidate's stages (cached: the schedule kind and ZeRO stage do not change them)."""
-    key = ("shape", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute, device)
+    key = ("shape", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
+           id(device))
     if key not in units.cache:
         units.cache[key] = _shape(units, c, device)
     return units.cache[key]
@@ -144,20 +162,20 @@ def shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
 def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     plan = plan_of(units.plan, c, units.blocks)
     links = _links(plan, device)
-    times = _unit_times(units, c, device, links)
-    stages = c.pp * c.virtual
-    split = balanced_split([sum(t) for t in times], stages)
-    bounds = (0,) + split + (len(times),)
-    per_stage = tuple(tuple(sum(times[i][k] for i in range(a, b)) for k in range(3))
-                      for a, b in zip(bounds, bounds[1:]))
     table = _table(units, c)
-    fs = 0.5 if units.plan.train.precision == "bf16" else 1.0
-    div = c.tp if c.sp and c.tp > 1 else 1
-    act = tuple(sum(table[i].activation_bytes for i in range(a, b)) * fs / div
+    stages = c.pp * c.virtual
+    split = balanced_split([sum(_stage_times(units, c, plan, device, links, [u])[1])
+                            for u in table], stages)
+    bounds = (0,) + split + (len(table),)
+    timed = [_stage_times(units, c, plan, device, links, table[a:b])
+             for a, b in zip(bounds, bounds[1:])]
+    tp = c.tp if c.tp > 1 else 1
+    act = tuple(sum(dict(u.activation_bytes)[tp] for u in table[a:b])
                 for a, b in zip(bounds, bounds[1:]))
-    msg = [table[b - 1].out_bytes * fs for b in bounds[1:-1]]
+    msg = [table[b - 1].out_bytes for b in bounds[1:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
-    return Shape(per_stage, latency, split, act, links)
+    return Shape(tuple(t for t, _ in timed), tuple(x for _, x in timed), latency, split, act,
+                 links)
 
 
 def _links(plan, device: DeviceModel):
@@ -169,7 +187,7 @@ _LINKS: dict = {}
 
 
 def _links_cached(key, plan, device):
-    k = key + (device,)
+    k = key + (id(device),)
     if k not in _LINKS:
         _LINKS[k] = mesh_links(plan, device)
     return _LINKS[k]
@@ -220,17 +238,14 @@ def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float,
         places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
     best = min(_pipe_bound(units, c, sh, place, unsplit) for place in places)
-    key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute, device,
-           places[0], c.zero)
+    key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
+           id(device), places[0], c.zero)
     if key not in units.cache:
         ranks = state(units, c, sh.split, places[0])
-        dp = max(rk.comm_bytes["dp"] for rk in ranks) / sh.links.dp
         acts = _rank_max(sh.act, places[0], c.pp)
-        held = max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a
-                   for rk, a in zip(ranks, acts))
-        units.cache[key] = (dp, int(held))
-    dp, held = units.cache[key]
-    return best + dp, held
+        units.cache[key] = int(max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a
+                                   for rk, a in zip(ranks, acts)))
+    return best, units.cache[key]
 
 
 def _rank_max(values, place, pp: int) -> list:
@@ -279,14 +294,15 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     sched = generate(c.schedule, ranks=c.pp, microbatches=c.microbatches,
                      virtual=c.virtual, costs=normalised(costs))
     sim = simulate(sched, costs)
-    peaks = activation_peaks(sched, list(sh.act))
+    peaks = held_peaks(sched, list(sh.act))[0]
     actions = []
     for r in range(c.pp):
         stages = [a.stage for a in sched.order[r]]
         actions.append({s: stages.count(s) for s in set(stages)})
     ranks = state(units, c, sh.split, sched.stage_to_rank, actions)
-    dp = max(rk.comm_bytes["dp"] for rk in ranks) / sh.links.dp
     plan = plan_of(units.plan, c, units.blocks, sh.split)
+    dp_s, opt_s = _reduction_and_optimizer(units, c, plan, sh, sched.stage_to_rank, device)
+    step, times = breakdown(sched, sim, list(sh.ops), costs, dp_s, opt_s)
     prepass = routing_prepass_s(plan, sched, costs)
     states = [rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes for rk in ranks]
     peak = max(s + int(a) for s, a in zip(states, peaks))
@@ -294,26 +310,43 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     world = c.pp * c.dp * c.cp * c.tp
     hw = sum(3 * u.flops + u.recompute_flops for u in table) * c.microbatches * c.dp * c.cp
     model = sum(3 * u.flops for u in table) * c.microbatches * c.dp * c.cp
-    step = sim.makespan + prepass + dp
-    comm = dp + _comm_in_ops(units, c, device, sh, sched.stage_to_rank)
-    return Prediction(step, sim.makespan, dp, comm, sim.bubble, int(peak),
+    return Prediction(step + prepass, sim.makespan, step - sim.makespan,
+                      max((t.comm for t in times), default=0.0), sim.bubble, int(peak),
                       int(max(states)), hw / world, model / world, sh.split,
                       tuple(sched.stage_to_rank))
 
 
-def _comm_in_ops(units: Units, c: Candidate, device: DeviceModel, sh: Shape, place) -> float:
-    """The busiest rank's TP/EP/CP collective time per step plus its p2p latencies (today's
-    model charges them inside the ops, nothing overlapped)."""
-    links = sh.links
-    fs = 0.5 if units.plan.train.precision == "bf16" else 1.0
+def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_rank,
+                             device: DeviceModel) -> tuple[list, list]:
+    """Seconds to reduce each stage's gradients over dp, and each pipeline rank's optimizer
+    pass (predict.timing_of's bytes: its ZeRO shards, read and written at the sustained
+    memory bandwidth)."""
+    per = state_bytes(plan)
+    shard = {0: 1, 1: c.dp, 2: c.dp, 3: c.dp}.get(c.zero, 1)
+    hw = device.hardware
+    bw = hw.memory_bandwidth * hw.efficiency.memory
     table = _table(units, c)
     bounds = (0,) + sh.split + (len(table),)
-    per_rank = [0.0] * c.pp
+    dp_s, opt = [], [0.0] * c.pp
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        t = 0.0
+        layout = _stage_layout(units, c, table, s, a, b)
+        dp_s.append(_state_bytes(plan, layout, {}).comm_bytes.get("dp", 0) / sh.links.dp)
+        n = sum(layout.numel.values())
+        opt[stage_rank[s]] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
+    return dp_s, [b / bw if bw > 0 else 0.0 for b in opt]
+
+
+def _stage_layout(units: Units, c: Candidate, table: list[Unit], s: int, a: int,
+                  b: int) -> RankShards:
+    """One stage's RankShards alone (predict.timing_of's per-stage layout; cached)."""
+    key = ("stage layout", c.tp, c.ep, c.cp, s, a, b)
+    if key not in units.cache:
+        numel, params = {}, []
         for u in table[a:b]:
-            tp_b = _tp_bytes(u, c)
-            ep_b = _ep_bytes(units.plan, u, c) if c.ep > 1 else 0.0
-            t += tp_b / links.tp + ep_b / links.ep + u.cp_bytes * fs / links.tp
-        per_rank[place[s]] += t * c.microbatches + 2 * sh.latency * c.microbatches
-    return max(per_rank)
+            for k, kind, n in u.params:
+                numel[k] = n // c.tp if kind == TENSOR_PARALLEL else \
+                    n // c.ep if kind == EXPERT else n
+                params.append((k, kind))
+        shards, uses = group_shards([(s, params)])
+        units.cache[key] = RankShards(shards, uses, numel)
+    return units.cache[key]

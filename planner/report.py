@@ -23,7 +23,7 @@ def tflops(p: Prediction) -> float:
     return p.flops_per_gpu / p.step_time_s / 1e12
 
 
-def mfu(p: Prediction, peak: float) -> float:
+def utilisation(p: Prediction, peak: float) -> float:
     """Model FLOPs (forward + backward, no recompute) per GPU per second over the peak."""
     return p.model_flops_per_gpu / p.step_time_s / peak
 
@@ -35,7 +35,7 @@ def table(result: SearchResult, peak_flops: float) -> str:
     for i, r in enumerate(result.top, 1):
         p = r.prediction
         rows.append(f"{i:>3}  {r.candidate.label():<58} {p.step_time_s:>10.4g} "
-                    f"{tflops(p):>8.3g} {mfu(p, peak_flops):>5.2f} {p.peak_bytes / GIB:>9.2f} "
+                    f"{tflops(p):>8.3g} {utilisation(p, peak_flops):>5.2f} {p.peak_bytes / GIB:>9.2f} "
                     f"{p.bubble:>7.3f} {p.comm_s:>9.3g}")
     return "\n".join(rows) + "\n"
 
@@ -79,7 +79,7 @@ def plan_text(base: Plan, result: SearchResult, pick: int, command: str,
              "# " + summary(result).strip(),
              f"# Chose #{pick + 1}: {c.label()}",
              f"#   step {p.step_time_s:.4g} s, {tflops(p):.1f} TFLOP/s per GPU, MFU "
-             f"{mfu(p, peak_flops):.2f}, peak {p.peak_bytes / GIB:.2f} GiB per rank "
+             f"{utilisation(p, peak_flops):.2f}, peak {p.peak_bytes / GIB:.2f} GiB per rank "
              f"(capacity {result.capacity / GIB:.1f} GiB), bubble {p.bubble:.3f}"]
     lines += _why(result, pick)
     text = format_plan(plan, full=True, comments=False)

@@ -10,10 +10,12 @@ parameters by ZeRO kind. A candidate's stage is a run of consecutive units; ever
 the time and memory estimate reads is a sum over the run (compiler/driver.py sums the same
 per-node costs by stage), so no candidate is traced again.
 
-Microbatch size: the model is captured at sizes 1 and 2; every number of a unit at size b is
-then read off the line through those two captures, v(b) = v(1) + (b - 1)(v(2) - v(1)) (a
-position table's bytes do not grow with the batch, a layer's do), when both captures have the
-same units, parameters and traffic roles; otherwise each size is captured itself. The
+Microbatch size: the model is captured at sizes 1, 2 and 3; every number of a unit at size
+b > 3 is then read off the line through the last two, v(b) = v(2) + (b - 2)(v(3) - v(2)) (a
+position table's bytes do not grow with the batch, a layer's do; each grouped op's shape
+grows along the line too), when both captures have the same units, parameters, traffic roles
+and op groups; otherwise each size is captured itself. Size 1 is not on the line: a batch
+dimension of 1 broadcasts, so some memory-bound ops move fewer elements there. The
 planner's chosen plan is compiled for real at its own size afterwards (`pipeplan plan`
 prints both estimates), and the tests compare the two at sizes never captured.
 """
@@ -26,7 +28,10 @@ from typing import Callable, Optional
 from ..compiler.capture.blocks import blocks_of
 from ..compiler.capture.loading import load_model
 from ..compiler.capture.traced import trace_with_loss
+from ..compiler.capture.work import Gemm
+from ..compiler.estimate.activations import TensorSplit, saved_records, stage_saved_bytes
 from ..compiler.estimate.costs import node_costs
+from ..compiler.estimate.optime import StageWork, stage_work
 from ..compiler.estimate.precision import to_precision
 from ..compiler.estimate.traffic import collective_traffic
 from ..compiler.parallel.cp import attach_context_costs, check_context, heads_split_by_tp
@@ -53,13 +58,14 @@ class Unit:
     recompute_flops: float
     ops: int
     recompute_ops: int
-    activation_bytes: int  # saved for backward (float bytes at fp32; bf16 halves them)
-    out_bytes: int  # what crosses its end (step_costs's message: every output)
+    activation_bytes: tuple  # (tp, bytes saved for backward on one rank) per tp value
+    out_bytes: float  # what crosses its end (action_costs's message: floats at the precision)
     cp_bytes: float
     tp_traffic: tuple  # (role, bytes at the plan's precision) per TP traffic item (traffic.py)
     ep_tokens: int  # experts call rows moved (traffic role "tokens")
     ep_weights: int
     params: tuple  # (key, kind, numel before tp/ep division)
+    work: StageWork = field(default_factory=StageWork)  # its ops (optime.py), whole shapes
 
 
 @dataclass
@@ -78,31 +84,54 @@ class Units:
     def at(self, mbs: int, tp_on: bool, sp: bool, recompute: str, cp: int = 1) -> list[Unit]:
         key = (mbs, tp_on, sp, recompute, cp)
         if key not in self.tables:
-            one = (1, tp_on, sp, recompute, cp)
-            if self.affine and (2,) + one[1:] in self.tables:
+            two, three = (2,) + key[1:], (3,) + key[1:]
+            if self.affine and mbs > 3 and two in self.tables and three in self.tables:
                 self.tables[key] = [_line(a, b, mbs) for a, b in
-                                    zip(self.tables[one], self.tables[(2,) + one[1:]])]
+                                    zip(self.tables[two], self.tables[three])]
             else:
                 self.capture(mbs, cp)
         return self.tables[key]
 
 
-_NUMBERS = ("flops", "recompute_flops", "ops", "recompute_ops", "activation_bytes", "out_bytes",
+_NUMBERS = ("flops", "recompute_flops", "ops", "recompute_ops", "out_bytes",
             "cp_bytes", "ep_tokens", "ep_weights")
 
 
 def _line(a: Unit, b: Unit, size: int) -> Unit:
-    """Unit `a` (size 1) and `b` (size 2) read at `size` on the line through them."""
-    k = size - 1
+    """Unit `a` (size 2) and `b` (size 3) read at `size` on the line through them."""
+    k = size - 2
     return dataclasses.replace(
         a, **{f: getattr(a, f) + k * (getattr(b, f) - getattr(a, f)) for f in _NUMBERS},
         tp_traffic=tuple((r, n + k * (m - n)) for (r, n), (_, m) in zip(a.tp_traffic,
-                                                                         b.tp_traffic)))
+                                                                         b.tp_traffic)),
+        activation_bytes=tuple((t, n + k * (m - n)) for (t, n), (_, m) in
+                               zip(a.activation_bytes, b.activation_bytes)),
+        work=_work_line(a.work, b.work, k))
+
+
+def _work_line(a: StageWork, b: StageWork, k: int) -> StageWork:
+    """Each grouped op of `a` (size 2) read at size 2 + k on the line to its partner in `b`:
+    shapes grow linearly with the batch, counts and kernels stay."""
+    gemms = {}
+    for (ga, kind, rec), (gb, _, _) in zip(a.gemms, b.gemms):
+        g = Gemm(*(x + k * (y - x) for x, y in zip((ga.batch, ga.m, ga.n, ga.k),
+                                                     (gb.batch, gb.m, gb.n, gb.k))))
+        key = (g, kind, rec)
+        gemms[key] = gemms.get(key, 0.0) + a.gemms[(ga, kind, rec)]
+    memory = {key: [e + k * (f - e), o + k * (q - o), n]
+              for (key, (e, o, n)), (_, (f, q, _)) in zip(a.memory.items(), b.memory.items())}
+    return StageWork(gemms, memory, a.ops, a.recompute_ops)
+
+
+def _work_pairs(a: StageWork, b: StageWork) -> bool:
+    """Both sizes group their ops alike (so `_work_line` pairs them)."""
+    return len(a.gemms) == len(b.gemms) and list(a.memory) == list(b.memory) and all(
+        ka[1:] == kb[1:] and a.gemms[ka] == b.gemms[kb] for ka, kb in zip(a.gemms, b.gemms))
 
 
 def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
             recompute_pattern: Optional[str], progress=None) -> Units:
-    """Capture `plan`'s model at microbatch sizes 1 and 2 (once each) and build its unit
+    """Capture `plan`'s model at microbatch sizes 1, 2 and 3 (once each) and build its unit
     tables; record which tp and cp values the compiler's own checks refuse, and why."""
     model = load_model(plan, "meta")
     to_precision(model, plan.train.precision)
@@ -125,8 +154,9 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
     units.capture = capture
     capture(1, 1)
     capture(2, 1)
-    units.affine = all(_same_shape(t1, units.tables[(2,) + key[1:]])
-                       for key, t1 in list(units.tables.items()) if key[0] == 1)
+    capture(3, 1)
+    units.affine = all(_same_shape(t2, units.tables[(3,) + key[1:]])
+                       for key, t2 in list(units.tables.items()) if key[0] == 2)
     _refusals(units, model, plan, first[0], tp_values, cp_values)
     return units
 
@@ -136,7 +166,7 @@ def _same_shape(t1: list[Unit], t2: list[Unit]) -> bool:
     return len(t1) == len(t2) and all(
         a.name == b.name and a.params == b.params
         and [r for r, _ in a.tp_traffic] == [r for r, _ in b.tp_traffic]
-        for a, b in zip(t1, t2))
+        and _work_pairs(a.work, b.work) for a, b in zip(t1, t2))
 
 
 def unit_plan(plan: Plan, blocks: tuple[str, ...], mbs: int, tp: int, sp: bool,
@@ -176,6 +206,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                      for w in expert_weights(model.get_submodule(e.module),
                                              plan.experts.num_experts)} if plan.experts else set()
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
+    records = saved_records(plan.train.precision, run.gm, run)
     for tp_on in ((False, True) if tp_probe > 1 else (False,)):
         p_tp = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, False, "none", pattern, cp)
         kinds = tp_annotations(p_tp, model) if tp_on else {}
@@ -185,6 +216,10 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
             for mode in (RECOMPUTE_MODES if pattern else ("none",)):
                 p = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, sp, mode, pattern, cp)
                 costs = node_costs(p, graph, run)
+                works = stage_work(graph, nodes, split.stage_of, costs, kinds,
+                                   tp_probe if tp_on else 1, len(stages))
+                scale = {n.name: c.scale for n, c in costs.items() if c.scale != 1.0}
+                tps = tuple(t for t in tp_values if t > 1) if tp_on else (1,)
                 cp_stages = [dataclasses.replace(st, cp_bytes=0.0) for st in stages]
                 attach_context_costs(p, cp_stages, split, graph, run, tp_heads)
                 table = []
@@ -197,8 +232,12 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                         recompute_flops=sum(c.recompute_flops for c in own),
                         ops=sum(c.ops for c in own),
                         recompute_ops=sum(c.recompute_ops for c in own),
-                        activation_bytes=sum(c.saved_bytes for c in own),
-                        out_bytes=sum(_nbytes(o) for o in st.outputs),
+                        activation_bytes=tuple(
+                            (t, stage_saved_bytes(st.module, records, p.recompute,
+                                                  TensorSplit(t, sp, kinds) if t > 1 else None,
+                                                  scale)) for t in tps),
+                        out_bytes=sum(_nbytes(o) * (fs if "float" in o.dtype else 1)
+                                      for o in st.outputs),
                         cp_bytes=cp_stages[st.index].cp_bytes,
                         tp_traffic=tuple((t.role, int(t.nbytes * fs)) for t in tp_traffic
                                          if t.stage == st.index) if tp_on else (),
@@ -206,7 +245,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                                       if t.stage == st.index and t.role == "tokens"),
                         ep_weights=sum(t.nbytes for t in moe_traffic
                                        if t.stage == st.index and t.role == "weights"),
-                        params=_params(st, kinds, expert_params, plan)))
+                        params=_params(st, kinds, expert_params, plan), work=works[st.index]))
                 units.tables[(mbs, tp_on, sp, mode, cp)] = table
     return traced
 
