@@ -22,7 +22,7 @@ from pipeplan.dsl.load import load_plan
 from pipeplan.planner.cost import predict
 from pipeplan.planner.search import search
 from pipeplan.planner.space import Candidate, Constraints
-from pipeplan.planner.devices import DEVICES, device_section
+from pipeplan.compiler.estimate.devices import profile
 
 # params, heads, hidden, layers, tp, pp, gpus, batch, micro-batch, virtual, TFLOP/s published
 TABLE_1 = [
@@ -55,7 +55,7 @@ tensor {{
   row = [layers.*.attn.proj, layers.*.mlp.down]
 }}
 train {{ global_batch = 8  precision = bf16 }}
-{device_section("a100", 8)}
+device {{ name = a100  ranks_per_node = 8 }}
 """
 
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             f.write(plan_text(heads, hidden, layers))
         plan = load_plan(f.name, [f"train.global_batch={batch}"])
         dev = device_model(plan)
-        cap = DEVICES["a100"].memory_bytes
+        cap = profile("a100").memory_bytes
         t0, c0 = time.perf_counter(), time.process_time()
         res = search(plan, gpus, dev, cap, Constraints(), top_k=10, max_evals=args.max_evals)
         took, cpu = time.perf_counter() - t0, time.process_time() - c0
