@@ -88,7 +88,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if profile(args.device) is None:
             raise PipeplanError(f"--device {args.device!r}: known devices: {', '.join(NAMES)}")
         plan = dataclasses.replace(plan, device=DeviceSpec(
-            name=args.device, ranks_per_node=args.ranks_per_node or plan.device.ranks_per_node))
+            name=args.device, ranks_per_node=args.ranks_per_node or plan.device.ranks_per_node
+            or profile(args.device).ranks_per_node))  # written out: the plan names the node
     elif args.ranks_per_node:
         plan = dataclasses.replace(plan, device=dataclasses.replace(
             plan.device, ranks_per_node=args.ranks_per_node))
