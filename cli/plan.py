@@ -28,7 +28,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "(and a tensor section: the modules tensor parallelism may split)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) to plan for")
     p.add_argument("--device", default=None, help="a built-in device profile: a100, a100-40gb, "
-                   "h100, h200, b200 (compiler/estimate/devices.py; default: the plan's device)")
+                   "h100, h200, b200 (default: the plan's device; docs/compiler.md lists their sources)")
     p.add_argument("--memory", type=float, default=None,
                    help="device memory in GB (default: the device profile's capacity)")
     p.add_argument("--ranks-per-node", type=int, default=None,

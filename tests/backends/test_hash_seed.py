@@ -84,7 +84,7 @@ def _equal(r: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~30 s each: Gemma 3 verified twice (the heavy tier runs it ten times)
 @pytest.mark.timeout(1300)
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_gemma3_verifies_equal_under_a_random_hash_seed(tmp_path, schedule):
