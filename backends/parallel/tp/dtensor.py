@@ -41,9 +41,8 @@ def _resolve(spec, ndim: int):
     return Shard(spec % ndim) if isinstance(spec, int) else spec
 
 
-class ToDTensor(nn.Module):
-    """Wrap this rank's local tensor as a DTensor with the given placement (autograd-aware:
-    the gradient comes back as this rank's local part of that placement)."""
+class _Placed(nn.Module):
+    """A node that gives its input a placement (`spec`) on the tp mesh."""
 
     def __init__(self, mesh: DeviceMesh, spec: str = "replicate"):
         super().__init__()
@@ -52,6 +51,11 @@ class ToDTensor(nn.Module):
 
     def extra_repr(self) -> str:
         return self.spec
+
+
+class ToDTensor(_Placed):
+    """Wrap this rank's local tensor as a DTensor with the given placement (autograd-aware:
+    the gradient comes back as this rank's local part of that placement)."""
 
     def forward(self, x):
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
@@ -94,17 +98,9 @@ class ReplicatedParameter(nn.Module):
         return _PartialGradReplicate.apply(p, self.mesh)
 
 
-class Redistribute(nn.Module):
+class Redistribute(_Placed):
     """`x.redistribute(mesh, [placement])`; backward moves the gradient back to x's
     placement (Replicate -> all-reduce of a partial gradient; Shard(seq) -> reduce-scatter)."""
-
-    def __init__(self, mesh: DeviceMesh, spec: str):
-        super().__init__()
-        self.mesh, self.spec = mesh, spec
-        self._placement = placement(spec)
-
-    def extra_repr(self) -> str:
-        return self.spec
 
     def forward(self, x):
         if not isinstance(x, DTensor):
