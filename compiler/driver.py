@@ -116,8 +116,12 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                                  expert_params, estimates)
     if not profile:  # the time model's step: the same simulation, its breakdown per rank
         estimates.prediction = estimates.timing.time_on(device, estimates.simulation, times)
-        if estimates.sync is None:  # DiLoCo: the sync estimate's average step stands
-            estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
+        estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
+        if estimates.sync is not None:  # DiLoCo: its comparison on the same time model
+            every = estimates.timing.time_on(device, estimates.simulation, times, every_step=True)
+            estimates.sync = dataclasses.replace(
+                estimates.sync, step_time_s=estimates.step_time_s,
+                every_step_time_s=every.step_s + estimates.prepass_s)
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,

@@ -105,16 +105,18 @@ def dtype_of(plan: Plan) -> str:
 
 def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     from .cpu_probe import cpu_model  # no accelerator here and none described: this CPU
-    cpu = cpu_model()
-    # ranks on one machine share its cores (the local launcher starts them all here)
+    # ranks on one machine share it (the local launcher starts them all here): each runs at
+    # the speed that many processes measured together get
     local = plan.mesh.world_size
-    share = max(1.0, local / cores())
+    cpu = cpu_model(local)
+    share = cpu.contention
     origin = f"{cpu.origin}; built-in link defaults"
-    if share > 1:
-        origin += (f"; {local} ranks share {cores()} cores: each runs at "
-                   f"1/{share:g} of the probe's speed")
-    return cpu_profile(cpu.flops_per_s / share, cpu.op_s * share,
-                       cpu.op_backward_s * share), origin
+    if local > 1:
+        origin += (f"; {local} ranks share {cores()} cores: each runs {share:g}x slower than "
+                   f"alone (measured)")
+    return cpu_profile(cpu.flops_per_s / share, cpu.op_s * share, cpu.op_backward_s * share,
+                       cpu.bytes_per_s / share,
+                       tuple((d, r / share, back) for d, r, back in cpu.attention)), origin
 
 
 def cores() -> int:
