@@ -16,10 +16,14 @@ them a plan's own model or shapes:
   example GPT's transformer block at width 8 (FLOPs negligible): seconds per op
   its forward dispatches, forward and backward (the same count the meta run takes
   per node, analysis.py), best of a few rounds;
+* links: the local launcher's ranks talk through gloo over 127.0.0.1: two processes
+  all-reduce 4 KiB and 1 MiB (best of 20 each) and the two times give a latency per
+  message and a bandwidth, which every collective and transfer of the plan is costed at;
 * contention: the local launcher starts every rank on this machine, so a rank runs at the
   speed N processes get together, not at 1/N of one (cache and memory sharing, switching):
-  N processes run the same block forward and backward at once (width 32) and their mean
-  time per iteration over the one-process time is the factor every time above is
+  N processes (forked, one thread each, started together) run the same block forward and
+  backward at once (width 32) and their mean time per iteration over the one-process time
+  (each the better of two rounds: a quieter moment) is the factor every time above is
   multiplied by for an N-rank local run (measured per N; 1 for one rank).
 
 Rounded to two significant digits and cached per machine and torch version in
@@ -58,6 +62,8 @@ class CpuModel:
     op_backward_s: float  # host seconds of backward per aten op of the forward
     origin: str
     bytes_per_s: float = 0.0  # memory-bound kernels' effective bandwidth
+    link_latency_s: float = 0.0  # gloo between local processes: per message ...
+    link_bytes_per_s: float = 0.0  # ... and bandwidth
     attention: tuple = ()  # ((head dim, forward FLOP/s, backward/forward), ...)
     contention: float = 1.0  # the slowdown of this run's ranks sharing the machine
 
@@ -224,14 +230,68 @@ def _processes_at_once(n: int) -> float:
     return sum(times) / n
 
 
+LINK_BYTES = (1 << 12, 1 << 20)  # the link probe's two message sizes
+LINK_REPEATS = 20
+
+
+def _link_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        out = []
+        for nbytes in LINK_BYTES:
+            x = torch.zeros(nbytes // 4)
+            dist.all_reduce(x)  # warm-up: the pair's buffers
+            best = float("inf")
+            for _ in range(LINK_REPEATS):
+                dist.barrier()
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                best = min(best, time.perf_counter() - t)
+            out.append(best)
+        results.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link() -> tuple[float, float]:
+    """(latency s, bytes/s) of this machine's gloo transport between two local processes
+    (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n), so its best
+    time at two sizes is latency + n / bandwidth."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_link_worker, args=(r, port, results), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        small, large = (max(t) for t in zip(*(results.get(timeout=300) for _ in procs)))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
+    return _two_digits(max(small - LINK_BYTES[0] * per_byte, 1e-7)), _two_digits(1 / per_byte)
+
+
 def measure_contention(n: int) -> float:
     """How much slower each of `n` processes runs when all run at once (>= 1; 1 for n <= 1)."""
     if n <= 1:
         return 1.0
-    return _two_digits(max(1.0, _processes_at_once(n) / _processes_at_once(1)))
+    alone = min(_processes_at_once(1) for _ in range(2))  # the best of two: a quieter moment
+    together = min(_processes_at_once(n) for _ in range(2))
+    return _two_digits(max(1.0, together / alone))
 
 
-_FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s")
+_FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
+           "link_bytes_per_s")
 
 
 def _load(path: str, key: str) -> dict:
@@ -250,7 +310,8 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
     if not c or factor is None:
         return None
     return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),
-                    origin, float(c["bytes_per_s"]),
+                    origin, float(c["bytes_per_s"]), float(c["link_latency_s"]),
+                    float(c["link_bytes_per_s"]),
                     tuple(tuple(float(v) for v in row) for row in c["attention"]),
                     float(factor))
 
@@ -303,9 +364,11 @@ def _measure(key: str) -> dict:
     flops, attention = measure_flops(), measure_attention()
     op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
                                                    flops, attention)
+    latency, link = measure_link()
     return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s),
             "op_backward_s": _two_digits(op_backward_s),
             "bytes_per_s": _two_digits(4 * elements_per_s),
+            "link_latency_s": latency, "link_bytes_per_s": link,
             "attention": [list(r) for r in attention], "contention": {}}
 
 

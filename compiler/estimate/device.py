@@ -110,13 +110,14 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     local = plan.mesh.world_size
     cpu = cpu_model(local)
     share = cpu.contention
-    origin = f"{cpu.origin}; built-in link defaults"
+    origin = cpu.origin
     if local > 1:
         origin += (f"; {local} ranks share {cores()} cores: each runs {share:g}x slower than "
                    f"alone (measured)")
     return cpu_profile(cpu.flops_per_s / share, cpu.op_s * share, cpu.op_backward_s * share,
                        cpu.bytes_per_s / share,
-                       tuple((d, r / share, back) for d, r, back in cpu.attention)), origin
+                       tuple((d, r / share, back) for d, r, back in cpu.attention),
+                       (cpu.link_latency_s * share, cpu.link_bytes_per_s / share)), origin
 
 
 def cores() -> int:

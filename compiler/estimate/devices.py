@@ -117,12 +117,14 @@ def profile(name: str) -> Optional[DeviceProfile]:
 
 
 def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: float = 0.0,
-                attention: tuple = ()) -> DeviceProfile:
+                attention: tuple = (), link: tuple = (10e-6, 50 * _GB)) -> DeviceProfile:
     """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, memory-bound
     kernels' bandwidth (0: bytes move for free), fused attention per head dimension, host
-    time per op; links are the built-in defaults (gloo on one machine: shared memory)."""
+    time per op, and `link` (latency s, bytes/s): gloo between its local processes, every
+    group of the plan's ranks on it (one machine: no network)."""
+    latency, bandwidth = link
     return DeviceProfile("cpu", {k: flops for k in ("bf16", "fp16", "fp32", "fp64")},
-                         bytes_per_s, 0.0, 450 * _GB, 50 * _GB, ranks_per_node=None,
+                         bytes_per_s, 0.0, bandwidth, bandwidth, latency, ranks_per_node=None,
                          family="cpu", op_s=op_s, op_backward_s=op_backward_s,
                          efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"),
                          attention=attention)

@@ -250,6 +250,8 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
     assert shared.flops_per_s == own.flops_per_s / 2.5
     assert shared.hardware.memory_bandwidth == own.hardware.memory_bandwidth / 2.5
     assert (shared.op_s, shared.op_backward_s) == (own.op_s * 2.5, own.op_backward_s * 2.5)
+    assert shared.link_bytes_per_s == own.link_bytes_per_s / 2.5
+    assert shared.latency_s == pytest.approx(own.latency_s * 2.5)
     assert "2 ranks share" in shared.origin and "2.5x slower than alone (measured)" in shared.origin
     dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
     assert asked == [2]  # cached
@@ -298,6 +300,8 @@ def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tm
     assert 1e8 < cached["flops_per_s"] < 1e13  # a CPU, not the 400e12 default
     assert 1e-8 < cached["op_s"] < 1e-3 and 1e-8 < cached["op_backward_s"] < 1e-3
     assert 1e8 < cached["bytes_per_s"] < 1e13
+    assert 0 < cached["link_latency_s"] < 1e-2 and 1e6 < cached["link_bytes_per_s"] < 1e13
+    assert bare.device_model["link_bytes_per_s"] == cached["link_bytes_per_s"]  # gloo, measured
     assert bare.device_model["origin"].startswith("measured CPU model")
     model, x, y = Regressor(D, 4), torch.randn(B, D), torch.randn(B, D)
     with Count() as count:  # 4 x (t, addmm) + mse_loss
