@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..dsl.ast import Plan
+from ..schedules.simulate import simulate
 from .capture.blocks import blocks_of
 from .parallel.checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
@@ -96,11 +97,12 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     if profile:
         times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)
     else:
-        ops = [op_times(plan, w, device.hardware) for w in work]
-        times = stage_costs(plan, action_costs(plan, stages, ops, tp_traffic, moe_traffic,
-                                               device))
+        times = _model_costs(plan, stages, work, tp_traffic, moe_traffic, device)
     schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
         decided_schedule(plan, stages, schedule)
+    if not profile and device.sharing is not None:  # ranks sharing this CPU: how busy they are
+        device = device.shared(1.0 - simulate(schedule, times).bubble)
+        times = _model_costs(plan, stages, work, tp_traffic, moe_traffic, device)
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]
     tied = find_tied(model, stages)
@@ -126,6 +128,12 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,
                         estimates=estimates)
+
+
+def _model_costs(plan: Plan, stages, work, tp_traffic, moe_traffic, device):
+    """The time model's per-action costs on `device` (estimate/optime.py, predict.py)."""
+    ops = [op_times(plan, w, device.hardware) for w in work]
+    return stage_costs(plan, action_costs(plan, stages, ops, tp_traffic, moe_traffic, device))
 
 
 def _attach_costs(stages: list[StageSpec], split: Split, costs: dict[fx.Node, Cost],

@@ -207,7 +207,9 @@ def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
     plan's own), re-timed from its stored Timing: no tracing, per-stage arithmetic and one
     simulation of its schedule. What a plan search calls per candidate device."""
     from .device import device_model
-    return compiled.estimates.timing.time_on(device or device_model(compiled.plan))
+    if device is None:  # the plan's own, ranks sharing a CPU as busy as its timeline says
+        device = device_model(compiled.plan).shared(1.0 - compiled.estimates.simulation.bubble)
+    return compiled.estimates.timing.time_on(device)
 
 
 def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWork],

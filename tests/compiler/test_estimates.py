@@ -227,10 +227,11 @@ def test_unknown_device_is_refused_at_its_line(make_plan):
     assert "unknown device 'h101'" in str(info.value) and "did you mean 'h100'" in str(info.value)
 
 def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path, monkeypatch):
-    """The local launcher starts every rank on this machine: each rank runs at the speed
-    that many processes measured together get (FLOP/s and bandwidth divided, host time per
-    op multiplied), measured once per rank count and cached, and the origin says so; a
-    device section is taken as written."""
+    """The local launcher starts every rank on this machine: each rank runs at its speed
+    alone x max(1, busy ranks / cores) x what that many processes measured beyond their fair
+    share (measured once per rank count, cached), busy ranks being the plan's ranks x the
+    share of the step its simulated timeline computes; the origin says so; a device section
+    is taken as written."""
     import importlib
 
     import torch
@@ -241,22 +242,32 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
     if torch.cuda.is_available():
         pytest.skip("the CPU model applies only where CUDA is not available")
     monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
+    monkeypatch.setattr(dm, "cores", lambda: 1)
     asked = []
     monkeypatch.setattr(cpu_probe, "measure_contention", lambda n: asked.append(n) or 2.5)
     own = dm.device_model(_one_stage(make_plan, DeviceSpec()))  # 1 rank: nothing shared
-    assert "share" not in own.origin and asked == []
-    shared = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
-    assert asked == [2]
-    assert shared.flops_per_s == own.flops_per_s / 2.5
-    assert shared.hardware.memory_bandwidth == own.hardware.memory_bandwidth / 2.5
-    assert (shared.op_s, shared.op_backward_s) == (own.op_s * 2.5, own.op_backward_s * 2.5)
-    assert shared.link_bytes_per_s == own.link_bytes_per_s / 2.5
-    assert shared.latency_s == pytest.approx(own.latency_s * 2.5)
-    assert "2 ranks share" in shared.origin and "2.5x slower than alone (measured)" in shared.origin
+    assert own.sharing is None and own.shared(1.0) is own and asked == []
+    alone = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
+    assert asked == [2] and alone.flops_per_s == own.flops_per_s  # speeds alone ...
+    assert (alone.sharing.ranks, alone.sharing.cores) == (2, 1)
+    assert alone.sharing.extra == pytest.approx(2.5 / 2)  # ... 2 processes: 2.5x, 2x is fair
+    for busy, k in ((1.0, 2.5), (0.75, 1.5 * 1.25), (0.4, 1.25)):
+        shared = alone.shared(busy)
+        assert shared.flops_per_s == pytest.approx(own.flops_per_s / k)
+        assert shared.hardware.memory_bandwidth == pytest.approx(
+            own.hardware.memory_bandwidth / k)
+        assert shared.op_s == pytest.approx(own.op_s * k)
+        assert shared.link_bytes_per_s == pytest.approx(own.link_bytes_per_s / k)
+        assert shared.latency_s == pytest.approx(own.latency_s * k)
+        assert "2 ranks share 1 cores" in shared.origin and f"{k:.3g}x slower" in shared.origin
+    compiled = compile_plan(_one_stage(make_plan, DeviceSpec(), dp=2))
+    busy = 1.0 - compiled.estimates.simulation.bubble
+    assert compiled.estimates.device_model["flops_per_s"] == pytest.approx(
+        own.flops_per_s / (max(1.0, 2 * busy) * 1.25))
     dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
     assert asked == [2]  # cached
     written = dm.device_model(_one_stage(make_plan, DeviceSpec(flops=1e12), dp=2))
-    assert (written.flops_per_s, written.op_s) == (1e12, 0.0)
+    assert (written.flops_per_s, written.op_s, written.sharing) == (1e12, 0.0, None)
 
 
 def test_the_contention_probe_sees_an_oversubscribed_machine():
