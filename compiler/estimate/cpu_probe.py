@@ -19,6 +19,8 @@ them a plan's own model or shapes:
 * links: the local launcher's ranks talk through gloo over 127.0.0.1: two processes
   all-reduce 4 KiB and 1 MiB (best of 20 each) and the two times give a latency per
   message and a bandwidth, which every collective and transfer of the plan is costed at;
+  and the median time to post one send or receive as the runtime does
+  (`batch_isend_irecv`, 32 KiB): the host work each transfer adds to the actions around it;
 * contention: the local launcher starts every rank on this machine, so a rank runs at the
   speed N processes get together, not at 1/N of one (cache and memory sharing, switching):
   N processes (forked, one thread each, started together) run the same block forward and
@@ -64,6 +66,7 @@ class CpuModel:
     bytes_per_s: float = 0.0  # memory-bound kernels' effective bandwidth
     link_latency_s: float = 0.0  # gloo between local processes: per message ...
     link_bytes_per_s: float = 0.0  # ... and bandwidth
+    post_s: float = 0.0  # host seconds to post one transfer (send or receive)
     attention: tuple = ()  # ((head dim, forward FLOP/s, backward/forward), ...)
     contention: float = 1.0  # the slowdown of this run's ranks sharing the machine
 
@@ -232,6 +235,7 @@ def _processes_at_once(n: int) -> float:
 
 LINK_BYTES = (1 << 12, 1 << 20)  # the link probe's two message sizes
 LINK_REPEATS = 20
+POST_BYTES, POST_REPEATS = 1 << 15, 60  # posting a transfer: its size and rounds
 
 
 def _link_worker(rank: int, port: int, results) -> None:
@@ -251,15 +255,27 @@ def _link_worker(rank: int, port: int, results) -> None:
                 dist.all_reduce(x)
                 best = min(best, time.perf_counter() - t)
             out.append(best)
-        results.put(out)
+        posts = []  # posting one transfer as the runtime does (executor.py)
+        x = torch.zeros(POST_BYTES // 4)
+        for _ in range(POST_REPEATS):
+            dist.barrier()
+            op = dist.P2POp(dist.isend, x, 1) if rank == 0 else dist.P2POp(dist.irecv, x, 0)
+            t = time.perf_counter()
+            works = dist.batch_isend_irecv([op])
+            posts.append(time.perf_counter() - t)
+            for w in works:
+                w.wait()
+        results.put(out + [sorted(posts)[len(posts) // 2]])
     finally:
         dist.destroy_process_group()
 
 
-def measure_link() -> tuple[float, float]:
-    """(latency s, bytes/s) of this machine's gloo transport between two local processes
-    (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n), so its best
-    time at two sizes is latency + n / bandwidth."""
+def measure_link() -> tuple[float, float, float]:
+    """(latency s, bytes/s, post s) of this machine's gloo transport between two local
+    processes (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n), so
+    its best time at two sizes is latency + n / bandwidth; post: the median host time of
+    posting one send or receive (`batch_isend_irecv`, 32 KiB), the runtime's work per
+    transfer around an action."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -271,14 +287,15 @@ def measure_link() -> tuple[float, float]:
     for p in procs:
         p.start()
     try:
-        small, large = (max(t) for t in zip(*(results.get(timeout=300) for _ in procs)))
+        small, large, post = (max(t) for t in zip(*(results.get(timeout=300) for _ in procs)))
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
     per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
-    return _two_digits(max(small - LINK_BYTES[0] * per_byte, 1e-7)), _two_digits(1 / per_byte)
+    return (_two_digits(max(small - LINK_BYTES[0] * per_byte, 1e-7)), _two_digits(1 / per_byte),
+            _two_digits(post))
 
 
 def measure_contention(n: int) -> float:
@@ -291,7 +308,7 @@ def measure_contention(n: int) -> float:
 
 
 _FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
-           "link_bytes_per_s")
+           "link_bytes_per_s", "post_s")
 
 
 def _load(path: str, key: str) -> dict:
@@ -311,7 +328,7 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
         return None
     return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),
                     origin, float(c["bytes_per_s"]), float(c["link_latency_s"]),
-                    float(c["link_bytes_per_s"]),
+                    float(c["link_bytes_per_s"]), float(c["post_s"]),
                     tuple(tuple(float(v) for v in row) for row in c["attention"]),
                     float(factor))
 
@@ -364,11 +381,11 @@ def _measure(key: str) -> dict:
     flops, attention = measure_flops(), measure_attention()
     op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
                                                    flops, attention)
-    latency, link = measure_link()
+    latency, link, post = measure_link()
     return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s),
             "op_backward_s": _two_digits(op_backward_s),
             "bytes_per_s": _two_digits(4 * elements_per_s),
-            "link_latency_s": latency, "link_bytes_per_s": link,
+            "link_latency_s": latency, "link_bytes_per_s": link, "post_s": post,
             "attention": [list(r) for r in attention], "contention": {}}
 
 

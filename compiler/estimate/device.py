@@ -62,7 +62,7 @@ class DeviceModel:
                          memory_bandwidth=hw.memory_bandwidth / k,
                          intra_node=hw.intra_node / k, inter_node=hw.inter_node / k,
                          latency=hw.latency * k, op_s=hw.op_s * k,
-                         op_backward_s=hw.op_backward_s * k,
+                         op_backward_s=hw.op_backward_s * k, post_s=hw.post_s * k,
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
         origin = (f"{self.origin}; {s.ranks} ranks share {s.cores} cores, busy "
@@ -154,7 +154,8 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     sharing = Sharing(local, cores(), cpu.contention / max(1.0, local / cores())) \
         if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
-                       cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s)), \
+                       cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
+                       cpu.post_s), \
         cpu.origin, sharing
 
 

@@ -68,6 +68,9 @@ class DeviceProfile:
     # fused attention measured per head dimension: ((head dim, forward FLOP/s, backward time
     # over forward), ...) (the measured CPU); empty: a GEMM at the fitted fraction of peak
     attention: tuple = ()
+    # host seconds to post one p2p transfer (send or receive) around an action: the measured
+    # CPU's gloo (cpu_probe.py); 0 on accelerators (posted asynchronously, under the kernels)
+    post_s: float = 0.0
 
 
 PROFILES = {p.name: p for p in (
@@ -117,7 +120,8 @@ def profile(name: str) -> Optional[DeviceProfile]:
 
 
 def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: float = 0.0,
-                attention: tuple = (), link: tuple = (10e-6, 50 * _GB)) -> DeviceProfile:
+                attention: tuple = (), link: tuple = (10e-6, 50 * _GB),
+                post_s: float = 0.0) -> DeviceProfile:
     """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, memory-bound
     kernels' bandwidth (0: bytes move for free), fused attention per head dimension, host
     time per op, and `link` (latency s, bytes/s): gloo between its local processes, every
@@ -127,4 +131,4 @@ def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: fl
                          bytes_per_s, 0.0, bandwidth, bandwidth, latency, ranks_per_node=None,
                          family="cpu", op_s=op_s, op_backward_s=op_backward_s,
                          efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"),
-                         attention=attention)
+                         attention=attention, post_s=post_s)

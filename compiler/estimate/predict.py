@@ -8,7 +8,9 @@ spends its step on (compute / exposed communication / bubble / optimizer).
   the forward's half again in B where the stage recomputes; expert all-to-alls and
   context-parallel exchanges likewise by bytes / link. p2p: latency + the largest message
   / the link between neighbouring pipeline ranks, on its own stream (the simulator's
-  arrival delay: the sender does not wait).
+  arrival delay: the sender does not wait); on the measured CPU posting each send and
+  receive costs the host its measured time (`post_s`), charged to the action that
+  receives or sends it (by stage adjacency: a V schedule's same-rank handover counted too).
 * Gradient reduction (`exposed_reduction`): the runtime (backends/runtime/grads.py)
   launches each stage's bucketed DP all-reduce when that stage's last W/BW of the step
   ends, one after another on the communication stream, and waits before the optimizer:
@@ -88,7 +90,9 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
                  + st.cp_bytes * float_scale / links.tp)
         again = tp_s / 2 if st.recompute_ops or st.recompute_flops else 0.0
         comm = (tp_s + other) / 2
-        table.append((t.f + comm, t.b + comm + again, t.w))
+        f_posts, b_posts = _posts(st.index, len(stages))
+        post = device.hardware.post_s if device.hardware is not None else 0.0
+        table.append((t.f + comm + f_posts * post, t.b + comm + again + b_posts * post, t.w))
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
@@ -102,6 +106,13 @@ def exposed_reduction(jobs: list[tuple[float, float]], compute_end: float) -> fl
     for ready, duration in sorted(jobs):
         t = max(t, ready) + duration
     return max(0.0, t - compute_end)
+
+
+def _posts(stage: int, stages: int) -> tuple[int, int]:
+    """Transfers F and B post on the measured CPU (the host's work per send or receive): F
+    receives from the stage before and sends to the one after, B the other way round."""
+    inner = int(stage > 0) + int(stage < stages - 1)
+    return inner, inner
 
 
 def exposed_gathers(actions, durations: list[float], gather_s: list[float]) -> float:
