@@ -12,7 +12,7 @@ import torch
 from ...dsl.ast import DeviceSpec, Plan
 from ...dsl.errors import PlanError
 from ...dsl.values import did_you_mean
-from .devices import NAMES, DeviceProfile, cpu_profile, profile
+from .devices import NAMES, DeviceProfile, cpu_profile, dtype_of, profile
 from ...dsl.layout import global_rank, groups, mesh_layout
 
 
@@ -138,11 +138,6 @@ def model_of(plan: Plan, hw: DeviceProfile, origin: str = "") -> DeviceModel:
         latency_s=hw.latency, tp_link_bytes_per_s=hw.intra_node * hw.efficiency.link,
         ranks_per_node=hw.ranks_per_node, op_s=hw.op_s, op_backward_s=hw.op_backward_s,
         origin=origin or hw.name, hardware=hw)
-
-
-def dtype_of(plan: Plan) -> str:
-    """The compute precision a device's peak is read for."""
-    return {"bf16": "bf16", "fp64": "fp64"}.get(plan.train.precision, "fp32")
 
 
 def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:

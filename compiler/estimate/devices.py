@@ -119,6 +119,11 @@ def profile(name: str) -> Optional[DeviceProfile]:
     return replace(p, efficiency=fitted(p.family))
 
 
+def dtype_of(plan) -> str:
+    """The compute precision a device's peak is read for (the plan's train.precision)."""
+    return {"bf16": "bf16", "fp64": "fp64"}.get(plan.train.precision, "fp32")
+
+
 def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: float = 0.0,
                 attention: tuple = (), link: tuple = (10e-6, 50 * _GB),
                 post_s: float = 0.0) -> DeviceProfile:

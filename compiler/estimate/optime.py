@@ -33,8 +33,7 @@ from ...dsl.ast import Plan
 from ..capture.blocks import module_path
 from ..capture.work import Gemm
 from .costs import Cost
-from .device import dtype_of
-from .devices import DeviceProfile
+from .devices import DeviceProfile, dtype_of
 
 
 @dataclass(frozen=True)
