@@ -16,7 +16,9 @@ so a plan that cannot be split fails at its plan line: tp not dividing the
 features, the heads (where the graph views a column output as [..., heads,
 head_dim]) or the vocabulary; a pattern whose modules have no Linear-like use;
 a weight tied between modules that would split it differently; Megatron's
-pairing broken (a column output reaching anything but a row layer or the loss).
+pairing broken (a column output reaching anything but a row layer or the loss). A
+column Linear whose output the graph cuts into parts (fused q/k/v, gate/up) is split
+part by part (tp_fused.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..patterns import matches, matches_any
+from .tp_fused import find_segments, parts_of
 
 KINDS = ("column", "row", "vocab")
 LINEARS = (F.linear, torch.ops.aten.linear.default)
@@ -235,15 +238,21 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
     positions = {name for name, source in plan.data.inputs
                  if source in ("positions", "document_positions")}
 
-    def is_tensor(n: fx.Node) -> bool:
-        return n.target not in positions if n.op == "placeholder" else run.is_tensor(n)
+    def is_tensor(n: fx.Node) -> bool:  # (a split's list of tensors carries features too)
+        if n.op == "placeholder":
+            return n.target not in positions
+        value = run.values.get(n)
+        return run.is_tensor(n) or isinstance(value, (tuple, list)) and \
+            any(isinstance(v, torch.Tensor) for v in value)
 
     for node, name in linear.items():
         kind = kinds.get(name)
         if kind in ("column", "vocab") and loss_of_logits(node) is not None:
             continue  # vocab-parallel cross-entropy on the split logits
         if kind == "column":
-            _check_heads(plan, node, name, run)
+            key = _key_of(plan, "column", name)
+            for part in parts_of(node) if find_segments(plan, key, name, node, run) else [node]:
+                _check_heads(plan, part, name, run)
             for hit in first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
                     what = "the loss" if hit is None else \

@@ -129,3 +129,24 @@ class SeqOpLM(nn.Module):
             .permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
+def phi3(layers: int = 2):
+    """Phi-3: one fused `qkv_proj` whose output the forward slices into q, k and v (4 query
+    heads, 2 key/value heads), and one `gate_up_proj` it chunks into gate and up."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(**SMALL, num_hidden_layers=layers, pad_token_id=0,
+                     attn_implementation="sdpa")
+    return Phi3ForCausalLM(cfg)
+
+
+def gpt_neox(layers: int = 2):
+    """GPT-NeoX: one `query_key_value` whose output is viewed per head as [heads, 3 *
+    head_size] and chunked into q, k and v (interleaved by head), partial rotary."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    small = {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}
+    cfg = GPTNeoXConfig(**small, num_hidden_layers=layers, rotary_pct=0.5,
+                        attn_implementation="sdpa")
+    return GPTNeoXForCausalLM(cfg)
