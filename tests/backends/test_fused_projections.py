@@ -177,6 +177,7 @@ def _judge_worker(rank, world, folder):
     return rank_result(losses, trainer, grads), local, trainer.named_parameters()["up.weight"]
 
 
+@pytest.mark.slow
 def test_a_cut_mlp_trains_split_part_by_part_when_tp_divides_its_parts(spawn, tmp_path):
     """fx capture (`h[..., :30]` is a getitem): parts of 30 and 34 features over tp2 train
     as the reference, each rank holding half of each part (a plain split would hand rank 0
