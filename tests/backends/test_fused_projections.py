@@ -263,3 +263,29 @@ def test_phi3_and_gpt_neox_tp2_with_their_own_plan_equal_reference(spawn, tmp_pa
             if not torch.allclose(stored[f"params/{name}"], value, rtol=1e-9, atol=1e-12):
                 failures.append(f"{m}: checkpoint params/{name} differs")
     assert not failures, "\n".join(failures)
+
+
+def test_a_fused_shard_reads_only_its_pieces_from_a_weights_file(tmp_path):
+    """`Pieces.read` (a weights file filling a fused shard): one slice read per part,
+    through safetensors' get_slice, stacked as the rank holds them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pipeplan.backends.parallel.tp.fused import pieces
+
+    full = torch.arange(64 * 3, dtype=torch.float32).view(64, 3)
+    save_file({"qkv.weight": full}, str(tmp_path / "w.safetensors"))
+
+    class Source:
+        reads = []
+
+        def read(self, name, index=None):
+            self.reads.append(index)
+            with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+                return f.get_slice(name)[index]
+
+    part = pieces(((0, 32), (32, 16), (48, 16)), 0, 1, 2)
+    source = Source()
+    got = part.read(source, "qkv.weight")
+    assert torch.equal(got, torch.cat([full[16:32], full[40:48], full[56:64]]))
+    assert torch.equal(got, part.take(full)) and len(source.reads) == 3
