@@ -27,7 +27,10 @@ def declared_plan(model: torch.nn.Module) -> Optional[dict[str, str]]:
     """Qualified module pattern -> style, from the outermost module declaring a plan (the
     model itself, or a transformers model a user module wraps); None when none does."""
     for path, module in model.named_modules():
-        full = getattr(module, "tp_plan", None) if hasattr(type(module), "tp_plan") else None
+        try:
+            full = getattr(module, "tp_plan", None) if hasattr(type(module), "tp_plan") else None
+        except (AttributeError, TypeError):  # a model whose plan property cannot be read
+            full = None
         if not isinstance(full, dict) or not full:
             full = _base_plan(module)
         if full:

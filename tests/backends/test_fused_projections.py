@@ -289,3 +289,17 @@ def test_a_fused_shard_reads_only_its_pieces_from_a_weights_file(tmp_path):
     got = part.read(source, "qkv.weight")
     assert torch.equal(got, torch.cat([full[16:32], full[40:48], full[56:64]]))
     assert torch.equal(got, part.take(full)) and len(source.reads) == 3
+
+
+def test_plan_model_finds_the_plan_of_a_wrapped_transformers_model():
+    """A user module holding LlamaForCausalLM: the inner model's own tp_plan, under its
+    attribute's prefix (its lm_head and embedding included)."""
+    from pipeplan.compiler.capture.loading import load_model
+    from pipeplan.compiler.parallel.tp import tp_annotations
+
+    plan = plan_for("WrappedLlama")
+    kinds = tp_annotations(plan, load_model(plan, "meta"))
+    assert kinds["model.model.layers.3.self_attn.k_proj"] == "column"
+    assert kinds["model.model.layers.3.mlp.down_proj"] == "row"
+    assert kinds["model.lm_head"] == "column" and kinds["model.model.embed_tokens"] == "vocab"
+    assert not any(k.endswith("norm") for k in kinds)
