@@ -42,8 +42,11 @@ train {{
 STEPS = 3
 
 
-def plan_for(model: str, tensor: str = "plan = model", tp: int = 2):
-    return parse_plan(PLAN.format(model=model, tensor=tensor, tp=tp), "plan.plan")
+def plan_for(model: str, tensor: str = "plan = model", tp: int = 2, layers: int = 0):
+    text = PLAN.format(model=model, tensor=tensor, tp=tp)
+    if layers:
+        text = text.replace("  capture = export", f"  capture = export\n  args = {{ layers = {layers} }}")
+    return parse_plan(text, "plan.plan")
 
 
 def _segments(model_name: str) -> tuple[dict, dict]:
@@ -52,7 +55,7 @@ def _segments(model_name: str) -> tuple[dict, dict]:
     from pipeplan.compiler.parallel.tp import check_pairing, linear_calls, tp_annotations
     from pipeplan.compiler.parallel.tp_fused import FUSED
 
-    plan = plan_for(model_name)
+    plan = plan_for(model_name, layers=1)
     model = load_model(plan, "meta")
     kinds = tp_annotations(plan, model)
     traced = trace_with_loss(plan, model)
@@ -68,14 +71,14 @@ def test_phi3_parts_are_found_in_the_graph_and_split_part_by_part():
 
     kinds, found = _segments("phi3")
     assert kinds["model.embed_tokens"] == "vocab" and kinds["lm_head"] == "column"
-    assert kinds["model.layers.1.self_attn.qkv_proj"] == "column"
-    assert kinds["model.layers.1.mlp.down_proj"] == "row"
-    assert found["model.layers.1.self_attn.qkv_proj"] == ((0, 32), (32, 16), (48, 16))
-    assert found["model.layers.1.mlp.gate_up_proj"] == ((0, 64), (64, 64))
-    assert len(found) == 4  # nothing else is cut
+    assert kinds["model.layers.0.self_attn.qkv_proj"] == "column"
+    assert kinds["model.layers.0.mlp.down_proj"] == "row"
+    assert found["model.layers.0.self_attn.qkv_proj"] == ((0, 32), (32, 16), (48, 16))
+    assert found["model.layers.0.mlp.gate_up_proj"] == ((0, 64), (64, 64))
+    assert len(found) == 2  # nothing else is cut
 
     torch.manual_seed(0)
-    qkv = phi3().double().model.layers[0].self_attn.qkv_proj
+    qkv = phi3(layers=1).double().model.layers[0].self_attn.qkv_proj
     x = torch.randn(2, 5, 32, dtype=torch.float64)
     segments, tp = found["model.layers.0.self_attn.qkv_proj"], 2
     shards = [pieces(segments, 0, r, tp).take(qkv.weight.detach()) for r in range(tp)]
