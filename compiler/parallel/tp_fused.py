@@ -11,7 +11,7 @@ column-split on its own and stays whole heads per rank.
 
 Recognised cuts of the Linear's output, on its last dim only:
 
-    slice      aten.slice(out, -1, start, end) / out[..., start:end]
+    slice      aten.slice(out, -1, start, end) / out[..., start:end] / out[:, :, start:end]
     split      aten.split / split_with_sizes / torch.split / Tensor.split
     chunk      aten.chunk / torch.chunk / Tensor.chunk
 
@@ -71,9 +71,11 @@ def cut_of(user: fx.Node, features: int, ndim: int) -> Optional[tuple[tuple[int,
         return _slice_range(start, end, features)
     if op == "call_function" and target is operator.getitem and len(user.args) == 2:
         index = user.args[1]
-        if isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis \
-                and isinstance(index[1], slice) and index[1].step in (None, 1):
-            return _slice_range(index[1].start, index[1].stop, features)
+        leading = index[:-1] if isinstance(index, tuple) and index else None
+        last_only = leading == (Ellipsis,) or leading is not None and len(index) == ndim \
+            and all(i == slice(None) for i in leading)
+        if last_only and isinstance(index[-1], slice) and index[-1].step in (None, 1):
+            return _slice_range(index[-1].start, index[-1].stop, features)
         return None
     split = op == "call_function" and target in _SPLITS or op == "call_method" and \
         target == "split"

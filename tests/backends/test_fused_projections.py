@@ -306,3 +306,35 @@ def test_plan_model_finds_the_plan_of_a_wrapped_transformers_model():
     assert kinds["model.model.layers.3.mlp.down_proj"] == "row"
     assert kinds["model.lm_head"] == "column" and kinds["model.model.embed_tokens"] == "vocab"
     assert not any(k.endswith("norm") for k in kinds)
+
+
+def test_the_cuts_recognised_on_the_last_dim():
+    """`cut_of` on fx nodes: slices by Ellipsis or by full leading slices, split and chunk
+    on the last dim; a cut of another dim, a step, or an index tensor is no cut."""
+    import operator
+
+    import torch.fx as fx
+
+    from pipeplan.compiler.parallel.tp_fused import cut_of
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+
+    def node(target, *args, op="call_function", **kwargs):
+        return g.create_node(op, target, (x,) + args, kwargs)
+
+    cases = [
+        (node(operator.getitem, (Ellipsis, slice(None, 32))), ((0, 32),)),
+        (node(operator.getitem, (slice(None), slice(None), slice(32, None))), ((32, 64),)),
+        (node(operator.getitem, (slice(None), slice(1, None), slice(32, None))), None),
+        (node(operator.getitem, (Ellipsis, slice(0, 32, 2))), None),
+        (node(torch.ops.aten.slice.Tensor, 2, 48, 2 ** 63 - 1), ((48, 64),)),
+        (node(torch.ops.aten.slice.Tensor, 1, 0, 4), None),
+        (node(torch.ops.aten.split_with_sizes.default, [32, 16, 16], -1),
+         ((0, 32), (32, 48), (48, 64))),
+        (node("chunk", 2, op="call_method", dim=-1), ((0, 32), (32, 64))),
+        (node(torch.chunk, 3, -1), ((0, 22), (22, 44), (44, 64))),
+        (node(torch.split, 24, dim=2), ((0, 24), (24, 48), (48, 64))),
+    ]
+    for n, want in cases:
+        assert cut_of(n, 64, 3) == want, (n.format_node(), want)
