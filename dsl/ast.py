@@ -194,6 +194,9 @@ class TensorSpec:
     row: tuple[str, ...] = ()  # ... row-parallel
     vocab: tuple[str, ...] = ()  # ... vocab-parallel (embedding, LM head)
     sequence_parallel: bool = False
+    # "model": the Hugging Face model's own plan (tp_plan / config.base_model_tp_plan);
+    # "patterns": the lists above only; None: the lists, else the model's own
+    plan: Optional[str] = None
 
 
 # ------------------------------------------------------------------- compile

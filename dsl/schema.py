@@ -341,6 +341,7 @@ TENSOR = Section("tensor", A.TensorSpec, (
     Field("row", patterns, write_patterns),
     Field("vocab", patterns, write_patterns),
     Field("sequence_parallel", boolean),
+    Field("plan", choice("model", "patterns")),
 ))
 
 # ------------------------------------------------------------- recompute

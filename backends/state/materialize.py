@@ -67,6 +67,28 @@ class Slice:
         """The same part as an index, `full[index]` (what a weights file reads)."""
         return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
 
+    def read(self, source, name: str) -> torch.Tensor:
+        """This part alone from a weights file (weights.WeightSource)."""
+        return source.read(name, self.index())
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Several slices of one full parameter on one dim, held concatenated: a rank's shard of
+    a fused projection split part by part (backends/parallel/tp/fused.py)."""
+
+    slices: tuple[Slice, ...]
+
+    @property
+    def dim(self) -> int:
+        return self.slices[0].dim
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return torch.cat([s.take(full) for s in self.slices], dim=self.dim)
+
+    def read(self, source, name: str) -> torch.Tensor:
+        return torch.cat([s.read(source, name) for s in self.slices], dim=self.dim)
+
 
 _SLICE = "_pipeplan_slice"  # attribute of a meta shard: the Slice fill() gives it
 
@@ -75,7 +97,11 @@ def sliced_parameter(full: nn.Parameter, dim: int, start: int, length: int) -> n
     """A parameter holding `full`'s slice (the TP and EP rewrites' shards). A copy when `full`
     has storage; when it is meta (the runtime rewrites stages before materialising them) a
     meta parameter of the slice's shape, marked with its `Slice` for `fill`."""
-    part = Slice(dim, start, length)
+    return part_parameter(full, Slice(dim, start, length))
+
+
+def part_parameter(full: nn.Parameter, part) -> nn.Parameter:
+    """A parameter holding `part` (a Slice or Pieces) of `full`, as `sliced_parameter`."""
     if full.device.type != "meta":
         return nn.Parameter(part.take(full.detach()).contiguous().clone(),
                             requires_grad=full.requires_grad)
@@ -249,7 +275,7 @@ def fill(targets: Mapping[str, Iterable[nn.Parameter]],
 
     def local(name: str, part: Optional[Slice], value: Optional[torch.Tensor]) -> torch.Tensor:
         if value is None:  # from the weights file: the slice alone
-            return source.read(name, part.index() if part is not None else None)
+            return part.read(source, name) if part is not None else source.read(name, None)
         return part.take(value) if part is not None else value
 
     def put_flat(name: str, value: Optional[torch.Tensor]) -> None:

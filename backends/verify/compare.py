@@ -34,6 +34,14 @@ Two rules, and the verdict names the one it applied:
   B_t = mu*B_(t-1) + G_t. This is why a gradient near Adam's eps may move its
   parameter by almost lr (the bound says so per element), while a large one
   is held to float32 precision. `reference.py` records G, v and A.
+* `fp32-island` (fp64 verify of a model that computes part of itself in float32 on
+  purpose: DeepSeek-V3's router `.float()`, an RMSNorm's upcast): the casts are found in
+  the captured graph (compiler/estimate/precision.py `narrowing_casts`). What flows
+  through them carries float32 rounding, which a correct split may change (a sequence
+  split, a partial sum), and the loss and every gradient upstream of them flow back
+  through it. The judge applies `fp64` first; where that fails and the graph has such
+  nodes, the `fp32-adam-bound` bounds above, and the verdict names the nodes that set
+  them. A model whose float32 parts round alike on both sides stays EQUAL under `fp64`.
 """
 from __future__ import annotations
 
@@ -56,14 +64,21 @@ class Rule:
     atol: float
     param_slack: Mapping[str, torch.Tensor] = field(default_factory=dict)  # by reference name
     grad_slack: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    because: tuple[str, ...] = ()  # the model's own float32 nodes that set it (fp32-island)
 
     def describe(self) -> str:
         if not self.param_slack and not self.grad_slack:
             return f"rule {self.name}: every element within rtol={self.rtol:g}, atol={self.atol:g}"
-        return (f"rule {self.name}: |diff| <= {FP32_K}*eps32*(|ref| + bound), per element; "
+        said = (f"rule {self.name}: |diff| <= {FP32_K}*eps32*(|ref| + bound), per element; "
                 f"gradients: bound = max |g| of the step; parameters: bound = how far the "
                 f"optimizer moves each element for a gradient error of that size "
                 f"(Adam: 2*lr*G/(sqrt(v)+eps) per step, from the reference's v)")
+        if self.because:
+            shown = ", ".join(self.because[:6]) + (f" and {len(self.because) - 6} more"
+                                                   if len(self.because) > 6 else "")
+            said += (f"; set by the model's own float32 computation (not within fp64: it "
+                     f"narrows to float32 at {len(self.because)} nodes: {shown})")
+        return said
 
 
 FP64 = Rule("fp64", FP64_RTOL, FP64_ATOL)
@@ -76,6 +91,12 @@ def fp32_rule(grad_scale: float, adam_reach: Mapping[str, torch.Tensor]) -> Rule
     grads = {n: torch.full((), k * grad_scale, dtype=torch.float64) for n in adam_reach}
     params = {n: k * a.double() for n, a in adam_reach.items()}
     return Rule("fp32-adam-bound", k, 0.0, params, grads)
+
+
+def island_rule(fp32: Rule, nodes) -> Rule:
+    """The float32 rule, applied because the model computes `nodes` in float32 itself."""
+    return Rule("fp32-island", fp32.rtol, fp32.atol, fp32.param_slack, fp32.grad_slack,
+                tuple(nodes))
 
 
 @dataclass(frozen=True)

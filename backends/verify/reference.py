@@ -48,6 +48,27 @@ class ReferenceResult:
 
         return fp32_rule(self.grad_scale, self.reach)
 
+    def island_rule(self, nodes):
+        """The float32 rule set by the model's own float32 `nodes` (compare.island_rule)."""
+        from .compare import island_rule
+
+        return island_rule(self.fp32_rule(), nodes)
+
+
+def float_islands(plan: Plan) -> list[str]:
+    """Where the plan's model, in float64, computes in a lower precision on purpose: its
+    captured graph's narrowing casts ("node (module, dtype)"); [] unless fp64."""
+    if plan.train.precision != "fp64":
+        return []
+    from ...compiler.capture.loading import load_model
+    from ...compiler.capture.traced import trace_with_loss
+    from ...compiler.estimate.precision import narrowing_casts
+
+    model = to_precision(load_model(plan, "meta"), "fp64")
+    traced = trace_with_loss(plan, model)
+    return [f"{name} ({module or 'the root'}, {str(dtype).removeprefix('torch.')})"
+            for name, module, dtype in narrowing_casts(traced.module.graph, traced.run)]
+
 
 def chunk_groups(plan: Plan) -> list[list[int]]:
     """Which chunks the reference runs as one batch: one chunk (one microbatch of one dp

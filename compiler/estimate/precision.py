@@ -70,3 +70,25 @@ def kernel_notes(model: torch.nn.Module) -> list[str]:
     """What `to_precision` switched in `model`, for the report."""
     note = getattr(model, _NOTE, None)
     return [note] if note else []
+
+
+# ------------------------------------------------------- the model's own lower precision
+LOWER = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def narrowing_casts(graph, run) -> list[tuple[str, str, torch.dtype]]:
+    """(node, module, dtype) of every op of a float64 graph that turns a float64 tensor into a
+    lower-precision float one: the model computing part of itself in float32 (or bf16) on
+    purpose (a router's `.float()`, an RMSNorm's upcast of a bf16 model, here a downcast).
+    What flows from them carries that precision's rounding (verify's judge, compare.py)."""
+    from ..capture.blocks import module_path
+
+    out = []
+    for node in graph.nodes:
+        value = run.values.get(node)
+        if not isinstance(value, torch.Tensor) or value.dtype not in LOWER:
+            continue
+        inputs = [run.values.get(a) for a in node.all_input_nodes]
+        if any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in inputs):
+            out.append((node.name, module_path(node), value.dtype))
+    return out

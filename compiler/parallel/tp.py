@@ -16,7 +16,9 @@ so a plan that cannot be split fails at its plan line: tp not dividing the
 features, the heads (where the graph views a column output as [..., heads,
 head_dim]) or the vocabulary; a pattern whose modules have no Linear-like use;
 a weight tied between modules that would split it differently; Megatron's
-pairing broken (a column output reaching anything but a row layer or the loss).
+pairing broken (a column output reaching anything but a row layer or the loss). A
+column Linear whose output the graph cuts into parts (fused q/k/v, gate/up) is split
+part by part (tp_fused.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import torch.nn.functional as F
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..patterns import matches, matches_any
+from .tp_fused import find_segments, parts_of
+from .tp_model import HF_STYLES, declared_plan
 
 KINDS = ("column", "row", "vocab")
 LINEARS = (F.linear, torch.ops.aten.linear.default)
@@ -111,8 +115,16 @@ def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:
 # ------------------------------------------------------------ compile-time checks
 def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
     """qualified module -> "column" | "row" | "vocab", checked against the parameters' shapes.
-    Without `tensor` patterns, the model's own plan (`model_tp_plan`) or a refusal."""
+    `tensor.plan = model`, or no `tensor` patterns (unless `plan = patterns`): the model's
+    own plan (`model_tp_plan`) or a refusal."""
+    if plan.tensor.plan == "model":
+        return model_tp_plan(plan, model, "tensor.plan")
     if not any(getattr(plan.tensor, kind) for kind in KINDS):
+        if plan.tensor.plan == "patterns":
+            raise PlanError.at(plan, "tensor.plan", f"mesh.tp = {plan.mesh.tp} splits nothing: "
+                               "tensor.plan = patterns but the section names no column, row "
+                               "or vocab patterns", "name the modules to split, or set "
+                               "tensor.plan = model to use the model's own plan")
         return model_tp_plan(plan, model)
     tp = plan.mesh.tp
     modules = dict(model.named_modules())
@@ -134,41 +146,34 @@ def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-# transformers' tensor-parallel styles (config.base_model_tp_plan) the rewrite runs
-HF_STYLES = {"colwise": "column", "rowwise": "row"}
-
-
-def model_tp_plan(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
-    """`mesh.tp > 1` with no `tensor` patterns: the split a Hugging Face model declares for
-    itself (`config.base_model_tp_plan`: module pattern -> colwise / rowwise, relative to
-    the base model), checked like the plan's own; refused at `mesh.tp` when the model has
-    none (a tp that split nothing would run every rank on the whole model). A plan that
-    distributes experts may use tp ranks for expert parallelism alone."""
-    declared = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+def model_tp_plan(plan: Plan, model: torch.nn.Module, key: str = "mesh.tp") -> dict[str, str]:
+    """The split a Hugging Face model declares for itself (tp_model.py: `model.tp_plan` or
+    `config.base_model_tp_plan`), checked like the plan's own, errors at `key`; refused
+    when the model has none (a tp that split nothing would run every rank on the whole
+    model). A plan that distributes experts may use tp ranks for expert parallelism alone."""
+    declared = declared_plan(model)
     if not declared:
-        if plan.experts is not None and plan.mesh.ep > 1:
+        if plan.experts is not None and plan.mesh.ep > 1 and key == "mesh.tp":
             return {}
-        raise PlanError.at(plan, "mesh.tp", f"mesh.tp = {plan.mesh.tp} splits nothing: the "
+        raise PlanError.at(plan, key, f"mesh.tp = {plan.mesh.tp} splits nothing: the "
                            "plan has no `tensor` patterns and the model declares no tensor-"
-                           "parallel plan (config.base_model_tp_plan)",
+                           "parallel plan (tp_plan / config.base_model_tp_plan)",
                            "name Megatron's pairs, e.g. tensor { column = [layers.*.attn.q, "
                            "layers.*.mlp.up]  row = [layers.*.attn.proj, layers.*.mlp.down] }, "
                            "or set mesh.tp = 1")
-    prefix = getattr(model, "base_model_prefix", "")
-    prefix = prefix + "." if prefix and isinstance(getattr(model, prefix, None),
-                                                   torch.nn.Module) else ""
     modules = dict(model.named_modules())
     out: dict[str, str] = {}
     for pattern, style in declared.items():
         kind = HF_STYLES.get(style)
         if kind is None:
-            raise PlanError.at(plan, "mesh.tp", f"the model's tensor-parallel plan splits "
+            known = ", ".join(s for s in HF_STYLES)
+            raise PlanError.at(plan, key, f"the model's tensor-parallel plan splits "
                                f"{pattern} as {style!r}, which pipeplan's rewrite does not "
-                               f"run (it runs {', '.join(sorted(HF_STYLES))})",
+                               f"run (it runs {known})",
                                "write the split in a tensor section: column / row / vocab")
         for name in modules:
-            if name and matches(name, prefix + pattern):
-                _check_shape(plan, "mesh.tp", kind, name, modules[name], plan.mesh.tp)
+            if kind and name and matches(name, pattern):
+                _check_shape(plan, key, kind, name, modules[name], plan.mesh.tp)
                 out.setdefault(name, kind)
     _check_tied(plan, model, out)
     return out
@@ -235,15 +240,21 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
     positions = {name for name, source in plan.data.inputs
                  if source in ("positions", "document_positions")}
 
-    def is_tensor(n: fx.Node) -> bool:
-        return n.target not in positions if n.op == "placeholder" else run.is_tensor(n)
+    def is_tensor(n: fx.Node) -> bool:  # (a split's list of tensors carries features too)
+        if n.op == "placeholder":
+            return n.target not in positions
+        value = run.values.get(n)
+        return run.is_tensor(n) or isinstance(value, (tuple, list)) and \
+            any(isinstance(v, torch.Tensor) for v in value)
 
     for node, name in linear.items():
         kind = kinds.get(name)
         if kind in ("column", "vocab") and loss_of_logits(node) is not None:
             continue  # vocab-parallel cross-entropy on the split logits
         if kind == "column":
-            _check_heads(plan, node, name, run)
+            key = _key_of(plan, "column", name)
+            for part in parts_of(node) if find_segments(plan, key, name, node, run) else [node]:
+                _check_heads(plan, part, name, run)
             for hit in first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
                     what = "the loss" if hit is None else \
@@ -346,4 +357,6 @@ def _key_of(plan: Plan, kind: str, name: str) -> str:
     for i, pattern in enumerate(getattr(plan.tensor, kind)):
         if matches(name, pattern):
             return f"tensor.{kind}.{i}"
+    if plan.tensor.plan == "model":
+        return "tensor.plan"
     return f"tensor.{kind}" if any(getattr(plan.tensor, k) for k in KINDS) else "mesh.tp"

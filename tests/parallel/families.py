@@ -129,3 +129,61 @@ class SeqOpLM(nn.Module):
             .permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
+def phi3(layers: int = 2):
+    """Phi-3: one fused `qkv_proj` whose output the forward slices into q, k and v (4 query
+    heads, 2 key/value heads), and one `gate_up_proj` it chunks into gate and up."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(**SMALL, num_hidden_layers=layers, pad_token_id=0,
+                     attn_implementation="sdpa")
+    return Phi3ForCausalLM(cfg)
+
+
+def gpt_neox(layers: int = 2):
+    """GPT-NeoX: one `query_key_value` whose output is viewed per head as [heads, 3 *
+    head_size] and chunked into q, k and v (interleaved by head), partial rotary."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    small = {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}
+    cfg = GPTNeoXConfig(**small, num_hidden_layers=layers, rotary_pct=0.5,
+                        attn_implementation="sdpa")
+    return GPTNeoXForCausalLM(cfg)
+
+
+def deepseek_v3(layers: int = 2):
+    """DeepSeek-V3: multi-head latent attention, a dense first layer then MoE with a sigmoid
+    router that casts to float32 on purpose (`hidden.type(torch.float32)`), RMSNorms that
+    upcast; attention through CAUSAL_SDPA (no mask tensor) so context parallel can run it."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    _register_causal_sdpa()
+    small = {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}
+    cfg = DeepseekV3Config(**small, num_key_value_heads=4, num_hidden_layers=layers,
+                           moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                           q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                           qk_nope_head_dim=4, v_head_dim=8, attn_implementation=CAUSAL_SDPA)
+    return DeepseekV3ForCausalLM(cfg)
+
+
+class Float32AttentionLM(nn.Module):
+    """Causal SDPA computed in float32 on purpose (`q.float()` ..., `.to(x.dtype)` back), as
+    models keep a router or a softmax in float32: in a float64 run a float32 island, whose
+    rounding a split of the sequence (ring attention's blocks) changes."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        return self.head(x + y.to(x.dtype).transpose(1, 2).reshape(b, t, d))

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...state.materialize import sliced_parameter
+from ...state.materialize import part_parameter, sliced_parameter
+from .fused import SEGMENTS, pieces, ungroup
 
 SHARD_DIMS = "_tp_shard_dims"
 
@@ -37,12 +38,15 @@ class ParameterSlicer:
     def shards(self) -> list[nn.Parameter]:
         return [shard for _, shard in self._memo.values()]
 
-    def __call__(self, p: nn.Parameter, dim: int) -> nn.Parameter:
-        key = (id(p), dim)
+    def __call__(self, p: nn.Parameter, dim: int, segments=None) -> nn.Parameter:
+        """`segments` (a fused Linear's, fused.py): this rank's 1/tp of each, stacked."""
+        key = (id(p), dim, segments)
         if key not in self._memo:
             size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
             length = p.shape[dim] // size  # tp divides it (checked at compile time)
-            self._memo[key] = (p, sliced_parameter(p, dim, rank * length, length))
+            shard = part_parameter(p, pieces(segments, dim, rank, size)) if segments else \
+                sliced_parameter(p, dim, rank * length, length)
+            self._memo[key] = (p, shard)
         return self._memo[key][1]
 
 
@@ -76,9 +80,12 @@ def gather_full(tensor: torch.Tensor, dim: Optional[int], group) -> torch.Tensor
 
 def gather_full_state(module: nn.Module, group) -> dict[str, torch.Tensor]:
     """state_dict with every TP-sharded tensor all-gathered to its full (reference) shape."""
-    dims = tp_shard_dims(module)
-    return {key: gather_full(value, dims.get(key), group)
+    dims, fused = tp_shard_dims(module), getattr(module, SEGMENTS, {})
+    full = {key: gather_full(value, dims.get(key), group)
             for key, value in module.state_dict().items()}
+    size = dist.get_world_size(group)
+    return {key: ungroup(value, fused[key], size) if key in fused else value
+            for key, value in full.items()}
 
 
 def sync_partial_grads(params, group) -> None:

@@ -13,6 +13,8 @@ that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
   first: nothing forward (all-gather of the sequence under sequence parallel),
   and backward the partial input gradients all-reduced (reduce-scattered);
   column uses reading one value share one redistribution (Megatron's fused QKV);
+  a column Linear whose output the graph cuts into parts (Phi-3's qkv_proj) holds
+  its 1/tp of every part and its cuts are redone on that order (fused.py);
 * a row-parallel use computes `linear(x, W)` on the split features (a Partial
   sum), redistributes it to Replicate -- all-reduce -- or to Shard(seq) under
   sequence parallel -- reduce-scatter -- and only then adds the bias;
@@ -50,6 +52,7 @@ from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, TensorParallelRules, 
 from ....errors import PipeplanError
 from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
                       VocabParallelLoss)
+from .fused import SEGMENTS, fused_parameters, recut
 from .params import SHARD_DIMS, ParameterSlicer, set_parameter
 
 SEQ = "shard:-2"
@@ -266,15 +269,17 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
         if node.op == "call_module" and rules.kind_of(node.target):
             _functional_form(gm, node)
 
-    # 2. shard the parameters the patterns name (one shard per tied parameter and dim)
+    # 2. shard the parameters the patterns name (one shard per tied parameter and dim); a
+    #    fused Linear's (its output cut into parts) holds its 1/tp of every part (fused.py)
     dims: dict[str, int] = {}
+    fused = fused_parameters(g)
     for name, p in list(gm.named_parameters(remove_duplicate=False)):
         owner, _, leaf = name.rpartition(".")
         kind = rules.kind_of(owner)
         dim = shard_dim(kind, leaf) if kind else None
         if dim is None:
             continue
-        set_parameter(gm, name, sliced(p, dim))
+        set_parameter(gm, name, sliced(p, dim, fused.get(name)))
         dims[name] = dim
         rewrites[owner] = kind
 
@@ -296,7 +301,9 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
                 entered[x].meta[COLLECTIVE] = sp  # all-gathers the sequence (else a no-op)
             node.replace_input_with(x, entered[x])
             loss = loss_of_logits(node)
-            if loss is not None:
+            if w in fused:
+                recut(gm, node, dist.get_world_size(group))
+            elif loss is not None:
                 _vocab_loss(b, loss)
                 rewrites[w.rpartition(".")[0]] = kind + "+loss"
             elif kind == "vocab":
@@ -357,6 +364,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
         out.args = (fx.node.map_arg(out.args[0], lambda n: g.call_module(local, (n,))),)
 
     setattr(gm, SHARD_DIMS, dims)
+    setattr(gm, SEGMENTS, {n: fused[n] for n in dims if n in fused})
     g.lint()
     gm.recompile()
     return TensorParallelResult(rewrites, tuple(dict.fromkeys(partial)))

@@ -55,8 +55,9 @@ def diloco_pieces(trainer, placed, names: str = "written") -> dict[str, Pieces]:
         for name in (pl.written if names == "written" else pl.names[:1]):
             for key, view in (("global", value), ("outer_momentum", momentum)):
                 if view is not None:
-                    out.setdefault(f"diloco/{key}/{name}", Pieces(pl.shape, view.dtype)).add(
-                        pl.offset, view)
+                    pieces = out.setdefault(f"diloco/{key}/{name}", Pieces(pl.shape, view.dtype))
+                    for at, part in pl.place((0,) * view.dim(), view):
+                        pieces.add(at, part)
     return out
 
 

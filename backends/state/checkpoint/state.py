@@ -12,6 +12,8 @@ A rank's pieces of a parameter follow from how the plan cut it:
 * whole (pp, dp replicas): one piece at offset 0 (replicas write it once: DCP
   keeps one copy of equal chunks);
 * a TP slice: one piece, offset rank·⌈n/tp⌉ on its split dim (backends/parallel/tp/params.py);
+  a fused projection split part by part (backends/parallel/tp/fused.py): one piece per
+  part, rank r's 1/tp of each at its place in the model's own layout;
 * an expert block: one piece, offset first-expert on dim 0 (expert_parallel.py);
 * under ZeRO: the part of the above in this rank's flat range of its shard
   (zero.py), cut into rectangles (`flat_boxes`); values and optimizer states
@@ -58,11 +60,26 @@ class Placed:
     shape: tuple[int, ...]
     offset: tuple[int, ...]
     written: list[str]  # the names this rank writes (it holds their first stage)
+    rows: tuple = ()  # a fused TP shard: (local row, global row, rows) per part, dim 0
+
+    def place(self, local_offsets, view: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """(global offsets, view) of `view`, which sits at `local_offsets` of the local tensor
+        (a box across a fused shard's parts is cut at their edges)."""
+        at = tuple(o + l for o, l in zip(self.offset, local_offsets))
+        if not self.rows:
+            return [(at, view)]
+        lo, n, out = local_offsets[0], view.shape[0], []
+        for local, glob, rows in self.rows:
+            a, b = max(lo, local), min(lo + n, local + rows)
+            if a < b:
+                out.append(((glob + a - local,) + at[1:], view.narrow(0, a - lo, b - a)))
+        return out
 
 
 def placed_parameters(trainer) -> list[Placed]:
     """Every parameter of this rank's stages, placed in the global tensors."""
     from ...parallel.tp import tp_shard_dims
+    from ...parallel.tp.fused import SEGMENTS
     from ...parallel.tp.params import shard_offset
 
     out: dict[int, Placed] = {}
@@ -70,6 +87,7 @@ def placed_parameters(trainer) -> list[Placed]:
         module = trainer.runners[s].module
         st = trainer.layout.parallel.get(s)
         dims = tp_shard_dims(module) if st is not None and st.tensor is not None else {}
+        fused = getattr(module, SEGMENTS, {}) if dims else {}
         experts = {}
         if st is not None:
             for lname, layer in st.experts.items():
@@ -78,17 +96,32 @@ def placed_parameters(trainer) -> list[Placed]:
         for name, p in module.named_parameters(remove_duplicate=False):
             shape = trainer.global_shapes[name]
             offset = [0] * len(shape)
-            if name in dims:
+            rows = ()
+            if name in fused:
+                rows = _fused_rows(fused[name], st.groups.tp)
+            elif name in dims:
                 d = dims[name] % len(shape)
                 offset[d] = shard_offset(shape[d], st.groups.tp)
             if name in experts:
                 offset[0] = experts[name]
-            entry = out.setdefault(id(p), Placed(p, [], shape, tuple(offset), []))
+            entry = out.setdefault(id(p), Placed(p, [], shape, tuple(offset), [], rows))
             if name not in entry.names:
                 entry.names.append(name)
                 if trainer.first_stage[name] == s:
                     entry.written.append(name)
     return list(out.values())
+
+
+def _fused_rows(segments, group) -> tuple:
+    """(local row, global row, rows) of each part of a fused shard (fused.pieces' layout)."""
+    import torch.distributed as dist
+
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    out, local = [], 0
+    for start, length in segments:
+        out.append((local, start + rank * (length // tp), length // tp))
+        local += length // tp
+    return tuple(out)
 
 
 def empty_optimizer_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
@@ -119,7 +152,8 @@ def _add(out: dict, key: str, pl: Placed, local_offsets, view: torch.Tensor) -> 
         out.setdefault(key, Pieces((), view.dtype)).add((), view)
         return
     pieces = out.setdefault(key, Pieces(pl.shape, view.dtype))
-    pieces.add(tuple(o + l for o, l in zip(pl.offset, local_offsets)), view)
+    for at, part in pl.place(local_offsets, view):
+        pieces.add(at, part)
 
 
 def rank_pieces(trainer, names: str = "written", with_optimizer: bool = True) -> dict[str, Pieces]:
