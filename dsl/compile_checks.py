@@ -15,9 +15,6 @@ from .rules import Problem, check
 
 # (what the plan asks for, why graphs mode refuses it) -- docs/compiler.md lists the same
 UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
-    ("mesh.tp > 1", lambda p: p.mesh.tp > 1,
-     "tensor parallelism runs its collectives in custom autograd Functions (DTensor "
-     "rewrites), which the joint graph does not trace"),
     ("mesh.ep > 1", lambda p: p.mesh.ep > 1,
      "expert parallelism's all-to-all is a custom autograd Function"),
     ("mesh.cp > 1", lambda p: p.mesh.cp > 1,

@@ -85,8 +85,9 @@ def make_runner(plan: Plan, spec, module, is_last: bool, scale: float, rules, au
     compile_part = None
     if plan.compile.mode == "inductor":
         from .inductor import compile_part
+    rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1  # the compiler traced the unsharded stage
     joint = spec.joint if plan.train.precision != "bf16" and device_type == TRACE_DEVICE \
-        else None
+        and not rewritten else None
     return GraphStageRunner(spec, module, is_last, scale, autocast=autocast,
                             compile_part=compile_part, joint=joint)
 

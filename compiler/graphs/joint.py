@@ -10,7 +10,10 @@ partition into F / B / W / BW is split.py's.
 
 What cannot be traced jointly is refused with the op named (`JointTraceError`):
 a custom `torch.autograd.Function` (its backward is the user's Python, which
-AOTAutograd would inline or refuse), an op whose output shape depends on the
+AOTAutograd would inline or refuse) unless it is one of `TRACEABLE_FUNCTIONS`
+(DTensor's own conversions and redistribution, whose collectives are functional
+collectives, and the ones the parallel rewrites register with
+`traceable_function`: a backward of tensor ops only, no host reads), an op whose output shape depends on the
 data (`nonzero`, boolean masking: control flow on values), an output that is a
 view of an input, a stage that writes a buffer or an input in place.
 
@@ -32,6 +35,23 @@ from ...errors import PipeplanError
 
 class JointTraceError(PipeplanError):
     """A stage that cannot be traced into one forward+backward graph; names the op."""
+
+
+def _dtensor_functions() -> set:
+    from torch.distributed.tensor import _api, _redistribute
+
+    return {_api._FromTorchTensor, _api._ToTorchTensor, _redistribute.Redistribute}
+
+
+# autograd.Functions AOTAutograd traces inline into the joint graph: forward and backward
+# are tensor ops (collectives as functional collectives), nothing read on the host
+TRACEABLE_FUNCTIONS: set = set()
+
+
+def traceable_function(cls: type) -> type:
+    """Class decorator: `cls` (a torch.autograd.Function) may be traced into a joint graph."""
+    TRACEABLE_FUNCTIONS.add(cls)
+    return cls
 
 
 @dataclass
@@ -168,7 +188,8 @@ def _custom_function(outputs) -> Optional[str]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                node._forward_cls not in TRACEABLE_FUNCTIONS | _dtensor_functions():
             cls = node._forward_cls
             return f"{cls.__module__}.{cls.__qualname__}"
         stack.extend(c for c, _ in node.next_functions)
