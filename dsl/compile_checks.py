@@ -15,8 +15,6 @@ from .rules import Problem, check
 
 # (what the plan asks for, why graphs mode refuses it) -- docs/compiler.md lists the same
 UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
-    ("mesh.ep > 1", lambda p: p.mesh.ep > 1,
-     "expert parallelism's all-to-all is a custom autograd Function"),
     ("mesh.cp > 1", lambda p: p.mesh.cp > 1,
      "context parallelism's ring / all-to-all attention is a custom autograd Function"),
     ("zero = 3", lambda p: p.zero == 3,

@@ -12,8 +12,9 @@ What cannot be traced jointly is refused with the op named (`JointTraceError`):
 a custom `torch.autograd.Function` (its backward is the user's Python, which
 AOTAutograd would inline or refuse) unless it is one of `TRACEABLE_FUNCTIONS`
 (DTensor's own conversions and redistribution, whose collectives are functional
-collectives, and the ones the parallel rewrites register with
-`traceable_function`: a backward of tensor ops only, no host reads), an op whose output shape depends on the
+collectives, an operator's autograd registered with torch.library, and the
+ones the parallel rewrites register with `traceable_function`: a backward of
+tensor ops only, no host reads), an op whose output shape depends on the
 data (`nonzero`, boolean masking: control flow on values), an output that is a
 view of an input, a stage that writes a buffer or an input in place.
 
@@ -180,6 +181,16 @@ def _fake_forward(module, params, buffers, inputs, needs_grad) -> list[bool]:
     return [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
 
 
+def _traceable(cls: type) -> bool:
+    """A Function AOTAutograd may inline: listed, or the autograd of an operator registered
+    with torch.library (functional collectives' among them), whose backward that API requires
+    to be traceable."""
+    import torch._library.autograd as library_autograd
+
+    return cls in TRACEABLE_FUNCTIONS or cls in _dtensor_functions() or \
+        cls.__module__ == library_autograd.__name__
+
+
 def _custom_function(outputs) -> Optional[str]:
     seen, stack = set(), [o.grad_fn for o in outputs
                           if isinstance(o, torch.Tensor) and o.grad_fn is not None]
@@ -189,7 +200,7 @@ def _custom_function(outputs) -> Optional[str]:
             continue
         seen.add(node)
         if isinstance(node, torch.autograd.function.BackwardCFunction) and \
-                node._forward_cls not in TRACEABLE_FUNCTIONS | _dtensor_functions():
+                not _traceable(node._forward_cls):
             cls = node._forward_cls
             return f"{cls.__module__}.{cls.__qualname__}"
         stack.extend(c for c, _ in node.next_functions)
