@@ -11,10 +11,14 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from .ast import Plan
+from .layout import ep_across_tp
 from .rules import Problem, check
 
 # (what the plan asks for, why graphs mode refuses it) -- docs/compiler.md lists the same
 UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
+    ("expert parallelism across tp", lambda p: p.mesh.ep > 1 and ep_across_tp(p.mesh),
+     "the static expert dispatch of compiled stages is built within data-parallel ranks "
+     "only (ep dividing dp)"),
     ("mesh.cp > 1", lambda p: p.mesh.cp > 1,
      "context parallelism's ring / all-to-all attention is a custom autograd Function"),
     ("zero = 3", lambda p: p.zero == 3,
