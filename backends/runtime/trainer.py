@@ -85,9 +85,8 @@ def make_runner(plan: Plan, spec, module, is_last: bool, scale: float, rules, au
     compile_part = None
     if plan.compile.mode == "inductor":
         from .inductor import compile_part
-    rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1  # the compiler traced the unsharded stage
     joint = spec.joint if plan.train.precision != "bf16" and device_type == TRACE_DEVICE \
-        and not rewritten else None
+        else None  # (None under tp / ep: the compiler traced the stage before the rewrite)
     return GraphStageRunner(spec, module, is_last, scale, autocast=autocast,
                             compile_part=compile_part, joint=joint)
 
