@@ -26,8 +26,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
      "graphs read them live"),
     ("experts.dropless = false", lambda p: p.experts is not None and not p.experts.dropless,
      "the capacity rewrite of the experts is a runtime module swap not traced jointly"),
-    ("recompute rules", lambda p: any(r.mode != "none" for r in p.recompute),
-     "recompute regions are not yet a partition choice of the joint graph"),
     ("sync = diloco", lambda p: p.sync.diloco, "DiLoCo islands are not built on compiled stages"),
     ("experts.balance = step", lambda p: p.experts is not None and p.experts.balance == "step",
      "the routing pre-pass runs the stages eagerly"),
