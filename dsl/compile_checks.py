@@ -25,9 +25,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
      "only (ep dividing dp)"),
     ("mesh.cp > 1", lambda p: p.mesh.cp > 1,
      "context parallelism's ring / all-to-all attention is a custom autograd Function"),
-    ("zero = 3", lambda p: p.zero == 3,
-     "ZeRO-3 gathers and frees each stage's parameters around every action, while the "
-     "graphs read them live"),
     ("experts.dropless = false", lambda p: p.experts is not None and not p.experts.dropless,
      "the capacity rewrite of the experts is a runtime module swap not traced jointly"),
     ("sync = diloco", lambda p: p.sync.diloco, "DiLoCo islands are not built on compiled stages"),

@@ -28,7 +28,7 @@ def test_tp_and_ep_examples_load_in_graphs_mode():
 
 
 @pytest.mark.parametrize("name, edits, why", [
-    ("hybrid_pp2_dp2_tp2.plan", ["zero=3"], "zero = 3"),
+    ("gpt_pp4_1f1b.plan", ["mesh.cp=2"], "mesh.cp > 1"),
     ("moe_pp2_ep2_zbv.plan", ["experts.dropless=false", "experts.capacity_factor=1.0"],
      "experts.dropless = false"),
     ("moe_pp2_ep2_zbv.plan", ["mesh.tp=2", "mesh.ep=4"], "expert parallelism across tp"),
