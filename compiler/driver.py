@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..dsl.ast import Plan
+from ..schedules.simulate import simulate
 from .capture.blocks import blocks_of
 from .parallel.checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
@@ -96,11 +97,12 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     if profile:
         times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)
     else:
-        ops = [op_times(plan, w, device.hardware) for w in work]
-        times = stage_costs(plan, action_costs(plan, stages, ops, tp_traffic, moe_traffic,
-                                               device))
+        times = _model_costs(plan, stages, work, tp_traffic, moe_traffic, device)
     schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
         decided_schedule(plan, stages, schedule)
+    if not profile and device.sharing is not None:  # ranks sharing this CPU: how busy they are
+        device = device.shared(1.0 - simulate(schedule, times).bubble)
+        times = _model_costs(plan, stages, work, tp_traffic, moe_traffic, device)
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]
     tied = find_tied(model, stages)
@@ -116,12 +118,22 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                                  expert_params, estimates)
     if not profile:  # the time model's step: the same simulation, its breakdown per rank
         estimates.prediction = estimates.timing.time_on(device, estimates.simulation, times)
-        if estimates.sync is None:  # DiLoCo: the sync estimate's average step stands
-            estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
+        estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
+        if estimates.sync is not None:  # DiLoCo: its comparison on the same time model
+            every = estimates.timing.time_on(device, estimates.simulation, times, every_step=True)
+            estimates.sync = dataclasses.replace(
+                estimates.sync, step_time_s=estimates.step_time_s,
+                every_step_time_s=every.step_s + estimates.prepass_s)
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,
                         estimates=estimates)
+
+
+def _model_costs(plan: Plan, stages, work, tp_traffic, moe_traffic, device):
+    """The time model's per-action costs on `device` (estimate/optime.py, predict.py)."""
+    ops = [op_times(plan, w, device.hardware) for w in work]
+    return stage_costs(plan, action_costs(plan, stages, ops, tp_traffic, moe_traffic, device))
 
 
 def _attach_costs(stages: list[StageSpec], split: Split, costs: dict[fx.Node, Cost],

@@ -2,10 +2,12 @@
 
 The inputs' documents and the tokenizer are read by compiler/documents.py.
 Each document is encoded without special tokens and followed by the EOS id, so
-documents are packed back to back with EOS between them. Positions are not
-reset at document boundaries and no document mask is built: a window may hold
+documents are packed back to back with EOS between them. A window may hold
 the end of one document and the start of the next, attended to as one
-sequence (as nanoGPT's and torchtitan's default loaders do).
+sequence (as nanoGPT's and torchtitan's default loaders do), unless the model
+takes the `document_positions` field (backends/runtime/data.py: positions
+restarting after each EOS, from which a Hugging Face model builds its own
+packed-sequence mask).
 
 The held-out split: a seeded choice (`train.seed`) of round(holdout x documents)
 whole documents. The cache file is one `.npy` of token ids (the token-file

@@ -13,7 +13,8 @@ from .rules import Problem, check, where
 from .limits import MAX_RANKS, MAX_SCHEDULE_SLOTS, MAX_STEP_TOKENS
 
 INTEGER_DTYPES = ("int64", "int32")  # wide enough for a token id or a position
-_FIELD_DTYPES = {"tokens": INTEGER_DTYPES, "positions": INTEGER_DTYPES, "targets": INTEGER_DTYPES}
+_FIELD_DTYPES = {"tokens": INTEGER_DTYPES, "positions": INTEGER_DTYPES,
+                 "document_positions": INTEGER_DTYPES, "targets": INTEGER_DTYPES}
 
 
 @check("data.inputs", "model.inputs", "model.loss")
@@ -45,10 +46,27 @@ def _data_inputs(plan: Plan) -> Iterator[Problem]:
         if allowed and spec.dtype not in allowed:
             yield Problem(key, f"model input '{spec.name}' reads {source} (integers) but is "
                           f"declared {spec.dtype}", f"declare it {allowed[0]}[batch, seq]")
+        if source == "document_positions":
+            yield from _document_positions(plan, spec.name)
         if spec.name == "targets" and plan.model.loss != "model":
             yield Problem(key, "a model input may not be named 'targets' with a "
                           f"{plan.model.loss} loss: the loss reads the batch field 'targets'",
                           "rename the input, or use loss = model")
+
+
+def _document_positions(plan: Plan, name: str) -> Iterator[Problem]:
+    """Positions that restart after each end-of-document token need to know that token (text
+    data) and whole rows (no context-parallel column slices)."""
+    key = where(plan, f"data.inputs.{name}", "data")
+    if plan.data.kind != "text":
+        yield Problem(key, f"'{name}' reads document_positions, which restart after each "
+                      "end-of-document token: only data = text(...) knows where documents end",
+                      "use positions, or data = text(...)")
+    if plan.mesh.cp > 1:
+        yield Problem(where(plan, "mesh.cp", "mesh"), f"'{name}' reads document_positions, "
+                      "which a context-parallel rank's slice of a row cannot compute (a "
+                      "document may start in another rank's columns)",
+                      "use positions with context parallel, or mesh.cp = 1")
 
 
 # -- sizes (each value is bounded by the schema; these bound the products)

@@ -121,7 +121,8 @@ MODEL = Section("model", A.ModelSpec, (
 ))
 
 # ----------------------------------------------------------------- data
-DATA_FIELDS = ("tokens", "positions", "mask", "targets")  # what the runtime's data provides
+DATA_FIELDS = ("tokens", "positions", "document_positions", "mask", "targets")  # what the
+# runtime's data provides (backends/runtime/data.py)
 
 
 def _data_inputs(r: Reading, node: Node, key: str) -> tuple[tuple[str, str], ...]:

@@ -115,7 +115,8 @@ def _work_line(a: StageWork, b: StageWork, k: int) -> StageWork:
     gemms = {}
     for (ga, kind, rec), (gb, _, _) in zip(a.gemms, b.gemms):
         g = Gemm(*(x + k * (y - x) for x, y in zip((ga.batch, ga.m, ga.n, ga.k),
-                                                     (gb.batch, gb.m, gb.n, gb.k))))
+                                                     (gb.batch, gb.m, gb.n, gb.k))),
+                 attention=ga.attention)
         key = (g, kind, rec)
         gemms[key] = gemms.get(key, 0.0) + a.gemms[(ga, kind, rec)]
     memory = {key: [e + k * (f - e), o + k * (q - o), n]

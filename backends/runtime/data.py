@@ -40,7 +40,8 @@ class Batch:
     A batch is a token window per row; every other field a stage reads is made
     from it (`DATA_FIELDS` in dsl/schema.py, bound to the model's inputs by
     `DataSpec.feeds`): tokens (row[:-1]), targets (row[1:]), positions
-    (0..seq_len-1 in every row) and mask (ones of the input's declared shape).
+    (0..seq_len-1 in every row), document_positions (restarting at 0 after each
+    end-of-document token `eos`: text data) and mask (ones of the input's declared shape).
     """
 
     input_ids: torch.Tensor  # [rows, seq_len] int64: the `tokens` field
@@ -50,6 +51,7 @@ class Batch:
         ("input_ids", "tokens", "int64", ("batch", "seq")),)
     # global position of each column (context parallel slices); None: 0..seq_len-1
     positions: Optional[torch.Tensor] = dataclass_field(default=None, compare=False)
+    eos: Optional[int] = None  # the end-of-document token (text data)
 
     def field(self, name: str) -> torch.Tensor:
         """The batch field a stage input names (ValueRef.source == BATCH)."""
@@ -71,6 +73,8 @@ class Batch:
         if source == "positions":
             at = torch.arange(seq) if self.positions is None else self.positions
             return at.to(dtype).expand(rows, seq).contiguous()
+        if source == "document_positions":
+            return document_positions(self.input_ids, self.eos).to(dtype)
         if source == "mask":
             dims = {"batch": rows, "seq": seq}
             return torch.ones([dims.get(d, d) for d in shape], dtype=dtype)
@@ -83,16 +87,30 @@ class Batch:
 
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(self.input_ids[start:stop], self.targets[start:stop], self.feeds,
-                     self.positions)
+                     self.positions, self.eos)
 
     def columns(self, index: torch.Tensor) -> "Batch":
         """Columns `index` of every row (a context-parallel slice), keeping their positions."""
         at = torch.arange(self.input_ids.shape[1]) if self.positions is None else self.positions
-        return Batch(self.input_ids[:, index], self.targets[:, index], self.feeds, at[index])
+        return Batch(self.input_ids[:, index], self.targets[:, index], self.feeds, at[index],
+                     self.eos)
 
     @property
     def tokens(self) -> int:
         return self.input_ids.numel()
+
+
+def document_positions(tokens: torch.Tensor, eos: Optional[int]) -> torch.Tensor:
+    """Each token's position in its document: 0 at a row's first token and at every token
+    after an `eos`, counting up from there ([rows, seq] int64)."""
+    if eos is None:
+        raise PipeplanError("document_positions need the end-of-document token: text data")
+    rows, seq = tokens.shape
+    at = torch.arange(seq).expand(rows, seq)
+    starts = torch.zeros(rows, seq, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eos
+    return at - torch.cummax(torch.where(starts, at, 0), dim=1).values
 
 
 def feeds_of(plan: Plan) -> tuple[tuple[str, str, str, tuple], ...]:
@@ -197,7 +215,8 @@ def eval_batch(plan: Plan, k: int) -> Batch:
     rows = plan.train.global_batch
     at = [cache.split + ((k * rows + r) % windows) * window for r in range(rows)]
     data = torch.from_numpy(np.stack([tokens[a:a + window] for a in at]).astype(np.int64))
-    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous(), feeds_of(plan))
+    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous(), feeds_of(plan), None,
+                 cache.eos)
 
 
 def global_batch(plan: Plan, step: int) -> Batch:
@@ -209,7 +228,8 @@ def global_batch(plan: Plan, step: int) -> Batch:
         data = _text_rows(plan, step, rows)
     else:
         data = _synthetic_rows(plan.data, step, rows)
-    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous(), feeds_of(plan))
+    eos = text_cache(plan).eos if plan.data.kind == "text" else None
+    return Batch(data[:, :-1].contiguous(), data[:, 1:].contiguous(), feeds_of(plan), None, eos)
 
 
 def chunks(batch: Batch, count: int) -> list[Batch]:
@@ -225,7 +245,7 @@ def concat(batches: list[Batch]) -> Batch:
     if len(batches) == 1:
         return batches[0]
     return Batch(torch.cat([b.input_ids for b in batches]), torch.cat([b.targets for b in batches]),
-                 batches[0].feeds, batches[0].positions)
+                 batches[0].feeds, batches[0].positions, batches[0].eos)
 
 
 def dp_microbatches(plan: Plan, step: int, dp_rank: int, cp_rank: int = 0) -> list[Batch]:

@@ -31,6 +31,7 @@ class Gemm:
     m: int
     n: int
     k: int
+    attention: bool = False  # a fused attention kernel (its k: twice the head dimension)
 
     @property
     def flops(self) -> float:
@@ -61,7 +62,7 @@ def attention_work(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, flops: f
     batch = max(1, q.numel() // (q.shape[-2] * q.shape[-1]))
     sq, sk = q.shape[-2], k.shape[-2]
     per = max(flops / (2.0 * batch * sq * sk), 1.0)  # the K of the fused product: 2d
-    return Work(gemms=(Gemm(batch, sq, sk, int(round(per))),))
+    return Work(gemms=(Gemm(batch, sq, sk, int(round(per)), attention=True),))
 
 
 @dataclass
@@ -79,6 +80,9 @@ class WorkLog:
         return w
 
     def record(self, func, args, kwargs, out, is_param: Callable[[torch.Tensor], bool]) -> None:
+        if func.overloadpacket in _FUSED_ATTENTION:
+            self.gemms.append(_fused_attention(args))
+            return
         if func.overloadpacket in flop_registry:
             self.gemms.append(_gemm(func, args, kwargs, out))
             return
@@ -107,6 +111,19 @@ class WorkLog:
 _ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
                 torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided,
                 torch.ops.aten._unsafe_view}
+
+
+# fused attention kernels torch's flop counter has no formula for (the CPU's)
+_FUSED_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
+
+
+def _fused_attention(args) -> Gemm:
+    """q [..., sq, d] against k [..., sk, d] and v [..., sk, dv]: QK^T and PV, 2 sq sk (d + dv)
+    FLOPs per batch, as torch's formula for the other fused kernels counts them."""
+    q, k, v = args[:3]
+    batch = max(1, q.numel() // (q.shape[-2] * q.shape[-1]))
+    flops = 2.0 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    return attention_work(None, q, k, flops).gemms[0]
 
 
 def _gemm(func, args, kwargs, out) -> Gemm:

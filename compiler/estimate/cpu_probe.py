@@ -1,16 +1,30 @@
 """The measured CPU device model: what `check`/`compile` assume on a machine without CUDA when
 the plan has no `device` section (not a 400 TFLOP/s accelerator).
 
-Two numbers, both on one thread (the local launcher gives each rank one or a few):
+Microbenchmarks, each on one thread (the local launcher gives each rank one or a few), none of
+them a plan's own model or shapes:
 
 * sustained FLOP/s: the best of a few timed float32 matmuls (512 x 512);
+* attention: `scaled_dot_product_attention` (causal, 2 x 4 heads, sequence 128) at head
+  dimensions 16, 32, 64 and 128: forward FLOP/s and backward/forward time ratio per head
+  dimension (a CPU's fused attention runs far below its matmul rate at small heads);
+* memory-bound kernels: add, mul, GELU, layer norm and softmax on 256 Ki floats, timed
+  without autograd: bytes each reads and writes over its time, summed (the effective
+  bandwidth of such kernels, transcendental ones included);
 * host time per op: a small model runs op by op, and on a CPU each aten op costs
-  dispatch, autograd bookkeeping and allocation on top of its FLOPs -- for the
-  models a CPU trains that is most of the time (the README's example: 0.4 ms of
-  FLOPs per stage forward at the matmul rate, ~1.5 ms measured). Timed on the
+  dispatch, autograd bookkeeping and allocation on top of its FLOPs. Timed on the
   example GPT's transformer block at width 8 (FLOPs negligible): seconds per op
   its forward dispatches, forward and backward (the same count the meta run takes
-  per node, analysis.py), best of a few rounds.
+  per node, analysis.py), best of a few rounds;
+* links: the local launcher's ranks talk through gloo over 127.0.0.1: two processes
+  all-reduce 4 KiB and 1 MiB (best of 20 each) and the two times give a latency per
+  message and a bandwidth, which every collective and transfer of the plan is costed at;
+* contention: the local launcher starts every rank on this machine, so a rank runs at the
+  speed N processes get together, not at 1/N of one (cache and memory sharing, switching):
+  N processes (forked, one thread each, started together) run the same block forward and
+  backward at once (width 32) and their mean time per iteration over the one-process time
+  (each the better of two rounds: a quieter moment) is the factor every time above is
+  multiplied by for an N-rank local run (measured per N; 1 for one rank).
 
 Rounded to two significant digits and cached per machine and torch version in
 ~/.cache/pipeplan/cpu_flops.json (PIPEPLAN_CACHE moves it), so every compile on
@@ -23,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import multiprocessing
 import os
 import platform
 import time
@@ -30,10 +45,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 N, REPEATS, ROUNDS = 512, 8, 5
 WIDTH, TOKENS, BLOCKS = 8, 16, 4  # the op-time probe: FLOPs negligible, ops as a model's
+HEAD_DIMS, ATTN_SEQ, ATTN_BH = (16, 32, 64, 128), 128, (2, 4)  # the attention probe
+ELEMENTS = 1 << 18  # the memory-bound probe's tensors
+CONTENTION_WIDTH, CONTENTION_ITERS, MAX_PROCESSES = 32, 60, 32
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,11 @@ class CpuModel:
     op_s: float  # host seconds per aten op of a forward
     op_backward_s: float  # host seconds of backward per aten op of the forward
     origin: str
+    bytes_per_s: float = 0.0  # memory-bound kernels' effective bandwidth
+    link_latency_s: float = 0.0  # gloo between local processes: per message ...
+    link_bytes_per_s: float = 0.0  # ... and bandwidth
+    attention: tuple = ()  # ((head dim, forward FLOP/s, backward/forward), ...)
+    contention: float = 1.0  # the slowdown of this run's ranks sharing the machine
 
 
 def cache_path() -> str:
@@ -68,58 +92,228 @@ def _one_thread(fn):
         torch.set_num_threads(threads)
 
 
+def _best(fn, repeats: int, rounds: int = ROUNDS) -> float:
+    """Best mean seconds of one `fn()` over `rounds` rounds of `repeats` calls (after one)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.thread_time()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.thread_time() - t) / repeats)
+    return max(best, 1e-9)
+
+
 def measure_flops() -> float:
     """Best sustained one-thread float32 matmul FLOP/s over ROUNDS rounds of REPEATS."""
     def run():
         a, b = torch.randn(N, N), torch.randn(N, N)
-        a @ b  # warm-up
-        best = float("inf")
-        for _ in range(ROUNDS):
-            t = time.perf_counter()
-            for _ in range(REPEATS):
-                a @ b
-            best = min(best, time.perf_counter() - t)
-        return best
-    return _two_digits(2 * N ** 3 * REPEATS / max(_one_thread(run), 1e-9))
+        return _best(lambda: a @ b, REPEATS)
+    return _two_digits(2 * N ** 3 / _one_thread(run))
 
 
-def measure_op_times() -> tuple[float, float]:
-    """(forward, backward) host seconds per op the probe's forward dispatches."""
+def measure_attention() -> tuple:
+    """Per head dimension: causal fused attention's forward FLOP/s (counted as torch's flop
+    counter does, 4 b h s^2 d) and its backward's time over the forward's."""
+    def run():
+        out = []
+        b, h = ATTN_BH
+        for d in HEAD_DIMS:
+            q = torch.randn(b, h, ATTN_SEQ, d, requires_grad=True)
+            with torch.no_grad():
+                fwd = _best(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 4)
+
+            def both():
+                o = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                o.backward(torch.ones_like(o))
+            total = _best(both, 2)
+            out.append((d, _two_digits(4 * b * h * ATTN_SEQ ** 2 * d / fwd),
+                        _two_digits(max(total - fwd, fwd) / fwd)))
+        return tuple(out)
+    return _one_thread(run)
+
+
+def _block(width: int, tokens: int, blocks: int):
     from ...examples.models.gpt import Block  # the example models' pre-norm block: their op mix
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block(width, 2, 4 * width) for _ in range(blocks)))
+    return model, torch.randn(2, tokens, width, requires_grad=True)
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """One probe block: what its forward dispatches (ops, GEMMs, float elements the other
+    kernels move; counted as the compiler counts a stage, work.py) and its best one-thread
+    CPU seconds forward and backward."""
+
+    ops: int
+    gemms: tuple
+    elements: float
+    forward_s: float
+    backward_s: float
+
+
+def run_block(width: int, tokens: int, blocks: int) -> BlockRun:
     from ..capture.analysis import OpCounter
 
     def run():
-        torch.manual_seed(0)
-        model = nn.Sequential(*(Block(WIDTH, 2, 4 * WIDTH) for _ in range(BLOCKS)))
-        x = torch.randn(2, TOKENS, WIDTH, requires_grad=True)
+        model, x = _block(width, tokens, blocks)
         with OpCounter() as counted:
             model(x)
         for _ in range(ROUNDS):  # warm-up: the allocator's caches, lazy initialisation
             model(x).sum().backward()
         best_f = best_b = float("inf")
         for _ in range(ROUNDS * 4):
-            t = time.perf_counter()
-            loss = model(x).sum()
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
+            t = time.thread_time()
+            out = model(x)
+            t1 = time.thread_time()
+            out.sum().backward()
+            t2 = time.thread_time()
             best_f, best_b = min(best_f, t1 - t), min(best_b, t2 - t1)
-        return best_f / counted.count, best_b / counted.count
-    f, b = _one_thread(run)
-    return _two_digits(f), _two_digits(b)
+        log = counted.log
+        return BlockRun(counted.count, tuple(log.gemms), log.float_elements, best_f, best_b)
+    return _one_thread(run)
 
 
-def _cached(path: str, key: str) -> Optional[CpuModel]:
+def fit_host(runs: tuple, flops: float, attention: tuple) -> tuple[float, float, float]:
+    """(forward s per op, backward s per op, float elements per s) solving each probe's time
+    = its ops x host time per op + its GEMMs and attention at the measured rates (optime.py)
+    + its other kernels' float elements over the memory-bound rate: forward on the two
+    probes exactly, backward (twice the forward's products and elements, attention at its
+    measured ratio) by least squares for its host time per op."""
+    from .devices import cpu_profile
+    from .optime import attention_backward, gemm_time
+    dev = cpu_profile(flops, 0.0, 0.0, 0.0, attention)
+    kf = [sum(gemm_time(g, dev, flops, 4) for g in r.gemms) for r in runs]
+    kb = [sum(gemm_time(g, dev, flops, 4) * (attention_backward(dev, g.k / 2)
+                                                if g.attention else 2) for g in r.gemms)
+          for r in runs]
+    (small, large), (k0, k1) = runs, kf
+    det = small.ops * large.elements - large.ops * small.elements
+    per_element = (small.ops * (large.forward_s - k1) - large.ops * (small.forward_s - k0)) / det
+    per_element = max(per_element, 1e-12)  # noise: a memory-bound rate of at most 1e12/s
+    op_s = max(sum(r.ops * (r.forward_s - k - r.elements * per_element)
+                   for r, k in zip(runs, kf)) / sum(r.ops ** 2 for r in runs), 0.0)
+    op_b = max(sum(r.ops * (r.backward_s - k - 2 * r.elements * per_element)
+                   for r, k in zip(runs, kb)) / sum(r.ops ** 2 for r in runs), 0.0)
+    return op_s, op_b, 1.0 / per_element
+
+
+def _contention_worker(barrier, results) -> None:
+    torch.set_num_threads(1)
+    model, x = _block(CONTENTION_WIDTH, 128, 2)
+    for _ in range(5):
+        model(x).sum().backward()
+    barrier.wait()  # all start together
+    t = time.perf_counter()
+    for _ in range(CONTENTION_ITERS):
+        model(x).sum().backward()
+    results.put((time.perf_counter() - t) / CONTENTION_ITERS)
+
+
+def _processes_at_once(n: int) -> float:
+    """Mean wall seconds per iteration of the block when `n` processes run it together
+    (forked, as DataLoader workers are: one thread each)."""
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_contention_worker, args=(barrier, results), daemon=True)
+             for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        times = [results.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return sum(times) / n
+
+
+LINK_BYTES = (1 << 12, 1 << 20)  # the link probe's two message sizes
+LINK_REPEATS = 20
+
+
+def _link_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        out = []
+        for nbytes in LINK_BYTES:
+            x = torch.zeros(nbytes // 4)
+            dist.all_reduce(x)  # warm-up: the pair's buffers
+            best = float("inf")
+            for _ in range(LINK_REPEATS):
+                dist.barrier()
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                best = min(best, time.perf_counter() - t)
+            out.append(best)
+        results.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link() -> tuple[float, float]:
+    """(latency s, bytes/s) of this machine's gloo transport between two local processes
+    (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n), so its best
+    time at two sizes is latency + n / bandwidth."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_link_worker, args=(r, port, results), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        small, large = (max(t) for t in zip(*(results.get(timeout=300) for _ in procs)))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
+    return _two_digits(max(small - LINK_BYTES[0] * per_byte, 1e-7)), _two_digits(1 / per_byte)
+
+
+def measure_contention(n: int) -> float:
+    """How much slower each of `n` processes runs when all run at once (>= 1; 1 for n <= 1)."""
+    if n <= 1:
+        return 1.0
+    alone = min(_processes_at_once(1) for _ in range(2))  # the best of two: a quieter moment
+    together = min(_processes_at_once(n) for _ in range(2))
+    return _two_digits(max(1.0, together / alone))
+
+
+_FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
+           "link_bytes_per_s")
+
+
+def _load(path: str, key: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             c = json.load(f)
-        if c.get("key") == key and min(float(c[k]) for k in
-                                       ("flops_per_s", "op_s", "op_backward_s")) > 0:
-            return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),
-                            f"measured CPU model ({key}, one thread; cached in {path})")
+        if c.get("key") == key and min(float(c[k]) for k in _FIELDS) > 0 and c["attention"]:
+            return c
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return None
+    return {}
+
+
+def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
+    factor = 1.0 if n <= 1 else c.get("contention", {}).get(str(n))
+    if not c or factor is None:
+        return None
+    return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),
+                    origin, float(c["bytes_per_s"]), float(c["link_latency_s"]),
+                    float(c["link_bytes_per_s"]),
+                    tuple(tuple(float(v) for v in row) for row in c["attention"]),
+                    float(factor))
 
 
 @contextlib.contextmanager
@@ -141,27 +335,48 @@ def _exclusive(path: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def cpu_model() -> CpuModel:
-    """This CPU's model: the cached measurement, else a fresh one (then cached)."""
+def cpu_model(processes: int = 1) -> CpuModel:
+    """This CPU's model for `processes` ranks running on it at once: the cached measurement,
+    else a fresh one of what is missing (then cached)."""
+    n = max(1, min(int(processes), MAX_PROCESSES))
     path, key = cache_path(), _key()
-    cached = _cached(path, key)
+    cached = _model(_load(path, key), n, _origin(key, f"cached in {path}"))
     if cached is not None:
         return cached
     with _exclusive(path):
-        return _cached(path, key) or _measure_and_cache(path, key)
+        c = _load(path, key) or _measure(key)
+        if n > 1 and str(n) not in c.setdefault("contention", {}):
+            c["contention"][str(n)] = measure_contention(n)
+        _store(path, c)
+        return _model(c, n, _origin(key, "measured now"))
 
 
-def _measure_and_cache(path: str, key: str) -> CpuModel:
-    flops = measure_flops()
-    op_s, op_backward_s = measure_op_times()
+def _origin(key: str, how: str) -> str:
+    return (f"measured CPU model ({key}, one thread; {N}x{N} matmul, fused attention, "
+            f"memory-bound kernel, width-{WIDTH} transformer block and contention probes; "
+            f"{how})")
+
+
+PROBES = ((WIDTH, TOKENS, BLOCKS), (32, 128, 2))  # overhead-bound, then kernel-bound
+
+
+def _measure(key: str) -> dict:
+    flops, attention = measure_flops(), measure_attention()
+    op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
+                                                   flops, attention)
+    latency, link = measure_link()
+    return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s),
+            "op_backward_s": _two_digits(op_backward_s),
+            "bytes_per_s": _two_digits(4 * elements_per_s),
+            "link_latency_s": latency, "link_bytes_per_s": link,
+            "attention": [list(r) for r in attention], "contention": {}}
+
+
+def _store(path: str, c: dict) -> None:
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"key": key, "flops_per_s": flops, "op_s": op_s,
-                       "op_backward_s": op_backward_s}, f)
+            json.dump(c, f)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: measured again next time
-    return CpuModel(flops, op_s, op_backward_s,
-                    f"measured CPU model ({key}, one thread; {N}x{N} float32 matmul and "
-                    f"width-{WIDTH} transformer block probes)")

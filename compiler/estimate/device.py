@@ -17,6 +17,23 @@ from ...dsl.layout import global_rank, groups, mesh_layout
 
 
 @dataclass(frozen=True)
+class Sharing:
+    """Ranks that share one machine's cores (the local launcher on the measured CPU): each
+    runs at max(1, busy ranks / cores) x `extra` of its speed alone, where `extra` is what
+    `ranks` processes busy at once measured beyond that fair share (caches, switching;
+    cpu_probe.measure_contention), and busy ranks are `ranks` x the share of the step they
+    compute (the simulated timeline's 1 - bubble: a rank waiting in a bubble leaves its
+    core to the others)."""
+
+    ranks: int
+    cores: int
+    extra: float
+
+    def factor(self, busy: float) -> float:
+        return max(1.0, self.ranks * busy / self.cores) * self.extra
+
+
+@dataclass(frozen=True)
 class DeviceModel:
     """What the time model assumes about one accelerator and its links: a device profile
     (devices.py: datasheet facts and fitted efficiencies) with the plan's overrides, and the
@@ -32,6 +49,30 @@ class DeviceModel:
     origin: str = "built-in defaults"  # where the numbers came from, for the report
     profile: str = ""  # op times and p2p latency measured instead: the cost file (profile.py)
     hardware: Optional[DeviceProfile] = None  # what ops are costed on (optime.py)
+    sharing: Optional[Sharing] = None  # the ranks share this machine: speeds are alone
+
+    def shared(self, busy: float) -> "DeviceModel":
+        """This machine's speeds when the plan's ranks compute `busy` of the step (see
+        Sharing); itself when nothing is shared."""
+        if self.sharing is None:
+            return self
+        k = self.sharing.factor(busy)
+        hw = self.hardware
+        scaled = replace(hw, flops={d: f / k for d, f in hw.flops.items()},
+                         memory_bandwidth=hw.memory_bandwidth / k,
+                         intra_node=hw.intra_node / k, inter_node=hw.inter_node / k,
+                         latency=hw.latency * k, op_s=hw.op_s * k,
+                         op_backward_s=hw.op_backward_s * k,
+                         attention=tuple((d, r / k, b) for d, r, b in hw.attention))
+        s = self.sharing
+        origin = (f"{self.origin}; {s.ranks} ranks share {s.cores} cores, busy "
+                  f"{busy:.0%} of the step: each runs {k:.3g}x slower than alone "
+                  f"(max(1, {s.ranks} x {busy:.2f} / {s.cores}) x {s.extra:.3g} measured)")
+        return replace(self, flops_per_s=self.flops_per_s / k,
+                       link_bytes_per_s=self.link_bytes_per_s / k, latency_s=self.latency_s * k,
+                       tp_link_bytes_per_s=self.tp_link_bytes_per_s / k, op_s=self.op_s * k,
+                       op_backward_s=self.op_backward_s * k, hardware=scaled, origin=origin,
+                       sharing=None)
 
     def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
         """Bandwidth per rank of a group of global ranks: inside a node when all share one
@@ -62,11 +103,12 @@ def device_model(plan: Plan, tflops: Optional[float] = None,
     """The plan's device: its named profile (devices.py) with each key it writes overriding
     the profile's value, then the CLI's `--tflops` (peak) and `--link-gbps` (between nodes).
     No name and no key: on a machine without CUDA, this CPU's measured FLOP/s and host time
-    per op (cpu_probe.py), each rank at its share of the cores when the ranks on one machine
-    (all of them, or `device.ranks_per_node`) outnumber them; with CUDA, h100."""
-    d = plan.device
+    per op (cpu_probe.py), at the speeds alone, with how the plan's ranks share the machine
+    (`sharing`: applied once the schedule's timeline is known, `DeviceModel.shared`); with
+    CUDA, h100."""
+    d, sharing = plan.device, None
     if d == DeviceSpec() and not torch.cuda.is_available():
-        hw, origin = _this_cpu(plan)
+        hw, origin, sharing = _this_cpu(plan)
     else:
         hw = profile(d.name or "h100")
         if hw is None:
@@ -86,7 +128,7 @@ def device_model(plan: Plan, tflops: Optional[float] = None,
     flags = [f for f, v in (("--tflops", tflops), ("--link-gbps", link_gbps)) if v is not None]
     if flags:
         origin += "; overridden by " + " ".join(flags)
-    return model_of(plan, hw, origin)
+    return replace(model_of(plan, hw, origin), sharing=sharing)
 
 
 def model_of(plan: Plan, hw: DeviceProfile, origin: str = "") -> DeviceModel:
@@ -105,16 +147,15 @@ def dtype_of(plan: Plan) -> str:
 
 def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     from .cpu_probe import cpu_model  # no accelerator here and none described: this CPU
-    cpu = cpu_model()
-    # ranks on one machine share its cores (the local launcher starts them all here)
+    # ranks on one machine share it (the local launcher starts them all here): the speeds
+    # alone, and how many processes busy at once slow each other (DeviceModel.shared)
     local = plan.mesh.world_size
-    share = max(1.0, local / cores())
-    origin = f"{cpu.origin}; built-in link defaults"
-    if share > 1:
-        origin += (f"; {local} ranks share {cores()} cores: each runs at "
-                   f"1/{share:g} of the probe's speed")
-    return cpu_profile(cpu.flops_per_s / share, cpu.op_s * share,
-                       cpu.op_backward_s * share), origin
+    cpu = cpu_model(local)
+    sharing = Sharing(local, cores(), cpu.contention / max(1.0, local / cores())) \
+        if local > 1 else None
+    return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
+                       cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s)), \
+        cpu.origin, sharing
 
 
 def cores() -> int:

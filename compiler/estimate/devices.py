@@ -65,6 +65,9 @@ class DeviceProfile:
     op_s: float = 0.0
     op_backward_s: float = 0.0
     efficiency: Efficiency = field(default_factory=Efficiency)
+    # fused attention measured per head dimension: ((head dim, forward FLOP/s, backward time
+    # over forward), ...) (the measured CPU); empty: a GEMM at the fitted fraction of peak
+    attention: tuple = ()
 
 
 PROFILES = {p.name: p for p in (
@@ -113,11 +116,15 @@ def profile(name: str) -> Optional[DeviceProfile]:
     return replace(p, efficiency=fitted(p.family))
 
 
-def cpu_profile(flops: float, op_s: float, op_backward_s: float) -> DeviceProfile:
-    """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, host time per op;
-    memory traffic is not modelled separately (host time per op dominates on a CPU); links
-    are the built-in defaults (gloo on one machine: shared memory)."""
-    return DeviceProfile("cpu", {k: flops for k in ("bf16", "fp16", "fp32", "fp64")}, 0.0, 0.0,
-                         450 * _GB, 50 * _GB, ranks_per_node=None, family="cpu", op_s=op_s,
-                         op_backward_s=op_backward_s,
-                         efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"))
+def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: float = 0.0,
+                attention: tuple = (), link: tuple = (10e-6, 50 * _GB)) -> DeviceProfile:
+    """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, memory-bound
+    kernels' bandwidth (0: bytes move for free), fused attention per head dimension, host
+    time per op, and `link` (latency s, bytes/s): gloo between its local processes, every
+    group of the plan's ranks on it (one machine: no network)."""
+    latency, bandwidth = link
+    return DeviceProfile("cpu", {k: flops for k in ("bf16", "fp16", "fp32", "fp64")},
+                         bytes_per_s, 0.0, bandwidth, bandwidth, latency, ranks_per_node=None,
+                         family="cpu", op_s=op_s, op_backward_s=op_backward_s,
+                         efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"),
+                         attention=attention)

@@ -23,7 +23,8 @@ Floats move in the plan's compute precision (bf16: 2 bytes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch.fx as fx
@@ -50,10 +51,35 @@ def _float_bytes(plan: Plan) -> int:
 
 
 def gemm_time(g: Gemm, dev: DeviceProfile, peak: float, float_bytes: int) -> float:
-    """A roofline: the slower of its FLOPs at the sustained GEMM rate and its operands'
-    and result's bytes at the sustained memory bandwidth."""
-    return max(g.flops / (peak * dev.efficiency.gemm_peak),
-               g.elements * float_bytes / _bandwidth(dev))
+    """A roofline: the slower of its FLOPs at the sustained GEMM rate (a fused attention
+    kernel: the profile's measured rate at its head dimension, where it has one) and its
+    operands' and result's bytes at the sustained memory bandwidth."""
+    rate = attention_rate(dev, g.k / 2) if g.attention and dev.attention else \
+        peak * dev.efficiency.gemm_peak
+    return max(g.flops / rate, g.elements * float_bytes / _bandwidth(dev))
+
+
+def attention_rate(dev: DeviceProfile, head_dim: float) -> float:
+    """The profile's fused-attention FLOP/s at `head_dim`: its measured points interpolated
+    in log(head dim), the nearest end outside them."""
+    return _interpolated(dev.attention, head_dim, 1)
+
+
+def attention_backward(dev: DeviceProfile, head_dim: float) -> float:
+    """A fused attention's backward time over its forward's: measured (the profile's
+    points), else 2 (its two products per forward product, as any matmul)."""
+    return _interpolated(dev.attention, head_dim, 2) if dev.attention else 2.0
+
+
+def _interpolated(points, x: float, column: int) -> float:
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][column]
+    for (x0, *a), (x1, *b) in zip(pts, pts[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return a[column - 1] + t * (b[column - 1] - a[column - 1])
+    return pts[-1][column]
 
 
 def memory_time(elements: float, other_bytes: float, dev: DeviceProfile, float_bytes: int,
@@ -74,12 +100,12 @@ def shard(g: Gemm, kind: Optional[str], tp: int) -> Gemm:
     if tp <= 1:
         return g
     if kind in ("column", "vocab"):
-        return Gemm(g.batch, g.m, max(1, g.n // tp), g.k)
+        return replace(g, n=max(1, g.n // tp))
     if kind == "row":
-        return Gemm(g.batch, g.m, g.n, max(1, g.k // tp))
+        return replace(g, k=max(1, g.k // tp))
     if g.batch >= tp:
-        return Gemm(g.batch // tp, g.m, g.n, g.k)
-    return Gemm(g.batch, max(1, g.m // tp), g.n, g.k)
+        return replace(g, batch=g.batch // tp)
+    return replace(g, m=max(1, g.m // tp))
 
 
 def split_kinds(graph: fx.Graph, tp_kinds: dict[str, str], tp: int,
@@ -157,7 +183,9 @@ def op_times(plan: Plan, work: StageWork, dev: DeviceProfile) -> OpTimes:
         t = gemm_time(shard(g, kind, tp if kind else 1), dev, peak, fb) * n
         f += t
         b += t * (2 if rec else 1)
-        if kind in ("column", "row", "vocab") or g.batch == 1:
+        if g.attention:  # both products of each forward one are input gradients
+            b += t * (attention_backward(dev, g.k / 2) - 1)
+        elif kind in ("column", "row", "vocab") or g.batch == 1:
             w += t  # a product with a weight: its second product is the weight gradient
         else:
             b += t  # two activations (attention): both products are input gradients

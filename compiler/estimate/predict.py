@@ -13,6 +13,11 @@ spends its step on (compute / exposed communication / bubble / optimizer).
   launches each stage's bucketed DP all-reduce when that stage's last W/BW of the step
   ends, one after another on the communication stream, and waits before the optimizer:
   only what outlasts the rank's last action is exposed.
+* ZeRO-3 gathers (`exposed_gathers`): the runtime's prefetch window
+  (backends/parallel/zero/window.py) all-gathers a stage's parameters over dp before the
+  rank's first action of the step (nothing to hide it behind: exposed), and where the
+  next action runs another stage it starts that stage's gather as the current action
+  begins: only what outlasts the current action is exposed.
 * Optimizer: one memory-bound pass over the rank's shard (read parameters, gradients and
   states, write parameters and states) at the device's sustained memory bandwidth.
 
@@ -99,19 +104,40 @@ def exposed_reduction(jobs: list[tuple[float, float]], compute_end: float) -> fl
     return max(0.0, t - compute_end)
 
 
+def exposed_gathers(actions, durations: list[float], gather_s: list[float]) -> float:
+    """ZeRO-3's prefetch window on one rank's actions of a step: the first action's gather
+    is exposed whole; each change of stage is gathered while the action before it runs, so
+    only what outlasts that action is exposed. `gather_s[s]`: one gather of stage s."""
+    if not actions or not any(gather_s):
+        return 0.0
+    exposed = gather_s[actions[0].stage]
+    for prev, nxt, d in zip(actions, actions[1:], durations):
+        if nxt.stage != prev.stage:
+            exposed += max(0.0, gather_s[nxt.stage] - d)
+    return exposed
+
+
 def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
-              optimizer_s: list[float]) -> tuple[float, tuple[RankTime, ...]]:
+              optimizer_s: list[float], gather_s: Optional[list[float]] = None,
+              after_s: Optional[list[float]] = None) -> tuple[float, tuple[RankTime, ...]]:
     """(step seconds, per pipeline rank) of one simulated step. `dp_s[s]`: seconds to reduce
-    stage s's gradients over dp; `optimizer_s[r]`: rank r's optimizer step."""
+    stage s's gradients over dp; `optimizer_s[r]`: rank r's optimizer step; `gather_s[s]`:
+    one ZeRO-3 all-gather of stage s's parameters (None: no ZeRO-3); `after_s[r]`:
+    communication rank r waits for after its actions, overlapping nothing (DiLoCo's outer
+    sync, per step on average)."""
     table = costs.stage_table(schedule.stage_to_rank)
     rows = []
     for r, actions in enumerate(schedule.order):
         compute = sum(_op_time(ops, a) for a in actions)
-        busy = sum(table.time(a.op, a.stage) for a in actions)
-        end = sim.end[r][-1] if actions else 0.0
+        durations = [table.time(a.op, a.stage) for a in actions]
+        busy = sum(durations)
+        gathered = exposed_gathers(actions, durations, gather_s) if gather_s else 0.0
+        end = (sim.end[r][-1] if actions else 0.0) + gathered
         last = {a.stage: e for a, e in zip(actions, sim.end[r]) if a.op in ("W", "BW")}
         exposed = exposed_reduction([(e, dp_s[s]) for s, e in last.items()], end)
-        rows.append((r, compute, busy - compute + exposed, end + exposed, optimizer_s[r]))
+        exposed += after_s[r] if after_s else 0.0
+        rows.append((r, compute, busy - compute + gathered + exposed, end + exposed,
+                     optimizer_s[r]))
     step = max((end + opt for _, _, _, end, opt in rows), default=0.0)
     return step, tuple(RankTime(r, c, comm, step - c - comm - opt, opt)
                        for r, c, comm, _, opt in rows)
@@ -137,6 +163,7 @@ class Timing:
     moe_traffic: list
     dp_bytes: list  # per stage: ring bytes one of its ranks sends to reduce its gradients
     optimizer_bytes: list  # per pipeline rank: bytes its optimizer step reads and writes
+    gather_bytes: list  # per stage: ring bytes one of its ranks sends per ZeRO-3 gather
     flops_per_gpu: float
     model_flops_per_gpu: float
 
@@ -146,9 +173,12 @@ class Timing:
         return ops, action_costs(self.plan, self.stages, ops, self.tp_traffic,
                                  self.moe_traffic, device)
 
-    def time_on(self, device: DeviceModel, sim=None, costs=None) -> Prediction:
+    def time_on(self, device: DeviceModel, sim=None, costs=None,
+                every_step: bool = False) -> Prediction:
         """The predicted step on `device`: costs, one simulation of the schedule (or `sim`,
-        already run with `costs`), the breakdown per rank."""
+        already run with `costs`), the breakdown per rank. Under DiLoCo the data-parallel
+        reduction is the outer sync, every H steps and after the step (H times fewer bytes
+        per step, none hidden); `every_step`: as every-step DP would run instead."""
         from ...schedules.simulate import simulate
         ops, own = self.costs(device)
         if sim is None:
@@ -157,9 +187,17 @@ class Timing:
         hw = device.hardware
         dp_link = mesh_links(self.plan, device).dp
         dp_s = [b / dp_link for b in self.dp_bytes]
+        after = None
+        if self.plan.sync.diloco and not every_step:  # amortised over its H inner steps
+            after = [0.0] * self.plan.mesh.pp
+            for st, t in zip(self.stages, dp_s):
+                after[st.rank] += t / self.plan.sync.inner_steps
+            dp_s = [0.0] * len(dp_s)
         bw = hw.memory_bandwidth * hw.efficiency.memory
         opt_s = [b / bw if bw > 0 else 0.0 for b in self.optimizer_bytes]
-        step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s)
+        gather_s = [device.latency_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
+                    for b in self.gather_bytes]
+        step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s, gather_s, after)
         return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
                           device.flops_per_s)
 
@@ -169,7 +207,9 @@ def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
     plan's own), re-timed from its stored Timing: no tracing, per-stage arithmetic and one
     simulation of its schedule. What a plan search calls per candidate device."""
     from .device import device_model
-    return compiled.estimates.timing.time_on(device or device_model(compiled.plan))
+    if device is None:  # the plan's own, ranks sharing a CPU as busy as its timeline says
+        device = device_model(compiled.plan).shared(1.0 - compiled.estimates.simulation.bubble)
+    return compiled.estimates.timing.time_on(device)
 
 
 def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWork],
@@ -178,19 +218,22 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     """A compiled plan's Timing: per stage the ring bytes of its DP reduction (the runtime's
     ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes."""
     from .estimates import _state_bytes, rank_shards, state_bytes
-    per, dp_bytes, opt_bytes = state_bytes(plan), [], [0.0] * plan.mesh.pp
-    shard = {0: 1, 1: plan.mesh.dp, 2: plan.mesh.dp, 3: plan.mesh.dp}.get(plan.zero, 1)
+    per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
+    dp = plan.mesh.dp
+    shard = {0: 1, 1: dp, 2: dp, 3: dp}.get(plan.zero, 1)
     for st in stages:
         layout = rank_shards(plan, [st], tp_kinds, expert_params)
         dp_bytes.append(_state_bytes(plan, layout, {}).comm_bytes.get("dp", 0))
         n = sum(layout.numel.values())
         opt_bytes[st.rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
+        gathers.append(ring_bytes("allgather", n * per.param / dp, dp) if plan.zero == 3
+                       else 0.0)
     world = plan.mesh.world_size
     flops = sum(r.flops for r in estimates.ranks) / world
     model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
         * plan.mesh.cp / world
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
-                  flops, model)
+                  gathers, flops, model)
 
 
 def _nbytes(spec) -> int:

@@ -232,7 +232,8 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                "linear(x, weight) or embedding(ids, weight)")
     # inputs the plan feeds from the data's `positions` carry positions (RoPE angles), not
     # features: a path from them is no "model input" a row layer reads
-    positions = {name for name, source in plan.data.inputs if source == "positions"}
+    positions = {name for name, source in plan.data.inputs
+                 if source in ("positions", "document_positions")}
 
     def is_tensor(n: fx.Node) -> bool:
         return n.target not in positions if n.op == "placeholder" else run.is_tensor(n)

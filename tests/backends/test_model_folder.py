@@ -183,3 +183,99 @@ def test_a_build_directory_keeps_pointing_at_the_folder_and_the_text(folder):
     for get in (lambda p: p.model.source, lambda p: p.model.weights, lambda p: p.data.files[0],
                 lambda p: p.data.tokenizer, lambda p: p.data.cache):
         assert copy.resolve_path(get(copy)) == plan.resolve_path(get(plan))
+
+
+DOC_PLAN = """\
+model {
+  source = "llama"
+  weights = "llama"
+  inputs = { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }
+}
+data = text(["c.txt"], tokenizer = "tok/pretrained", seq_len = 16, shuffle = false,
+            inputs = { position_ids = document_positions })
+mesh { pp = 2 }
+pipeline { schedule = 1f1b  microbatches = 2 }
+train { steps = 1  global_batch = 4  precision = fp64  optimizer = adamw(lr = 0.01) }
+"""
+
+
+def _documents_in(plan, batch):
+    """(row, start) of a document that begins inside a row of `batch`, after an EOS."""
+    from pipeplan.backends.runtime.data import text_cache
+
+    eos = text_cache(plan).eos
+    for r, row in enumerate(batch.input_ids):
+        inside = (row[:-2] == eos).nonzero().flatten()
+        if len(inside):
+            return r, int(inside[-1]) + 1
+    raise AssertionError("no window holds two documents")
+
+
+def test_document_positions_keep_packed_documents_apart(folder, capsys):
+    """`position_ids = document_positions`: positions restart after each EOS, and the model
+    (transformers' own packed-sequence mask, built from them) computes a document that
+    starts mid-window exactly as it computes that document alone; plain positions do not.
+    Synthetic data or context parallel with document_positions are refused at their line."""
+    from transformers import LlamaForCausalLM
+
+    from pipeplan.backends.runtime import data
+    from pipeplan.dsl.load import load_plan
+
+    path = folder / "d.plan"
+    path.write_text(DOC_PLAN)
+    assert main(["check", str(path), "--no-model"]) == 0
+    plan = load_plan(str(path))
+    batch = data.global_batch(plan, 0)
+    pos = batch.field("position_ids")
+    r, start = _documents_in(plan, batch)
+    assert pos[r, start] == 0 and pos[r, start - 1] > 0
+    assert torch.equal(pos[r, start:], torch.arange(SEQ - start))
+    ref = LlamaForCausalLM.from_pretrained(folder / "llama", dtype=torch.float64)
+    row = batch.input_ids[r:r + 1]
+    with torch.no_grad():
+        packed = ref(input_ids=row, position_ids=pos[r:r + 1]).logits[0, start:]
+        alone = ref(input_ids=row[:, start:]).logits[0]
+        plain = ref(input_ids=row).logits[0, start:]
+    assert torch.allclose(packed, alone, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(plain, alone, rtol=1e-3)
+    bad = folder / "ds.plan"
+    bad.write_text(DOC_PLAN.replace('text(["c.txt"], tokenizer = "tok/pretrained", seq_len = 16, '
+                                    'shuffle = false,', 'synthetic(vocab = 64, seq_len = 16,'))
+    assert main(["check", str(bad), "--no-model"]) == 2
+    err = capsys.readouterr().err
+    assert "only data = text(...) knows where documents end" in err and "^" in err
+    cp = folder / "dc.plan"
+    cp.write_text(DOC_PLAN.replace("mesh { pp = 2 }", "mesh { pp = 2  cp = 2 }"))
+    assert main(["check", str(cp), "--no-model"]) == 2
+    assert "a context-parallel rank's slice of a row cannot" in capsys.readouterr().err
+
+
+def _step(rank, world, plan_path):
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
+    from pipeplan.dsl.load import load_plan
+
+    return PipelineTrainer.for_plan(load_plan(str(plan_path)).with_resolved_paths()).step(0).loss
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_document_positions_train_pp2_as_transformers_computes_them(folder):
+    """Step 1 of a pp2 run fed document positions: the loss of transformers'
+    `from_pretrained` given the same input ids and position ids (float64)."""
+    from transformers import LlamaForCausalLM
+
+    from pipeplan.backends.runtime import data
+    from pipeplan.dsl.load import load_plan
+
+    path = folder / "d2.plan"
+    path.write_text(DOC_PLAN)
+    assert main(["check", str(path), "--no-model"]) == 0
+    plan = load_plan(str(path))
+    batch = data.global_batch(plan, 0)
+    _documents_in(plan, batch)  # the step's windows do pack documents
+    losses = spawn(_step, 2, path, timeout=240)
+    ref = LlamaForCausalLM.from_pretrained(folder / "llama", dtype=torch.float64)
+    with torch.no_grad():
+        logits = ref(input_ids=batch.input_ids, position_ids=batch.field("position_ids")).logits
+    expected = float(F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()))
+    assert losses[0] == pytest.approx(expected, **TOL) and losses[1] == losses[0]

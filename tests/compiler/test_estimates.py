@@ -226,29 +226,56 @@ def test_unknown_device_is_refused_at_its_line(make_plan):
         compile_plan(_one_stage(make_plan, DeviceSpec(name="h101")))
     assert "unknown device 'h101'" in str(info.value) and "did you mean 'h100'" in str(info.value)
 
-def test_ranks_that_outnumber_the_cores_share_them(make_plan, tmp_path, monkeypatch):
-    """The local launcher starts every rank on this machine: with more ranks than cores, the
-    CPU model gives each rank its share (FLOP/s divided, host time per op multiplied), and
-    says so; a device section is taken as written."""
+def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path, monkeypatch):
+    """The local launcher starts every rank on this machine: each rank runs at its speed
+    alone x max(1, busy ranks / cores) x what that many processes measured beyond their fair
+    share (measured once per rank count, cached), busy ranks being the plan's ranks x the
+    share of the step its simulated timeline computes; the origin says so; a device section
+    is taken as written."""
     import importlib
 
     import torch
 
+    from pipeplan.compiler.estimate import cpu_probe
     from pipeplan.dsl.ast import DeviceSpec
     dm = importlib.import_module("pipeplan.compiler.estimate.device")  # the module, not the function
     if torch.cuda.is_available():
         pytest.skip("the CPU model applies only where CUDA is not available")
     monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
-    monkeypatch.setattr(dm, "cores", lambda: 2)
-    own = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))  # 2 ranks, 2 cores
-    assert "share" not in own.origin
     monkeypatch.setattr(dm, "cores", lambda: 1)
-    shared = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))  # 2 ranks, 1 core
-    assert shared.flops_per_s == own.flops_per_s / 2
-    assert (shared.op_s, shared.op_backward_s) == (own.op_s * 2, own.op_backward_s * 2)
-    assert "2 ranks share 1 cores: each runs at 1/2" in shared.origin
+    asked = []
+    monkeypatch.setattr(cpu_probe, "measure_contention", lambda n: asked.append(n) or 2.5)
+    own = dm.device_model(_one_stage(make_plan, DeviceSpec()))  # 1 rank: nothing shared
+    assert own.sharing is None and own.shared(1.0) is own and asked == []
+    alone = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
+    assert asked == [2] and alone.flops_per_s == own.flops_per_s  # speeds alone ...
+    assert (alone.sharing.ranks, alone.sharing.cores) == (2, 1)
+    assert alone.sharing.extra == pytest.approx(2.5 / 2)  # ... 2 processes: 2.5x, 2x is fair
+    for busy, k in ((1.0, 2.5), (0.75, 1.5 * 1.25), (0.4, 1.25)):
+        shared = alone.shared(busy)
+        assert shared.flops_per_s == pytest.approx(own.flops_per_s / k)
+        assert shared.hardware.memory_bandwidth == pytest.approx(
+            own.hardware.memory_bandwidth / k)
+        assert shared.op_s == pytest.approx(own.op_s * k)
+        assert shared.link_bytes_per_s == pytest.approx(own.link_bytes_per_s / k)
+        assert shared.latency_s == pytest.approx(own.latency_s * k)
+        assert "2 ranks share 1 cores" in shared.origin and f"{k:.3g}x slower" in shared.origin
+    compiled = compile_plan(_one_stage(make_plan, DeviceSpec(), dp=2))
+    busy = 1.0 - compiled.estimates.simulation.bubble
+    assert compiled.estimates.device_model["flops_per_s"] == pytest.approx(
+        own.flops_per_s / (max(1.0, 2 * busy) * 1.25))
+    dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
+    assert asked == [2]  # cached
     written = dm.device_model(_one_stage(make_plan, DeviceSpec(flops=1e12), dp=2))
-    assert (written.flops_per_s, written.op_s) == (1e12, 0.0)
+    assert (written.flops_per_s, written.op_s, written.sharing) == (1e12, 0.0, None)
+
+
+def test_the_contention_probe_sees_an_oversubscribed_machine():
+    """Twice as many processes as cores: each runs at most about half as fast as alone."""
+    from pipeplan.compiler.estimate.cpu_probe import measure_contention
+    from pipeplan.compiler.estimate.device import cores
+    assert measure_contention(1) == 1.0
+    assert measure_contention(2 * cores()) >= 1.5
 
 
 def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tmp_path,
@@ -283,14 +310,24 @@ def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tm
     assert bare.device_model["flops_per_s"] == cached["flops_per_s"]
     assert 1e8 < cached["flops_per_s"] < 1e13  # a CPU, not the 400e12 default
     assert 1e-8 < cached["op_s"] < 1e-3 and 1e-8 < cached["op_backward_s"] < 1e-3
+    assert 1e8 < cached["bytes_per_s"] < 1e13
+    assert 0 < cached["link_latency_s"] < 1e-2 and 1e6 < cached["link_bytes_per_s"] < 1e13
+    assert bare.device_model["link_bytes_per_s"] == cached["link_bytes_per_s"]  # gloo, measured
     assert bare.device_model["origin"].startswith("measured CPU model")
     model, x, y = Regressor(D, 4), torch.randn(B, D), torch.randn(B, D)
     with Count() as count:  # 4 x (t, addmm) + mse_loss
         F.mse_loss(model(x), y)
     assert compiled.stages[0].ops == count.n
     host = count.n * (cached["op_s"] + cached["op_backward_s"])  # forward + backward
-    assert bare.step_time_s == pytest.approx(M * (3 * FWD / cached["flops_per_s"] + host),
-                                             rel=1e-9)
+    bw = cached["bytes_per_s"]
+    linear = max(2 * B * D * D / cached["flops_per_s"], 4 * (2 * B * D + D * D) / bw)  # roofline
+    # forward: mse reads two [B, D] inputs and writes a scalar; backward twice that
+    memory = 4 * (2 * B * D + 1) / bw
+    # AdamW's step once per step: fp32 weights read and written, gradients read, both
+    # moments read and written
+    optimizer = 4 * (D * D + D) * 4 * (2 + 1 + 2 * 2) / bw
+    assert bare.step_time_s == pytest.approx(M * (3 * 4 * linear + 3 * memory + host)
+                                             + optimizer, rel=1e-9)
 
     def no_probe():
         raise AssertionError("probed again despite the cache")

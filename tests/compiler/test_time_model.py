@@ -13,7 +13,7 @@ from pipeplan.compiler.capture.work import Gemm, WorkLog
 from pipeplan.compiler.estimate.device import device_model, model_of
 from pipeplan.compiler.estimate.devices import Efficiency, profile
 from pipeplan.compiler.estimate.optime import gemm_time, memory_time, shard
-from pipeplan.compiler.estimate.predict import breakdown, exposed_reduction
+from pipeplan.compiler.estimate.predict import breakdown, exposed_gathers, exposed_reduction
 from pipeplan.dsl.ast import DeviceSpec, InputSpec, MeshSpec, TensorSpec, TrainSpec
 from pipeplan.schedules import generate
 from pipeplan.schedules.costs import Costs
@@ -74,6 +74,19 @@ def test_overlap_rule_on_a_hand_built_timeline():
     assert exposed_reduction([], 3.0) == 0.0
 
 
+def test_zero3_gathers_hide_behind_the_action_before_a_change_of_stage():
+    """ZeRO-3's window on one rank: the first gather is exposed whole; a change of stage is
+    gathered while the previous action runs (exposed: what outlasts it); staying on a stage
+    gathers nothing. Stages 0 and 1 gather in 0.5 s and 3.0 s; actions take 1 s each."""
+    class A:
+        def __init__(self, stage):
+            self.stage = stage
+    acts = [A(0), A(0), A(1), A(1), A(0)]
+    assert exposed_gathers(acts, [1.0] * 5, [0.5, 3.0]) == pytest.approx(0.5 + 2.0 + 0.0)
+    assert exposed_gathers(acts, [1.0] * 5, [0.0, 0.0]) == 0.0
+    assert exposed_gathers([A(1)], [1.0], [0.5, 3.0]) == pytest.approx(3.0)
+
+
 def test_breakdown_parts_sum_to_the_step_on_an_interleaved_timeline():
     """2 ranks x 2 stages each, 4 microbatches, F = B = W = 1, 1 s reductions per stage: on
     each rank the earlier stage's (stage r) gradients are final before its last action, so only
@@ -88,6 +101,16 @@ def test_breakdown_parts_sum_to_the_step_on_an_interleaved_timeline():
     step, ranks = breakdown(schedule, sim, ops, costs, [1.0] * 4, [0.25, 0.25])
     for r in ranks:
         assert r.compute + r.comm + r.bubble + r.optimizer == pytest.approx(step)
+    # with ZeRO-3 gathers of 2.5 s per stage each rank's first one is exposed whole, each
+    # later change of stage what outlasts the action before it (1 s; BW 2 s); the parts
+    # still sum to the step
+    gstep, granks = breakdown(schedule, sim, ops, costs, [0.0] * 4, [0.25, 0.25], [2.5] * 4)
+    for r, g in zip(ranks, granks):
+        acts = schedule.order[r.rank]
+        hidden = sum(2.5 - (2.0 if p.op == "BW" else 1.0)
+                     for p, n in zip(acts, acts[1:]) if p.stage != n.stage)
+        assert hidden > 0 and g.comm == pytest.approx(2.5 + hidden)
+        assert g.compute + g.comm + g.bubble + g.optimizer == pytest.approx(gstep)
         actions = schedule.order[r.rank]
         assert r.compute == pytest.approx(sum(2.0 if a.op == "BW" else 1.0 for a in actions))
     ends = [dict((a.stage, e) for a, e in zip(schedule.order[r], sim.end[r]) if a.op in ("W", "BW"))
