@@ -220,7 +220,8 @@ def _apply_experts(module: nn.Module, plan: Plan, groups: ParallelGroups,
         if name is None or name not in called:
             continue
         layer = ExpertParallelExperts(module.get_submodule(name), spec.num_experts, groups.ep,
-                                      capacity, spec.drop_policy, placed.shards[ep_rank])
+                                      capacity, spec.drop_policy, placed.shards[ep_rank],
+                                      static=plan.compile.graphs)
         replace_submodule(module, name, layer)
         layers[name] = layer
     return layers

@@ -7,7 +7,8 @@ tape is built. Per microbatch the runner keeps, between F and its backward,
 exactly the values F returned for B and W (and the stage inputs they read),
 and between B and W what B hands to W and the output gradients W reads.
 Parameters and buffers are read live at each call, so the optimizer's in-place
-updates are seen. Weight gradients go into `.grad` as `StageRunner` puts them
+updates are seen. Recompute rules are a partition choice: F does not save what
+their regions rerun, B recomputes it (compiler/graphs/split.py). Weight gradients go into `.grad` as `StageRunner` puts them
 (the first taken, later microbatches added in place), so gradient
 accumulation, the DP/ZeRO sync, clipping, tied weights and the non-finite
 flags work on them unchanged.
@@ -49,10 +50,11 @@ class GraphStageRunner(StageRunner):
                  loss_scale: float = 1.0,
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext,
                  compile_part: Optional[Callable[[Part], Callable]] = None,
-                 joint: Optional[JointGraph] = None):
+                 joint: Optional[JointGraph] = None, recompute: Sequence = ()):
         super().__init__(spec, module, is_last, loss_scale, split_weights=False,
                          autocast=autocast)
         self.compile_part = compile_part or (lambda part: part.gm)
+        self.recompute = tuple(recompute)  # the plan's rules: what F leaves for B to rerun
         self._by_shape: dict[tuple, _Compiled] = {}
         self._compiled: Optional[_Compiled] = None
         self.trace_seconds = 0.0  # tracing and partitioning (and inductor), all shapes
@@ -79,7 +81,7 @@ class GraphStageRunner(StageRunner):
             needs = [i in self.upstream_inputs and x.is_floating_point()
                      for i, x in enumerate(inputs)]
             with self.autocast():
-                joint = trace_joint(self.module, inputs, needs)
+                joint = trace_joint(self.module, inputs, needs, recompute=self.recompute)
             self.trace_seconds += time.perf_counter() - start
             self._add(key, joint)
         self._compiled = self._by_shape[key]  # the graphs of the microbatch in F now

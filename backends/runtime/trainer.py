@@ -86,9 +86,9 @@ def make_runner(plan: Plan, spec, module, is_last: bool, scale: float, rules, au
     if plan.compile.mode == "inductor":
         from .inductor import compile_part
     joint = spec.joint if plan.train.precision != "bf16" and device_type == TRACE_DEVICE \
-        else None
+        else None  # (None under tp / ep: the compiler traced the stage before the rewrite)
     return GraphStageRunner(spec, module, is_last, scale, autocast=autocast,
-                            compile_part=compile_part, joint=joint)
+                            compile_part=compile_part, joint=joint, recompute=rules)
 
 
 def _stage_order_by_last_grad(order, stages_here) -> list[int]:

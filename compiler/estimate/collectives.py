@@ -16,7 +16,10 @@ backends/parallel/ep/experts.py) issue, one entry per call, forward and backward
   weights; under EP across TP (dsl/layout.py) each TP rank dispatches 1/tp of
   the rows and tp all-gathers the output rows and the gradients of the rows and
   weights; under `experts.balance = step` the routing pre-pass's forward ones
-  once more (counts, rows out and back, weights out).
+  once more (counts, rows out and back, weights out). Compiled stages
+  (`compile.mode = graphs | inductor`) dispatch statically: every slot to every EP
+  rank, no counts; 4 all-to-alls of ep x top_k copies of each token, 2 of ep
+  copies of the top-k weights, 1 of ep copies of the top-k indices (int64).
 
 `implied_collectives` gives {(group, op): (calls, bytes handed in)} per step;
 estimates.py sums it per rank and per stage, and `tp_bytes` / `ep_bytes` are
@@ -73,6 +76,12 @@ def implied_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list
     prepass = ex.balance == "step"  # the routing pre-pass's forwards (balance.py) once more
     for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
         nbytes = t.nbytes * float_scale / share
+        if plan.compile.graphs:  # the static dispatch (backends/parallel/ep/experts.py)
+            if t.role == "tokens":
+                add(("ep", "alltoall"), 4 * m, m * 4 * ep * ex.top_k * nbytes)
+            else:  # weights out and back; the indices, int64 (traffic counts 4-byte floats)
+                add(("ep", "alltoall"), 3 * m, m * ep * (2 * nbytes + 2 * t.nbytes))
+            continue
         if t.role == "tokens":  # counts, then rows out and back, forward and backward
             add(("ep", "alltoall"), 5 * m, m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
             if prepass:  # counts, rows out and back
@@ -143,4 +152,6 @@ def ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
     tokens = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "tokens")
     weights = sum(t.nbytes for t in traffic if t.stage in idx and t.role == "weights")
     share = plan.mesh.tp if ep_across_tp(plan.mesh) else 1  # EP across TP: 1/tp of the rows
+    if plan.compile.graphs:  # the static dispatch: ep copies, and the int64 indices
+        return ((4 * ex.top_k * tokens + 2 * weights) * float_scale + 2 * weights) * (ep - 1)
     return (4 * ex.top_k * tokens + 2 * weights) * float_scale * (ep - 1) / ep / share

@@ -22,19 +22,28 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
     `compile.mode` line with the op named. The traced graphs are kept on the stage
     (`StageSpec.joint`), so a CPU runtime on these stage objects need not trace again
     (another device traces its own: kernels differ), and the stage's activation bytes
-    per microbatch are the bytes F saves for B and W (split.py: saved_bytes). Call
-    after the per-node costs are attached (this replaces their saved-bytes sum)."""
+    per microbatch are the bytes F saves for B and W (split.py: saved_bytes; under the
+    plan's recompute rules, what their regions leave unsaved is not counted). Call
+    after the per-node costs are attached (this replaces their saved-bytes sum).
+    Under tp or ep the runtime rewrites the stages (DTensor nodes, the static expert
+    dispatch) and traces the rewritten stage itself, with its process groups: the trace
+    here checks the model's code only, and the activation estimate stays the eager one."""
     if not plan.compile.graphs:
         return
+    rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1
+    rules = tuple(r for r in plan.recompute if r.mode != "none")
     by_name = {n.target if n.op == "placeholder" else n.name: values.get(n)
                for n in graph.nodes}
     for st in stages:
         inputs = [by_name[r.name] for r in st.inputs]
         needs = [r.source != BATCH for r in st.inputs]
         try:
-            st.joint = trace_joint(st.module, inputs, needs, on=TRACE_DEVICE)
+            joint = trace_joint(st.module, inputs, needs, on=TRACE_DEVICE, recompute=rules)
         except JointTraceError as e:
             raise PlanError.at(plan, "compile.mode", f"stage {st.index} cannot run as compiled "
                                f"graphs: {e}", "use compile { mode = eager }") from None
+        if rewritten:
+            continue
+        st.joint = joint
         # exact by construction: what F hands to B and W is what the runtime keeps
-        st.activation_bytes = saved_bytes(split_joint(st.joint))
+        st.activation_bytes = saved_bytes(split_joint(joint))

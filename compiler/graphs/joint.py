@@ -10,9 +10,17 @@ partition into F / B / W / BW is split.py's.
 
 What cannot be traced jointly is refused with the op named (`JointTraceError`):
 a custom `torch.autograd.Function` (its backward is the user's Python, which
-AOTAutograd would inline or refuse), an op whose output shape depends on the
+AOTAutograd would inline or refuse) unless it is one of `TRACEABLE_FUNCTIONS`
+(DTensor's own conversions and redistribution, whose collectives are functional
+collectives, an operator's autograd registered with torch.library, and the
+ones the parallel rewrites register with `traceable_function`: a backward of
+tensor ops only, no host reads), an op whose output shape depends on the
 data (`nonzero`, boolean masking: control flow on values), an output that is a
 view of an input, a stage that writes a buffer or an input in place.
+
+Recompute rules (`recompute`): the stage graph's nodes inside a matched region
+are traced with their region's mode in the joint nodes' meta (`custom`, copied
+by the tracer from the node being run), so split.py can leave them unsaved.
 
 A stage output that is one of its inputs unchanged (a skip value forwarded
 through a middle stage) is not part of the graph: `JointGraph.passthrough`
@@ -26,12 +34,30 @@ from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 
 from ...errors import PipeplanError
 
 
 class JointTraceError(PipeplanError):
     """A stage that cannot be traced into one forward+backward graph; names the op."""
+
+
+def _dtensor_functions() -> set:
+    from torch.distributed.tensor import _api, _redistribute
+
+    return {_api._FromTorchTensor, _api._ToTorchTensor, _redistribute.Redistribute}
+
+
+# autograd.Functions AOTAutograd traces inline into the joint graph: forward and backward
+# are tensor ops (collectives as functional collectives), nothing read on the host
+TRACEABLE_FUNCTIONS: set = set()
+
+
+def traceable_function(cls: type) -> type:
+    """Class decorator: `cls` (a torch.autograd.Function) may be traced into a joint graph."""
+    TRACEABLE_FUNCTIONS.add(cls)
+    return cls
 
 
 @dataclass
@@ -61,17 +87,54 @@ def stage_outputs_passthrough(module: fx.GraphModule) -> dict[int, int]:
             if isinstance(o, fx.Node) and o.op == "placeholder"}
 
 
+RECOMPUTE_TAG = "pipeplan_recompute"  # joint node meta["custom"][...]: the region's mode
+
+
+class _Tagging(fx.Interpreter):
+    """Runs the stage graph node by node, each node's recompute mode (if any) in its meta
+    while it runs, so the aten nodes traced from it carry the mode."""
+
+    def __init__(self, module: fx.GraphModule, modes: dict):
+        super().__init__(module)
+        self.modes = modes
+
+    def run_node(self, n: fx.Node):
+        mode = self.modes.get(n)
+        if mode is None:
+            return super().run_node(n)
+        saved = n.meta.get("custom")
+        n.meta["custom"] = {**(saved or {}), RECOMPUTE_TAG: mode}
+        try:
+            return super().run_node(n)
+        finally:
+            if saved is None:
+                del n.meta["custom"]
+            else:
+                n.meta["custom"] = saved
+
+
+def _region_modes(module: fx.GraphModule, recompute: Sequence) -> dict:
+    from ..recompute import find_regions
+
+    if not recompute or not isinstance(module, fx.GraphModule):
+        return {}
+    return {n: r.mode for r in find_regions(module.graph, recompute) for n in r.nodes}
+
+
 def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
-                needs_grad: Sequence[bool], on: Optional[str] = None) -> JointGraph:
+                needs_grad: Sequence[bool], on: Optional[str] = None,
+                recompute: Sequence = ()) -> JointGraph:
     """Trace `module(*inputs)` forward and backward. `inputs` are example tensors of the
     right shapes and dtypes (real or meta); `needs_grad[i]`: input i gets a gradient.
     Parameters are the module's own (trainable ones get gradients); call under the
     precision context (autocast) the stage runs in. `on`: trace for that device type with
     fake tensors instead of the module's and the inputs' own (the compiler's check of a
     model on the meta device: meta kernels are not the device's -- attention decomposes
-    differently, some backward kernels are missing)."""
+    differently, some backward kernels are missing). `recompute`: the plan's rules, whose
+    regions' nodes are tagged (RECOMPUTE_TAG)."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
     from torch.func import functional_call
+    from torch.nn.utils.stateless import _reparametrize_module
 
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -80,10 +143,15 @@ def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
     names = [n for n, _ in params] + [n for n, _ in buffers]
     count = len(names)
     kept: list[int] = []
+    modes = _region_modes(module, recompute)
 
     def stage(*args):
         values = dict(zip(names, args[:count]))
-        out = functional_call(module, values, tuple(args[count:]), tie_weights=True)
+        if modes:
+            with _reparametrize_module(module, values, tie_weights=True):
+                out = _Tagging(module, modes).run(*args[count:])
+        else:
+            out = functional_call(module, values, tuple(args[count:]), tie_weights=True)
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         kept[:] = [k for k in range(len(out)) if k not in passthrough]
         return tuple(out[k] for k in kept)
@@ -104,7 +172,7 @@ def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
             [x.detach().requires_grad_(bool(g) and x.is_floating_point())
              for x, g in zip(inputs, needs_grad)]
     try:
-        with mode:
+        with mode, fx_traceback.preserve_node_meta(modes != {}):
             gm = aot_export_joint_simple(stage, args, trace_joint=True,
                                          num_params_buffers=count)
     except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
@@ -160,6 +228,16 @@ def _fake_forward(module, params, buffers, inputs, needs_grad) -> list[bool]:
     return [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
 
 
+def _traceable(cls: type) -> bool:
+    """A Function AOTAutograd may inline: listed, or the autograd of an operator registered
+    with torch.library (functional collectives' among them), whose backward that API requires
+    to be traceable."""
+    import torch._library.autograd as library_autograd
+
+    return cls in TRACEABLE_FUNCTIONS or cls in _dtensor_functions() or \
+        cls.__module__ == library_autograd.__name__
+
+
 def _custom_function(outputs) -> Optional[str]:
     seen, stack = set(), [o.grad_fn for o in outputs
                           if isinstance(o, torch.Tensor) and o.grad_fn is not None]
@@ -168,7 +246,8 @@ def _custom_function(outputs) -> Optional[str]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                not _traceable(node._forward_cls):
             cls = node._forward_cls
             return f"{cls.__module__}.{cls.__qualname__}"
         stack.extend(c for c, _ in node.next_functions)

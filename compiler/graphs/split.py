@@ -16,9 +16,12 @@ outputs, and B/W take it as an input; a node B computes that W reads is
 buffers alone (a weight's transpose, a constant): it is not saved but
 recomputed where it is read, so nothing that aliases a parameter is held from
 F to W and only activations are saved. Random ops are never recomputed.
-Recompute rules (`recompute`): F nodes inside a matched module region are not
-saved either; B recomputes the ones it or W reads from the region's inputs
-(which are saved), and hands W what W reads of them.
+Recompute rules (`recompute`): F nodes inside a matched module region (tagged
+with the region's mode when traced, joint.py) are not saved either -- under
+`full` every one, under `selective` those without matmul work (no entry in
+torch's FLOP counter) and attention, so matmul outputs stay saved; functional
+collectives and random ops are never rerun. B recomputes the ones it or W reads
+from the region's inputs (which are saved), and hands W what W reads of them.
 
 Each graph is an `fx.GraphModule` with flat positional inputs and outputs,
 described by `Key`s: ("p", i) primal i (parameter, buffer or stage input),
@@ -34,7 +37,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from .joint import JointGraph
+from .joint import RECOMPUTE_TAG, JointGraph
 
 Key = tuple  # ("p", i) | ("t", j) | ("o", k) | ("g", i) | ("v", name)
 
@@ -73,7 +76,9 @@ class StageGraphs:
 def split_joint(joint: JointGraph,
                 recomputed: Optional[Callable[[fx.Node], bool]] = None) -> StageGraphs:
     """Partition `joint` by the rule in the module docstring; `recomputed(node)` tells
-    which forward nodes belong to a recompute region (None: no recompute)."""
+    which forward nodes a recompute region reruns (default: by the region tags the
+    trace left, `dropped`)."""
+    recomputed = recomputed or dropped
     graph = joint.gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -90,7 +95,8 @@ def split_joint(joint: JointGraph,
     weights_only = _weights_only(nodes, set(primals[first_input:]) | set(tangents))
 
     forward = _with_items(_ancestors([o for o in fwd_outs if isinstance(o, fx.Node)]), nodes)
-    region = {n for n in forward if recomputed is not None and recomputed(n) and not _random(n)}
+    region = {n for n in forward if recomputed(n) and not _random(n)}
+    region -= {n for n in region if _item(n) and n.args[0] not in region}  # tuples never cross
     b_nodes = _with_items(_ancestors([g for _, g in input_grads]) - forward, nodes)
     w_nodes = _ancestors([g for _, g in weight_grads]) - forward - b_nodes
     # recompute: what B or W read inside a region is computed again in B (W gets it from B)
@@ -113,7 +119,7 @@ def split_joint(joint: JointGraph,
                 - members - set(placeholders))
 
     later = outside(b_nodes, ig) | outside(w_nodes, wg) | outside(bw_nodes, ig + wg)
-    saved = sorted((n for n in later if n in forward), key=order.__getitem__)
+    saved = sorted((n for n in later if n in forward and n not in redo), key=order.__getitem__)
     handed = sorted((n for n in outside(w_nodes, wg) if n in b_nodes), key=order.__getitem__)
     for n in saved + handed:
         key_of[n] = ("v", n.name)
@@ -123,6 +129,30 @@ def split_joint(joint: JointGraph,
     W = part("W", w_nodes, wg)
     BW = part("BW", bw_nodes, ig + wg)
     return StageGraphs(joint, F, B, W, BW)
+
+
+def _attention_ops() -> set:
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "scaled_dot_product_attention")
+    return {getattr(aten, n) for n in names if hasattr(aten, n)}
+
+
+def dropped(node: fx.Node) -> bool:
+    """Whether a forward node of the joint graph is rerun in the backward rather than saved:
+    in a recompute region (its tag), under `full` always, under `selective` unless it is
+    matmul work (an op torch's FLOP counter counts) other than attention; never a
+    functional collective (recompute adds no communication)."""
+    from torch.utils.flop_counter import flop_registry
+
+    mode = (node.meta.get("custom") or {}).get(RECOMPUTE_TAG)
+    if mode is None or node.op != "call_function":
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None and packet._qualified_op_name.startswith("_c10d_functional"):
+        return False
+    return mode == "full" or packet in _attention_ops() or packet not in flop_registry
 
 
 def _ancestors(roots: list) -> set:
@@ -142,6 +172,10 @@ def _with_items(members: set, nodes: list) -> set:
     """`members` and every `getitem` of a multi-output node in it: tuples never cross graphs."""
     return members | {n for n in nodes if n.op == "call_function"
                       and n.target is operator.getitem and n.args[0] in members}
+
+
+def _item(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is operator.getitem
 
 
 def _reads(members: set) -> set:

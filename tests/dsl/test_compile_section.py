@@ -22,13 +22,23 @@ def test_mode_default_and_values():
         assert _load("gpt_pp4_1f1b.plan", f"compile.mode={mode}").compile.graphs
 
 
-@pytest.mark.parametrize("name, why", [("hybrid_pp2_dp2_tp2.plan", "mesh.tp > 1"),
-                                       ("moe_pp2_ep2_zbv.plan", "mesh.ep > 1")])
-def test_parallelism_graphs_mode_does_not_run_is_refused_at_the_mode_line(name, why):
+def test_tp_and_ep_examples_load_in_graphs_mode():
+    for name in ("hybrid_pp2_dp2_tp2.plan", "moe_pp2_ep2_zbv.plan"):
+        assert _load(name, "compile.mode=graphs").compile.graphs
+
+
+@pytest.mark.parametrize("name, edits, why", [
+    ("gpt_pp4_1f1b.plan", ["mesh.cp=2"], "mesh.cp > 1"),
+    ("moe_pp2_ep2_zbv.plan", ["experts.dropless=false", "experts.capacity_factor=1.0"],
+     "experts.dropless = false"),
+    ("moe_pp2_ep2_zbv.plan", ["mesh.tp=2", "mesh.ep=4"], "expert parallelism across tp"),
+    ("hybrid_pp2_dp2_tp2.plan", ["compile.mode=inductor"], "under inductor")])
+def test_what_graphs_mode_does_not_run_is_refused_at_the_mode_line(name, edits, why):
     with pytest.raises(PlanError) as e:
-        _load(name, "compile.mode=graphs")
+        _load(name, "compile.mode=graphs", *edits)
     text = str(e.value)
-    assert why in text and "compile.mode = graphs" in text
+    mode = "inductor" if "compile.mode=inductor" in edits else "graphs"
+    assert why in text and f"compile.mode = {mode}" in text
     assert "compile { mode = eager }" in text  # the hint
 
 

@@ -76,3 +76,27 @@ def test_tensor_parallel_block_bytes(run_workers, sequence_parallel):
 @pytest.mark.slow
 def test_expert_parallel_bytes(run_workers):
     run_workers(_ep_worker, 2)
+
+
+def _ep_static_worker(rank, world):
+    group = dist.group.WORLD
+    experts, k, tokens = 8, 2, B * T
+    torch.manual_seed(0)
+    moe = MoE(D, 2 * D, experts, k)
+    layer = ExpertParallelExperts(moe.experts, experts, group, static=True)
+    x = torch.randn(B * T, D, requires_grad=True)
+    with CommMeter({"ep": group}) as meter:
+        top_w, top_i, aux = moe.route(x)
+        (layer(x, top_i, top_w).sum() + aux).backward()
+    slots = tokens * k
+    rows = slots * D * 4
+    # Compiled stages' static dispatch: every slot to every rank, whatever the routing, so
+    # each rank's bytes are fixed: rows out and terms back (forward), their transposes
+    # (backward), the weights out and their gradient back, the int64 indices out; no counts.
+    assert meter.bytes == {("ep", "alltoall"): world * (4 * rows + 2 * slots * 4 + slots * 8)}
+    assert meter.calls == {("ep", "alltoall"): 7}
+
+
+@pytest.mark.slow
+def test_expert_parallel_static_dispatch_bytes(run_workers):
+    run_workers(_ep_static_worker, 2)

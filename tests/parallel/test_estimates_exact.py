@@ -70,6 +70,9 @@ CASES = [
      + ["tensor.column=[layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, layers.*.mlp.up]",
         "tensor.row=[layers.*.attn.proj, layers.*.mlp.down]"], (0, 3)),
     ("moe dp4 ep2", "moe_pp2_ep2_zbv.plan", ["model.args.dim=18", "mesh.dp=4"], (0, 1, 2, 3)),
+    # compiled stages dispatch statically (every slot to every EP rank): other bytes
+    ("moe dp4 ep2 graphs", "moe_pp2_ep2_zbv.plan",
+     ["model.args.dim=18", "mesh.dp=4", "compile.mode=graphs"], (0,)),
     ("moe dp2 tp2 ep2", "moe_pp2_ep2_zbv.plan",
      ["model.args.dim=18", "mesh.dp=2", "mesh.tp=2"] + TENSOR, (0, 3)),
     # EP across TP: one EP group of all 4 ranks; each TP rank dispatches half the rows

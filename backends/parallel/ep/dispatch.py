@@ -57,6 +57,27 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+def static_dispatch(x: torch.Tensor, ep_size: int, group) -> torch.Tensor:
+    """Every row of `x` [S, ...] to every rank of `group`: an all-to-all of equal splits
+    (a functional collective, differentiable, traceable); the result [ep*S, ...] holds
+    rank r's rows at block r."""
+    from torch.distributed import _functional_collectives as funcol
+
+    send = x.repeat((ep_size,) + (1,) * (x.dim() - 1)).contiguous()
+    if not x.is_floating_point():
+        return funcol.all_to_all_single(send, None, None, group)
+    return funcol.all_to_all_single_autograd(send, None, None, group)
+
+
+def static_combine(terms: torch.Tensor, ep_size: int, group) -> torch.Tensor:
+    """The inverse of `static_dispatch`: block r of `terms` back to rank r, then summed
+    over the ranks that computed them -> [S, ...]."""
+    from torch.distributed import _functional_collectives as funcol
+
+    back = funcol.all_to_all_single_autograd(terms.contiguous(), None, None, group)
+    return back.reshape((ep_size, -1) + tuple(terms.shape[1:])).sum(0)
+
+
 def exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
     """Each rank's per-expert slot counts for every rank: [E] sent -> [E] received, laid out
     as [source rank, local expert]."""

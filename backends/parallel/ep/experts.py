@@ -24,6 +24,15 @@ Forward, per rank (each rank holds different tokens):
      computes each term exactly as the model does (its activation, weighting);
   4. send the terms back (inverse all-to-all) and sum them per token.
 
+With `static=True` (compile.mode = graphs | inductor: the stage must be one
+graph of fixed shapes, and the split sizes above are read on the host) the
+all-to-alls have equal splits: every rank sends each of its T*k slots to every
+EP rank (`static_dispatch`), each rank computes the terms of the slots whose
+expert it holds and zero (weight 0) for the others, and the terms come back by
+the inverse all-to-all, summed over the EP ranks (one non-zero block per slot, so
+the sum adds exact zeros). Functional collectives, traced into the joint graph
+with their autograd; traffic and expert rows are ep times the routed ones.
+
 The local copy of the experts module shares the model's code; its stacked
 parameters are the local slices, and an int attribute holding the expert
 count (transformers' `num_experts`: it sizes the grouped-matmul offsets) is
@@ -41,7 +50,8 @@ from torch import nn
 from ....compiler.parallel.ep import ExpertShard
 from ....errors import PipeplanError
 from ...state.materialize import sliced_parameter
-from .dispatch import all_to_all, dispatch_slots, exchange_counts
+from .dispatch import (all_to_all, dispatch_slots, exchange_counts, static_combine,
+                       static_dispatch)
 
 
 def expert_shard(num_experts: int, ep_size: int, ep_rank: int) -> ExpertShard:
@@ -69,7 +79,7 @@ class ExpertParallelExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, num_experts: int, group=None,
                  capacity_factor: Optional[float] = None, drop_policy: str = "probs",
-                 indices: Optional[tuple[int, ...]] = None):
+                 indices: Optional[tuple[int, ...]] = None, static: bool = False):
         """`indices`: this rank's experts as the compiled plan placed them (ExpertPlacement);
         they must be the contiguous block the all-to-all's layout assumes."""
         super().__init__()
@@ -82,6 +92,9 @@ class ExpertParallelExperts(nn.Module):
                                 f"({list(self.shard.indices)} there)")
         self.group = group if ep_size > 1 else None
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        if static and capacity_factor is not None:
+            raise PipeplanError("the static dispatch (compiled stages) is dropless only")
+        self.static = static
         local = local_experts(experts, self.shard)
         object.__setattr__(self, "local", local)  # not a child: its names are ours
         self._parameters = local._parameters  # the model's names, the local slices
@@ -94,6 +107,8 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         s = self.shard
+        if self.static and self.group is not None:
+            return self._static_forward(hidden, top_k_index, top_k_weights)
         routed = dispatch_slots(top_k_index, top_k_weights, s.num_experts,
                                 self.capacity_factor, self.drop_policy)
         recv_per_expert = exchange_counts(routed.counts, self.group).view(s.ep_size, s.local)
@@ -111,6 +126,21 @@ class ExpertParallelExperts(nn.Module):
         terms = self.local(rows, index.unsqueeze(-1), weights.unsqueeze(-1))
         back = all_to_all(terms, send, recv, self.group)
         return back.new_zeros(hidden.shape).index_add(0, slots.token, back)
+
+    def _static_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        s = self.shard
+        tokens, k = top_k_index.shape
+        token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)
+        rows = static_dispatch(hidden[token], s.ep_size, self.group)
+        weights = static_dispatch(top_k_weights.reshape(-1), s.ep_size, self.group)
+        expert = static_dispatch(top_k_index.reshape(-1), s.ep_size, self.group)
+        mine = (expert >= s.first) & (expert < s.stop)
+        index = torch.where(mine, expert - s.first, 0)
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        terms = self.local(rows, index.unsqueeze(-1), weights.unsqueeze(-1))
+        back = static_combine(terms, s.ep_size, self.group)
+        return back.new_zeros(hidden.shape).index_add(0, token, back)
 
 
 def gather_experts(layer: ExpertParallelExperts) -> dict[str, torch.Tensor]:

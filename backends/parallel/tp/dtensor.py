@@ -27,6 +27,8 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Sh
 from torch.distributed.tensor import empty as distributed_empty
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ....compiler.graphs.joint import traceable_function
+
 
 def placement(spec: str):
     """"replicate" | "shard:<dim>" (dims may be negative: counted at use) -> a Placement."""
@@ -64,6 +66,7 @@ class ToDTensor(_Placed):
         return DTensor.from_local(x, self.mesh, [p], run_check=False)
 
 
+@traceable_function
 class _PartialGradReplicate(torch.autograd.Function):
     """Forward: a Replicate DTensor of `p`. Backward: this rank's share of the gradient as
     a partial sum (Partial: its local value; Replicate: the value on rank 0, zeros
@@ -127,6 +130,7 @@ class ToLocal(nn.Module):
         return x.to_local()
 
 
+@traceable_function
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """torch's loss_parallel around one cross-entropy: forward and backward inside it."""
 
