@@ -175,6 +175,7 @@ def _cmd_run(args) -> int:
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
     from ..backends.runtime.memory import check_local_memory
+    from ..compiler.capture.budget import local_run_budget
     from ..compiler.data import check_data
 
     env = RankEnv.from_environ()
@@ -184,10 +185,12 @@ def _cmd_run(args) -> int:
     if env is None:
         with _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
             chosen = choose_resume(source.plan, getattr(args, "resume_from", None))
-            compiled = precompile(source.plan, source)  # fail before spawning anything
             import torch
 
-            if not torch.cuda.is_available():  # every rank on this machine's memory
+            local_cpu = not torch.cuda.is_available()  # every rank on this machine's memory
+            with local_run_budget() if local_cpu else contextlib.nullcontext():
+                compiled = precompile(source.plan, source)  # fail before spawning anything
+            if local_cpu:
                 check_local_memory(source.plan, compiled)
             check_data(source.plan, steps)
             check_resume(source.plan, compiled, args.reset_optimizer, chosen)
