@@ -79,8 +79,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="seconds any rank may wait on another before the run fails (default 300)")
     p.add_argument("--heartbeat", type=float, default=None, metavar="S",
-                   help="a local run stops when a rank shows no sign of life (stopped, hung "
-                        "outside a collective) for S seconds (default 30)")
+                   help="the run stops when a rank shows no sign of life (stopped, hung "
+                        "outside a collective) for S seconds (default 30; under torchrun each "
+                        "rank watches the next through the store)")
 
 
 def _steps(args, source) -> int:
@@ -205,7 +206,8 @@ def _cmd_run(args) -> int:
                       debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
                       profile_out=args.profile_out, warmup=args.warmup,
                       resume_from=getattr(args, "resume_from", None),
-                      resume_verified=getattr(args, "resume_verified", False))
+                      resume_verified=getattr(args, "resume_verified", False),
+                      heartbeat_s=_heartbeat(args))
     return run_worker(source.plan, source.compile, env, opts)
 
 
