@@ -5,13 +5,14 @@ The compiler builds the model on the meta device, so a constructor that scales w
 plain tensor attribute) costs nothing in bytes there, but minutes of CPU and gigabytes of
 module objects, and every rank later builds its buffers on CPU for real. While the model is
 constructed, `Budget` counts every module registered and every tensor the constructor creates
-(through the meta build's TorchFunctionMode, compiler/capture/loading.py: the bytes of each call's new tensor, not a view nor an argument back,
-cumulative; factory calls that name a real device are sized on meta first, so nothing is
-allocated past the bound) and stops the constructor the moment a count passes its bound:
+(through the meta build's TorchFunctionMode in compiler/capture/loading.py: the bytes of
+each call's new tensor, not a view nor an argument back, cumulative; factory calls that
+name a real device are sized on meta first, so nothing is allocated past the bound) and
+stops the constructor the moment a count passes its bound:
 
 | count                            | bound                                                   |
 |----------------------------------|---------------------------------------------------------|
-| modules                          | MAX_MODULES (61 layers of 256 experts, a module per expert and per projection: 62k) |
+| modules                          | MAX_MODULES (61 layers x 256 experts x 4 modules: 62k) |
 | bytes created, parameters too    | this machine's memory for a local run, else MAX_MODEL_BYTES |
 | bytes created outside parameters | this machine's memory (every rank builds them on its CPU) |
 
