@@ -79,8 +79,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="seconds any rank may wait on another before the run fails (default 300)")
     p.add_argument("--heartbeat", type=float, default=None, metavar="S",
-                   help="a local run stops when a rank shows no sign of life (stopped, hung "
-                        "outside a collective) for S seconds (default 30)")
+                   help="the run stops when a rank shows no sign of life (stopped, hung "
+                        "outside a collective) for S seconds (default 30; under torchrun each "
+                        "rank watches the next through the store)")
 
 
 def _steps(args, source) -> int:
@@ -175,6 +176,7 @@ def _cmd_run(args) -> int:
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
     from ..backends.runtime.memory import check_local_memory
+    from ..compiler.capture.budget import local_run_budget
     from ..compiler.data import check_data
 
     env = RankEnv.from_environ()
@@ -184,10 +186,12 @@ def _cmd_run(args) -> int:
     if env is None:
         with _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
             chosen = choose_resume(source.plan, getattr(args, "resume_from", None))
-            compiled = precompile(source.plan, source)  # fail before spawning anything
             import torch
 
-            if not torch.cuda.is_available():  # every rank on this machine's memory
+            local_cpu = not torch.cuda.is_available()  # every rank on this machine's memory
+            with local_run_budget() if local_cpu else contextlib.nullcontext():
+                compiled = precompile(source.plan, source)  # fail before spawning anything
+            if local_cpu:
                 check_local_memory(source.plan, compiled)
             check_data(source.plan, steps)
             check_resume(source.plan, compiled, args.reset_optimizer, chosen)
@@ -202,7 +206,8 @@ def _cmd_run(args) -> int:
                       debug=getattr(args, "debug", False), reset_optimizer=args.reset_optimizer,
                       profile_out=args.profile_out, warmup=args.warmup,
                       resume_from=getattr(args, "resume_from", None),
-                      resume_verified=getattr(args, "resume_verified", False))
+                      resume_verified=getattr(args, "resume_verified", False),
+                      heartbeat_s=_heartbeat(args))
     return run_worker(source.plan, source.compile, env, opts)
 
 

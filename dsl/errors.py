@@ -43,6 +43,7 @@ class Diagnostic:
 
 ECHO_COLUMNS = 160  # at most this much of a source line is echoed under an error
 ECHO_MESSAGE = 1000  # and of a message (which may quote a value)
+ECHO_DIAGNOSTICS = 50  # errors printed in full; the rest are counted
 ECHO_BEFORE = 40  # columns kept before the caret when the line is cut
 
 
@@ -84,7 +85,13 @@ class PlanError(PipeplanError):
         super().__init__(self.render())
 
     def render(self) -> str:
-        return "\n".join(d.render(self.source_text, self.sources) for d in self.diagnostics)
+        """Every diagnostic up to ECHO_DIAGNOSTICS, then a count of the rest."""
+        shown = [d.render(self.source_text, self.sources)
+                 for d in self.diagnostics[:ECHO_DIAGNOSTICS]]
+        rest = len(self.diagnostics) - ECHO_DIAGNOSTICS
+        if rest > 0:
+            shown.append(f"... and {rest:,} more errors (the first {ECHO_DIAGNOSTICS} are shown)")
+        return "\n".join(shown)
 
     @staticmethod
     def at(plan: Plan, key: str, message: str, hint: Optional[str] = None) -> "PlanError":

@@ -18,3 +18,7 @@ MAX_EXPERTS = 2**16
 MAX_DIM = 2**31  # an integer dimension of a model input
 MAX_LAYER = 2**20  # a bound of a layer range
 
+# Counted on the raw text before the parser runs (dsl/scan.py): parsing costs ~35 us of CPU
+# per value, so these keep the parse of any accepted plan under ~1 s; a real plan has ~100.
+MAX_LIST_ITEMS = 4096  # elements of one list (a split of 4096 stages is far above any job)
+MAX_PLAN_VALUES = 32768  # names, numbers and strings in the whole plan

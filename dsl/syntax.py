@@ -19,6 +19,7 @@ import lark
 
 from .ast import Span
 from .errors import Diagnostic, PlanError
+from .scan import check_bounds
 
 
 # --------------------------------------------------------------------- nodes
@@ -350,7 +351,9 @@ def _syntax_diagnostic(e: lark.exceptions.UnexpectedInput, file: str, text: str)
 
 
 def parse_document(text: str, file: str = "<plan>") -> Table:
-    """Parse plan text into its syntax tree; raise PlanError on a syntax error."""
+    """Parse plan text into its syntax tree; raise PlanError on a syntax error or a list or
+    plan over its bound (dsl/scan.py, checked before the parser runs)."""
+    check_bounds(text, file)
     try:
         tree = _parser().parse(text)
         return _Build(file).transform(tree)

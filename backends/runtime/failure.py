@@ -161,7 +161,7 @@ class Beacon:
     """
 
     def __init__(self, rank: int, phase: str):
-        self.phase, self._map, self._beats = phase, None, 0
+        self.phase, self._map, self._beats, self.text = phase, None, 0, phase
         folder = os.environ.get(ERROR_DIR_ENV)
         if folder:
             try:
@@ -184,6 +184,7 @@ class Beacon:
         self._write(f"{self.phase}: {label}")
 
     def _write(self, text: str) -> None:
+        self.text = text  # for the store heartbeat (heartbeat.py)
         if self._map is not None:
             data = text.encode("utf-8", "replace")[:TEXT_BYTES - 1]
             self._map[:len(data) + 1] = data + b"\0"

@@ -8,6 +8,8 @@ import resource
 import sys
 from dataclasses import dataclass
 
+from ...compiler.capture.budget import machine_memory_bytes
+
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
 
 
@@ -95,16 +97,6 @@ def memory_lines(ranks: list[RankMemory]) -> str:
 
 
 GIB = 1 << 30
-
-
-def machine_memory_bytes() -> int | None:
-    """This machine's physical memory (None where the OS does not say)."""
-    try:
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_local_memory(plan, compiled, total: int | None = None) -> None:

@@ -23,8 +23,9 @@ from .agreement import check_agreement, compile_shared, plan_hash
 from ..state.checkpoint import Checkpointer
 from ..state.checkpoint.lock import HELD_ENV, FolderLock
 from ..state.checkpoint.verify import resume_choice
-from .failure import (STORE_KEY, Beacon, Failure, FailureWatch, island_key, now, report_done,
-                      report_failure)
+from .failure import (ERROR_DIR_ENV, HEARTBEAT_S, STORE_KEY, Beacon, Failure, FailureWatch,
+                      island_key, now, report_done, report_failure)
+from .heartbeat import StoreHeartbeat
 from .launcher import LOCAL_STORE_ENV
 from .memory import (RankMemory, graphs_note, memory_lines, peak_rss_bytes,
                      return_large_blocks_to_os)
@@ -49,6 +50,7 @@ class RunOptions:
     warmup: int = 1  # steps left out of the steady-state bubble and the profile
     resume_from: Optional[str] = None  # a step_N folder (--resume-from), else the newest intact
     resume_verified: bool = False  # the launcher chose and verified it (None: start fresh)
+    heartbeat_s: float = HEARTBEAT_S  # under torchrun: a neighbour silent this long is stopped
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,16 @@ def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losse
     return 0
 
 
+def _store_heartbeat(plan: Plan, env: RankEnv, opts: RunOptions, where: Beacon):
+    """Under torchrun (no local launcher reads the beacons): beat through the store and
+    watch a neighbour (heartbeat.py). The local launcher watches its ranks itself."""
+    def key_of(rank: int) -> str:
+        return island_key(Coords.of(rank, plan.mesh).dp if plan.sync.decoupled else None)
+
+    limit = 0.0 if os.environ.get(ERROR_DIR_ENV) else opts.heartbeat_s
+    return StoreHeartbeat(env.rank, env.world_size, limit, lambda: where.text, key_of).start()
+
+
 def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     """Train on this rank; returns the exit code. Failures stop every rank (see failure.py).
 
@@ -305,6 +317,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
     # a decoupled DiLoCo island other than 0 fails on its own key (failure.island_key)
     failure_key = island_key(Coords.of(env.rank, plan.mesh).dp if plan.sync.decoupled else None)
     watch = FailureWatch(env.rank, keys=tuple({STORE_KEY, failure_key})).start()
+    beat = _store_heartbeat(plan, env, opts, where)
     lock = None
     try:
         lock = _folder_lock(plan, env)
@@ -332,6 +345,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
                                                  run.split_points, trackers)
         where[0] = "finish"
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
+            beat.stop()  # its island is done; rank 0 waits for the rest without beating
             return _finish_decoupled(plan, env, opts, trainer, losses, watch, lock)
         memory = RankMemory(env.rank, topo.coords.pp, startup[0], param_bytes, startup[1],
                             peak_rss_bytes(), trainer.grad_bytes or 0,
@@ -350,6 +364,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
             dump_rank(opts.dump_dir, env.rank, losses, trainer, grads)
         dist.barrier()
         watch.stop()
+        beat.stop()
         dist.destroy_process_group()
         if lock is not None:
             lock.release()
@@ -357,6 +372,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         return 0
     except BaseException as e:  # every failure stops every rank, naming this one
         watch.stop()
+        beat.stop()
         if lock is not None:
             lock.release()
         detail = str(e) if isinstance(e, PipeplanError) else f"{type(e).__name__}: {e}"

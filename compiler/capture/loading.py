@@ -23,13 +23,13 @@ import torch
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
+from .budget import Budget, OverBudget
 from .model_checks import check_model_against_plan
 
 
 def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
     """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
-    model = _construct(plan, (lambda: _on_meta()) if device == "meta" else
-                       (lambda: torch.device(device)))
+    model = _construct(plan, _on_meta if device == "meta" else (lambda: torch.device(device)))
     check_model_against_plan(plan, model)
     return model
 
@@ -42,10 +42,15 @@ _FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "constant_", "fill_"
                     "geometric_"})
 
 
-class _SkipMetaFills(torch.overrides.TorchFunctionMode):
+class _MetaBuild(torch.overrides.TorchFunctionMode):
     """A meta tensor has no values to fill: initialisers return it as it is. (Running them
     goes through torch's Python reference kernels, whose first call imports torch._dynamo:
-    ~2 s of every rank's start-up.)"""
+    ~2 s of every rank's start-up.) Every other call goes through the construction budget
+    (budget.py), in this one mode: a second would double the cost per call."""
+
+    def __init__(self, budget: Budget):
+        super().__init__()
+        self.budget = budget
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -53,13 +58,14 @@ class _SkipMetaFills(torch.overrides.TorchFunctionMode):
             t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
             if isinstance(t, torch.Tensor) and t.is_meta:
                 return t
-        return func(*args, **kwargs)
+        return self.budget.call(func, args, kwargs)
 
 
 @contextlib.contextmanager
 def _on_meta():
-    with torch.device("meta"), _SkipMetaFills():
-        yield
+    """Build on meta, bounded (budget.py); yields the Budget."""
+    with torch.device("meta"), Budget() as budget, _MetaBuild(budget):
+        yield budget
 
 
 def _construct(plan: Plan, context) -> torch.nn.Module:
@@ -73,9 +79,17 @@ def _construct(plan: Plan, context) -> torch.nn.Module:
         args = dict(plan.model.args)
         _check_args(plan, cls, args)
     try:
-        with torch.random.fork_rng(devices=[]), context():
+        with torch.random.fork_rng(devices=[]), context() as budget:
             torch.manual_seed(plan.train.seed)
             model = cls(**args)
+            if isinstance(budget, Budget):
+                budget.check()  # what the constructor's last line created
+    except OverBudget as e:  # stopped at once: the args scale the model past a bound
+        raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) was stopped "
+                           f"while it was being built: {e.counts.describe()} so far, "
+                           f"{e.what}; nothing was started",
+                           "make the model smaller (model.args), or build large buffers in "
+                           "forward or as parameters (docs/runtime.md, Trust)") from None
     except (Exception, SystemExit) as e:  # the user's constructor failed: point at the args
         raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
                            f"{type(e).__name__}: {e}",
