@@ -82,14 +82,27 @@ def _stage_times(units: Units, c: Candidate, plan, device: DeviceModel, links,
     """(OpTimes, (F, B, W) seconds) of a run of units as one stage: action_costs's rule."""
     t = op_times(plan, _work(run), device.hardware)
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
-    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s) for u in run
-               for role, nbytes in u.tp_traffic
+    inner = _inner(run, c.sp)
+    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s)
+               for u, i in zip(run, inner) for role, nbytes in (u.tp_inner if i else u.tp_traffic)
                for op, n in _role_collectives(role, nbytes, c.tp, c.sp)) if c.tp > 1 else 0.0
     ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
     other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
     again = tp_s / 2 if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
     comm = (tp_s + other) / 2
     return t, (t.f + comm, t.b + comm + again, t.w)
+
+
+def _inner(run: list[Unit], sp: bool) -> list[bool]:
+    """Per unit of a stage: read its "inner" numbers (units.Unit.tp_inner, activation_inner)?
+    The first unit's inputs cross a stage edge (whole); a later one's come from its stage, as
+    sequence shards under sequence parallel once a unit before it all-reduced (reduce-
+    scattered) an output: a row layer or a split embedding (the "output" traffic role)."""
+    out, seeded = [], False
+    for i, u in enumerate(run):
+        out.append(i > 0 and (seeded or not sp))
+        seeded = seeded or any(role == "output" for role, _ in u.tp_traffic)
+    return out
 
 
 def _ep_bytes(plan, u: Unit, c: Candidate) -> float:
@@ -170,7 +183,8 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
     tp = c.tp if c.tp > 1 else 1
-    act = tuple(sum(dict(u.activation_bytes)[tp] for u in table[a:b])
+    act = tuple(sum(dict(u.activation_inner if i else u.activation_bytes)[tp]
+                    for u, i in zip(table[a:b], _inner(table[a:b], c.sp and c.tp > 1)))
                 for a, b in zip(bounds, bounds[1:]))
     msg = [table[b - 1].out_bytes for b in bounds[1:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
