@@ -177,8 +177,7 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     links = _links(plan, device)
     table = _table(units, c)
     stages = c.pp * c.virtual
-    split = balanced_split([sum(_stage_times(units, c, plan, device, links, [u])[1])
-                            for u in table], stages)
+    split = balanced_split(_unit_weights(units, c, plan, device, links, table), stages)
     bounds = (0,) + split + (len(table),)
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
@@ -190,6 +189,18 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
     return Shape(tuple(t for t, _ in timed), tuple(x for _, x in timed), latency, split, act,
                  links)
+
+
+def _unit_weights(units: Units, c: Candidate, plan, device: DeviceModel, links,
+                  table: list[Unit]) -> list[float]:
+    """Each unit's F + B + W seconds as a stage of its own (what the split balances),
+    cached per table and what those seconds read of the mesh: tp, ep, the TP and EP links."""
+    key = ("weights", id(table), c.tp, c.ep, c.sp, c.dp if plan.experts else 0, links.tp,
+           links.ep, id(device))
+    if key not in units.cache:
+        units.cache[key] = [sum(_stage_times(units, c, plan, device, links, [u])[1])
+                            for u in table]
+    return units.cache[key]
 
 
 def _links(plan, device: DeviceModel):

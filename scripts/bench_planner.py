@@ -15,6 +15,7 @@ layout, the published layout neither in the top 10 nor excluded for a stated rea
 best plan refused by check or estimated differently by it.
 
     python scripts/bench_planner.py [--rows 1.7B,1T] [--max-evals N] [--no-check]
+    python scripts/bench_planner.py --speed     # the 1T row and a 70B Llama: search seconds
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import time
 
 from pipeplan.compiler.estimate.device import device_model
 from pipeplan.compiler.estimate.devices import profile
-from pipeplan.dsl.ast import DeviceSpec, MeshSpec, PipelineSpec, TrainSpec
+from pipeplan.dsl.ast import DataSpec, DeviceSpec, MeshSpec, ModelSpec, PipelineSpec, Plan, \
+    TensorSpec, TrainSpec
 from pipeplan.planner.cost import predict
 from pipeplan.planner.report import plan_text, tflops
 from pipeplan.planner.search import search
@@ -50,6 +52,40 @@ def planner_input(row):
 def _with_tp(row):
     """The row with tp 8, so plan_of writes the tensor section (the patterns tp may split)."""
     return row[:4] + (8,) + row[5:]
+
+
+LLAMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                     "compiler", "models.py") + ":Llama"
+
+
+def llama_70b_input(global_batch: int = 1024):
+    """The speed target besides the 1T row: tests/compiler/models.py's Llama at its default,
+    Llama-3-70B's shape (80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocabulary
+    128256), sequence 4096, bf16, on H100s, 8 a node; global batch 1024 sequences (4M tokens)."""
+    pre = "layers.*."
+    return Plan(model=ModelSpec(source=LLAMA, capture="fx"),
+                data=DataSpec(seq_len=4096, vocab=128256),
+                tensor=TensorSpec(column=tuple(pre + m for m in ("attn.q", "attn.k", "attn.v",
+                                                                 "gate", "up")),
+                                  row=(pre + "attn.o", pre + "down"),
+                                  vocab=("tok_emb", "lm_head")),
+                train=TrainSpec(global_batch=global_batch, precision="bf16"),
+                device=DeviceSpec(name="h100", ranks_per_node=8),
+                path=os.path.join(tempfile.gettempdir(), "llama70b.plan"))
+
+
+def speed(plan, gpus: int, max_evals: int) -> None:
+    """One search, timed (wall and CPU): the speed goal's measurement."""
+    dev = device_model(dataclasses.replace(plan, mesh=MeshSpec(pp=1, dp=gpus)))
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = search(plan, gpus, dev, profile(plan.device.name).memory_bytes, Constraints(),
+                 top_k=TOP, max_evals=max_evals)
+    took, cpu = time.perf_counter() - t0, time.process_time() - c0
+    best = res.top[0] if res.top else None
+    print(f"{gpus} x {plan.device.name}: best {best.candidate.label() if best else 'none fits'}"
+          f" ({tflops(best.prediction) if best else 0:.1f} TFLOP/s); evaluated "
+          f"{res.evaluated}/{res.enumerated}{'' if res.closed else ' (budget)'}, model captured "
+          f"{res.units.captures} times; search {took:.1f} s wall, {cpu:.1f} s CPU", flush=True)
 
 
 def published(row) -> Candidate:
@@ -104,7 +140,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="")
     ap.add_argument("--max-evals", type=int, default=2000)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--speed", action="store_true", help="time the two speed targets only: "
+                    "the 1T row on 3072 A100s and a 70B Llama on 1024 H100s")
     args = ap.parse_args(argv)
+    if args.speed:
+        speed(planner_input(ROWS[-1]), ROWS[-1][6], args.max_evals)
+        speed(llama_70b_input(), 1024, args.max_evals)
+        return 0
     rows = [r for r in ROWS if not args.rows or r[0] in args.rows.split(",")]
     print("| row | GPUs | published layout | TFLOP/s pub. | planner's layout | TFLOP/s best "
           "| published rank | evaluated | search s (wall / cpu) | check |")
