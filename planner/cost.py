@@ -262,7 +262,7 @@ def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float,
     if c.schedule == "auto" and c.virtual == 2:
         places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
-    best = min(_pipe_bound(units, c, sh, place, unsplit) for place in places)
+    best = min(_pipe_bound(units, c, sh, place, unsplit)[0] for place in places)
     key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
            id(device), places[0], c.zero)
     if key not in units.cache:
@@ -280,13 +280,44 @@ def _rank_max(values, place, pp: int) -> list:
     return out
 
 
-def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> float:
+def step_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
+    """A tighter bound than lower_bound's time (it adds what follows the pipeline), dearer
+    to compute: the search asks it only of candidates it is about to evaluate."""
+    sh = shape(units, c, device)
+    places = [placement(c.schedule, c.pp, len(sh.per_stage))]
+    if c.schedule == "auto" and c.virtual == 2:
+        places.append(placement("zbv", c.pp, len(sh.per_stage)))
+    unsplit = c.schedule in UNSPLIT_BACKWARD
+    return min(_step_bound(units, c, sh, place, unsplit, device) for place in places)
+
+
+def _step_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool,
+                device: DeviceModel) -> float:
+    """No step of `c` on this placement is shorter: predict.breakdown's step is the max over
+    ranks of (its last action's end + its exposed DP reduction + its optimizer pass). A
+    rank's last action is a W (or BW) of one of its stages, whose reduction starts there, so
+    at least the shortest of its stages' reductions is exposed: step >= each rank's own end
+    bound + its tail, and >= the pipeline's bound + the smallest tail."""
+    worst, own = _pipe_bound(units, c, sh, place, unsplit)
+    key = ("tail", id(sh), place, c.zero)
+    if key not in units.cache:
+        plan = plan_of(units.plan, c, units.blocks, sh.split)
+        dp_s, opt_s = _reduction_and_optimizer(units, c, plan, sh, place, device)
+        least = [min((d for s, d in enumerate(dp_s) if place[s] == r), default=0.0)
+                 for r in range(c.pp)]
+        units.cache[key] = [o + d for o, d in zip(opt_s, least)]
+    tail = units.cache[key]
+    return max(max(o + t for o, t in zip(own, tail)), worst + min(tail))
+
+
+def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> tuple:
     """The pipeline's part of the bound (cached per shape, placement and backward kind).
     Rank r cannot start before the first microbatch's forward reaches its first stage s0
     (the fill); its last B is on s0 (backward flows down), and the B chain of that
     microbatch through the stages before s0 (the drain) follows it, while its W may
     overlap the drain: max over r of fill + max(m x work, m x (F + B) + drain); with an
-    unsplit backward (one BW op) W is part of B."""
+    unsplit backward (one BW op) W is part of B. Also each rank's own bound (fill + m x
+    work): its last action ends no sooner."""
     key = ("pipe", id(sh), place, unsplit, c.microbatches)
     if key in units.cache:
         return units.cache[key]
@@ -308,8 +339,8 @@ def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> 
     m = c.microbatches
     worst = max(fill[first[r]] + max(m * work[r], m * fb[r] + drain[first[r]])
                 for r in range(c.pp))
-    units.cache[key] = worst
-    return worst
+    units.cache[key] = worst, [fill[first[r]] + m * work[r] for r in range(c.pp)]
+    return units.cache[key]
 
 
 def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
