@@ -239,10 +239,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                 attach_context_costs(p, cp_stages, split, graph, run, tp_heads)
                 table = []
 
-                def saved(module, t, shards=frozenset()):
-                    return stage_saved_bytes(module, records, p.recompute, TensorSplit(
-                        t, sp, kinds, shards) if t > 1 else None, scale)
-
+                saved = _saved_bytes(records, p.recompute, sp, kinds, scale)
                 alone = [tuple((t, saved(st.module, t)) for t in tps) for st in stages]
                 for st in stages:
                     own = [c for i, n in enumerate(nodes) if split.stage_of(i) == st.index
@@ -271,6 +268,15 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                         params=_params(st, kinds, expert_params, plan), work=works[st.index]))
                 units.tables[(mbs, tp_on, sp, mode, cp)] = table
     return traced
+
+
+def _saved_bytes(records: dict, rules, sp: bool, kinds: dict, scale: dict) -> Callable:
+    """(stage graph, tp, its inputs that are sequence shards) -> bytes it saves for backward
+    on one rank (activations.stage_saved_bytes under one rewrite)."""
+    def saved(module, t: int, shards: frozenset = frozenset()) -> int:
+        split = TensorSplit(t, sp, kinds, shards) if t > 1 else None
+        return stage_saved_bytes(module, records, rules, split, scale)
+    return saved
 
 
 def _sequence_inputs(graph, module, stages, kinds: dict, records: dict) -> list:
