@@ -82,14 +82,27 @@ def _stage_times(units: Units, c: Candidate, plan, device: DeviceModel, links,
     """(OpTimes, (F, B, W) seconds) of a run of units as one stage: action_costs's rule."""
     t = op_times(plan, _work(run), device.hardware)
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
-    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s) for u in run
-               for role, nbytes in u.tp_traffic
+    inner = _inner(run, c.sp)
+    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s)
+               for u, i in zip(run, inner) for role, nbytes in (u.tp_inner if i else u.tp_traffic)
                for op, n in _role_collectives(role, nbytes, c.tp, c.sp)) if c.tp > 1 else 0.0
     ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
     other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
     again = tp_s / 2 if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
     comm = (tp_s + other) / 2
     return t, (t.f + comm, t.b + comm + again, t.w)
+
+
+def _inner(run: list[Unit], sp: bool) -> list[bool]:
+    """Per unit of a stage: read its "inner" numbers (units.Unit.tp_inner, activation_inner)?
+    The first unit's inputs cross a stage edge (whole); a later one's come from its stage, as
+    sequence shards under sequence parallel once a unit before it all-reduced (reduce-
+    scattered) an output: a row layer or a split embedding (the "output" traffic role)."""
+    out, seeded = [], False
+    for i, u in enumerate(run):
+        out.append(i > 0 and (seeded or not sp))
+        seeded = seeded or any(role == "output" for role, _ in u.tp_traffic)
+    return out
 
 
 def _ep_bytes(plan, u: Unit, c: Candidate) -> float:
@@ -164,18 +177,30 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     links = _links(plan, device)
     table = _table(units, c)
     stages = c.pp * c.virtual
-    split = balanced_split([sum(_stage_times(units, c, plan, device, links, [u])[1])
-                            for u in table], stages)
+    split = balanced_split(_unit_weights(units, c, plan, device, links, table), stages)
     bounds = (0,) + split + (len(table),)
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
     tp = c.tp if c.tp > 1 else 1
-    act = tuple(sum(dict(u.activation_bytes)[tp] for u in table[a:b])
+    act = tuple(sum(dict(u.activation_inner if i else u.activation_bytes)[tp]
+                    for u, i in zip(table[a:b], _inner(table[a:b], c.sp and c.tp > 1)))
                 for a, b in zip(bounds, bounds[1:]))
     msg = [table[b - 1].out_bytes for b in bounds[1:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
     return Shape(tuple(t for t, _ in timed), tuple(x for _, x in timed), latency, split, act,
                  links)
+
+
+def _unit_weights(units: Units, c: Candidate, plan, device: DeviceModel, links,
+                  table: list[Unit]) -> list[float]:
+    """Each unit's F + B + W seconds as a stage of its own (what the split balances),
+    cached per table and what those seconds read of the mesh: tp, ep, the TP and EP links."""
+    key = ("weights", id(table), c.tp, c.ep, c.sp, c.dp if plan.experts else 0, links.tp,
+           links.ep, id(device))
+    if key not in units.cache:
+        units.cache[key] = [sum(_stage_times(units, c, plan, device, links, [u])[1])
+                            for u in table]
+    return units.cache[key]
 
 
 def _links(plan, device: DeviceModel):
@@ -237,7 +262,7 @@ def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float,
     if c.schedule == "auto" and c.virtual == 2:
         places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
-    best = min(_pipe_bound(units, c, sh, place, unsplit) for place in places)
+    best = min(_pipe_bound(units, c, sh, place, unsplit)[0] for place in places)
     key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
            id(device), places[0], c.zero)
     if key not in units.cache:
@@ -255,13 +280,44 @@ def _rank_max(values, place, pp: int) -> list:
     return out
 
 
-def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> float:
+def step_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
+    """A tighter bound than lower_bound's time (it adds what follows the pipeline), dearer
+    to compute: the search asks it only of candidates it is about to evaluate."""
+    sh = shape(units, c, device)
+    places = [placement(c.schedule, c.pp, len(sh.per_stage))]
+    if c.schedule == "auto" and c.virtual == 2:
+        places.append(placement("zbv", c.pp, len(sh.per_stage)))
+    unsplit = c.schedule in UNSPLIT_BACKWARD
+    return min(_step_bound(units, c, sh, place, unsplit, device) for place in places)
+
+
+def _step_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool,
+                device: DeviceModel) -> float:
+    """No step of `c` on this placement is shorter: predict.breakdown's step is the max over
+    ranks of (its last action's end + its exposed DP reduction + its optimizer pass). A
+    rank's last action is a W (or BW) of one of its stages, whose reduction starts there, so
+    at least the shortest of its stages' reductions is exposed: step >= each rank's own end
+    bound + its tail, and >= the pipeline's bound + the smallest tail."""
+    worst, own = _pipe_bound(units, c, sh, place, unsplit)
+    key = ("tail", id(sh), place, c.zero)
+    if key not in units.cache:
+        plan = plan_of(units.plan, c, units.blocks, sh.split)
+        dp_s, opt_s = _reduction_and_optimizer(units, c, plan, sh, place, device)
+        least = [min((d for s, d in enumerate(dp_s) if place[s] == r), default=0.0)
+                 for r in range(c.pp)]
+        units.cache[key] = [o + d for o, d in zip(opt_s, least)]
+    tail = units.cache[key]
+    return max(max(o + t for o, t in zip(own, tail)), worst + min(tail))
+
+
+def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> tuple:
     """The pipeline's part of the bound (cached per shape, placement and backward kind).
     Rank r cannot start before the first microbatch's forward reaches its first stage s0
     (the fill); its last B is on s0 (backward flows down), and the B chain of that
     microbatch through the stages before s0 (the drain) follows it, while its W may
     overlap the drain: max over r of fill + max(m x work, m x (F + B) + drain); with an
-    unsplit backward (one BW op) W is part of B."""
+    unsplit backward (one BW op) W is part of B. Also each rank's own bound (fill + m x
+    work): its last action ends no sooner."""
     key = ("pipe", id(sh), place, unsplit, c.microbatches)
     if key in units.cache:
         return units.cache[key]
@@ -283,8 +339,8 @@ def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> 
     m = c.microbatches
     worst = max(fill[first[r]] + max(m * work[r], m * fb[r] + drain[first[r]])
                 for r in range(c.pp))
-    units.cache[key] = worst
-    return worst
+    units.cache[key] = worst, [fill[first[r]] + m * work[r] for r in range(c.pp)]
+    return units.cache[key]
 
 
 def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:

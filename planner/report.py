@@ -47,6 +47,7 @@ def summary(result: SearchResult) -> str:
               "faster plan may exist")
     return (f"searched {result.enumerated} candidates on {result.gpus} GPUs: "
             f"{result.over_memory} over {result.capacity / GIB:.1f} GiB by their memory bound, "
+            f"{result.pruned} skipped by the bound with the optimizer and DP reduction, "
             f"{result.evaluated} evaluated (schedule generated and simulated), "
             f"{result.over_memory_evaluated} of those over memory; {closed}; "
             f"model captured {result.units.captures} times\n")

@@ -5,7 +5,9 @@
 3. Bound every candidate (cost.lower_bound): a step time no schedule beats and the bytes its
    fullest rank holds at least. A candidate over the memory capacity is dropped here.
 4. Evaluate in increasing bound order (cost.predict: schedule generated and simulated),
-   keeping the K fastest that fit; stop when the next bound is no better than the K-th
+   keeping the K fastest that fit, and skipping a candidate whose tighter bound
+   (cost.step_bound: the optimizer pass and a DP reduction added) is no better than the
+   K-th best; stop when the next bound is no better than the K-th
    best (then no unevaluated candidate can enter the top K: the result is the exhaustive
    optimum of the space) or after `max_evals` evaluations (then the report says so).
 Ties break on the candidate's fields, so the same input gives the same output everywhere;
@@ -20,7 +22,7 @@ from typing import Optional
 from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
-from .cost import Prediction, lower_bound, predict
+from .cost import Prediction, lower_bound, predict, step_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
     recompute_pattern
 from .units import Units, measure
@@ -39,6 +41,7 @@ class SearchResult:
     enumerated: int = 0
     over_memory: int = 0  # dropped by the memory bound
     evaluated: int = 0
+    pruned: int = 0  # skipped before evaluation by cost.step_bound
     over_memory_evaluated: int = 0  # evaluated, then over capacity
     refused: int = 0  # evaluated candidates `check` refuses (none expected)
     closed: bool = False  # the bound proved no unevaluated candidate enters the top K
@@ -84,6 +87,10 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
                 result.closed = True
                 break
             continue  # the fixed kinds are closed; auto's turn
+        if len(top) >= top_k and step_bound(units, c, device) >= \
+                top[-1].prediction.step_time_s:
+            result.pruned += 1  # what follows its pipeline keeps it out of the top K
+            continue
         if result.evaluated >= max_evals:
             break
         result.evaluated += 1

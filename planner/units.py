@@ -29,7 +29,8 @@ from ..compiler.capture.blocks import blocks_of
 from ..compiler.capture.loading import load_model
 from ..compiler.capture.traced import trace_with_loss
 from ..compiler.capture.work import Gemm
-from ..compiler.estimate.activations import TensorSplit, saved_records, stage_saved_bytes
+from ..compiler.estimate.activations import SEQUENCE, TensorSplit, placements, saved_records, \
+    stage_saved_bytes
 from ..compiler.estimate.costs import node_costs
 from ..compiler.estimate.optime import StageWork, stage_work
 from ..compiler.estimate.precision import to_precision
@@ -58,10 +59,15 @@ class Unit:
     recompute_flops: float
     ops: int
     recompute_ops: int
-    activation_bytes: tuple  # (tp, bytes saved for backward on one rank) per tp value
+    activation_bytes: tuple  # (tp, bytes saved for backward on one rank) per tp value,
+    # the unit first in its stage (its inputs arrive whole)
+    activation_inner: tuple  # ... after a unit of its stage that seeds sequence shards (under
+    # sequence parallel its inputs arrive as shards)
     out_bytes: float  # what crosses its end (action_costs's message: floats at the precision)
     cp_bytes: float
-    tp_traffic: tuple  # (role, bytes at the plan's precision) per TP traffic item (traffic.py)
+    tp_traffic: tuple  # (role, bytes at the plan's precision) per TP traffic item (traffic.py),
+    # the unit first in its stage (its inputs arrive from another stage)
+    tp_inner: tuple  # ... the unit after another in the same stage (no stage edge before it)
     ep_tokens: int  # experts call rows moved (traffic role "tokens")
     ep_weights: int
     params: tuple  # (key, kind, numel before tp/ep division)
@@ -102,11 +108,16 @@ def _line(a: Unit, b: Unit, size: int) -> Unit:
     k = size - 2
     return dataclasses.replace(
         a, **{f: getattr(a, f) + k * (getattr(b, f) - getattr(a, f)) for f in _NUMBERS},
-        tp_traffic=tuple((r, n + k * (m - n)) for (r, n), (_, m) in zip(a.tp_traffic,
-                                                                         b.tp_traffic)),
-        activation_bytes=tuple((t, n + k * (m - n)) for (t, n), (_, m) in
-                               zip(a.activation_bytes, b.activation_bytes)),
+        tp_traffic=_pairs_line(a.tp_traffic, b.tp_traffic, k),
+        tp_inner=_pairs_line(a.tp_inner, b.tp_inner, k),
+        activation_bytes=_pairs_line(a.activation_bytes, b.activation_bytes, k),
+        activation_inner=_pairs_line(a.activation_inner, b.activation_inner, k),
         work=_work_line(a.work, b.work, k))
+
+
+def _pairs_line(a: tuple, b: tuple, k: int) -> tuple:
+    """(key, number) pairs of size 2 read at size 2 + k on the line to size 3's."""
+    return tuple((r, n + k * (m - n)) for (r, n), (_, m) in zip(a, b))
 
 
 def _work_line(a: StageWork, b: StageWork, k: int) -> StageWork:
@@ -167,6 +178,7 @@ def _same_shape(t1: list[Unit], t2: list[Unit]) -> bool:
     return len(t1) == len(t2) and all(
         a.name == b.name and a.params == b.params
         and [r for r, _ in a.tp_traffic] == [r for r, _ in b.tp_traffic]
+        and [r for r, _ in a.tp_inner] == [r for r, _ in b.tp_inner]
         and _work_pairs(a.work, b.work) for a, b in zip(t1, t2))
 
 
@@ -213,6 +225,9 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
         kinds = tp_annotations(p_tp, model) if tp_on else {}
         tp_heads = heads_split_by_tp(p_tp, graph, model, kinds, run)
         tp_traffic, moe_traffic = collective_traffic(model, graph, run, split, kinds, experts)
+        tp_inner = _inner_traffic(model, graph, run, kinds, experts, tp_traffic)
+        shards = _sequence_inputs(graph, traced.module, stages, kinds, records) if tp_on \
+            else None
         for sp in ((False, True) if tp_on else (False,)):
             for mode in (RECOMPUTE_MODES if pattern else ("none",)):
                 p = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, sp, mode, pattern, cp)
@@ -224,24 +239,29 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                 cp_stages = [dataclasses.replace(st, cp_bytes=0.0) for st in stages]
                 attach_context_costs(p, cp_stages, split, graph, run, tp_heads)
                 table = []
+
+                saved = _saved_bytes(records, p.recompute, sp, kinds, scale)
+                alone = [tuple((t, saved(st.module, t)) for t in tps) for st in stages]
                 for st in stages:
                     own = [c for i, n in enumerate(nodes) if split.stage_of(i) == st.index
                            for c in (costs.get(n),) if c is not None]
+                    u = st.index
+                    inner = tuple((t, saved(st.module, t, shards[u])) for t in tps) \
+                        if sp else alone[u]
                     table.append(Unit(
                         name=blocks[st.index],
                         flops=sum(c.flops for c in own),
                         recompute_flops=sum(c.recompute_flops for c in own),
                         ops=sum(c.ops for c in own),
                         recompute_ops=sum(c.recompute_ops for c in own),
-                        activation_bytes=tuple(
-                            (t, stage_saved_bytes(st.module, records, p.recompute,
-                                                  TensorSplit(t, sp, kinds) if t > 1 else None,
-                                                  scale)) for t in tps),
+                        activation_bytes=alone[u], activation_inner=inner,
                         out_bytes=sum(_nbytes(o) * (fs if "float" in o.dtype else 1)
                                       for o in st.outputs),
                         cp_bytes=cp_stages[st.index].cp_bytes,
                         tp_traffic=tuple((t.role, int(t.nbytes * fs)) for t in tp_traffic
                                          if t.stage == st.index) if tp_on else (),
+                        tp_inner=tuple((t.role, int(t.nbytes * fs)) for t in tp_inner
+                                       if t.stage == st.index) if tp_on else (),
                         ep_tokens=sum(t.nbytes for t in moe_traffic
                                       if t.stage == st.index and t.role == "tokens"),
                         ep_weights=sum(t.nbytes for t in moe_traffic
@@ -249,6 +269,38 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                         params=_params(st, kinds, expert_params, plan), work=works[st.index]))
                 units.tables[(mbs, tp_on, sp, mode, cp)] = table
     return traced
+
+
+def _saved_bytes(records: dict, rules, sp: bool, kinds: dict, scale: dict) -> Callable:
+    """(stage graph, tp, its inputs that are sequence shards) -> bytes it saves for backward
+    on one rank (activations.stage_saved_bytes under one rewrite)."""
+    def saved(module, t: int, shards: frozenset = frozenset()) -> int:
+        split = TensorSplit(t, sp, kinds, shards) if t > 1 else None
+        return stage_saved_bytes(module, records, rules, split, scale)
+    return saved
+
+
+def _sequence_inputs(graph, module, stages, kinds: dict, records: dict) -> list:
+    """Per unit, its inputs that are sequence shards under sequence parallel when an
+    earlier block of its stage made the residual stream one (the placements of the whole
+    model as one stage, activations.placements)."""
+    def is_tensor(n):
+        c = records.get(n.name)
+        return bool(c is not None and c.outs) or n.op == "placeholder"
+    place = placements(graph, module, TensorSplit(2, True, kinds), is_tensor)[0]
+    seq = frozenset(n.name for n, where in place.items() if where == SEQUENCE)
+    return [frozenset(n.name for n in st.module.graph.nodes
+                      if n.op == "placeholder" and n.name in seq) for st in stages]
+
+
+def _inner_traffic(model, graph, run, kinds: dict, experts, per_block: list) -> list:
+    """Each unit's TP traffic when an earlier unit of the same stage precedes it: the roles
+    traffic.py reads with the whole model as one stage (a column input after a row output
+    is a sequence shard, "input", not "whole_input"; no stage edge, so no "partial_input"
+    or "seq_*"), each item given the unit its module is in."""
+    unit = {t.module: t.stage for t in per_block}
+    whole, _ = collective_traffic(model, graph, run, Split((), ()), kinds, experts)
+    return [dataclasses.replace(t, stage=unit[t.module]) for t in whole if t.module in unit]
 
 
 def _params(st, tp_kinds: dict, expert_params: set, plan: Plan) -> tuple:

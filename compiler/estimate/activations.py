@@ -46,6 +46,9 @@ class TensorSplit:
     tp: int
     sequence_parallel: bool
     kinds: dict  # qualified module -> column | row | vocab (CompiledPlan.tp_rewrites)
+    # stage inputs that arrive as sequence shards: none for the runtime's stages (values
+    # cross a stage edge whole); a planner's block after others of its stage (planner/units)
+    sequence_inputs: frozenset = frozenset()
 
 
 def placements(graph: fx.Graph, module: torch.nn.Module, split: TensorSplit,
@@ -62,7 +65,10 @@ def placements(graph: fx.Graph, module: torch.nn.Module, split: TensorSplit,
     roles: dict[fx.Node, str] = {}
     for n in graph.nodes:
         kind = split.kinds.get(linear.get(n) or embedding.get(n))
-        if n.op in ("placeholder", "get_attr"):
+        if n.op == "placeholder" and n.name in split.sequence_inputs \
+                and split.sequence_parallel:
+            place[n] = SEQUENCE
+        elif n.op in ("placeholder", "get_attr"):
             place[n] = REPLICATED
         elif kind == "row" and n in linear:
             place[n], roles[n] = out_seq, "summed"
@@ -121,8 +127,8 @@ class _Stage:
 
     def divisor(self, owner: str, dims: int = 1) -> int:
         """tp where a storage holding `owner` (a node's value, or a parameter's cast) is
-        left sharded by the rewrite, else 1 (stage inputs arrive whole; a 0-d scalar is
-        never split)."""
+        left sharded by the rewrite, else 1 (stage inputs arrive whole but for
+        `sequence_inputs`; a 0-d scalar is never split)."""
         if self.split is None or dims == 0:
             return 1
         if owner.startswith("param:"):
@@ -130,8 +136,9 @@ class _Stage:
             kind = self.split.kinds.get(module)
             return self.split.tp if kind and shard_dim(kind, leaf) is not None else 1
         node = self.by_name.get(owner)
-        if node is None or node.op == "placeholder":
-            return 1
+        if node is None or node.op == "placeholder":  # a stage input
+            return self.split.tp if owner in self.split.sequence_inputs and \
+                self.split.sequence_parallel else 1
         return 1 if self.place.get(node, REPLICATED) == REPLICATED else self.split.tp
 
     def saves(self, n: fx.Node):

@@ -112,9 +112,13 @@ def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, s
     nodes = compute_nodes(graph)
     stage_of = {n: split.stage_of(i) for i, n in enumerate(nodes)}
 
+    by_path: dict = {}  # module path -> its kind (the first named module holding it)
+
     def kind_at(n: fx.Node) -> Optional[str]:
         path = module_path(n)
-        return next((k for name, k in kinds.items() if within(path, name)), None)
+        if path not in by_path:
+            by_path[path] = next((k for name, k in kinds.items() if within(path, name)), None)
+        return by_path[path]
 
     sharded: set[fx.Node] = set()
     for n in nodes:

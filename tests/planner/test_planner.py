@@ -14,7 +14,7 @@ from pipeplan.cli import main
 from pipeplan.compiler import compile_plan
 from pipeplan.compiler.estimate.device import device_model
 from pipeplan.dsl.load import load_plan, parse_plan
-from pipeplan.planner.cost import lower_bound, predict
+from pipeplan.planner.cost import lower_bound, predict, step_bound
 from pipeplan.planner.search import search
 from pipeplan.planner.space import Constraints, enumerate_space, plan_of
 from pipeplan.planner.units import measure
@@ -112,7 +112,8 @@ def test_bound_never_exceeds_the_prediction(plan, units):
     for c in cands[::max(1, len(cands) // 60)]:  # 60 spread over the space, every kind
         lb, held = lower_bound(units, c, dev)
         p = predict(units, c, dev)
-        assert lb <= p.step_time_s * (1 + 1e-12), c.label()
+        tighter = step_bound(units, c, dev)
+        assert lb <= tighter <= p.step_time_s * (1 + 1e-12), c.label()
         assert held <= p.peak_bytes, c.label()
 
 
