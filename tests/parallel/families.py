@@ -187,6 +187,8 @@ class Float32AttentionLM(nn.Module):
             .permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         return self.head(x + y.to(x.dtype).transpose(1, 2).reshape(b, t, d))
+
+
 # ------------------------------------------ the family survey (tests/parallel/test_family_matrix.py)
 # Each factory: transformers' own CausalLM class from a tiny random config (2 layers, width
 # 32, 4 heads and 2 KV heads where the family has GQA, 4 experts top-2 for MoE), with the
