@@ -187,3 +187,71 @@ class Float32AttentionLM(nn.Module):
             .permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         return self.head(x + y.to(x.dtype).transpose(1, 2).reshape(b, t, d))
+
+
+# ------------------------------------------ the family survey (tests/parallel/test_family_matrix.py)
+# Each factory: transformers' own CausalLM class from a tiny random config (2 layers, width
+# 32, 4 heads and 2 KV heads where the family has GQA, 4 experts top-2 for MoE), with the
+# library's defaults for attention and experts kernels unless named.
+
+def _hf(config_name: str, model_name: str, layers: int, **extra):
+    import transformers
+
+    cfg = getattr(transformers, config_name)(**SMALL, num_hidden_layers=layers, **extra)
+    return getattr(transformers, model_name)(cfg)
+
+
+def llama(layers: int = 2):
+    return _hf("LlamaConfig", "LlamaForCausalLM", layers)
+
+
+def mistral(layers: int = 2):
+    """Mistral: sdpa attention with a sliding window of 4."""
+    return _hf("MistralConfig", "MistralForCausalLM", layers, sliding_window=4)
+
+
+def qwen3(layers: int = 2):
+    """Qwen3: q/k RMSNorm per head, sdpa."""
+    return _hf("Qwen3Config", "Qwen3ForCausalLM", layers, head_dim=8)
+
+
+def gemma2(layers: int = 2):
+    """Gemma 2: eager attention (its default) with logit soft-capping, sliding window 4."""
+    return _hf("Gemma2Config", "Gemma2ForCausalLM", layers, head_dim=8, sliding_window=4)
+
+
+def mixtral(layers: int = 2):
+    """Mixtral: 4 experts top-2, the default experts kernel."""
+    return _hf("MixtralConfig", "MixtralForCausalLM", layers, num_local_experts=4,
+               num_experts_per_tok=2)
+
+
+def granite_moe(layers: int = 2):
+    return _hf("GraniteMoeConfig", "GraniteMoeForCausalLM", layers, num_local_experts=4,
+               num_experts_per_tok=2)
+
+
+def gpt_oss(layers: int = 2):
+    """GPT-OSS: attention sinks (eager by default), alternating sliding/full layers, MoE."""
+    return _hf("GptOssConfig", "GptOssForCausalLM", layers, num_local_experts=4,
+               num_experts_per_tok=2, head_dim=8, sliding_window=4)
+
+
+
+def llama4_text(layers: int = 2):
+    """Llama 4 text: every layer MoE (4 experts top-1 plus a shared expert), chunked attention."""
+    return _hf("Llama4TextConfig", "Llama4ForCausalLM", layers, intermediate_size_mlp=64,
+               num_local_experts=4, num_experts_per_tok=1, head_dim=8,
+               interleave_moe_layer_step=1)
+
+
+
+
+def dbrx(layers: int = 2):
+    """DBRX: 4 experts top-2, fused Wqkv."""
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    return DbrxForCausalLM(DbrxConfig(
+        vocab_size=64, d_model=32, n_heads=4, n_layers=layers, max_seq_len=64, use_cache=False,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)))
