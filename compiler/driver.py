@@ -101,7 +101,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
         decided_schedule(plan, stages, schedule)
     if not profile and device.sharing is not None:  # ranks sharing this CPU: how busy they are
-        device = device.shared(1.0 - simulate(schedule, times).bubble)
+        device = device.shared(simulate(schedule, times).concurrency)
         times = _model_costs(plan, stages, work, tp_traffic, moe_traffic, device)
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]

@@ -351,7 +351,7 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
                      virtual=c.virtual, costs=normalised(costs))
     sim = simulate(sched, costs)
     if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them
-        device = device.shared(1.0 - sim.bubble)
+        device = device.shared(sim.concurrency)
         sh = shape(units, c, device)
         costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
         sim = simulate(sched, costs)

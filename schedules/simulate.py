@@ -68,6 +68,21 @@ class SimResult:
         return value
 
     @property
+    def concurrency(self) -> float:
+        """How many ranks compute at once, as a computing rank sees it: the time average of
+        k(t) over the moments some rank computes, weighted by k(t) itself (each computing
+        rank counts the moment once): sum k^2 dt / sum k dt. 1 for one rank."""
+        edges = sorted((t, d) for r in range(len(self.start))
+                       for s, e in zip(self.start[r], self.end[r]) if e > s
+                       for t, d in ((s, 1), (e, -1)))
+        k, last, weighted, total = 0, 0.0, 0.0, 0.0
+        for t, d in edges:
+            weighted += k * k * (t - last)
+            total += k * (t - last)
+            k, last = k + d, t
+        return weighted / total if total > 0 else 1.0
+
+    @property
     def lower_bound_bubble(self) -> float:
         return _bubble(self.busy, self.lower_bound)
 

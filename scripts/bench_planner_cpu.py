@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                         "--top", "3", "--pick", str(pick), "-o", out, "--no-progress",
                         "--no-verify")
         row = [ln for ln in text.splitlines() if ln.startswith(f"  {pick}  ")][0]
-        predicted.append(float(row.split()[-7]))  # step s, then 6 more columns
+        predicted.append(float(row.split()[-6]))  # step s, then 5 more columns
         plans.append(out)
         if pick == 1:
             print(text)

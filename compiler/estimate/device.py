@@ -19,18 +19,20 @@ from ...dsl.layout import global_rank, groups, mesh_layout
 @dataclass(frozen=True)
 class Sharing:
     """Ranks that share one machine's cores (the local launcher on the measured CPU): each
-    runs at max(1, busy ranks / cores) x `extra` of its speed alone, where `extra` is what
+    runs max(1, busy x replicas / cores) x `extra` slower than alone, where `extra` is what
     `ranks` processes busy at once measured beyond that fair share (caches, switching;
-    cpu_probe.measure_contention), and busy ranks are `ranks` x the share of the step they
-    compute (the simulated timeline's 1 - bubble: a rank waiting in a bubble leaves its
-    core to the others)."""
+    cpu_probe.measure_contention), `busy` is how many pipeline ranks compute at once while
+    one does, on the simulated timeline (SimResult.concurrency: a rank waiting in a bubble
+    leaves its core to the others), and `replicas` the copies of that pipeline (dp x cp x
+    tp) running the same timeline."""
 
     ranks: int
     cores: int
     extra: float
+    replicas: int = 1
 
     def factor(self, busy: float) -> float:
-        return max(1.0, self.ranks * busy / self.cores) * self.extra
+        return max(1.0, busy * self.replicas / self.cores) * self.extra
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class DeviceModel:
     sharing: Optional[Sharing] = None  # the ranks share this machine: speeds are alone
 
     def shared(self, busy: float) -> "DeviceModel":
-        """This machine's speeds when the plan's ranks compute `busy` of the step (see
+        """This machine's speeds when `busy` of the plan's ranks compute at once (see
         Sharing); itself when nothing is shared."""
         if self.sharing is None:
             return self
@@ -65,9 +67,10 @@ class DeviceModel:
                          op_backward_s=hw.op_backward_s * k, post_s=hw.post_s * k,
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
-        origin = (f"{self.origin}; {s.ranks} ranks share {s.cores} cores, busy "
-                  f"{busy:.0%} of the step: each runs {k:.3g}x slower than alone "
-                  f"(max(1, {s.ranks} x {busy:.2f} / {s.cores}) x {s.extra:.3g} measured)")
+        at_once = busy * s.replicas
+        origin = (f"{self.origin}; {s.ranks} ranks share {s.cores} cores, {at_once:.2f} of "
+                  f"them computing at once: each runs {k:.3g}x slower than alone "
+                  f"(max(1, {at_once:.2f} / {s.cores}) x {s.extra:.3g} measured)")
         return replace(self, flops_per_s=self.flops_per_s / k,
                        link_bytes_per_s=self.link_bytes_per_s / k, latency_s=self.latency_s * k,
                        tp_link_bytes_per_s=self.tp_link_bytes_per_s / k, op_s=self.op_s * k,
@@ -146,8 +149,8 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     # alone, and how many processes busy at once slow each other (DeviceModel.shared)
     local = plan.mesh.world_size
     cpu = cpu_model(local)
-    sharing = Sharing(local, cores(), cpu.contention / max(1.0, local / cores())) \
-        if local > 1 else None
+    sharing = Sharing(local, cores(), cpu.contention / max(1.0, local / cores()),
+                      local // plan.mesh.pp) if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
                        cpu.post_s), \

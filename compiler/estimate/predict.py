@@ -219,7 +219,7 @@ def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
     simulation of its schedule. What a plan search calls per candidate device."""
     from .device import device_model
     if device is None:  # the plan's own, ranks sharing a CPU as busy as its timeline says
-        device = device_model(compiled.plan).shared(1.0 - compiled.estimates.simulation.bubble)
+        device = device_model(compiled.plan).shared(compiled.estimates.simulation.concurrency)
     return compiled.estimates.timing.time_on(device)
 
 

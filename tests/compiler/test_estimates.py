@@ -229,9 +229,9 @@ def test_unknown_device_is_refused_at_its_line(make_plan):
 def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path, monkeypatch):
     """The local launcher starts every rank on this machine: each rank runs at its speed
     alone x max(1, busy ranks / cores) x what that many processes measured beyond their fair
-    share (measured once per rank count, cached), busy ranks being the plan's ranks x the
-    share of the step its simulated timeline computes; the origin says so; a device section
-    is taken as written."""
+    share (measured once per rank count, cached), busy ranks being how many compute at once
+    on the simulated timeline while one does; the origin says so; a device section is taken
+    as written."""
     import importlib
 
     import torch
@@ -249,9 +249,9 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
     assert own.sharing is None and own.shared(1.0) is own and asked == []
     alone = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
     assert asked == [2] and alone.flops_per_s == own.flops_per_s  # speeds alone ...
-    assert (alone.sharing.ranks, alone.sharing.cores) == (2, 1)
+    assert (alone.sharing.ranks, alone.sharing.cores, alone.sharing.replicas) == (2, 1, 2)
     assert alone.sharing.extra == pytest.approx(2.5 / 2)  # ... 2 processes: 2.5x, 2x is fair
-    for busy, k in ((1.0, 2.5), (0.75, 1.5 * 1.25), (0.4, 1.25)):
+    for busy, k in ((1.0, 2.5), (0.75, 1.5 * 1.25), (0.4, 1.25)):  # x 2 replicas
         shared = alone.shared(busy)
         assert shared.flops_per_s == pytest.approx(own.flops_per_s / k)
         assert shared.hardware.memory_bandwidth == pytest.approx(
@@ -261,9 +261,10 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
         assert shared.latency_s == pytest.approx(own.latency_s * k)
         assert "2 ranks share 1 cores" in shared.origin and f"{k:.3g}x slower" in shared.origin
     compiled = compile_plan(_one_stage(make_plan, DeviceSpec(), dp=2))
-    busy = 1.0 - compiled.estimates.simulation.bubble
+    busy = compiled.estimates.simulation.concurrency  # one pipeline rank: 1
+    assert busy == pytest.approx(1.0)  # ... in each of 2 replicas: 2 on 1 core
     assert compiled.estimates.device_model["flops_per_s"] == pytest.approx(
-        own.flops_per_s / (max(1.0, 2 * busy) * 1.25))
+        own.flops_per_s / (2 * 1.25))
     dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
     assert asked == [2]  # cached
     written = dm.device_model(_one_stage(make_plan, DeviceSpec(flops=1e12), dp=2))

@@ -68,3 +68,19 @@ def test_critical_path_is_a_chain_from_time_zero_to_makespan():
 def test_peak_activations_held_until_w():
     r = simulate(generate("zbh1", 4, 8))
     assert r.peak_activations == (4.0, 4.0, 4.0, 4.0)
+
+
+def test_concurrency_is_what_a_computing_rank_sees():
+    """Two ranks, one action each: rank 0 computes [0, 2], rank 1 [1, 2]. From 0 to 1 one
+    rank computes (k = 1), from 1 to 2 both (k = 2): sum k^2 dt / sum k dt = (1 + 4) / (1 + 2)."""
+    from pipeplan.schedules.costs import Costs
+    from pipeplan.schedules.simulate import SimResult
+    sim = SimResult(schedule=None, costs=Costs(per_stage=((1.0, 1.0, 1.0),)), makespan=2.0,
+                    bubble=0.25, span_bubble=0.0, busy=(2.0, 1.0), idle=(0.0, 1.0),
+                    peak_activations=(0.0, 0.0), lower_bound=2.0, start=((0.0,), (1.0,)),
+                    end=((2.0,), (2.0,)))
+    assert sim.concurrency == pytest.approx(5 / 3)
+    alone = SimResult(schedule=None, costs=sim.costs, makespan=2.0, bubble=0.0, span_bubble=0.0,
+                      busy=(2.0,), idle=(0.0,), peak_activations=(0.0,), lower_bound=2.0,
+                      start=((0.0, 1.0),), end=((1.0, 2.0),))
+    assert alone.concurrency == pytest.approx(1.0)
