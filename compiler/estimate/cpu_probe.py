@@ -21,6 +21,8 @@ them a plan's own model or shapes:
   message and a bandwidth, which every collective and transfer of the plan is costed at;
   and the median time to post one send or receive as the runtime does
   (`batch_isend_irecv`, 32 KiB): the host work each transfer adds to the actions around it;
+  and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other processes
+  compute: with more busy processes than cores a blocked peer waits for the scheduler;
 * contention: the local launcher starts every rank on this machine, so a rank runs at the
   speed N processes get together, not at 1/N of one (cache and memory sharing, switching):
   N processes (forked, one thread each, started together) run the same block forward and
@@ -67,6 +69,7 @@ class CpuModel:
     link_latency_s: float = 0.0  # gloo between local processes: per message ...
     link_bytes_per_s: float = 0.0  # ... and bandwidth
     post_s: float = 0.0  # host seconds to post one transfer (send or receive)
+    loaded_latency_s: float = 0.0  # a small collective's seconds with all the ranks busy
     attention: tuple = ()  # ((head dim, forward FLOP/s, backward/forward), ...)
     contention: float = 1.0  # the slowdown of this run's ranks sharing the machine
 
@@ -298,6 +301,56 @@ def measure_link() -> tuple[float, float, float]:
             _two_digits(post))
 
 
+def _spinner(stop) -> None:
+    torch.set_num_threads(1)
+    model, x = _block(CONTENTION_WIDTH, 128, 2)
+    while not stop.is_set():
+        model(x).sum().backward()
+
+
+def _loaded_pair(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        x, times = torch.zeros(LINK_BYTES[0] // 4), []
+        dist.all_reduce(x)
+        for _ in range(LINK_REPEATS):
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t)
+        results.put(sorted(times)[len(times) // 2])
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_loaded_latency(n: int) -> float:
+    """Seconds a small (4 KiB) 2-rank gloo all-reduce takes, the median of LINK_REPEATS, while
+    n - 2 other processes compute: with more busy processes than cores a blocked peer waits
+    for the scheduler, and that wait, not the wire, is what a collective costs then."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    stop, results = ctx.Event(), ctx.Queue()
+    spin = [ctx.Process(target=_spinner, args=(stop,), daemon=True) for _ in range(n - 2)]
+    pair = [ctx.Process(target=_loaded_pair, args=(r, port, results), daemon=True)
+            for r in range(2)]
+    for p in spin + pair:
+        p.start()
+    try:
+        seconds = max(results.get(timeout=300) for _ in pair)
+    finally:
+        stop.set()
+        for p in pair + spin:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return _two_digits(seconds)
+
+
 def measure_contention(n: int) -> float:
     """How much slower each of `n` processes runs when all run at once (>= 1; 1 for n <= 1)."""
     if n <= 1:
@@ -323,14 +376,19 @@ def _load(path: str, key: str) -> dict:
 
 
 def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
+    if not c:
+        return None
     factor = 1.0 if n <= 1 else c.get("contention", {}).get(str(n))
-    if not c or factor is None:
+    loaded = c["link_latency_s"] if n <= 2 else c.get("loaded", {}).get(str(n))
+    if factor is None or loaded is None:
         return None
     return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),
-                    origin, float(c["bytes_per_s"]), float(c["link_latency_s"]),
-                    float(c["link_bytes_per_s"]), float(c["post_s"]),
-                    tuple(tuple(float(v) for v in row) for row in c["attention"]),
-                    float(factor))
+                    origin, bytes_per_s=float(c["bytes_per_s"]),
+                    link_latency_s=float(c["link_latency_s"]),
+                    link_bytes_per_s=float(c["link_bytes_per_s"]), post_s=float(c["post_s"]),
+                    loaded_latency_s=float(loaded),
+                    attention=tuple(tuple(float(v) for v in row) for row in c["attention"]),
+                    contention=float(factor))
 
 
 @contextlib.contextmanager
@@ -364,6 +422,8 @@ def cpu_model(processes: int = 1) -> CpuModel:
         c = _load(path, key) or _measure(key)
         if n > 1 and str(n) not in c.setdefault("contention", {}):
             c["contention"][str(n)] = measure_contention(n)
+        if n > 2 and str(n) not in c.setdefault("loaded", {}):
+            c["loaded"][str(n)] = measure_loaded_latency(n)
         _store(path, c)
         return _model(c, n, _origin(key, "measured now"))
 

@@ -24,15 +24,25 @@ class Sharing:
     cpu_probe.measure_contention), `busy` is how many pipeline ranks compute at once while
     one does, on the simulated timeline (SimResult.concurrency: a rank waiting in a bubble
     leaves its core to the others), and `replicas` the copies of that pipeline (dp x cp x
-    tp) running the same timeline."""
+    tp) running the same timeline. A message's latency goes from the idle pair's
+    (`latency`) to what a pair measured with all `ranks` busy (`loaded_latency`: the
+    scheduler's wait) as the busy ranks go from `cores` to `ranks`."""
 
     ranks: int
     cores: int
     extra: float
     replicas: int = 1
+    latency: float = 0.0
+    loaded_latency: float = 0.0
 
     def factor(self, busy: float) -> float:
         return max(1.0, busy * self.replicas / self.cores) * self.extra
+
+    def message_latency(self, busy: float) -> float:
+        over = (busy * self.replicas - self.cores) / max(self.ranks - self.cores, 1)
+        share = min(max(over, 0.0), 1.0)
+        return max(self.latency * self.factor(busy),
+                   self.latency + share * (self.loaded_latency - self.latency))
 
 
 @dataclass(frozen=True)
@@ -60,10 +70,11 @@ class DeviceModel:
             return self
         k = self.sharing.factor(busy)
         hw = self.hardware
+        latency = self.sharing.message_latency(busy)
         scaled = replace(hw, flops={d: f / k for d, f in hw.flops.items()},
                          memory_bandwidth=hw.memory_bandwidth / k,
                          intra_node=hw.intra_node / k, inter_node=hw.inter_node / k,
-                         latency=hw.latency * k, op_s=hw.op_s * k,
+                         latency=latency, op_s=hw.op_s * k,
                          op_backward_s=hw.op_backward_s * k, post_s=hw.post_s * k,
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
@@ -72,7 +83,7 @@ class DeviceModel:
                   f"them computing at once: each runs {k:.3g}x slower than alone "
                   f"(max(1, {at_once:.2f} / {s.cores}) x {s.extra:.3g} measured)")
         return replace(self, flops_per_s=self.flops_per_s / k,
-                       link_bytes_per_s=self.link_bytes_per_s / k, latency_s=self.latency_s * k,
+                       link_bytes_per_s=self.link_bytes_per_s / k, latency_s=latency,
                        tp_link_bytes_per_s=self.tp_link_bytes_per_s / k, op_s=self.op_s * k,
                        op_backward_s=self.op_backward_s * k, hardware=scaled, origin=origin,
                        sharing=None)
@@ -150,7 +161,8 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     local = plan.mesh.world_size
     cpu = cpu_model(local)
     sharing = Sharing(local, cores(), cpu.contention / max(1.0, local / cores()),
-                      local // plan.mesh.pp) if local > 1 else None
+                      local // plan.mesh.pp, cpu.link_latency_s, cpu.loaded_latency_s) \
+        if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
                        cpu.post_s), \

@@ -3,11 +3,17 @@
 processes measured on this machine.
 
     python tests/benchmarks/bench_cpu_model.py [PLAN ...]   (default: the example plans)
+    python tests/benchmarks/bench_cpu_model.py --alone [PLAN ...]
 
 Each plan is profiled (`pipeplan profile`, 2 warm-up + 4 measured steps, its ranks as local
 gloo processes) and compiled without a device section (the measured CPU); prints predicted
 and measured seconds per microbatch per stage and their ratio (goal: within 15%). On a
 loaded shared machine the measurement moves with the load: report what you get.
+
+`--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
+thread, on random weights (the runtime's StageRunner), timed in thread CPU time (median of
+25 after 5), beside the model's prediction for one rank alone (no sharing): the per-op model
+checked without the machine's scheduling.
 """
 from __future__ import annotations
 
@@ -29,7 +35,59 @@ def measured(plan: str, out: str) -> dict:
         return json.load(f)
 
 
+def alone(plan_path: str) -> None:
+    import statistics
+    import time
+
+    import torch
+
+    from pipeplan.backends.runtime.stage import StageRunner
+    from pipeplan.compiler import compile_plan
+    from pipeplan.compiler.estimate import cpu_probe
+    from pipeplan.dsl import load_plan
+
+    measure = cpu_probe.cpu_model
+    cpu_probe.cpu_model = lambda processes=1: measure(1)  # one rank: nothing shared
+    try:
+        compiled = compile_plan(load_plan(os.path.join(REPO, plan_path)))
+    finally:
+        cpu_probe.cpu_model = measure
+    torch.set_num_threads(1)
+    table = compiled.estimates.simulation.costs.per_stage
+    outputs = {v.name: v for st in compiled.stages for v in st.outputs}
+    print(f"{plan_path}: one process, one thread")
+    for spec, (f, b, w) in zip(compiled.stages, table):
+        module = spec.module.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0, 0.02)
+        last = spec.index == len(compiled.stages) - 1
+        runner = StageRunner(spec, module, last)
+        plan = compiled.plan
+        rows = plan.train.global_batch // (plan.mesh.dp * plan.microbatches)
+        inputs = [torch.randint(0, 2, (rows, plan.data.seq_len)) if r.source == "batch" else
+                  torch.randn(outputs[r.name].shape) for r in spec.inputs]
+        grads = None if last else [torch.randn(v.shape) for v in spec.outputs]
+        fs, bs = [], []
+        for i in range(30):
+            t = time.thread_time()
+            runner.forward(0, inputs)
+            t1 = time.thread_time()
+            runner.backward_full(0, grads)
+            if i >= 5:
+                fs.append(t1 - t)
+                bs.append(time.thread_time() - t1)
+        mf, mb = statistics.median(fs), statistics.median(bs)
+        print(f"stage {spec.index}: F predicted {f * 1e3:.3f} ms, measured {mf * 1e3:.3f} "
+              f"({f / mf:.3f}); BW predicted {(b + w) * 1e3:.3f}, measured {mb * 1e3:.3f} "
+              f"({(b + w) / mb:.3f})")
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--alone"]:
+        for plan_path in argv[1:] or PLANS[:1]:
+            alone(plan_path)
+        return 0
     from pipeplan.compiler import compile_plan
     from pipeplan.dsl import load_plan
     worst = 0.0
