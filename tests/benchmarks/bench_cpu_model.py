@@ -13,7 +13,8 @@ loaded shared machine the measurement moves with the load: report what you get.
 `--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
 thread, on random weights (the runtime's StageRunner), timed in thread CPU time (median of
 25 after 5), beside the model's prediction for one rank alone (no sharing): the per-op model
-checked without the machine's scheduling.
+checked without the machine's scheduling. Pipeline-only plans (a stage here runs unsharded:
+no tp/ep/cp).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def measured(plan: str, out: str) -> dict:
 
 
 def alone(plan_path: str) -> None:
+    import importlib
     import statistics
     import time
 
@@ -46,12 +48,14 @@ def alone(plan_path: str) -> None:
     from pipeplan.compiler.estimate import cpu_probe
     from pipeplan.dsl import load_plan
 
-    measure = cpu_probe.cpu_model
-    cpu_probe.cpu_model = lambda processes=1: measure(1)  # one rank: nothing shared
+    device = importlib.import_module("pipeplan.compiler.estimate.device")
+    measure, cores = cpu_probe.cpu_model, device.cores
+    cpu_probe.cpu_model = lambda processes=1: measure(1)  # one rank's speeds ...
+    device.cores = lambda: 1 << 16  # ... and a core for every rank: nothing shared
     try:
         compiled = compile_plan(load_plan(os.path.join(REPO, plan_path)))
     finally:
-        cpu_probe.cpu_model = measure
+        cpu_probe.cpu_model, device.cores = measure, cores
     torch.set_num_threads(1)
     table = compiled.estimates.simulation.costs.per_stage
     outputs = {v.name: v for st in compiled.stages for v in st.outputs}
