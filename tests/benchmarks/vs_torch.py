@@ -80,6 +80,9 @@ train {{
   optimizer = adamw(lr = 0.001, weight_decay = 0.1)
   seed = 0
 }}
+compile {{
+  mode = {mode}
+}}
 """
 
 
@@ -88,12 +91,13 @@ def layer_ranges(stages: int) -> list[tuple[int, int]]:
     return [(i * per, (i + 1) * per) for i in range(stages)]
 
 
-def make_plan(kind: str, world: int, steps: int):
+def make_plan(kind: str, world: int, steps: int, mode: str = "eager"):
     from pipeplan.dsl.load import parse_plan
     v = SCHEDULES[kind]
     split = ", ".join(f"layers[{a}:{b}]" for a, b in layer_ranges(world * v))
     text = PLAN.format(repo=REPO, pp=world, kind=kind, m=MICROBATCHES, v=v, split=split,
-                       steps=steps, gb=GLOBAL_BATCH, tie=str(TIED[kind]).lower(), **MODEL)
+                       steps=steps, gb=GLOBAL_BATCH, tie=str(TIED[kind]).lower(), mode=mode,
+                       **MODEL)
     return parse_plan(text, str(REPO / "bench_vs_torch.plan"))
 
 
@@ -300,12 +304,12 @@ def _timed(fn, prof=None) -> float:
 
 
 def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
-          profile: str) -> None:
+          profile: str, mode: str = "eager") -> None:
     from pipeplan.backends.runtime.trainer import PipelineTrainer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    plan = make_plan(kind, world, steps)
+    plan = make_plan(kind, world, steps, mode)
     ours = PipelineTrainer.for_plan(plan)
     theirs = TorchSide(kind, world, rank, plan, ours)
     mine_pp = {s for s in ours.runners}
@@ -352,9 +356,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(kind: str, world: int, steps: int, tmp: str, profile: str) -> dict:
+def run(kind: str, world: int, steps: int, tmp: str, profile: str, mode: str = "eager") -> dict:
     out = os.path.join(tmp, f"{kind}-{world}.pt")
-    mp.start_processes(_rank, args=(world, _free_port(), kind, steps, out, profile),
+    mp.start_processes(_rank, args=(world, _free_port(), kind, steps, out, profile, mode),
                        nprocs=world, start_method="fork")
     return torch.load(out, weights_only=True)
 
@@ -366,6 +370,9 @@ def main() -> None:
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--schedules", default="1f1b,interleaved,zbv")
     ap.add_argument("--profile", default="")
+    ap.add_argument("--mode", default="eager", choices=("eager", "graphs", "inductor"),
+                    help="pipeplan's compile.mode (torch's side stays eager: its zero-bubble "
+                         "schedules refuse a compiled stage)")
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -373,7 +380,8 @@ def main() -> None:
     import torch._dynamo  # noqa: F401
     print(f"GPT dim {MODEL['dim']} x {MODEL['layers']} layers, {MICROBATCHES} microbatches of "
           f"{GLOBAL_BATCH // MICROBATCHES}x{MODEL['seq_len']} tokens, AdamW, gloo, 1 thread "
-          f"per rank; {args.steps - 1} timed steps each after 1 warm-up, alternating")
+          f"per rank; {args.steps - 1} timed steps each after 1 warm-up, alternating; "
+          f"pipeplan compile.mode = {args.mode}, torch eager")
     print(f"{'world':>5} {'schedule':12} {'pipeplan ms':>11} {'torch ms':>9} {'time ratio':>10} "
           f"{'memory ratio':>12} {'floor ms':>8} {'floor/torch':>11} {'fastest/torch':>13}  "
           f"losses (max rel diff)")
@@ -381,7 +389,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for world in map(int, args.worlds.split(",")):
             for kind in args.schedules.split(","):
-                r = run(kind, world, args.steps, tmp, args.profile)
+                r = run(kind, world, args.steps, tmp, args.profile, args.mode)
                 ours, theirs = statistics.median(r["ours_t"]), statistics.median(r["theirs_t"])
                 diff = max(abs(a - b) / abs(b) for a, b in zip(r["ours_losses"],
                                                                r["theirs_losses"]))
