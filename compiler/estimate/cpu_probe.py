@@ -301,14 +301,16 @@ def measure_link() -> tuple[float, float, float]:
             _two_digits(post))
 
 
-def _spinner(stop) -> None:
+def _spinner(stop, ready) -> None:
     torch.set_num_threads(1)
     model, x = _block(CONTENTION_WIDTH, 128, 2)
+    model(x).sum().backward()
+    ready.wait()  # every spinner busy before the pair measures
     while not stop.is_set():
         model(x).sum().backward()
 
 
-def _loaded_pair(rank: int, port: int, results) -> None:
+def _loaded_pair(rank: int, port: int, results, ready) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
@@ -316,6 +318,7 @@ def _loaded_pair(rank: int, port: int, results) -> None:
     try:
         x, times = torch.zeros(LINK_BYTES[0] // 4), []
         dist.all_reduce(x)
+        ready.wait()
         for _ in range(LINK_REPEATS):
             t = time.perf_counter()
             dist.all_reduce(x)
@@ -334,9 +337,9 @@ def measure_loaded_latency(n: int) -> float:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = multiprocessing.get_context("fork")
-    stop, results = ctx.Event(), ctx.Queue()
-    spin = [ctx.Process(target=_spinner, args=(stop,), daemon=True) for _ in range(n - 2)]
-    pair = [ctx.Process(target=_loaded_pair, args=(r, port, results), daemon=True)
+    stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Barrier(n)
+    spin = [ctx.Process(target=_spinner, args=(stop, ready), daemon=True) for _ in range(n - 2)]
+    pair = [ctx.Process(target=_loaded_pair, args=(r, port, results, ready), daemon=True)
             for r in range(2)]
     for p in spin + pair:
         p.start()

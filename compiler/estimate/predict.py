@@ -90,9 +90,8 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
                  + st.cp_bytes * float_scale / links.tp)
         again = tp_s / 2 if st.recompute_ops or st.recompute_flops else 0.0
         comm = (tp_s + other) / 2
-        f_posts, b_posts = _posts(st.index, len(stages))
-        post = device.hardware.post_s if device.hardware is not None else 0.0
-        table.append((t.f + comm + f_posts * post, t.b + comm + again + b_posts * post, t.w))
+        post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
+        table.append((t.f + comm + post, t.b + comm + again + post, t.w))
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
@@ -108,11 +107,11 @@ def exposed_reduction(jobs: list[tuple[float, float]], compute_end: float) -> fl
     return max(0.0, t - compute_end)
 
 
-def _posts(stage: int, stages: int) -> tuple[int, int]:
-    """Transfers F and B post on the measured CPU (the host's work per send or receive): F
-    receives from the stage before and sends to the one after, B the other way round."""
-    inner = int(stage > 0) + int(stage < stages - 1)
-    return inner, inner
+def _posts(stage: int, stages: int) -> int:
+    """Transfers F posts on the measured CPU (the host's work per send or receive), and B
+    as many: F receives from the stage before and sends to the one after, B the other way
+    round."""
+    return int(stage > 0) + int(stage < stages - 1)
 
 
 def exposed_gathers(actions, durations: list[float], gather_s: list[float]) -> float:

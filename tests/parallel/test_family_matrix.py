@@ -6,8 +6,8 @@ Each case writes the plan and runs `pipeplan check`. A refusal (exit 2) must poi
 line (`file:line:col`, a caret) with no traceback; a passing check must be followed by
 `pipeplan verify` saying EQUAL in float64 against the single-process reference. A crash, a
 traceback or DIFFERENT after a passing check fails the case: a plan that check accepts and
-that trains another model is the worst bug there is. Known failures are xfail(strict) with
-their symptom (docs/models.md has the table). Heavy: each case is minutes on 2 cores.
+that trains another model is the worst bug there is. None fails (docs/models.md has the
+table). Heavy: each case is minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -39,8 +39,6 @@ FAMILIES = {
 PLANS = ["cp2_ring", "cp2_ulysses", "tp2_or_ep2", "pp2_1f1b", "pp2_zbv"]
 # fused projections under TP belong to another piece of work (issue 25, item 6)
 NOT_HERE = {("phi3", "tp2_or_ep2"), ("gpt_neox", "tp2_or_ep2")}
-# measured failures: (family, plan) -> symptom
-KNOWN = {}
 
 MODEL = """\
 model {{
@@ -103,9 +101,7 @@ def cases():
         for family in FAMILIES:
             if (family, plan) in NOT_HERE:
                 continue
-            marks = [pytest.mark.xfail(strict=True, reason=KNOWN[family, plan])] \
-                if (family, plan) in KNOWN else []
-            yield pytest.param(family, plan, marks=marks, id=f"{family}-{plan}")
+            yield pytest.param(family, plan, id=f"{family}-{plan}")
 
 
 @pytest.mark.heavy
