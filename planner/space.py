@@ -110,6 +110,9 @@ def enumerate_space(plan: Plan, gpus: int, units: int, cons: Constraints,
                      else f"cp does not divide seq_len {seq}" if seq % cp else
                      "cp above 8 (not searched)"), f"cp={cp}")
                 continue
+            if ("tp x cp", tp, cp) in refused:
+                skip(refused[("tp x cp", tp, cp)], f"tp={tp} cp={cp}")
+                continue
             for pp in divisors(gpus // (tp * cp)):
                 if not _ok(fx, "pp", pp):
                     continue

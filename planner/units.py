@@ -10,7 +10,8 @@ parameters by ZeRO kind. A candidate's stage is a run of consecutive units; ever
 the time and memory estimate reads is a sum over the run (compiler/driver.py sums the same
 per-node costs by stage), so no candidate is traced again.
 
-Microbatch size: the model is captured at sizes 1, 2 and 3; every number of a unit at size
+Microbatch size: the model is captured at sizes 1, 2 and 3 (per cp value, when the search
+first asks for it); every number of a unit at size
 b > 3 is then read off the line through the last two, v(b) = v(2) + (b - 2)(v(3) - v(2)) (a
 position table's bytes do not grow with the batch, a layer's do; each grouped op's shape
 grows along the line too), when both captures have the same units, parameters, traffic roles
@@ -36,6 +37,7 @@ from ..compiler.estimate.optime import StageWork, stage_work
 from ..compiler.estimate.precision import to_precision
 from ..compiler.estimate.traffic import collective_traffic
 from ..compiler.parallel.cp import attach_context_costs, check_context, heads_split_by_tp
+from ..compiler.parallel.cp_locality import check_locality
 from ..compiler.parallel.ep import experts_modules, expert_weights, \
     place_experts
 from ..compiler.parallel.ep_balance import mark_step_statistics
@@ -81,7 +83,7 @@ class Units:
     plan: Plan
     blocks: tuple[str, ...]
     tables: dict = field(default_factory=dict)  # (mbs, tp_on, sp, recompute, cp) -> [Unit]
-    affine: Optional[bool] = None
+    affine: dict = field(default_factory=dict)  # cp -> sizes 2, 3 on a line (linear)
     refused: dict = field(default_factory=dict)  # what the compiler refuses, per axis value
     capture: Optional[Callable] = None  # (mbs, cp) -> per-rewrite tables
     captures: int = 0  # how many times the model was captured
@@ -91,12 +93,24 @@ class Units:
         key = (mbs, tp_on, sp, recompute, cp)
         if key not in self.tables:
             two, three = (2,) + key[1:], (3,) + key[1:]
-            if self.affine and mbs > 3 and two in self.tables and three in self.tables:
+            if mbs > 3 and self.linear(cp):  # read off the line through sizes 2 and 3
                 self.tables[key] = [_line(a, b, mbs) for a, b in
                                     zip(self.tables[two], self.tables[three])]
             else:
                 self.capture(mbs, cp)
         return self.tables[key]
+
+    def linear(self, cp: int) -> bool:
+        """Do sizes 2 and 3 at this cp (captured here if they are not yet) join on a line:
+        the same units, parameters, traffic roles and op groups in every rewrite?"""
+        if cp not in self.affine:
+            for size in (2, 3):
+                if not any(k[0] == size and k[4] == cp for k in self.tables):
+                    self.capture(size, cp)
+            self.affine[cp] = all(_same_shape(t, self.tables[(3,) + k[1:]])
+                                  for k, t in list(self.tables.items())
+                                  if k[0] == 2 and k[4] == cp)
+        return self.affine[cp]
 
 
 _NUMBERS = ("flops", "recompute_flops", "ops", "recompute_ops", "out_bytes",
@@ -165,10 +179,7 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
     tp_values = tuple(t for t in tp_values if ("tp", t) not in units.refused)
     units.capture = capture
     capture(1, 1)
-    capture(2, 1)
-    capture(3, 1)
-    units.affine = all(_same_shape(t2, units.tables[(3,) + key[1:]])
-                       for key, t2 in list(units.tables.items()) if key[0] == 2)
+    units.linear(1)  # sizes 2 and 3
     _refusals(units, model, plan, first[0], tp_values, cp_values)
     return units
 
@@ -343,12 +354,28 @@ def _refusals(units: Units, model, plan: Plan, traced, tp_values, cp_values) -> 
             check_pairing(p, traced.module.graph, model, kinds, traced.run)
         except PlanError as e:
             units.refused[("tp", tp)] = e.diagnostics[0].message
+    end = traced.prediction if traced.prediction is not None else traced.loss
     for cp in cp_values:
         if cp == 1:
             continue
         p = dataclasses.replace(unit_plan(plan, units.blocks, 1, 1, False, "none", None, cp),
                                 context=plan.context or ContextSpec())
-        try:
+        try:  # the driver's order: locality first (it marks the positions it renumbers)
+            check_locality(p, traced.module, traced.run, end,
+                           frozenset(experts_modules(p, model).values()))
             check_context(p, traced.module.graph, traced.run, {})
         except PlanError as e:
             units.refused[("cp", cp)] = e.diagnostics[0].message
+            continue
+        for tp in tp_values:  # heads tp splits, split again by cp (Ulysses)
+            if tp == 1 or ("tp", tp) in units.refused:
+                continue
+            pt = dataclasses.replace(unit_plan(plan, units.blocks, 1, tp, False, "none", None,
+                                               cp), context=p.context)
+            try:
+                kinds = tp_annotations(pt, model)
+                check_context(pt, traced.module.graph, traced.run,
+                              heads_split_by_tp(pt, traced.module.graph, model, kinds,
+                                                traced.run))
+            except PlanError as e:
+                units.refused[("tp x cp", tp, cp)] = e.diagnostics[0].message

@@ -89,7 +89,7 @@ class Budget:
         self.total_why = ("this machine's memory" if _TOTAL_BOUND.get() else
                           f"pipeplan's bound of {MAX_MODEL_BYTES / GIB:,.0f} GiB")
         self.other_bound = machine or MAX_MODEL_BYTES
-        self._params: set[int] = set()
+        self._params: dict[int, torch.Tensor] = {}  # held: a freed one's id is reused
         self._last = 0
         self._hooks = []
 
@@ -114,7 +114,8 @@ class Budget:
 
     def _parameter(self, module, name, param):
         if param is not None and id(param) not in self._params:  # a tied one counts once
-            self._params.add(id(param))
+            self._params[id(param)] = param  # kept alive while counting, so no other
+            # parameter (a replaced one freed, a new one at its address) shares its id
             self.counts.param_bytes += param.nelement() * param.element_size()
         self.check()
 

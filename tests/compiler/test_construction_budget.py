@@ -165,3 +165,44 @@ def test_a_million_layer_gpt_is_refused_by_check_at_the_module_bound(tmp_path):
     _at_model_args(rc, err, "GPT")
     assert f"more than {MAX_MODULES:,} modules" in err
     assert took < 120 and rss < 1024, (took, rss)
+
+
+REPLACING = '''
+import torch
+from torch import nn
+
+
+class Replacing(nn.Module):
+    """Replaces one large parameter `times` times (each replaced one is freed, and a new
+    Python object may take its address): parameters only, nothing outside them."""
+
+    def __init__(self, n: int, times: int):
+        super().__init__()
+        self.a = nn.Embedding(32, 8)
+        for _ in range(times):
+            self.w = nn.Parameter(torch.empty(n))
+
+    def forward(self, input_ids):
+        return self.a(input_ids)
+'''
+
+
+def test_parameters_replaced_while_building_are_parameters_not_outside_bytes(tmp_path):
+    """Before: the count kept ids of parameters it had seen, a freed parameter's id was
+    taken by a new one, which was then counted as a tied repeat and its bytes as outside
+    parameters: Table 1's 1T GPT (and this model) were refused at model.args, with
+    25 GiB 'outside parameters' that were parameters."""
+    (tmp_path / "m.py").write_text(REPLACING)
+    gib = 1 << 30
+    times = int(2 * (machine_memory_bytes() or 64 * gib) // gib)  # 2x the machine, 1 GiB each
+    plan = parse_plan(PLAN.format(source="m.py:Replacing", args=f"n = {gib // 4}, "
+                                  f"times = {times}"), str(tmp_path / "p.plan"))
+    model = load_model(plan, "meta")
+    assert model.w.numel() == gib // 4
+
+
+def test_table1_1t_gpt_is_built_on_meta():
+    """The 1T row of Narayanan et al. 2021 Table 1 (`pipeplan check` of it is a goal)."""
+    from pipeplan.tests.benchmarks.calibration.table1 import ROWS, plan_of
+    model = load_model(plan_of(ROWS[-1]), "meta")
+    assert sum(p.numel() for p in model.parameters()) > 1.0e12

@@ -76,7 +76,7 @@ def test_search_returns_the_exhaustive_optimum_and_only_plans_that_fit(plan, uni
     capacity = sorted(p for _, p in ref.values())[len(ref) // 2]  # half the layouts fit
     fits = {k: v for k, v in ref.items() if v[1] <= capacity}
     assert 0 < len(fits) < len(ref)
-    cons = Constraints(fixed={"zero": 0, "sp": False, "recompute": "none"},
+    cons = Constraints(fixed={"zero": 0, "sp": False, "recompute": "none", "cp": 1},
                        schedules=("1f1b",))
     res = search(plan, 8, device_model(plan), capacity, cons, top_k=5, units=units)
     assert res.closed and res.top
@@ -122,8 +122,25 @@ def test_not_considered_names_each_reason_once(plan, units):
                  Constraints(tp_in_node=False, schedules=("1f1b",)), top_k=1, units=units)
     reasons = res.not_considered
     assert any("tp = 8 does not divide the 4 heads" in r for r in reasons)
-    assert any("makes positions itself" in r for r in reasons)  # cp: the model's arange
+    # cp: check's own reasons, Ulysses over 4 heads (cp alone, and tp x cp together); the
+    # model's `arange` positions are renumbered per cp rank (cp_locality), never a reason
+    assert any(r.startswith("cp = 8 does not divide the 4 heads") for r in reasons)
+    assert reasons.get("tp * cp = 2 * 4 does not divide the 4 heads of attention "
+                       "`scaled_dot_product_attention`") == ["tp=2 cp=4"]
+    assert not any("positions" in r for r in reasons)
     assert len(reasons) == len(set(reasons))
+
+
+def test_a_context_parallel_candidate_is_estimated_as_check_estimates_it(plan, units):
+    """cp is searched on a model whose positions come from its own `arange`: the best cp = 2
+    plan, compiled on its own (check's path: locality, context checks, estimate), agrees."""
+    cons = Constraints(fixed={"cp": 2, "tp": 2, "zero": 1}, schedules=("1f1b",))
+    res = search(plan, 8, device_model(plan), 1e9, cons, top_k=2, units=units)
+    assert res.top and all(r.candidate.cp == 2 for r in res.top)
+    for r in res.top:
+        est = compile_plan(plan_of(plan, r.candidate, res.units.blocks)).estimates
+        assert est.step_time_s == pytest.approx(r.prediction.step_time_s, rel=1e-9)
+        assert _peak(est) == r.prediction.peak_bytes
 
 
 def test_cli_writes_a_plan_check_accepts_with_the_same_estimates(plan, tmp_path, capsys):
