@@ -15,7 +15,9 @@ activation peaks by walking the schedule (`held_peaks`), state bytes by ZeRO sta
 per rank, the fill before its first stage gets a microbatch, then its work, or its forward
 and input-gradient work followed by the drain of its last backward through the stages
 before it (W may overlap the drain); the worst rank (the DP reduction may overlap, the
-optimizer is not counted: both only lengthen the step).
+optimizer is not counted: both only lengthen the step). Its bytes are exact for the fixed
+kinds (their orders never depend on costs: the activation peaks walk the order itself) and
+one microbatch in flight for `auto`.
 """
 from __future__ import annotations
 
@@ -263,14 +265,28 @@ def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float,
         places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
     best = min(_pipe_bound(units, c, sh, place, unsplit)[0] for place in places)
+    fixed = c.schedule != "auto"
     key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
-           id(device), places[0], c.zero)
+           id(device), places[0], c.zero) + ((c.schedule, c.microbatches) if fixed else ())
     if key not in units.cache:
         ranks = state(units, c, sh.split, places[0])
-        acts = _rank_max(sh.act, places[0], c.pp)
+        # a fixed kind's order does not depend on costs: its activation peaks are exact;
+        # `auto` may order microbatches any way: at least one microbatch in flight
+        acts = held_peaks(order(units, c), list(sh.act))[0] if fixed else \
+            _rank_max(sh.act, places[0], c.pp)
         units.cache[key] = int(max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a
                                    for rk, a in zip(ranks, acts)))
     return best, units.cache[key]
+
+
+def order(units: Units, c: Candidate):
+    """A fixed kind's verified order (schedules/generate.py; cached: it depends on the kind,
+    pp, microbatches and virtual stages only, never on costs)."""
+    key = ("order", c.schedule, c.pp, c.microbatches, c.virtual)
+    if key not in units.cache:
+        units.cache[key] = generate(c.schedule, ranks=c.pp, microbatches=c.microbatches,
+                                    virtual=c.virtual)
+    return units.cache[key]
 
 
 def _rank_max(values, place, pp: int) -> list:
@@ -347,8 +363,9 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     """The compiler's estimate of candidate `c` (what `pipeplan check` prints for its plan)."""
     sh = shape(units, c, device)
     costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
-    sched = generate(c.schedule, ranks=c.pp, microbatches=c.microbatches,
-                     virtual=c.virtual, costs=normalised(costs))
+    sched = order(units, c) if c.schedule != "auto" else \
+        generate(c.schedule, ranks=c.pp, microbatches=c.microbatches, virtual=c.virtual,
+                 costs=normalised(costs))
     sim = simulate(sched, costs)
     if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them
         device = device.shared(sim.concurrency)
