@@ -21,6 +21,7 @@ one microbatch in flight for `auto`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,7 +37,7 @@ from ..schedules import generate
 from ..schedules.costs import Costs
 from ..schedules.memory import held_peaks
 from ..schedules.simulate import simulate
-from .space import Candidate, V_KINDS, plan_of
+from .space import Candidate, on_recompute_rank, placement, plan_of
 from .units import Unit, Units
 
 UNSPLIT_BACKWARD = ("gpipe", "1f1b", "interleaved")  # their backward is one BW op
@@ -145,14 +146,6 @@ def balanced_split(weights: list[float], stages: int) -> tuple[int, ...]:
     return tuple(cuts(hi * (1 + 1e-12)) or cuts(hi * (1 + 1e-9)))
 
 
-def placement(kind: str, pp: int, stages: int) -> tuple[int, ...]:
-    """Stage -> pipeline rank before the schedule is generated: the V for V kinds, else the
-    loop (auto decides at generation; its bound takes the lighter of the two)."""
-    if kind in V_KINDS:
-        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(stages))
-    return tuple(s % pp for s in range(stages))
-
-
 @dataclass(frozen=True)
 class Shape:
     """A candidate's stages before any schedule: op times, split, activations per stage."""
@@ -163,23 +156,37 @@ class Shape:
     split: tuple[int, ...]
     act: tuple[float, ...]  # activation bytes per microbatch per stage (what the walk adds)
     links: object
+    table: tuple = ()  # the units, each as its stage runs it (recompute on its rank or not)
 
 
 def shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     """The candidate's stages (cached: the schedule kind and ZeRO stage do not change them)."""
     key = ("shape", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
-           id(device))
+           id(device)) + ((c.rc_ranks, placement(c.schedule, c.pp, c.pp * c.virtual))
+                          if c.rc_ranks else ())
     if key not in units.cache:
         units.cache[key] = _shape(units, c, device)
     return units.cache[key]
 
 
 def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
-    plan = plan_of(units.plan, c, units.blocks)
+    plan = plan_of(units.plan, dataclasses.replace(c, rc_ranks=0), units.blocks)
     links = _links(plan, device)
     table = _table(units, c)
     stages = c.pp * c.virtual
-    split = balanced_split(_unit_weights(units, c, plan, device, links, table), stages)
+    weights = _unit_weights(units, c, plan, device, links, table)
+    split = balanced_split(weights, stages)
+    if c.rc_ranks:  # recompute on the first ranks' stages only: their units from the
+        # recompute table, the others' from `none`; the split balanced on those (twice:
+        # the split moves units between ranks)
+        plain = dataclasses.replace(c, recompute="none", rc_ranks=0)
+        light = _unit_weights(units, plain, plan, device, links, _table(units, plain))
+        for _ in range(2):
+            on = on_recompute_rank(c, len(table), split)
+            split = balanced_split([w if o else x for w, x, o in zip(weights, light, on)],
+                                   stages)
+        on = on_recompute_rank(c, len(table), split)
+        table = [u if o else x for u, x, o in zip(table, _table(units, plain), on)]
     bounds = (0,) + split + (len(table),)
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
@@ -190,7 +197,7 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     msg = [table[b - 1].out_bytes for b in bounds[1:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
     return Shape(tuple(t for t, _ in timed), tuple(x for _, x in timed), latency, split, act,
-                 links)
+                 links, tuple(table))
 
 
 def _unit_weights(units: Units, c: Candidate, plan, device: DeviceModel, links,
@@ -265,18 +272,25 @@ def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float,
         places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
     best = min(_pipe_bound(units, c, sh, place, unsplit)[0] for place in places)
+    return best, max(held_bytes(units, c, device))
+
+
+def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ...]:
+    """Per pipeline rank, no fewer bytes than it holds at its peak: parameters, gradients and
+    optimizer states, and activations -- exact for a fixed kind (its order does not depend
+    on costs: the peaks walk the order itself), one microbatch in flight for `auto` (it
+    may order microbatches any way)."""
+    sh = shape(units, c, device)
+    place = placement(c.schedule, c.pp, len(sh.per_stage))
     fixed = c.schedule != "auto"
-    key = ("state", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
-           id(device), places[0], c.zero) + ((c.schedule, c.microbatches) if fixed else ())
+    key = ("held", id(sh), place, c.zero) + ((c.schedule, c.microbatches) if fixed else ())
     if key not in units.cache:
-        ranks = state(units, c, sh.split, places[0])
-        # a fixed kind's order does not depend on costs: its activation peaks are exact;
-        # `auto` may order microbatches any way: at least one microbatch in flight
+        ranks = state(units, c, sh.split, place)
         acts = held_peaks(order(units, c), list(sh.act))[0] if fixed else \
-            _rank_max(sh.act, places[0], c.pp)
-        units.cache[key] = int(max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a
-                                   for rk, a in zip(ranks, acts)))
-    return best, units.cache[key]
+            _rank_max(sh.act, place, c.pp)
+        units.cache[key] = tuple(int(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a)
+                                 for rk, a in zip(ranks, acts))
+    return units.cache[key]
 
 
 def order(units: Units, c: Candidate):
@@ -385,7 +399,7 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     prepass = routing_prepass_s(plan, sched, costs)
     states = [rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes for rk in ranks]
     peak = max(s + int(a) for s, a in zip(states, peaks))
-    table = _table(units, c)
+    table = sh.table
     world = c.pp * c.dp * c.cp * c.tp
     hw = sum(3 * u.flops + u.recompute_flops for u in table) * c.microbatches * c.dp * c.cp
     model = sum(3 * u.flops for u in table) * c.microbatches * c.dp * c.cp

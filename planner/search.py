@@ -1,7 +1,9 @@
 """Branch and bound over the plan space: every candidate bounded, the best evaluated in order.
 
 1. Measure the model once per rewrite (units.measure).
-2. Enumerate the space (space.enumerate_space) under the user's constraints.
+2. Enumerate the space (space.enumerate_space) under the user's constraints, and for each
+   candidate recomputing on every rank of a pipeline, the same recomputing only on the
+   first ranks that would not fit without it (`recompute_where_it_pays`).
 3. Bound every candidate (cost.lower_bound): a step time no schedule beats and the bytes its
    fullest rank holds at least. A candidate over the memory capacity is dropped here.
 4. Evaluate in increasing bound order (cost.predict: schedule generated and simulated),
@@ -22,7 +24,7 @@ from typing import Optional
 from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
-from .cost import Prediction, lower_bound, predict, step_bound
+from .cost import Prediction, held_bytes, lower_bound, predict, step_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
     recompute_pattern
 from .units import Units, measure
@@ -68,6 +70,7 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     cands = enumerate_space(plan, gpus, len(units.blocks), cons, rpn, units.refused,
                             pattern is not None, result.not_considered,
                             frozenset(("cp", c) for c in cp_values))
+    cands += recompute_where_it_pays(units, cands, device, result.capacity)
     result.enumerated = len(cands)
     bounded = []
     for c in _iter(cands, progress, "bounding"):
@@ -110,6 +113,24 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
         result.closed = True
     result.top = top
     return result
+
+
+def recompute_where_it_pays(units: Units, cands: list, device: DeviceModel,
+                            capacity: float) -> list:
+    """For each candidate recomputing on every rank (a fixed kind, pp > 1): the same with
+    recompute on the first k pipeline ranks only, where k covers every rank that does not
+    fit without recompute (1F1B-like orders hold the most microbatches on the first ranks),
+    when 0 < k < pp. Its split and memory are its own (cost.shape): the search bounds and
+    evaluates it like any other."""
+    out = []
+    for c in cands:
+        if c.recompute == "none" or c.schedule == "auto" or c.pp == 1 or c.rc_ranks:
+            continue
+        held = held_bytes(units, dataclasses.replace(c, recompute="none"), device)
+        over = [r for r, b in enumerate(held) if b > capacity]
+        if over and over[-1] + 1 < c.pp:
+            out.append(dataclasses.replace(c, rc_ranks=over[-1] + 1))
+    return out
 
 
 def _refusal(plan: Plan, units: Units, c: Candidate, gpus: int) -> Optional[str]:

@@ -37,13 +37,16 @@ class Candidate:
     recompute: str  # none | selective | full, on every layer
     zero: int
     split: tuple[int, ...] = ()  # filled by the cost model: unit where stages 1.. begin
+    rc_ranks: int = 0  # `recompute` on the stages of pipeline ranks < rc_ranks only (the
+    # ranks holding the most microbatches); 0: on every rank (search.py derives it)
 
     def label(self) -> str:
         v = f" v{self.virtual}" if self.virtual > 1 else ""
         extra = "".join(f" {k}{getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
         return (f"pp{self.pp} tp{self.tp} dp{self.dp}{extra} {self.schedule}{v} "
                 f"mbs{self.mbs}x{self.microbatches}{' sp' if self.sp else ''} "
-                f"rc={self.recompute} z{self.zero}")
+                f"rc={self.recompute}{f' on ranks<{self.rc_ranks}' if self.rc_ranks else ''} "
+                f"z{self.zero}")
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,8 @@ def plan_of(plan: Plan, c: Candidate, blocks: tuple[str, ...],
     split = c.split if split is None else split
     pattern = recompute_pattern(blocks)
     rules = () if c.recompute == "none" or pattern is None else \
-        (RecomputeRule(pattern, c.recompute),)
+        (RecomputeRule(pattern, c.recompute),) if not c.rc_ranks else \
+        tuple(RecomputeRule(blocks[i], c.recompute) for i in recomputed_units(c, blocks, split))
     tensor = plan.tensor if c.tp > 1 else dataclasses.replace(
         plan.tensor, column=(), row=(), vocab=())
     tensor = dataclasses.replace(tensor, sequence_parallel=c.sp and c.tp > 1)
@@ -207,3 +211,31 @@ def plan_of(plan: Plan, c: Candidate, blocks: tuple[str, ...],
                                      virtual=c.virtual, split=spec),
         tensor=tensor, recompute=rules, zero=c.zero,
         context=(plan.context or ContextSpec()) if c.cp > 1 else None)
+
+
+def placement(kind: str, pp: int, stages: int) -> tuple[int, ...]:
+    """Stage -> pipeline rank before the schedule is generated: the V for V kinds, else the
+    loop (auto decides at generation; its bound takes the lighter of the two)."""
+    if kind in V_KINDS:
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(stages))
+    return tuple(s % pp for s in range(stages))
+
+
+def on_recompute_rank(c: Candidate, blocks: int, split: tuple[int, ...]) -> list[bool]:
+    """Per unit: does `c`'s recompute apply to it (its stage on a rank < rc_ranks)?"""
+    place = placement(c.schedule, c.pp, c.pp * c.virtual)
+    bounds = (0,) + tuple(split) + (blocks,)
+    out = [False] * blocks
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for i in range(a, b):
+            out[i] = not c.rc_ranks or place[s] < c.rc_ranks
+    return out
+
+
+def recomputed_units(c: Candidate, blocks: tuple[str, ...], split: tuple[int, ...]) -> list:
+    """Indices of the layer blocks (the recompute pattern's) `c` recomputes."""
+    pattern = recompute_pattern(blocks)
+    stack = pattern[:-2] if pattern else None
+    return [i for i, on in enumerate(on_recompute_rank(c, len(blocks), split))
+            if on and blocks[i].rpartition(".")[0] == stack
+            and blocks[i].rpartition(".")[2].isdigit()]

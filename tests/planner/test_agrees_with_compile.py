@@ -6,8 +6,8 @@ tp), at a tiny shape, bf16, on the A100 profile: the model the Table 1 benchmark
 Each candidate is written as `pipeplan plan -o` writes it (report.plan_text), read back and
 compiled on its own (its own capture at its own microbatch size, its own split and
 estimate); step time and peak bytes must agree. The candidates cover every schedule family,
-interleaving, sequence parallel, each recompute mode, ZeRO 0-3 and microbatch sizes the
-planner never captured (4, 8: read off its line through sizes 2 and 3).
+interleaving, sequence parallel, each recompute mode (on every rank, and on the first ranks
+only), ZeRO 0-3 and microbatch sizes the planner never captured (4, 8: read off its line through sizes 2 and 3).
 """
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ CANDIDATES = [
     Candidate(4, 1, 2, 1, 1, "zbh1", 1, 8, 4, True, "none", 0),
     Candidate(2, 2, 2, 1, 1, "dualpipev", 2, 1, 16, False, "full", 3),
     Candidate(1, 4, 2, 1, 1, "gpipe", 1, 8, 1, True, "selective", 1),
+    # recompute on the first ranks only (search.recompute_where_it_pays): per-layer rules
+    Candidate(4, 1, 2, 1, 1, "1f1b", 1, 2, 16, False, "full", 0, (), 2),
+    Candidate(2, 2, 2, 1, 1, "zbv", 2, 2, 8, True, "selective", 1, (), 1),
 ]
 
 
@@ -82,6 +85,9 @@ def test_written_plan_is_estimated_as_the_planner_predicted(setup, cand, tmp_pat
     assert (written.mesh.pp, written.mesh.tp, written.pipeline.schedule,
             written.pipeline.microbatches, written.zero) == \
         (cand.pp, cand.tp, cand.schedule, cand.microbatches, cand.zero)
+    if cand.rc_ranks:  # per-layer rules, on some layers only (the rest run without)
+        assert 0 < len(written.recompute) < 4
+        assert {r.mode for r in written.recompute} == {cand.recompute}
     est = compile_plan(written).estimates
     assert est.step_time_s == pytest.approx(p.step_time_s, rel=1e-9, abs=0)
     assert _peak(est) == p.peak_bytes

@@ -184,3 +184,29 @@ def test_planner_imports_point_down():
             if isinstance(node, ast.ImportFrom) and node.level >= 2:
                 top = (node.module or "").split(".")[0]
                 assert top not in ("cli", "backends"), f"{path.name} imports {node.module}"
+
+
+def test_recompute_only_where_it_pays_is_found_and_compiles_alike(plan, units):
+    """1F1B holds pp - r microbatches on rank r: with memory between what recompute on
+    every rank and no recompute need, the search recomputes on the first ranks only
+    (faster than everywhere, fits where nothing else of the layout does)."""
+    fixed = {"pp": 4, "tp": 1, "dp": 2, "mbs": 1, "zero": 0, "sp": False}
+    dev = device_model(plan)
+    base = search(plan, 8, dev, 1e12, Constraints(fixed=dict(fixed, recompute="none"),
+                                                  schedules=("1f1b",)), top_k=1, units=units)
+    full = search(plan, 8, dev, 1e12, Constraints(fixed=dict(fixed, recompute="full"),
+                                                  schedules=("1f1b",)), top_k=1, units=units)
+    none_peak = base.top[0].prediction.peak_bytes
+    full_peak = full.top[0].prediction.peak_bytes
+    assert full_peak < none_peak
+    capacity = (none_peak + full_peak) / 2
+    res = search(plan, 8, dev, capacity, Constraints(fixed=fixed, schedules=("1f1b",)),
+                 top_k=3, units=units)
+    best = res.top[0]
+    assert 0 < best.candidate.rc_ranks < 4 and best.candidate.recompute != "none"
+    assert best.prediction.peak_bytes <= capacity
+    everywhere = [r for r in res.top if not r.candidate.rc_ranks]
+    assert all(best.prediction.step_time_s < r.prediction.step_time_s for r in everywhere)
+    est = compile_plan(plan_of(plan, best.candidate, res.units.blocks)).estimates
+    assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
+    assert _peak(est) == best.prediction.peak_bytes
