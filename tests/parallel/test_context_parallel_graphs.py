@@ -2,8 +2,9 @@
 stages' joint graphs, their collectives functional collectives, equal to single-process
 float64 training.
 
-`RopeLM` (tests/parallel/cp_models.py) on pp2 x cp2 under ZBV (B and W split: the
-attention backward, with its ring hops or inverse all-to-alls, lands in B), 3 AdamW steps
+`RopeLM` (tests/parallel/cp_models.py) on pp1 x cp2 (1F1B) and, heavy, pp2 x cp2 under
+ZBV (B and W split: the attention backward, with its ring hops or inverse all-to-alls,
+lands in B), 3 AdamW steps
 with clipping, against tp_reference.reference_run (the unmodified model on whole
 sequences, torch's AdamW; no pipeplan code), as tests/parallel/test_context_parallel.py
 judges eager mode. Each rank's graphs are read: F and B carry the cp collectives
@@ -16,14 +17,20 @@ import dataclasses
 
 import pytest
 
-from pipeplan.dsl.ast import CompileSpec
+from pipeplan.dsl.ast import CompileSpec, MeshSpec, PipelineSpec
 
 from .pipelined_vs_reference import assert_trains_like_reference
 from .test_context_parallel import STEPS, make_plan
 
 
 def graphs_plan(name: str):
-    return dataclasses.replace(make_plan(name), compile=CompileSpec(mode="graphs"))
+    """make_plan's names; a "pp1-" prefix: pp=1 x cp=2 (two ranks, one stage each)."""
+    pp1 = name.startswith("pp1-")
+    plan = make_plan(name.removeprefix("pp1-"))
+    if pp1:
+        plan = dataclasses.replace(plan, mesh=MeshSpec(pp=1, cp=2),
+                                   pipeline=PipelineSpec(schedule="1f1b", microbatches=2))
+    return dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
 
 
 def _collectives(part) -> list[str]:
@@ -58,7 +65,14 @@ def _worker(rank, world, name):
     _graphs_carry_the_collectives(checked[0])
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["pp1-ring-1f1b", "pp1-1f1b"])
+def test_cp2_in_graphs_mode_equals_reference(run_workers, name):
+    run_workers(_worker, 2, name, timeout=100)
+
+
+@pytest.mark.heavy  # 4 processes, two stages per rank: 25-30 s each on 2 loaded cores
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", ["ring-zbv", "zbv"])
-def test_cp_in_graphs_mode_equals_reference(run_workers, name):
+def test_pp2_cp2_zbv_in_graphs_mode_equals_reference(run_workers, name):
     run_workers(_worker, 4, name, timeout=180)
