@@ -16,9 +16,6 @@ from .rules import Problem, check
 
 # (what the plan asks for, why graphs mode refuses it) -- docs/compiler.md lists the same
 UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
-    ("mesh.cp > 1 under inductor", lambda p: p.compile.mode == "inductor" and p.mesh.cp > 1,
-     "inductor's lowering of ring attention's hops and Ulysses' all-to-alls is not checked "
-     "here (compile { mode = graphs } runs them)"),
     ("expert parallelism across tp", lambda p: p.mesh.ep > 1 and ep_across_tp(p.mesh),
      "the static expert dispatch of compiled stages is built within data-parallel ranks "
      "only (ep dividing dp)"),

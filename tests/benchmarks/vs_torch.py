@@ -346,6 +346,8 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
     mem_theirs = _peak(lambda: theirs_step(0), theirs.modules)
     warm_theirs = time.perf_counter() - start
     traced = sum(getattr(r, "trace_seconds", 0.0) for r in ours.runners.values())
+    from torch._dynamo.utils import counters
+    dynamo_graphs = counters["stats"]["unique_graphs"]  # torch.compile's graphs on this rank
     profs = {"pipeplan": cProfile.Profile(), "torch": cProfile.Profile()} if profile else {}
     for t in range(1, steps):  # who goes first alternates too (allocator, caches)
         pair = [lambda: ours_t.append(_timed(lambda: ours_step(t), profs.get("pipeplan"))),
@@ -358,7 +360,7 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
     dist.all_reduce(theirs_all)  # only the last stage's rank holds them
     peaks = torch.tensor([mem_ours, mem_theirs], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    warm = torch.tensor([warm_ours, warm_theirs, traced], dtype=torch.float64)
+    warm = torch.tensor([warm_ours, warm_theirs, traced, dynamo_graphs], dtype=torch.float64)
     dist.all_reduce(warm, op=dist.ReduceOp.MAX)
     records = [None] * world
     dist.all_gather_object(records, theirs.records[1:])  # the timed steps
@@ -431,7 +433,9 @@ def main() -> None:
                       f"{r['warm'][0]:9.1f}/{r['warm'][1]:<10.1f} {r['warm'][2]:9.1f}  "
                       f"{'same' if same else 'DIFFERENT'} ({diff:.1e})"
                       + ("  (torch eager: its ZBV refuses a compiled stage)"
-                         if args.torch_compile and kind == "zbv" else ""), flush=True)
+                         if args.torch_compile and kind == "zbv" else "")
+                      + (f"  (torch.compile graphs per rank: {r['warm'][3]:.0f})"
+                         if compiled else ""), flush=True)
     sys.exit(1 if failed else 0)
 
 

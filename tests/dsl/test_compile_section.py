@@ -22,18 +22,18 @@ def test_mode_default_and_values():
         assert _load("gpt_pp4_1f1b.plan", f"compile.mode={mode}").compile.graphs
 
 
-def test_tp_ep_and_cp_plans_load_in_graphs_mode_tp_and_ep_under_inductor():
+def test_tp_ep_and_cp_plans_load_in_graphs_and_inductor_mode():
     for name in ("hybrid_pp2_dp2_tp2.plan", "moe_pp2_ep2_zbv.plan"):
         for mode in ("graphs", "inductor"):
             assert _load(name, f"compile.mode={mode}").compile.graphs
     for method in ("ring", "ulysses"):
-        plan = _load("gpt_pp4_1f1b.plan", "compile.mode=graphs", "mesh.cp=2",
-                     f"context.method={method}")
-        assert plan.mesh.cp == 2 and plan.context.method == method
+        for mode in ("graphs", "inductor"):
+            plan = _load("gpt_pp4_1f1b.plan", f"compile.mode={mode}", "mesh.cp=2",
+                         f"context.method={method}")
+            assert plan.mesh.cp == 2 and plan.context.method == method
 
 
 @pytest.mark.parametrize("name, edits, why", [
-    ("gpt_pp4_1f1b.plan", ["mesh.cp=2", "compile.mode=inductor"], "mesh.cp > 1 under inductor"),
     ("moe_pp2_ep2_zbv.plan", ["experts.dropless=false", "experts.capacity_factor=1.0"],
      "experts.dropless = false"),
     ("moe_pp2_ep2_zbv.plan", ["mesh.tp=2", "mesh.ep=4"], "expert parallelism across tp")])

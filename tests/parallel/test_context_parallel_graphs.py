@@ -4,7 +4,7 @@ float64 training.
 
 `RopeLM` (tests/parallel/cp_models.py) on pp1 x cp2 (1F1B) and, heavy, pp2 x cp2 under
 ZBV (B and W split: the attention backward, with its ring hops or inverse all-to-alls,
-lands in B), 3 AdamW steps
+lands in B), and, heavy, pp2 x cp2 1F1B under inductor; 3 AdamW steps
 with clipping, against tp_reference.reference_run (the unmodified model on whole
 sequences, torch's AdamW; no pipeplan code), as tests/parallel/test_context_parallel.py
 judges eager mode. Each rank's graphs are read: F and B carry the cp collectives
@@ -23,14 +23,14 @@ from .pipelined_vs_reference import assert_trains_like_reference
 from .test_context_parallel import STEPS, make_plan
 
 
-def graphs_plan(name: str):
+def graphs_plan(name: str, mode: str = "graphs"):
     """make_plan's names; a "pp1-" prefix: pp=1 x cp=2 (two ranks, one stage each)."""
     pp1 = name.startswith("pp1-")
     plan = make_plan(name.removeprefix("pp1-"))
     if pp1:
         plan = dataclasses.replace(plan, mesh=MeshSpec(pp=1, cp=2),
                                    pipeline=PipelineSpec(schedule="1f1b", microbatches=2))
-    return dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
+    return dataclasses.replace(plan, compile=CompileSpec(mode=mode))
 
 
 def _collectives(part) -> list[str]:
@@ -54,8 +54,8 @@ def _graphs_carry_the_collectives(trainer) -> None:
             assert not _collectives(g.W), _collectives(g.W)
 
 
-def _worker(rank, world, name):
-    plan = graphs_plan(name)
+def _worker(rank, world, name, mode="graphs"):
+    plan = graphs_plan(name, mode)
     checked = []
 
     def inspect(trainer):
@@ -63,6 +63,10 @@ def _worker(rank, world, name):
 
     assert_trains_like_reference(plan, name, STEPS, inspect)
     _graphs_carry_the_collectives(checked[0])
+    if mode == "inductor":
+        from pipeplan.backends.runtime import inductor
+
+        assert inductor.COMPILES  # the graphs ran compiled
 
 
 @pytest.mark.timeout(120)
@@ -76,3 +80,18 @@ def test_cp2_in_graphs_mode_equals_reference(run_workers, name):
 @pytest.mark.parametrize("name", ["ring-zbv", "zbv"])
 def test_pp2_cp2_zbv_in_graphs_mode_equals_reference(run_workers, name):
     run_workers(_worker, 4, name, timeout=180)
+
+
+def _inductor_worker(rank, world, name, cache):
+    import os
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    _worker(rank, world, name, "inductor")
+
+
+@pytest.mark.heavy  # inductor compiles every rank's graphs: ~2 min each on 2 loaded cores
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["ring-1f1b", "1f1b"])
+def test_pp2_cp2_under_inductor_equals_reference(run_workers, tmp_path, name):
+    """float64 through inductor's kernels: the same tolerance as eager cp (1e-9 relative)."""
+    run_workers(_inductor_worker, 4, name, str(tmp_path), timeout=850)
