@@ -17,7 +17,8 @@ barrier; a step's time is the
 slowest rank's. The first step of each is the warm-up, measured for memory
 (the rank's parameter bytes plus the peak of the tensor storages the step
 allocates and keeps alive: activations, gradients, communication buffers,
-optimizer state; max over ranks); the rest for time. Both must reach the same losses.
+optimizer state; max over ranks; not measured for a torch.compile'd side, which does not
+compile under the tracking dispatch mode); the rest for time. Both must reach the same losses.
 
 `--mode` is pipeplan's compile.mode; `--dim` the model width; `--torch-compile` runs
 torch's stages through per-stage `torch.compile` (inductor; 1F1B and interleaved only:
@@ -152,9 +153,6 @@ class TorchSide:
                           else s % world for s in range(stages)}
         ranges = layer_ranges(stages)
         self.modules = [TorchStage(gpt, s, stages, *ranges[s]) for s in mine]
-        if compiled:  # torch's stages through torch.compile (parameters stay the modules')
-            for m in self.modules:
-                m.compile()
         ours = trainer.parameters_by_name()
         names: dict[int, list[str]] = {}  # the model's names of each parameter (tied: two)
         for name, p in gpt.named_parameters(remove_duplicate=False):
@@ -164,7 +162,8 @@ class TorchSide:
                 for p in m.parameters():
                     p.copy_(ours[next(n for n in names[id(p)] if n in ours)])
         self.holds_first, self.holds_last = 0 in mine, stages - 1 in mine
-        pipe = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(self.modules, mine)]
+        runs = [torch.compile(m) if compiled else m for m in self.modules]  # (same parameters)
+        pipe = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(runs, mine)]
         cls = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                "zbv": ScheduleZBVZeroBubble}[kind]
         self.schedule = cls(pipe[0] if kind == "1f1b" else pipe, MICROBATCHES, loss_fn=loss_fn)
@@ -343,7 +342,11 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
     mem_ours = _peak(lambda: ours_step(0), ours_modules)
     warm_ours = time.perf_counter() - start
     start = time.perf_counter()
-    mem_theirs = _peak(lambda: theirs_step(0), theirs.modules)
+    if compiled:  # (under _peak's dispatch mode torch.compile would not compile: no peak)
+        theirs_step(0)
+        mem_theirs = float("nan")
+    else:
+        mem_theirs = _peak(lambda: theirs_step(0), theirs.modules)
     warm_theirs = time.perf_counter() - start
     traced = sum(getattr(r, "trace_seconds", 0.0) for r in ours.runners.values())
     from torch._dynamo.utils import counters
