@@ -26,7 +26,7 @@ def traced(x: torch.Tensor) -> bool:
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     return isinstance(x, (FakeTensor, FunctionalTensor)) or \
-        torch._C._is_functional_tensor(x)
+        torch._is_functional_tensor(x)
 
 
 def hop(x: torch.Tensor, group) -> torch.Tensor:
