@@ -5,7 +5,8 @@ float64 training.
 `RopeLM` (tests/parallel/cp_models.py) on pp1 x cp2 (1F1B; ring in the default suite,
 Ulysses heavy) and, heavy, pp2 x cp2 under
 ZBV (B and W split: the attention backward, with its ring hops or inverse all-to-alls,
-lands in B), and, heavy, pp2 x cp2 1F1B under inductor; 3 AdamW steps
+lands in B), and, heavy, pp2 x cp2 1F1B under inductor and pp1 x cp2 x tp2 (Llama, ring
+and Ulysses with sequence parallel; RopeLM with attention whole under tp); 3 AdamW steps
 with clipping, against tp_reference.reference_run (the unmodified model on whole
 sequences, torch's AdamW; no pipeplan code), as tests/parallel/test_context_parallel.py
 judges eager mode. Each rank's graphs are read: F and B carry the cp collectives
@@ -97,3 +98,20 @@ def _inductor_worker(rank, world, name, cache):
 def test_pp2_cp2_under_inductor_equals_reference(run_workers, tmp_path, name):
     """float64 through inductor's kernels: the same tolerance as eager cp (1e-9 relative)."""
     run_workers(_inductor_worker, 4, name, str(tmp_path), timeout=850)
+
+
+def _tp_worker(rank, world, name):
+    from .test_context_tensor_parallel import make_plan as cp_tp_plan
+
+    plan = dataclasses.replace(cp_tp_plan(name), compile=CompileSpec(mode="graphs"))
+    assert_trains_like_reference(plan, name, STEPS)
+
+
+@pytest.mark.heavy  # 4 processes, an exported Llama traced per rank: ~70 s each, loaded
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["pp1-cp2-tp2-sp-ring", "pp1-cp2-tp2-sp", "mlp-only"])
+def test_cp2_tp2_in_graphs_mode_equals_reference(run_workers, name):
+    """cp inside tensor-parallel stages (tests/parallel/test_context_tensor_parallel.py's
+    plans: transformers' Llama exported, heads split by tp then by cp; RopeLM with
+    attention whole under tp) in graphs mode: DTensor's and cp's collectives in one graph."""
+    run_workers(_tp_worker, 4, name, timeout=380)
