@@ -16,15 +16,9 @@ from .rules import Problem, check
 
 # (what the plan asks for, why graphs mode refuses it) -- docs/compiler.md lists the same
 UNSUPPORTED: tuple[tuple[str, Callable[[Plan], bool], str], ...] = (
-    ("mesh.tp > 1 or mesh.ep > 1 under inductor",
-     lambda p: p.compile.mode == "inductor" and (p.mesh.tp > 1 or p.mesh.ep > 1),
-     "inductor's lowering of the functional collectives in the graphs is not built or "
-     "checked here (compile { mode = graphs } runs them)"),
     ("expert parallelism across tp", lambda p: p.mesh.ep > 1 and ep_across_tp(p.mesh),
      "the static expert dispatch of compiled stages is built within data-parallel ranks "
      "only (ep dividing dp)"),
-    ("mesh.cp > 1", lambda p: p.mesh.cp > 1,
-     "context parallelism's ring / all-to-all attention is a custom autograd Function"),
     ("experts.dropless = false", lambda p: p.experts is not None and not p.experts.dropless,
      "the capacity rewrite of the experts is a runtime module swap not traced jointly"),
     ("sync = diloco", lambda p: p.sync.diloco, "DiLoCo islands are not built on compiled stages"),

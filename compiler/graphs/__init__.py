@@ -25,12 +25,13 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
     per microbatch are the bytes F saves for B and W (split.py: saved_bytes; under the
     plan's recompute rules, what their regions leave unsaved is not counted). Call
     after the per-node costs are attached (this replaces their saved-bytes sum).
-    Under tp or ep the runtime rewrites the stages (DTensor nodes, the static expert
-    dispatch) and traces the rewritten stage itself, with its process groups: the trace
-    here checks the model's code only, and the activation estimate stays the eager one."""
+    Under tp, ep or cp the runtime rewrites the stages (DTensor nodes, the static expert
+    dispatch, ring / Ulysses attention) and traces the rewritten stage itself, with its
+    process groups: the trace here checks the model's code only, and the activation
+    estimate stays the eager one."""
     if not plan.compile.graphs:
         return
-    rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1
+    rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1 or plan.mesh.cp > 1
     rules = tuple(r for r in plan.recompute if r.mode != "none")
     by_name = {n.target if n.op == "placeholder" else n.name: values.get(n)
                for n in graph.nodes}

@@ -231,7 +231,8 @@ def _extract(name: str, graph: fx.Graph, members: set, wanted: list, key_of: dic
     for n in sorted(members, key=order.__getitem__):
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(tuple(env[w] if isinstance(w, fx.Node) else w for _, w in wanted))
-    gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Stage{name}")
+    # the joint graph's constants (get_attr: tensors the trace lifted) come along with it
+    gm = fx.GraphModule(graph.owning_module or torch.nn.Module(), g, class_name=f"Stage{name}")
     return Part(name, gm, inputs, [k for k, _ in wanted])
 
 

@@ -1,7 +1,8 @@
 """pipeplan next to torch.distributed.pipelining, in the same rank processes, step by step.
 
     PYTHONPATH=... python tests/benchmarks/vs_torch.py [--steps 14] [--worlds 2,4]
-        [--schedules 1f1b,interleaved,zbv] [--profile DIR]
+        [--schedules 1f1b,interleaved,zbv] [--profile DIR] [--mode eager|graphs|inductor]
+        [--dim 128] [--torch-compile]
 
 One model, split, batch and optimizer for both: the example GPT (vocab 256, dim 128, 8
 layers, seq 64), an equal split of the layers over world x virtual stages (embeddings
@@ -16,7 +17,15 @@ barrier; a step's time is the
 slowest rank's. The first step of each is the warm-up, measured for memory
 (the rank's parameter bytes plus the peak of the tensor storages the step
 allocates and keeps alive: activations, gradients, communication buffers,
-optimizer state; max over ranks); the rest for time. Both must reach the same losses.
+optimizer state; max over ranks; not measured for a torch.compile'd side, which does not
+compile under the tracking dispatch mode); the rest for time. Both must reach the same losses.
+
+`--mode` is pipeplan's compile.mode; `--dim` the model width; `--torch-compile` runs
+torch's stages through per-stage `torch.compile` (inductor; 1F1B and interleaved only:
+torch's zero-bubble schedules refuse a compiled stage, so a ZBV row keeps torch eager and
+says so). Compile times: pipeplan's seconds of tracing, partitioning and inductor per
+rank (max over ranks, from the runners), and each side's warm-up step (which holds
+torch.compile's compiles and pipeplan's first-microbatch trace).
 
 Prints per (world, schedule): median step time of each, the ratio pipeplan/torch,
 the peak memory ratio, and the floor: per timed step, pipeplan's order of the
@@ -91,7 +100,7 @@ def layer_ranges(stages: int) -> list[tuple[int, int]]:
     return [(i * per, (i + 1) * per) for i in range(stages)]
 
 
-def make_plan(kind: str, world: int, steps: int, mode: str = "eager"):
+def make_plan(kind: str, world: int, steps: int, mode: str = "eager"):  # (MODEL as set by --dim)
     from pipeplan.dsl.load import parse_plan
     v = SCHEDULES[kind]
     split = ", ".join(f"layers[{a}:{b}]" for a, b in layer_ranges(world * v))
@@ -127,7 +136,7 @@ def loss_fn(logits, targets):
 
 
 class TorchSide:
-    def __init__(self, kind: str, world: int, rank: int, plan, trainer):
+    def __init__(self, kind: str, world: int, rank: int, plan, trainer, compiled: bool = False):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                                   ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
@@ -153,7 +162,8 @@ class TorchSide:
                 for p in m.parameters():
                     p.copy_(ours[next(n for n in names[id(p)] if n in ours)])
         self.holds_first, self.holds_last = 0 in mine, stages - 1 in mine
-        pipe = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(self.modules, mine)]
+        runs = [torch.compile(m) if compiled else m for m in self.modules]  # (same parameters)
+        pipe = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(runs, mine)]
         cls = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                "zbv": ScheduleZBVZeroBubble}[kind]
         self.schedule = cls(pipe[0] if kind == "1f1b" else pipe, MICROBATCHES, loss_fn=loss_fn)
@@ -304,14 +314,15 @@ def _timed(fn, prof=None) -> float:
 
 
 def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
-          profile: str, mode: str = "eager") -> None:
+          profile: str, mode: str = "eager", dim: int = 128, compiled: bool = False) -> None:
     from pipeplan.backends.runtime.trainer import PipelineTrainer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    MODEL["dim"] = dim
     plan = make_plan(kind, world, steps, mode)
     ours = PipelineTrainer.for_plan(plan)
-    theirs = TorchSide(kind, world, rank, plan, ours)
+    theirs = TorchSide(kind, world, rank, plan, ours, compiled)
     mine_pp = {s for s in ours.runners}
     assert mine_pp == {s for s, r in theirs.placement.items() if r == rank}, \
         f"rank {rank}: pipeplan holds stages {sorted(mine_pp)}, torch others"
@@ -327,8 +338,19 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
         theirs_losses.append(loss)
 
     ours_modules = [r.module for r in ours.runners.values()]
+    start = time.perf_counter()
     mem_ours = _peak(lambda: ours_step(0), ours_modules)
-    mem_theirs = _peak(lambda: theirs_step(0), theirs.modules)
+    warm_ours = time.perf_counter() - start
+    start = time.perf_counter()
+    if compiled:  # (under _peak's dispatch mode torch.compile would not compile: no peak)
+        theirs_step(0)
+        mem_theirs = float("nan")
+    else:
+        mem_theirs = _peak(lambda: theirs_step(0), theirs.modules)
+    warm_theirs = time.perf_counter() - start
+    traced = sum(getattr(r, "trace_seconds", 0.0) for r in ours.runners.values())
+    from torch._dynamo.utils import counters
+    dynamo_graphs = counters["stats"]["unique_graphs"]  # torch.compile's graphs on this rank
     profs = {"pipeplan": cProfile.Profile(), "torch": cProfile.Profile()} if profile else {}
     for t in range(1, steps):  # who goes first alternates too (allocator, caches)
         pair = [lambda: ours_t.append(_timed(lambda: ours_step(t), profs.get("pipeplan"))),
@@ -341,12 +363,14 @@ def _rank(rank: int, world: int, port: int, kind: str, steps: int, out: str,
     dist.all_reduce(theirs_all)  # only the last stage's rank holds them
     peaks = torch.tensor([mem_ours, mem_theirs], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    warm = torch.tensor([warm_ours, warm_theirs, traced, dynamo_graphs], dtype=torch.float64)
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX)
     records = [None] * world
     dist.all_gather_object(records, theirs.records[1:])  # the timed steps
     if rank == 0:
         torch.save({"ours_losses": ours_losses, "theirs_losses": theirs_all.tolist(),
                     "ours_t": ours_t, "theirs_t": theirs_t, "mem": peaks.tolist(),
-                    "floor": floor_ms(kind, world, records)}, out)
+                    "floor": floor_ms(kind, world, records), "warm": warm.tolist()}, out)
     dist.destroy_process_group()
 
 
@@ -356,10 +380,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(kind: str, world: int, steps: int, tmp: str, profile: str, mode: str = "eager") -> dict:
+def run(kind: str, world: int, steps: int, tmp: str, profile: str, mode: str = "eager",
+        dim: int = 128, compiled: bool = False) -> dict:
     out = os.path.join(tmp, f"{kind}-{world}.pt")
-    mp.start_processes(_rank, args=(world, _free_port(), kind, steps, out, profile, mode),
-                       nprocs=world, start_method="fork")
+    mp.start_processes(_rank, args=(world, _free_port(), kind, steps, out, profile, mode, dim,
+                                    compiled), nprocs=world, start_method="fork")
     return torch.load(out, weights_only=True)
 
 
@@ -373,23 +398,30 @@ def main() -> None:
     ap.add_argument("--mode", default="eager", choices=("eager", "graphs", "inductor"),
                     help="pipeplan's compile.mode (torch's side stays eager: its zero-bubble "
                          "schedules refuse a compiled stage)")
+    ap.add_argument("--dim", type=int, default=MODEL["dim"], help="the model width")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="torch's stages through per-stage torch.compile (not under zbv: "
+                         "torch refuses a compiled stage there)")
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     import pipeplan.backends.runtime.trainer  # noqa: F401  (imported once, before the ranks fork)
     import torch._dynamo  # noqa: F401
-    print(f"GPT dim {MODEL['dim']} x {MODEL['layers']} layers, {MICROBATCHES} microbatches of "
+    print(f"GPT dim {args.dim} x {MODEL['layers']} layers, {MICROBATCHES} microbatches of "
           f"{GLOBAL_BATCH // MICROBATCHES}x{MODEL['seq_len']} tokens, AdamW, gloo, 1 thread "
           f"per rank; {args.steps - 1} timed steps each after 1 warm-up, alternating; "
-          f"pipeplan compile.mode = {args.mode}, torch eager")
+          f"pipeplan compile.mode = {args.mode}, torch "
+          f"{'per-stage torch.compile' if args.torch_compile else 'eager'}")
     print(f"{'world':>5} {'schedule':12} {'pipeplan ms':>11} {'torch ms':>9} {'time ratio':>10} "
           f"{'memory ratio':>12} {'floor ms':>8} {'floor/torch':>11} {'fastest/torch':>13}  "
-          f"losses (max rel diff)")
+          f"{'warm-up s ours/torch':>20} {'compile s':>9}  losses (max rel diff)")
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for world in map(int, args.worlds.split(",")):
             for kind in args.schedules.split(","):
-                r = run(kind, world, args.steps, tmp, args.profile, args.mode)
+                compiled = args.torch_compile and kind != "zbv"
+                r = run(kind, world, args.steps, tmp, args.profile, args.mode, args.dim,
+                        compiled)
                 ours, theirs = statistics.median(r["ours_t"]), statistics.median(r["theirs_t"])
                 diff = max(abs(a - b) / abs(b) for a, b in zip(r["ours_losses"],
                                                                r["theirs_losses"]))
@@ -401,7 +433,12 @@ def main() -> None:
                       f"{ours / theirs:10.2f} {r['mem'][0] / r['mem'][1]:12.2f} "
                       f"{floor:8.1f} {floor / (theirs * 1e3):11.2f} "
                       f"{fastest / (theirs * 1e3):13.2f}  "
-                      f"{'same' if same else 'DIFFERENT'} ({diff:.1e})", flush=True)
+                      f"{r['warm'][0]:9.1f}/{r['warm'][1]:<10.1f} {r['warm'][2]:9.1f}  "
+                      f"{'same' if same else 'DIFFERENT'} ({diff:.1e})"
+                      + ("  (torch eager: its ZBV refuses a compiled stage)"
+                         if args.torch_compile and kind == "zbv" else "")
+                      + (f"  (torch.compile graphs per rank: {r['warm'][3]:.0f})"
+                         if compiled else ""), flush=True)
     sys.exit(1 if failed else 0)
 
 

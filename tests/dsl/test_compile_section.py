@@ -22,17 +22,21 @@ def test_mode_default_and_values():
         assert _load("gpt_pp4_1f1b.plan", f"compile.mode={mode}").compile.graphs
 
 
-def test_tp_and_ep_examples_load_in_graphs_mode():
+def test_tp_ep_and_cp_plans_load_in_graphs_and_inductor_mode():
     for name in ("hybrid_pp2_dp2_tp2.plan", "moe_pp2_ep2_zbv.plan"):
-        assert _load(name, "compile.mode=graphs").compile.graphs
+        for mode in ("graphs", "inductor"):
+            assert _load(name, f"compile.mode={mode}").compile.graphs
+    for method in ("ring", "ulysses"):
+        for mode in ("graphs", "inductor"):
+            plan = _load("gpt_pp4_1f1b.plan", f"compile.mode={mode}", "mesh.cp=2",
+                         f"context.method={method}")
+            assert plan.mesh.cp == 2 and plan.context.method == method
 
 
 @pytest.mark.parametrize("name, edits, why", [
-    ("gpt_pp4_1f1b.plan", ["mesh.cp=2"], "mesh.cp > 1"),
     ("moe_pp2_ep2_zbv.plan", ["experts.dropless=false", "experts.capacity_factor=1.0"],
      "experts.dropless = false"),
-    ("moe_pp2_ep2_zbv.plan", ["mesh.tp=2", "mesh.ep=4"], "expert parallelism across tp"),
-    ("hybrid_pp2_dp2_tp2.plan", ["compile.mode=inductor"], "under inductor")])
+    ("moe_pp2_ep2_zbv.plan", ["mesh.tp=2", "mesh.ep=4"], "expert parallelism across tp")])
 def test_what_graphs_mode_does_not_run_is_refused_at_the_mode_line(name, edits, why):
     with pytest.raises(PlanError) as e:
         _load(name, "compile.mode=graphs", *edits)

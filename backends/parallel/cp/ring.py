@@ -38,7 +38,9 @@ import torch.fx as fx
 
 from ....compiler.parallel.cp import sdpa_arguments
 from ....errors import PipeplanError
+from ....compiler.graphs.joint import traceable_function
 from .attention import ContextAttention, wrap_attention
+from .functional import hop, traced
 
 _aten = torch.ops.aten
 TAG_KV, TAG_DKV = 71, 72  # two messages travel between the same neighbours in backward
@@ -108,7 +110,10 @@ class _Ring:
 
     def hop(self, x: torch.Tensor, tag: int):
         """Send x onward and receive the previous rank's x (the same shape); returns a wait()
-        that gives what was received."""
+        that gives what was received. Inside a joint-graph trace: a functional collective."""
+        if traced(x):
+            got = hop(x, self.group)
+            return lambda: got
         got = torch.empty_like(x)
         works = [dist.irecv(got, group=self.group, group_src=(self.rank - 1) % self.size, tag=tag),
                  dist.isend(x, group=self.group, group_dst=(self.rank + 1) % self.size, tag=tag)]
@@ -137,6 +142,7 @@ def _merge(out, lse, q_part, o, l) -> None:
     lse_rows.copy_(new)
 
 
+@traceable_function  # (compile.mode = graphs: tensor ops and functional hops when traced)
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale):

@@ -27,10 +27,13 @@ import torch.fx as fx
 from torch.distributed.nn.functional import all_to_all_single  # autograd-aware, eager
 
 from .attention import ContextAttention, wrap_attention
+from .functional import all_to_all as functional_all_to_all, traced
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Exchange dim-0 blocks: block j goes to rank j, block i of the result came from rank i."""
+    if traced(x):  # a joint-graph trace (compile.mode = graphs): a functional collective
+        return functional_all_to_all(x, group)
     x = x.contiguous()  # (empty_like of a permuted view would keep its strides)
     return all_to_all_single(torch.empty_like(x), x, group=group)
 
