@@ -255,3 +255,27 @@ def dbrx(layers: int = 2):
         vocab_size=64, d_model=32, n_heads=4, n_layers=layers, max_seq_len=64, use_cache=False,
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)))
+
+
+# ---------------------------------- MoE families with mask-free attention (cp locality tests)
+def mixtral_causal(layers: int = 2):
+    """Mixtral (default experts kernel) with attention through CAUSAL_SDPA (no mask tensor):
+    only its experts stand between it and context parallel."""
+    _register_causal_sdpa()
+    return _hf("MixtralConfig", "MixtralForCausalLM", layers, num_local_experts=4,
+               num_experts_per_tok=2, attn_implementation=CAUSAL_SDPA)
+
+
+def qwen3_moe_causal(layers: int = 2):
+    """Qwen3-MoE (default experts kernel) with attention through CAUSAL_SDPA."""
+    _register_causal_sdpa()
+    return _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", layers, moe_intermediate_size=16,
+               num_experts=4, num_experts_per_tok=2, head_dim=8, attn_implementation=CAUSAL_SDPA)
+
+
+def llama4_text_causal(layers: int = 2):
+    """Llama 4 text (complex RoPE, MoE every layer) with attention through CAUSAL_SDPA."""
+    _register_causal_sdpa()
+    return _hf("Llama4TextConfig", "Llama4ForCausalLM", layers, intermediate_size_mlp=64,
+               num_local_experts=4, num_experts_per_tok=1, head_dim=8,
+               interleave_moe_layer_step=1, attn_implementation=CAUSAL_SDPA)
