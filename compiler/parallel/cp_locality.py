@@ -34,6 +34,7 @@ from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA
 from ..capture.blocks import module_path
 from .cp import POSITIONS, sdpa_arguments
+from .cp_rows import Tag, on_sorted, sorted_by
 from .cp_rules import (MODULE_RULES, RULES, Dims, Mixing, NoRule, Op, attention, pointwise,
                        same_as_first)
 
@@ -116,11 +117,13 @@ def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.
             continue  # sizes, dims: no positions in them
         name, module = op_name(node, gm)
         rule = _rule(node, name, per_token)
-        if rule is None:
+        perm = next((p for p in (sorted_by(seq.get(a)) for a in touched) if p), None)
+        if rule is None and perm is None:
             yield node, "unknown", f"no rule for `{name}`"
             return
         try:
-            seq[node] = rule(Op(node, run, seq, name, module))
+            op = Op(node, run, seq, name, module)
+            seq[node] = rule(op) if perm is None else on_sorted(op, perm, rule)
         except Mixing as e:
             yield node, "mixing", str(e)
             return
@@ -148,7 +151,8 @@ def _sequence_size(node: fx.Node, seq: dict):
     name = getattr(node.target, "__name__", node.target) if node.op != "call_method" \
         else node.target
     name = name.split(".")[0] if isinstance(name, str) else name
-    got = [seq.get(a) if isinstance(a, fx.Node) else None for a in args]
+    got = [seq.get(a) if isinstance(a, fx.Node) and sorted_by(seq.get(a)) is None else None
+           for a in args]  # the length of sorted rows is not the sequence's
     first = got[0] if got else None
     if name == "getattr" and len(args) == 2 and args[1] == "shape" and _carries(first):
         return _Shape(first)
@@ -167,6 +171,8 @@ def _sequence_size(node: fx.Node, seq: dict):
 
 
 def _carries(got) -> bool:
+    if isinstance(got, Tag):
+        return True
     if isinstance(got, frozenset):
         return bool(got)
     if isinstance(got, (tuple, list)):
