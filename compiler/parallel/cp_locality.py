@@ -131,6 +131,10 @@ def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.
             yield node, "unknown", f"`{name}`: {e}"
             return
         yield node, "attention" if rule is attention else "per-position", ""
+    perm = sorted_by(seq.get(end))
+    if perm is not None:  # rows still in a sort's order reach the prediction
+        yield end, "mixing", (f"comes out in the order `{perm.node.name}` sorts the "
+                              "positions in, never put back")
 
 
 POSITIONS_DIMS = Dims({0})

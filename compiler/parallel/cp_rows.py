@@ -118,6 +118,17 @@ def repeat_interleave(op: Op) -> Dims:
     return SeqDims(dims, spans)
 
 
+def repeat(op: Op) -> Dims:
+    """x.repeat(*sizes): tiles; the sequence digits keep their strides (a tiled dim's
+    copies are an outer digit), leading new dims shift the others."""
+    x = op.args[0]
+    sizes = op.args[1:] if len(op.args) > 2 or isinstance(op.args[1], int) else op.args[1]
+    shift = len(sizes) - op.ndim(x)
+    dims = op.dims(x)
+    return SeqDims({d + shift for d in dims},
+                   {d + shift: v for d, v in getattr(dims, "spans", {}).items()})
+
+
 def index(op: Op):
     """x[i] with one index tensor on dim 0 (aten index, a tensor getitem)."""
     x = op.args[0]
@@ -219,6 +230,9 @@ def on_sorted(op: Op, perm: Perm, rule):
         raise Mixing("combines rows of two different sorts")
     if rule in (sort, index, index_put, index_add):
         return rule(op)
+    if name == "getitem" and isinstance(op.args[1], fx.Node) and \
+            isinstance(op.value(op.args[1]), torch.Tensor):
+        return index(op)  # x[idx]
     if name in GROUPED:
         offs = op._seq.get(op.arg(2, "offs"))
         if isinstance(offs, Groups) and offs.cumulative and not op.dims(op.args[1]):

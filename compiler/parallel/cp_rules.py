@@ -325,9 +325,10 @@ def scatter(op: Op) -> Dims:
     return Dims(seq)
 
 
-def view_as_complex(op: Op) -> Dims:
-    """[..., 2] real pairs -> [...] complex (view_as_real the reverse): the pair dim must
-    not be the sequence; the other dims stay where they are."""
+def last_dim(op: Op) -> Dims:
+    """An op that changes only the last dim: view_as_complex ([..., 2] real pairs ->
+    [...] complex; the pair dim must not be the sequence), view_as_real (the reverse),
+    one_hot (a new last dim of classes). The other dims stay where they are."""
     x = op.args[0]
     if op.name == "view_as_complex" and op.ndim(x) - 1 in op.dims(x):
         raise Mixing("pairs up neighbouring positions of the sequence as complex numbers")
@@ -376,13 +377,13 @@ RULES: dict[str, Callable] = {
     "cummax": along(1, what="accumulates along the sequence (cummax)"),
     "logcumsumexp": along(1, what="accumulates along the sequence (logcumsumexp)"),
     "sort": cp_rows.sort, "argsort": cp_rows.sort,
-    "repeat_interleave": cp_rows.repeat_interleave, "index": cp_rows.index,
+    "repeat_interleave": cp_rows.repeat_interleave, "repeat": cp_rows.repeat, "index": cp_rows.index,
     "index_put": cp_rows.index_put, "index_put_": cp_rows.index_put,
     "index_add": cp_rows.index_add, "index_add_": cp_rows.index_add,
     "histc": cp_rows.counts, "bincount": cp_rows.counts,
     "scatter": scatter, "scatter_": scatter, "scatter_add": scatter, "scatter_add_": scatter,
     "scatter_reduce": scatter, "scatter_reduce_": scatter,
-    "view_as_complex": view_as_complex, "view_as_real": view_as_complex,
+    "view_as_complex": last_dim, "view_as_real": last_dim, "one_hot": last_dim,
     "topk": along(2, what="picks the top positions of the sequence"),
     "flip": along(1, "dims", what="reverses the sequence"),
     "roll": along(2, "dims", what="shifts the sequence (roll)"),
