@@ -141,6 +141,8 @@ def index(op: Op):
         raise NoRule("index that is not one tensor")
     gx, gi = op._seq.get(x), op._seq.get(i)
     perm = sorted_by(gx) or sorted_by(gi)
+    if isinstance(gx, Tag):  # reading the sort's order or counts at some rows
+        raise _mixing(op, perm)
     if perm is None:
         if op.dims(x):
             raise Mixing("gathers positions along the sequence")

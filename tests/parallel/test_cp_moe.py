@@ -105,10 +105,13 @@ def _dispatch(x, mode: str = "back"):
     """Sort the flattened tokens' slots by expert, permute rows, bring them back."""
     tokens = x.reshape(-1, 8)
     ids = tokens.argmax(dim=-1, keepdim=True).repeat(1, 2) % 3  # [T, 2] expert ids
-    order = torch.argsort(ids.reshape(-1))
+    keys, order = torch.sort(ids.reshape(-1))
     rows = tokens[order // 2] * 2.0
     if mode == "rank":  # weight each slot by its place in the sorted order
         rows = rows * torch.arange(rows.shape[0], dtype=x.dtype).unsqueeze(-1)
+    if mode == "counts":  # weight each slot by its expert's running count of slots
+        counts = torch.histc(keys.to(x.dtype), bins=3, min=0, max=2)
+        rows = rows * counts.cumsum(0)[keys].unsqueeze(-1)
     if mode == "sorted":  # never put back
         return rows
     if mode == "inverse":
@@ -121,6 +124,7 @@ def _dispatch(x, mode: str = "back"):
     ("back", "per-position"), ("inverse", "per-position"),
     ("rank", "mixing: combines sorted rows with a tensor laid out along them"),
     ("sorted", "mixing: comes out in the order"),
+    ("counts", "mixing: uses the order `sort` sorts the positions in"),
 ])
 def test_sort_is_per_position_only_when_its_order_is_undone(mode, expected):
     assert verdict(Fn(lambda x: _dispatch(x, mode)), X).startswith(expected)
@@ -148,10 +152,11 @@ def test_complex_rope_is_per_position_pairing_positions_mixes():
                                                   torch.arange(4.0, dtype=x.dtype)))
 
     assert verdict(Fn(rope), X) == "per-position"
-    pairs = Fn(lambda x: torch.view_as_real(torch.view_as_complex(x.transpose(1, 2)[:, :, :2]
-                                                                  .contiguous())))
-    assert "pairs up neighbouring positions" in verdict(pairs, X) or \
-        verdict(pairs, X).startswith("mixing: takes part of the sequence")
+    pairs = Fn(lambda x: torch.view_as_real(torch.view_as_complex(x) * 2))
+    x = torch.randn(2, 8, 2, dtype=torch.float64)
+    assert verdict(pairs, x, seq_dim=1) == "per-position"
+    assert verdict(pairs, x, seq_dim=2).startswith(  # the sequence as the real/imag pair
+        "mixing: pairs up neighbouring positions of the sequence")
 
 
 def test_repeated_token_rows_summed_per_token_pass_summed_across_tokens_mix():
