@@ -195,7 +195,7 @@ def index_add(op: Op):
     gi, gs = op._seq.get(idx), op._seq.get(src)
     perm = sorted_by(gi) or sorted_by(gs)
     if perm is None:
-        if op.dims(src) or op.dims(idx):
+        if op.dims(src) or op.dims(idx) or _norm(int(dim), op.ndim(base)) in op.dims(base):
             raise Mixing("adds rows into positions the index names")
         return op.dims(base)
     size = int(op.value(base).shape[0])
