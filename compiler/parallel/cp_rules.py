@@ -116,9 +116,7 @@ def along(pos: int, name: str = "dim", default=-1, what: str = "runs along the s
         over = _dim_list(d, n) or list(range(n))
         if set(over) & op.dims(x):
             raise Mixing(what)
-        others = set().union(*(op.dims(a) for a in op.tensor_inputs() if a is not x))
-        dims = SeqDims(op.dims(x) | others,
-                       {} if others else getattr(op.dims(x), "spans", {}))
+        dims = _joined(op, [x] + [a for a in op.tensor_inputs() if a is not x])
         return (dims,) * len(op.out) if isinstance(op.out, (tuple, list)) else dims
 
     return rule
@@ -322,7 +320,17 @@ def scatter(op: Op) -> Dims:
     for a in tensors:
         if set(op.dims(a)) != seq or any(op.value(a).shape[s] != op.out.shape[s] for s in seq):
             raise Mixing("writes rows by an index or source not laid out along the sequence")
-    return Dims(seq)
+    return _joined(op, tensors)
+
+
+def _joined(op: Op, tensors) -> Dims:
+    """The sequence dims of same-shaped inputs kept in place: their union, each dim's
+    sequence digits the widest any input claims (SeqDims.spans)."""
+    spans: dict = {}
+    for a in tensors:
+        for d in op.dims(a):
+            spans[d] = widest(spans.get(d), span(op.dims(a), d, op.value(a).shape[d]))
+    return SeqDims(spans, spans)
 
 
 def last_dim(op: Op) -> Dims:
