@@ -111,3 +111,11 @@ def _dim_list(d, ndim: int) -> Optional[list[int]]:
     return [_norm(int(d), ndim)]
 
 
+def _joined(op: Op, tensors) -> Dims:
+    """The sequence dims of same-shaped inputs kept in place: their union, each dim's
+    sequence digits the widest any input claims (SeqDims.spans)."""
+    spans: dict = {}
+    for a in tensors:
+        for d in op.dims(a):
+            spans[d] = widest(spans.get(d), span(op.dims(a), d, op.value(a).shape[d]))
+    return SeqDims(spans, spans)

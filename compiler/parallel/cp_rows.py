@@ -22,6 +22,9 @@ position is that the sorted order is used only to permute rows and is then inver
   its own key -- a per-row op. Any other use (a rank within the group, a capacity cut)
   depends on the other rows and is refused as mixing.
 
+`scatter` along a non-sequence dim (a router's mask over experts) and view_as_complex /
+view_as_real / one_hot (only the last dim changes) are rules on rows too.
+
 `repeat_interleave` with an int count repeats rows: the sequence digit's stride grows by
 the count (`SeqDims.spans`), so viewing [tokens * k] as [tokens, k] and summing over k is
 per position (cp_rules.view). Parameter rows gathered by per-position ids (`w[ids]`, the
@@ -33,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from .cp import ARANGE, SORTED_ROWS
-from .cp_ops import Dims, Mixing, NoRule, Op, SeqDims, _norm, span
+from .cp_ops import Dims, Mixing, NoRule, Op, SeqDims, _joined, _norm, span
 
 
 class Perm:
@@ -301,3 +304,32 @@ def _not_along(op: Op, a: fx.Node, dims, out) -> None:
         if 0 <= j < t.dim() and t.shape[j] != 1:
             raise Mixing("combines sorted rows with a tensor laid out along them (it "
                          "would number or weight rows by their sorted place)")
+
+
+# ------------------------------------------- rows written by index, complex pairs
+def scatter(op: Op) -> Dims:
+    """scatter(self, dim, index, src | value) and scatter_add/scatter_reduce: row p of the
+    output is row p of self with row p of index/src written into it along `dim` -- per
+    position when `dim` is not the sequence and self, index (and src) all carry the
+    sequence in the same dims at the same length (a router's mask over experts)."""
+    x, d, idx = op.args[0], op.arg(1, "dim"), op.arg(2, "index")
+    n = op.ndim(x)
+    src = op.args[3] if len(op.args) > 3 else op.kwargs.get("src", op.kwargs.get("value"))
+    tensors = [a for a in (x, idx, src) if isinstance(a, fx.Node)]
+    seq = set().union(*(op.dims(a) for a in tensors))
+    if _norm(int(d), n) in seq:
+        raise Mixing("scatters along the sequence")
+    for a in tensors:
+        if set(op.dims(a)) != seq or any(op.value(a).shape[s] != op.out.shape[s] for s in seq):
+            raise Mixing("writes rows by an index or source not laid out along the sequence")
+    return _joined(op, tensors)
+
+
+def last_dim(op: Op) -> Dims:
+    """An op that changes only the last dim: view_as_complex ([..., 2] real pairs ->
+    [...] complex; the pair dim must not be the sequence), view_as_real (the reverse),
+    one_hot (a new last dim of classes). The other dims stay where they are."""
+    x = op.args[0]
+    if op.name == "view_as_complex" and op.ndim(x) - 1 in op.dims(x):
+        raise Mixing("pairs up neighbouring positions of the sequence as complex numbers")
+    return SeqDims(op.dims(x), getattr(op.dims(x), "spans", {}))

@@ -11,16 +11,15 @@ table; compiler/parallel/cp_locality.py walks the graph with it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from . import cp_rows
-from .cp_ops import (Dims, Mixing, NoRule, Op, SeqDims, _dim_list, _norm,  # noqa: F401
-                     span, widest)
+from .cp_ops import (Dims, Mixing, NoRule, Op, SeqDims, _dim_list, _joined,
+                     _norm, span, widest)
 
 
 # ------------------------------------------------------------------------- rules
@@ -305,44 +304,6 @@ def same_as_first(op: Op) -> Dims:
     return op.dims(op.args[0])
 
 
-def scatter(op: Op) -> Dims:
-    """scatter(self, dim, index, src | value) and scatter_add/scatter_reduce: row p of the
-    output is row p of self with row p of index/src written into it along `dim` -- per
-    position when `dim` is not the sequence and self, index (and src) all carry the
-    sequence in the same dims at the same length (a router's mask over experts)."""
-    x, d, idx = op.args[0], op.arg(1, "dim"), op.arg(2, "index")
-    n = op.ndim(x)
-    src = op.args[3] if len(op.args) > 3 else op.kwargs.get("src", op.kwargs.get("value"))
-    tensors = [a for a in (x, idx, src) if isinstance(a, fx.Node)]
-    seq = set().union(*(op.dims(a) for a in tensors))
-    if _norm(int(d), n) in seq:
-        raise Mixing("scatters along the sequence")
-    for a in tensors:
-        if set(op.dims(a)) != seq or any(op.value(a).shape[s] != op.out.shape[s] for s in seq):
-            raise Mixing("writes rows by an index or source not laid out along the sequence")
-    return _joined(op, tensors)
-
-
-def _joined(op: Op, tensors) -> Dims:
-    """The sequence dims of same-shaped inputs kept in place: their union, each dim's
-    sequence digits the widest any input claims (SeqDims.spans)."""
-    spans: dict = {}
-    for a in tensors:
-        for d in op.dims(a):
-            spans[d] = widest(spans.get(d), span(op.dims(a), d, op.value(a).shape[d]))
-    return SeqDims(spans, spans)
-
-
-def last_dim(op: Op) -> Dims:
-    """An op that changes only the last dim: view_as_complex ([..., 2] real pairs ->
-    [...] complex; the pair dim must not be the sequence), view_as_real (the reverse),
-    one_hot (a new last dim of classes). The other dims stay where they are."""
-    x = op.args[0]
-    if op.name == "view_as_complex" and op.ndim(x) - 1 in op.dims(x):
-        raise Mixing("pairs up neighbouring positions of the sequence as complex numbers")
-    return SeqDims(op.dims(x), getattr(op.dims(x), "spans", {}))
-
-
 def constant(op: Op) -> Dims:
     return Dims()
 
@@ -389,9 +350,10 @@ RULES: dict[str, Callable] = {
     "index_put": cp_rows.index_put, "index_put_": cp_rows.index_put,
     "index_add": cp_rows.index_add, "index_add_": cp_rows.index_add,
     "histc": cp_rows.counts, "bincount": cp_rows.counts,
-    "scatter": scatter, "scatter_": scatter, "scatter_add": scatter, "scatter_add_": scatter,
-    "scatter_reduce": scatter, "scatter_reduce_": scatter,
-    "view_as_complex": last_dim, "view_as_real": last_dim, "one_hot": last_dim,
+    **{k: cp_rows.scatter for k in ("scatter", "scatter_", "scatter_add", "scatter_add_",
+                                    "scatter_reduce", "scatter_reduce_")},
+    "view_as_complex": cp_rows.last_dim, "view_as_real": cp_rows.last_dim,
+    "one_hot": cp_rows.last_dim,
     "topk": along(2, what="picks the top positions of the sequence"),
     "flip": along(1, "dims", what="reverses the sequence"),
     "roll": along(2, "dims", what="shifts the sequence (roll)"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from pipeplan.compiler import compile_plan
