@@ -18,7 +18,11 @@ each op that touches it:
 outside attention -- naming it and its module -- and an op it has no rule for that touches
 the sequence, since "unknown" is not proven per-position. The table of rules
 (compiler/parallel/cp_rules.py: one entry per op name, torch-level and aten names alike) is
-the only place that knows ops.
+the only place that knows ops; compiler/parallel/cp_rows.py holds its rules for token rows
+(flattened and repeated rows, a sort whose order only permutes rows and is undone: MoE
+dispatch), whose values here may be a sort's order (cp_rows.Tag) or rows it permutes
+(SeqDims.perm): ops taking them go through `cp_rows.on_sorted`, and rows still in sorted
+order at the prediction are refused.
 """
 from __future__ import annotations
 
