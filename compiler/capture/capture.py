@@ -324,9 +324,15 @@ def _hints(failures: list[CaptureFailed]) -> list[str]:
     if "Cache" in text:
         hints.append("build the model with use_cache=False (a KV cache is for inference)")
     if "data-dependent" in text or "DataDependent" in text:
-        hints.append("make the data-dependent code traceable (for experts: dense or grouped_mm "
-                     "dispatch instead of a loop over nonzero()), or trace it as a leaf with "
-                     'capture = "fx"')
+        where = export_failure.where
+        module = where.split("`")[1] if where.startswith("module `") else ""
+        hints.append(f"make the data-dependent code{f' of `{module}`' if module else ''} "
+                     "traceable (for experts: a dense or sorted dispatch over the same "
+                     "weights, e.g. transformers' batched_mm or grouped_mm experts, instead "
+                     "of a loop over nonzero()), or keep it out of the graph: list its MoE "
+                     "layer in experts.modules where it offers the MoE interface, or capture "
+                     'with capture = "fx" and leaf_modules = '
+                     f'["{module or "<the module>"}"] where fx traces the rest')
     if not hints:
         hints.append("use torch.library.custom_op (with registered autograd) for custom "
                      "autograd Functions, and return aux losses as outputs")

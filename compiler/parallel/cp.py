@@ -52,6 +52,7 @@ from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA, MetaRun
 
 POSITIONS = "pipeplan_cp_positions"  # node.meta: an arange cp_locality.py ties to the sequence
+SORTED_ROWS = "pipeplan_cp_sorted_rows"  # node.meta: an arange numbering sorted rows (cp_rows)
 ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
           torch.ops.aten.arange.start_step}
 
@@ -138,7 +139,8 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
                                "mask (transformers models materialise their mask when "
                                "exported)")
     made = [n for n in graph.nodes if n.op == "call_function" and n.target in ARANGE
-            and not n.meta.get(POSITIONS)]  # cp_locality: renumbered at run time
+            and not n.meta.get(POSITIONS)  # cp_locality: renumbered at run time
+            and not n.meta.get(SORTED_ROWS)]  # cp_rows: inverts a sort of local rows
     if made:
         raise PlanError.at(plan, key, f"the model makes positions itself (`{made[0].name}`: "
                            "arange over the local sequence), so every cp rank would number "

@@ -18,7 +18,11 @@ each op that touches it:
 outside attention -- naming it and its module -- and an op it has no rule for that touches
 the sequence, since "unknown" is not proven per-position. The table of rules
 (compiler/parallel/cp_rules.py: one entry per op name, torch-level and aten names alike) is
-the only place that knows ops.
+the only place that knows ops; compiler/parallel/cp_rows.py holds its rules for token rows
+(flattened and repeated rows, a sort whose order only permutes rows and is undone: MoE
+dispatch), whose values here may be a sort's order (cp_rows.Tag) or rows it permutes
+(SeqDims.perm): ops taking them go through `cp_rows.on_sorted`, and rows still in sorted
+order at the prediction are refused.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA
 from ..capture.blocks import module_path
 from .cp import POSITIONS, sdpa_arguments
+from .cp_rows import Tag, on_sorted, sorted_by
 from .cp_rules import (MODULE_RULES, RULES, Dims, Mixing, NoRule, Op, attention, pointwise,
                        same_as_first)
 
@@ -116,11 +121,13 @@ def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.
             continue  # sizes, dims: no positions in them
         name, module = op_name(node, gm)
         rule = _rule(node, name, per_token)
-        if rule is None:
+        perm = next((p for p in (sorted_by(seq.get(a)) for a in touched) if p), None)
+        if rule is None and perm is None:
             yield node, "unknown", f"no rule for `{name}`"
             return
         try:
-            seq[node] = rule(Op(node, run, seq, name, module))
+            op = Op(node, run, seq, name, module)
+            seq[node] = rule(op) if perm is None else on_sorted(op, perm, rule)
         except Mixing as e:
             yield node, "mixing", str(e)
             return
@@ -128,6 +135,10 @@ def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.
             yield node, "unknown", f"`{name}`: {e}"
             return
         yield node, "attention" if rule is attention else "per-position", ""
+    perm = sorted_by(seq.get(end))
+    if perm is not None:  # rows still in a sort's order reach the prediction
+        yield end, "mixing", (f"comes out in the order `{perm.node.name}` sorts the "
+                              "positions in, never put back")
 
 
 POSITIONS_DIMS = Dims({0})
@@ -148,7 +159,8 @@ def _sequence_size(node: fx.Node, seq: dict):
     name = getattr(node.target, "__name__", node.target) if node.op != "call_method" \
         else node.target
     name = name.split(".")[0] if isinstance(name, str) else name
-    got = [seq.get(a) if isinstance(a, fx.Node) else None for a in args]
+    got = [seq.get(a) if isinstance(a, fx.Node) and sorted_by(seq.get(a)) is None else None
+           for a in args]  # the length of sorted rows is not the sequence's
     first = got[0] if got else None
     if name == "getattr" and len(args) == 2 and args[1] == "shape" and _carries(first):
         return _Shape(first)
@@ -167,6 +179,8 @@ def _sequence_size(node: fx.Node, seq: dict):
 
 
 def _carries(got) -> bool:
+    if isinstance(got, Tag):
+        return True
     if isinstance(got, frozenset):
         return bool(got)
     if isinstance(got, (tuple, list)):

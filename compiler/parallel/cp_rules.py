@@ -11,69 +11,15 @@ table; compiler/parallel/cp_locality.py walks the graph with it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
-Dims = frozenset  # the dims of one tensor value that carry the sequence
-
-
-class Mixing(Exception):
-    """The op combines positions along the sequence (message: how)."""
-
-
-class NoRule(Exception):
-    """No rule says how the op treats the sequence."""
-
-
-class Op:
-    """One graph node as the rules see it: its arguments (self first for methods and
-    modules), the meta values of its tensors and the sequence dims of its inputs."""
-
-    def __init__(self, node: fx.Node, run, seq: dict, name: str,
-                 module: Optional[nn.Module] = None):
-        self.node, self.run, self._seq, self.name, self.module = node, run, seq, name, module
-        self.args, self.kwargs = node.args, node.kwargs
-
-    def arg(self, i: int, name: str, default=None):
-        if len(self.args) > i:
-            return self.args[i]
-        return self.kwargs.get(name, default)
-
-    def value(self, a):
-        return self.run.value(a) if isinstance(a, fx.Node) else a
-
-    def dims(self, a) -> Dims:
-        got = self._seq.get(a) if isinstance(a, fx.Node) else None
-        return got if isinstance(got, frozenset) else Dims()
-
-    def ndim(self, a) -> int:
-        return self.value(a).dim()
-
-    @property
-    def out(self):
-        return self.run.value(self.node)
-
-    def tensor_inputs(self) -> list[fx.Node]:
-        return [a for a in pytree.tree_leaves((self.args, self.kwargs))
-                if isinstance(a, fx.Node) and isinstance(self._seq.get(a), frozenset)
-                and self._seq[a]]
-
-
-def _norm(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-def _dim_list(d, ndim: int) -> Optional[list[int]]:
-    """A dim argument as a list of non-negative dims; None: all dims."""
-    if d is None or (isinstance(d, (list, tuple)) and len(d) == 0):
-        return None
-    if isinstance(d, (list, tuple)):
-        return [_norm(int(x), ndim) for x in d]
-    return [_norm(int(d), ndim)]
+from . import cp_rows
+from .cp_ops import (Dims, Mixing, NoRule, Op, SeqDims, _dim_list, _joined,
+                     _norm, span, widest)
 
 
 # ------------------------------------------------------------------------- rules
@@ -82,32 +28,44 @@ def pointwise(op: Op) -> Dims:
     out = op.out
     if not isinstance(out, torch.Tensor):
         raise NoRule("its output is not a tensor")
-    dims = set()
+    dims, spans = set(), {}
     for a in op.tensor_inputs():
         shift = out.dim() - op.ndim(a)
         for d in op.dims(a):
             if d + shift < 0 or out.shape[d + shift] != op.value(a).shape[d]:
                 raise NoRule("its output does not keep the sequence where its inputs have it")
             dims.add(d + shift)
-    return Dims(dims)
+            spans[d + shift] = widest(spans.get(d + shift),
+                                      span(op.dims(a), d, out.shape[d + shift]))
+    return SeqDims(dims, spans)
 
 
 def view(op: Op) -> Dims:
-    """A reshape: the output dims that cover the input's sequence dims (row-major)."""
-    src, out = op.value(op.args[0]), op.out
-    pin, pout = _prefix(src.shape), _prefix(out.shape)
-    dims = set()
-    for d in op.dims(op.args[0]):
-        lo, hi = pin[d], pin[d + 1]
-        dims.update(j for j in range(out.dim())
-                    if out.shape[j] > 1 and pout[j] < hi and pout[j + 1] > lo)
-    return Dims(dims)
+    """A reshape (row-major): the output dims whose strides cover the input's sequence
+    digits, and which of their digits those are (a [batch * seq * k] dim viewed as
+    [batch * seq, k] carries the sequence in its first dim only)."""
+    x = op.args[0]
+    src, out = op.value(x), op.out
+    sin, sout = _strides(src.shape), _strides(out.shape)
+    dims, spans = set(), {}
+    for d in op.dims(x):
+        lo, hi = span(op.dims(x), d, src.shape[d])
+        glo, ghi = sin[d] * lo, sin[d] * hi
+        for j in range(out.dim()):
+            if out.shape[j] <= 1:
+                continue
+            a, b = max(glo, sout[j]), min(ghi, sout[j] * int(out.shape[j]))
+            if a < b:
+                dims.add(j)
+                spans[j] = widest(spans.get(j), (a // sout[j], -(-b // sout[j])))
+    return SeqDims(dims, spans)
 
 
-def _prefix(shape) -> list[int]:
-    out = [1]
-    for s in shape:
-        out.append(out[-1] * int(s))
+def _strides(shape) -> list[int]:
+    """Row-major strides of a contiguous tensor of `shape`."""
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * int(shape[i + 1])
     return out
 
 
@@ -140,7 +98,9 @@ def reduction(op: Op) -> Dims:
     if hit:
         raise Mixing(f"reduces over the sequence (dim {hit[0]})")
     keep = bool(op.arg(2, "keepdim", False))
-    dims = Dims(d if keep else d - sum(o < d for o in over) for d in op.dims(x))
+    moved = {d: d if keep else d - sum(o < d for o in over) for d in op.dims(x)}
+    dims = SeqDims(moved.values(), {moved[d]: s for d, s in
+                                    getattr(op.dims(x), "spans", {}).items()})
     return (dims, dims) if isinstance(op.out, (tuple, list)) else dims
 
 
@@ -155,7 +115,7 @@ def along(pos: int, name: str = "dim", default=-1, what: str = "runs along the s
         over = _dim_list(d, n) or list(range(n))
         if set(over) & op.dims(x):
             raise Mixing(what)
-        dims = Dims(op.dims(x) | set().union(*(op.dims(a) for a in op.tensor_inputs())))
+        dims = _joined(op, [x] + [a for a in op.tensor_inputs() if a is not x])
         return (dims,) * len(op.out) if isinstance(op.out, (tuple, list)) else dims
 
     return rule
@@ -183,7 +143,9 @@ def split(pos: int, default=0, drops: bool = False):
         d = _norm(int(op.arg(pos, "dim", default)), op.ndim(x))
         if d in op.dims(x):
             raise Mixing("splits the sequence into pieces")
-        dims = Dims(s - (drops and s > d) for s in op.dims(x))
+        moved = {s: s - (drops and s > d) for s in op.dims(x)}
+        dims = SeqDims(moved.values(), {moved[s]: v for s, v in
+                                        getattr(op.dims(x), "spans", {}).items()})
         return tuple(dims for _ in op.out)
 
     return rule
@@ -231,6 +193,8 @@ def getitem(op: Op):
     value = op.value(x)
     if not isinstance(value, torch.Tensor):
         raise NoRule("it indexes a container the rules do not follow")
+    if isinstance(index, fx.Node) and isinstance(op.value(index), torch.Tensor):
+        return cp_rows.index(op)  # x[idx]: one index tensor on dim 0
     items = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(i, (fx.Node, torch.Tensor, list)) for i in items):
         raise NoRule("advanced (tensor) indexing")
@@ -312,12 +276,14 @@ def matmul(op: Op) -> Dims:
     na, nb, no = op.ndim(a), op.ndim(b), op.out.dim()
     if na - 1 in op.dims(a) or (nb >= 2 and nb - 2 in op.dims(b)) or (nb == 1 and op.dims(b)):
         raise Mixing("contracts the sequence (a matmul over positions)")
-    dims = set()
-    for d in op.dims(a):
-        dims.add(no - 2 if (na >= 2 and d == na - 2) else d + no - na)
-    for d in op.dims(b):
-        dims.add(no - 1 if d == nb - 1 else d + no - nb)
-    return Dims(dims)
+    dims, spans = set(), {}
+    for x, moved in ((a, lambda d: no - 2 if (na >= 2 and d == na - 2) else d + no - na),
+                     (b, lambda d: no - 1 if d == nb - 1 else d + no - nb)):
+        for d in op.dims(x):
+            j = moved(d)
+            dims.add(j)
+            spans[j] = widest(spans.get(j), span(op.dims(x), d, op.out.shape[j]))
+    return SeqDims(dims, spans)
 
 
 def addmm(op: Op) -> Dims:
@@ -354,7 +320,8 @@ POINTWISE = frozenset({
     "iadd", "imul", "isub", "itruediv", "and_", "or_", "invert", "lerp", "addcmul", "addcdiv",
     "nan_to_num", "hardtanh", "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid",
     "gelu_tanh", "tanh_", "requires_grad_", "float_power", "exp2", "round", "floor", "ceil",
-    "trunc", "isnan", "isinf", "isfinite", "signbit", "triu_", "native_dropout",
+    "trunc", "isnan", "isinf", "isfinite", "signbit", "triu_", "native_dropout", "polar",
+    "complex", "real", "imag", "conj", "_conj", "resolve_conj",
 })
 VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze",
                    "unsqueeze", "view_as", "reshape_as", "_reshape_alias"})
@@ -378,8 +345,15 @@ RULES: dict[str, Callable] = {
     "cumprod": along(1, what="accumulates along the sequence (cumprod)"),
     "cummax": along(1, what="accumulates along the sequence (cummax)"),
     "logcumsumexp": along(1, what="accumulates along the sequence (logcumsumexp)"),
-    "sort": along(1, what="sorts along the sequence"),
-    "argsort": along(1, what="sorts along the sequence"),
+    "sort": cp_rows.sort, "argsort": cp_rows.sort,
+    "repeat_interleave": cp_rows.repeat_interleave, "repeat": cp_rows.repeat, "index": cp_rows.index,
+    "index_put": cp_rows.index_put, "index_put_": cp_rows.index_put,
+    "index_add": cp_rows.index_add, "index_add_": cp_rows.index_add,
+    "histc": cp_rows.counts, "bincount": cp_rows.counts,
+    **{k: cp_rows.scatter for k in ("scatter", "scatter_", "scatter_add", "scatter_add_",
+                                    "scatter_reduce", "scatter_reduce_")},
+    "view_as_complex": cp_rows.last_dim, "view_as_real": cp_rows.last_dim,
+    "one_hot": cp_rows.last_dim,
     "topk": along(2, what="picks the top positions of the sequence"),
     "flip": along(1, "dims", what="reverses the sequence"),
     "roll": along(2, "dims", what="shifts the sequence (roll)"),

@@ -84,6 +84,46 @@ def offers_interface(module: torch.nn.Module, num_experts: int) -> bool:
     return len(positional) >= 3 and all(p.default is not p.empty for p in positional[3:])
 
 
+def _positional(module: torch.nn.Module) -> int:
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return 0
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in sig.parameters.values())
+
+
+def why_not(layer: torch.nn.Module, num_experts: int) -> tuple[str, str]:
+    """What keeps `layer` from the interface, read off its submodules (structure only), and
+    what to do: (reason appended to the refusal, hint)."""
+    for rel, m in layer.named_modules():
+        where = f"`{rel}` ({type(m).__name__})" if rel else type(m).__name__
+        own = list(m.parameters(recurse=False))
+        stacked = own and all(p.dim() >= 2 and p.shape[0] == num_experts for p in own) \
+            and any(p.dim() >= 3 for p in own)
+        if stacked and _positional(m) < 3:
+            return (f"; its {where} stacks the experts by expert but its forward takes "
+                    f"{_positional(m)} input(s), not the routing: the layer runs every expert "
+                    "on every token (weighted by its router's scores), a dense call with "
+                    "nothing to route to ranks",
+                    "train this layer with ep = 1 and no capacity (it runs as written under "
+                    "dp, pp, tp), or give its experts a routed forward(hidden, top_k_index, "
+                    "top_k_weights) over the same stacked weights (e.g. transformers' "
+                    "batched_mm experts function) and list that layer")
+        held = [(n, tuple(p.shape)) for n, p in m.named_parameters() if "." in n]
+        if m is not layer and _positional(m) >= 3 and held:
+            names = ", ".join(f"`{n}` {list(s)}" for n, s in held[:3])
+            return (f"; its {where} takes (hidden, top_k_index, top_k_weights) but its "
+                    f"weights ({names}) are held by a submodule, not stacked by expert on "
+                    "dim 0 of its own parameters",
+                    f"give {where} its weights as [num_experts, ...] parameters of its own "
+                    "(a [num_experts * F, H] matrix viewed as [num_experts, F, H]) and call "
+                    "them once with the routing; or train with ep = 1 and no capacity, where "
+                    "the layer's own code captures")
+    return "", ("stack the experts' weights by expert and call them once with the routing "
+                "(e.g. a loop over hit experts with nonzero/index_add does not qualify)")
+
+
 def find_experts(module: torch.nn.Module, num_experts: int) -> Optional[str]:
     """The relative name ("" for itself) of the shallowest experts module in `module`."""
     found = [n for n, m in module.named_modules() if offers_interface(m, num_experts)]
@@ -103,11 +143,10 @@ def experts_modules(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
             out[name] = f"{name}.{found}" if found else name
         elif experts_dispatched(plan):
             kind = type(model.get_submodule(name)).__name__
+            why, hint = why_not(model.get_submodule(name), plan.experts.num_experts)
             problems.append(Diagnostic(
                 f"{name} ({kind}) offers no experts module to distribute: expert parallelism "
-                f"needs {INTERFACE}", plan.span_of(f"experts.modules.{i}"),
-                "stack the experts' weights by expert and call them once with the routing "
-                "(e.g. a loop over hit experts with nonzero/index_add does not qualify)"))
+                f"needs {INTERFACE}{why}", plan.span_of(f"experts.modules.{i}"), hint))
     if problems:
         raise PlanError(problems, plan.source_text or None, plan.sources)
     return out

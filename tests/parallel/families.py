@@ -255,3 +255,82 @@ def dbrx(layers: int = 2):
         vocab_size=64, d_model=32, n_heads=4, n_layers=layers, max_seq_len=64, use_cache=False,
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)))
+
+
+# ---------------------------------- MoE families with mask-free attention (cp locality tests)
+def mixtral_causal(layers: int = 2):
+    """Mixtral (default experts kernel) with attention through CAUSAL_SDPA (no mask tensor):
+    only its experts stand between it and context parallel."""
+    _register_causal_sdpa()
+    return _hf("MixtralConfig", "MixtralForCausalLM", layers, num_local_experts=4,
+               num_experts_per_tok=2, attn_implementation=CAUSAL_SDPA)
+
+
+def qwen3_moe_causal(layers: int = 2):
+    """Qwen3-MoE (default experts kernel) with attention through CAUSAL_SDPA."""
+    _register_causal_sdpa()
+    return _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", layers, moe_intermediate_size=16,
+               num_experts=4, num_experts_per_tok=2, head_dim=8, attn_implementation=CAUSAL_SDPA)
+
+
+def llama4_text_causal(layers: int = 2):
+    """Llama 4 text (complex RoPE, MoE every layer) with attention through CAUSAL_SDPA."""
+    _register_causal_sdpa()
+    return _hf("Llama4TextConfig", "Llama4ForCausalLM", layers, intermediate_size_mlp=64,
+               num_local_experts=4, num_experts_per_tok=1, head_dim=8,
+               interleave_moe_layer_step=1, attn_implementation=CAUSAL_SDPA)
+
+
+class SortedMoELM(nn.Module):
+    """Causal SDPA attention then an MoE whose dispatch sorts the (token, expert) slots by
+    expert id (`argsort` over the flattened tokens), gathers each slot's token row and its
+    expert's weights in sorted order, and adds the weighted rows back into their tokens
+    (`index_add`): dropless, so per token. `capacity` > 0 keeps only the first `capacity`
+    sorted slots -- tokens dropped by their rank among all others' slots, which depends on
+    the other positions ("first"); `capacity` < 0 keeps slots ranked below -capacity
+    within their expert (counts of the sorted keys: "group")."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, experts: int = 4,
+                 top_k: int = 2, capacity: int = 0):
+        super().__init__()
+        self.heads, self.top_k, self.capacity, self.experts = heads, top_k, capacity, experts
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w_in = nn.Parameter(torch.empty(experts, dim, 2 * dim))
+        self.w_out = nn.Parameter(torch.empty(experts, 2 * dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The experts' weights (the other parameters are their modules')."""
+        nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
+        nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
+
+    def moe(self, x):
+        b, t, d = x.shape
+        tokens = x.reshape(b * t, d)
+        weights, ids = self.router(tokens).softmax(dim=-1).topk(self.top_k, dim=-1)
+        slots = ids.reshape(-1)
+        order = torch.argsort(slots)
+        rows = tokens[order // self.top_k]
+        keys = slots[order]
+        h = F.silu(torch.bmm(rows.unsqueeze(1), self.w_in[keys]))
+        y = torch.bmm(h, self.w_out[keys]).squeeze(1) * weights.reshape(-1)[order].unsqueeze(-1)
+        if self.capacity > 0:
+            y = y * (torch.arange(y.shape[0], device=y.device) < self.capacity).unsqueeze(-1).to(y.dtype)
+        elif self.capacity < 0:
+            starts = F.one_hot(keys, self.experts).sum(dim=0).cumsum(dim=0)
+            rank = torch.arange(y.shape[0], device=y.device) - starts[keys]
+            y = y * (rank < -self.capacity).unsqueeze(-1).to(y.dtype)
+        out = torch.zeros_like(tokens).index_add(0, order // self.top_k, y)
+        return out.view(b, t, d)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True) \
+            .transpose(1, 2).reshape(b, t, d)
+        return self.head(x + self.moe(x))
