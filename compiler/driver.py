@@ -44,7 +44,8 @@ from .parallel.tp import check_pairing, tp_annotations
 from .capture.tied import find_tied
 from .capture.traced import trace_with_loss
 from .parallel.cp import attach_context_costs, check_context, heads_split_by_tp
-from .parallel.cp_locality import check_locality
+from .parallel.cp_locality import check_locality, sequence_inputs
+from .parallel.cp_masks import whole_sequence_masks
 from .estimate.traffic import collective_traffic
 from .weights import check_weights
 
@@ -77,6 +78,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     check_locality(plan, traced.module, traced.run,
                    traced.prediction if traced.prediction is not None else traced.loss,
                    frozenset(moe.values()))
+    whole_sequence_masks(plan, model, traced.module, traced.run, sequence_inputs(plan))
     check_context(plan, graph, traced.run, tp_heads)
     costs = node_costs(plan, graph, traced.run)
     measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None

@@ -322,12 +322,13 @@ def parallelize(plan: Plan, topo, modules: dict[int, nn.Module], device: torch.d
         from .cp.ring import apply_ring
         from .cp.ulysses import apply_ulysses
 
-        from .cp.positions import cp_columns, renumber_positions
+        from .cp.positions import cp_columns, gather_masks, renumber_positions
 
         apply = apply_ring if plan.context.method == "ring" else apply_ulysses
         for m in modules.values():
             apply(m, topo.cp_group)
             renumber_positions(m, cp_columns(plan, topo.coords.cp))  # the model's own arange
+            gather_masks(m, plan, topo.cp_group)  # the model's own mask, on the whole sequence
     if not rewrites_stages(plan):
         return StageLayout.build(topo, modules, device), None
     groups = build_parallel_groups(

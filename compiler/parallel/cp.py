@@ -52,6 +52,7 @@ from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA, MetaRun
 
 POSITIONS = "pipeplan_cp_positions"  # node.meta: an arange cp_locality.py ties to the sequence
+WHOLE_MASK = "pipeplan_cp_whole_mask"  # node.meta: a mask rebuilt whole (cp_masks.py)
 ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
           torch.ops.aten.arange.start_step}
 
@@ -78,6 +79,11 @@ def sdpa_arguments(args, kwargs) -> dict:
 def attn_mask(node: fx.Node):
     """The attn_mask argument of an SDPA call (positional 4th or keyword)."""
     return sdpa_arguments(node.args, node.kwargs)["attn_mask"]
+
+
+def is_whole_mask(node) -> bool:
+    """A mask argument compiler/parallel/cp_masks.py rebuilt on the whole sequence."""
+    return isinstance(node, fx.Node) and bool(node.meta.get(WHOLE_MASK))
 
 
 def heads_split_by_tp(plan: Plan, graph: fx.Graph, model: torch.nn.Module,
@@ -130,7 +136,7 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
                                    "Ulysses gives each cp rank heads/cp whole heads (of the "
                                    "heads/tp a tensor-parallel rank holds): pick cp (and tp) so "
                                    "that tp * cp divides the heads and KV heads")
-        if isinstance(attn_mask(node), fx.Node):
+        if isinstance(attn_mask(node), fx.Node) and not is_whole_mask(attn_mask(node)):
             raise PlanError.at(plan, key, f"attention `{node.name}` takes a mask tensor, "
                                "which the model computes on one rank's sequence slice; the "
                                "whole-sequence mask Ulysses needs is never built",
@@ -151,7 +157,7 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
 def _check_ring_call(plan: Plan, key: str, node: fx.Node, q, k) -> None:
     """What one SDPA call carries that ring attention could not honour."""
     a = sdpa_arguments(node.args, node.kwargs)
-    if a["attn_mask"] is not None:
+    if a["attn_mask"] is not None and not is_whole_mask(a["attn_mask"]):
         raise PlanError.at(plan, key, f"attention `{node.name}` takes a mask tensor; ring "
                            "attention computes each K/V block itself and honours only "
                            "is_causal", "build the model's attention with is_causal (or no "

@@ -1,0 +1,226 @@
+"""Attention masks and positions under context parallel: the model's own mask code, run on
+the whole sequence.
+
+The model is captured at one cp rank's slice of the sequence (S/cp), so a mask tensor it
+builds for `scaled_dot_product_attention` is the mask of a sequence S/cp long: wrong for
+every rank (its queries see keys of the whole sequence). `whole_sequence_masks` rewrites
+the captured graph so that each SDPA mask is the model's own mask code evaluated on the
+whole sequence:
+
+1. The model is captured a second time at the whole length S (`capture_whole`). Graphs
+   captured at both lengths pair up node by node (deterministic names and targets; a
+   model whose code branches on the length is refused). An `arange(0, n)` whose length is
+   S/cp in one and S in the other numbers the sequence: it is marked POSITIONS and
+   renumbered to each rank's global positions at run time (backends/parallel/cp/positions.py)
+   -- the positions torch.export bakes as a literal length, which fx ties by its `x.shape`.
+2. For each SDPA call taking a mask, the mask's backward slice (everything it is computed
+   from) must reach only the model's inputs (token ids, positions, a padding mask: values
+   every rank can gather) and constants. A slice reaching a parameter, a buffer or a module
+   call is refused at the plan line with the node named: the mask would depend on an
+   activation, which no rank holds for the whole sequence.
+3. The slice taken from the whole-length graph becomes a program (`WholeSequenceMask`,
+   a call_module node replacing the mask argument) whose inputs are the model inputs it
+   reads. At run time each of them is gathered over the cp group in the data layout's order
+   (a contiguous block per rank, or ring attention's chunks r and 2cp-1-r), and the model's
+   own code computes the [.., S, S] mask. Ulysses uses it whole (its head block where the
+   mask has one per head); ring attention takes, per K/V block, the rows of this rank's
+   positions and the columns of the block's (backends/parallel/cp/ring.py).
+
+The local mask code, dead after the rewrite, is removed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ...dsl.ast import Plan
+from ...dsl.errors import PlanError
+from .cp import ARANGE, POSITIONS, WHOLE_MASK, attention_nodes, attn_mask
+
+
+
+class WholeSequenceMask(nn.Module):
+    """The model's own mask code (`program`, from the whole-length capture) on whole-sequence
+    inputs. `gather(tensor, dim)` (set by the runtime, backends/parallel/cp/positions.py)
+    gathers one input over the cp group along its sequence dim in the sequence's order;
+    without it (the compiler's meta run) the whole-length shapes are made up on meta."""
+
+    def __init__(self, program: fx.GraphModule, seq_dims: tuple, cp: int):
+        super().__init__()
+        self.program, self.seq_dims, self.cp = program, seq_dims, cp
+        self.gather: Optional[Callable] = None
+
+    def forward(self, *inputs):
+        whole = []
+        for t, dim in zip(inputs, self.seq_dims):
+            if dim is None:
+                whole.append(t)
+            elif self.gather is not None:
+                whole.append(self.gather(t, dim))
+            elif t.device.type == "meta":
+                whole.append(torch.cat([t] * self.cp, dim))
+            else:
+                raise RuntimeError("WholeSequenceMask runs under context parallel only "
+                                   "(its inputs are gathered over the cp group)")
+        return self.program(*whole)
+
+
+def capture_whole(plan: Plan, model: nn.Module):
+    """The model captured at the whole sequence length (a plan with cp = 1 otherwise alike)."""
+    from ..capture.capture import capture
+    from ..capture.traced import example_inputs
+
+    whole = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, cp=1))
+    return capture(whole, model, example_inputs(whole))
+
+
+def _key(plan: Plan) -> str:
+    return "context.method" if "context.method" in plan.spans else "mesh.cp"
+
+
+def _arange_range(node: fx.Node):
+    """(start, end, step) of an arange call, literal ints or nodes."""
+    a, kw = node.args, node.kwargs
+    if len(a) >= 2:
+        return a[0], a[1], a[2] if len(a) > 2 else kw.get("step", 1)
+    return kw.get("start", 0), a[0] if a else kw.get("end"), kw.get("step", 1)
+
+
+def _mark_literal_positions(graph: fx.Graph, whole: dict[str, fx.Node], local: int,
+                            full: int) -> int:
+    """Mark each arange(0, S/cp) whose whole-length twin is arange(0, S)."""
+    marked = 0
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in ARANGE or n.meta.get(POSITIONS):
+            continue
+        twin = whole.get(n.name)
+        if twin is None or twin.target != n.target:
+            continue
+        (s0, e0, st0), (s1, e1, st1) = _arange_range(n), _arange_range(twin)
+        if s0 == s1 == 0 and st0 == st1 == 1 and e0 == local and e1 == full:
+            n.meta[POSITIONS] = True
+            marked += 1
+    return marked
+
+
+def _slice(mask: fx.Node) -> list[fx.Node]:
+    """What `mask` is computed from (itself included), in graph order."""
+    seen, todo = set(), [mask]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return [n for n in mask.graph.nodes if n in seen]
+
+
+def _check_slice(plan: Plan, sdpa: fx.Node, nodes: list[fx.Node], gm: fx.GraphModule,
+                 inputs: set[str]) -> None:
+    """Refuse a mask computed from anything but the model's inputs and constants."""
+    for n in nodes:
+        why = None
+        if n.op == "placeholder" and n.target not in inputs:
+            why = f"reads `{n.target}`, which is not a model input"
+        elif n.op == "get_attr":
+            user = next((u for u in n.users if u in nodes), n)
+            why = (f"reads the model tensor `{n.target}` (at node `{user.name}`): the mask "
+                   "would depend on weights or an activation")
+        elif n.op == "call_module":
+            why = f"calls module `{n.target}` (node `{n.name}`)"
+        if why:
+            raise PlanError.at(
+                plan, _key(plan), f"the attention mask of `{sdpa.name}` {why}; context "
+                f"parallel (cp = {plan.mesh.cp}) evaluates the model's mask code on the whole "
+                "sequence, which it can do only for a mask computed from the model's inputs "
+                "(token ids, positions, a padding mask) and constants",
+                "compute the mask from positions (or pass none and use is_causal), or train "
+                "without mesh.cp")
+
+
+def _program(whole_gm: fx.GraphModule, mask: fx.Node) -> tuple[fx.GraphModule, list[str]]:
+    """The whole-length graph's mask slice as a GraphModule of the model inputs it reads."""
+    nodes = _slice(mask)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    names = []
+    for n in nodes:
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.target)
+            names.append(n.target)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+    g.output(env[mask])
+    return fx.GraphModule(whole_gm, g, class_name="WholeMask"), names
+
+
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    for n in reversed(nodes):
+        if n.op != "placeholder" and not n.users:
+            graph.erase_node(n)
+
+
+def whole_sequence_masks(plan: Plan, model: nn.Module, gm: fx.GraphModule, run,
+                         seq_inputs: dict) -> int:
+    """Rewrite `gm` in place (module docstring): mark literal position aranges, replace every
+    SDPA mask by the model's mask code on the whole sequence. Returns the masks rewritten.
+    `seq_inputs`: each model input's sequence dims (cp_locality.sequence_inputs)."""
+    cp = plan.mesh.cp
+    if cp == 1:
+        return 0
+    masked = [n for n in attention_nodes(gm.graph) if isinstance(attn_mask(n), fx.Node)]
+    literal = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ARANGE
+               and not n.meta.get(POSITIONS)]
+    if not masked and not literal:
+        return 0
+    inputs = {n.target for n in gm.graph.nodes if n.op == "placeholder"} & set(seq_inputs)
+    for node in masked:  # before capturing again: refuse what cannot run whatever it shows
+        _check_slice(plan, node, _slice(attn_mask(node)), gm, inputs)
+    whole = capture_whole(plan, model)
+    twins = {n.name: n for n in whole.module.graph.nodes}
+    _mark_literal_positions(gm.graph, twins, plan.data.seq_len // cp, plan.data.seq_len)
+    for i, node in enumerate(masked):
+        twin = twins.get(node.name)
+        if twin is None or twin.target != node.target:
+            raise PlanError.at(plan, _key(plan), f"the model's graph at the whole sequence "
+                               f"length has no attention `{node.name}` like the one at "
+                               f"S/cp = {plan.data.seq_len // cp}: its code depends on the "
+                               "length, so its mask cannot be rebuilt for the whole sequence",
+                               "train this model without mesh.cp")
+        program, names = _program(whole.module, attn_mask(twin))
+        _check_slice(plan, node, _slice(attn_mask(twin)), whole.module, inputs)
+        dims = []
+        for name in names:
+            d = sorted(seq_inputs[name])
+            if len(d) > 1:
+                raise PlanError.at(plan, _key(plan), f"the attention mask of `{node.name}` "
+                                   f"reads input `{name}`, which has {len(d)} sequence dims",
+                                   "give the input one `seq` dim")
+            dims.append(d[0] if d else None)
+        local = _slice(attn_mask(node))
+        target = f"cp_mask_{i}"
+        gm.add_submodule(target, WholeSequenceMask(program, tuple(dims), cp))
+        placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(target, tuple(placeholders[n] for n in names))
+        new.meta[WHOLE_MASK] = True
+        new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        _replace_mask(node, new)
+        _erase_dead(gm.graph, local)
+        run.run([new], {})
+    gm.recompile()
+    return len(masked)
+
+
+def _replace_mask(node: fx.Node, new: fx.Node) -> None:
+    if "attn_mask" in node.kwargs:
+        node.update_kwarg("attn_mask", new)
+    else:
+        node.update_arg(3, new)
+
+
+
