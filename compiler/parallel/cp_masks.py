@@ -131,7 +131,8 @@ def _check_slice(plan: Plan, sdpa: fx.Node, nodes: list[fx.Node], gm: fx.GraphMo
             why = (f"reads the model tensor `{n.target}` (at node `{user.name}`): the mask "
                    "would depend on weights or an activation")
         elif n.op == "call_module":
-            why = f"calls module `{n.target}` (node `{n.name}`)"
+            why = (f"calls module `{n.target}` (node `{n.name}`): the mask would depend on "
+                   "an activation")
         if why:
             raise PlanError.at(
                 plan, _key(plan), f"the attention mask of `{sdpa.name}` {why}; context "

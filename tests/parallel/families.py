@@ -255,3 +255,34 @@ def dbrx(layers: int = 2):
         vocab_size=64, d_model=32, n_heads=4, n_layers=layers, max_seq_len=64, use_cache=False,
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)))
+
+
+class MaskLM(nn.Module):
+    """Causal SDPA through a mask tensor the model builds itself: `mask = "window"` a
+    sliding window of `window` positions from `arange(input_ids.shape[1])` (positions only:
+    context parallel rebuilds it on the whole sequence); `mask = "activation"` a mask from
+    the embeddings' sign (an activation: refused under cp). Learned position embeddings
+    from the same arange."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, window: int = 3,
+                 mask: str = "window", seq: int = 16):
+        super().__init__()
+        self.heads, self.window, self.mask = heads, window, mask
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        i = torch.arange(t, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(i)
+        if self.mask == "activation":
+            mask = (x.sum(-1) > 0)[:, None, None, :] | (i[:, None] == i[None, :])
+        else:
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+        b, _, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))
