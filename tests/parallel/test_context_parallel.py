@@ -135,11 +135,8 @@ def test_plan_checks(edit, line, message):
     (("cp = 2", "cp = 4"), 7, r"cp = 4 does not divide the 2 KV heads of attention"),
     (("dim = 32, heads = 4, kv_heads = 2", "dim = 24, heads = 3, kv_heads = 3"), 7,
      r"cp = 2 does not divide the 3 heads of attention"),
-    # the model numbers positions itself and export bakes the length as a literal: the
-    # arange cannot be tied to the sequence, so every slice would count from 0 (under fx it
-    # is tied and renumbered: tests/parallel/test_cp_locality.py)
-    (("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }",
-      "capture = export"), 8, r"the model makes positions itself"),
+    # (the model numbering positions itself with export's literal length is tied by a
+    # second capture at the whole length: tests/parallel/test_cp_masks.py)
     # WindowLM: its first block's attention is eager (a softmax over the keys, outside
     # SDPA), refused by the sequence-locality check before its second block's mask tensor
     (('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.tp_models:WindowLM"'),

@@ -143,3 +143,26 @@ def _trains_worker(rank, world, methods):
 
 def test_a_models_own_window_mask_trains_under_cp_like_the_whole_sequence(run_workers):
     run_workers(_trains_worker, 2, ["ring", "ulysses"], timeout=300)
+
+
+def test_positions_export_bakes_as_a_literal_length_are_tied_by_a_second_capture():
+    """RopeLM exported without position_ids numbers its positions with `arange(8)` (the
+    slice's length as a literal): the whole-length capture has `arange(16)` there, so it is
+    marked and renumbered per rank (backends/parallel/cp/positions.py), not refused."""
+    from pipeplan.compiler.parallel.cp import POSITIONS
+
+    text = """\
+model {
+  source = "pipeplan.tests.parallel.cp_models:RopeLM"
+  args = { vocab = 64, dim = 32, heads = 4, kv_heads = 2, layers = 2 }
+  capture = export
+}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh { pp = 1, cp = 2 }
+context { method = ulysses }
+pipeline { schedule = 1f1b, microbatches = 2 }
+train { global_batch = 4 }
+"""
+    compiled = compile_plan(parse_plan(text, "cp.plan"))
+    marked = [n for s in compiled.stages for n in s.module.graph.nodes if n.meta.get(POSITIONS)]
+    assert len(marked) == 1 and marked[0].args == (8,), marked
