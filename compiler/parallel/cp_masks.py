@@ -36,10 +36,11 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
-from .cp import ARANGE, POSITIONS, WHOLE_MASK, attention_nodes, attn_mask
+from .cp import ARANGE, POSITIONS, WHOLE_MASK, attention_nodes, attn_mask, sdpa_arguments
 
 
 
@@ -53,8 +54,13 @@ class WholeSequenceMask(nn.Module):
         super().__init__()
         self.program, self.seq_dims, self.cp = program, seq_dims, cp
         self.gather: Optional[Callable] = None
+        self._device: Optional[torch.device] = None
 
-    def forward(self, *inputs):
+    def forward(self, like: torch.Tensor, *inputs):
+        """`like`: the attention's query, whose device the mask is made on (export spells
+        the capture device out in the program's factory ops)."""
+        if like.device != self._device:
+            self._move(like.device)
         whole = []
         for t, dim in zip(inputs, self.seq_dims):
             if dim is None:
@@ -67,6 +73,12 @@ class WholeSequenceMask(nn.Module):
                 raise RuntimeError("WholeSequenceMask runs under context parallel only "
                                    "(its inputs are gathered over the cp group)")
         return self.program(*whole)
+
+    def _move(self, device: torch.device) -> None:
+        for n in self.program.graph.nodes:
+            n.args, n.kwargs = tree_map_only(torch.device, lambda d: device, (n.args, n.kwargs))
+        self.program.recompile()
+        self._device = device
 
 
 def capture_whole(plan: Plan, model: nn.Module):
@@ -207,7 +219,8 @@ def whole_sequence_masks(plan: Plan, model: nn.Module, gm: fx.GraphModule, run,
         gm.add_submodule(target, WholeSequenceMask(program, tuple(dims), cp))
         placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_module(target, tuple(placeholders[n] for n in names))
+            query = sdpa_arguments(node.args, node.kwargs)["query"]
+            new = gm.graph.call_module(target, (query,) + tuple(placeholders[n] for n in names))
         new.meta[WHOLE_MASK] = True
         new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         _replace_mask(node, new)

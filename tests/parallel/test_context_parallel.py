@@ -174,13 +174,17 @@ def test_ulysses_transformers_llama_pp2_cp2_equals_reference(run_workers):
     run_workers(_worker, 4, ["llama-1f1b", "llama-zbv"], timeout=880)
 
 
-def test_transformers_default_sdpa_mask_is_refused():
-    """attn_implementation="sdpa" materialises a [B, 1, S/cp, S/cp] mask when exported."""
+def test_transformers_default_sdpa_mask_is_rebuilt_on_the_whole_sequence():
+    """attn_implementation="sdpa" materialises a [B, 1, S/cp, S/cp] mask when exported: it is
+    replaced by the model's own mask code on the whole sequence ([B, 1, S, S])."""
     from pipeplan.compiler import compile_plan
-    from pipeplan.dsl import PlanError, parse_plan
+    from pipeplan.compiler.parallel.cp import attention_nodes, attn_mask
+    from pipeplan.dsl import parse_plan
 
     text = PLAN.replace('"pipeplan.tests.parallel.cp_models:RopeLM"',
                         '"pipeplan.tests.compiler.models:tiny_llama"\n  capture = export')
-    with pytest.raises(PlanError, match=r"takes a mask tensor") as err:
-        compile_plan(parse_plan(text, "plan.plan"))
-    assert "plan.plan:9:" in str(err.value), str(err.value)
+    compiled = compile_plan(parse_plan(text, "plan.plan"))
+    for stage in compiled.stages:
+        for node in attention_nodes(stage.module.graph):
+            mask = attn_mask(node)
+            assert mask.op == "call_module" and mask.target.startswith("cp_mask_"), mask

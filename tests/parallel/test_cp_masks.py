@@ -114,7 +114,7 @@ def test_the_mask_is_the_models_own_code_on_the_whole_sequence():
     assert len(masks) == 1
     # the whole input handed over as if gathered: the model's mask over 16 positions
     masks[0].gather = lambda t, dim: torch.arange(SEQ).expand(2, SEQ)
-    got = masks[0](torch.zeros(2, SEQ // 2, dtype=torch.int64))
+    got = masks[0](torch.zeros(1), torch.zeros(2, SEQ // 2, dtype=torch.int64))
     assert torch.equal(got, _window(SEQ, 3)), got
 
 
