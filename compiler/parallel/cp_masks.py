@@ -50,6 +50,8 @@ class WholeSequenceMask(nn.Module):
     gathers one input over the cp group along its sequence dim in the sequence's order;
     without it (the compiler's meta run) the whole-length shapes are made up on meta."""
 
+    cp_rule = "full"  # to the locality walk: no slice of the sequence in it (a constant)
+
     def __init__(self, program: fx.GraphModule, seq_dims: tuple, cp: int):
         super().__init__()
         self.program, self.seq_dims, self.cp = program, seq_dims, cp
@@ -177,7 +179,75 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
             graph.erase_node(n)
 
 
-def whole_sequence_masks(plan: Plan, model: nn.Module, gm: fx.GraphModule, run,
+class Whole:
+    """The whole-length capture, made once when first asked for (cp_regions.py shares it)."""
+
+    def __init__(self, plan: Plan, model: nn.Module):
+        self.plan, self.model, self._captured = plan, model, None
+
+    @property
+    def module(self) -> fx.GraphModule:
+        if self._captured is None:
+            self._captured = capture_whole(self.plan, self.model)
+        return self._captured.module
+
+    def twin(self, node: fx.Node, what: str) -> fx.Node:
+        """`node`'s twin at the whole length (same name and target), else refused."""
+        twin = next((n for n in self.module.graph.nodes if n.name == node.name), None)
+        if twin is None or twin.target != node.target:
+            plan = self.plan
+            raise PlanError.at(plan, _key(plan), f"the model's graph at the whole sequence "
+                               f"length has no {what} `{node.name}` like the one at S/cp = "
+                               f"{plan.data.seq_len // plan.mesh.cp}: its code depends on "
+                               "the length, so it cannot be rebuilt for the whole sequence",
+                               "train this model without mesh.cp")
+        return twin
+
+
+def model_inputs(gm: fx.GraphModule, seq_inputs: dict) -> set[str]:
+    return {n.target for n in gm.graph.nodes if n.op == "placeholder"} & set(seq_inputs)
+
+
+def add_whole_value(plan: Plan, gm: fx.GraphModule, run, whole: Whole, user: fx.Node,
+                    local: fx.Node, like: fx.Node, seq_inputs: dict) -> fx.Node:
+    """A WholeSequenceMask node (inserted before `user`, its first user, on `like`'s
+    device) computing the whole-sequence value of `local` -- a function of the model's
+    inputs -- by the model's own code taken from the whole-length capture; it replaces
+    `local` for every user, and `local`'s own code, dead, is removed."""
+    inputs = model_inputs(gm, seq_inputs)
+    twin = whole.twin(local, "value")
+    _check_slice(plan, user, _slice(twin), whole.module, inputs)
+    program, names = _program(whole.module, twin)
+    dims = []
+    for name in names:
+        d = sorted(seq_inputs[name])
+        if len(d) > 1:
+            raise PlanError.at(plan, _key(plan), f"the attention mask of `{user.name}` reads "
+                               f"input `{name}`, which has {len(d)} sequence dims",
+                               "give the input one `seq` dim")
+        dims.append(d[0] if d else None)
+    target = _free(gm, "cp_mask")
+    gm.add_submodule(target, WholeSequenceMask(program, tuple(dims), plan.mesh.cp))
+    placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
+    with gm.graph.inserting_before(user):
+        new = gm.graph.call_module(target, (like,) + tuple(placeholders[n] for n in names))
+    new.meta[WHOLE_MASK] = True
+    new.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
+    local_nodes = _slice(local)
+    local.replace_all_uses_with(new)  # every user (each layer's attention) takes it whole
+    _erase_dead(gm.graph, local_nodes)
+    run.run([new], {})
+    return new
+
+
+def _free(gm: fx.GraphModule, prefix: str) -> str:
+    i = 0
+    while hasattr(gm, f"{prefix}_{i}"):
+        i += 1
+    return f"{prefix}_{i}"
+
+
+def whole_sequence_masks(plan: Plan, gm: fx.GraphModule, run, whole: Whole,
                          seq_inputs: dict) -> int:
     """Rewrite `gm` in place (module docstring): mark literal position aranges, replace every
     SDPA mask by the model's mask code on the whole sequence. Returns the masks rewritten.
@@ -185,56 +255,27 @@ def whole_sequence_masks(plan: Plan, model: nn.Module, gm: fx.GraphModule, run,
     cp = plan.mesh.cp
     if cp == 1:
         return 0
-    masked = [n for n in attention_nodes(gm.graph) if isinstance(attn_mask(n), fx.Node)]
+    masked = [n for n in attention_nodes(gm.graph) if isinstance(attn_mask(n), fx.Node)
+              and not attn_mask(n).meta.get(WHOLE_MASK)]
     literal = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ARANGE
                and not n.meta.get(POSITIONS)]
     if not masked and not literal:
         return 0
-    inputs = {n.target for n in gm.graph.nodes if n.op == "placeholder"} & set(seq_inputs)
+    inputs = model_inputs(gm, seq_inputs)
     for node in masked:  # before capturing again: refuse what cannot run whatever it shows
         _check_slice(plan, node, _slice(attn_mask(node)), gm, inputs)
-    whole = capture_whole(plan, model)
     twins = {n.name: n for n in whole.module.graph.nodes}
     _mark_literal_positions(gm.graph, twins, plan.data.seq_len // cp, plan.data.seq_len)
-    for i, node in enumerate(masked):
-        twin = twins.get(node.name)
-        if twin is None or twin.target != node.target:
-            raise PlanError.at(plan, _key(plan), f"the model's graph at the whole sequence "
-                               f"length has no attention `{node.name}` like the one at "
-                               f"S/cp = {plan.data.seq_len // cp}: its code depends on the "
-                               "length, so its mask cannot be rebuilt for the whole sequence",
-                               "train this model without mesh.cp")
-        program, names = _program(whole.module, attn_mask(twin))
-        _check_slice(plan, node, _slice(attn_mask(twin)), whole.module, inputs)
-        dims = []
-        for name in names:
-            d = sorted(seq_inputs[name])
-            if len(d) > 1:
-                raise PlanError.at(plan, _key(plan), f"the attention mask of `{node.name}` "
-                                   f"reads input `{name}`, which has {len(d)} sequence dims",
-                                   "give the input one `seq` dim")
-            dims.append(d[0] if d else None)
-        local = _slice(attn_mask(node))
-        target = f"cp_mask_{i}"
-        gm.add_submodule(target, WholeSequenceMask(program, tuple(dims), cp))
-        placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
-        with gm.graph.inserting_before(node):
-            query = sdpa_arguments(node.args, node.kwargs)["query"]
-            new = gm.graph.call_module(target, (query,) + tuple(placeholders[n] for n in names))
-        new.meta[WHOLE_MASK] = True
-        new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        _replace_mask(node, new)
-        _erase_dead(gm.graph, local)
-        run.run([new], {})
+    for node in masked:
+        if attn_mask(node).meta.get(WHOLE_MASK):
+            continue  # the mask another attention call shares, rebuilt already
+        whole.twin(node, "attention")
+        add_whole_value(plan, gm, run, whole, node, attn_mask(node),
+                        sdpa_arguments(node.args, node.kwargs)["query"], seq_inputs)
     gm.recompile()
     return len(masked)
 
 
-def _replace_mask(node: fx.Node, new: fx.Node) -> None:
-    if "attn_mask" in node.kwargs:
-        node.update_kwarg("attn_mask", new)
-    else:
-        node.update_arg(3, new)
 
 
 

@@ -81,5 +81,14 @@ def head_block(mask, group):
 
 
 def apply_ulysses(gm: fx.GraphModule, group) -> int:
-    """Swap every SDPA call of `gm` for UlyssesAttention in place; returns how many."""
-    return wrap_attention(gm, lambda op: UlyssesAttention(op, group), "ulysses")
+    """Swap every SDPA call of `gm` for UlyssesAttention in place, and give every attention
+    region the model writes out (compiler/parallel/cp_regions.py: UlyssesRegion) the
+    all-to-alls over `group`; returns how many."""
+    from ....compiler.parallel.cp_regions import UlyssesRegion
+
+    regions = [m for m in gm.modules() if isinstance(m, UlyssesRegion)]
+    for m in regions:
+        m.to_heads = lambda t: seq_to_heads(t, group)
+        m.to_seq = lambda t: heads_to_seq(t, group)
+        m.head_block = lambda t: head_block(t, group)
+    return wrap_attention(gm, lambda op: UlyssesAttention(op, group), "ulysses") + len(regions)
