@@ -39,6 +39,10 @@ from .cp_rules import Dims, Mixing, NoRule, Op
 SHAPED = ("view", "reshape", "_unsafe_view", "expand")
 
 
+class _NotARegion(Exception):
+    """No attention region around the mixing op: the locality check refuses it."""
+
+
 class UlyssesRegion(nn.Module):
     """The model's own attention region run on whole sequences of this rank's heads.
     `program(q, k, v, *sides)` works on [B, H/cp, S, D]; `heads_to_seq` / `seq_to_heads`
@@ -101,8 +105,7 @@ def _output(plan: Plan, gm: fx.GraphModule, start: fx.Node, run, seq: dict) -> f
         if live == {n} and seq.get(n) == Dims({2}) and run.is_tensor(n) \
                 and run.value(n).dim() == 4:
             return n
-    _refuse(plan, start, "no single head-shaped output [batch, heads, seq, head_dim] "
-                         "follows it")
+    raise _NotARegion()
 
 
 def _inside(n: fx.Node, gm: fx.GraphModule, run, seq: dict):
@@ -138,7 +141,7 @@ def _inside(n: fx.Node, gm: fx.GraphModule, run, seq: dict):
 def _region(plan: Plan, mixing: fx.Node, out: fx.Node, seq: dict, masks: Callable, run
             ) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
     """(nodes in graph order, [q, k, v] inputs, side inputs) of the region ending at `out`."""
-    inside, heads, sides, todo = set(), [], [], [out]
+    inside, heads, sides, params, todo = set(), [], [], [], [out]
     while todo:
         n = todo.pop()
         if n in inside:
@@ -154,15 +157,16 @@ def _region(plan: Plan, mixing: fx.Node, out: fx.Node, seq: dict, masks: Callabl
             elif masks(a):
                 sides.append(a)
             elif a.op == "get_attr":
-                _refuse(plan, mixing, f"it reads the model tensor `{a.target}`, whose head "
-                                      "dim is not known")
+                params.append(a)
             elif a.op in ("placeholder", "call_module"):
-                _refuse(plan, mixing, f"it reads `{a.name}`, which is neither head-shaped "
-                                      "nor computed from the model's inputs alone")
+                raise _NotARegion()
             else:
                 todo.append(a)
     if len(heads) != 3:
-        _refuse(plan, mixing, f"it reads {len(heads)} head-shaped values ({[h.name for h in heads]}, up to `{out.name}`), not q, k and v")
+        raise _NotARegion()
+    if params:  # an attention region, but one reading weights (GPT-OSS's sinks)
+        _refuse(plan, mixing, f"it reads the model tensor `{params[0].target}`, and which of "
+                              "its dims are heads is not known, so it cannot be split by head")
     order = list(out.graph.nodes)
     heads.sort(key=order.index)
     return [n for n in order if n in inside], heads, sides
@@ -260,7 +264,12 @@ def ulysses_regions(plan: Plan, gm: fx.GraphModule, run, whole, seq_inputs: dict
             if count:
                 gm.recompile()
             return count
-        _replace_region(plan, gm, run, whole, seq_inputs, mixing, seq, count)
+        try:
+            _replace_region(plan, gm, run, whole, seq_inputs, mixing, seq, count)
+        except _NotARegion:  # a mixing op outside attention: check_locality names it
+            if count:
+                gm.recompile()
+            return count
         count += 1
 
 
