@@ -34,6 +34,7 @@ from torch import nn
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from .cp import REGION
+from .cp_locality import _carries
 from .cp_rules import Dims, Mixing, NoRule, Op
 
 SHAPED = ("view", "reshape", "_unsafe_view", "expand")
@@ -154,6 +155,8 @@ def _region(plan: Plan, mixing: fx.Node, out: fx.Node, seq: dict, masks: Callabl
             if isinstance(dims, frozenset) and dims == Dims({2}) and run.is_tensor(a) \
                     and run.value(a).dim() == 4:
                 heads.append(a)
+            elif not run.is_tensor(a) and not _carries(seq.get(a)) and seq.get(a) != "length":
+                sides.append(a)  # a number that is not the sequence's (a scale): as it is
             elif masks(a):
                 sides.append(a)
             elif a.op == "get_attr":
@@ -218,7 +221,7 @@ def _split_heads(program: fx.GraphModule, inputs: list, head_dims: list, cp: int
     for n, d in zip(phs, head_dims):
         dims[n] = d
     for n in program.graph.nodes:
-        if n.op != "call_function":
+        if n.op not in ("call_function", "call_method"):
             continue
         carried = [a for a in n.all_input_nodes if dims.get(a)]
         name, _ = op_name(n, program)
@@ -300,13 +303,14 @@ def _replace_region(plan, gm, run, whole, seq_inputs, mixing, seq, index) -> Non
     except KeyError as e:
         _refuse(plan, mixing, f"node {e} differs at the whole sequence length")
     whole_sides = []
-    for i, a in enumerate(sides):  # each side input: the model's code on the whole sequence
-        sides[i] = add_whole_value(plan, gm, run, whole, nodes[0], a, heads[0], seq_inputs)
-        whole_sides.append(True)
+    for i, a in enumerate(sides):  # each side tensor: the model's code on the whole sequence
+        if run.is_tensor(a):
+            sides[i] = add_whole_value(plan, gm, run, whole, nodes[0], a, heads[0], seq_inputs)
+        whole_sides.append(run.is_tensor(a))
     metas = [_whole_meta(run.value(h), cp, 2) for h in heads] + \
         [run.value(s) for s in sides]
-    head_dims = [Dims({1})] * 3 + [Dims({run.value(s).dim() - 3})
-                                   if run.value(s).dim() >= 3 and run.value(s).shape[-3] > 1
+    head_dims = [Dims({1})] * 3 + [Dims({run.value(s).dim() - 3}) if run.is_tensor(s)
+                                   and run.value(s).dim() >= 3 and run.value(s).shape[-3] > 1
                                    else Dims() for s in sides]
     why = _split_heads(program, [_on_meta(m) for m in metas], head_dims, cp)
     if why:
@@ -345,6 +349,8 @@ def _on_meta(t):
 
 
 def _heads_meta(t: torch.Tensor, dims, cp: int):
+    if not isinstance(t, torch.Tensor):
+        return t
     shape = list(t.shape)
     for d in dims:
         shape[d] //= cp

@@ -286,3 +286,35 @@ class MaskLM(nn.Module):
             .permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
+class EagerLM(nn.Module):
+    """Attention written out (eager), as Gemma 2's: q @ k^T scaled, logits soft-capped
+    (cap * tanh(s / cap)), a sliding window of `window` positions from `arange` masked in
+    with masked_fill, softmax, @ v; learned position embeddings. `pool = True` adds a
+    mixing op outside attention (the embeddings minus their mean over the sequence)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, window: int = 5,
+                 cap: float = 5.0, seq: int = 16, pool: bool = False):
+        super().__init__()
+        self.heads, self.window, self.cap, self.pool = heads, window, cap, pool
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        i = torch.arange(t, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(i)
+        if self.pool:
+            x = x - x.mean(dim=1, keepdim=True)
+        visible = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+        b, _, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        s = q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5
+        s = self.cap * torch.tanh(s / self.cap)
+        p = s.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        y = p @ v
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))

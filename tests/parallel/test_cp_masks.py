@@ -166,3 +166,44 @@ train { global_batch = 4 }
     compiled = compile_plan(parse_plan(text, "cp.plan"))
     marked = [n for s in compiled.stages for n in s.module.graph.nodes if n.meta.get(POSITIONS)]
     assert len(marked) == 1 and marked[0].args == (8,), marked
+
+
+# ------------------------------------------ attention the model writes out, under Ulysses
+EAGER = PLAN.replace("MaskLM", "EagerLM").replace('args = { mask = "MASK" }', "args = ARGS")
+
+
+def eager_text(method: str, args: str = "{}") -> str:
+    return EAGER.replace("METHOD", method).replace("ARGS", args)
+
+
+def _eager_worker(rank, world):
+    from pipeplan.compiler.parallel.cp_regions import UlyssesRegion
+
+    from .pipelined_vs_reference import assert_trains_like_reference
+
+    def regions(trainer):
+        found = [m for r in trainer.runners.values() for m in r.module.modules()
+                 if isinstance(m, UlyssesRegion)]
+        assert len(found) == 1 and found[0].to_heads is not None, found
+
+    plan = parse_plan(eager_text("ulysses"), "cp.plan")
+    assert_trains_like_reference(plan, "EagerLM, cp2 Ulysses", 3, regions)
+
+
+def test_eager_attention_with_soft_capping_and_a_window_trains_under_ulysses(run_workers):
+    """The region between q, k, v and the output (matmul, tanh soft-capping, masked_fill
+    with the window from positions, softmax, matmul) runs whole on each rank's heads."""
+    run_workers(_eager_worker, 2, timeout=300)
+
+
+@pytest.mark.parametrize("method, args, said", [
+    # ring attention runs only SDPA blocks: the written-out softmax is refused
+    ("ring", "{}", "`softmax` (node `softmax`) takes a softmax over the sequence"),
+    # a mixing op outside attention stays refused under Ulysses
+    ("ulysses", "{ pool = true }", "`mean` (node `mean`) reduces over the sequence"),
+])
+def test_what_ulysses_regions_do_not_cover_is_refused(method, args, said):
+    with pytest.raises(PlanError) as err:
+        compile_plan(parse_plan(eager_text(method, args), "cp.plan"))
+    message = str(err.value)
+    assert "cp.plan:9:" in message and said in message, message
