@@ -114,7 +114,7 @@ def _inside(n: fx.Node, gm: fx.GraphModule, run, seq: dict):
     mixes positions, the dims it keeps (a softmax or a concatenation: its inputs'; a
     matmul: those not contracted); None when unknown."""
     from .cp_locality import _rule, op_name
-    from .cp_rules import matmul
+    from .cp_rules import _dim_list, cat, getitem, matmul, narrow, reduction, slice_
 
     if not isinstance(run.values.get(n), torch.Tensor):
         return None
@@ -127,6 +127,18 @@ def _inside(n: fx.Node, gm: fx.GraphModule, run, seq: dict):
         pass
     except NoRule:
         return None
+    if rule is reduction:  # over the keys: what is left indexes no key any more
+        x = n.args[0]
+        nd = op.ndim(x)
+        over = _dim_list(op.arg(1, "dim"), nd) or list(range(nd))
+        keep = bool(op.arg(2, "keepdim", False))
+        dims = Dims(d if keep else d - sum(o < d for o in over)
+                    for d in op.dims(x) if d not in over)
+        return (dims, dims) if isinstance(op.out, (tuple, list)) else dims
+    if rule in (cat, slice_, narrow, getitem):  # along the keys: they stay keys
+        if rule is cat:
+            return Dims(set().union(*(op.dims(t) for t in n.args[0])))
+        return op.dims(n.args[0])
     if rule is matmul:
         a, b = n.args[0], n.args[1]
         na, nb, no = op.ndim(a), op.ndim(b), op.out.dim()
@@ -166,7 +178,7 @@ def _region(plan: Plan, mixing: fx.Node, out: fx.Node, seq: dict, masks: Callabl
             else:
                 todo.append(a)
     if len(heads) != 3:
-        raise _NotARegion()
+        raise _NotARegion([h.name for h in heads])
     if params:  # an attention region, but one reading weights (GPT-OSS's sinks)
         _refuse(plan, mixing, f"it reads the model tensor `{params[0].target}`, and which of "
                               "its dims are heads is not known, so it cannot be split by head")
