@@ -34,7 +34,6 @@ from torch import nn
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from .cp import REGION
-from .cp_locality import _carries
 from .cp_rules import Dims, Mixing, NoRule, Op
 
 SHAPED = ("view", "reshape", "_unsafe_view", "expand")
@@ -167,7 +166,10 @@ def _region(plan: Plan, mixing: fx.Node, out: fx.Node, seq: dict, masks: Callabl
             if isinstance(dims, frozenset) and dims == Dims({2}) and run.is_tensor(a) \
                     and run.value(a).dim() == 4:
                 heads.append(a)
-            elif not run.is_tensor(a) and not _carries(seq.get(a)) and seq.get(a) != "length":
+            elif not run.is_tensor(a):
+                if dims not in (None, Dims()):  # a length or shape of the local slice
+                    _refuse(plan, mixing, f"it reads `{a.name}`, the sequence's length on "
+                                          "one rank's slice, computed outside it")
                 sides.append(a)  # a number that is not the sequence's (a scale): as it is
             elif masks(a):
                 sides.append(a)
@@ -324,7 +326,10 @@ def _replace_region(plan, gm, run, whole, seq_inputs, mixing, seq, index) -> Non
     head_dims = [Dims({1})] * 3 + [Dims({run.value(s).dim() - 3}) if run.is_tensor(s)
                                    and run.value(s).dim() >= 3 and run.value(s).shape[-3] > 1
                                    else Dims() for s in sides]
-    why = _split_heads(program, [_on_meta(m) for m in metas], head_dims, cp)
+    try:
+        why = _split_heads(program, [_on_meta(m) for m in metas], head_dims, cp)
+    except Exception as e:  # noqa: BLE001 - the region does not run on the whole sequence
+        why = f"its ops do not run on the whole sequence ({type(e).__name__})"
     if why:
         _refuse(plan, mixing, why)
     want = list(_whole_meta(run.value(out), cp, 2).shape)

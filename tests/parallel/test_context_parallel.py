@@ -137,11 +137,12 @@ def test_plan_checks(edit, line, message):
      r"cp = 2 does not divide the 3 heads of attention"),
     # (the model numbering positions itself with export's literal length is tied by a
     # second capture at the whole length: tests/parallel/test_cp_masks.py)
-    # WindowLM: its first block's attention is eager (a softmax over the keys, outside
-    # SDPA), refused by the sequence-locality check before its second block's mask tensor
+    # WindowLM: its first block's attention is eager; Ulysses would run it whole on its
+    # heads (compiler/parallel/cp_regions.py), but its window mask numbers positions by an
+    # activation's length (x.shape[1]), which is one rank's slice
     (('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.tp_models:WindowLM"'),
-     8, r"`softmax` \(node `softmax`\) in module `layers.0.attn` takes a softmax over the "
-        r"sequence"),
+     8, r"Ulysses cannot run the attention around `softmax` on whole sequences: it reads "
+        r"`getitem_1`, the sequence's length on one rank's slice"),
 ])
 def test_graph_checks(edit, line, message):
     from pipeplan.compiler import compile_plan
@@ -184,7 +185,10 @@ def test_transformers_default_sdpa_mask_is_rebuilt_on_the_whole_sequence():
     text = PLAN.replace('"pipeplan.tests.parallel.cp_models:RopeLM"',
                         '"pipeplan.tests.compiler.models:tiny_llama"\n  capture = export')
     compiled = compile_plan(parse_plan(text, "plan.plan"))
-    for stage in compiled.stages:
-        for node in attention_nodes(stage.module.graph):
-            mask = attn_mask(node)
-            assert mask.op == "call_module" and mask.target.startswith("cp_mask_"), mask
+    first, second = compiled.stages  # pp2: the mask is made in stage 0 and sent whole
+    for node in attention_nodes(first.module.graph):
+        mask = attn_mask(node)
+        assert mask.op == "call_module" and mask.target.startswith("cp_mask_"), mask
+    sent = {spec.name: spec.shape for spec in first.outputs}
+    for node in attention_nodes(second.module.graph):
+        assert sent[attn_mask(node).name][-2:] == (16, 16), sent
