@@ -307,8 +307,10 @@ def parallelize(plan: Plan, topo, modules: dict[int, nn.Module], device: torch.d
     the one order that works (collective: every rank calls it):
 
     1. context parallel (cp/): each SDPA call of the captured stage graph becomes Ulysses
-       or ring attention over the cp group, and each arange the compiler tied to the
-       sequence numbers the rank's global positions (cp/positions.py); it wraps the graph's
+       or ring attention over the cp group (a written-out attention region gets Ulysses'
+       all-to-alls), each arange the compiler tied to the sequence numbers the rank's
+       global positions, and each whole-sequence mask gathers its inputs over the cp
+       group (cp/positions.py); it wraps the graph's
        own attention nodes, so it goes first, on the graph as captured;
     2. expert parallel, then tensor parallel (`parallelize_stage`: ep/, tp/): the experts modules are wrapped first so that TP's DTensor rewrite of the
        stage graph leaves each one an opaque call;
