@@ -194,14 +194,30 @@ class Whole:
     def twin(self, node: fx.Node, what: str) -> fx.Node:
         """`node`'s twin at the whole length (same name and target), else refused."""
         twin = next((n for n in self.module.graph.nodes if n.name == node.name), None)
-        if twin is None or twin.target != node.target:
-            plan = self.plan
+        plan = self.plan
+        if twin is None or twin.target != node.target or not same_call(
+                (node.args, node.kwargs), (twin.args, twin.kwargs),
+                plan.data.seq_len // plan.mesh.cp, plan.data.seq_len):
             raise PlanError.at(plan, _key(plan), f"the model's graph at the whole sequence "
                                f"length has no {what} `{node.name}` like the one at S/cp = "
                                f"{plan.data.seq_len // plan.mesh.cp}: its code depends on "
                                "the length, so it cannot be rebuilt for the whole sequence",
                                "train this model without mesh.cp")
         return twin
+
+
+def same_call(a, b, local: int, full: int) -> bool:
+    """Two nodes' arguments alike: the same nodes by name, the same constants, except an int
+    that is the sequence's length in each (S/cp here, S there)."""
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.name == b.name
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_call(x, y, local, full) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_call(a[k], b[k], local, full) for k in a)
+    if type(a) is int and type(b) is int:
+        return a == b or (a == local and b == full)
+    return a == b or (isinstance(a, torch.device) and isinstance(b, torch.device))
 
 
 def model_inputs(gm: fx.GraphModule, seq_inputs: dict) -> set[str]:
@@ -215,6 +231,9 @@ def add_whole_value(plan: Plan, gm: fx.GraphModule, run, whole: Whole, user: fx.
     inputs -- by the model's own code taken from the whole-length capture; it replaces
     `local` for every user, and `local`'s own code, dead, is removed."""
     inputs = model_inputs(gm, seq_inputs)
+    for n in _slice(local):
+        if n.op != "placeholder":
+            whole.twin(n, "node")
     twin = whole.twin(local, "value")
     _check_slice(plan, user, _slice(twin), whole.module, inputs)
     program, names = _program(whole.module, twin)

@@ -51,27 +51,30 @@ class UlyssesRegion(nn.Module):
 
     cp_rule = "scaled_dot_product_attention"
 
-    def __init__(self, program: fx.GraphModule, cp: int, whole_sides: tuple):
+    def __init__(self, program: fx.GraphModule, cp: int, side_heads: tuple):
         super().__init__()
-        self.program, self.cp, self.whole_sides = program, cp, whole_sides
+        self.program, self.cp, self.side_heads = program, cp, side_heads
         self.to_heads: Optional[Callable] = None
         self.to_seq: Optional[Callable] = None
-        self.head_block: Optional[Callable] = None
+        self.block: Optional[Callable] = None  # block(t, dim): this rank's 1/cp along dim
 
     def forward(self, q, k, v, *sides):
+        """`sides`: what else the region reads -- a mask rebuilt on the whole sequence, a
+        weight (GPT-OSS's sinks), a number; each with a head dim in `side_heads` is cut to
+        this rank's heads (a weight's gradient then lands in its own heads' rows, summed
+        over the cp group with every gradient)."""
         if self.to_heads is not None:
             q, k, v = (self.to_heads(t) for t in (q, k, v))
-            sides = tuple(self.head_block(s) if whole else s
-                          for s, whole in zip(sides, self.whole_sides))
+            sides = tuple(x if d is None else self.block(x, d)
+                          for x, d in zip(sides, self.side_heads))
             return self.to_seq(self.program(q, k, v, *sides))
         if q.device.type != "meta":
             raise RuntimeError("UlyssesRegion runs under context parallel only")
         s, h = q.shape[2], q.shape[1]
         heads = [torch.cat([t.narrow(1, 0, t.shape[1] // self.cp)] * self.cp, 2)
                  for t in (q, k, v)]
-        sides = tuple(x.narrow(-3, 0, x.shape[-3] // self.cp)
-                      if whole and x.dim() >= 3 and x.shape[-3] > 1 else x
-                      for x, whole in zip(sides, self.whole_sides))
+        sides = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // self.cp)
+                      for x, d in zip(sides, self.side_heads))
         out = self.program(*heads, *sides)  # what a rank computes: H/cp heads, S positions
         return torch.cat([out] * self.cp, 1).narrow(2, 0, s).narrow(1, 0, h)
 
@@ -166,7 +169,8 @@ def _region(plan: Plan, mixing: fx.Node, out: fx.Node, seq: dict, masks: Callabl
             if isinstance(dims, frozenset) and dims == Dims({2}) and run.is_tensor(a) \
                     and run.value(a).dim() == 4:
                 heads.append(a)
-            elif not run.is_tensor(a):
+            elif not any(isinstance(x, torch.Tensor)
+                         for x in torch.utils._pytree.tree_leaves(run.values.get(a))):
                 if dims not in (None, Dims()):  # a length or shape of the local slice
                     _refuse(plan, mixing, f"it reads `{a.name}`, the sequence's length on "
                                           "one rank's slice, computed outside it")
@@ -181,12 +185,9 @@ def _region(plan: Plan, mixing: fx.Node, out: fx.Node, seq: dict, masks: Callabl
                 todo.append(a)
     if len(heads) != 3:
         raise _NotARegion([h.name for h in heads])
-    if params:  # an attention region, but one reading weights (GPT-OSS's sinks)
-        _refuse(plan, mixing, f"it reads the model tensor `{params[0].target}`, and which of "
-                              "its dims are heads is not known, so it cannot be split by head")
     order = list(out.graph.nodes)
     heads.sort(key=order.index)
-    return [n for n in order if n in inside], heads, sides
+    return [n for n in order if n in inside], heads, sides + params
 
 
 class _Values(fx.Interpreter):
@@ -230,8 +231,12 @@ def _split_heads(program: fx.GraphModule, inputs: list, head_dims: list, cp: int
 
     rec = _Values(program)
     rec.run(*inputs)
-    dims = {}
     phs = [n for n in program.graph.nodes if n.op == "placeholder"]
+    if any(d is None for d in head_dims):
+        why = _weight_heads(program, rec.values, phs, head_dims)
+        if why:
+            return why
+    dims = {}
     for n, d in zip(phs, head_dims):
         dims[n] = d
     for n in program.graph.nodes:
@@ -250,13 +255,14 @@ def _split_heads(program: fx.GraphModule, inputs: list, head_dims: list, cp: int
         except (Mixing, NoRule) as e:
             return f"`{name}` (node `{n.name}`) {e} over the heads"
         if name in SHAPED and isinstance(dims[n], frozenset):
-            shape = list(n.args[1])
+            spread = not isinstance(n.args[1], (list, tuple))  # x.view(1, -1, 1, 1)
+            shape = list(n.args[1:]) if spread else list(n.args[1])
             for d in dims[n]:
                 if isinstance(shape[d], int) and shape[d] != -1:
                     if shape[d] % cp:
                         return f"node `{n.name}` has {shape[d]} heads, not divisible by {cp}"
                     shape[d] //= cp
-            n.update_arg(1, shape)
+            n.args = (n.args[0], *shape) if spread else (n.args[0], shape, *n.args[2:])
     program.recompile()
     return ""
 
@@ -312,26 +318,28 @@ def _replace_region(plan, gm, run, whole, seq_inputs, mixing, seq, index) -> Non
         if run.value(h).shape[1] % cp:
             _refuse(plan, mixing, f"cp = {cp} does not divide the {run.value(h).shape[1]} "
                                   f"heads of `{h.name}`")
+    for n in nodes:
+        whole.twin(n, "node")  # the same call at the whole length, else refused
     try:
         program = _program(whole.module, nodes, heads, sides, out)
     except KeyError as e:
         _refuse(plan, mixing, f"node {e} differs at the whole sequence length")
-    whole_sides = []
     for i, a in enumerate(sides):  # each side tensor: the model's code on the whole sequence
-        if run.is_tensor(a):
+        if run.is_tensor(a) and a.op != "get_attr":
             sides[i] = add_whole_value(plan, gm, run, whole, nodes[0], a, heads[0], seq_inputs)
-        whole_sides.append(run.is_tensor(a))
     metas = [_whole_meta(run.value(h), cp, 2) for h in heads] + \
         [run.value(s) for s in sides]
-    head_dims = [Dims({1})] * 3 + [Dims({run.value(s).dim() - 3}) if run.is_tensor(s)
+    head_dims = [Dims({1})] * 3 + [None if s.op == "get_attr" else  # a weight: inferred
+                                   Dims({run.value(s).dim() - 3}) if run.is_tensor(s)
                                    and run.value(s).dim() >= 3 and run.value(s).shape[-3] > 1
                                    else Dims() for s in sides]
     try:
         why = _split_heads(program, [_on_meta(m) for m in metas], head_dims, cp)
     except Exception as e:  # noqa: BLE001 - the region does not run on the whole sequence
-        why = f"its ops do not run on the whole sequence ({type(e).__name__})"
+        why = f"its ops do not run on the whole sequence ({type(e).__name__}: {e})"
     if why:
         _refuse(plan, mixing, why)
+    side_heads = tuple(next(iter(d)) if d else None for d in head_dims[3:])
     want = list(_whole_meta(run.value(out), cp, 2).shape)
     want[1] //= cp
     try:
@@ -342,7 +350,7 @@ def _replace_region(plan, gm, run, whole, seq_inputs, mixing, seq, index) -> Non
     if list(got.shape) != want:
         _refuse(plan, mixing, f"split over cp its output is {tuple(got.shape)}, not {want}")
     target = f"cp_region_{index}"
-    gm.add_submodule(target, UlyssesRegion(program, cp, tuple(whole_sides)))
+    gm.add_submodule(target, UlyssesRegion(program, cp, side_heads))
     with gm.graph.inserting_before(out):
         new = gm.graph.call_module(target, (*heads, *sides))
     new.meta[REGION] = True
@@ -372,3 +380,86 @@ def _heads_meta(t: torch.Tensor, dims, cp: int):
     for d in dims:
         shape[d] //= cp
     return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
+CHAIN = ("view", "reshape", "_unsafe_view", "expand", "unsqueeze", "to", "_to_copy", "type",
+         "type_as", "clone", "contiguous", "float", "double")
+
+
+def _weight_heads(program: fx.GraphModule, values: dict, phs: list, head_dims: list) -> str:
+    """Fill in head_dims (in place) for each weight (None): follow each weight through views,
+    expands and casts (which weight dim each output dim is) to the first op where it meets
+    a value whose heads are known -- a concatenation or an elementwise op, dims aligned --
+    and take the weight dim sitting at the heads' position. Returns why not ("": done)."""
+    from .cp_locality import op_name
+
+    heads = {n: d for n, d in zip(phs, head_dims) if d is not None}
+    chain = {n: (n, {i: i for i in range(values[n].dim())})
+             for n, d in zip(phs, head_dims) if d is None}
+    found: dict = {}
+    for n in program.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        name, _ = op_name(n, program)
+        ins = [a for a in n.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
+        out = values[n]
+        if not isinstance(out, torch.Tensor):
+            continue
+        known = [a for a in ins if heads.get(a)]
+        mine = [a for a in ins if a in chain]
+        if mine and not known and len(ins) == 1 and name in CHAIN:
+            chain[n] = (chain[mine[0]][0], _follow(values[mine[0]], out, chain[mine[0]][1],
+                                                   name))
+            continue
+        for a in mine:
+            for k in known:
+                for d in heads[k]:
+                    pos = d + out.dim() - values[k].dim()  # the heads' dim in the output
+                    mine_pos = pos - (out.dim() - values[a].dim())
+                    if mine_pos in chain[a][1] and values[a].shape[mine_pos] == out.shape[pos]:
+                        found.setdefault(chain[a][0], chain[a][1][mine_pos])
+        if known:
+            heads[n] = Dims({d + out.dim() - values[known[0]].dim() for d in heads[known[0]]})
+    for i, (n, d) in enumerate(zip(phs, head_dims)):
+        if d is None:
+            if n not in found:
+                return (f"the model tensor it reads as `{n.name}` meets no value whose heads "
+                        "are known, so which of its dims are heads is not known")
+            head_dims[i] = Dims({found[n]})
+    return ""
+
+
+def _follow(x: torch.Tensor, out: torch.Tensor, dims: dict, name: str) -> dict:
+    """Output dim -> weight dim through one view, expand or cast."""
+    if name in ("view", "reshape", "_unsafe_view"):
+        pin, pout = [1], [1]
+        for v in x.shape:
+            pin.append(pin[-1] * v)
+        for v in out.shape:
+            pout.append(pout[-1] * v)
+        got = {}
+        for j in range(out.dim()):
+            for i in range(x.dim()):
+                if x.shape[i] > 1 and pin[i] == pout[j] and pin[i + 1] == pout[j + 1] \
+                        and i in dims:
+                    got[j] = dims[i]
+        return got
+    if name in ("expand", "unsqueeze"):
+        if name == "unsqueeze":
+            where = _unsqueezed(x, out)
+            return {where[i]: dims[i] for i in dims}
+        shift = out.dim() - x.dim()
+        return {i + shift: dims[i] for i in dims if x.shape[i] == out.shape[i + shift]
+                and x.shape[i] > 1}
+    return dict(dims) if tuple(x.shape) == tuple(out.shape) else {}
+
+
+def _unsqueezed(x: torch.Tensor, out: torch.Tensor) -> list:
+    """For each dim of x, its dim in out (one size-1 dim inserted)."""
+    j, got = 0, []
+    for i in range(x.dim()):
+        while out.shape[j] != x.shape[i]:
+            j += 1
+        got.append(j)
+        j += 1
+    return got

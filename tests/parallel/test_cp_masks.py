@@ -176,7 +176,7 @@ def eager_text(method: str, args: str = "{}") -> str:
     return EAGER.replace("METHOD", method).replace("ARGS", args)
 
 
-def _eager_worker(rank, world):
+def _eager_worker(rank, world, args):
     from pipeplan.compiler.parallel.cp_regions import UlyssesRegion
 
     from .pipelined_vs_reference import assert_trains_like_reference
@@ -186,14 +186,17 @@ def _eager_worker(rank, world):
                  if isinstance(m, UlyssesRegion)]
         assert len(found) == 1 and found[0].to_heads is not None, found
 
-    plan = parse_plan(eager_text("ulysses"), "cp.plan")
-    assert_trains_like_reference(plan, "EagerLM, cp2 Ulysses", 3, regions)
+    for a in args:
+        plan = parse_plan(eager_text("ulysses", a), "cp.plan")
+        assert_trains_like_reference(plan, f"EagerLM {a}, cp2 Ulysses", 3, regions)
 
 
 def test_eager_attention_with_soft_capping_and_a_window_trains_under_ulysses(run_workers):
     """The region between q, k, v and the output (matmul, tanh soft-capping, masked_fill
-    with the window from positions, softmax, matmul) runs whole on each rank's heads."""
-    run_workers(_eager_worker, 2, timeout=300)
+    with the window from positions, softmax, matmul) runs whole on each rank's heads; with
+    GPT-OSS's sinks (a per-head weight concatenated to the logits) too: each rank takes its
+    heads' sinks, their gradients summed over the cp group."""
+    run_workers(_eager_worker, 2, ["{}", "{ sinks = true }"], timeout=300)
 
 
 @pytest.mark.parametrize("method, args, said", [

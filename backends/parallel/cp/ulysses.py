@@ -90,5 +90,6 @@ def apply_ulysses(gm: fx.GraphModule, group) -> int:
     for m in regions:
         m.to_heads = lambda t: seq_to_heads(t, group)
         m.to_seq = lambda t: heads_to_seq(t, group)
-        m.head_block = lambda t: head_block(t, group)
+        m.block = lambda t, dim: t.narrow(dim, dist.get_rank(group) * (
+            t.shape[dim] // dist.get_world_size(group)), t.shape[dim] // dist.get_world_size(group))
     return wrap_attention(gm, lambda op: UlyssesAttention(op, group), "ulysses") + len(regions)
