@@ -9,9 +9,10 @@ sequence-locality walk (cp_locality.py) calls mixing, the region around it:
   through, 4-d [batch, heads, seq, head_dim] with the sequence at dim 2 (before o_proj);
 * its inputs: walking back from the output, the first values carrying the sequence at dim 2
   alone, 4-d (the head-shaped q, k and v); anything else it reads must not carry the
-  sequence (scalars, constants) or be a mask computed from the model's inputs, which is
-  rebuilt on the whole sequence (cp_masks.py). A parameter read inside (GPT-OSS's sinks)
-  is refused: which of its dims are heads is not known.
+  sequence (numbers) or be a mask computed from the model's inputs, which is rebuilt on
+  the whole sequence (cp_masks.py), or a weight (GPT-OSS's sinks), whose head dim is
+  found where it meets a value with known heads (`_weight_heads`) and whose block of
+  heads each rank takes.
 
 The region becomes one call_module node (`UlyssesRegion`, its rule "attention" for the
 locality walk) over the same inputs. At run time q, k, v go through the all-to-alls
