@@ -307,8 +307,10 @@ def parallelize(plan: Plan, topo, modules: dict[int, nn.Module], device: torch.d
     the one order that works (collective: every rank calls it):
 
     1. context parallel (cp/): each SDPA call of the captured stage graph becomes Ulysses
-       or ring attention over the cp group, and each arange the compiler tied to the
-       sequence numbers the rank's global positions (cp/positions.py); it wraps the graph's
+       or ring attention over the cp group (a written-out attention region gets Ulysses'
+       all-to-alls), each arange the compiler tied to the sequence numbers the rank's
+       global positions, and each whole-sequence mask gathers its inputs over the cp
+       group (cp/positions.py); it wraps the graph's
        own attention nodes, so it goes first, on the graph as captured;
     2. expert parallel, then tensor parallel (`parallelize_stage`: ep/, tp/): the experts modules are wrapped first so that TP's DTensor rewrite of the
        stage graph leaves each one an opaque call;
@@ -322,12 +324,13 @@ def parallelize(plan: Plan, topo, modules: dict[int, nn.Module], device: torch.d
         from .cp.ring import apply_ring
         from .cp.ulysses import apply_ulysses
 
-        from .cp.positions import cp_columns, renumber_positions
+        from .cp.positions import cp_columns, gather_masks, renumber_positions
 
         apply = apply_ring if plan.context.method == "ring" else apply_ulysses
         for m in modules.values():
             apply(m, topo.cp_group)
             renumber_positions(m, cp_columns(plan, topo.coords.cp))  # the model's own arange
+            gather_masks(m, plan, topo.cp_group)  # the model's own mask, on the whole sequence
     if not rewrites_stages(plan):
         return StageLayout.build(topo, modules, device), None
     groups = build_parallel_groups(

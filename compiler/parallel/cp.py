@@ -53,12 +53,19 @@ from ..capture.analysis import SDPA, MetaRun
 
 POSITIONS = "pipeplan_cp_positions"  # node.meta: an arange cp_locality.py ties to the sequence
 SORTED_ROWS = "pipeplan_cp_sorted_rows"  # node.meta: an arange numbering sorted rows (cp_rows)
+WHOLE_MASK = "pipeplan_cp_whole_mask"  # node.meta: a mask rebuilt whole (cp_masks.py)
+REGION = "pipeplan_cp_region"  # node.meta: an attention region run whole (cp_regions.py)
 ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
           torch.ops.aten.arange.start_step}
 
 
 def attention_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]
+
+
+def region_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Attention the model writes out, run whole under Ulysses (cp_regions.py)."""
+    return [n for n in graph.nodes if n.meta.get(REGION)]
 
 
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -79,6 +86,11 @@ def sdpa_arguments(args, kwargs) -> dict:
 def attn_mask(node: fx.Node):
     """The attn_mask argument of an SDPA call (positional 4th or keyword)."""
     return sdpa_arguments(node.args, node.kwargs)["attn_mask"]
+
+
+def is_whole_mask(node) -> bool:
+    """A mask argument compiler/parallel/cp_masks.py rebuilt on the whole sequence."""
+    return isinstance(node, fx.Node) and bool(node.meta.get(WHOLE_MASK))
 
 
 def heads_split_by_tp(plan: Plan, graph: fx.Graph, model: torch.nn.Module,
@@ -107,7 +119,7 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
         return
     key = "context.method" if "context.method" in plan.spans else "context"
     attention = attention_nodes(graph)
-    if not attention:
+    if not attention and not region_nodes(graph):
         raise PlanError.at(plan, key, f"context parallel ({plan.context.method}) found no "
                            "attention op (scaled_dot_product_attention) in the captured graph",
                            "context parallel rewrites the model's SDPA calls; a model "
@@ -131,7 +143,7 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
                                    "Ulysses gives each cp rank heads/cp whole heads (of the "
                                    "heads/tp a tensor-parallel rank holds): pick cp (and tp) so "
                                    "that tp * cp divides the heads and KV heads")
-        if isinstance(attn_mask(node), fx.Node):
+        if isinstance(attn_mask(node), fx.Node) and not is_whole_mask(attn_mask(node)):
             raise PlanError.at(plan, key, f"attention `{node.name}` takes a mask tensor, "
                                "which the model computes on one rank's sequence slice; the "
                                "whole-sequence mask Ulysses needs is never built",
@@ -153,7 +165,7 @@ def check_context(plan: Plan, graph: fx.Graph, run: MetaRun,
 def _check_ring_call(plan: Plan, key: str, node: fx.Node, q, k) -> None:
     """What one SDPA call carries that ring attention could not honour."""
     a = sdpa_arguments(node.args, node.kwargs)
-    if a["attn_mask"] is not None:
+    if a["attn_mask"] is not None and not is_whole_mask(a["attn_mask"]):
         raise PlanError.at(plan, key, f"attention `{node.name}` takes a mask tensor; ring "
                            "attention computes each K/V block itself and honours only "
                            "is_causal", "build the model's attention with is_causal (or no "
@@ -193,7 +205,7 @@ def ulysses_traffic(plan: Plan, graph: fx.Graph, run: MetaRun,
     tensor-parallel rank holds, where tp splits them)."""
     cp, tp_heads = plan.mesh.cp, tp_heads or {}
     out = {}
-    for node in attention_nodes(graph):
+    for node in attention_nodes(graph) + region_nodes(graph):
         moved = sum(run.value(a).numel() * run.value(a).element_size()
                     for a in (node.args[0], node.args[1], node.args[2], node))
         out[node] = 2 * moved * (cp - 1) // (cp * tp_heads.get(node, 1))
@@ -217,6 +229,8 @@ def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: 
     for node, nbytes in traffic.items():
         st = stages[split.stage_of(index[node])]
         st.cp_bytes += nbytes
+        if node.meta.get(REGION):
+            continue  # its meta run already costs H/cp heads over S positions
         causal = sdpa_arguments(node.args, node.kwargs)["is_causal"]
         blocks = 1 + (cp - 1) / 2 if ring and causal else cp
         st.flops += (blocks - 1) * run.costs[node].flops

@@ -51,7 +51,9 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> tuple[str, Optional[nn.Module]
         return node.target, None
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
-        return MODULE_RULES.get(type(mod), f"{type(mod).__name__} (module)"), mod
+        # a module may name its rule (cp_regions.UlyssesRegion: attention run whole)
+        return MODULE_RULES.get(type(mod), getattr(mod, "cp_rule", None)
+                                or f"{type(mod).__name__} (module)"), mod
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return target.__name__.split(".")[0], None
@@ -91,12 +93,13 @@ def _ancestors(end: fx.Node) -> set[fx.Node]:
 
 
 def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.Node,
-                      per_token: frozenset = frozenset()):
+                      per_token: frozenset = frozenset(), seq: Optional[dict] = None):
     """Walk the graph up to `end` (the model's prediction); yield (node, kind, detail)
     for each op touching the sequence: kind "per-position", "attention", "mixing" (detail:
     how) or "unknown" (detail: why no rule applies). `per_token`: module paths called as
-    one per-token op (the experts calls)."""
-    seq: dict[fx.Node, Any] = {}
+    one per-token op (the experts calls). `seq`: filled with each node's sequence dims
+    (compiler/parallel/cp_regions.py reads them)."""
+    seq = {} if seq is None else seq
     keep = _ancestors(end)
     for node in gm.graph.nodes:
         if node not in keep:

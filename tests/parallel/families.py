@@ -334,3 +334,78 @@ class SortedMoELM(nn.Module):
         x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True) \
             .transpose(1, 2).reshape(b, t, d)
         return self.head(x + self.moe(x))
+class MaskLM(nn.Module):
+    """Causal SDPA through a mask tensor the model builds itself: `mask = "window"` a
+    sliding window of `window` positions from `arange(input_ids.shape[1])` (positions only:
+    context parallel rebuilds it on the whole sequence); `mask = "activation"` a mask from
+    the embeddings' sign (an activation: refused under cp). Learned position embeddings
+    from the same arange."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, window: int = 3,
+                 mask: str = "window", seq: int = 16):
+        super().__init__()
+        self.heads, self.window, self.mask = heads, window, mask
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        i = torch.arange(t, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(i)
+        if self.mask == "activation":
+            mask = (x.sum(-1) > 0)[:, None, None, :] | (i[:, None] == i[None, :])
+        else:
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+        b, _, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
+class EagerLM(nn.Module):
+    """Attention written out (eager), as Gemma 2's: q @ k^T scaled, logits soft-capped
+    (cap * tanh(s / cap)), a sliding window of `window` positions from `arange` masked in
+    with masked_fill, softmax, @ v; learned position embeddings. `pool = True` adds a
+    mixing op outside attention (the embeddings minus their mean over the sequence);
+    `sinks = True` GPT-OSS's attention sinks (a weight inside the region, one per head)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, window: int = 5,
+                 cap: float = 5.0, seq: int = 16, pool: bool = False, sinks: bool = False):
+        super().__init__()
+        self.heads, self.window, self.cap, self.pool = heads, window, cap, pool
+        # GPT-OSS's attention sinks: one learned logit per head, a column every query
+        # row's softmax also sees (then dropped)
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, heads)) if sinks else None
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def reset_parameters(self):  # the sinks' init rule (its own parameter)
+        if self.sinks is not None:
+            with torch.no_grad():
+                self.sinks.copy_(torch.linspace(-1.0, 1.0, self.heads))
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        i = torch.arange(t, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(i)
+        if self.pool:
+            x = x - x.mean(dim=1, keepdim=True)
+        visible = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+        b, _, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        s = q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5
+        s = self.cap * torch.tanh(s / self.cap)
+        s = s.masked_fill(~visible, float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.view(1, -1, 1, 1).expand_as(s[..., :1])
+            p = torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            p = s.softmax(dim=-1)
+        y = p @ v
+        return self.head(x + y.transpose(1, 2).reshape(b, t, d))

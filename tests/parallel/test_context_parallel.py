@@ -135,16 +135,14 @@ def test_plan_checks(edit, line, message):
     (("cp = 2", "cp = 4"), 7, r"cp = 4 does not divide the 2 KV heads of attention"),
     (("dim = 32, heads = 4, kv_heads = 2", "dim = 24, heads = 3, kv_heads = 3"), 7,
      r"cp = 2 does not divide the 3 heads of attention"),
-    # the model numbers positions itself and export bakes the length as a literal: the
-    # arange cannot be tied to the sequence, so every slice would count from 0 (under fx it
-    # is tied and renumbered: tests/parallel/test_cp_locality.py)
-    (("inputs { input_ids = int64[batch, seq], position_ids = int64[batch, seq] }",
-      "capture = export"), 8, r"the model makes positions itself"),
-    # WindowLM: its first block's attention is eager (a softmax over the keys, outside
-    # SDPA), refused by the sequence-locality check before its second block's mask tensor
+    # (the model numbering positions itself with export's literal length is tied by a
+    # second capture at the whole length: tests/parallel/test_cp_masks.py)
+    # WindowLM: its first block's attention is eager; Ulysses would run it whole on its
+    # heads (compiler/parallel/cp_regions.py), but its window mask numbers positions by an
+    # activation's length (x.shape[1]), which is one rank's slice
     (('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.tp_models:WindowLM"'),
-     8, r"`softmax` \(node `softmax`\) in module `layers.0.attn` takes a softmax over the "
-        r"sequence"),
+     8, r"Ulysses cannot run the attention around `softmax` on whole sequences: it reads "
+        r"`getitem_1`, the sequence's length on one rank's slice"),
 ])
 def test_graph_checks(edit, line, message):
     from pipeplan.compiler import compile_plan
@@ -177,13 +175,20 @@ def test_ulysses_transformers_llama_pp2_cp2_equals_reference(run_workers):
     run_workers(_worker, 4, ["llama-1f1b", "llama-zbv"], timeout=880)
 
 
-def test_transformers_default_sdpa_mask_is_refused():
-    """attn_implementation="sdpa" materialises a [B, 1, S/cp, S/cp] mask when exported."""
+def test_transformers_default_sdpa_mask_is_rebuilt_on_the_whole_sequence():
+    """attn_implementation="sdpa" materialises a [B, 1, S/cp, S/cp] mask when exported: it is
+    replaced by the model's own mask code on the whole sequence ([B, 1, S, S])."""
     from pipeplan.compiler import compile_plan
-    from pipeplan.dsl import PlanError, parse_plan
+    from pipeplan.compiler.parallel.cp import attention_nodes, attn_mask
+    from pipeplan.dsl import parse_plan
 
     text = PLAN.replace('"pipeplan.tests.parallel.cp_models:RopeLM"',
                         '"pipeplan.tests.compiler.models:tiny_llama"\n  capture = export')
-    with pytest.raises(PlanError, match=r"takes a mask tensor") as err:
-        compile_plan(parse_plan(text, "plan.plan"))
-    assert "plan.plan:9:" in str(err.value), str(err.value)
+    compiled = compile_plan(parse_plan(text, "plan.plan"))
+    first, second = compiled.stages  # pp2: the mask is made in stage 0 and sent whole
+    for node in attention_nodes(first.module.graph):
+        mask = attn_mask(node)
+        assert mask.op == "call_module" and mask.target.startswith("cp_mask_"), mask
+    sent = {spec.name: spec.shape for spec in first.outputs}
+    for node in attention_nodes(second.module.graph):
+        assert sent[attn_mask(node).name][-2:] == (16, 16), sent

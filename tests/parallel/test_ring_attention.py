@@ -131,11 +131,8 @@ def test_ring_estimates_count_the_hops_and_heads_do_not_limit_cp():
      r"divide data.seq_len = 14"),
     ([("layers = 4 }", "layers = 4, dropout = 0.1 }")], 8,
      r"attention `.*` has dropout_p = 0.1; ring attention's blocks run without dropout"),
-    # a mask tensor (transformers' sdpa Llama, exported, passes its causal mask; WindowLM's
-    # eager first block is refused before, by the sequence-locality check)
-    ([('"pipeplan.tests.parallel.cp_models:RopeLM"',
-       '"pipeplan.tests.compiler.models:tiny_llama"\n  capture = export')], 9,
-     r"takes a mask tensor; ring attention computes each K/V block itself"),
+    # (a mask tensor the model computes from positions is rebuilt on the whole sequence:
+    # tests/parallel/test_cp_masks.py)
     # attention to a learned memory: keys are not the sequence's positions
     ([('"pipeplan.tests.parallel.cp_models:RopeLM"', '"pipeplan.tests.parallel.cp_models:MemoryLM"'),
       ("dim = 32, heads = 4, kv_heads = 2, layers = 4", "dim = 32, heads = 4"),

@@ -7,10 +7,15 @@ each with the positions the rank holds (`cp_columns`, which the data's slices fo
 contiguous block under Ulysses, chunks r and 2cp-1-r under ring attention's load-balanced
 layout): one `arange(start, stop)` per contiguous run of them, concatenated, keeping the
 call's own dtype and device arguments.
+
+`gather_masks` gives each whole-sequence mask of the stage (compiler/parallel/cp_masks.py:
+the model's own mask code) its inputs over the whole sequence: each rank's slice gathered
+over the cp group and put back in the sequence's order (`gather_sequence`).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from ....compiler.parallel.cp import POSITIONS
@@ -54,3 +59,26 @@ def renumber_positions(gm: fx.GraphModule, columns: torch.Tensor) -> int:
     if marked:
         gm.recompile()
     return len(marked)
+
+
+def gather_sequence(t: torch.Tensor, dim: int, group, layout: torch.Tensor) -> torch.Tensor:
+    """This rank's slice `t` of a sequence (positions cp_columns(rank) along `dim`) gathered
+    over the cp group into the whole sequence, in order. `layout`: every rank's columns,
+    concatenated in rank order. Model inputs only (no gradient flows back)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    order = torch.empty_like(layout)
+    order[layout] = torch.arange(len(layout))  # whole position p sits at order[p]
+    return torch.cat(parts, dim).index_select(dim, order.to(t.device))
+
+
+def gather_masks(gm: fx.GraphModule, plan: Plan, group) -> int:
+    """Point every WholeSequenceMask of `gm` at `gather_sequence` over `group`; returns how
+    many."""
+    from ....compiler.parallel.cp_masks import WholeSequenceMask
+
+    layout = torch.cat([cp_columns(plan, r) for r in range(plan.mesh.cp)])
+    masks = [m for m in gm.modules() if isinstance(m, WholeSequenceMask)]
+    for m in masks:
+        m.gather = lambda t, dim: gather_sequence(t, dim, group, layout)
+    return len(masks)

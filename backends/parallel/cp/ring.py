@@ -84,21 +84,52 @@ def _sum_groups(dkv: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dkv if h == kv_heads else dkv.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def block_forward(q, k, v, causal: bool, scale):
-    """One block's attention output and log-sum-exp, through torch's SDPA kernel."""
+def block_forward(q, k, v, causal: bool, scale, mask=None):
+    """One block's attention output and log-sum-exp, through torch's SDPA kernel. `mask`:
+    the block's additive mask and which query rows see any key (`block_mask`); rows that
+    see none get output 0 and log-sum-exp -inf (the kernel says 0), so merging stays exact."""
     h = q.shape[1]
     q, k, v = (t.contiguous() for t in (q, _repeat_heads(k, h), _repeat_heads(v, h)))
-    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    additive, seen = mask if mask is not None else (None, None)
+    o, l = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                             attn_mask=additive, scale=scale)
+    if seen is not None:
+        l = torch.where(seen, l, float("-inf"))
+        o = torch.where(seen.unsqueeze(-1), o, 0.0)
+    return o, l
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale, mask=None):
     """One block's share of dq, dk, dv given the merged output and log-sum-exp."""
     h, kv_heads = q.shape[1], k.shape[1]
     dout, q, k, v, out, lse = (t.contiguous() for t in (
         dout, q, _repeat_heads(k, h), _repeat_heads(v, h), out, lse))
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=None if mask is None else mask[0],
+        scale=scale)
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+
+
+def block_mask(mask: torch.Tensor, rank: int, source: int, cp: int, dtype):
+    """The block of the whole-sequence `mask` [.., S, S] (the model's own,
+    compiler/parallel/cp_masks.py) that rank `rank`'s queries see of rank `source`'s K/V:
+    rows of ring_columns(rank), columns of ring_columns(source). Returns (additive float mask,
+    rows seeing any key), or None when the block is masked whole (skipped)."""
+    seq = mask.shape[-1]
+    rows = ring_columns(seq, cp, rank).to(mask.device)
+    cols = ring_columns(seq, cp, source).to(mask.device)
+    m = mask.index_select(-2, rows).index_select(-1, cols)
+    if m.dtype == torch.bool:
+        seen = m.any(-1)
+        m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf"))
+    else:
+        m = m.to(dtype)
+        seen = (m > float("-inf")).any(-1)
+    if not bool(seen.any()):
+        return None
+    while m.dim() < 4:
+        m, seen = m.unsqueeze(0), seen.unsqueeze(0)
+    return m, seen
 
 
 class _Ring:
@@ -138,14 +169,15 @@ def _merge(out, lse, q_part, o, l) -> None:
     """Fold a block's (o, l) into the running (out, lse) rows `q_part`, in place."""
     out_rows, lse_rows = _chunks(out, q_part), _chunks(lse.unsqueeze(-1), q_part)
     new = torch.logaddexp(lse_rows, l.unsqueeze(-1))
-    out_rows.copy_(out_rows * torch.exp(lse_rows - new) + o * torch.exp(l.unsqueeze(-1) - new))
+    safe = torch.where(torch.isinf(new), 0.0, new)  # rows that have seen no key yet
+    out_rows.copy_(out_rows * torch.exp(lse_rows - safe) + o * torch.exp(l.unsqueeze(-1) - safe))
     lse_rows.copy_(new)
 
 
 @traceable_function  # (compile.mode = graphs: tensor ops and functional hops when traced)
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, mask):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ring = _Ring(group)
         acc = torch.promote_types(q.dtype, torch.float32)  # blocks merged in at least fp32
@@ -156,13 +188,17 @@ class _RingAttention(torch.autograd.Function):
             nxt = ring.hop(kv, TAG_KV) if i + 1 < ring.size else None
             kb, vb = _unpack(kv, k)
             qp, kvp, c = _visible(ring.rank, i, ring.size, causal)
-            o, l = block_forward(_chunks(q, qp), _chunks(kb, kvp), _chunks(vb, kvp), c, scale)
-            _merge(out, lse, qp, o.to(acc), l.to(acc))
+            bm = None if mask is None else block_mask(mask, ring.rank, (ring.rank - i) % ring.size,
+                                                       ring.size, q.dtype)
+            if mask is None or bm is not None:  # a block masked whole adds nothing
+                o, l = block_forward(_chunks(q, qp), _chunks(kb, kvp), _chunks(vb, kvp), c,
+                                     scale, bm)
+                _merge(out, lse, qp, o.to(acc), l.to(acc))
             if nxt is not None:
                 kv = nxt()
-        out, lse = out.to(q.dtype), lse.to(l.dtype)  # as the kernel's backward takes them
+        out, lse = out.to(q.dtype), lse.to(q.dtype)  # as the kernel's backward takes them
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.mask = group, causal, scale, mask
         return out
 
     @staticmethod
@@ -177,14 +213,17 @@ class _RingAttention(torch.autograd.Function):
             nxt = ring.hop(kv, TAG_KV) if i + 1 < ring.size else None
             kb, vb = _unpack(kv, k)
             qp, kvp, c = _visible(ring.rank, i, ring.size, ctx.causal)
-            bq, bk, bv = block_backward(
-                _chunks(dout, qp), _chunks(q, qp), _chunks(kb, kvp), _chunks(vb, kvp),
-                _chunks(out, qp), _chunks(lse.unsqueeze(-1), qp).squeeze(-1),
-                c, ctx.scale)
-            _chunks(dq, qp).add_(bq)
+            bm = None if ctx.mask is None else block_mask(
+                ctx.mask, ring.rank, (ring.rank - i) % ring.size, ring.size, q.dtype)
             dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
-            _chunks(dk, kvp).add_(bk)
-            _chunks(dv, kvp).add_(bv)
+            if ctx.mask is None or bm is not None:
+                bq, bk, bv = block_backward(
+                    _chunks(dout, qp), _chunks(q, qp), _chunks(kb, kvp), _chunks(vb, kvp),
+                    _chunks(out, qp), _chunks(lse.unsqueeze(-1), qp).squeeze(-1),
+                    c, ctx.scale, bm)
+                _chunks(dq, qp).add_(bq)
+                _chunks(dk, kvp).add_(bk)
+                _chunks(dv, kvp).add_(bv)
             mine = _pack(dk, dv)
             if i == 0:
                 own = mine  # this rank's share of its own block's gradient
@@ -196,7 +235,7 @@ class _RingAttention(torch.autograd.Function):
         if incoming is not None:  # the accumulator of this rank's own block, home again
             own = own + incoming()
         dk, dv = _unpack(own, k)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def check_ring_device(device_type: str) -> None:
@@ -208,24 +247,27 @@ def check_ring_device(device_type: str) -> None:
                             "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU")
 
 
-def ring_attention(q, k, v, group, is_causal: bool = False, scale=None):
-    """Attention of this rank's queries over the whole (ring-laid-out) sequence."""
+def ring_attention(q, k, v, group, is_causal: bool = False, scale=None, mask=None):
+    """Attention of this rank's queries over the whole (ring-laid-out) sequence. `mask`: the
+    model's whole-sequence mask [.., S, S] in the sequence's own order (not the layout's)."""
     check_ring_device(q.device.type)
-    return _RingAttention.apply(q, k, v, group, bool(is_causal), scale)
+    if mask is not None and is_causal:
+        raise PipeplanError("ring attention takes a mask or is_causal, not both (as SDPA)")
+    return _RingAttention.apply(q, k, v, group, bool(is_causal), scale, mask)
 
 
 class RingAttention(ContextAttention):
     """Stands in for one SDPA call of a stage graph (compiler/parallel/cp.py refuses
-    masks and dropout at the plan line); on the tp-local heads inside a tensor-parallel
+    dropout at the plan line; a mask comes whole, compiler/parallel/cp_masks.py); on the tp-local heads inside a tensor-parallel
     stage (ContextAttention: the cp ring of a rank holds its tp coordinate, so the K/V
     blocks passed around are the same heads on every member)."""
 
     def local(self, *args, **kwargs):
         a = sdpa_arguments(args, kwargs)
-        if a["attn_mask"] is not None or a["dropout_p"]:
-            raise PipeplanError("ring attention takes no attn_mask and no dropout")
+        if a["dropout_p"]:
+            raise PipeplanError("ring attention takes no dropout")
         return ring_attention(a["query"], a["key"], a["value"], self.group,
-                              a["is_causal"], a["scale"])
+                              a["is_causal"], a["scale"], a["attn_mask"])
 
 
 def apply_ring(gm: fx.GraphModule, group) -> int:

@@ -7,7 +7,8 @@ makes this exact). `apply_ulysses` swaps each `scaled_dot_product_attention` cal
 group:
 
   q, k, v [B, H, S/cp, D]  --all-to-all-->  [B, H/cp, S, D]   (sequence -> heads)
-  SDPA (is_causal on the whole sequence is exact)
+  SDPA (is_causal on the whole sequence is exact; a mask is the model's own, rebuilt on
+        the whole sequence by compiler/parallel/cp_masks.py, its head block taken)
   out     [B, H/cp, S, D]  --all-to-all-->  [B, H, S/cp, D]   (heads -> sequence)
 
 Rank c of the cp group holds sequence slice c and, inside attention, head block c; KV
@@ -65,9 +66,33 @@ class UlyssesAttention(ContextAttention):
 
     def local(self, q, k, v, *args, **kwargs):
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
+        if args:
+            args = (head_block(args[0], self.group),) + tuple(args[1:])
+        if "attn_mask" in kwargs:
+            kwargs = {**kwargs, "attn_mask": head_block(kwargs["attn_mask"], self.group)}
         return heads_to_seq(self.op(q, k, v, *args, **kwargs), self.group)
 
 
+def head_block(mask, group):
+    """The whole-sequence mask (compiler/parallel/cp_masks.py) for this rank's head block:
+    itself when it is one for all heads, else its rank-th 1/cp of the heads (dim -3)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 3 or mask.shape[-3] == 1:
+        return mask
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    h = mask.shape[-3] // cp
+    return mask.narrow(-3, rank * h, h)
+
+
 def apply_ulysses(gm: fx.GraphModule, group) -> int:
-    """Swap every SDPA call of `gm` for UlyssesAttention in place; returns how many."""
-    return wrap_attention(gm, lambda op: UlyssesAttention(op, group), "ulysses")
+    """Swap every SDPA call of `gm` for UlyssesAttention in place, and give every attention
+    region the model writes out (compiler/parallel/cp_regions.py: UlyssesRegion) the
+    all-to-alls over `group`; returns how many."""
+    from ....compiler.parallel.cp_regions import UlyssesRegion
+
+    regions = [m for m in gm.modules() if isinstance(m, UlyssesRegion)]
+    for m in regions:
+        m.to_heads = lambda t: seq_to_heads(t, group)
+        m.to_seq = lambda t: heads_to_seq(t, group)
+        m.block = lambda t, dim: t.narrow(dim, dist.get_rank(group) * (
+            t.shape[dim] // dist.get_world_size(group)), t.shape[dim] // dist.get_world_size(group))
+    return wrap_attention(gm, lambda op: UlyssesAttention(op, group), "ulysses") + len(regions)
