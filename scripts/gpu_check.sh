@@ -37,3 +37,25 @@ if per_gpu:
 else:
     print(f"gpu_check: peak FLOP/s of {name} unknown: MFU not computed")
 PY
+# Compiled ZBV (issue 24): the same plan under ZBV (2 stages per rank), eager then inductor
+# (pipeplan's compiled F/B/W graphs; torch refuses a compiled stage under ZBV), side by
+# side: tokens/s of each and their ratio. Needs >= 2 GPUs (ZBV's V needs 2 ranks).
+if (( NGPU >= 2 )); then
+    ZPP=$(( NGPU >= 4 ? 4 : 2 ))
+    for MODE in eager inductor; do
+        torchrun --standalone --nproc-per-node "$ZPP" -m pipeplan run "$PLAN" \
+            --set mesh.pp="$ZPP" --set train.precision=bf16 --set pipeline.schedule=zbv \
+            --set pipeline.virtual=2 --set pipeline.split=auto --set compile.mode="$MODE" \
+            --steps "$STEPS" --metrics "$(dirname "$METRICS")/zbv_$MODE.jsonl"
+    done
+    python - "$(dirname "$METRICS")" <<'PY'
+import json, sys
+def tok_s(path):
+    rows = [json.loads(l) for l in open(path)]
+    steady = rows[len(rows) // 2:] or rows
+    return sum(r["tokens_per_s"] for r in steady) / len(steady)
+eager, ind = (tok_s(f"{sys.argv[1]}/zbv_{m}.jsonl") for m in ("eager", "inductor"))
+print(f"gpu_check: zbv eager {eager:.0f} tokens/s, zbv inductor {ind:.0f} tokens/s "
+      f"({ind / eager:.2f}x)")
+PY
+fi
