@@ -43,10 +43,8 @@ from .stages import build_stages
 from .parallel.tp import check_pairing, tp_annotations
 from .capture.tied import find_tied
 from .capture.traced import trace_with_loss
-from .parallel.cp import attach_context_costs, check_context, heads_split_by_tp
-from .parallel.cp_locality import check_locality, sequence_inputs
-from .parallel.cp_masks import Whole, whole_sequence_masks
-from .parallel.cp_regions import ulysses_regions
+from .parallel.cp import attach_context_costs, heads_split_by_tp
+from .parallel.cp_checks import context_checks
 from .estimate.traffic import collective_traffic
 from .weights import check_weights
 
@@ -76,13 +74,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     mark_step_statistics(plan, traced.module, traced.run, traced.loss, traced.prediction, moe)
     check_pairing(plan, graph, model, tp_kinds, traced.run)
     tp_heads = heads_split_by_tp(plan, graph, model, tp_kinds, traced.run)
-    end = traced.prediction if traced.prediction is not None else traced.loss
-    whole = Whole(plan, model)  # the model captured at the whole length, when cp needs it
-    ulysses_regions(plan, traced.module, traced.run, whole, sequence_inputs(plan), end,
-                    frozenset(moe.values()))
-    check_locality(plan, traced.module, traced.run, end, frozenset(moe.values()))
-    whole_sequence_masks(plan, traced.module, traced.run, whole, sequence_inputs(plan))
-    check_context(plan, graph, traced.run, tp_heads)
+    context_checks(plan, model, traced, frozenset(moe.values()), tp_heads)
     costs = node_costs(plan, graph, traced.run)
     measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None
     split = choose_split(plan, model, graph, costs,

@@ -37,7 +37,7 @@ from ..compiler.estimate.optime import StageWork, stage_work
 from ..compiler.estimate.precision import to_precision
 from ..compiler.estimate.traffic import collective_traffic
 from ..compiler.parallel.cp import attach_context_costs, check_context, heads_split_by_tp
-from ..compiler.parallel.cp_locality import check_locality
+from ..compiler.parallel.cp_checks import context_checks
 from ..compiler.parallel.ep import experts_modules, expert_weights, \
     place_experts
 from ..compiler.parallel.ep_balance import mark_step_statistics
@@ -162,13 +162,14 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
     model = load_model(plan, "meta")
     to_precision(model, plan.train.precision)
     units = Units(plan, tuple(blocks_of(model)))
-    first = []
+    traced_at = {}  # (mbs, cp) -> that capture (capture/traced.TracedWithLoss)
 
     def capture(mbs: int, cp: int) -> None:
         units.captures += 1
         if progress:
             progress(f"capturing the model (microbatch {mbs}, cp {cp})")
-        first.append(_capture(units, model, plan, mbs, cp, tp_values, recompute_pattern))
+        traced_at[(mbs, cp)] = _capture(units, model, plan, mbs, cp, tp_values,
+                                        recompute_pattern)
 
     for tp in tp_values:  # shapes tp must divide (tp_annotations), before any capture
         if tp > 1:
@@ -180,7 +181,7 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
     units.capture = capture
     capture(1, 1)
     units.linear(1)  # sizes 2 and 3
-    _refusals(units, model, plan, first[0], tp_values, cp_values)
+    _refusals(units, model, plan, traced_at, tp_values, cp_values)
     return units
 
 
@@ -222,6 +223,9 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
     moe = experts_modules(probe, model)
     check_experts(probe, graph, run, moe)
     mark_step_statistics(probe, traced.module, run, traced.loss, traced.prediction, moe)
+    if cp > 1:  # the driver's cp passes (a refusal is the cp value's reason, _refusals)
+        context_checks(unit_plan(plan, blocks, mbs, 1, False, "none", pattern, cp), model,
+                       traced, frozenset(moe.values()), {})
     nodes = compute_nodes(graph)
     positions = tuple(first_position(probe, model, nodes, n, "pipeline.split") for n in blocks[1:])
     split = Split(blocks[1:], positions)
@@ -342,9 +346,11 @@ def _nbytes(spec) -> int:
     return n * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
 
 
-def _refusals(units: Units, model, plan: Plan, traced, tp_values, cp_values) -> None:
-    """Each tp (and cp) value the compiler's own checks refuse on this model (on its first
-    capture): the reason."""
+def _refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp_values) -> None:
+    """Each tp (and cp, and tp x cp) value the compiler's own checks refuse on this model,
+    and why: tp on the first capture; each cp on its own capture (one cp rank's sequence),
+    through the compiler's context-parallel passes in the driver's order (cp_checks.py)."""
+    traced = traced_at[(1, 1)]
     for tp in tp_values:
         if tp == 1 or ("tp", tp) in units.refused:
             continue
@@ -354,16 +360,15 @@ def _refusals(units: Units, model, plan: Plan, traced, tp_values, cp_values) -> 
             check_pairing(p, traced.module.graph, model, kinds, traced.run)
         except PlanError as e:
             units.refused[("tp", tp)] = e.diagnostics[0].message
-    end = traced.prediction if traced.prediction is not None else traced.loss
     for cp in cp_values:
         if cp == 1:
             continue
         p = dataclasses.replace(unit_plan(plan, units.blocks, 1, 1, False, "none", None, cp),
                                 context=plan.context or ContextSpec())
-        try:  # the driver's order: locality first (it marks the positions it renumbers)
-            check_locality(p, traced.module, traced.run, end,
-                           frozenset(experts_modules(p, model).values()))
-            check_context(p, traced.module.graph, traced.run, {})
+        try:  # its first capture runs the compiler's cp passes (_capture)
+            if (1, cp) not in traced_at:
+                units.capture(1, cp)
+            at = traced_at[(1, cp)]
         except PlanError as e:
             units.refused[("cp", cp)] = e.diagnostics[0].message
             continue
@@ -374,8 +379,7 @@ def _refusals(units: Units, model, plan: Plan, traced, tp_values, cp_values) -> 
                                                cp), context=p.context)
             try:
                 kinds = tp_annotations(pt, model)
-                check_context(pt, traced.module.graph, traced.run,
-                              heads_split_by_tp(pt, traced.module.graph, model, kinds,
-                                                traced.run))
+                check_context(pt, at.module.graph, at.run,
+                              heads_split_by_tp(pt, at.module.graph, model, kinds, at.run))
             except PlanError as e:
                 units.refused[("tp x cp", tp, cp)] = e.diagnostics[0].message

@@ -210,3 +210,24 @@ def test_recompute_only_where_it_pays_is_found_and_compiles_alike(plan, units):
     est = compile_plan(plan_of(plan, best.candidate, res.units.blocks)).estimates
     assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
     assert _peak(est) == best.prediction.peak_bytes
+
+
+@pytest.mark.heavy
+def test_cp_is_searched_on_a_library_model_with_its_own_mask(tmp_path):
+    """A transformers Llama (export, the library's own sdpa mask): cp = 2 passes the
+    compiler's cp passes (the mask rebuilt on the whole sequence), so the planner measures
+    and offers it; the best cp = 2 plan compiles with the same estimate."""
+    from pipeplan.tests.parallel.test_family_matrix import plan_text
+    path = tmp_path / "llama.plan"
+    path.write_text(plan_text("llama", "cp2_ring").replace("mesh { cp = 2 }", "mesh { dp = 2 }")
+                    .replace("context { method = ring }\n", ""))
+    hf = load_plan(str(path))
+    units = measure(hf, (1,), (1, 2), None)
+    assert ("cp", 2) not in units.refused, units.refused
+    res = search(hf, 2, device_model(hf), 1e12, Constraints(fixed={"cp": 2, "recompute": "none"}),
+                 top_k=1,
+                 units=units)
+    best = res.top[0]
+    assert best.candidate.cp == 2
+    est = compile_plan(plan_of(hf, best.candidate, res.units.blocks)).estimates
+    assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
