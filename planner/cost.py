@@ -180,13 +180,14 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
         # recompute table, the others' from `none`; the split balanced on those (twice:
         # the split moves units between ranks)
         plain = dataclasses.replace(c, recompute="none", rc_ranks=0)
-        light = _unit_weights(units, plain, plan, device, links, _table(units, plain))
+        plain_table = _table(units, plain)
+        light = _unit_weights(units, plain, plan, device, links, plain_table)
         for _ in range(2):
             on = on_recompute_rank(c, len(table), split)
             split = balanced_split([w if o else x for w, x, o in zip(weights, light, on)],
                                    stages)
         on = on_recompute_rank(c, len(table), split)
-        table = [u if o else x for u, x, o in zip(table, _table(units, plain), on)]
+        table = [u if o else x for u, x, o in zip(table, plain_table, on)]
     bounds = (0,) + split + (len(table),)
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
