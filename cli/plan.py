@@ -47,6 +47,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-recompute", action="store_true", help="must fit without recompute")
     p.add_argument("--max-evals", type=int, default=2000,
                    help="candidates evaluated at most (schedule generated and simulated)")
+    p.add_argument("--max-auto", type=int, default=None,
+                   help="of those, schedule kind auto at most (each is a schedule search; "
+                   "default planner/search.py's MAX_AUTO, 24)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-verify", action="store_true",
                    help="do not compile the written plan again (as `pipeplan check` does)")
@@ -107,7 +110,8 @@ def run_plan(args: argparse.Namespace) -> int:
     # the device model of N ranks (a CPU's measured model splits its cores among them)
     device = device_model(dataclasses.replace(plan, mesh=MeshSpec(pp=1, dp=args.gpus)))
     result = search(plan, args.gpus, device, memory, cons, top_k=args.top,
-                    max_evals=args.max_evals, progress=not args.no_progress)
+                    max_evals=args.max_evals, progress=not args.no_progress,
+                    **({} if args.max_auto is None else {"max_auto": args.max_auto}))
     out = sys.stdout
     out.write(summary(result))
     out.write(not_considered(result))
@@ -154,7 +158,7 @@ def _paths_from(plan, out: str):
 
 def _check_args(args: argparse.Namespace) -> None:
     for name, low in (("gpus", 1), ("top", 1), ("pick", 1), ("ranks_per_node", 1),
-                      ("max_evals", 1)):
+                      ("max_evals", 1), ("max_auto", 0)):
         if getattr(args, name) is not None and getattr(args, name) < low:
             raise PipeplanError(f"--{name.replace('_', '-')} must be at least {low}")
     if not 0 <= args.headroom < 1:

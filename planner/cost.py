@@ -265,6 +265,25 @@ def _layouts(units: Units, c: Candidate, split: tuple[int, ...], stage_rank) -> 
     return out
 
 
+def quick_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
+    """No schedule of `c` is faster, from its compute alone (no split, no schedule, no new
+    capture; never above lower_bound's time): the busiest pipeline rank does at least the
+    mean of the pipeline's work, m x (the units' F + B + W, communication left out) / pp.
+    Every op is timed on its own (optime.op_times sums them), so the units' times add up
+    to their stages'. Recompute on some ranks only: the table without it (less work). A cp
+    value not captured yet: its cp = 1 table divided by cp (a sequence shard's ops take no
+    less than their share of the whole sequence's: op time grows no faster than the op)."""
+    rc = "none" if c.rc_ranks else c.recompute
+    cp = c.cp if units.has(c.mbs, c.tp > 1, c.sp, rc, c.cp) else 1
+    key = ("quick", c.mbs, c.tp, c.sp, rc, cp, id(device))
+    if key not in units.cache:
+        plan = plan_of(units.plan, dataclasses.replace(c, recompute=rc, rc_ranks=0),
+                       units.blocks)
+        t = op_times(plan, _work(units.at(c.mbs, c.tp > 1, c.sp, rc, cp)), device.hardware)
+        units.cache[key] = t.f + t.b + t.w
+    return c.microbatches * units.cache[key] / (c.pp * (c.cp // cp))
+
+
 def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float, int]:
     """(no schedule of `c` is faster, no rank of `c` holds fewer bytes than the fullest)."""
     sh = shape(units, c, device)
@@ -286,7 +305,10 @@ def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ..
     fixed = c.schedule != "auto"
     key = ("held", id(sh), place, c.zero) + ((c.schedule, c.microbatches) if fixed else ())
     if key not in units.cache:
-        ranks = state(units, c, sh.split, place)
+        skey = ("held state", id(sh), place, c.zero)  # the same for every kind and m
+        if skey not in units.cache:
+            units.cache[skey] = state(units, c, sh.split, place)
+        ranks = units.cache[skey]
         acts = held_peaks(order(units, c), list(sh.act))[0] if fixed else \
             _rank_max(sh.act, place, c.pp)
         units.cache[key] = tuple(int(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a)

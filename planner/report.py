@@ -43,12 +43,16 @@ def table(result: SearchResult, peak_flops: float) -> str:
 def summary(result: SearchResult) -> str:
     closed = ("the bound closed: no unevaluated candidate can enter the top "
               f"{max(len(result.top), 1)}" if result.closed else
+              f"auto was evaluated {result.auto_evaluated} times (--max-auto) and auto "
+              "candidates remained under the bound: a faster auto plan may exist"
+              if result.auto_capped else
               "the evaluation budget (--max-evals) ran out before the bound closed: a "
               "faster plan may exist")
     return (f"searched {result.enumerated} candidates on {result.gpus} GPUs: "
             f"{result.over_memory} over {result.capacity / GIB:.1f} GiB by their memory bound, "
             f"{result.pruned} skipped by the bound with the optimizer and DP reduction, "
-            f"{result.evaluated} evaluated (schedule generated and simulated), "
+            f"{result.evaluated} evaluated (schedule generated and simulated; "
+            f"{result.auto_evaluated} of them auto), "
             f"{result.over_memory_evaluated} of those over memory; {closed}; "
             f"model captured {result.units.captures} times\n")
 

@@ -1,33 +1,48 @@
 """Branch and bound over the plan space: every candidate bounded, the best evaluated in order.
 
-1. Measure the model once per rewrite (units.measure).
-2. Enumerate the space (space.enumerate_space) under the user's constraints, and for each
-   candidate recomputing on every rank of a pipeline, the same recomputing only on the
-   first ranks that would not fit without it (`recompute_where_it_pays`).
-3. Bound every candidate (cost.lower_bound): a step time no schedule beats and the bytes its
-   fullest rank holds at least. A candidate over the memory capacity is dropped here.
-4. Evaluate in increasing bound order (cost.predict: schedule generated and simulated),
-   keeping the K fastest that fit, and skipping a candidate whose tighter bound
-   (cost.step_bound: the optimizer pass and a DP reduction added) is no better than the
-   K-th best; stop when the next bound is no better than the K-th
-   best (then no unevaluated candidate can enter the top K: the result is the exhaustive
-   optimum of the space) or after `max_evals` evaluations (then the report says so).
+1. Measure the model once per rewrite (units.measure): at cp = 1 now; each other cp value
+   (its capture and the compiler's cp checks) when the search first reaches one of its
+   candidates.
+2. Enumerate the space (space.enumerate_space) under the user's constraints.
+3. Queue every candidate under its quick bound (cost.quick_bound: the pipeline's compute
+   shared evenly, from the unit tables alone), and for each candidate recomputing on every
+   rank of a pipeline a stand-in for the same recomputing only on the first ranks that
+   would not fit without it (`recompute_where_it_pays`, decided when the stand-in is
+   reached).
+4. Pop the least bound. A candidate under its quick bound is bounded again on its own
+   stages (cost.lower_bound: a step time no schedule beats, the bytes its fullest rank holds
+   at least; over the memory capacity it is dropped) and queued again; a candidate under
+   that bound is evaluated (cost.predict: schedule generated and simulated), keeping the K
+   fastest that fit, unless its tighter bound (cost.step_bound: the optimizer pass and a DP
+   reduction added) is no better than the K-th best. Each refinement only raises a bound,
+   so candidates are evaluated in increasing order of lower_bound, as if every one had
+   been bounded first, and most are never bounded on their stages.
+5. Stop when the least bound is no better than the K-th best (then no candidate left can
+   enter the top K: the result is the exhaustive optimum of the space), or after
+   `max_evals` evaluations, or when only `auto` candidates are left and `max_auto` of them
+   were evaluated (each is a schedule search: seconds at these depths); then the report
+   says the search was not closed.
 Ties break on the candidate's fields, so the same input gives the same output everywhere;
 nothing reads the clock (the CLI times the search from outside).
 """
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
-from .cost import Prediction, held_bytes, lower_bound, predict, step_bound
+from .cost import Prediction, held_bytes, lower_bound, predict, quick_bound, step_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
     recompute_pattern
 from .units import Units, measure
+
+
+MAX_AUTO = 24  # auto evaluations at most: each is a schedule search (seconds at pp 16)
+_WHERE, _QUICK, _BOUNDED = 0, 1, 2  # how far a queued candidate is refined
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,8 @@ class SearchResult:
     evaluated: int = 0
     pruned: int = 0  # skipped before evaluation by cost.step_bound
     over_memory_evaluated: int = 0  # evaluated, then over capacity
+    auto_evaluated: int = 0  # of `evaluated`, schedule kind auto (at most max_auto)
+    auto_capped: bool = False  # stopped at max_auto with auto candidates left under the bound
     refused: int = 0  # evaluated candidates `check` refuses (none expected)
     closed: bool = False  # the bound proved no unevaluated candidate enters the top K
     not_considered: dict = field(default_factory=dict)  # reason -> values
@@ -54,9 +71,11 @@ class SearchResult:
 
 def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
            cons: Optional[Constraints] = None, top_k: int = 10, max_evals: int = 2000,
-           progress: bool = False, units: Optional[Units] = None) -> SearchResult:
+           progress: bool = False, units: Optional[Units] = None,
+           max_auto: int = MAX_AUTO) -> SearchResult:
     """The top `top_k` candidates that fit `capacity_bytes` (less the headroom). `units`: the
-    model already measured for this plan (units.measure), else it is measured here."""
+    model already measured for this plan (units.measure), else it is measured here. At most
+    `max_evals` evaluations, of which at most `max_auto` of schedule kind auto."""
     cons = cons or Constraints()
     rpn = device.ranks_per_node or gpus
     tp_values = tuple(t for t in divisors(gpus) if t <= rpn or not cons.tp_in_node)
@@ -65,38 +84,63 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     bar = _bar(progress)
     pattern = recompute_pattern(_blocks(plan))
     units = units or measure(plan, tp_values, cp_values, pattern,
-                             progress=(lambda s: bar.write(s)) if bar else None)
+                             progress=(lambda s: bar.write(s)) if bar else None,
+                             check_all_cp=False)
     result = SearchResult([], units, capacity=capacity_bytes * (1 - cons.headroom), gpus=gpus)
     cands = enumerate_space(plan, gpus, len(units.blocks), cons, rpn, units.refused,
                             pattern is not None, result.not_considered,
                             frozenset(("cp", c) for c in cp_values))
-    cands += recompute_where_it_pays(units, cands, device, result.capacity)
     result.enumerated = len(cands)
-    bounded = []
-    for c in _iter(cands, progress, "bounding"):
-        lb, held = lower_bound(units, c, device)
-        if held > result.capacity:
-            result.over_memory += 1
-        else:
-            bounded.append((lb, c))
-    # `auto` searches orders (the slowest to evaluate, and never slower than the fixed kinds
-    # it includes): the fixed kinds first, then auto under the bound they leave
-    bounded.sort(key=lambda b: (b[1].schedule == "auto", b))
+    # (auto last, bound, how far it is refined, candidate): `auto` searches orders (the
+    # slowest to evaluate, never slower than the fixed kinds it includes), so the fixed
+    # kinds come first, then auto under the bound they leave
+    heap = [(c.schedule == "auto", quick_bound(units, c, device), _QUICK, c)
+            for c in _iter(cands, progress, "bounding")]
+    heap += [(False, quick_bound(units, r, device), _WHERE, r)
+             for r in (_where(c) for c in cands) if r is not None]
+    heapq.heapify(heap)
     top: list[Ranked] = []
-    has_auto = any(b[1].schedule == "auto" for b in bounded)
-    for lb, c in _iter(bounded, progress, "evaluating", total=min(len(bounded), max_evals)):
-        if len(top) >= top_k and lb >= top[-1].prediction.step_time_s:
-            if c.schedule == "auto" or not has_auto:
+    has_auto = any(c.schedule == "auto" for c in cands)
+    bar = _bar(progress)
+    bar = bar(desc="evaluating", total=max_evals, leave=False, mininterval=0.5) if bar else None
+    while heap:
+        is_auto, bound, level, c = heapq.heappop(heap)
+        if len(top) >= top_k and bound >= top[-1].prediction.step_time_s:
+            if is_auto or not has_auto:
                 result.closed = True
                 break
             continue  # the fixed kinds are closed; auto's turn
+        if level == _WHERE:  # recompute on the first ranks only, where it pays
+            for r in recompute_where_it_pays(units, [dataclasses.replace(c, rc_ranks=0)],
+                                             device, result.capacity):
+                result.enumerated += 1
+                heapq.heappush(heap, (False, quick_bound(units, r, device), _QUICK, r))
+            continue
+        if level == _QUICK:  # the bound of its own stages and the bytes it holds
+            reason = units.refusal(c.tp, c.cp)
+            if reason:
+                _skip(result, reason, f"cp={c.cp}" if reason == units.refused.get(
+                    ("cp", c.cp)) else f"tp={c.tp} cp={c.cp}")
+                continue
+            lb, held = lower_bound(units, c, device)
+            if held > result.capacity:
+                result.over_memory += 1
+            else:
+                heapq.heappush(heap, (is_auto, lb, _BOUNDED, c))
+            continue
         if len(top) >= top_k and step_bound(units, c, device) >= \
                 top[-1].prediction.step_time_s:
             result.pruned += 1  # what follows its pipeline keeps it out of the top K
             continue
         if result.evaluated >= max_evals:
             break
+        if is_auto and result.auto_evaluated >= max_auto:
+            result.auto_capped = True
+            break  # only auto candidates are left
         result.evaluated += 1
+        result.auto_evaluated += is_auto
+        if bar is not None:
+            bar.update(1)
         problems = _refusal(plan, units, c, gpus)
         if problems:
             result.refused += 1
@@ -111,6 +155,9 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
         del top[top_k:]
     else:
         result.closed = True
+    if bar is not None:
+        bar.close()
+    units.settle()
     result.top = top
     return result
 
@@ -131,6 +178,20 @@ def recompute_where_it_pays(units: Units, cands: list, device: DeviceModel,
         if over and over[-1] + 1 < c.pp:
             out.append(dataclasses.replace(c, rc_ranks=over[-1] + 1))
     return out
+
+
+def _where(c: Candidate) -> Optional[Candidate]:
+    """The stand-in for `c`'s recompute-on-the-first-ranks variants (rc_ranks -1: which
+    ranks is decided when it is reached, by `recompute_where_it_pays`), or None."""
+    if c.recompute == "none" or c.schedule == "auto" or c.pp == 1 or c.rc_ranks:
+        return None
+    return dataclasses.replace(c, rc_ranks=-1)
+
+
+def _skip(result: SearchResult, reason: str, what: str) -> None:
+    values = result.not_considered.setdefault(reason, [])
+    if what not in values:
+        values.append(what)
 
 
 def _refusal(plan: Plan, units: Units, c: Candidate, gpus: int) -> Optional[str]:

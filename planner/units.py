@@ -19,6 +19,10 @@ and op groups; otherwise each size is captured itself. Size 1 is not on the line
 dimension of 1 broadcasts, so some memory-bound ops move fewer elements there. The
 planner's chosen plan is compiled for real at its own size afterwards (`pipeplan plan`
 prints both estimates), and the tests compare the two at sizes never captured.
+
+Captures are ahead of need on two cores: while this process captures at size 1 (of cp 1,
+and of each cp value the search reaches), a forked child captures size 3 of the same cp
+(forked.py); the tables are the same either way.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from ..compiler.partition import compute_nodes, first_position, Split
 from ..compiler.stages import build_stages
 from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
 from ..dsl.errors import PlanError
+from . import forked
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -86,8 +91,11 @@ class Units:
     affine: dict = field(default_factory=dict)  # cp -> sizes 2, 3 on a line (linear)
     refused: dict = field(default_factory=dict)  # what the compiler refuses, per axis value
     capture: Optional[Callable] = None  # (mbs, cp) -> per-rewrite tables
+    check_cp: Optional[Callable] = None  # cp -> records the compiler's cp refusals
+    settle: Callable = lambda: None  # stops captures started ahead and no longer needed
     captures: int = 0  # how many times the model was captured
     cache: dict = field(default_factory=dict)  # the cost model's per-shape results
+    checked: set = field(default_factory=set)  # ("cp", value) whose refusals are known
 
     def at(self, mbs: int, tp_on: bool, sp: bool, recompute: str, cp: int = 1) -> list[Unit]:
         key = (mbs, tp_on, sp, recompute, cp)
@@ -99,6 +107,21 @@ class Units:
             else:
                 self.capture(mbs, cp)
         return self.tables[key]
+
+    def refusal(self, tp: int, cp: int) -> Optional[str]:
+        """Why the compiler refuses cp (or tp x cp) on this model, None when it does not.
+        Each cp value is checked the first time it is asked about (its own capture)."""
+        if cp == 1:
+            return None
+        if not any(k[0] == "cp" and k[1] == cp for k in self.checked):
+            self.checked.add(("cp", cp))
+            self.check_cp(cp)
+        return self.refused.get(("cp", cp)) or self.refused.get(("tp x cp", tp, cp))
+
+    def has(self, mbs: int, tp_on: bool, sp: bool, recompute: str, cp: int = 1) -> bool:
+        """Can `at` answer without capturing the model again?"""
+        return (mbs, tp_on, sp, recompute, cp) in self.tables or \
+            (mbs > 3 and self.affine.get(cp, False))
 
     def linear(self, cp: int) -> bool:
         """Do sizes 2 and 3 at this cp (captured here if they are not yet) join on a line:
@@ -156,20 +179,40 @@ def _work_pairs(a: StageWork, b: StageWork) -> bool:
 
 
 def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
-            recompute_pattern: Optional[str], progress=None) -> Units:
+            recompute_pattern: Optional[str], progress=None, check_all_cp: bool = True) -> Units:
     """Capture `plan`'s model at microbatch sizes 1, 2 and 3 (once each) and build its unit
-    tables; record which tp and cp values the compiler's own checks refuse, and why."""
+    tables; record which tp values the compiler's own checks refuse, and why, and the same
+    of each cp value (its own capture) now, or with `check_all_cp` False when the search
+    first asks (Units.refusal)."""
     model = load_model(plan, "meta")
     to_precision(model, plan.train.precision)
     units = Units(plan, tuple(blocks_of(model)))
     traced_at = {}  # (mbs, cp) -> that capture (capture/traced.TracedWithLoss)
 
+    pending = {}  # (mbs, cp) -> waiting for a forked child's tables (forked.py)
+
     def capture(mbs: int, cp: int) -> None:
         units.captures += 1
+        tables = pending.pop((mbs, cp)).wait() if (mbs, cp) in pending else None
+        if tables is not None:
+            units.tables.update(tables)
+            return
         if progress:
             progress(f"capturing the model (microbatch {mbs}, cp {cp})")
         traced_at[(mbs, cp)] = _capture(units, model, plan, mbs, cp, tp_values,
                                         recompute_pattern)
+
+    def ahead(mbs: int, cp: int) -> None:
+        """Capture (mbs, cp) in a child meanwhile (one child at a time), for `capture`."""
+        if pending or any(k[0] == mbs and k[4] == cp for k in units.tables):
+            return
+
+        def work() -> dict:
+            _capture(units, model, plan, mbs, cp, tp_values, recompute_pattern)
+            return {k: t for k, t in units.tables.items() if k[0] == mbs and k[4] == cp}
+        child = forked.start(work)
+        if child is not None:
+            pending[(mbs, cp)] = child
 
     for tp in tp_values:  # shapes tp must divide (tp_annotations), before any capture
         if tp > 1:
@@ -179,9 +222,25 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
                 units.refused[("tp", tp)] = e.diagnostics[0].message
     tp_values = tuple(t for t in tp_values if ("tp", t) not in units.refused)
     units.capture = capture
+
+    def check_cp(cp: int) -> None:
+        ahead(3, cp)  # sizes 2 and 3 follow if the search goes on with this cp
+        _cp_refusals(units, model, plan, traced_at, tp_values, cp)
+        if ("cp", cp) in units.refused and (3, cp) in pending:
+            pending.pop((3, cp)).cancel()
+
+    def settle() -> None:
+        """No child left running (the search is over)."""
+        for key in list(pending):
+            pending.pop(key).cancel()
+    units.check_cp, units.settle = check_cp, settle
+    ahead(3, 1)
     capture(1, 1)
     units.linear(1)  # sizes 2 and 3
-    _refusals(units, model, plan, traced_at, tp_values, cp_values)
+    _tp_refusals(units, model, plan, traced_at[(1, 1)], tp_values)
+    if check_all_cp:
+        for cp in cp_values:
+            units.refusal(1, cp)
     return units
 
 
@@ -257,9 +316,12 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
 
                 saved = _saved_bytes(records, p.recompute, sp, kinds, scale)
                 alone = [tuple((t, saved(st.module, t)) for t in tps) for st in stages]
+                own_costs = [[] for _ in stages]  # each stage's node costs, in node order
+                for i, n in enumerate(nodes):
+                    if costs.get(n) is not None:
+                        own_costs[split.stage_of(i)].append(costs[n])
                 for st in stages:
-                    own = [c for i, n in enumerate(nodes) if split.stage_of(i) == st.index
-                           for c in (costs.get(n),) if c is not None]
+                    own = own_costs[st.index]
                     u = st.index
                     inner = tuple((t, saved(st.module, t, shards[u])) for t in tps) \
                         if sp else alone[u]
@@ -346,11 +408,9 @@ def _nbytes(spec) -> int:
     return n * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
 
 
-def _refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp_values) -> None:
-    """Each tp (and cp, and tp x cp) value the compiler's own checks refuse on this model,
-    and why: tp on the first capture; each cp on its own capture (one cp rank's sequence),
-    through the compiler's context-parallel passes in the driver's order (cp_checks.py)."""
-    traced = traced_at[(1, 1)]
+def _tp_refusals(units: Units, model, plan: Plan, traced, tp_values) -> None:
+    """Each tp value the compiler's own checks refuse on this model, and why (the first
+    capture)."""
     for tp in tp_values:
         if tp == 1 or ("tp", tp) in units.refused:
             continue
@@ -360,26 +420,29 @@ def _refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp_va
             check_pairing(p, traced.module.graph, model, kinds, traced.run)
         except PlanError as e:
             units.refused[("tp", tp)] = e.diagnostics[0].message
-    for cp in cp_values:
-        if cp == 1:
+
+
+def _cp_refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp: int) -> None:
+    """Whether the compiler's checks refuse cp (and tp x cp) on this model, and why: on the cp
+    value's own capture (one cp rank's sequence), through the compiler's context-parallel
+    passes in the driver's order (cp_checks.py)."""
+    p = dataclasses.replace(unit_plan(plan, units.blocks, 1, 1, False, "none", None, cp),
+                            context=plan.context or ContextSpec())
+    try:  # its first capture runs the compiler's cp passes (_capture)
+        if (1, cp) not in traced_at:
+            units.capture(1, cp)
+        at = traced_at[(1, cp)]
+    except PlanError as e:
+        units.refused[("cp", cp)] = e.diagnostics[0].message
+        return
+    for tp in tp_values:  # heads tp splits, split again by cp (Ulysses)
+        if tp == 1 or ("tp", tp) in units.refused:
             continue
-        p = dataclasses.replace(unit_plan(plan, units.blocks, 1, 1, False, "none", None, cp),
-                                context=plan.context or ContextSpec())
-        try:  # its first capture runs the compiler's cp passes (_capture)
-            if (1, cp) not in traced_at:
-                units.capture(1, cp)
-            at = traced_at[(1, cp)]
+        pt = dataclasses.replace(unit_plan(plan, units.blocks, 1, tp, False, "none", None,
+                                           cp), context=p.context)
+        try:
+            kinds = tp_annotations(pt, model)
+            check_context(pt, at.module.graph, at.run,
+                          heads_split_by_tp(pt, at.module.graph, model, kinds, at.run))
         except PlanError as e:
-            units.refused[("cp", cp)] = e.diagnostics[0].message
-            continue
-        for tp in tp_values:  # heads tp splits, split again by cp (Ulysses)
-            if tp == 1 or ("tp", tp) in units.refused:
-                continue
-            pt = dataclasses.replace(unit_plan(plan, units.blocks, 1, tp, False, "none", None,
-                                               cp), context=p.context)
-            try:
-                kinds = tp_annotations(pt, model)
-                check_context(pt, at.module.graph, at.run,
-                              heads_split_by_tp(pt, at.module.graph, model, kinds, at.run))
-            except PlanError as e:
-                units.refused[("tp x cp", tp, cp)] = e.diagnostics[0].message
+            units.refused[("tp x cp", tp, cp)] = e.diagnostics[0].message

@@ -253,8 +253,8 @@ def test_tampered_build_schedule_is_refused_before_launch(tmp_path):
     assert "rank 1" in r.stderr
 
 
-@pytest.mark.slow
-def test_checkpoint_resume_continues_exactly(tmp_path):
+@pytest.mark.heavy  # ~1 min of two CLI launches; exact resume stays in the default suite
+def test_checkpoint_resume_continues_exactly(tmp_path):  # (test_resume_paths, sharded, cp)
     """Stop after step 4 (checkpoints at 2 and 4), resume to 6: the same losses as one run."""
     ckpt = tmp_path / "ckpt"
     straight = write_plan(tmp_path, dp=2, name="straight.plan")

@@ -5,6 +5,7 @@ capture and estimate for each), never the planner's unit tables or bounds.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -14,9 +15,9 @@ from pipeplan.cli import main
 from pipeplan.compiler import compile_plan
 from pipeplan.compiler.estimate.device import device_model
 from pipeplan.dsl.load import load_plan, parse_plan
-from pipeplan.planner.cost import lower_bound, predict, step_bound
+from pipeplan.planner.cost import lower_bound, predict, quick_bound, step_bound
 from pipeplan.planner.search import search
-from pipeplan.planner.space import Constraints, enumerate_space, plan_of
+from pipeplan.planner.space import Candidate, Constraints, enumerate_space, plan_of
 from pipeplan.planner.units import measure
 
 GPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models", "gpt.py")
@@ -113,7 +114,9 @@ def test_bound_never_exceeds_the_prediction(plan, units):
         lb, held = lower_bound(units, c, dev)
         p = predict(units, c, dev)
         tighter = step_bound(units, c, dev)
-        assert lb <= tighter <= p.step_time_s * (1 + 1e-12), c.label()
+        quick = quick_bound(units, c, dev)
+        assert quick <= lb * (1 + 1e-12) and lb <= tighter <= p.step_time_s * (1 + 1e-12), \
+            c.label()
         assert held <= p.peak_bytes, c.label()
 
 
@@ -129,6 +132,39 @@ def test_not_considered_names_each_reason_once(plan, units):
                        "`scaled_dot_product_attention`") == ["tp=2 cp=4"]
     assert not any("positions" in r for r in reasons)
     assert len(reasons) == len(set(reasons))
+
+
+def test_a_cp_value_is_captured_and_checked_only_when_the_search_reaches_it(plan):
+    """The search measures cp = 1 only; a cp value is captured (and the compiler's cp checks
+    run on it) when one of its candidates is reached: cp = 8 (8 ranks of Ulysses over 4
+    heads) is refused with check's reason once reached, and never captured when fixed off."""
+    lazy = measure(plan, (1, 2), (1, 2, 4, 8), "layers.*", check_all_cp=False)
+    assert lazy.captures == 3 and not lazy.checked
+    res = search(plan, 8, device_model(plan), 1e9,
+                 Constraints(fixed={"cp": 8, "tp": 1}, schedules=("1f1b",)), units=lazy)
+    assert not res.top and lazy.checked == {("cp", 8)}
+    assert any(r.startswith("cp = 8 does not divide the 4 heads") for r in res.not_considered)
+    res = search(plan, 8, device_model(plan), 1e9,
+                 Constraints(fixed={"cp": 1, "tp": 1}, schedules=("1f1b",)), units=lazy)
+    assert res.top and lazy.checked == {("cp", 8)} and lazy.captures == 4
+    # before cp = 2 is captured its quick bound is the cp = 1 table's work halved per rank
+    # (here twice the microbatches of half the dp: the same bound), asked in either order
+    one = Candidate(2, 4, 1, 1, 1, "1f1b", 1, 2, 1, False, "none", 0)
+    two = dataclasses.replace(one, dp=2, cp=2, microbatches=2)
+    dev = device_model(plan)
+    assert quick_bound(lazy, one, dev) == pytest.approx(quick_bound(lazy, two, dev), rel=1e-12)
+    assert lazy.captures == 4
+
+
+def test_auto_evaluations_are_capped_and_the_report_says_the_bound_did_not_close(plan, units):
+    cons = Constraints(fixed={"tp": 1, "cp": 1, "zero": 0, "recompute": "none", "sp": False},
+                       schedules=("auto", "1f1b"))
+    full = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units)
+    assert full.closed and full.auto_evaluated > 2
+    capped = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units,
+                    max_auto=2)
+    assert capped.auto_evaluated == 2 and not capped.closed
+    assert capped.evaluated == full.evaluated - full.auto_evaluated + 2
 
 
 def test_a_context_parallel_candidate_is_estimated_as_check_estimates_it(plan, units):
