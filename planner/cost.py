@@ -284,6 +284,22 @@ def quick_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
     return c.microbatches * units.cache[key] / (c.pp * (c.cp // cp))
 
 
+def quick_held(units: Units, c: Candidate) -> float:
+    """No rank of `c` holds fewer state bytes (parameters, gradients, optimizer states) than
+    this, with no split, no schedule and no new capture: the whole model's state on one
+    rank at c's dp, tp, ep and ZeRO stage, over pp (the fullest rank holds at least the
+    mean; a split only adds: each rank pads its own shards, a tied weight is on two)."""
+    key = ("quick held", c.dp, c.tp, c.cp, c.ep, c.zero)
+    if key not in units.cache:
+        one = dataclasses.replace(c, pp=1, virtual=1, rc_ranks=0)
+        lay = _layouts(units, dataclasses.replace(one, cp=1, mbs=1, sp=False,
+                                                  recompute="none"), (), (0,))[0]
+        rk = _state_bytes(plan_of(units.plan, one, units.blocks), lay,
+                          {s: 1 for s in lay.uses})
+        units.cache[key] = rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes
+    return units.cache[key] / c.pp
+
+
 def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float, int]:
     """(no schedule of `c` is faster, no rank of `c` holds fewer bytes than the fullest)."""
     sh = shape(units, c, device)
@@ -309,8 +325,11 @@ def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ..
         if skey not in units.cache:
             units.cache[skey] = state(units, c, sh.split, place)
         ranks = units.cache[skey]
-        acts = held_peaks(order(units, c), list(sh.act))[0] if fixed else \
-            _rank_max(sh.act, place, c.pp)
+        akey = ("held acts", id(sh), place) + key[4:]  # the same for every ZeRO stage
+        if akey not in units.cache:
+            units.cache[akey] = held_peaks(order(units, c), list(sh.act))[0] if fixed else \
+                _rank_max(sh.act, place, c.pp)
+        acts = units.cache[akey]
         units.cache[key] = tuple(int(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a)
                                  for rk, a in zip(ranks, acts))
     return units.cache[key]

@@ -4,8 +4,9 @@
    (its capture and the compiler's cp checks) when the search first reaches one of its
    candidates.
 2. Enumerate the space (space.enumerate_space) under the user's constraints.
-3. Queue every candidate under its quick bound (cost.quick_bound: the pipeline's compute
-   shared evenly, from the unit tables alone), and for each candidate recomputing on every
+3. Drop every candidate whose state bytes alone, shared evenly over the pipeline, are
+   over the memory capacity (cost.quick_held); queue the others under their quick bound
+   (cost.quick_bound: the pipeline's compute shared evenly, from the unit tables alone), and for each candidate recomputing on every
    rank of a pipeline a stand-in for the same recomputing only on the first ranks that
    would not fit without it (`recompute_where_it_pays`, decided when the stand-in is
    reached).
@@ -35,7 +36,8 @@ from typing import Optional
 from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
-from .cost import Prediction, held_bytes, lower_bound, predict, quick_bound, step_bound
+from .cost import Prediction, held_bytes, lower_bound, predict, quick_bound, quick_held, \
+    step_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
     recompute_pattern
 from .units import Units, measure
@@ -94,10 +96,12 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     # (auto last, bound, how far it is refined, candidate): `auto` searches orders (the
     # slowest to evaluate, never slower than the fixed kinds it includes), so the fixed
     # kinds come first, then auto under the bound they leave
+    fits = [c for c in cands if quick_held(units, c) <= result.capacity]
+    result.over_memory = len(cands) - len(fits)
     heap = [(c.schedule == "auto", quick_bound(units, c, device), _QUICK, c)
-            for c in _iter(cands, progress, "bounding")]
+            for c in _iter(fits, progress, "bounding")]
     heap += [(False, quick_bound(units, r, device), _WHERE, r)
-             for r in (_where(c) for c in cands) if r is not None]
+             for r in (_where(c) for c in fits) if r is not None]
     heapq.heapify(heap)
     top: list[Ranked] = []
     has_auto = any(c.schedule == "auto" for c in cands)
