@@ -114,6 +114,12 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
                 result.closed = True
                 break
             continue  # the fixed kinds are closed; auto's turn
+        if level < _BOUNDED:  # its cp value captured and checked first (once per value)
+            reason = units.refusal(c.tp, c.cp)
+            if reason:
+                _skip(result, reason, f"cp={c.cp}" if reason == units.refused.get(
+                    ("cp", c.cp)) else f"tp={c.tp} cp={c.cp}")
+                continue
         if level == _WHERE:  # recompute on the first ranks only, where it pays
             for r in recompute_where_it_pays(units, [dataclasses.replace(c, rc_ranks=0)],
                                              device, result.capacity):
@@ -121,11 +127,6 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
                 heapq.heappush(heap, (False, quick_bound(units, r, device), _QUICK, r))
             continue
         if level == _QUICK:  # the bound of its own stages and the bytes it holds
-            reason = units.refusal(c.tp, c.cp)
-            if reason:
-                _skip(result, reason, f"cp={c.cp}" if reason == units.refused.get(
-                    ("cp", c.cp)) else f"tp={c.tp} cp={c.cp}")
-                continue
             lb, held = lower_bound(units, c, device)
             if held > result.capacity:
                 result.over_memory += 1

@@ -270,3 +270,22 @@ def test_cp_is_searched_on_a_library_model_with_its_own_mask(tmp_path):
     assert best.candidate.cp == 2
     est = compile_plan(plan_of(hf, best.candidate, res.units.blocks)).estimates
     assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
+
+
+def test_a_cp_value_the_model_cannot_be_captured_at_is_listed_not_raised(tmp_path):
+    """Megatron 2021's attention adds a causal buffer made at the whole sequence: at cp = 2
+    its capture fails (one cp rank's sequence is half). Reached first by a stand-in for
+    recomputing on the first ranks only, the cp value is still checked before any table
+    of it is read: the search lists check's reason and proposes no cp = 2 plan."""
+    megatron = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "calibration",
+                            "megatron_gpt.py")
+    path = tmp_path / "megatron.plan"
+    path.write_text(PLAN.replace(os.path.abspath(GPT), os.path.abspath(megatron)))
+    tiny = load_plan(str(path))
+    lazy = measure(tiny, (1, 2), (1, 2), "layers.*", check_all_cp=False)
+    res = search(tiny, 8, device_model(tiny), 1e12,
+                 Constraints(fixed={"cp": 2, "tp": 1, "pp": 2, "recompute": "full"},
+                             schedules=("1f1b",)), units=lazy)
+    assert not res.top
+    assert res.not_considered and all(v == ["cp=2"] for v in res.not_considered.values())
+    assert any("shape propagation failed" in r for r in res.not_considered)
