@@ -84,8 +84,13 @@ def speed(plan, gpus: int, max_evals: int) -> None:
     best = res.top[0] if res.top else None
     print(f"{gpus} x {plan.device.name}: best {best.candidate.label() if best else 'none fits'}"
           f" ({tflops(best.prediction) if best else 0:.1f} TFLOP/s); evaluated "
-          f"{res.evaluated}/{res.enumerated}{'' if res.closed else ' (budget)'}, model captured "
+          f"{res.evaluated}/{res.enumerated}{_open(res)}, model captured "
           f"{res.units.captures} times; search {took:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+
+
+def _open(res) -> str:
+    """Why the search stopped before its bound closed ('' when it closed)."""
+    return "" if res.closed else " (auto cap)" if res.auto_capped else " (budget)"
 
 
 def published(row) -> Candidate:
@@ -165,7 +170,7 @@ def main(argv=None) -> int:
         rank = next((i + 1 for i, r in enumerate(res.top) if same_layout(r.candidate, pub)),
                     None)
         why = f"#{rank}" if rank else excluded(res, pub, p_pub)
-        ev = f"{res.evaluated}/{res.enumerated}" + ("" if res.closed else " (budget)")
+        ev = f"{res.evaluated}/{res.enumerated}" + _open(res)
         best = res.top[0] if res.top else None
         checked = "-"
         if best and not args.no_check:

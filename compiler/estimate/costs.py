@@ -12,6 +12,8 @@ training really costs:
   A MoE traced as a leaf with a data-dependent dispatch loop runs with
   everything selected, so each expert takes all T·top_k (token, slot) pairs
   (transformers' eager pattern); it counts 1 / num_experts of that.
+* context parallel: an attention op's meta run costs one block of the local slice; a cp
+  rank runs more (parallel/cp.py: attention_blocks), so its FLOPs and work repeat.
 * recompute rules (compiler/recompute.py): `full` reruns a module's forward in
   backward, `selective` its nodes without matmul work and attention. What a
   stage keeps is compiler/estimate/activations.py's to count.
@@ -49,6 +51,8 @@ class Cost:
     recompute_ops: int = 0  # ... rerun during backward
     work: Work = Work()  # what the forward asks of a device (work.py), before `scale`
     scale: float = 1.0  # the share of its work and saves training runs (experts at top-k)
+    repeat: float = 1.0  # how many times a rank runs its work (cp's attention blocks), saves
+    # not repeated
 
     @property
     def total(self) -> float:
@@ -62,6 +66,7 @@ def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]
     activations.py's to count)."""
     costs = {}
     experts_calls = _experts_calls(plan, graph, run)
+    blocks = _attention_blocks(plan, graph)
     for node in graph.nodes:
         measured = run.costs.get(node)
         if measured is None:
@@ -75,12 +80,21 @@ def node_costs(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, Cost]
         else:
             scale = _expert_scale(plan, node, path, run)
             flops = flops * scale
+        repeat = blocks.get(node, 1.0)
+        flops = flops * repeat
         mode, _ = recompute_mode(plan.recompute, path)
         reruns = mode != "none" and dropped(Region("", mode), node, measured.flops)
         recompute = flops if reruns else 0.0
         costs[node] = Cost(flops, int(measured.saved_bytes * scale), recompute, measured.ops,
-                           measured.ops if reruns else 0, measured.work, scale)
+                           measured.ops if reruns else 0, measured.work, scale, repeat)
     return costs
+
+
+def _attention_blocks(plan: Plan, graph: fx.Graph) -> dict[fx.Node, float]:
+    if plan.mesh.cp == 1:
+        return {}
+    from ..parallel.cp import attention_blocks
+    return attention_blocks(plan, graph)
 
 
 def _experts_calls(plan: Plan, graph: fx.Graph, run: MetaRun) -> dict[fx.Node, float]:

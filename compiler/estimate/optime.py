@@ -151,13 +151,14 @@ class StageWork:
         rec = bool(cost.recompute_ops or cost.recompute_flops)
         self.ops += cost.ops
         self.recompute_ops += cost.recompute_ops
+        share = cost.scale * cost.repeat
         for g in cost.work.gemms:
             key = (g, kind, rec)
-            self.gemms[key] = self.gemms.get(key, 0.0) + cost.scale
+            self.gemms[key] = self.gemms.get(key, 0.0) + share
         w = cost.work
         m = self.memory.setdefault((kind is not None, rec), [0.0, 0.0, 0])
-        m[0] += w.float_elements * cost.scale
-        m[1] += w.other_bytes * cost.scale
+        m[0] += w.float_elements * share
+        m[1] += w.other_bytes * share
         m[2] += w.kernels
 
 

@@ -214,11 +214,8 @@ def ulysses_traffic(plan: Plan, graph: fx.Graph, run: MetaRun,
 
 def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: MetaRun,
                          tp_heads: dict[fx.Node, int] | None = None) -> None:
-    """Per stage and microbatch: the all-to-all or ring bytes (StageSpec.cp_bytes), and
-    attention's FLOPs as the method runs them. The meta run costs each SDPA on the local
-    slice with all heads ((S/cp)^2 * H, one block). Ulysses runs it on the whole sequence
-    with H/cp heads (S^2 * H/cp): cp blocks. Ring runs cp blocks, or under is_causal its own
-    block and cp-1 half blocks (the load-balanced layout): 1 + (cp-1)/2 blocks."""
+    """Per stage and microbatch: the all-to-all or ring bytes (StageSpec.cp_bytes). What
+    attention computes under cp is counted on its node (`attention_blocks`, costs.py)."""
     cp = plan.mesh.cp
     if cp == 1:
         return
@@ -227,10 +224,24 @@ def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: 
     ring = plan.context.method == "ring"
     traffic = (ring_traffic if ring else ulysses_traffic)(plan, graph, run, tp_heads)
     for node, nbytes in traffic.items():
-        st = stages[split.stage_of(index[node])]
-        st.cp_bytes += nbytes
+        stages[split.stage_of(index[node])].cp_bytes += nbytes
+
+
+def attention_blocks(plan: Plan, graph: fx.Graph) -> dict[fx.Node, float]:
+    """How many times each attention op's meta-run work runs on one cp rank. The meta run
+    costs each SDPA on the local slice with all heads ((S/cp)^2 * H, one block). Ulysses
+    runs it on the whole sequence with H/cp heads (S^2 * H/cp): cp blocks. Ring runs cp
+    blocks, or under is_causal its own block and cp-1 half blocks (the load-balanced
+    layout): 1 + (cp-1)/2 blocks. An attention region run whole (cp_regions.py) already
+    costs H/cp heads over S positions: not listed."""
+    cp = plan.mesh.cp
+    if cp == 1 or plan.context is None:
+        return {}
+    ring = plan.context.method == "ring"
+    out = {}
+    for node in attention_nodes(graph):
         if node.meta.get(REGION):
-            continue  # its meta run already costs H/cp heads over S positions
+            continue
         causal = sdpa_arguments(node.args, node.kwargs)["is_causal"]
-        blocks = 1 + (cp - 1) / 2 if ring and causal else cp
-        st.flops += (blocks - 1) * run.costs[node].flops
+        out[node] = 1 + (cp - 1) / 2 if ring and causal else float(cp)
+    return out

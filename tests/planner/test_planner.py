@@ -14,6 +14,7 @@ import pytest
 from pipeplan.cli import main
 from pipeplan.compiler import compile_plan
 from pipeplan.compiler.estimate.device import device_model
+from pipeplan.dsl.ast import ContextSpec
 from pipeplan.dsl.load import load_plan, parse_plan
 from pipeplan.planner.cost import lower_bound, predict, quick_bound, quick_held, \
     step_bound
@@ -289,3 +290,16 @@ def test_a_cp_value_the_model_cannot_be_captured_at_is_listed_not_raised(tmp_pat
     assert not res.top
     assert res.not_considered and all(v == ["cp=2"] for v in res.not_considered.values())
     assert any("shape propagation failed" in r for r in res.not_considered)
+
+
+def test_a_cp_rank_runs_every_attention_block_in_the_time_model(plan, units):
+    """The meta run costs each attention op on one cp rank's slice: one block of (S/cp)^2.
+    A rank runs more (ring, causal: its own block and cp-1 half blocks; Ulysses: the whole
+    sequence over H/cp heads, cp blocks), and the time model's ops and the FLOPs say so."""
+    method = (plan.context or ContextSpec()).method  # ulysses unless the plan says
+    for cp in (2, 4):
+        blocks = 1 + (cp - 1) / 2 if method == "ring" else cp  # the GPT's is_causal=True
+        one, many = (units.at(1, False, False, "none", c)[units.blocks.index("layers.0")]
+                      for c in (1, cp))
+        att = [sum(n for (g, _, _), n in u.work.gemms.items() if g.attention) for u in (one, many)]
+        assert att[0] > 0 and att[1] == pytest.approx(blocks * att[0])
