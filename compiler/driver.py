@@ -86,7 +86,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     _attach_costs(stages, split, costs, graph)
     _attach_activations(plan, stages, traced.run, costs, tp_kinds)
     check_joint_graphs(plan, stages, graph, traced.run.values)  # graphs mode: exact bytes
-    attach_context_costs(plan, stages, split, graph, traced.run, tp_heads)
+    attach_context_costs(plan, stages, split, graph, compute_nodes(graph), traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
     work = stage_work(graph, compute_nodes(graph), split.stage_of, costs, tp_kinds,

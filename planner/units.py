@@ -311,7 +311,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                 scale = {n.name: c.scale for n, c in costs.items() if c.scale != 1.0}
                 tps = tuple(t for t in tp_values if t > 1) if tp_on else (1,)
                 cp_stages = [dataclasses.replace(st, cp_bytes=0.0) for st in stages]
-                attach_context_costs(p, cp_stages, split, graph, run, tp_heads)
+                attach_context_costs(p, cp_stages, split, graph, nodes, run, tp_heads)
                 table = []
 
                 saved = _saved_bytes(records, p.recompute, sp, kinds, scale)

@@ -212,15 +212,15 @@ def ulysses_traffic(plan: Plan, graph: fx.Graph, run: MetaRun,
     return out
 
 
-def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, run: MetaRun,
-                         tp_heads: dict[fx.Node, int] | None = None) -> None:
-    """Per stage and microbatch: the all-to-all or ring bytes (StageSpec.cp_bytes). What
+def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, nodes: list,
+                         run: MetaRun, tp_heads: dict[fx.Node, int] | None = None) -> None:
+    """Per stage and microbatch: the all-to-all or ring bytes (StageSpec.cp_bytes); `nodes`:
+    the graph's compute nodes (partition.compute_nodes, the split's positions). What
     attention computes under cp is counted on its node (`attention_blocks`, costs.py)."""
     cp = plan.mesh.cp
     if cp == 1:
         return
-    from ..partition import compute_nodes
-    index = {n: i for i, n in enumerate(compute_nodes(graph))}
+    index = {n: i for i, n in enumerate(nodes)}
     ring = plan.context.method == "ring"
     traffic = (ring_traffic if ring else ulysses_traffic)(plan, graph, run, tp_heads)
     for node, nbytes in traffic.items():

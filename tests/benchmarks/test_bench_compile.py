@@ -65,7 +65,7 @@ def _compile(kind: str, layers: int) -> dict:
 
 
 @pytest.mark.benchmark(group="compile")
-@pytest.mark.parametrize("kind", ["local", "transformers"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("transformers", marks=pytest.mark.heavy)])
 def test_bench_compile_70b_on_meta(benchmark, kind):
     result = benchmark.pedantic(_compile, args=(kind, 80), rounds=1, iterations=1)
     print(f"\n70B Llama-shaped plan, {kind} model captured with {result['capture']} "
@@ -77,6 +77,7 @@ def test_bench_compile_70b_on_meta(benchmark, kind):
     assert result["capture"] == ("fx" if kind == "local" else "export")
 
 
+@pytest.mark.heavy  # three compiles up to 256 layers: ~1 min on 2 cores
 @pytest.mark.benchmark(group="compile-scaling")
 def test_bench_compile_scaling(benchmark):
     results = benchmark.pedantic(lambda: [_compile("local", n) for n in (16, 64, 256)],
