@@ -76,9 +76,10 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     tp_heads = heads_split_by_tp(plan, graph, model, tp_kinds, traced.run)
     context_checks(plan, model, traced, frozenset(moe.values()), tp_heads)
     costs = node_costs(plan, graph, traced.run)
-    measured = node_times(plan, model, compute_nodes(graph), costs, profile) if profile else None
+    nodes = compute_nodes(graph)  # the split's positions index these
+    measured = node_times(plan, model, nodes, costs, profile) if profile else None
     split = choose_split(plan, model, graph, costs,
-                         param_bytes_per_node(traced.module, compute_nodes(graph)),
+                         param_bytes_per_node(traced.module, nodes),
                          [sum(t) for t in measured] if measured else None)
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
@@ -86,10 +87,10 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     _attach_costs(stages, split, costs, graph)
     _attach_activations(plan, stages, traced.run, costs, tp_kinds)
     check_joint_graphs(plan, stages, graph, traced.run.values)  # graphs mode: exact bytes
-    attach_context_costs(plan, stages, split, graph, compute_nodes(graph), traced.run, tp_heads)
+    attach_context_costs(plan, stages, split, graph, nodes, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
-    work = stage_work(graph, compute_nodes(graph), split.stage_of, costs, tp_kinds,
+    work = stage_work(graph, nodes, split.stage_of, costs, tp_kinds,
                       plan.mesh.tp, len(stages))  # each stage's ops, for the time model
     if profile:
         times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)

@@ -105,8 +105,8 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     heapq.heapify(heap)
     top: list[Ranked] = []
     has_auto = any(c.schedule == "auto" for c in cands)
-    bar = _bar(progress)
-    bar = bar(desc="evaluating", total=max_evals, leave=False, mininterval=0.5) if bar else None
+    evaluating = bar(desc="evaluating", total=max_evals, leave=False, mininterval=0.5) \
+        if bar else None
     while heap:
         is_auto, bound, level, c = heapq.heappop(heap)
         if len(top) >= top_k and bound >= top[-1].prediction.step_time_s:
@@ -144,8 +144,8 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
             break  # only auto candidates are left
         result.evaluated += 1
         result.auto_evaluated += is_auto
-        if bar is not None:
-            bar.update(1)
+        if evaluating is not None:
+            evaluating.update(1)
         problems = _refusal(plan, units, c, gpus)
         if problems:
             result.refused += 1
@@ -160,8 +160,8 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
         del top[top_k:]
     else:
         result.closed = True
-    if bar is not None:
-        bar.close()
+    if evaluating is not None:
+        evaluating.close()
     units.settle()
     result.top = top
     return result

@@ -113,7 +113,7 @@ class Units:
         Each cp value is checked the first time it is asked about (its own capture)."""
         if cp == 1:
             return None
-        if not any(k[0] == "cp" and k[1] == cp for k in self.checked):
+        if ("cp", cp) not in self.checked:
             self.checked.add(("cp", cp))
             self.check_cp(cp)
         return self.refused.get(("cp", cp)) or self.refused.get(("tp x cp", tp, cp))
