@@ -39,6 +39,7 @@ def refuse(capsys, *argv) -> str:
     return out.err
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @pytest.mark.slow
 def test_resume_refusals_reset_optimizer_and_plan_diff(tmp_path, capsys):
     plan = write(tmp_path, "a.plan", PLAN)

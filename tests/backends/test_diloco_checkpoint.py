@@ -72,6 +72,7 @@ def _equal(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_diloco_resumes_between_syncs_bitwise(spawn, tmp_path):

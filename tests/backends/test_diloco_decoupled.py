@@ -31,6 +31,7 @@ train {{ steps = 20  global_batch = 8  optimizer = adamw(lr = 0.003) }}
 """
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_late_island_is_not_waited_for_and_a_lost_one_is_dropped(tmp_path):

@@ -47,7 +47,8 @@ def pipeplan(*args, timeout=240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.heavy), 1,
+                               pytest.param(3, marks=pytest.mark.heavy)])
 def test_a_killed_rank_is_named_not_its_neighbour(tmp_path, k):
     """Rank k SIGKILLs itself in its first forward of step 2; its neighbours then fail with
     "connection closed" and report first, but the launcher names k, and its action."""

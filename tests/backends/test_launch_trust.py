@@ -111,6 +111,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     assert seen <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, seen
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @pytest.mark.slow
 def test_a_rank_that_exits_0_at_model_import_is_a_failure(tmp_path):
     """Rank 1 ends with a C-level _exit(0) while importing the model (nothing of Python runs

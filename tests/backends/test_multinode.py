@@ -80,6 +80,7 @@ def test_two_torchrun_nodes_match_single_node(tmp_path):
     assert losses(multi) == pytest.approx(losses(single), rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_failing_rank_stops_both_torchrun_nodes(tmp_path):

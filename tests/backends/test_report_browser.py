@@ -104,6 +104,7 @@ def pipeplan(*args, cwd):
     return r.stdout
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @needs_browser
 @pytest.mark.slow
 def test_report_in_a_browser(tmp_path):

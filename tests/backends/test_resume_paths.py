@@ -39,6 +39,7 @@ def run(cwd: Path, *args) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @pytest.mark.slow
 def test_resume_from_another_directory_continues_the_same_run(tmp_path):
     plans, here, there = tmp_path / "plans", tmp_path / "here", tmp_path / "there"

@@ -99,6 +99,7 @@ def _assert_bitwise(configs, old, new) -> None:
             assert not differ, f"{what} rank {rank}: parameters differ bitwise: {differ[:5]}"
 
 
+@pytest.mark.heavy  # suite time: run with -m heavy
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_optimised_runtime_is_bitwise_the_old_one(tmp_path):

@@ -102,16 +102,18 @@ def outcome(text: str, overrides: tuple[str, ...] = ()) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_ten_thousand_mutations_never_crash():
+@pytest.mark.parametrize("count", [2_000, pytest.param(MUTATIONS, marks=pytest.mark.heavy)])
+def test_mutations_never_crash(count):
+    """2,000 mutations in the default suite; the full 10,000 are heavy (suite time)."""
     rng = random.Random(0)
     sources = [p.read_text() for p in EXAMPLES]
     keys = sorted({m.group(2) for s in sources for m in ASSIGN.finditer(s)})
     seen = {"ok": 0, "error": 0}
-    for i in range(MUTATIONS):
+    for i in range(count):
         text = mutate(rng.choice(sources), rng)
         if i % 10 == 0:  # one in ten also carries a mutated --set override
             override = mutate(f"pipeline.{rng.choice(keys)}={rng.choice(keys)}", rng)
             seen[outcome(rng.choice(sources), (override,))] += 1
         seen[outcome(text)] += 1
     # the mutations exercise both outcomes, not only one
-    assert seen["ok"] > 100 and seen["error"] > 5_000, seen
+    assert seen["ok"] > count // 100 and seen["error"] > count // 2, seen
