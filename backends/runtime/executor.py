@@ -68,6 +68,9 @@ class ActionTiming:
     recv_wait: float  # time blocked on this action's receive, ending at `ready`
     ready: float = -1.0  # default: `start` (no runtime work recorded around the compute)
     done: float = -1.0  # default: `end`
+    cpu: float = -1.0  # CPU seconds this rank's thread spent in the slot (time.thread_time;
+    # on CPU with one thread per rank, its compute without the time it waited for a core);
+    # -1: not measured
 
     def __post_init__(self):
         if self.ready < 0:
@@ -243,12 +246,13 @@ class Executor:
             if self.on_action is not None:
                 self.on_action(label(a))
             wait_start = ready = time.time()
+            cpu_ready = time.thread_time()
             if p.recv is not None:
                 try:
                     works, bufs = posted.pop(i) if i in posted else self._post([p.recv])
                     for work in works:
                         work.wait()
-                    ready = time.time()
+                    ready, cpu_ready = time.time(), time.thread_time()
                 except Exception as e:  # name what never came, and from whom
                     raise ActionError(f"{label(a)} (waiting for {_awaited(p.recv)} from pipeline "
                                       f"rank {p.recv.peer})", e) from e
@@ -278,7 +282,8 @@ class Executor:
                 raise ActionError(label(a), e) from e
             self._flag(a, produced, result, end)
             result.timings.append(ActionTiming(op_name(a), a.stage, a.microbatch, start, end,
-                                               ready - wait_start, ready, time.time()))
+                                               ready - wait_start, ready, time.time(),
+                                               time.thread_time() - cpu_ready))
             if self.last_grad_action.get(a.stage) == (op_name(a), a.microbatch):
                 t = time.time()
                 self.on_stage_done(a.stage)

@@ -17,7 +17,10 @@ action's slot (compute plus the runtime's work around it: posting its sends and
 the next receive, its checks; backends/executor.ActionTiming); p2p_latency_s:
 the mean wait beyond the producer's slot (backends/observe.measured_latency); B/W are
 null when the schedule ran full backwards (BW), BW null when it split them;
-activation_bytes: what the stage sends forward per microbatch; shape: the
+activation_bytes: what the stage sends forward per microbatch; cpu: the same slots'
+mean CPU seconds on the rank's own thread (on CPU with one thread per rank, the
+compute a slot did without the time it waited for a core: what the per-op time
+model predicts for a rank alone, tests/benchmarks/bench_cpu_model.py); shape: the
 workload the times hold for (a plan with another microbatch size, sequence
 length, precision or tp is refused, naming the file).
 
@@ -80,6 +83,8 @@ class StageProfile:
     BW: Optional[float]
     samples: int
     activation_bytes: int
+    cpu: Optional[dict] = None  # op -> mean CPU seconds of its slots (the rank's thread time:
+    # on CPU, what it computed without the time it waited for a core); None: not measured
 
 
 @dataclass(frozen=True)
@@ -156,8 +161,13 @@ def _stage(s: dict, path: str) -> StageProfile:
         raise ProfileError(path, f"stage {i} has no F time")
     if ops["BW"] is None and (ops["B"] is None or ops["W"] is None):
         raise ProfileError(path, f"stage {i} needs B and W times, or a BW time")
+    cpu = s.get("cpu")
+    if cpu is not None and not isinstance(cpu, dict):
+        raise ProfileError(path, f"stage {i} cpu must be an object of per-op seconds, got {cpu!r}")
+    cpu = None if cpu is None else {op: None if cpu.get(op) is None else
+                                    _seconds(cpu[op], f"stage {i} cpu {op}", path) for op in OPS}
     return StageProfile(int(i), ops["F"], ops["B"], ops["W"], ops["BW"], int(s["samples"]),
-                        int(s["activation_bytes"]))
+                        int(s["activation_bytes"]), cpu)
 
 
 def _step(x: dict, stages: int, path: str) -> StepSample:

@@ -152,6 +152,11 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
             assert len(mine) == 4 and value == pytest.approx(sum(mine) / 4, rel=1e-6, abs=1e-7)
     assert all(s.F > 0 and s.BW > 0 and s.B is None and s.samples == 2 * 2
                for s in profile.stages)
+    # each slot's CPU time on the rank's one thread: measured, and never more than its wall
+    for st in profile.stages:
+        assert st.cpu is not None and st.cpu["B"] is None and st.cpu["W"] is None
+        for op, wall in (("F", st.F), ("BW", st.BW)):
+            assert 0 < st.cpu[op] <= wall * 1.001 + 1e-5, (st.index, op, st.cpu, wall)
     assert profile.stages[0].activation_bytes == 2 * 16 * 32 * 4  # [2, 16, 32] fp32 per mb
     replanned = tmp_path / "replanned.plan"
     replanned.write_text(plan.read_text().replace("microbatches = 2",

@@ -7,8 +7,11 @@ processes measured on this machine.
 
 Each plan is profiled (`pipeplan profile`, 2 warm-up + 4 measured steps, its ranks as local
 gloo processes) and compiled without a device section (the measured CPU); prints predicted
-and measured seconds per microbatch per stage and their ratio (goal: within 15%). On a
-loaded shared machine the measurement moves with the load: report what you get.
+and measured seconds per microbatch per stage and their ratio (goal: within 15%), twice:
+the slots' wall time against the prediction with the ranks sharing the cores, and the
+slots' CPU time on each rank's thread (the profile's `cpu`) against the prediction for a
+rank alone (what the per-op model predicts before any sharing). On a loaded shared
+machine the measurement moves with the load: report what you get.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
 thread, on random weights (the runtime's StageRunner), timed in thread CPU time (median of
@@ -36,14 +39,11 @@ def measured(plan: str, out: str) -> dict:
         return json.load(f)
 
 
-def alone(plan_path: str) -> None:
+def compiled_alone(plan_path: str):
+    """The plan compiled as if each rank had a core of its own: the time model's prediction
+    for one rank alone (no sharing of the cores, no other process busy)."""
     import importlib
-    import statistics
-    import time
 
-    import torch
-
-    from pipeplan.backends.runtime.stage import StageRunner
     from pipeplan.compiler import compile_plan
     from pipeplan.compiler.estimate import cpu_probe
     from pipeplan.dsl import load_plan
@@ -53,9 +53,20 @@ def alone(plan_path: str) -> None:
     cpu_probe.cpu_model = lambda processes=1: measure(1)  # one rank's speeds ...
     device.cores = lambda: 1 << 16  # ... and a core for every rank: nothing shared
     try:
-        compiled = compile_plan(load_plan(os.path.join(REPO, plan_path)))
+        return compile_plan(load_plan(os.path.join(REPO, plan_path)))
     finally:
         cpu_probe.cpu_model, device.cores = measure, cores
+
+
+def alone(plan_path: str) -> None:
+    import statistics
+    import time
+
+    import torch
+
+    from pipeplan.backends.runtime.stage import StageRunner
+
+    compiled = compiled_alone(plan_path)
     torch.set_num_threads(1)
     table = compiled.estimates.simulation.costs.per_stage
     outputs = {v.name: v for st in compiled.stages for v in st.outputs}
@@ -94,22 +105,31 @@ def main(argv: list[str]) -> int:
         return 0
     from pipeplan.compiler import compile_plan
     from pipeplan.dsl import load_plan
-    worst = 0.0
+    worst, worst_cpu = 0.0, 0.0
     for plan_path in argv or PLANS:
         with tempfile.TemporaryDirectory() as tmp:
             costs = measured(plan_path, os.path.join(tmp, "costs.json"))
-        compiled = compile_plan(load_plan(os.path.join(REPO, plan_path)))
-        table = compiled.estimates.simulation.costs.per_stage
+        shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
+        table = shared.estimates.simulation.costs.per_stage
+        own = compiled_alone(plan_path).estimates.simulation.costs.per_stage
         print(f"{plan_path}  ({costs.get('device')})")
-        print("stage  op   predicted (ms)  measured (ms)  predicted/measured")
-        for st, (f, b, w) in zip(costs["stages"], table):
-            pairs = [("F", f, st["F"])]
-            pairs += [("BW", b + w, st["BW"])] if st.get("BW") is not None else \
-                [("B", b, st["B"]), ("W", w, st["W"])]
-            for op, p, m in pairs:
+        print("stage  op | slot: predicted (ms)  measured (ms)  ratio | CPU time: predicted "
+              "alone (ms)  measured (ms)  ratio")
+        for st, (f, b, w), (fa, ba, wa) in zip(costs["stages"], table, own):
+            cpu = st.get("cpu") or {}
+            pairs = [("F", f, st["F"], fa)]
+            pairs += [("BW", b + w, st["BW"], ba + wa)] if st.get("BW") is not None else \
+                [("B", b, st["B"], ba), ("W", w, st["W"], wa)]
+            for op, p, m, pa in pairs:
                 worst = max(worst, abs(p / m - 1))
-                print(f"{st['index']:>5}  {op:<3} {p * 1e3:>15.3f} {m * 1e3:>14.3f} {p / m:>19.3f}")
-    print(f"largest deviation {worst:.1%}")
+                line = f"{st['index']:>5}  {op:<3}| {p * 1e3:>19.3f} {m * 1e3:>14.3f} {p / m:>6.3f} |"
+                c = cpu.get(op)
+                if c:
+                    worst_cpu = max(worst_cpu, abs(pa / c - 1))
+                    line += f" {pa * 1e3:>26.3f} {c * 1e3:>14.3f} {pa / c:>6.3f}"
+                print(line)
+    print(f"largest deviation: slots (wall, shared cores) {worst:.1%}; CPU time (each rank's "
+          f"own compute) {worst_cpu:.1%}")
     return 0
 
 

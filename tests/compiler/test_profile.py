@@ -60,6 +60,14 @@ def test_cost_file_round_trips():
     p = _profile([(0.01, None, None, 0.02), (0.03, 0.02, 0.04, None)])
     assert Profile.from_json(p.to_json(), "x.json") == p
     assert json.loads(p.to_json())["version"] == 1
+    cpu = {"F": 0.008, "B": None, "W": None, "BW": 0.015}  # the slots' CPU time, optional
+    q = dataclasses.replace(p, stages=(dataclasses.replace(p.stages[0], cpu=cpu),
+                                       p.stages[1]))
+    assert Profile.from_json(q.to_json(), "x.json") == q
+    bad = json.loads(q.to_json())
+    bad["stages"][0]["cpu"]["F"] = -1
+    with pytest.raises(ProfileError, match="stage 0 cpu F must be a non-negative number"):
+        Profile.from_json(json.dumps(bad), "x.json")
 
 
 def _steps(*slow_f: float) -> tuple[StepSample, ...]:
