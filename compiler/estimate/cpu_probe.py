@@ -23,6 +23,12 @@ them a plan's own model or shapes:
   (`batch_isend_irecv`, 32 KiB): the host work each transfer adds to the actions around it;
   and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other processes
   compute: with more busy processes than cores a blocked peer waits for the scheduler;
+* host time per op on DTensors: eager tensor parallelism runs a stage's ops on DTensors
+  (backends/parallel/tp/dtensor.py), and each op then also pays DTensor's dispatch
+  (sharding propagation, wrapping) on the host. Two gloo processes run a residual MLP
+  stack (layer norm, linear, GELU, linear; width 8, FLOPs negligible) with plain and with
+  replicated DTensor parameters and input over their 2-rank mesh; the difference per op
+  the forward dispatches, forward and backward, best of a few rounds;
 * contention: the local launcher starts every rank on this machine, so a rank runs at the
   speed N processes get together, not at 1/N of one (cache and memory sharing, switching):
   N processes (forked, one thread each, started together) run the same block forward and
@@ -72,6 +78,8 @@ class CpuModel:
     loaded_latency_s: float = 0.0  # a small collective's seconds with all the ranks busy
     attention: tuple = ()  # ((head dim, forward FLOP/s, backward/forward), ...)
     contention: float = 1.0  # the slowdown of this run's ranks sharing the machine
+    dtensor_op_s: float = 0.0  # host seconds DTensor adds per op of a forward (eager tp) ...
+    dtensor_op_backward_s: float = 0.0  # ... and to backward per op of the forward
 
 
 def cache_path() -> str:
@@ -279,26 +287,97 @@ def measure_link() -> tuple[float, float, float]:
     its best time at two sizes is latency + n / bandwidth; post: the median host time of
     posting one send or receive (`batch_isend_irecv`, 32 KiB), the runtime's work per
     transfer around an action."""
+    small, large, post = (max(t) for t in zip(*_pair(_link_worker)))
+    per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
+    return (_two_digits(max(small - LINK_BYTES[0] * per_byte, 1e-7)), _two_digits(1 / per_byte),
+            _two_digits(post))
+
+
+def _pair(worker) -> list:
+    """What `worker(rank, port, results)` puts, from each of two forked processes."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_link_worker, args=(r, port, results), daemon=True)
-             for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, port, results), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        small, large, post = (max(t) for t in zip(*(results.get(timeout=300) for _ in procs)))
+        return [results.get(timeout=300) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
-    return (_two_digits(max(small - LINK_BYTES[0] * per_byte, 1e-7)), _two_digits(1 / per_byte),
-            _two_digits(post))
+
+
+def _mlp_stack(width: int = WIDTH, tokens: int = TOKENS, blocks: int = BLOCKS):
+    """Residual blocks of layer norm, linear, GELU, linear: ops DTensor has rules for (the
+    CPU's fused attention has none: the runtime runs attention on local heads)."""
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.up = nn.LayerNorm(width), nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+    torch.manual_seed(0)
+    return nn.Sequential(*(Residual() for _ in range(blocks))), \
+        torch.randn(2, tokens, width, requires_grad=True)
+
+
+def _best_forward_backward(model, x) -> tuple[float, float]:
+    """Best thread-CPU seconds of forward and of backward (the output summed)."""
+    def loss(out):
+        return (out.to_local() if hasattr(out, "to_local") else out).sum()
+    for _ in range(ROUNDS):
+        loss(model(x)).backward()
+    best_f = best_b = float("inf")
+    for _ in range(ROUNDS * 4):
+        t = time.thread_time()
+        out = model(x)
+        t1 = time.thread_time()
+        loss(out).backward()
+        best_f, best_b = min(best_f, t1 - t), min(best_b, time.thread_time() - t1)
+    return best_f, best_b
+
+
+def _dtensor_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from ..capture.analysis import OpCounter
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        model, x = _mlp_stack()
+        with OpCounter() as counted:
+            model(x)
+        plain = _best_forward_backward(model, x)
+        mesh = init_device_mesh("cpu", (2,))
+        for name, p in list(model.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf,
+                    nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+        dx = DTensor.from_local(x.detach().requires_grad_(), mesh, [Replicate()],
+                                run_check=False)
+        wrapped = _best_forward_backward(model, dx)
+        results.put(tuple(max(w - p, 0.0) / counted.count for w, p in zip(wrapped, plain)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_dtensor() -> tuple[float, float]:
+    """(forward s, backward s) DTensor's dispatch adds per op of a forward: two gloo
+    processes, the same MLP stack with plain and with replicated DTensor parameters
+    (the slower process's numbers)."""
+    f, b = (max(t) for t in zip(*_pair(_dtensor_worker)))
+    return _two_digits(max(f, 1e-7)), _two_digits(max(b, 1e-7))
 
 
 def _spinner(stop, ready) -> None:
@@ -364,7 +443,7 @@ def measure_contention(n: int) -> float:
 
 
 _FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
-           "link_bytes_per_s", "post_s")
+           "link_bytes_per_s", "post_s", "dtensor_op_s", "dtensor_op_backward_s")
 
 
 def _load(path: str, key: str) -> dict:
@@ -391,7 +470,8 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
                     link_bytes_per_s=float(c["link_bytes_per_s"]), post_s=float(c["post_s"]),
                     loaded_latency_s=float(loaded),
                     attention=tuple(tuple(float(v) for v in row) for row in c["attention"]),
-                    contention=float(factor))
+                    contention=float(factor), dtensor_op_s=float(c["dtensor_op_s"]),
+                    dtensor_op_backward_s=float(c["dtensor_op_backward_s"]))
 
 
 @contextlib.contextmanager
@@ -445,7 +525,9 @@ def _measure(key: str) -> dict:
     op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
                                                    flops, attention)
     latency, link, post = measure_link()
+    dtensor_op_s, dtensor_op_backward_s = measure_dtensor()
     return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s),
+            "dtensor_op_s": dtensor_op_s, "dtensor_op_backward_s": dtensor_op_backward_s,
             "op_backward_s": _two_digits(op_backward_s),
             "bytes_per_s": _two_digits(4 * elements_per_s),
             "link_latency_s": latency, "link_bytes_per_s": link, "post_s": post,

@@ -76,6 +76,8 @@ class DeviceModel:
                          intra_node=hw.intra_node / k, inter_node=hw.inter_node / k,
                          latency=latency, op_s=hw.op_s * k,
                          op_backward_s=hw.op_backward_s * k, post_s=hw.post_s * k,
+                         dtensor_op_s=hw.dtensor_op_s * k,
+                         dtensor_op_backward_s=hw.dtensor_op_backward_s * k,
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
         at_once = busy * s.replicas
@@ -165,7 +167,7 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
         if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
-                       cpu.post_s), \
+                       cpu.post_s, (cpu.dtensor_op_s, cpu.dtensor_op_backward_s)), \
         cpu.origin, sharing
 
 

@@ -71,6 +71,11 @@ class DeviceProfile:
     # host seconds to post one p2p transfer (send or receive) around an action: the measured
     # CPU's gloo (cpu_probe.py); 0 on accelerators (posted asynchronously, under the kernels)
     post_s: float = 0.0
+    # host seconds DTensor's dispatch adds per op of a forward, and to backward per such op,
+    # in a stage eager tensor parallelism runs on DTensors: the measured CPU's (cpu_probe.py);
+    # 0 on accelerators (as op_s)
+    dtensor_op_s: float = 0.0
+    dtensor_op_backward_s: float = 0.0
 
 
 PROFILES = {p.name: p for p in (
@@ -126,14 +131,16 @@ def dtype_of(plan) -> str:
 
 def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: float = 0.0,
                 attention: tuple = (), link: tuple = (10e-6, 50 * _GB),
-                post_s: float = 0.0) -> DeviceProfile:
+                post_s: float = 0.0, dtensor: tuple = (0.0, 0.0)) -> DeviceProfile:
     """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, memory-bound
     kernels' bandwidth (0: bytes move for free), fused attention per head dimension, host
-    time per op, and `link` (latency s, bytes/s): gloo between its local processes, every
-    group of the plan's ranks on it (one machine: no network)."""
+    time per op (plain, and `dtensor`: what DTensor adds forward and backward), and `link`
+    (latency s, bytes/s): gloo between its local processes, every group of the plan's ranks
+    on it (one machine: no network)."""
     latency, bandwidth = link
     return DeviceProfile("cpu", {k: flops for k in ("bf16", "fp16", "fp32", "fp64")},
                          bytes_per_s, 0.0, bandwidth, bandwidth, latency, ranks_per_node=None,
                          family="cpu", op_s=op_s, op_backward_s=op_backward_s,
                          efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"),
-                         attention=attention, post_s=post_s)
+                         attention=attention, post_s=post_s, dtensor_op_s=dtensor[0],
+                         dtensor_op_backward_s=dtensor[1])

@@ -194,6 +194,16 @@ def op_times(plan: Plan, work: StageWork, dev: DeviceProfile) -> OpTimes:
         t = memory_time(elements, other, dev, fb, tp if split or sp else 1)
         f += t
         b += t * (3 if rec else 2)  # backward reads and writes twice; recompute once more
-    host_b = work.ops * dev.op_backward_s / 2  # host time per op (a CPU): B and W halve it
-    return OpTimes(f + work.ops * dev.op_s, b + host_b + work.recompute_ops * dev.op_s,
-                   w + host_b)
+    op_s, op_b = dev.op_s, dev.op_backward_s
+    if on_dtensors(plan, work):  # eager tp: every op also pays DTensor's dispatch
+        op_s, op_b = op_s + dev.dtensor_op_s, op_b + dev.dtensor_op_backward_s
+    host_b = work.ops * op_b / 2  # host time per op (a CPU): B and W halve it
+    return OpTimes(f + work.ops * op_s, b + host_b + work.recompute_ops * op_s, w + host_b)
+
+
+def on_dtensors(plan: Plan, work: StageWork) -> bool:
+    """Does the runtime run this stage's ops on DTensors: eager mode (graphs and inductor
+    call traced graphs of plain tensors) on a stage with a tensor-parallel matmul
+    (backends/parallel/tp/dtensor.py)?"""
+    return plan.mesh.tp > 1 and plan.compile.mode == "eager" and \
+        (any(kind for _, kind, _ in work.gemms) or any(split for split, _ in work.memory))

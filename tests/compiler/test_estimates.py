@@ -316,6 +316,8 @@ def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tm
     assert bare.device_model["flops_per_s"] == cached["flops_per_s"]
     assert 1e8 < cached["flops_per_s"] < 1e13  # a CPU, not the 400e12 default
     assert 1e-8 < cached["op_s"] < 1e-3 and 1e-8 < cached["op_backward_s"] < 1e-3
+    # DTensor's dispatch per op (eager tp), forward and backward: measured, a host cost
+    assert 1e-8 < cached["dtensor_op_s"] < 1e-2 and 1e-8 < cached["dtensor_op_backward_s"] < 1e-2
     assert 1e8 < cached["bytes_per_s"] < 1e13
     assert 0 < cached["link_latency_s"] < 1e-2 and 1e6 < cached["link_bytes_per_s"] < 1e13
     assert bare.device_model["link_bytes_per_s"] == cached["link_bytes_per_s"]  # gloo, measured

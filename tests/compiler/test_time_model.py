@@ -169,3 +169,25 @@ def test_retime_on_another_device_without_tracing(make_plan):
     assert one.step_s == pytest.approx(flops / (hw.flops["fp32"] * 0.5), rel=1e-9)
     from pipeplan.compiler import predicted  # the plan's own device, re-timed
     assert predicted(compiled).step_s == pytest.approx(compiled.estimates.step_time_s)
+
+
+def test_dtensor_host_time_only_where_eager_tp_runs_dtensors(make_plan):
+    """Eager tensor parallelism runs a stage's ops on DTensors: each op's host time grows by
+    the device's DTensor dispatch (forward; backward split between B and W as the plain host
+    time is); graphs mode runs traced plain tensors, and tp = 1 none: nothing added."""
+    from pipeplan.compiler.estimate.optime import on_dtensors, op_times
+    from pipeplan.dsl.ast import CompileSpec
+    compiled = compile_plan(_gpt(make_plan, 2))
+    plan, work = compiled.plan, compiled.estimates.timing.work[0]
+    hw = dataclasses.replace(profile("a100"), op_s=1e-5, op_backward_s=2e-5)
+    plain = op_times(plan, work, hw)
+    added = op_times(plan, work, dataclasses.replace(hw, dtensor_op_s=1e-3,
+                                                     dtensor_op_backward_s=4e-3))
+    assert on_dtensors(plan, work) and work.ops > 0
+    assert added.f - plain.f == pytest.approx(work.ops * 1e-3)
+    assert added.b - plain.b == pytest.approx(work.ops * 4e-3 / 2 + work.recompute_ops * 1e-3)
+    assert added.w - plain.w == pytest.approx(work.ops * 4e-3 / 2)
+    graphs = dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
+    assert not on_dtensors(graphs, work)
+    whole = compile_plan(_gpt(make_plan, 1))
+    assert not on_dtensors(whole.plan, whole.estimates.timing.work[0])
