@@ -29,7 +29,7 @@ from ..compiler.estimate.collectives import _role_collectives, ring_bytes
 from ..compiler.estimate.device import DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
-from ..compiler.estimate.optime import StageWork, op_times
+from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
 from ..compiler.estimate.predict import breakdown, collective_s
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
@@ -86,14 +86,19 @@ def _stage_times(units: Units, c: Candidate, plan, device: DeviceModel, links,
     t = op_times(plan, _work(run), device.hardware)
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
     inner = _inner(run, c.sp)
-    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s)
-               for u, i in zip(run, inner) for role, nbytes in (u.tp_inner if i else u.tp_traffic)
-               for op, n in _role_collectives(role, nbytes, c.tp, c.sp)) if c.tp > 1 else 0.0
+    calls = [(op, n) for u, i in zip(run, inner)
+             for role, nbytes in (u.tp_inner if i else u.tp_traffic)
+             for op, n in _role_collectives(role, nbytes, c.tp, c.sp)] if c.tp > 1 else []
+    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s) for op, n in calls)
     ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
     other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
     again = tp_s / 2 if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
     comm = (tp_s + other) / 2
-    return t, (t.f + comm, t.b + comm + again, t.w)
+    # wrapped tensors: the units' trainable parameters and the stage's input (buffers are
+    # not in the units: on the measured CPU the planner's stage is a little cheaper here)
+    host_f, host_b = dtensor_host(plan, device.hardware, sum(len(u.params) for u in run) + 1,
+                                  len(calls))
+    return t, (t.f + comm + host_f, t.b + comm + again + host_b, t.w)
 
 
 def _inner(run: list[Unit], sp: bool) -> list[bool]:

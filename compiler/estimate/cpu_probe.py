@@ -28,7 +28,9 @@ them a plan's own model or shapes:
   (sharding propagation, wrapping) on the host. Two gloo processes run a residual MLP
   stack (layer norm, linear, GELU, linear; width 8, FLOPs negligible) with plain and with
   replicated DTensor parameters and input over their 2-rank mesh; the difference per op
-  the forward dispatches, forward and backward, best of a few rounds;
+  the forward dispatches, forward and backward, best of a few rounds; and what wrapping
+  one tensor costs (`from_local`; the rest of its round trip: `to_local` and both
+  backwards) and what a Partial -> Replicate redistribution costs beyond its all-reduce;
 * contention: the local launcher starts every rank on this machine, so a rank runs at the
   speed N processes get together, not at 1/N of one (cache and memory sharing, switching):
   N processes (forked, one thread each, started together) run the same block forward and
@@ -58,6 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .devices import DTENSOR_FIELDS  # measure_dtensor's order
+
 N, REPEATS, ROUNDS = 512, 8, 5
 WIDTH, TOKENS, BLOCKS = 8, 16, 4  # the op-time probe: FLOPs negligible, ops as a model's
 HEAD_DIMS, ATTN_SEQ, ATTN_BH = (16, 32, 64, 128), 128, (2, 4)  # the attention probe
@@ -80,6 +84,9 @@ class CpuModel:
     contention: float = 1.0  # the slowdown of this run's ranks sharing the machine
     dtensor_op_s: float = 0.0  # host seconds DTensor adds per op of a forward (eager tp) ...
     dtensor_op_backward_s: float = 0.0  # ... and to backward per op of the forward
+    dtensor_wrap_s: float = 0.0  # ... per tensor wrapped as a DTensor, forward ...
+    dtensor_wrap_backward_s: float = 0.0  # ... and the rest of its round trip
+    dtensor_redistribute_s: float = 0.0  # ... per redistribution, beyond its collective
 
 
 def cache_path() -> str:
@@ -348,7 +355,7 @@ def _best_forward_backward(model, x) -> tuple[float, float]:
 def _dtensor_worker(rank: int, port: int, results) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
     from ..capture.analysis import OpCounter
     torch.set_num_threads(1)
@@ -367,17 +374,33 @@ def _dtensor_worker(rank: int, port: int, results) -> None:
         dx = DTensor.from_local(x.detach().requires_grad_(), mesh, [Replicate()],
                                 run_check=False)
         wrapped = _best_forward_backward(model, dx)
-        results.put(tuple(max(w - p, 0.0) / counted.count for w, p in zip(wrapped, plain)))
+        per_op = tuple(max(w - p, 0.0) / counted.count for w, p in zip(wrapped, plain))
+        # a tensor the rewrite wraps: from_local, and the rest of its round trip (to_local,
+        # both backwards) beyond a plain tensor's; a Partial -> Replicate redistribution
+        # beyond its own all-reduce and wrap
+        t = torch.randn(2, TOKENS, 4 * WIDTH, requires_grad=True)
+        y = torch.randn(2, TOKENS, 4 * WIDTH)
+
+        def wrap(v, p=Replicate()):
+            return DTensor.from_local(v, mesh, [p], run_check=False)
+        plain_backward = _best(lambda: t.sum().backward(), LINK_REPEATS)
+        wrap_s = _best(lambda: wrap(t), LINK_REPEATS)
+        trip = _best(lambda: wrap(t).to_local().sum().backward(), LINK_REPEATS)
+        reduce = _best(lambda: dist.all_reduce(y), LINK_REPEATS)
+        redistribute = _best(lambda: wrap(y, Partial()).redistribute(mesh, [Replicate()])
+                             .to_local(), LINK_REPEATS)
+        results.put(per_op + (wrap_s, max(trip - plain_backward - wrap_s, 0.0),
+                              max(redistribute - reduce - wrap_s, 0.0)))
     finally:
         dist.destroy_process_group()
 
 
-def measure_dtensor() -> tuple[float, float]:
-    """(forward s, backward s) DTensor's dispatch adds per op of a forward: two gloo
-    processes, the same MLP stack with plain and with replicated DTensor parameters
-    (the slower process's numbers)."""
-    f, b = (max(t) for t in zip(*_pair(_dtensor_worker)))
-    return _two_digits(max(f, 1e-7)), _two_digits(max(b, 1e-7))
+def measure_dtensor() -> tuple[float, ...]:
+    """Host seconds DTensor adds in eager tensor parallelism, from two gloo processes (the
+    slower process's numbers): per op of a forward, forward and backward (the same MLP
+    stack with plain and with replicated DTensor parameters); per tensor wrapped, forward
+    and the rest of its round trip; per redistribution beyond its collective."""
+    return tuple(_two_digits(max(max(t), 1e-7)) for t in zip(*_pair(_dtensor_worker)))
 
 
 def _spinner(stop, ready) -> None:
@@ -443,7 +466,7 @@ def measure_contention(n: int) -> float:
 
 
 _FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
-           "link_bytes_per_s", "post_s", "dtensor_op_s", "dtensor_op_backward_s")
+           "link_bytes_per_s", "post_s") + DTENSOR_FIELDS
 
 
 def _load(path: str, key: str) -> dict:
@@ -470,8 +493,8 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
                     link_bytes_per_s=float(c["link_bytes_per_s"]), post_s=float(c["post_s"]),
                     loaded_latency_s=float(loaded),
                     attention=tuple(tuple(float(v) for v in row) for row in c["attention"]),
-                    contention=float(factor), dtensor_op_s=float(c["dtensor_op_s"]),
-                    dtensor_op_backward_s=float(c["dtensor_op_backward_s"]))
+                    contention=float(factor),
+                    **{k: float(c[k]) for k in DTENSOR_FIELDS})
 
 
 @contextlib.contextmanager
@@ -525,9 +548,8 @@ def _measure(key: str) -> dict:
     op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
                                                    flops, attention)
     latency, link, post = measure_link()
-    dtensor_op_s, dtensor_op_backward_s = measure_dtensor()
-    return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s),
-            "dtensor_op_s": dtensor_op_s, "dtensor_op_backward_s": dtensor_op_backward_s,
+    dtensor = dict(zip(DTENSOR_FIELDS, measure_dtensor()))
+    return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s), **dtensor,
             "op_backward_s": _two_digits(op_backward_s),
             "bytes_per_s": _two_digits(4 * elements_per_s),
             "link_latency_s": latency, "link_bytes_per_s": link, "post_s": post,

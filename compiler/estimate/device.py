@@ -12,7 +12,7 @@ import torch
 from ...dsl.ast import DeviceSpec, Plan
 from ...dsl.errors import PlanError
 from ...dsl.values import did_you_mean
-from .devices import NAMES, DeviceProfile, cpu_profile, dtype_of, profile
+from .devices import DTENSOR_FIELDS, NAMES, DeviceProfile, cpu_profile, dtype_of, profile
 from ...dsl.layout import global_rank, groups, mesh_layout
 
 
@@ -76,8 +76,7 @@ class DeviceModel:
                          intra_node=hw.intra_node / k, inter_node=hw.inter_node / k,
                          latency=latency, op_s=hw.op_s * k,
                          op_backward_s=hw.op_backward_s * k, post_s=hw.post_s * k,
-                         dtensor_op_s=hw.dtensor_op_s * k,
-                         dtensor_op_backward_s=hw.dtensor_op_backward_s * k,
+                         **{f: getattr(hw, f) * k for f in DTENSOR_FIELDS},
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
         at_once = busy * s.replicas
@@ -167,7 +166,7 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
         if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
-                       cpu.post_s, (cpu.dtensor_op_s, cpu.dtensor_op_backward_s)), \
+                       cpu.post_s, {k: getattr(cpu, k) for k in DTENSOR_FIELDS}), \
         cpu.origin, sharing
 
 

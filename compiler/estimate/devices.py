@@ -76,6 +76,15 @@ class DeviceProfile:
     # 0 on accelerators (as op_s)
     dtensor_op_s: float = 0.0
     dtensor_op_backward_s: float = 0.0
+    # ... and per tensor the rewrite wraps (forward; the rest of its round trip), per
+    # redistribution beyond its collective (cpu_probe.measure_dtensor)
+    dtensor_wrap_s: float = 0.0
+    dtensor_wrap_backward_s: float = 0.0
+    dtensor_redistribute_s: float = 0.0
+
+
+DTENSOR_FIELDS = ("dtensor_op_s", "dtensor_op_backward_s", "dtensor_wrap_s",
+                  "dtensor_wrap_backward_s", "dtensor_redistribute_s")
 
 
 PROFILES = {p.name: p for p in (
@@ -131,10 +140,10 @@ def dtype_of(plan) -> str:
 
 def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: float = 0.0,
                 attention: tuple = (), link: tuple = (10e-6, 50 * _GB),
-                post_s: float = 0.0, dtensor: tuple = (0.0, 0.0)) -> DeviceProfile:
+                post_s: float = 0.0, dtensor: Optional[dict] = None) -> DeviceProfile:
     """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, memory-bound
     kernels' bandwidth (0: bytes move for free), fused attention per head dimension, host
-    time per op (plain, and `dtensor`: what DTensor adds forward and backward), and `link`
+    time per op (plain, and `dtensor`: the DeviceProfile's dtensor_* fields), and `link`
     (latency s, bytes/s): gloo between its local processes, every group of the plan's ranks
     on it (one machine: no network)."""
     latency, bandwidth = link
@@ -142,5 +151,4 @@ def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: fl
                          bytes_per_s, 0.0, bandwidth, bandwidth, latency, ranks_per_node=None,
                          family="cpu", op_s=op_s, op_backward_s=op_backward_s,
                          efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"),
-                         attention=attention, post_s=post_s, dtensor_op_s=dtensor[0],
-                         dtensor_op_backward_s=dtensor[1])
+                         attention=attention, post_s=post_s, **(dtensor or {}))

@@ -201,6 +201,21 @@ def op_times(plan: Plan, work: StageWork, dev: DeviceProfile) -> OpTimes:
     return OpTimes(f + work.ops * op_s, b + host_b + work.recompute_ops * op_s, w + host_b)
 
 
+def dtensor_host(plan: Plan, dev: Optional[DeviceProfile], tensors: int,
+                 collectives: int) -> tuple[float, float]:
+    """(F, B) host seconds per microbatch eager tensor parallelism adds to a stage around its
+    ops (their own dispatch is in op_times): each tensor its rewrite wraps as a DTensor
+    (`tensors`: its parameters, buffers and inputs; forward, and the rest of the round trip
+    in backward) and each redistribution's Python beyond its collective (`collectives`: the
+    stage's TP collectives per microbatch, forward and backward, half in each). Zero where
+    the stage runs no collective (nothing rewritten), outside eager mode, and on devices
+    without a measured host (accelerators)."""
+    if dev is None or collectives == 0 or plan.mesh.tp <= 1 or plan.compile.mode != "eager":
+        return 0.0, 0.0
+    red = collectives / 2 * dev.dtensor_redistribute_s
+    return tensors * dev.dtensor_wrap_s + red, tensors * dev.dtensor_wrap_backward_s + red
+
+
 def on_dtensors(plan: Plan, work: StageWork) -> bool:
     """Does the runtime run this stage's ops on DTensors: eager mode (graphs and inductor
     call traced graphs of plain tensors) on a stage with a tensor-parallel matmul

@@ -35,7 +35,7 @@ from ...dsl.ast import Plan
 from ..compiled import StageSpec
 from .collectives import _tp_microbatch, ep_bytes, ring_bytes
 from .device import DeviceModel, mesh_links
-from .optime import OpTimes, StageWork, op_times
+from .optime import OpTimes, StageWork, dtensor_host, op_times
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,9 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
         again = tp_s / 2 if st.recompute_ops or st.recompute_flops else 0.0
         comm = (tp_s + other) / 2
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
-        table.append((t.f + comm + post, t.b + comm + again + post, t.w))
+        host_f, host_b = dtensor_host(plan, device.hardware, len(st.param_names)
+                                      + len(st.buffer_names) + len(st.inputs), len(calls))
+        table.append((t.f + comm + post + host_f, t.b + comm + again + post + host_b, t.w))
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p

@@ -191,3 +191,35 @@ def test_dtensor_host_time_only_where_eager_tp_runs_dtensors(make_plan):
     assert not on_dtensors(graphs, work)
     whole = compile_plan(_gpt(make_plan, 1))
     assert not on_dtensors(whole.plan, whole.estimates.timing.work[0])
+
+
+def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
+    """Eager tp also pays per tensor its rewrite wraps (the stage's parameters, buffers and
+    inputs) and per redistribution (its TP collectives per microbatch, half forward, half
+    backward): the action costs grow by exactly that on a device that measured them, and
+    not at all in graphs mode."""
+    from pipeplan.compiler.estimate.device import DeviceModel
+    from pipeplan.compiler.estimate.optime import dtensor_host, op_times
+    from pipeplan.compiler.estimate.predict import action_costs
+    from pipeplan.dsl.ast import CompileSpec
+    compiled = compile_plan(_gpt(make_plan, 2))
+    plan, timing = compiled.plan, compiled.estimates.timing
+    st = compiled.stages[0]
+    hw = profile("a100")
+    priced = dataclasses.replace(hw, dtensor_wrap_s=1e-3, dtensor_wrap_backward_s=3e-3,
+                                 dtensor_redistribute_s=5e-3)
+    tensors = len(st.param_names) + len(st.buffer_names) + len(st.inputs)
+    calls = compiled.estimates.stage_collectives[0]  # the report's per-step calls
+    n = sum(c for (group, _), (c, _) in calls.items() if group == "tp") / plan.microbatches
+    assert n > 0 and tensors > len(st.param_names)
+    f, b = dtensor_host(plan, priced, tensors, int(n))
+    assert (f, b) == pytest.approx((tensors * 1e-3 + n / 2 * 5e-3, tensors * 3e-3 + n / 2 * 5e-3))
+    ops = [op_times(plan, w, hw) for w in timing.work]
+    base = action_costs(plan, compiled.stages, ops, timing.tp_traffic, timing.moe_traffic,
+                        DeviceModel(hardware=hw))
+    more = action_costs(plan, compiled.stages, ops, timing.tp_traffic, timing.moe_traffic,
+                        DeviceModel(hardware=priced))
+    (f0, b0, w0), (f1, b1, w1) = base.per_stage[0], more.per_stage[0]
+    assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((f, b, 0.0))
+    graphs = dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
+    assert dtensor_host(graphs, priced, tensors, int(n)) == (0.0, 0.0)
