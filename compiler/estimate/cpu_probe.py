@@ -379,7 +379,7 @@ def _dtensor_worker(rank: int, port: int, results) -> None:
         # both backwards) beyond a plain tensor's; a Partial -> Replicate redistribution
         # beyond its own all-reduce and wrap
         t = torch.randn(2, TOKENS, 4 * WIDTH, requires_grad=True)
-        y = torch.randn(2, TOKENS, 4 * WIDTH)
+        y = torch.zeros(2, TOKENS, 4 * WIDTH)  # summed in place over and over: stays finite
 
         def wrap(v, p=Replicate()):
             return DTensor.from_local(v, mesh, [p], run_check=False)
