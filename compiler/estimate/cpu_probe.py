@@ -300,13 +300,23 @@ def measure_link() -> tuple[float, float, float]:
             _two_digits(post))
 
 
+def _group_context():
+    """How to start probe processes that start a gloo group of their own: forked, unless this
+    process is a rank already in a default process group (a fork would inherit it, and its
+    `init_process_group` would fail): then fresh interpreters (spawn: a few seconds more,
+    once per machine)."""
+    import torch.distributed as dist
+    fresh = dist.is_available() and dist.is_initialized()
+    return multiprocessing.get_context("spawn" if fresh else "fork")
+
+
 def _pair(worker) -> list:
-    """What `worker(rank, port, results)` puts, from each of two forked processes."""
+    """What `worker(rank, port, results)` puts, from each of two processes."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
+    ctx = _group_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, results), daemon=True) for r in range(2)]
     for p in procs:
@@ -438,7 +448,7 @@ def measure_loaded_latency(n: int) -> float:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
+    ctx = _group_context()
     stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Barrier(n)
     spin = [ctx.Process(target=_spinner, args=(stop, ready), daemon=True) for _ in range(n - 2)]
     pair = [ctx.Process(target=_loaded_pair, args=(r, port, results, ready), daemon=True)

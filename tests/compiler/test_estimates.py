@@ -361,3 +361,46 @@ def test_a_message_waits_for_the_scheduler_as_busy_ranks_outnumber_the_cores():
     assert s.message_latency(5 / 4) == pytest.approx(1e-4 + 0.5 * (4e-3 - 1e-4))
     quiet = Sharing(ranks=8, cores=2, extra=1.0, replicas=4, latency=1e-4, loaded_latency=1e-4)
     assert quiet.message_latency(2.0) == pytest.approx(4e-4)  # x the compute's factor 4
+
+
+def test_a_rank_in_a_process_group_can_probe_the_cpu(tmp_path):
+    """The first compile on a machine may run in a rank that already joined its default
+    process group (a worker, a torchrun rank): the probe's gloo pairs then start in fresh
+    interpreters (a forked child would inherit the group and fail to start its own), and
+    the measurement completes."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    rank = ctx.Process(target=_probe_in_a_group, args=(str(tmp_path), results))
+    rank.start()
+    try:
+        got = results.get(timeout=240)
+    finally:
+        rank.join(timeout=60)
+        if rank.is_alive():
+            rank.kill()
+    assert isinstance(got, tuple), got  # not an error's text
+    latency, bandwidth, post = got
+    assert 0 < latency < 1e-2 and bandwidth > 1e6 and post > 0
+
+
+def _probe_in_a_group(folder: str, results) -> None:
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from pipeplan.compiler.estimate.cpu_probe import measure_link
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        results.put(measure_link())
+    except Exception as e:  # noqa: BLE001 -- the test reports it
+        results.put(f"{type(e).__name__}: {e}")
+    finally:
+        dist.destroy_process_group()
+        os.environ.pop("MASTER_PORT", None)
