@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import struct
+import time
 
 import pytest
 
@@ -94,14 +95,20 @@ def test_wandb_offline_run_holds_the_rows(tmp_path, monkeypatch):
         trackers.log(row["step"], row)
     trackers.close()
     [path] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    history = {}
-    for r in wandb_records(path):
-        if r.WhichOneof("record_type") == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                     for i in r.history.item}
-            step = items.pop("_step", r.history.step.num)
-            history[step] = {k: v for k, v in items.items() if not k.startswith("_")}
-    assert history == {row["step"]: logged(row) for row in ROWS}
+    want = {row["step"]: logged(row) for row in ROWS}
+    deadline = time.monotonic() + 20  # read again for a while: W&B's service process writes
+    while True:  # the file, and one run on a loaded machine read it with no history yet
+        history = {}
+        for r in wandb_records(path):
+            if r.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in r.history.item}
+                step = items.pop("_step", r.history.step.num)
+                history[step] = {k: v for k, v in items.items() if not k.startswith("_")}
+        if history == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert history == want
 
 
 def test_the_report_draws_the_held_out_loss(tmp_path):
