@@ -8,14 +8,14 @@ them a plan's own model or shapes:
 * attention: `scaled_dot_product_attention` (causal, 2 x 4 heads, sequence 128) at head
   dimensions 16, 32, 64 and 128: forward FLOP/s and backward/forward time ratio per head
   dimension (a CPU's fused attention runs far below its matmul rate at small heads);
-* memory-bound kernels: add, mul, GELU, layer norm and softmax on 256 Ki floats, timed
-  without autograd: bytes each reads and writes over its time, summed (the effective
-  bandwidth of such kernels, transcendental ones included);
-* host time per op: a small model runs op by op, and on a CPU each aten op costs
-  dispatch, autograd bookkeeping and allocation on top of its FLOPs. Timed on the
-  example GPT's transformer block at width 8 (FLOPs negligible): seconds per op
-  its forward dispatches, forward and backward (the same count the meta run takes
-  per node, analysis.py), best of a few rounds;
+* host time per op and the memory-bound rate: a small model runs op by op, and on a CPU
+  each aten op costs dispatch, autograd bookkeeping and allocation on top of its kernel.
+  The example GPT's transformer block runs twice, overhead-bound (width 8, FLOPs
+  negligible) and kernel-bound (width 32, 128 tokens), best of a few rounds each; their
+  forward times less their GEMMs and attention give seconds per op (the count the meta
+  run takes per node, analysis.py) and seconds per float element the other kernels move
+  (`fit_host`; the backward's host time per op by least squares). The element rate comes
+  from the difference of two measured times, so it is the probe's noisiest number;
 * links: the local launcher's ranks talk through gloo over 127.0.0.1: two processes
   all-reduce 4 KiB and 1 MiB (best of 20 each) and the two times give a latency per
   message and a bandwidth, which every collective and transfer of the plan is costed at;
@@ -65,7 +65,6 @@ from .devices import DTENSOR_FIELDS  # measure_dtensor's order
 N, REPEATS, ROUNDS = 512, 8, 5
 WIDTH, TOKENS, BLOCKS = 8, 16, 4  # the op-time probe: FLOPs negligible, ops as a model's
 HEAD_DIMS, ATTN_SEQ, ATTN_BH = (16, 32, 64, 128), 128, (2, 4)  # the attention probe
-ELEMENTS = 1 << 18  # the memory-bound probe's tensors
 CONTENTION_WIDTH, CONTENTION_ITERS, MAX_PROCESSES = 32, 60, 32
 
 
