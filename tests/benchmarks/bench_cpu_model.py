@@ -12,8 +12,8 @@ the slots' wall time against the prediction with the ranks sharing the cores, an
 slots' CPU time on each rank's thread (the profile's `cpu`) against the prediction for a
 rank alone times the contention probe's `extra` (caches and switching cost CPU time; the
 fair share of the cores is waiting, not computing): the per-op model without the
-scheduler's time slices. On a loaded shared
-machine the measurement moves with the load: report what you get.
+scheduler's time slices. On a loaded shared machine the measurement moves with the load:
+report what you get.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
 thread, on random weights (the runtime's StageRunner), timed in thread CPU time (median of
