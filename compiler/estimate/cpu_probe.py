@@ -180,16 +180,7 @@ def run_block(width: int, tokens: int, blocks: int) -> BlockRun:
         model, x = _block(width, tokens, blocks)
         with OpCounter() as counted:
             model(x)
-        for _ in range(ROUNDS):  # warm-up: the allocator's caches, lazy initialisation
-            model(x).sum().backward()
-        best_f = best_b = float("inf")
-        for _ in range(ROUNDS * 4):
-            t = time.thread_time()
-            out = model(x)
-            t1 = time.thread_time()
-            out.sum().backward()
-            t2 = time.thread_time()
-            best_f, best_b = min(best_f, t1 - t), min(best_b, t2 - t1)
+        best_f, best_b = _best_forward_backward(model, x)
         log = counted.log
         return BlockRun(counted.count, tuple(log.gemms), log.float_elements, best_f, best_b)
     return _one_thread(run)
@@ -299,6 +290,13 @@ def measure_link() -> tuple[float, float, float]:
             _two_digits(post))
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _group_context():
     """How to start probe processes that start a gloo group of their own: forked, unless this
     process is a rank already in a default process group (a fork would inherit it, and its
@@ -311,10 +309,7 @@ def _group_context():
 
 def _pair(worker) -> list:
     """What `worker(rank, port, results)` puts, from each of two processes."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     ctx = _group_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, results), daemon=True) for r in range(2)]
@@ -349,7 +344,7 @@ def _best_forward_backward(model, x) -> tuple[float, float]:
     """Best thread-CPU seconds of forward and of backward (the output summed)."""
     def loss(out):
         return (out.to_local() if hasattr(out, "to_local") else out).sum()
-    for _ in range(ROUNDS):
+    for _ in range(ROUNDS):  # warm-up: the allocator's caches, lazy initialisation
         loss(model(x)).backward()
     best_f = best_b = float("inf")
     for _ in range(ROUNDS * 4):
@@ -443,10 +438,7 @@ def measure_loaded_latency(n: int) -> float:
     """Seconds a small (4 KiB) 2-rank gloo all-reduce takes, the median of LINK_REPEATS, while
     n - 2 other processes compute: with more busy processes than cores a blocked peer waits
     for the scheduler, and that wait, not the wire, is what a collective costs then."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     ctx = _group_context()
     stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Barrier(n)
     spin = [ctx.Process(target=_spinner, args=(stop, ready), daemon=True) for _ in range(n - 2)]
