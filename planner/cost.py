@@ -21,7 +21,9 @@ one microbatch in flight for `auto`.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +36,8 @@ from ..compiler.estimate.predict import breakdown, collective_s
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
+from ..schedules.generate import unverified
+from ..schedules.verify import verify
 from ..schedules.costs import Costs
 from ..schedules.memory import held_peaks
 from ..schedules.simulate import simulate
@@ -82,7 +86,32 @@ def _work(units: list[Unit]) -> StageWork:
 
 def _stage_times(units: Units, c: Candidate, plan, device: DeviceModel, links,
                  run: list[Unit]):
-    """(OpTimes, (F, B, W) seconds) of a run of units as one stage: action_costs's rule."""
+    """(OpTimes, (F, B, W) seconds) of a run of units as one stage: action_costs's rule
+    (cached by what the units hold, not where they are: a 80-layer stack's middle stages of
+    equal length are timed once)."""
+    key = ("stage times", tuple(_content(units, u) for u in run), c.tp, c.sp, c.ep,
+           c.dp if plan.experts else 0, links.tp, links.ep, id(device))
+    if key not in units.cache:
+        units.cache[key] = _stage_times_of(c, plan, device, links, run)
+    return units.cache[key]
+
+
+def _content(units: Units, u: Unit) -> int:
+    """One number per distinct unit content, the block's name and parameters' identities
+    left out (what a stage's time reads of its parameters is how many there are)."""
+    ids = units.cache.setdefault("unit ids", {})
+    if id(u) not in ids:
+        w = u.work
+        key = (u.flops, u.recompute_flops, u.ops, u.recompute_ops, u.out_bytes, u.cp_bytes,
+               u.tp_traffic, u.tp_inner, u.ep_tokens, u.ep_weights, len(u.params),
+               tuple(w.gemms.items()),
+               tuple((k, tuple(v)) for k, v in w.memory.items()), w.ops, w.recompute_ops)
+        contents = units.cache.setdefault("unit contents", {})
+        ids[id(u)] = (u, contents.setdefault(key, len(contents)))  # u kept: its id stays
+    return ids[id(u)][1]
+
+
+def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Unit]):
     t = op_times(plan, _work(run), device.hardware)
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
     inner = _inner(run, c.sp)
@@ -121,6 +150,13 @@ def _ep_bytes(plan, u: Unit, c: Candidate) -> float:
     return (4 * ex.top_k * u.ep_tokens + 2 * u.ep_weights) * fs * (c.ep - 1) / c.ep / share
 
 
+def _balanced_split(units: Units, weights: list[float], stages: int) -> tuple[int, ...]:
+    key = ("split", tuple(weights), stages)
+    if key not in units.cache:
+        units.cache[key] = balanced_split(weights, stages)
+    return units.cache[key]
+
+
 def balanced_split(weights: list[float], stages: int) -> tuple[int, ...]:
     """Unit indices where stages 1..S-1 begin, minimising the heaviest stage (bisection on
     the bottleneck, a fixed 60 steps, then the greedy cut that meets it): deterministic."""
@@ -128,19 +164,20 @@ def balanced_split(weights: list[float], stages: int) -> tuple[int, ...]:
     if stages <= 1:
         return ()
     lo, hi = max(weights), sum(weights)
+    prefix = list(itertools.accumulate(weights, initial=0.0))
 
     def cuts(limit: float) -> Optional[list[int]]:
-        out, acc = [], 0.0
-        for i, w in enumerate(weights):
-            left = stages - 1 - len(out)  # cuts still to make
-            must = n - i <= left  # every later stage needs a unit
-            if i > 0 and left > 0 and (acc + w > limit or must):
-                out.append(i)
-                acc = 0.0
-            acc += w
-            if acc > limit:
-                return None
-        return out if len(out) == stages - 1 else None
+        """Greedy: each stage takes units while they fit under `limit`, leaving one for
+        every later stage (prefix sums, one bisection per stage)."""
+        out, start = [], 0
+        for left in range(stages - 1, 0, -1):  # cuts still to make
+            fit = bisect.bisect_right(prefix, prefix[start] + limit, start + 1) - 1
+            cut = min(fit, n - left)  # every later stage needs a unit
+            if cut <= start:
+                return None  # unit `start` alone is over the limit
+            out.append(cut)
+            start = cut
+        return out if prefix[n] - prefix[start] <= limit else None
 
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -180,7 +217,7 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     table = _table(units, c)
     stages = c.pp * c.virtual
     weights = _unit_weights(units, c, plan, device, links, table)
-    split = balanced_split(weights, stages)
+    split = _balanced_split(units, weights, stages)
     if c.rc_ranks:  # recompute on the first ranks' stages only: their units from the
         # recompute table, the others' from `none`; the split balanced on those (twice:
         # the split moves units between ranks)
@@ -189,8 +226,8 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
         light = _unit_weights(units, plain, plan, device, links, plain_table)
         for _ in range(2):
             on = on_recompute_rank(c, len(table), split)
-            split = balanced_split([w if o else x for w, x, o in zip(weights, light, on)],
-                                   stages)
+            split = _balanced_split(units, [w if o else x for w, x, o in
+                                            zip(weights, light, on)], stages)
         on = on_recompute_rank(c, len(table), split)
         table = [u if o else x for u, x, o in zip(table, plain_table, on)]
     bounds = (0,) + split + (len(table),)
@@ -326,13 +363,16 @@ def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ..
     fixed = c.schedule != "auto"
     key = ("held", id(sh), place, c.zero) + ((c.schedule, c.microbatches) if fixed else ())
     if key not in units.cache:
-        skey = ("held state", id(sh), place, c.zero)  # the same for every kind and m
+        # the states: the same for every kind, m, microbatch size and rewrite of a split
+        skey = ("held state", c.pp, c.dp, c.tp, c.cp, c.ep, sh.split, place, c.zero)
         if skey not in units.cache:
             units.cache[skey] = state(units, c, sh.split, place)
         ranks = units.cache[skey]
-        akey = ("held acts", id(sh), place) + key[4:]  # the same for every ZeRO stage
+        # the activations: the same for every ZeRO stage and mesh giving these bytes
+        akey = ("held acts", sh.act, place, c.pp, c.virtual) + key[4:]
         if akey not in units.cache:
-            units.cache[akey] = held_peaks(order(units, c), list(sh.act))[0] if fixed else \
+            units.cache[akey] = held_peaks(order(units, c, verified=False),
+                                           list(sh.act))[0] if fixed else \
                 _rank_max(sh.act, place, c.pp)
         acts = units.cache[akey]
         units.cache[key] = tuple(int(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a)
@@ -340,13 +380,16 @@ def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ..
     return units.cache[key]
 
 
-def order(units: Units, c: Candidate):
-    """A fixed kind's verified order (schedules/generate.py; cached: it depends on the kind,
-    pp, microbatches and virtual stages only, never on costs)."""
+def order(units: Units, c: Candidate, verified: bool = True):
+    """A fixed kind's order (schedules/generate.py; cached: it depends on the kind, pp,
+    microbatches and virtual stages only, never on costs); verified unless only what it
+    holds is read (the memory bound), and then verified once when a prediction needs it."""
     key = ("order", c.schedule, c.pp, c.microbatches, c.virtual)
     if key not in units.cache:
-        units.cache[key] = generate(c.schedule, ranks=c.pp, microbatches=c.microbatches,
-                                    virtual=c.virtual)
+        units.cache[key] = unverified(c.schedule, c.pp, c.microbatches, c.virtual)
+    if verified and ("verified",) + key not in units.cache:
+        verify(units.cache[key])
+        units.cache[("verified",) + key] = True
     return units.cache[key]
 
 

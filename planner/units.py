@@ -52,7 +52,7 @@ from ..compiler.partition import compute_nodes, first_position, Split
 from ..compiler.stages import build_stages
 from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
 from ..dsl.errors import PlanError
-from . import forked
+from . import forked, repeats
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -294,6 +294,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                                              plan.experts.num_experts)} if plan.experts else set()
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
     records = saved_records(plan.train.precision, run.gm, run)
+    costs_of: dict = {}  # recompute mode -> node_costs
     for tp_on in ((False, True) if tp_probe > 1 else (False,)):
         p_tp = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, False, "none", pattern, cp)
         kinds = tp_annotations(p_tp, model) if tp_on else {}
@@ -302,10 +303,14 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
         tp_inner = _inner_traffic(model, graph, run, kinds, experts, tp_traffic)
         shards = _sequence_inputs(graph, traced.module, stages, kinds, records) if tp_on \
             else None
+        forms = repeats.Forms(records, kinds, blocks)
         for sp in ((False, True) if tp_on else (False,)):
             for mode in (RECOMPUTE_MODES if pattern else ("none",)):
                 p = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, sp, mode, pattern, cp)
-                costs = node_costs(p, graph, run)
+                if mode not in costs_of:  # what node_costs reads of p: the recompute
+                    # rules, experts and cp (the same for every tp and sp here)
+                    costs_of[mode] = node_costs(p, graph, run)
+                costs = costs_of[mode]
                 works = stage_work(graph, nodes, split.stage_of, costs, kinds,
                                    tp_probe if tp_on else 1, len(stages))
                 scale = {n.name: c.scale for n, c in costs.items() if c.scale != 1.0}
@@ -314,8 +319,9 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                 attach_context_costs(p, cp_stages, split, graph, nodes, run, tp_heads)
                 table = []
 
-                saved = _saved_bytes(records, p.recompute, sp, kinds, scale)
-                alone = [tuple((t, saved(st.module, t)) for t in tps) for st in stages]
+                saved = _saved_bytes(records, p.recompute, sp, kinds, scale, forms)
+                alone = [tuple((t, saved(st.module, st.index, t)) for t in tps)
+                         for st in stages]
                 own_costs = [[] for _ in stages]  # each stage's node costs, in node order
                 for i, n in enumerate(nodes):
                     if costs.get(n) is not None:
@@ -323,7 +329,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                 for st in stages:
                     own = own_costs[st.index]
                     u = st.index
-                    inner = tuple((t, saved(st.module, t, shards[u])) for t in tps) \
+                    inner = tuple((t, saved(st.module, u, t, shards[u])) for t in tps) \
                         if sp else alone[u]
                     table.append(Unit(
                         name=blocks[st.index],
@@ -348,13 +354,15 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
     return traced
 
 
-def _saved_bytes(records: dict, rules, sp: bool, kinds: dict, scale: dict) -> Callable:
-    """(stage graph, tp, its inputs that are sequence shards) -> bytes it saves for backward
-    on one rank (activations.stage_saved_bytes under one rewrite)."""
-    def saved(module, t: int, shards: frozenset = frozenset()) -> int:
+def _saved_bytes(records: dict, rules, sp: bool, kinds: dict, scale: dict,
+                 forms: repeats.Forms) -> Callable:
+    """(stage graph, its block's index, tp, its inputs that are sequence shards) -> bytes it
+    saves for backward on one rank (activations.stage_saved_bytes under one rewrite; once
+    per distinct block: repeats.py)."""
+    def walk(module, t: int, shards: frozenset) -> int:
         split = TensorSplit(t, sp, kinds, shards) if t > 1 else None
         return stage_saved_bytes(module, records, rules, split, scale)
-    return saved
+    return repeats.cached_walk(walk, forms, rules, scale)
 
 
 def _sequence_inputs(graph, module, stages, kinds: dict, records: dict) -> list:

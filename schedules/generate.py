@@ -27,6 +27,18 @@ def generate(kind: str, ranks: int, microbatches: int, virtual: Optional[int] = 
         return _generate(kind, ranks, microbatches, virtual, costs, memory_limit)
 
 
+def unverified(kind: str, ranks: int, microbatches: int, virtual: Optional[int] = None) -> Schedule:
+    """A fixed kind's order as its builder makes it, not verified: for a planner bounding
+    thousands of candidates by what their orders hold (each verified order costs a walk of
+    its dependencies; the candidates it evaluates, and every plan that runs, go through
+    generate())."""
+    v = check_args(kind, ranks, microbatches, virtual)
+    if kind == "auto":
+        raise ScheduleError("auto has no order before its search: use generate()")
+    with bulk():
+        return build_fixed(kind, ranks, microbatches, v, None, verified=False)
+
+
 def _generate(kind: str, ranks: int, microbatches: int, virtual: Optional[int],
               costs: Optional[Costs], memory_limit: Optional[float]) -> Schedule:
     v = check_args(kind, ranks, microbatches, virtual)

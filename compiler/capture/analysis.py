@@ -20,6 +20,9 @@ Ops whose output shape depends on data (`nonzero` in a leaf MoE's dispatch)
 run as if everything were selected: shapes stay computable, costs are upper
 bounds (costs.py scales a leaf MoE back to top-k).
 
+A block whose nodes and inputs repeat one already run (a layer stack's layers) is not
+run again: replay.py gives it that run's results, renamed (the same records a run gives).
+
 Running ops on meta tensors imports torch._dynamo (torch's Python meta
 kernels are wrapped to disable it: ~2 s per process). A run's results can be
 recorded (`Propagation.record`) and replayed in another process compiling the
@@ -40,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..compiled import ValueSpec
+from .replay import Replays
 from .work import Work, WorkLog, attention_work
 
 _META = torch.device("meta")
@@ -135,10 +139,16 @@ class Propagation:
 class MetaRun:
     """Executes graph nodes on meta tensors, incrementally; results stay queryable by node."""
 
-    def __init__(self, gm: fx.GraphModule, autocast: Optional[torch.dtype] = None):
+    def __init__(self, gm: fx.GraphModule, autocast: Optional[torch.dtype] = None,
+                 blocks: Iterable[str] = ()):
         """`autocast`: run as under `torch.autocast("cpu", autocast)`, on fake CPU tensors
-        (meta tensors have no autocast): what is saved then is what a bf16 run saves."""
+        (meta tensors have no autocast): what is saved then is what a bf16 run saves.
+        `blocks`: the model's blocks (capture/blocks.py); a block whose segment of the graph
+        repeats one already run is replayed from it (replay.py)."""
         self.gm = gm
+        self.blocks = tuple(blocks)
+        self._replays = Replays(self.blocks) if self.blocks else None
+        self._held: list = []  # replayed storages with keys, kept alive (replay.py)
         self.autocast = autocast
         self._device = _META if autocast is None else torch.device("cpu")
         self.values: dict[fx.Node, Any] = {}
@@ -193,40 +203,53 @@ class MetaRun:
         # every element selected, so costs are upper bounds and shapes stay computable
         with self._mode(), counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            for node in nodes:
-                if node.op == "output":
+            replays = self._replays
+            for block, seg in replays.segments(nodes) if replays else [(None, nodes)]:
+                if block is None:
+                    for node in seg:
+                        self._execute_one(node, counter, inputs)
                     continue
-                before, self._saved_now = counter.get_total_flops(), 0
-                ops_before = self._ops.count
-                self._node, self._saves = node, {}
-                if node.op == "placeholder":
-                    value = inputs[node.target if node.target in inputs else node.name]
-                    if self.autocast is not None:
-                        value = self._to_meta(value, parameter=False)
-                else:
-                    try:
-                        value = self._execute(node)
-                    except Exception as e:
-                        raise MetaRunError(node, e) from e
-                    if node.op == "call_function" and node.target in SDPA:
-                        value = _fused_layout(value)
-                saved = self._saved_now
-                outs = self._register(node, value)
-                saves = tuple(self._saves.values())
-                if node.op == "call_function" and node.target in SDPA:
-                    saved = _fused_attention_saved_bytes(value, node.args, self.values)
-                    saves = self._fused_attention_saves(node, value, outs)
-                flops = float(counter.get_total_flops() - before)
-                if flops == 0 and _is_grouped_mm(node):
-                    flops = _grouped_mm_flops(value, node.args, self.values)
-                ops, work = self._ops.count - ops_before, self._ops.log.take()
-                if node.op == "call_function" and node.target in SDPA:
-                    ops = 1  # one fused kernel on a device (its meta run is the math path)
-                    work = attention_work(value, self.values[node.args[0]],
-                                          self.values[node.args[1]], flops)
-                self.values[node] = value
-                self.costs[node] = NodeCost(flops, saved, ops, work, saves, outs,
-                                            isinstance(value, torch.Tensor))
+                if replays.replay(self, block, seg):
+                    continue
+                start = replays.start(self, block, seg)
+                for node in seg:
+                    self._execute_one(node, counter, inputs)
+                replays.finish(self, block, seg, start)
+
+    def _execute_one(self, node: fx.Node, counter, inputs: dict[str, torch.Tensor]) -> None:
+        if node.op == "output":
+            return
+        before, self._saved_now = counter.get_total_flops(), 0
+        ops_before = self._ops.count
+        self._node, self._saves = node, {}
+        if node.op == "placeholder":
+            value = inputs[node.target if node.target in inputs else node.name]
+            if self.autocast is not None:
+                value = self._to_meta(value, parameter=False)
+        else:
+            try:
+                value = self._execute(node)
+            except Exception as e:
+                raise MetaRunError(node, e) from e
+            if node.op == "call_function" and node.target in SDPA:
+                value = _fused_layout(value)
+        saved = self._saved_now
+        outs = self._register(node, value)
+        saves = tuple(self._saves.values())
+        if node.op == "call_function" and node.target in SDPA:
+            saved = _fused_attention_saved_bytes(value, node.args, self.values)
+            saves = self._fused_attention_saves(node, value, outs)
+        flops = float(counter.get_total_flops() - before)
+        if flops == 0 and _is_grouped_mm(node):
+            flops = _grouped_mm_flops(value, node.args, self.values)
+        ops, work = self._ops.count - ops_before, self._ops.log.take()
+        if node.op == "call_function" and node.target in SDPA:
+            ops = 1  # one fused kernel on a device (its meta run is the math path)
+            work = attention_work(value, self.values[node.args[0]],
+                                  self.values[node.args[1]], flops)
+        self.values[node] = value
+        self.costs[node] = NodeCost(flops, saved, ops, work, saves, outs,
+                                    isinstance(value, torch.Tensor))
 
     def _execute(self, node: fx.Node) -> Any:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
@@ -305,7 +328,7 @@ class MetaRun:
             key = self._keys[id(base)] = f"{node.name}#{len(self._alive)}"
             self._alive.append(base)
             owner, source = node.name, ""
-            src = self._ops.copies.get(id(base))
+            src = self._ops.copies.get(id(base), (None, None))[1]
             if src is not None:  # a cast copy (autocast): it holds what it was cast from
                 src = src._base if src._base is not None else src
                 if id(src) in self._param_ids:
@@ -365,7 +388,9 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.count, self._paused = 0, False
         self.log, self._is_param = WorkLog(), is_param  # each op's work (work.py)
-        self.copies: dict[int, torch.Tensor] = {}  # id(a cast's output) -> its input
+        # id(a cast's output) -> (it, its input): both kept alive, so no later tensor takes
+        # the id of a cast output that was freed (and its owner with it)
+        self.copies: dict[int, tuple] = {}
 
     @contextlib.contextmanager
     def paused(self):
@@ -381,7 +406,7 @@ class OpCounter(TorchDispatchMode):
             self.count += 1
             self.log.record(func, args, kwargs, out, self._is_param)
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
-            self.copies[id(out)] = args[0]  # (both stay alive: the run keeps saved bases)
+            self.copies[id(out)] = (out, args[0])
         return out
 
 

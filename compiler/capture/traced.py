@@ -15,7 +15,7 @@ import torch.fx as fx
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from .analysis import MetaRun, MetaRunError
-from .blocks import module_path
+from .blocks import blocks_of, module_path
 from .capture import capture
 from .loss import LOSS_KINDS, TARGETS, append_loss, split_outputs
 
@@ -37,7 +37,7 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
     example = example_inputs(plan)
     captured = capture(plan, model, example)
     gm = captured.module
-    run = MetaRun(gm)
+    run = MetaRun(gm, blocks=blocks_of(model))
     _propagate(plan, run, list(gm.graph.nodes), example)
     first, rest = split_outputs(captured.outputs)
     _check_aux_first(plan, run, first, rest)

@@ -94,7 +94,7 @@ def saved_records(precision: str, gm: fx.GraphModule, run: MetaRun) -> dict[str,
     are saved copies of their own, a weight's too; norms keep float32 inputs)."""
     if precision != "bf16":
         return {n.name: c for n, c in run.costs.items()}
-    again = MetaRun(gm, autocast=torch.bfloat16)
+    again = MetaRun(gm, autocast=torch.bfloat16, blocks=run.blocks)
     inputs = {n.target: run.value(n) for n in gm.graph.nodes if n.op == "placeholder"}
     again.run([n for n in gm.graph.nodes if n.op != "output"], inputs)
     return {n.name: dataclasses.replace(c, saves=again.costs[n].saves, outs=again.costs[n].outs,

@@ -150,3 +150,50 @@ def test_data_dependent_moe_as_leaf(make_plan, chain):
     everything = 4 * 2 * (tokens * 2) * d * d + 2 * tokens * d * 4  # experts + router
     # routed for real, the pairs are spread over the experts: 1/4 of that
     assert compiled.stages[0].flops - routed.stages[0].flops == pytest.approx(everything * 3 / 4)
+
+
+@pytest.mark.parametrize("source,args", [
+    ("examples/models/gpt.py:GPT", {"layers": 4, "seq_len": 16}),
+    ("tests/compiler/models.py:Llama", {"vocab": 64, "dim": 32, "layers": 5, "heads": 4,
+                                        "kv_heads": 2, "ffn": 48}),
+    ("tests/compiler/models.py:Widening", {"layers": 4}),  # alike graphs, other shapes
+    ("tests/compiler/models.py:tiny_llama", {"layers": 4, "tie": True}),  # export
+    ("tests/compiler/models.py:tiny_mixtral", {"layers": 4}),
+    ("tests/compiler/models.py:tiny_gpt2", {"layers": 4}),
+])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_repeated_blocks_are_replayed_exactly(make_plan, monkeypatch, source, args, precision):
+    """A block whose graph and inputs repeat one already run is replayed from it
+    (capture/replay.py): every node's value spec, FLOPs, ops, work, saved and output
+    storages (keys included) and the bf16 run's saved records equal a run of every node;
+    the layer stacks are replayed, the widening one (other shapes each layer) never."""
+    from pipeplan.compiler.capture import replay
+    from pipeplan.compiler.capture.traced import trace_with_loss
+    from pipeplan.compiler.estimate.activations import saved_records
+    from pipeplan.compiler.estimate.precision import to_precision
+    from pipeplan.dsl.ast import TrainSpec
+    plan = make_plan(source, args, train=TrainSpec(global_batch=4, precision=precision))
+
+    def spec(v):
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: (tuple(t.shape), t.stride(), t.dtype, t.requires_grad), v)
+
+    def measured(enabled: bool):
+        monkeypatch.setattr(replay, "ENABLED", enabled)
+        model = load_model(plan, "meta")
+        to_precision(model, precision)
+        traced = trace_with_loss(plan, model)
+        run = traced.run
+        records = saved_records(precision, traced.module, run)
+        return ({n.name: c for n, c in run.costs.items()},
+                {n.name: spec(v) for n, v in run.values.items()}, records,
+                run._replays.replayed)
+    whole, replayed = measured(False), measured(True)
+    assert whole[0] == replayed[0]
+    assert whole[1] == replayed[1]
+    assert whole[2] == replayed[2]
+    assert whole[3] == 0
+    if "Widening" in source:
+        assert replayed[3] == 0
+    else:
+        assert replayed[3] >= args["layers"] - 2

@@ -303,3 +303,75 @@ def test_a_cp_rank_runs_every_attention_block_in_the_time_model(plan, units):
                       for c in (1, cp))
         att = [sum(n for (g, _, _), n in u.work.gemms.items() if g.attention) for u in (one, many)]
         assert att[0] > 0 and att[1] == pytest.approx(blocks * att[0])
+
+
+LLAMA = os.path.join(os.path.dirname(__file__), "..", "compiler", "models.py")
+
+
+@pytest.mark.parametrize("source", ["gpt", "llama", "widening"])
+def test_repeated_blocks_share_one_walk_and_give_the_same_tables(plan, source, monkeypatch):
+    """A layer stack's blocks are walked once per distinct form (planner/repeats.py): every
+    table (tp on and off, sequence parallel, every recompute mode, sizes 1-3) equals the
+    one walked block by block, and fewer walks ran."""
+    import pipeplan.planner.units as units_module
+    from pipeplan.planner import repeats
+    if source == "llama":
+        plan = dataclasses.replace(
+            plan, model=dataclasses.replace(
+                plan.model, source=os.path.abspath(LLAMA) + ":Llama",
+                args={"vocab": 64, "dim": 32, "layers": 5, "heads": 4, "kv_heads": 2,
+                      "ffn": 48}),
+            tensor=dataclasses.replace(
+                plan.tensor, column=tuple(f"layers.*.{m}" for m in ("attn.q", "attn.k",
+                                                                    "attn.v", "gate", "up")),
+                row=("layers.*.attn.o", "layers.*.down")))
+    if source == "widening":  # alike graphs, other bytes: no walk may be shared
+        plan = dataclasses.replace(
+            plan, model=dataclasses.replace(plan.model, source=os.path.abspath(LLAMA) +
+                                            ":Widening", args={"layers": 4}),
+            tensor=dataclasses.replace(plan.tensor, column=(), row=()))
+    walks = {}
+
+    def measured(enabled: bool):
+        calls = [0]
+        real = units_module.stage_saved_bytes
+
+        def counted(*a, **k):
+            calls[0] += 1
+            return real(*a, **k)
+        monkeypatch.setattr(units_module, "stage_saved_bytes", counted)
+        monkeypatch.setattr(repeats, "ENABLED", enabled)
+        u = measure(plan, (1, 2), (1,), "layers.*")
+        walks[enabled], walks["blocks"] = calls[0], len(u.blocks)
+        return {k: [dataclasses.replace(x, params=tuple((kind, n) for _, kind, n in x.params))
+                    for x in t] for k, t in u.tables.items()}
+    plain, shared = measured(False), measured(True)
+    assert shared == plain
+    assert {k[3] for k in plain} == {"none", "selective", "full"}
+    if source == "widening":
+        return
+    assert any(k[2] for k in plain)  # sequence parallel among them
+    layers = plan.model.args["layers"]  # layers 2.. reuse layer 1's walks at least
+    assert walks[True] <= walks[False] * (walks["blocks"] - (layers - 2)) / walks["blocks"], \
+        walks
+
+
+def test_balanced_split_minimises_the_heaviest_stage():
+    """Against every way to cut small runs of blocks (equal layers among them): the split's
+    heaviest stage is the least possible, and every stage has a block."""
+    import random
+    from pipeplan.planner.cost import balanced_split
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(2, 9)
+        w = [rng.choice([1.0, 1.0, 0.25, 3.0, rng.uniform(0.01, 4.0)]) for _ in range(n)]
+        stages = rng.randint(1, n)
+
+        def heaviest(split):
+            b = (0,) + tuple(split) + (n,)
+            return max(sum(w[x:y]) for x, y in zip(b, b[1:]))
+        best = min(heaviest(c) for c in itertools.combinations(range(1, n), stages - 1))
+        got = balanced_split(w, stages)
+        assert len(got) == stages - 1 and list(got) == sorted(set(got)) and \
+            all(0 < g < n for g in got)
+        assert heaviest(got) == pytest.approx(best, rel=1e-9), (w, stages, got)
