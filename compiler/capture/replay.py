@@ -21,6 +21,7 @@ without it.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -308,7 +309,4 @@ def _build(s: _Spec, device: torch.device, leaf: bool = False) -> torch.Tensor:
 
 
 def _fetch(gm: torch.nn.Module, target: str) -> Any:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return operator.attrgetter(target)(gm)  # a dotted path, as fx's get_attr names it
