@@ -39,7 +39,7 @@ from ..schedules import generate
 from ..schedules.generate import unverified
 from ..schedules.verify import verify
 from ..schedules.costs import Costs
-from ..schedules.memory import held_peaks
+from ..schedules.memory import held_peaks, held_states, peaks_of
 from ..schedules.simulate import simulate
 from .space import Candidate, on_recompute_rank, placement, plan_of
 from .units import Unit, Units
@@ -371,12 +371,19 @@ def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ..
         # the activations: the same for every ZeRO stage and mesh giving these bytes
         akey = ("held acts", sh.act, place, c.pp, c.virtual) + key[4:]
         if akey not in units.cache:
-            units.cache[akey] = held_peaks(order(units, c, verified=False),
-                                           list(sh.act))[0] if fixed else \
+            units.cache[akey] = peaks_of(_held_states(units, c), sh.act) if fixed else \
                 _rank_max(sh.act, place, c.pp)
         acts = units.cache[akey]
         units.cache[key] = tuple(int(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a)
                                  for rk, a in zip(ranks, acts))
+    return units.cache[key]
+
+
+def _held_states(units: Units, c: Candidate) -> tuple:
+    """A fixed kind's order walked once for its activation peaks (schedules/memory.py)."""
+    key = ("held states", c.schedule, c.pp, c.microbatches, c.virtual)
+    if key not in units.cache:
+        units.cache[key] = held_states(order(units, c, verified=False))
     return units.cache[key]
 
 
@@ -463,13 +470,22 @@ def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> 
     return units.cache[key]
 
 
+def _auto_order(units: Units, c: Candidate, sh: Shape, costs: Costs):
+    """`auto`'s order for these stages' costs (its search reads the pipeline and the
+    per-stage costs only: candidates that differ in ZeRO stage, or in a data-parallel size
+    their stage costs do not see, share one search)."""
+    key = ("auto order", c.pp, c.microbatches, c.virtual, sh.per_stage, sh.latency)
+    if key not in units.cache:
+        units.cache[key] = generate("auto", ranks=c.pp, microbatches=c.microbatches,
+                                    virtual=c.virtual, costs=normalised(costs))
+    return units.cache[key]
+
+
 def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     """The compiler's estimate of candidate `c` (what `pipeplan check` prints for its plan)."""
     sh = shape(units, c, device)
     costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
-    sched = order(units, c) if c.schedule != "auto" else \
-        generate(c.schedule, ranks=c.pp, microbatches=c.microbatches, virtual=c.virtual,
-                 costs=normalised(costs))
+    sched = order(units, c) if c.schedule != "auto" else _auto_order(units, c, sh, costs)
     sim = simulate(sched, costs)
     if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them
         device = device.shared(sim.concurrency)

@@ -52,6 +52,35 @@ def held_peaks(schedule: Schedule, amounts) -> tuple[tuple[float, ...], tuple[in
     return tuple(peaks), tuple(where)
 
 
+def held_states(schedule: Schedule) -> tuple:
+    """Per rank, (its stages, the microbatches of each it holds after each F that no other
+    such state holds at least as many of, stage by stage): what `held_peaks` needs of the
+    order, walked once, for a caller asking it of many `amounts` (the planner's memory
+    bound: one order, many candidates' bytes)."""
+    out = []
+    for actions in schedule.order:
+        stages = tuple(sorted({a.stage for a in actions}))
+        at = {s: i for i, s in enumerate(stages)}
+        count, seen = [0] * len(stages), set()
+        for a in actions:
+            if a.op == F:
+                count[at[a.stage]] += 1
+                seen.add(tuple(count))
+            elif a.op != B:  # W or BW
+                count[at[a.stage]] -= 1
+        top = [c for c in seen if not any(o != c and all(x >= y for x, y in zip(o, c))
+                                          for o in seen)]
+        out.append((stages, tuple(sorted(top))))
+    return tuple(out)
+
+
+def peaks_of(states: tuple, amounts) -> tuple[float, ...]:
+    """`held_peaks(schedule, amounts)[0]` from `held_states(schedule)`: the same peaks for
+    nonnegative amounts (exactly, where they are whole numbers of bytes)."""
+    return tuple(max((sum(n * amounts[s] for n, s in zip(c, stages)) for c in top),
+                     default=0.0) if top else 0.0 for stages, top in states)
+
+
 def peak_until_b(schedule: Schedule) -> tuple[float, ...]:
     """Peak per rank if activations were freed at B (BW) instead of W: the count frameworks that
     free the input-gradient graph early report; shown next to pipeplan's own (until W)."""

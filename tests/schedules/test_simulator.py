@@ -84,3 +84,30 @@ def test_concurrency_is_what_a_computing_rank_sees():
                       busy=(2.0,), idle=(0.0,), peak_activations=(0.0,), lower_bound=2.0,
                       start=((0.0, 1.0),), end=((1.0, 2.0),))
     assert alone.concurrency == pytest.approx(1.0)
+
+
+def test_held_states_give_the_peaks_held_peaks_walks():
+    """The planner's memory bound reads one walk of an order for many candidates' bytes
+    (memory.held_states / peaks_of): the same peaks as walking the order each time, for
+    every fixed kind, with whole and fractional amounts."""
+    import random
+    from pipeplan.schedules import generate
+    from pipeplan.schedules.kinds import FIXED_KINDS, KINDS_TABLE
+    from pipeplan.schedules.memory import held_peaks, held_states, peaks_of
+    rng = random.Random(0)
+    for kind in FIXED_KINDS:
+        for p, m in ((2, 4), (3, 7), (4, 8)):
+            for v in (1, 2, 3):
+                if not KINDS_TABLE[kind].allows(v):
+                    continue
+                try:
+                    schedule = generate(kind, ranks=p, microbatches=m, virtual=v)
+                except Exception:
+                    continue  # a combination the kind refuses
+                states = held_states(schedule)
+                for _ in range(5):
+                    whole = [float(rng.randint(0, 10 ** 9)) for _ in range(p * v)]
+                    assert peaks_of(states, whole) == held_peaks(schedule, whole)[0]
+                    part = [rng.random() for _ in range(p * v)]
+                    assert peaks_of(states, part) == pytest.approx(
+                        held_peaks(schedule, part)[0], rel=1e-12)
