@@ -7,10 +7,11 @@ bytes it saves under each rewrite (activations.stage_saved_bytes: placements und
 recompute regions), nine rewrites per capture; on an 80-layer model that walk was the
 largest part of a capture after the meta runs.
 
-`Forms` gives each stage graph a form: every node by its position (op, target with the
-block's own name taken out, arguments by position, its meta-run record with storage keys
-numbered in order of appearance and owners by position, the TP kind of each module it
-calls, whether it draws random numbers or is a collective). Two stages with the same form,
+`Forms` gives each stage graph a form: every node's static form as the meta run's replay
+reads it (compiler/capture/replay.static_form: op, target with the block's own name taken
+out, arguments by position, called modules' classes, attributes and parameter specs), its
+meta-run record with storage keys numbered in order of appearance and owners by position,
+the TP kind of each module it calls, whether it draws random numbers or is a collective. Two stages with the same form,
 the same recompute regions (by position), the same sequence-shard inputs and the same
 per-node scale give the same bytes: the walk reads nothing else. Anything a form cannot
 name by position (an owner outside the stage, a module of another block) stays as its
@@ -24,6 +25,7 @@ from typing import Callable, Optional
 import torch.fx as fx
 
 from ..compiler.capture.blocks import COLLECTIVE
+from ..compiler.capture.replay import static_form
 from ..compiler.recompute import draws_random, find_regions
 
 ENABLED = True  # tests turn it off to compare the tables
@@ -78,11 +80,10 @@ def cached_walk(walk: Callable, forms: Optional[Forms], rules, scale: dict) -> C
 
 
 def _form(module: fx.GraphModule, block: str, records: dict, kinds: dict) -> tuple:
-    where = {n.name: i for i, n in enumerate(module.graph.nodes)}
+    nodes = list(module.graph.nodes)
+    static, _ = static_form(module, block, nodes)  # every argument is inside: a stage graph
+    where = {n.name: i for i, n in enumerate(nodes)}
     keys: dict[str, str] = {}
-
-    def path(p: str) -> str:
-        return "<block>" + p[len(block):] if p == block or p.startswith(block + ".") else p
 
     def key(k: str) -> str:
         return keys.setdefault(k, f"k{len(keys)}")
@@ -90,29 +91,22 @@ def _form(module: fx.GraphModule, block: str, records: dict, kinds: dict) -> tup
     def owner(o: str) -> object:
         if o.startswith("param:"):
             p = o[len("param:"):]
-            return ("param", path(p), kinds.get(p.rpartition(".")[0]))
+            return ("param", _path(p, block), kinds.get(p.rpartition(".")[0]))
         return _At(where[o]) if o in where else o
 
-    def arg(a):
-        return _At(where[a.name]) if a.name in where else a.name
-
     out = []
-    for n in module.graph.nodes:
-        args = repr(fx.node.map_arg((n.args, n.kwargs), arg))
-        if n.op in ("call_module", "get_attr"):
-            owned = n.target if n.op == "call_module" else n.target.rpartition(".")[0]
-            target = (path(n.target), kinds.get(owned))
-            if n.op == "call_module":
-                sub = module.get_submodule(n.target)
-                target += (type(sub), tuple((k, tuple(p.shape), p.dtype)
-                                            for k, p in sub.named_parameters()))
-        else:  # a placeholder's target is its global name: its position names it here
-            target = None if n.op == "placeholder" else n.target
+    for n, form in zip(nodes, static):
+        kind = kinds.get(n.target if n.op == "call_module" else n.target.rpartition(".")[0]) \
+            if n.op in ("call_module", "get_attr") else None
         c = records.get(n.name)
         record = None if c is None else (
             c.flops, c.tensor_out, tuple((key(k), b) for k, b in c.outs),
             tuple((key(s.key), s.nbytes, owner(s.owner), s.dims,
                    key(s.source) if s.source else "") for s in c.saves))
-        out.append((n.op, target, args, repr(record), bool(n.meta.get(COLLECTIVE)),
+        out.append((form, kind, repr(record), bool(n.meta.get(COLLECTIVE)),
                     n.op not in ("placeholder", "output") and draws_random(n)))
     return tuple(out), where
+
+
+def _path(p: str, block: str) -> str:
+    return "<block>" + p[len(block):] if p == block or p.startswith(block + ".") else p

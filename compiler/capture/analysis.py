@@ -209,9 +209,9 @@ class MetaRun:
                     for node in seg:
                         self._execute_one(node, counter, inputs)
                     continue
-                if replays.replay(self, block, seg):
+                start = replays.enter(self, block, seg)
+                if start is None:  # replayed
                     continue
-                start = replays.start(self, block, seg)
                 for node in seg:
                     self._execute_one(node, counter, inputs)
                 replays.finish(self, block, seg, start)

@@ -78,11 +78,16 @@ class Replays:
                 out.append((b, [n]))
         return out
 
-    # ---------------------------------------------------------------- recording
-    def start(self, run, block: str, seg: list) -> tuple:
-        form, outside = _form(run.gm, block, seg)
-        return form, outside, _reads(run, outside), len(run._alive), len(run._owners)
+    def enter(self, run, block: str, seg: list) -> Optional[tuple]:
+        """Replay `seg` from the run of its form (None), or say what `finish` needs after
+        the caller runs it: its form, what it reads, and the run's counters now."""
+        form, outside = static_form(run.gm, block, seg)
+        reads = _reads(run, outside)
+        if ENABLED and self._replay(run, block, seg, form, outside, reads):
+            return None
+        return form, outside, reads, len(run._alive), len(run._owners)
 
+    # ---------------------------------------------------------------- recording
     def finish(self, run, block: str, seg: list, start: tuple) -> None:
         form, outside, (reads, read_keys), first, owners = start
         if form in self.runs:
@@ -94,6 +99,7 @@ class Replays:
         for n in seg:
             value = run.values[n]
             keys, saved = [], []
+            exported = any(u not in inside for u in n.users)
             for t in tree_leaves(value):
                 if not isinstance(t, torch.Tensor):
                     continue
@@ -101,7 +107,6 @@ class Replays:
                 param = id(base) in run._param_ids
                 keys.append(None if param else run._keys.get(id(base)))
                 saved.append(id(base) in run._saved)
-                exported = any(u not in inside for u in n.users)
                 if exported and n.op != "get_attr" and (t._base is not None or param):
                     ok = False  # a later segment would read it as a view or a parameter
                 if not param and keys[-1] is None:
@@ -113,16 +118,12 @@ class Replays:
                                values, leaf_keys, leaf_saved) if ok else None
 
     # ----------------------------------------------------------------- replaying
-    def replay(self, run, block: str, seg: list) -> bool:
+    def _replay(self, run, block: str, seg: list, form: tuple, outside: list,
+                reads: tuple) -> bool:
         """Give `seg` the results of the run of its form, renamed; False: run it."""
-        if not ENABLED:
-            return False
-        form, outside = _form(run.gm, block, seg)
         was = self.runs.get(form)
-        if was is None:
-            return False
-        reads, read_keys = _reads(run, outside)
-        if reads != was.reads:
+        reads, read_keys = reads
+        if was is None or reads != was.reads:
             return False
         mapped = _Mapping(was, block, seg, outside, read_keys, len(run._alive))
         costs = mapped.costs(run)
@@ -222,9 +223,10 @@ class _Mapping:
                                    outs=tuple((self.key(k), b) for k, b in c.outs))
 
 
-def _form(gm: fx.GraphModule, block: str, seg: list) -> tuple[tuple, list]:
-    """The segment's nodes by position, with the block's module path taken out; and the
-    nodes outside it that it reads, in order of first use."""
+def static_form(gm: fx.GraphModule, block: str, seg: list) -> tuple[tuple, list]:
+    """The nodes `seg` (of `gm`'s graph) by position, with the block's module path taken out;
+    and the nodes outside it that they read, in order of first use. (Also the form of a
+    stage graph's nodes, planner/repeats.py: a placeholder is named by its position.)"""
     at = {n: i for i, n in enumerate(seg)}
     outside: list = []
 
@@ -245,8 +247,8 @@ def _form(gm: fx.GraphModule, block: str, seg: list) -> tuple[tuple, list]:
             target = (path(n.target), _module_form(gm.get_submodule(n.target)))
         elif n.op == "get_attr":
             target = (path(n.target), _value_form(_fetch(gm, n.target)))
-        else:
-            target = n.target
+        else:  # a placeholder's target is its global name: its position names it here
+            target = None if n.op == "placeholder" else n.target
         out.append((n.op, target, args, path(module_path(n) or "")))
     return tuple(out), outside
 
