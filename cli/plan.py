@@ -49,7 +49,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="candidates evaluated at most (schedule generated and simulated)")
     p.add_argument("--max-auto", type=int, default=None,
                    help="of those, schedule kind auto at most (each is a schedule search; "
-                   "default 24)")
+                   "default 12)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-verify", action="store_true",
                    help="do not compile the written plan again (as `pipeplan check` does)")

@@ -36,6 +36,7 @@ from ..compiler.estimate.predict import breakdown, collective_s
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
+from ..schedules.bound import makespan_bound
 from ..schedules.generate import unverified
 from ..schedules.verify import verify
 from ..schedules.costs import Costs
@@ -344,13 +345,33 @@ def quick_held(units: Units, c: Candidate) -> float:
 
 def lower_bound(units: Units, c: Candidate, device: DeviceModel) -> tuple[float, int]:
     """(no schedule of `c` is faster, no rank of `c` holds fewer bytes than the fullest)."""
+    return time_bound(units, c, device), max(held_bytes(units, c, device))
+
+
+def time_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
+    """No schedule of `c` is faster (lower_bound's time: the search asks it first, and the
+    bytes, a walk of the order, only of candidates still under the K-th best)."""
     sh = shape(units, c, device)
     places = [placement(c.schedule, c.pp, len(sh.per_stage))]
     if c.schedule == "auto" and c.virtual == 2:
         places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
-    best = min(_pipe_bound(units, c, sh, place, unsplit)[0] for place in places)
-    return best, max(held_bytes(units, c, device))
+    return min(max(_pipe_bound(units, c, sh, place, unsplit)[0],
+                   _limited_bound(units, c, sh, place)) for place in places)
+
+
+def _limited_bound(units: Units, c: Candidate, sh: Shape, place) -> float:
+    """Under a memory limit (auto's: cost.auto_memory_limit), the schedule engine's bound on
+    every order of this placement holding no more (schedules/bound.py: a rank that may
+    hold only k microbatches idles until their backwards come back); 0 without one."""
+    if not c.memory_limit:
+        return 0.0
+    key = ("limited bound", id(sh), place, c.microbatches, c.memory_limit)
+    if key not in units.cache:
+        table = Costs(per_stage=sh.per_stage, latency=sh.latency).stage_table(place)
+        units.cache[key] = makespan_bound(place, c.microbatches, table,
+                                          float(c.memory_limit))
+    return units.cache[key]
 
 
 def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ...]:
@@ -363,11 +384,7 @@ def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ..
     fixed = c.schedule != "auto"
     key = ("held", id(sh), place, c.zero) + ((c.schedule, c.microbatches) if fixed else ())
     if key not in units.cache:
-        # the states: the same for every kind, m, microbatch size and rewrite of a split
-        skey = ("held state", c.pp, c.dp, c.tp, c.cp, c.ep, sh.split, place, c.zero)
-        if skey not in units.cache:
-            units.cache[skey] = state(units, c, sh.split, place)
-        ranks = units.cache[skey]
+        ranks = _held_state(units, c, sh.split, place)
         # the activations: the same for every ZeRO stage and mesh giving these bytes
         akey = ("held acts", sh.act, place, c.pp, c.virtual) + key[4:]
         if akey not in units.cache:
@@ -376,6 +393,15 @@ def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ..
         acts = units.cache[akey]
         units.cache[key] = tuple(int(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes + a)
                                  for rk, a in zip(ranks, acts))
+    return units.cache[key]
+
+
+def _held_state(units: Units, c: Candidate, split: tuple, place: tuple) -> list:
+    """Each rank's states (cached: the same for every kind, m, microbatch size and rewrite
+    of a split)."""
+    key = ("held state", c.pp, c.dp, c.tp, c.cp, c.ep, split, place, c.zero)
+    if key not in units.cache:
+        units.cache[key] = state(units, c, split, place)
     return units.cache[key]
 
 
@@ -426,6 +452,7 @@ def _step_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool,
     at least the shortest of its stages' reductions is exposed: step >= each rank's own end
     bound + its tail, and >= the pipeline's bound + the smallest tail."""
     worst, own = _pipe_bound(units, c, sh, place, unsplit)
+    worst = max(worst, _limited_bound(units, c, sh, place))
     key = ("tail", id(sh), place, c.zero)
     if key not in units.cache:
         plan = plan_of(units.plan, c, units.blocks, sh.split)
@@ -471,14 +498,42 @@ def _pipe_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool) -> 
 
 
 def _auto_order(units: Units, c: Candidate, sh: Shape, costs: Costs):
-    """`auto`'s order for these stages' costs (its search reads the pipeline and the
-    per-stage costs only: candidates that differ in ZeRO stage, or in a data-parallel size
-    their stage costs do not see, share one search)."""
-    key = ("auto order", c.pp, c.microbatches, c.virtual, sh.per_stage, sh.latency)
+    """`auto`'s order for these stages' costs under the candidate's memory limit (its search
+    reads the pipeline, the per-stage costs and the limit only: candidates that differ in
+    ZeRO stage, or in a data-parallel size their stage costs do not see, share one search)."""
+    key = ("auto order", c.pp, c.microbatches, c.virtual, sh.per_stage, sh.latency,
+           c.memory_limit)
     if key not in units.cache:
         units.cache[key] = generate("auto", ranks=c.pp, microbatches=c.microbatches,
-                                    virtual=c.virtual, costs=normalised(costs))
+                                    virtual=c.virtual, costs=normalised(costs),
+                                    memory_limit=float(c.memory_limit) or None)
     return units.cache[key]
+
+
+def auto_memory_limit(units: Units, c: Candidate, device: DeviceModel,
+                      capacity: float) -> int:
+    """For an `auto` candidate: how many microbatches' activations (the schedule engine's
+    unit: a microbatch through all of a rank's stages) each rank may hold beside its
+    parameters, gradients and optimizer states within `capacity` -- the plan's
+    `pipeline.memory_limit` that makes auto search only orders that fit, where with no
+    limit it takes the fastest, holding as many microbatches as that needs. Taken over
+    both placements auto may choose (loop, and V with two stages a rank): the most state
+    bytes on a rank and the most activation bytes a rank's unit holds. 0: not one fits."""
+    sh = shape(units, c, device)
+    places = [placement(c.schedule, c.pp, len(sh.per_stage))]
+    if c.virtual == 2:
+        places.append(placement("zbv", c.pp, len(sh.per_stage)))
+    held, unit = 0.0, 0.0
+    for place in places:
+        held = max(held, max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes
+                             for rk in _held_state(units, c, sh.split, place)))
+        per_rank = [0.0] * c.pp
+        for s, r in enumerate(place):
+            per_rank[r] += sh.act[s]
+        unit = max(unit, max(per_rank))
+    if unit <= 0:
+        return c.microbatches
+    return max(0, min(c.microbatches, int((capacity - held) // unit)))
 
 
 def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:

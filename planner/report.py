@@ -87,6 +87,10 @@ def plan_text(base: Plan, result: SearchResult, pick: int, command: str,
              f"#   step {p.step_time_s:.4g} s, {tflops(p):.1f} TFLOP/s per GPU, MFU "
              f"{utilisation(p, peak_flops):.2f}, peak {p.peak_bytes / GIB:.2f} GiB per rank "
              f"(capacity {result.capacity / GIB:.1f} GiB), bubble {p.bubble:.3f}"]
+    if c.memory_limit:
+        lines.append(f"#   pipeline.memory_limit = {c.memory_limit}: the microbatches' "
+                     "activations a rank may hold beside its states, so `auto` searches "
+                     "only orders that fit")
     lines += _why(result, pick)
     text = format_plan(plan, full=True, comments=False)
     if not device_section:

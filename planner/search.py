@@ -11,9 +11,12 @@
    would not fit without it (`recompute_where_it_pays`, decided when the stand-in is
    reached).
 4. Pop the least bound. A candidate under its quick bound is bounded again on its own
-   stages (cost.lower_bound: a step time no schedule beats, the bytes its fullest rank holds
-   at least; over the memory capacity it is dropped) and queued again; a candidate under
-   that bound is evaluated (cost.predict: schedule generated and simulated), keeping the K
+   stages (cost.time_bound: a step time no schedule beats; an `auto` candidate first gets
+   the activations left beside its states as its memory limit, cost.auto_memory_limit,
+   which its bound then reads) and queued again; popped under that bound, the bytes its
+   fullest rank holds at least (cost.held_bytes: a walk of a fixed kind's order) drop it
+   when over the memory capacity, else it is queued once more; a candidate under that
+   bound is evaluated (cost.predict: schedule generated and simulated), keeping the K
    fastest that fit, unless its tighter bound (cost.step_bound: the optimizer pass and a DP
    reduction added) is no better than the K-th best. Each refinement only raises a bound,
    so candidates are evaluated in increasing order of lower_bound, as if every one had
@@ -36,15 +39,16 @@ from typing import Optional
 from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
-from .cost import Prediction, held_bytes, lower_bound, predict, quick_bound, quick_held, \
-    step_bound
+from .cost import Prediction, auto_memory_limit, held_bytes, predict, quick_bound, quick_held, \
+    step_bound, time_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
     recompute_pattern
 from .units import Units, measure
 
 
-MAX_AUTO = 24  # auto evaluations at most: each is a schedule search (seconds at pp 16)
-_WHERE, _QUICK, _BOUNDED = 0, 1, 2  # how far a queued candidate is refined
+MAX_AUTO = 12  # auto evaluations at most: each is a schedule search under the memory left
+# beside the states (seconds at pp 8: its local search rarely meets the bound there)
+_WHERE, _QUICK, _TIMED, _BOUNDED = 0, 1, 2, 3  # how far a queued candidate is refined
 
 
 @dataclass(frozen=True)
@@ -127,11 +131,19 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
                 heapq.heappush(heap, (False, quick_bound(units, r, device), _QUICK, r))
             continue
         if level == _QUICK:  # the bound of its own stages and the bytes it holds
-            lb, held = lower_bound(units, c, device)
-            if held > result.capacity:
+            if is_auto:  # auto searches only orders that fit beside the states
+                c = dataclasses.replace(c, memory_limit=auto_memory_limit(
+                    units, c, device, result.capacity))
+                if not c.memory_limit:
+                    result.over_memory += 1
+                    continue
+            heapq.heappush(heap, (is_auto, time_bound(units, c, device), _TIMED, c))
+            continue
+        if level == _TIMED:  # still under the K-th best: the bytes its fullest rank holds
+            if max(held_bytes(units, c, device)) > result.capacity:
                 result.over_memory += 1
             else:
-                heapq.heappush(heap, (is_auto, lb, _BOUNDED, c))
+                heapq.heappush(heap, (is_auto, bound, _BOUNDED, c))
             continue
         if len(top) >= top_k and step_bound(units, c, device) >= \
                 top[-1].prediction.step_time_s:

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
+from ..dsl.ast import ContextSpec, MemoryLimit, MeshSpec, Plan, RecomputeRule, SplitSpec
 from ..schedules.kinds import KINDS, KINDS_TABLE, min_microbatches
 
 V_KINDS = tuple(k for k, kind in KINDS_TABLE.items() if kind.placement == "V")
@@ -39,6 +39,9 @@ class Candidate:
     split: tuple[int, ...] = ()  # filled by the cost model: unit where stages 1.. begin
     rc_ranks: int = 0  # `recompute` on the stages of pipeline ranks < rc_ranks only (the
     # ranks holding the most microbatches); 0: on every rank (search.py derives it)
+    memory_limit: int = 0  # auto: at most this many microbatches' activations per rank
+    # (the plan's pipeline.memory_limit, what the device holds beside the states:
+    # cost.auto_memory_limit, set by the search before evaluating); 0: none
 
     def label(self) -> str:
         v = f" v{self.virtual}" if self.virtual > 1 else ""
@@ -46,7 +49,7 @@ class Candidate:
         return (f"pp{self.pp} tp{self.tp} dp{self.dp}{extra} {self.schedule}{v} "
                 f"mbs{self.mbs}x{self.microbatches}{' sp' if self.sp else ''} "
                 f"rc={self.recompute}{f' on ranks<{self.rc_ranks}' if self.rc_ranks else ''} "
-                f"z{self.zero}")
+                f"z{self.zero}{f' mem<={self.memory_limit}' if self.memory_limit else ''}")
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,9 @@ def plan_of(plan: Plan, c: Candidate, blocks: tuple[str, ...],
         plan, mesh=MeshSpec(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, cp=c.cp),
         pipeline=dataclasses.replace(plan.pipeline, schedule=c.schedule,
                                      microbatches=c.microbatches, microbatch_size=None,
-                                     virtual=c.virtual, split=spec),
+                                     virtual=c.virtual, split=spec,
+                                     memory_limit=MemoryLimit(float(c.memory_limit))
+                                     if c.memory_limit else plan.pipeline.memory_limit),
         tensor=tensor, recompute=rules, zero=c.zero,
         context=(plan.context or ContextSpec()) if c.cp > 1 else None)
 

@@ -38,7 +38,15 @@ weight gradients to N ops: work there is at most the N costliest W of r, and
 The windows are disjoint: t1 <= start of r's first backward < end of its last
 B part <= T - tau.
 
-With no limit, N covers every op and only the rate and latency terms remain.
+And the memory's cycle: a microbatch's activations of stage s are held from the start
+of its F(s) to the end of its W(s) (or BW), at least occ_s = the chain F(s..S-1),
+B(S-1..s), W(s) with latency. At any instant the rank holds what it held right after
+the last F it started (what freed since only lowers it), at most N stage-microbatches,
+so the m x n holding intervals, all inside [t0, T] (t0: the earliest any F of r can
+start), pack into N lanes: T >= t0 + m x sum(occ_s) / N. With a small limit this is the
+whole story (limit 1 on a loop: every microbatch waits for the one before to come back).
+
+With no limit, N covers every op and only the rate, latency and lane terms remain.
 The bound is placement-specific: auto takes the minimum over the placements it
 searches for a bound on every schedule it could return.
 """
@@ -91,7 +99,9 @@ def makespan_bound(placement: Sequence[int], microbatches: int, table: StageCost
         front = max(t1 - capped_f, greedy_idle, 0.0)
         tau = min(after_b[s] for s in mine)
         tail = max(0.0, tau - _costliest([w[s] for s in mine], m, cap))
-        best = max(best, work + front + tail)
+        occupied = sum(head_b[s] - head_f[s] + b[s] + w[s] for s in mine)
+        cycles = min(head_f[s] for s in mine) + m * occupied / cap if cap > 0 else 0.0
+        best = max(best, work + front + tail, cycles)
     return best
 
 

@@ -65,7 +65,11 @@ microbatch's dependency chain and, per rank, its total work plus the idle it
 cannot avoid: before its first backward can start it runs only forwards, which
 arrive no faster than the stages upstream produce them and of which the memory
 limit admits only limit × v; after its last backward only the weight gradients
-its memory still holds can fill the pipeline's drain. No schedule of that
+its memory still holds can fill the pipeline's drain. And the memory's lanes: a
+microbatch holds a stage's activations from its F to its W, at least the chain
+F(s..S-1), B(S-1..s), W(s), and at most N = limit × v of them are held at once, so
+the step is at least m × those chains / N (at limit 1 on a loop, every microbatch waits
+for the one before to come back: m × the round trip). No schedule of that
 placement and those costs within that memory limit (the schedule's own peak
 unless one is given) can be shorter; a property test checks it against every
 generator and random executor runs, and tests/schedules/test_auto.py against

@@ -60,18 +60,37 @@ def held_states(schedule: Schedule) -> tuple:
     out = []
     for actions in schedule.order:
         stages = tuple(sorted({a.stage for a in actions}))
+        if len(stages) == 1:  # one stage: its peak count is the one undominated state
+            out.append((stages, ((_peak_count(actions),),)))
+            continue
         at = {s: i for i, s in enumerate(stages)}
         count, seen = [0] * len(stages), set()
         for a in actions:
-            if a.op == F:
+            op = a.op
+            if op == F:
                 count[at[a.stage]] += 1
                 seen.add(tuple(count))
-            elif a.op != B:  # W or BW
+            elif op != B:  # W or BW
                 count[at[a.stage]] -= 1
-        top = [c for c in seen if not any(o != c and all(x >= y for x, y in zip(o, c))
-                                          for o in seen)]
+        top = []  # a state's dominators sort before it, so comparing with those kept suffices
+        for c in sorted(seen, reverse=True):
+            if not any(all(x >= y for x, y in zip(o, c)) for o in top):
+                top.append(c)
         out.append((stages, tuple(sorted(top))))
     return tuple(out)
+
+
+def _peak_count(actions) -> int:
+    held = peak = 0
+    for a in actions:
+        op = a.op
+        if op == F:
+            held += 1
+            if held > peak:
+                peak = held
+        elif op != B:  # W or BW
+            held -= 1
+    return peak
 
 
 def peaks_of(states: tuple, amounts) -> tuple[float, ...]:

@@ -7,7 +7,7 @@ Each candidate is written as `pipeplan plan -o` writes it (report.plan_text), re
 compiled on its own (its own capture at its own microbatch size, its own split and
 estimate); step time and peak bytes must agree. The candidates cover every schedule family,
 interleaving, sequence parallel, each recompute mode (on every rank, and on the first ranks
-only), ZeRO 0-3 and microbatch sizes the planner never captured (4, 8: read off its line through sizes 2 and 3).
+only), `auto` under a memory limit, ZeRO 0-3 and microbatch sizes the planner never captured (4, 8: read off its line through sizes 2 and 3).
 """
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ CANDIDATES = [
     # recompute on the first ranks only (search.recompute_where_it_pays): per-layer rules
     Candidate(4, 1, 2, 1, 1, "1f1b", 1, 2, 16, False, "full", 0, (), 2),
     Candidate(2, 2, 2, 1, 1, "zbv", 2, 2, 8, True, "selective", 1, (), 1),
+    # auto under the memory limit the search gives it (the plan's pipeline.memory_limit)
+    Candidate(2, 2, 2, 1, 1, "auto", 2, 2, 8, True, "none", 1, (), 0, 2),
+    Candidate(4, 1, 2, 1, 1, "auto", 1, 2, 16, False, "full", 0, (), 0, 1),
 ]
 
 
@@ -80,11 +83,16 @@ def test_written_plan_is_estimated_as_the_planner_predicted(setup, cand, tmp_pat
     result = SearchResult([Ranked(dataclasses.replace(cand, split=p.split), p)],
                           units, capacity=1e12, gpus=8)
     out = tmp_path / "best.plan"
-    out.write_text(plan_text(plan, result, 0, "test", device.flops_per_s))
+    text = plan_text(plan, result, 0, "test", device.flops_per_s)
+    assert ("#   pipeline.memory_limit = " in text) == bool(cand.memory_limit)
+    out.write_text(text)
     written = load_plan(str(out), world_size=8)
     assert (written.mesh.pp, written.mesh.tp, written.pipeline.schedule,
             written.pipeline.microbatches, written.zero) == \
         (cand.pp, cand.tp, cand.schedule, cand.microbatches, cand.zero)
+    limit = written.pipeline.memory_limit
+    assert (limit.amount, limit.in_bytes) == (cand.memory_limit, False) if cand.memory_limit \
+        else limit is None
     if cand.rc_ranks:  # per-layer rules, on some layers only (the rest run without)
         assert 0 < len(written.recompute) < 4
         assert {r.mode for r in written.recompute} == {cand.recompute}

@@ -16,8 +16,9 @@ from pipeplan.compiler import compile_plan
 from pipeplan.compiler.estimate.device import device_model
 from pipeplan.dsl.ast import ContextSpec
 from pipeplan.dsl.load import load_plan, parse_plan
-from pipeplan.planner.cost import lower_bound, predict, quick_bound, quick_held, \
-    step_bound
+from pipeplan.planner.cost import auto_memory_limit, lower_bound, predict, quick_bound, \
+    quick_held, step_bound
+from pipeplan.schedules.memory import peak_per_rank
 from pipeplan.planner.search import search
 from pipeplan.planner.space import Candidate, Constraints, enumerate_space, plan_of
 from pipeplan.planner.units import measure
@@ -112,7 +113,11 @@ def test_bound_never_exceeds_the_prediction(plan, units):
     cands = enumerate_space(plan, 8, len(units.blocks), Constraints(), 4, units.refused, True,
                             {}, frozenset({("cp", 1)}))
     dev = device_model(plan)
-    for c in cands[::max(1, len(cands) // 60)]:  # 60 spread over the space, every kind
+    picked = cands[::max(1, len(cands) // 60)]  # 60 spread over the space, every kind
+    picked += [dataclasses.replace(c, memory_limit=n) for c in picked  # auto under a limit
+               if c.schedule == "auto" for n in (1, 2)]
+    assert any(c.memory_limit for c in picked)
+    for c in picked:
         lb, held = lower_bound(units, c, dev)
         p = predict(units, c, dev)
         tighter = step_bound(units, c, dev)
@@ -163,12 +168,36 @@ def test_a_cp_value_is_captured_and_checked_only_when_the_search_reaches_it(plan
 def test_auto_evaluations_are_capped_and_the_report_says_the_bound_did_not_close(plan, units):
     cons = Constraints(fixed={"tp": 1, "cp": 1, "zero": 0, "recompute": "none", "sp": False},
                        schedules=("auto", "1f1b"))
-    full = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units)
+    full = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units,
+                  max_auto=1000)
     assert full.closed and full.auto_evaluated > 2
     capped = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units,
                     max_auto=2)
     assert capped.auto_evaluated == 2 and not capped.closed
     assert capped.evaluated == full.evaluated - full.auto_evaluated + 2
+
+
+def test_auto_searches_only_orders_that_fit_beside_the_states(plan, units):
+    """An auto candidate gets the activations left beside its states as its memory limit:
+    its schedule holds no more (the engine's count), its peak fits, and a tighter capacity
+    gives a smaller limit (no limit at all: the fastest order holds more than fits)."""
+    cons = Constraints(fixed={"tp": 1, "cp": 1, "zero": 0, "recompute": "none", "sp": False,
+                              "pp": 4, "mbs": 1}, schedules=("auto",))
+    free = search(plan, 8, device_model(plan), 1e12, cons, top_k=1, units=units)
+    dev = device_model(plan)
+    c = dataclasses.replace(free.top[0].candidate, memory_limit=0)
+    unlimited = predict(units, c, dev).peak_bytes
+    held = auto_memory_limit(units, c, dev, 1e12)
+    assert held == c.microbatches  # everything fits: the limit is every microbatch
+    capacity = (unlimited + quick_held(units, c)) / 2  # between the states and that peak
+    res = search(plan, 8, dev, capacity, cons, top_k=3, units=units, max_auto=1000)
+    assert res.top
+    for r in res.top:
+        lim = r.candidate.memory_limit
+        assert 1 <= lim < c.microbatches and r.prediction.peak_bytes <= capacity
+        sched = compile_plan(plan_of(plan, r.candidate, res.units.blocks)).schedule
+        assert max(peak_per_rank(sched)[0]) <= lim + 1e-9
+        assert sched.name.startswith("auto")
 
 
 def test_a_context_parallel_candidate_is_estimated_as_check_estimates_it(plan, units):

@@ -119,6 +119,22 @@ def test_memory_limit_adds_the_unavoidable_front_and_tail_idle():
     assert makespan_bound(placement, 8, table, None) == pytest.approx(25.5)
 
 
+def test_memory_cycle_bounds_a_tight_limit_and_auto_meets_it():
+    # Loop, p=4, m=8, F=B=W=1, limit 1: each microbatch holds rank 0's only slot from its F(0)
+    # to its W(0), the chain F(0..3) B(3..0) W(0) = 9, so the step is at least 8 x 9 = 72 (the
+    # front and tail windows alone say 8 x 3 + 3 + 0 = 27); auto's schedule takes exactly that.
+    costs = Costs(1, 1, 1)
+    placement = loop_placement(4, 1)
+    assert makespan_bound(placement, 8, costs.stage_table(placement), 1.0) == pytest.approx(72)
+    s = generate("auto", 4, 8, 1, costs=costs, memory_limit=1.0)
+    assert simulate(s, costs, memory_limit=1.0).makespan == pytest.approx(72)
+    # With latency 0.5 the chain crosses 6 rank edges: 8 x 12
+    lat = Costs(1, 1, 1, latency=0.5)
+    assert makespan_bound(placement, 8, lat.stage_table(placement), 1.0) == pytest.approx(96)
+    # two lanes halve it (and the start of rank r's first F shifts its own: rank 0 binds)
+    assert makespan_bound(placement, 8, costs.stage_table(placement), 2.0) == pytest.approx(36)
+
+
 def test_forward_rate_limits_a_rank_behind_a_slow_stage():
     # Stage 0 costs 1 and stage 3 costs 0.5 (loop placement, 2 stages per rank): rank 3 is fed at
     # most one forward per unit of time, so it idles 3.0 before its first backward can start.
