@@ -113,6 +113,12 @@ def run_plan(args: argparse.Namespace) -> int:
                     max_evals=args.max_evals, progress=not args.no_progress,
                     **({} if args.max_auto is None else {"max_auto": args.max_auto}))
     out = sys.stdout
+    replaced = [k for k in ("memory_limit", "profile", "costs")
+                if getattr(plan.pipeline, k) is not None]
+    if replaced:
+        out.write(f"note: the plan's {', '.join('pipeline.' + k for k in replaced)} "
+                  f"{'is' if len(replaced) == 1 else 'are'} replaced by the search's (it "
+                  "bounds memory by the device's capacity: --memory, --headroom)\n")
     out.write(summary(result))
     out.write(not_considered(result))
     if not result.top:

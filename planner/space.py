@@ -196,7 +196,10 @@ def _ok(fixed: dict, key: str, value) -> bool:
 
 def plan_of(plan: Plan, c: Candidate, blocks: tuple[str, ...],
             split: Optional[tuple[int, ...]] = None) -> Plan:
-    """The user's plan with every choice of `c` written in (the split as block names)."""
+    """The user's plan with every choice of `c` written in (the split as block names). The
+    pipeline section is the search's: a memory limit only where `c` has one (auto), and no
+    measured profile or relative costs (the search estimates its own stages: a file's costs
+    describe another layout's stages)."""
     split = c.split if split is None else split
     pattern = recompute_pattern(blocks)
     rules = () if c.recompute == "none" or pattern is None else \
@@ -213,7 +216,8 @@ def plan_of(plan: Plan, c: Candidate, blocks: tuple[str, ...],
                                      microbatches=c.microbatches, microbatch_size=None,
                                      virtual=c.virtual, split=spec,
                                      memory_limit=MemoryLimit(float(c.memory_limit))
-                                     if c.memory_limit else plan.pipeline.memory_limit),
+                                     if c.memory_limit else None,
+                                     profile=None, costs=None),
         tensor=tensor, recompute=rules, zero=c.zero,
         context=(plan.context or ContextSpec()) if c.cp > 1 else None)
 

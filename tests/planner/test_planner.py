@@ -229,6 +229,25 @@ def test_cli_writes_a_plan_check_accepts_with_the_same_estimates(plan, tmp_path,
     assert main(["check", str(out), "--world-size", "8"]) == 0
 
 
+def test_the_input_plans_pipeline_limit_and_costs_do_not_reach_the_written_plan(tmp_path,
+                                                                               capsys):
+    """A memory limit or relative costs in the input describe another layout: the written
+    plan (a pp 2 pipeline, whose 1f1b would break a limit of 1 and whose 2 stages the
+    input's one-stage costs do not describe) carries the search's pipeline, and check accepts it."""
+    src = tmp_path / "tiny.plan"
+    src.write_text(PLAN.replace("train {", "pipeline {\n  memory_limit = 1\n  costs = "
+                                "[[1, 2, 1]]\n}\ntrain {"))
+    out = tmp_path / "best.plan"
+    code = main(["plan", str(src), "--gpus", "8", "--memory", "1", "--set", "mesh.pp=2",
+                 "--schedules", "1f1b", "--top", "2", "-o", str(out), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "pipeline.memory_limit, pipeline.costs are replaced by the search's" in printed
+    written = load_plan(str(out), world_size=8)
+    assert written.pipeline.memory_limit is None and written.pipeline.costs is None
+    assert written.mesh.pp == 2 and main(["check", str(out), "--world-size", "8"]) == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "0", "--memory", "1"], "--gpus must be at least 1"),
     (["--gpus", "8", "--device", "tpu"], "known devices"),
