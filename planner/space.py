@@ -178,9 +178,10 @@ def _inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip):
 
 def _kinds(cons: Constraints, pp: int):
     """(kind, virtual) pairs: every allowed kind at each stages-per-rank it takes. With one
-    pipeline rank the kinds coincide but for memory: 1f1b and gpipe."""
+    pipeline rank the kinds coincide but for memory: 1f1b (one microbatch held), or gpipe
+    (all of them, the same step) only where 1f1b is not allowed."""
     for kind in cons.schedules:
-        if pp == 1 and kind not in ("1f1b", "gpipe"):
+        if pp == 1 and kind != ("1f1b" if "1f1b" in cons.schedules else "gpipe"):
             continue
         rule = KINDS_TABLE[kind]
         top = rule.max_virtual if rule.max_virtual is not None else MAX_INTERLEAVE

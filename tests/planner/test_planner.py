@@ -129,6 +129,22 @@ def test_bound_never_exceeds_the_prediction(plan, units):
             assert quick_held(units, c) == p.state_bytes, c.label()
 
 
+def test_one_pipeline_rank_searches_1f1b_not_gpipe_its_costlier_twin(plan, units):
+    """At pp 1 gpipe is 1f1b's step holding every microbatch: enumerated only when 1f1b is
+    not allowed."""
+    kinds = {(c.pp == 1, c.schedule) for c in enumerate_space(
+        plan, 8, len(units.blocks), Constraints(), 4, units.refused, True, {},
+        frozenset({("cp", 1)}))}
+    assert (True, "1f1b") in kinds and (True, "gpipe") not in kinds and (False, "gpipe") in kinds
+    only = enumerate_space(plan, 8, len(units.blocks), Constraints(schedules=("gpipe",)), 4,
+                           units.refused, True, {}, frozenset({("cp", 1)}))
+    assert any(c.pp == 1 for c in only)
+    one = Candidate(1, 2, 1, 1, 1, "1f1b", 1, 1, 4, False, "none", 0)  # 4 microbatches of 1
+    a, b = predict(units, one, device_model(plan)), \
+        predict(units, dataclasses.replace(one, schedule="gpipe"), device_model(plan))
+    assert a.step_time_s == b.step_time_s and a.peak_bytes < b.peak_bytes
+
+
 def test_not_considered_names_each_reason_once(plan, units):
     res = search(plan, 8, device_model(plan), 1e9,
                  Constraints(tp_in_node=False, schedules=("1f1b",)), top_k=1, units=units)
