@@ -38,7 +38,7 @@ weight gradients to N ops: work there is at most the N costliest W of r, and
 The windows are disjoint: t1 <= start of r's first backward < end of its last
 B part <= T - tau.
 
-And the memory's cycle: a microbatch's activations of stage s are held from the start
+And the memory's lanes: a microbatch's activations of stage s are held from the start
 of its F(s) to the end of its W(s) (or BW), at least occ_s = the chain F(s..S-1),
 B(S-1..s), W(s) with latency. At any instant the rank holds what it held right after
 the last F it started (what freed since only lowers it), at most N stage-microbatches,
@@ -100,8 +100,8 @@ def makespan_bound(placement: Sequence[int], microbatches: int, table: StageCost
         tau = min(after_b[s] for s in mine)
         tail = max(0.0, tau - _costliest([w[s] for s in mine], m, cap))
         occupied = sum(head_b[s] - head_f[s] + b[s] + w[s] for s in mine)
-        cycles = min(head_f[s] for s in mine) + m * occupied / cap if cap > 0 else 0.0
-        best = max(best, work + front + tail, cycles)
+        lanes = min(head_f[s] for s in mine) + m * occupied / cap if cap > 0 else 0.0
+        best = max(best, work + front + tail, lanes)
     return best
 
 
