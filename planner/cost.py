@@ -352,12 +352,19 @@ def time_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
     """No schedule of `c` is faster (lower_bound's time: the search asks it first, and the
     bytes, a walk of the order, only of candidates still under the K-th best)."""
     sh = shape(units, c, device)
-    places = [placement(c.schedule, c.pp, len(sh.per_stage))]
-    if c.schedule == "auto" and c.virtual == 2:
-        places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
     return min(max(_pipe_bound(units, c, sh, place, unsplit)[0],
-                   _limited_bound(units, c, sh, place)) for place in places)
+                   _limited_bound(units, c, sh, place))
+               for place in _places(c, len(sh.per_stage)))
+
+
+def _places(c: Candidate, stages: int) -> list:
+    """The placements a candidate's schedule may take: its kind's, and for `auto` with two
+    stages a rank the V too (auto chooses at generation)."""
+    out = [placement(c.schedule, c.pp, stages)]
+    if c.schedule == "auto" and c.virtual == 2:
+        out.append(placement("zbv", c.pp, stages))
+    return out
 
 
 def _limited_bound(units: Units, c: Candidate, sh: Shape, place) -> float:
@@ -437,11 +444,9 @@ def step_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
     """A tighter bound than lower_bound's time (it adds what follows the pipeline), dearer
     to compute: the search asks it only of candidates it is about to evaluate."""
     sh = shape(units, c, device)
-    places = [placement(c.schedule, c.pp, len(sh.per_stage))]
-    if c.schedule == "auto" and c.virtual == 2:
-        places.append(placement("zbv", c.pp, len(sh.per_stage)))
     unsplit = c.schedule in UNSPLIT_BACKWARD
-    return min(_step_bound(units, c, sh, place, unsplit, device) for place in places)
+    return min(_step_bound(units, c, sh, place, unsplit, device)
+               for place in _places(c, len(sh.per_stage)))
 
 
 def _step_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool,
@@ -520,11 +525,8 @@ def auto_memory_limit(units: Units, c: Candidate, device: DeviceModel,
     both placements auto may choose (loop, and V with two stages a rank): the most state
     bytes on a rank and the most activation bytes a rank's unit holds. 0: not one fits."""
     sh = shape(units, c, device)
-    places = [placement(c.schedule, c.pp, len(sh.per_stage))]
-    if c.virtual == 2:
-        places.append(placement("zbv", c.pp, len(sh.per_stage)))
     held, unit = 0.0, 0.0
-    for place in places:
+    for place in _places(c, len(sh.per_stage)):
         held = max(held, max(rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes
                              for rk in _held_state(units, c, sh.split, place)))
         per_rank = [0.0] * c.pp
