@@ -381,14 +381,16 @@ def _limited_bound(units: Units, c: Candidate, sh: Shape, place) -> float:
     return units.cache[key]
 
 
-def held_bytes(units: Units, c: Candidate, device: DeviceModel) -> tuple[int, ...]:
+def held_bytes(units: Units, c: Candidate, device: DeviceModel,
+               floor: bool = False) -> tuple[int, ...]:
     """Per pipeline rank, no fewer bytes than it holds at its peak: parameters, gradients and
     optimizer states, and activations -- exact for a fixed kind (its order does not depend
     on costs: the peaks walk the order itself), one microbatch in flight for `auto` (it
-    may order microbatches any way)."""
+    may order microbatches any way) and with `floor` (any order holds that much: read
+    without building a fixed kind's order)."""
     sh = shape(units, c, device)
     place = placement(c.schedule, c.pp, len(sh.per_stage))
-    fixed = c.schedule != "auto"
+    fixed = c.schedule != "auto" and not floor
     key = ("held", id(sh), place, c.zero) + ((c.schedule, c.microbatches) if fixed else ())
     if key not in units.cache:
         ranks = _held_state(units, c, sh.split, place)

@@ -190,7 +190,11 @@ def recompute_where_it_pays(units: Units, cands: list, device: DeviceModel,
     for c in cands:
         if c.recompute == "none" or c.schedule == "auto" or c.pp == 1 or c.rc_ranks:
             continue
-        held = held_bytes(units, dataclasses.replace(c, recompute="none"), device)
+        plain = dataclasses.replace(c, recompute="none")
+        if held_bytes(units, plain, device, floor=True)[-1] > capacity:
+            continue  # the last rank is over with one microbatch in flight: k would be pp
+            # (decided without building the kind's order)
+        held = held_bytes(units, plain, device)
         over = [r for r, b in enumerate(held) if b > capacity]
         if over and over[-1] + 1 < c.pp:
             out.append(dataclasses.replace(c, rc_ranks=over[-1] + 1))

@@ -17,6 +17,7 @@ bound: nothing shorter exists).
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 from typing import Optional
 
 from .costs import Costs
@@ -105,15 +106,18 @@ class _Problem:
         return Schedule(name, s.ranks, s.stages, s.microbatches, s.stage_to_rank,
                         tuple(tuple(self.actions[k] for k in row) for row in rows))
 
-    def evaluate(self, rows, limit: Optional[float], soft: bool = False, checked: bool = False):
+    def evaluate(self, rows, limit: Optional[float], soft: bool = False, checked: bool = False,
+                 since=None):
         """(makespan, sum of finish times), start and end per action id; None when the order is invalid.
 
         soft: memory above the limit is not refused but counted, the key becomes (excess, makespan, sum)
         (a start holding too much is walked down to the limit first). checked: the order is a
         valid one with one move that move_valid accepted, so only the timing (and its deadlock
-        check) is left; the peaks are then not recomputed (None)."""
+        check) is left; the peaks are then not recomputed (None). since: (rank, the moved
+        positions' first and last, the order's timing before the move): the timing resumes
+        there (_time)."""
         if checked:
-            timed = self._time(rows)
+            timed = self._time(rows, since)
             return None if timed is None else (((0.0,) if soft else ()) + timed[0], timed[1], timed[2], None)
         n = len(self.dur)
         index = [0] * n
@@ -150,14 +154,32 @@ class _Problem:
         key = ((round(excess, 9),) if soft else ()) + timed[0]
         return key, timed[1], timed[2], peaks
 
-    def _time(self, rows):
+    def _time(self, rows, since=None):
+        """Each rank runs its row in order, an action starting when its rank is free and its
+        input has arrived. since = (rank r, positions i..j, start, end): rows differ from a
+        timed order only on rank r at positions i..j; every action that started before the first
+        of those did (t0) keeps its times -- its rank predecessor and producer ended before
+        t0, so by induction none of them moved -- and the walk resumes from there. The result
+        is the same floats a full pass gives (the same operations on the same values)."""
         n, p = len(self.dur), len(rows)
-        end = [-1.0] * n
-        start = [0.0] * n
+        prod, lat, dur = self.prod, self.lat, self.dur
         ptr = [0] * p
         free = [0.0] * p
+        if since is None:
+            end = [-1.0] * n
+            start = [0.0] * n
+        else:
+            r0, i0, i1, start0, end0 = since
+            t0 = min(start0[k] for k in rows[r0][i0:i1 + 1])
+            start, end = start0[:], end0[:]
+            for r, row in enumerate(rows):
+                i = bisect_left(row, t0, hi=i0 if r == r0 else len(row), key=start0.__getitem__)
+                ptr[r] = i
+                if i:
+                    free[r] = end0[row[i - 1]]
+                for k in row[i:]:
+                    end[k] = -1.0
         waiter = [-1] * n  # the rank blocked on this action's output
-        prod, lat, dur = self.prod, self.lat, self.dur
         stack = list(range(p - 1, -1, -1))
         while stack:
             r = stack.pop()
@@ -254,8 +276,8 @@ class _Walk:
         found = prob.evaluate(rows, limit, soft=True)
         self.key = None
         if found is not None:
-            self.key, start, end, self.peaks = found
-            self.moves = prob.slack_moves(rows, start, end)
+            self.key, self.start, self.end, self.peaks = found
+            self.moves = prob.slack_moves(rows, self.start, self.end)
             self.best_key, self.best_rows = self.key, [list(r) for r in rows]
 
     def done(self, target: float) -> bool:
@@ -280,12 +302,13 @@ class _Walk:
             row.insert(j, row.pop(i))
             used += 1
             checked = self.key[0] <= EPS
-            trial = prob.evaluate(rows, limit, soft=True, checked=checked)
+            since = (r, min(i, j), max(i, j), self.start, self.end) if checked else None
+            trial = prob.evaluate(rows, limit, soft=True, checked=checked, since=since)
             if trial is not None and trial[0] <= self.key:
-                self.key, start, end = trial[:3]
+                self.key, self.start, self.end = trial[:3]
                 if not checked:
                     self.peaks = trial[3]
-                self.moves = prob.slack_moves(rows, start, end)
+                self.moves = prob.slack_moves(rows, self.start, self.end)
                 if self.key < self.best_key:
                     self.best_key, self.best_rows = self.key, [list(x) for x in rows]
             else:

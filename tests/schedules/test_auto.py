@@ -135,3 +135,40 @@ def test_auto_is_a_pure_function_of_its_inputs():
     costs = Costs(1, 2, 1, latency=0.1)  # the search runs (no candidate reaches the bound)
     assert generate("auto", 3, 6, costs=costs, memory_limit=3).order == \
         generate("auto", 3, 6, costs=costs, memory_limit=3).order
+
+
+@pytest.mark.parametrize("kind,virtual", [("1f1b", None), ("zbh1", None), ("zbv", 2),
+                                          ("interleaved", 2)])
+def test_the_local_searchs_resumed_timing_equals_a_full_pass_and_the_simulator(kind, virtual):
+    """After each random valid move the walk times the order from where the move took effect
+    (_Problem._time's `since`): the same start and end of every action as a full pass, and the
+    makespan simulate.py (no shared code) gives the moved schedule."""
+    import random
+
+    from pipeplan.schedules.gen_search import _Problem
+
+    rng = random.Random(7)
+    s = generate(kind, 4, 8, virtual=virtual)
+    costs = Costs(per_stage=tuple((rng.uniform(0.5, 2), rng.uniform(0.5, 2), rng.uniform(0.2, 1))
+                                  for _ in range(s.stages)), latency=0.1)
+    prob = _Problem(s, costs)
+    rows = prob.encode(s)
+    _, start, end = prob._time(rows)
+    moved = 0
+    for _ in range(1500):
+        r = rng.randrange(len(rows))
+        i = rng.randrange(len(rows[r]))
+        j = max(0, min(len(rows[r]) - 1, i + rng.randint(-8, 8)))
+        if i == j or not prob.move_valid(rows[r], i, j, None):
+            continue
+        rows[r].insert(j, rows[r].pop(i))
+        full, resumed = prob._time(rows), prob._time(rows, (r, min(i, j), max(i, j), start, end))
+        assert (full is None) == (resumed is None)
+        if full is None:  # a deadlock: undo
+            rows[r].insert(i, rows[r].pop(j))
+            continue
+        moved += 1
+        assert resumed == full
+        assert resumed[0][0] == pytest.approx(simulate(prob.decode(rows, kind), costs).makespan, abs=1e-9)
+        _, start, end = full
+    assert moved >= 40
