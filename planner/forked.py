@@ -1,13 +1,14 @@
-"""One capture of the model in a forked child while this process does another (two cores).
+"""One piece of the planner's work in a forked child while this process does another (two
+cores): a capture of the model (units.py: at another microbatch size or cp value) or the
+prediction of the `auto` candidate the search will evaluate next (search._ahead).
 
-The planner's measurement is captures of the same model at other microbatch sizes and cp
-values (units.py), each a pure function of the plan: a child forked from this process (the
-model loaded on meta, the same objects at the same addresses, so a unit's parameter keys
-agree) runs one and hands back the tables it made, pickled to a private temporary file
-(mkstemp: this user only; written by the child, read once, removed). The results are the
-same as a capture here, only sooner; a child that fails hands back nothing and the caller
-captures in this process, where any error is raised as usual. Where `fork` does not exist
-(Windows) nothing runs in a child.
+Each is a pure function of the plan: a child forked from this process (the model loaded on
+meta, the same objects at the same addresses, so a unit's parameter keys agree) runs one and
+hands back its result, pickled to a private temporary file (mkstemp: this user only; written
+by the child, read once, removed). The results are the same as computing them here, only
+sooner; a child that fails hands back nothing and the caller computes in this process,
+where any error is raised as usual. Where `fork` does not exist (Windows) nothing runs in a
+child.
 """
 from __future__ import annotations
 

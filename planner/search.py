@@ -27,7 +27,10 @@
    were evaluated (each is a schedule search: seconds at these depths); then the report
    says the search was not closed.
 Ties break on the candidate's fields, so the same input gives the same output everywhere;
-nothing reads the clock (the CLI times the search from outside).
+nothing reads the clock (the CLI times the search from outside). On two cores, while an
+`auto` candidate is evaluated, a forked child predicts the one the search would evaluate
+next (`_ahead`); its prediction is used only when the search reaches that very candidate,
+so the result is the same as without it.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from typing import Optional
 from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
+from . import forked
 from .cost import Prediction, auto_memory_limit, held_bytes, predict, quick_bound, quick_held, \
     step_bound, time_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
@@ -49,6 +53,7 @@ from .units import Units, measure
 MAX_AUTO = 12  # auto evaluations at most: each is a schedule search under the memory left
 # beside the states (seconds at pp 8: its local search rarely meets the bound there)
 _WHERE, _QUICK, _TIMED, _BOUNDED = 0, 1, 2, 3  # how far a queued candidate is refined
+_LOOKAHEAD = 64  # queued auto candidates bounded at most to find the next one to evaluate
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
              for r in (_where(c) for c in fits) if r is not None]
     heapq.heapify(heap)
     top: list[Ranked] = []
+    ahead: dict = {}  # auto candidate -> the forked child predicting it
     has_auto = any(c.schedule == "auto" for c in cands)
     evaluating = bar(desc="evaluating", total=max_evals, leave=False, mininterval=0.5) \
         if bar else None
@@ -130,20 +136,12 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
                 result.enumerated += 1
                 heapq.heappush(heap, (False, quick_bound(units, r, device), _QUICK, r))
             continue
-        if level == _QUICK:  # the bound of its own stages and the bytes it holds
-            if is_auto:  # auto searches only orders that fit beside the states
-                c = dataclasses.replace(c, memory_limit=auto_memory_limit(
-                    units, c, device, result.capacity))
-                if not c.memory_limit:
-                    result.over_memory += 1
-                    continue
-            heapq.heappush(heap, (is_auto, time_bound(units, c, device), _TIMED, c))
-            continue
-        if level == _TIMED:  # still under the K-th best: the bytes its fullest rank holds
-            if max(held_bytes(units, c, device)) > result.capacity:
+        if level in (_QUICK, _TIMED):
+            again = _refined(units, (is_auto, bound, level, c), device, result.capacity)
+            if again is None:
                 result.over_memory += 1
             else:
-                heapq.heappush(heap, (is_auto, bound, _BOUNDED, c))
+                heapq.heappush(heap, again)
             continue
         if len(top) >= top_k and step_bound(units, c, device) >= \
                 top[-1].prediction.step_time_s:
@@ -163,7 +161,12 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
             result.refused += 1
             result.not_considered.setdefault(problems, []).append(c.label())
             continue
-        p = predict(units, c, device)
+        mine = ahead.pop(c, None)  # this candidate's prediction, made ahead in a child
+        if is_auto:  # the next auto candidate in a forked child meanwhile (two cores)
+            _ahead(units, heap, top[-1].prediction.step_time_s if len(top) >= top_k else None,
+                   device, result.capacity, ahead)
+        got = mine.wait() if mine is not None else None
+        p = got["prediction"] if got else predict(units, c, device)
         if p.peak_bytes > result.capacity:
             result.over_memory_evaluated += 1
             continue
@@ -175,6 +178,8 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     if evaluating is not None:
         evaluating.close()
     units.settle()
+    for child in ahead.values():
+        child.cancel()
     result.top = top
     return result
 
@@ -207,6 +212,54 @@ def _where(c: Candidate) -> Optional[Candidate]:
     if c.recompute == "none" or c.schedule == "auto" or c.pp == 1 or c.rc_ranks:
         return None
     return dataclasses.replace(c, rc_ranks=-1)
+
+
+def _refined(units: Units, entry: tuple, device: DeviceModel, capacity: float):
+    """A queued candidate bounded one step further: at _QUICK on its own stages (an auto
+    candidate first gets the memory left beside its states as its limit: auto searches only
+    orders that fit there), at _TIMED by the bytes its fullest rank holds. The entry to queue
+    again, or None when it is over memory."""
+    is_auto, bound, level, c = entry
+    if level == _QUICK:
+        if is_auto:
+            c = dataclasses.replace(c, memory_limit=auto_memory_limit(units, c, device,
+                                                                      capacity))
+            if not c.memory_limit:
+                return None
+        return is_auto, time_bound(units, c, device), _TIMED, c
+    if max(held_bytes(units, c, device)) > capacity:
+        return None
+    return is_auto, bound, _BOUNDED, c
+
+
+def _ahead(units: Units, heap: list, worst: Optional[float], device: DeviceModel,
+           capacity: float, ahead: dict) -> None:
+    """While an auto candidate is evaluated here, predict in a forked child the one the
+    search will evaluate next if the K-th best stays `worst`: the heap's next auto candidate
+    bounded as the search bounds it (_refined, on a copy of the heap; its results are cached,
+    so the search's own steps reuse them), one at a time (a guess that missed is stopped).
+    Its prediction is used only if the search evaluates that very candidate: the same
+    numbers, sooner."""
+    for child in ahead.values():
+        child.cancel()
+    ahead.clear()
+    queue = [e for e in heap if e[0]]
+    heapq.heapify(queue)
+    for _ in range(_LOOKAHEAD):
+        if not queue or (worst is not None and queue[0][1] >= worst):
+            return
+        entry = heapq.heappop(queue)
+        c = entry[3]
+        if entry[2] == _BOUNDED:
+            child = forked.start(lambda: {"prediction": predict(units, c, device)})
+            if child is not None:
+                ahead[c] = child
+            return
+        if (c.cp > 1 and ("cp", c.cp) not in units.checked) or units.refusal(c.tp, c.cp):
+            continue  # (a cp value not checked yet: its capture is the search's to make)
+        again = _refined(units, entry, device, capacity)
+        if again is not None:
+            heapq.heappush(queue, again)
 
 
 def _skip(result: SearchResult, reason: str, what: str) -> None:

@@ -193,6 +193,27 @@ def test_auto_evaluations_are_capped_and_the_report_says_the_bound_did_not_close
     assert capped.evaluated == full.evaluated - full.auto_evaluated + 2
 
 
+def test_auto_predictions_made_ahead_in_a_child_are_those_made_here(plan, units, monkeypatch):
+    """The search predicts its next auto candidate in a forked child while it evaluates one
+    (search._ahead): the same top list, predictions and counts as a search that forks
+    nothing, and the children's predictions were used."""
+    from pipeplan.planner import forked
+
+    cons = Constraints(fixed={"tp": 1, "cp": 1, "zero": 0, "recompute": "none", "sp": False},
+                       schedules=("auto", "1f1b"))
+    used = []
+    wait = forked.Child.wait
+    monkeypatch.setattr(forked.Child, "wait", lambda self: used.append(wait(self)) or used[-1])
+    ahead = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units, max_auto=1000)
+    monkeypatch.setattr(forked, "start", lambda work: None)
+    here = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units, max_auto=1000)
+    assert ahead.auto_evaluated > 2 and sum(1 for u in used if u and "prediction" in u) >= 2
+    assert [(r.candidate, r.prediction) for r in ahead.top] == \
+        [(r.candidate, r.prediction) for r in here.top]
+    assert (ahead.evaluated, ahead.pruned, ahead.over_memory, ahead.closed) == \
+        (here.evaluated, here.pruned, here.over_memory, here.closed)
+
+
 def test_auto_searches_only_orders_that_fit_beside_the_states(plan, units):
     """An auto candidate gets the activations left beside its states as its memory limit:
     its schedule holds no more (the engine's count), its peak fits, and a tighter capacity
