@@ -24,7 +24,7 @@ _LIVE: set = set()  # children not yet waited for (killed at exit)
 
 
 class Child:
-    """A forked child running one capture."""
+    """A forked child running one piece of work."""
 
     def __init__(self, pid: int, path: str):
         self.pid, self.path = pid, path

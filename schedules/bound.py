@@ -53,8 +53,9 @@ searches for a bound on every schedule it could return.
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from typing import Optional, Sequence
+
+import numpy as np
 
 from .costs import StageCosts
 
@@ -109,13 +110,14 @@ def _forward_releases(f, lat, S: int, m: int) -> list[list[float]]:
     """e[s][k]: earliest start of the k-th F of stage s to start (see the module proof, (b)).
 
     The recurrence e[s][k] = max(e[s][k-1] + F_s, e[s-1][k] + F_{s-1} + c) unrolls to
-    k F_s + max over j <= k of (e[s-1][j] + F_{s-1} + c - j F_s): a running maximum."""
-    e = [[k * f[0] for k in range(m)]]
+    k F_s + max over j <= k of (e[s-1][j] + F_{s-1} + c - j F_s): a running maximum (numpy's,
+    elementwise in the same order of float operations as the loop it replaces)."""
+    k = np.arange(m, dtype=np.float64)
+    e = [k * f[0]]
     for s in range(1, S):
-        a, fs, prev = f[s - 1] + lat(s - 1, s), f[s], e[-1]
-        best = accumulate((prev[j] + a - j * fs for j in range(m)), max)
-        e.append([k * fs + x for k, x in enumerate(best)])
-    return e
+        a, fs = f[s - 1] + lat(s - 1, s), f[s]
+        e.append(k * fs + np.maximum.accumulate(e[-1] + a - k * fs))
+    return [row.tolist() for row in e]
 
 
 def _costliest(costs: list[float], per_stage: int, count: int) -> float:
