@@ -28,13 +28,23 @@ class Child:
 
     def __init__(self, pid: int, path: str):
         self.pid, self.path = pid, path
+        self.status: Optional[int] = None  # its wait status once it has exited
         _LIVE.add(self)
+
+    def done(self) -> bool:
+        """Has it exited (so `wait` returns at once)?"""
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = status
+        return self.status is not None
 
     def wait(self) -> Optional[dict]:
         """Its dict, or None if it failed."""
         try:
-            _, status = os.waitpid(self.pid, 0)
-            if os.waitstatus_to_exitcode(status) != 0:
+            if self.status is None:
+                _, self.status = os.waitpid(self.pid, 0)
+            if os.waitstatus_to_exitcode(self.status) != 0:
                 return None
             with open(self.path, "rb") as f:
                 return pickle.load(f)
@@ -43,11 +53,12 @@ class Child:
 
     def cancel(self) -> None:
         """Stop it (its result is not needed)."""
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        if self.status is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
         self._gone()
 
     def _gone(self) -> None:

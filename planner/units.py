@@ -20,9 +20,11 @@ dimension of 1 broadcasts, so some memory-bound ops move fewer elements there. T
 planner's chosen plan is compiled for real at its own size afterwards (`pipeplan plan`
 prints both estimates), and the tests compare the two at sizes never captured.
 
-Captures are ahead of need on two cores: while this process captures at size 1 (of cp 1,
-and of each cp value the search reaches), a forked child captures size 3 of the same cp
-(forked.py); the tables are the same either way.
+Captures are ahead of need on two cores (forked.py; the tables are the same either way):
+while this process captures size 1 of cp 1, a forked child captures size 3; then, whenever
+no child runs, one captures sizes 2 and 3 of the next cp value the search may reach
+(largest first, the order it reaches them), so this process captures only size 1 of it
+(the trace its cp checks read) when the search asks.
 """
 from __future__ import annotations
 
@@ -191,28 +193,66 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
 
     pending = {}  # (mbs, cp) -> waiting for a forked child's tables (forked.py)
 
+    stash = {}  # tables a child captured, moved into units.tables when asked for (so what
+    # the search reads of units.tables -- Units.has -- never depends on a child's timing)
+
+    def have(mbs: int, cp: int) -> bool:
+        return any(k[0] == mbs and k[4] == cp for k in (*units.tables, *stash))
+
     def capture(mbs: int, cp: int) -> None:
+        collect((mbs, cp))
+        got = {k: t for k, t in stash.items() if k[0] == mbs and k[4] == cp}
         units.captures += 1
-        tables = pending.pop((mbs, cp)).wait() if (mbs, cp) in pending else None
-        if tables is not None:
-            units.tables.update(tables)
+        if got:
+            units.tables.update(got)
+            for k in got:
+                del stash[k]
+            speculate()
             return
+        if mbs < 3:
+            ahead((3,), cp)  # a child takes size 3 while this process captures mbs
+        speculate()
         if progress:
             progress(f"capturing the model (microbatch {mbs}, cp {cp})")
         traced_at[(mbs, cp)] = _capture(units, model, plan, mbs, cp, tp_values,
                                         recompute_pattern)
 
-    def ahead(mbs: int, cp: int) -> None:
-        """Capture (mbs, cp) in a child meanwhile (one child at a time), for `capture`."""
-        if pending or any(k[0] == mbs and k[4] == cp for k in units.tables):
-            return
+    def collect(need=None) -> None:
+        """Stash the tables of every child that is done, waiting for the one capturing
+        `need` (mbs, cp)."""
+        for child in {id(ch): ch for ch in pending.values()}.values():
+            mine = [k for k, ch in pending.items() if ch is child]
+            if need not in mine and not child.done():
+                continue
+            for key in mine:
+                del pending[key]
+            stash.update(child.wait() or {})
+
+    def ahead(sizes: tuple[int, ...], cp: int) -> bool:
+        """Capture these sizes of cp in a child meanwhile (one child at a time), for
+        `capture`; False when none is started."""
+        sizes = tuple(b for b in sizes if not have(b, cp))
+        if pending or not sizes:
+            return False
 
         def work() -> dict:
-            _capture(units, model, plan, mbs, cp, tp_values, recompute_pattern)
-            return {k: t for k, t in units.tables.items() if k[0] == mbs and k[4] == cp}
+            for b in sizes:
+                _capture(units, model, plan, b, cp, tp_values, recompute_pattern)
+            return {k: t for k, t in units.tables.items() if k[0] in sizes and k[4] == cp}
         child = forked.start(work)
         if child is not None:
-            pending[(mbs, cp)] = child
+            pending.update({(b, cp): child for b in sizes})
+        return child is not None
+
+    def speculate() -> None:
+        """With no child running: sizes 2 and 3 of the next cp value the search may reach
+        (largest first, as the search reaches them: its quick bound divides by cp), before
+        it asks. Size 1 is captured here when it does (its cp checks read that trace)."""
+        for cp in sorted(cp_values, reverse=True):
+            if pending:
+                return
+            if cp > 1 and ("cp", cp) not in units.refused:
+                ahead((2, 3), cp)
 
     for tp in tp_values:  # shapes tp must divide (tp_annotations), before any capture
         if tp > 1:
@@ -224,23 +264,24 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
     units.capture = capture
 
     def check_cp(cp: int) -> None:
-        ahead(3, cp)  # sizes 2 and 3 follow if the search goes on with this cp
-        _cp_refusals(units, model, plan, traced_at, tp_values, cp)
-        if ("cp", cp) in units.refused and (3, cp) in pending:
-            pending.pop((3, cp)).cancel()
+        _cp_refusals(units, model, plan, traced_at, tp_values, cp)  # captures size 1 here
+        if ("cp", cp) in units.refused:
+            for key in [k for k in pending if k[1] == cp]:
+                pending.pop(key).cancel()
+            speculate()
 
     def settle() -> None:
         """No child left running (the search is over)."""
         for key in list(pending):
             pending.pop(key).cancel()
     units.check_cp, units.settle = check_cp, settle
-    ahead(3, 1)
     capture(1, 1)
     units.linear(1)  # sizes 2 and 3
     _tp_refusals(units, model, plan, traced_at[(1, 1)], tp_values)
     if check_all_cp:
         for cp in cp_values:
             units.refusal(1, cp)
+    speculate()
     return units
 
 
