@@ -13,7 +13,7 @@ from ...dsl.ast import DeviceSpec, Plan
 from ...dsl.errors import PlanError
 from ...dsl.values import did_you_mean
 from .devices import DTENSOR_FIELDS, NAMES, DeviceProfile, cpu_profile, dtype_of, profile
-from ...dsl.layout import global_rank, groups, mesh_layout
+from ...dsl.layout import groups, mesh_layout
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,23 @@ def mesh_links(plan: Plan, device: DeviceModel) -> Links:
     (the first group of each kind; the layout repeats it, node boundaries aside)."""
     m = plan.mesh
     per_pp = m.dp * m.cp * m.tp
-    rank = lambda p, d, t, c=0: global_rank(m, p, d, t, c)  # noqa: E731
-    tp = min(device.link([rank(p, d, t) for t in range(m.tp)], True)
-             for p in range(m.pp) for d in range(m.dp))
-    dp = min(device.link([rank(p, d, t, c) for d in range(m.dp) for c in range(m.cp)
-                          for t in range(m.tp)])
-             for p in range(m.pp))
     ep = min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
-    p2p = min((device.link([g, g + per_pp]) for g in range((m.pp - 1) * per_pp)),
+    rpn = device.ranks_per_node
+    if rpn is None:  # no nodes: every group alike
+        return Links(tp=device.link((), True), dp=device.link(()), ep=ep,
+                     p2p=device.link(()) if m.pp > 1 else device.link_bytes_per_s)
+    # a tp group is the block of tp ranks from global_rank(p, d, 0) = j cp tp (j < pp dp), a
+    # dp group the block of a pipeline stage's per_pp ranks from p per_pp, a p2p pair
+    # (g, g + per_pp): each group's bandwidth depends only on its first rank modulo the
+    # node size (a shift by whole nodes keeps its ranks per node), and j k mod rpn repeats
+    # within rpn steps of j: so each minimum is over at most rpn groups, whatever the size
+    tp = min(device.link(range(s, s + m.tp), True) for s in _starts(m.cp * m.tp, m.pp * m.dp, rpn))
+    dp = min(device.link(range(s, s + per_pp)) for s in _starts(per_pp, m.pp, rpn))
+    p2p = min((device.link((s, s + per_pp)) for s in _starts(1, (m.pp - 1) * per_pp, rpn)),
               default=device.link_bytes_per_s)
     return Links(tp=tp, dp=dp, ep=ep, p2p=p2p)
+
+
+def _starts(step: int, count: int, rpn: int) -> list[int]:
+    """{j x step mod rpn : j < count}, in order of first appearance."""
+    return list(dict.fromkeys(j * step % rpn for j in range(min(count, rpn))))

@@ -223,3 +223,38 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((f, b, 0.0))
     graphs = dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
     assert dtensor_host(graphs, priced, tensors, int(n)) == (0.0, 0.0)
+
+
+def test_mesh_links_equal_the_minimum_over_every_group_of_the_layout():
+    """mesh_links reads at most one node's worth of groups per axis (a group's bandwidth
+    depends on its first rank modulo the node size): the same links as the minimum over
+    every tp, dp and p2p group of the rank layout (dsl/layout.global_rank, enumerated)."""
+    import random
+
+    from pipeplan.compiler.estimate.device import DeviceModel, mesh_links
+    from pipeplan.dsl.layout import global_rank
+
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(400):
+        pp, dp, tp, cp = (rng.choice([1, 2, 3, 4, 6, 8, 12]) for _ in range(4))
+        mesh = MeshSpec(pp=pp, dp=dp, tp=tp, cp=cp)
+        dev = DeviceModel(flops_per_s=1e12, link_bytes_per_s=1e9, latency_s=1e-5,
+                          tp_link_bytes_per_s=3e9, ranks_per_node=rng.choice([1, 2, 3, 4, 6, 8]))
+        rank = lambda p, d, t, c=0: global_rank(mesh, p, d, t, c)  # noqa: E731
+        per_pp = dp * cp * tp
+        want = (min(dev.link([rank(p, d, t) for t in range(tp)], True)
+                    for p in range(pp) for d in range(dp)),
+                min(dev.link([rank(p, d, t, c) for d in range(dp) for c in range(cp)
+                              for t in range(tp)]) for p in range(pp)),
+                min((dev.link([g, g + per_pp]) for g in range((pp - 1) * per_pp)),
+                    default=dev.link_bytes_per_s))
+        got = mesh_links(dataclasses.replace(_plan_with_mesh(), mesh=mesh), dev)
+        assert (got.tp, got.dp, got.p2p) == want, (mesh, dev.ranks_per_node)
+        seen.add(want)
+    assert len(seen) >= 6  # groups inside a node, across nodes with 1, 2, ... ranks in each
+
+
+def _plan_with_mesh():
+    from pipeplan.dsl.ast import Plan, ModelSpec
+    return Plan(model=ModelSpec(source="x.py:M"))
