@@ -39,6 +39,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..compiler.capture.blocks import blocks_of
+from ..compiler.capture.loading import load_model
 from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
@@ -93,10 +95,14 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     cp_values = (1,) if cons.fixed.get("cp", 0) == 1 or plan.experts is not None else \
         tuple(c for c in divisors(gpus) if c <= 8)
     bar = _bar(progress)
-    pattern = recompute_pattern(_blocks(plan))
-    units = units or measure(plan, tp_values, cp_values, pattern,
-                             progress=(lambda s: bar.write(s)) if bar else None,
-                             check_all_cp=False)
+    if units is None:
+        model = load_model(plan, "meta")  # loaded once: its blocks, then measured
+        pattern = recompute_pattern(tuple(blocks_of(model)))
+        units = measure(plan, tp_values, cp_values, pattern,
+                        progress=(lambda s: bar.write(s)) if bar else None,
+                        check_all_cp=False, model=model)
+    else:
+        pattern = recompute_pattern(units.blocks)
     result = SearchResult([], units, capacity=capacity_bytes * (1 - cons.headroom), gpus=gpus)
     cands = enumerate_space(plan, gpus, len(units.blocks), cons, rpn, units.refused,
                             pattern is not None, result.not_considered,
@@ -273,12 +279,6 @@ def _refusal(plan: Plan, units: Units, c: Candidate, gpus: int) -> Optional[str]
     problems = list(find_problems(plan_of(plan, c, units.blocks,
                                           tuple(range(1, c.pp * c.virtual))), gpus))
     return "; ".join(sorted({p.message for p in problems})) or None
-
-
-def _blocks(plan: Plan) -> tuple[str, ...]:
-    from ..compiler.capture.blocks import blocks_of
-    from ..compiler.capture.loading import load_model
-    return tuple(blocks_of(load_model(plan, "meta")))
 
 
 def _bar(progress: bool):

@@ -181,12 +181,14 @@ def _work_pairs(a: StageWork, b: StageWork) -> bool:
 
 
 def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
-            recompute_pattern: Optional[str], progress=None, check_all_cp: bool = True) -> Units:
+            recompute_pattern: Optional[str], progress=None, check_all_cp: bool = True,
+            model=None) -> Units:
     """Capture `plan`'s model at microbatch sizes 1, 2 and 3 (once each) and build its unit
     tables; record which tp values the compiler's own checks refuse, and why, and the same
     of each cp value (its own capture) now, or with `check_all_cp` False when the search
-    first asks (Units.refusal)."""
-    model = load_model(plan, "meta")
+    first asks (Units.refusal). `model`: the plan's model already loaded on meta (else it
+    is loaded here)."""
+    model = model if model is not None else load_model(plan, "meta")
     to_precision(model, plan.train.precision)
     units = Units(plan, tuple(blocks_of(model)))
     traced_at = {}  # (mbs, cp) -> that capture (capture/traced.TracedWithLoss)
