@@ -283,7 +283,8 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
     if check_all_cp:
         for cp in cp_values:
             units.refusal(1, cp)
-    speculate()
+    else:  # the search asks for cp values as it reaches them: the next one ahead
+        speculate()
     return units
 
 
