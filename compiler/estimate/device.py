@@ -186,15 +186,16 @@ class Links:
 
 
 def mesh_links(plan: Plan, device: DeviceModel) -> Links:
-    """Which groups stay inside a node, from the rank layout rank = (pp·dp + dp_i)·tp + tp_i
-    (the first group of each kind; the layout repeats it, node boundaries aside)."""
+    """Each axis's bandwidth per rank: the slowest of its groups in the rank layout
+    rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i (dsl/layout.global_rank), by which of
+    them stay inside a node (DeviceModel.link)."""
     m = plan.mesh
     per_pp = m.dp * m.cp * m.tp
     ep = min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
     rpn = device.ranks_per_node
-    if rpn is None:  # no nodes: every group alike
-        return Links(tp=device.link((), True), dp=device.link(()), ep=ep,
-                     p2p=device.link(()) if m.pp > 1 else device.link_bytes_per_s)
+    if rpn is None:  # no nodes: tp inside one by default, the rest across
+        return Links(tp=device.tp_link_bytes_per_s, dp=device.link_bytes_per_s, ep=ep,
+                     p2p=device.link_bytes_per_s)
     # a tp group is the block of tp ranks from global_rank(p, d, 0) = j cp tp (j < pp dp), a
     # dp group the block of a pipeline stage's per_pp ranks from p per_pp, a p2p pair
     # (g, g + per_pp): each group's bandwidth depends only on its first rank modulo the

@@ -240,7 +240,8 @@ def test_mesh_links_equal_the_minimum_over_every_group_of_the_layout():
         pp, dp, tp, cp = (rng.choice([1, 2, 3, 4, 6, 8, 12]) for _ in range(4))
         mesh = MeshSpec(pp=pp, dp=dp, tp=tp, cp=cp)
         dev = DeviceModel(flops_per_s=1e12, link_bytes_per_s=1e9, latency_s=1e-5,
-                          tp_link_bytes_per_s=3e9, ranks_per_node=rng.choice([1, 2, 3, 4, 6, 8]))
+                          tp_link_bytes_per_s=3e9,
+                          ranks_per_node=rng.choice([None, 1, 2, 3, 4, 6, 8]))
         rank = lambda p, d, t, c=0: global_rank(mesh, p, d, t, c)  # noqa: E731
         per_pp = dp * cp * tp
         want = (min(dev.link([rank(p, d, t) for t in range(tp)], True)
