@@ -24,8 +24,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import struct
 from dataclasses import dataclass
 from typing import Optional
+
+import numpy as np
 
 from ..compiler.estimate.collectives import _role_collectives, ring_bytes
 from ..compiler.estimate.device import DeviceModel, mesh_links
@@ -159,34 +162,77 @@ def _balanced_split(units: Units, weights: list[float], stages: int) -> tuple[in
 
 
 def balanced_split(weights: list[float], stages: int) -> tuple[int, ...]:
-    """Unit indices where stages 1..S-1 begin, minimising the heaviest stage (bisection on
-    the bottleneck, a fixed 60 steps, then the greedy cut that meets it): deterministic."""
+    """Unit indices where stages 1..S-1 begin, minimising the heaviest stage: the greedy cut
+    (`_cuts`) at the least float bottleneck it meets (deterministic).
+
+    That least bottleneck is found without bisecting the whole range [max(weights),
+    sum(weights)] (some 53 greedy passes): feasibility changes only where a run of units'
+    sum crosses the limit, so the search first brackets it between two adjacent sums of
+    contiguous runs (prefix differences at or above the mean stage, galloped then
+    bisected), then bisects the floats between those two -- near either end when rounding
+    moved it off a run's sum (64 floats), else all of them. Monotone feasibility (a higher
+    limit never cuts sooner) makes every step exact: the same float as a bisection of the
+    whole range run until it cannot move, in 10-20 passes."""
     n = len(weights)
     if stages <= 1:
         return ()
-    lo, hi = max(weights), sum(weights)
     prefix = list(itertools.accumulate(weights, initial=0.0))
-
-    def cuts(limit: float) -> Optional[list[int]]:
-        """Greedy: each stage takes units while they fit under `limit`, leaving one for
-        every later stage (prefix sums, one bisection per stage)."""
-        out, start = [], 0
-        for left in range(stages - 1, 0, -1):  # cuts still to make
-            fit = bisect.bisect_right(prefix, prefix[start] + limit, start + 1) - 1
-            cut = min(fit, n - left)  # every later stage needs a unit
-            if cut <= start:
-                return None  # unit `start` alone is over the limit
-            out.append(cut)
-            start = cut
-        return out if prefix[n] - prefix[start] <= limit else None
-
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if cuts(mid) is None:
+    least, total = max(weights), prefix[n]
+    runs = np.subtract.outer(np.array(prefix), np.array(prefix)).ravel()
+    floor = max(least, total / stages * (1 - 1e-9))  # no limit under the mean stage fits
+    sums = np.unique(runs[(runs > floor) & (runs < total)])
+    below, above, i, step = -1, len(sums), 0, 1  # sums[below] is too low, sums[above] fits
+    while i < len(sums):
+        if _cuts(prefix, stages, float(sums[i])) is not None:
+            above = i
+            break
+        below, i, step = i, i + step, step * 2
+    while above - below > 1:
+        mid = (below + above) // 2
+        if _cuts(prefix, stages, float(sums[mid])) is None:
+            below = mid
+        else:
+            above = mid
+    # the floats as integers (same order for non-negative floats): lo too low, hi fits
+    lo = _bits(float(sums[below]) if below >= 0 else least)
+    hi = _bits(float(sums[above]) if above < len(sums) else total)
+    if hi - lo > 128:
+        if _cuts(prefix, stages, _float(lo + 64)) is not None:
+            hi = lo + 64
+        elif _cuts(prefix, stages, _float(hi - 64)) is None:
+            lo = hi - 64
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _cuts(prefix, stages, _float(mid)) is None:
             lo = mid
         else:
             hi = mid
-    return tuple(cuts(hi * (1 + 1e-12)) or cuts(hi * (1 + 1e-9)))
+    limit = _float(hi)
+    return tuple(_cuts(prefix, stages, limit * (1 + 1e-12))
+                 or _cuts(prefix, stages, limit * (1 + 1e-9)))
+
+
+def _cuts(prefix: list[float], stages: int, limit: float) -> Optional[list[int]]:
+    """Greedy: each stage takes units while they fit under `limit`, leaving one for every
+    later stage (prefix sums, one bisection per stage); None where it does not fit."""
+    n = len(prefix) - 1
+    out, start = [], 0
+    for left in range(stages - 1, 0, -1):  # cuts still to make
+        fit = bisect.bisect_right(prefix, prefix[start] + limit, start + 1) - 1
+        cut = min(fit, n - left)  # every later stage needs a unit
+        if cut <= start:
+            return None  # unit `start` alone is over the limit
+        out.append(cut)
+        start = cut
+    return out if prefix[n] - prefix[start] <= limit else None
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", i))[0]
 
 
 @dataclass(frozen=True)

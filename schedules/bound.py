@@ -96,7 +96,10 @@ def makespan_bound(placement: Sequence[int], microbatches: int, table: StageCost
         cap = m * n if memory_limit is None else min(m * n, math.floor(memory_limit * n + EPS))
         t1 = min(head_b[s] for s in mine)
         capped_f = _costliest([f[s] for s in mine], m, cap)
-        greedy_idle = _work_conserving_idle(sorted((release[s][k], f[s]) for s in mine for k in range(m)), t1)
+        # the forwards released before t1 (the rest never count), in release order
+        greedy_idle = _work_conserving_idle(sorted(
+            (rel, f[s]) for s in mine
+            for rel in release[s][:int(np.searchsorted(release[s], t1))].tolist()), t1)
         front = max(t1 - capped_f, greedy_idle, 0.0)
         tau = min(after_b[s] for s in mine)
         tail = max(0.0, tau - _costliest([w[s] for s in mine], m, cap))
@@ -106,7 +109,7 @@ def makespan_bound(placement: Sequence[int], microbatches: int, table: StageCost
     return best
 
 
-def _forward_releases(f, lat, S: int, m: int) -> list[list[float]]:
+def _forward_releases(f, lat, S: int, m: int) -> list[np.ndarray]:
     """e[s][k]: earliest start of the k-th F of stage s to start (see the module proof, (b)).
 
     The recurrence e[s][k] = max(e[s][k-1] + F_s, e[s-1][k] + F_{s-1} + c) unrolls to
@@ -117,7 +120,7 @@ def _forward_releases(f, lat, S: int, m: int) -> list[list[float]]:
     for s in range(1, S):
         a, fs = f[s - 1] + lat(s - 1, s), f[s]
         e.append(k * fs + np.maximum.accumulate(e[-1] + a - k * fs))
-    return [row.tolist() for row in e]
+    return e  # each row nondecreasing (a running maximum plus k F_s)
 
 
 def _costliest(costs: list[float], per_stage: int, count: int) -> float:

@@ -191,7 +191,9 @@ def mesh_links(plan: Plan, device: DeviceModel) -> Links:
     them stay inside a node (DeviceModel.link)."""
     m = plan.mesh
     per_pp = m.dp * m.cp * m.tp
-    ep = min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
+    # ep: every group of one rank has the same link (no two nodes); else each group's
+    ep = device.link((0,)) if m.ep == 1 else \
+        min(device.link(list(g)) for g in groups(mesh_layout(m), "ep"))
     rpn = device.ranks_per_node
     if rpn is None:  # no nodes: tp inside one by default, the rest across
         return Links(tp=device.tp_link_bytes_per_s, dp=device.link_bytes_per_s, ep=ep,

@@ -228,11 +228,12 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
 def test_mesh_links_equal_the_minimum_over_every_group_of_the_layout():
     """mesh_links reads at most one node's worth of groups per axis (a group's bandwidth
     depends on its first rank modulo the node size): the same links as the minimum over
-    every tp, dp and p2p group of the rank layout (dsl/layout.global_rank, enumerated)."""
+    every tp, dp, p2p and ep group of the rank layout (dsl/layout.global_rank and groups,
+    enumerated)."""
     import random
 
     from pipeplan.compiler.estimate.device import DeviceModel, mesh_links
-    from pipeplan.dsl.layout import global_rank
+    from pipeplan.dsl.layout import global_rank, groups, mesh_layout
 
     rng = random.Random(1)
     seen = set()
@@ -250,8 +251,9 @@ def test_mesh_links_equal_the_minimum_over_every_group_of_the_layout():
                               for t in range(tp)]) for p in range(pp)),
                 min((dev.link([g, g + per_pp]) for g in range((pp - 1) * per_pp)),
                     default=dev.link_bytes_per_s))
+        want += (min(dev.link(g) for g in groups(mesh_layout(mesh), "ep")),)
         got = mesh_links(dataclasses.replace(_plan_with_mesh(), mesh=mesh), dev)
-        assert (got.tp, got.dp, got.p2p) == want, (mesh, dev.ranks_per_node)
+        assert (got.tp, got.dp, got.p2p, got.ep) == want, (mesh, dev.ranks_per_node)
         seen.add(want)
     assert len(seen) >= 6  # groups inside a node, across nodes with 1, 2, ... ranks in each
 

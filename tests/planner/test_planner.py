@@ -460,3 +460,52 @@ def test_balanced_split_minimises_the_heaviest_stage():
         assert len(got) == stages - 1 and list(got) == sorted(set(got)) and \
             all(0 < g < n for g in got)
         assert heaviest(got) == pytest.approx(best, rel=1e-9), (w, stages, got)
+
+
+def test_balanced_split_cuts_at_the_least_bottleneck_a_whole_range_bisection_finds():
+    """The bracketed search lands on the very float a bisection of the whole range
+    [max, sum] finds when run until it cannot move (written here on its own), so the cut is
+    the same: equal layers (sums equal up to rounding), a heavy first and last unit, up to
+    130 units in 1 to 64 stages, and units that do not all fit one per stage."""
+    import bisect
+    import random
+    from pipeplan.planner.cost import balanced_split
+
+    def greedy(prefix, stages, limit):
+        n, out, start = len(prefix) - 1, [], 0
+        for left in range(stages - 1, 0, -1):
+            cut = min(bisect.bisect_right(prefix, prefix[start] + limit, start + 1) - 1,
+                      n - left)
+            if cut <= start:
+                return None
+            out.append(cut)
+            start = cut
+        return out if prefix[n] - prefix[start] <= limit else None
+
+    rng = random.Random(3)
+    for _ in range(400):
+        n = rng.randint(2, 130)
+        layer = rng.uniform(0.001, 2.0)
+        w = [layer * rng.choice([1.0, 1.0, 1.0, 1.0 + 1e-13, rng.uniform(0.5, 2)])
+             for _ in range(n)]
+        w[0] *= rng.choice([1.0, 3.0, 17.0])
+        w[-1] *= rng.choice([1.0, 5.0])
+        stages = rng.randint(1, min(n, 64))
+        if stages == 1:
+            assert balanced_split(w, stages) == ()
+            continue
+        prefix = [0.0]
+        for x in w:
+            prefix.append(prefix[-1] + x)
+        lo, hi = max(w), sum(w)
+        while True:
+            mid = (lo + hi) / 2
+            if mid in (lo, hi):
+                break
+            if greedy(prefix, stages, mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        want = tuple(greedy(prefix, stages, hi * (1 + 1e-12))
+                     or greedy(prefix, stages, hi * (1 + 1e-9)))
+        assert balanced_split(w, stages) == want, (n, stages)
