@@ -198,8 +198,11 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
     stash = {}  # tables a child captured, moved into units.tables when asked for (so what
     # the search reads of units.tables -- Units.has -- never depends on a child's timing)
 
+    here = set()  # (mbs, cp) this process is capturing now (no child takes it too)
+
     def have(mbs: int, cp: int) -> bool:
-        return any(k[0] == mbs and k[4] == cp for k in (*units.tables, *stash))
+        return (mbs, cp) in here or \
+            any(k[0] == mbs and k[4] == cp for k in (*units.tables, *stash))
 
     def capture(mbs: int, cp: int) -> None:
         collect((mbs, cp))
@@ -211,13 +214,17 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
                 del stash[k]
             speculate()
             return
+        here.add((mbs, cp))
         if mbs < 3:
             ahead((3,), cp)  # a child takes size 3 while this process captures mbs
         speculate()
         if progress:
             progress(f"capturing the model (microbatch {mbs}, cp {cp})")
-        traced_at[(mbs, cp)] = _capture(units, model, plan, mbs, cp, tp_values,
-                                        recompute_pattern)
+        try:
+            traced_at[(mbs, cp)] = _capture(units, model, plan, mbs, cp, tp_values,
+                                            recompute_pattern)
+        finally:
+            here.discard((mbs, cp))
 
     def collect(need=None) -> None:
         """Stash the tables of every child that is done, waiting for the one capturing
