@@ -461,11 +461,25 @@ def _held_state(units: Units, c: Candidate, split: tuple, place: tuple) -> list:
 
 
 def _held_states(units: Units, c: Candidate) -> tuple:
-    """A fixed kind's order walked once for its activation peaks (schedules/memory.py)."""
-    key = ("held states", c.schedule, c.pp, c.microbatches, c.virtual)
+    """A fixed kind's order walked once for its activation peaks (schedules/memory.py):
+    here, or in a forked child ahead of need (units.ahead: search._orders_ahead)."""
+    key = held_states_key(c)
     if key not in units.cache:
-        units.cache[key] = held_states(order(units, c, verified=False))
+        got = units.ahead(key) if units.ahead is not None else None
+        units.cache[key] = got if got is not None else \
+            held_states(order(units, c, verified=False))
     return units.cache[key]
+
+
+def held_states_key(c: Candidate) -> tuple:
+    """What a fixed kind's held states depend on: its order's kind, pp, m and v."""
+    return ("held states", c.schedule, c.pp, c.microbatches, c.virtual)
+
+
+def order_held_states(key: tuple) -> tuple:
+    """held_states_key's value, computed from the key alone (in a child, search.py)."""
+    _, kind, pp, m, v = key
+    return held_states(unverified(kind, pp, m, v))
 
 
 def order(units: Units, c: Candidate, verified: bool = True):

@@ -30,7 +30,10 @@ Ties break on the candidate's fields, so the same input gives the same output ev
 nothing reads the clock (the CLI times the search from outside). On two cores, while an
 `auto` candidate is evaluated, a forked child predicts the one the search would evaluate
 next (`_ahead`); its prediction is used only when the search reaches that very candidate,
-so the result is the same as without it.
+so the result is the same as without it. Before that, while the fixed kinds are searched,
+two forked children build the orders the stand-ins will read, in the order the search
+pops them (`_orders_ahead`, forked.Stream): the search takes each from them when it asks,
+or builds it itself -- the same held states either way.
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
 from . import forked
-from .cost import Prediction, auto_memory_limit, held_bytes, predict, quick_bound, quick_held, \
-    step_bound, time_bound
+from .cost import Prediction, auto_memory_limit, held_bytes, held_states_key, \
+    order_held_states, predict, quick_bound, quick_held, step_bound, time_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
     recompute_pattern
 from .units import Units, measure
@@ -118,13 +121,29 @@ def search(plan: Plan, gpus: int, device: DeviceModel, capacity_bytes: float,
     heap += [(False, quick_bound(units, r, device), _WHERE, r)
              for r in (_where(c) for c in fits) if r is not None]
     heapq.heapify(heap)
+    orders = _orders_ahead(units, heap, device, result.capacity)
+    try:
+        return _loop(plan, units, heap, device, result, top_k, max_evals, max_auto, gpus,
+                     orders, any(c.schedule == "auto" for c in cands), bar)
+    finally:
+        orders.close()
+        units.ahead = None
+
+
+def _loop(plan: Plan, units: Units, heap: list, device: DeviceModel, result: SearchResult,
+          top_k: int, max_evals: int, max_auto: int, gpus: int, orders: forked.Stream,
+          has_auto: bool, bar) -> SearchResult:
+    """The search proper: pop the queue's least bound; refine it one step, or evaluate it
+    once fully bounded, until the K-th best is under every bound left."""
     top: list[Ranked] = []
     ahead: dict = {}  # auto candidate -> the forked child predicting it
-    has_auto = any(c.schedule == "auto" for c in cands)
     evaluating = bar(desc="evaluating", total=max_evals, leave=False, mininterval=0.5) \
         if bar else None
     while heap:
         is_auto, bound, level, c = heapq.heappop(heap)
+        if is_auto and units.ahead is not None:  # no stand-in is left: the core is auto's
+            orders.close()
+            units.ahead = None
         if len(top) >= top_k and bound >= top[-1].prediction.step_time_s:
             if is_auto or not has_auto:
                 result.closed = True
@@ -202,14 +221,57 @@ def recompute_where_it_pays(units: Units, cands: list, device: DeviceModel,
         if c.recompute == "none" or c.schedule == "auto" or c.pp == 1 or c.rc_ranks:
             continue
         plain = dataclasses.replace(c, recompute="none")
-        if held_bytes(units, plain, device, floor=True)[-1] > capacity:
-            continue  # the last rank is over with one microbatch in flight: k would be pp
-            # (decided without building the kind's order)
+        if not _reads_order(units, plain, device, capacity):
+            continue
         held = held_bytes(units, plain, device)
         over = [r for r, b in enumerate(held) if b > capacity]
         if over and over[-1] + 1 < c.pp:
             out.append(dataclasses.replace(c, rc_ranks=over[-1] + 1))
     return out
+
+
+def _reads_order(units: Units, plain: Candidate, device: DeviceModel, capacity: float) -> bool:
+    """Does `recompute_where_it_pays` need the kind's order for this candidate without
+    recompute? Not when its last rank is over with one microbatch in flight (k would be
+    pp): decided without building the order."""
+    return held_bytes(units, plain, device, floor=True)[-1] <= capacity
+
+
+def _orders_ahead(units: Units, heap: list, device: DeviceModel,
+                  capacity: float) -> forked.Stream:
+    """The fixed kinds' orders the stand-ins will read (their held states), built in a
+    forked child in the order the search pops the stand-ins, skipping those it decides
+    without an order (`_reads_order`) and any it could not bound without a capture. The
+    search takes each from the child when it asks (units.ahead; cost._held_states), or
+    builds it itself: the same values, sooner."""
+    stand = [e for e in heap if e[2] == _WHERE]
+    index: dict = {}
+    for e in stand:
+        index.setdefault(held_states_key(e[3]), len(index))
+    keys = list(index)
+
+    def plan(wanted):
+        units.capture = None  # (in the child: it never captures)
+        for e in sorted(stand):
+            c = e[3]
+            if not wanted(index[held_states_key(c)]):
+                continue  # (its order is built or being built: no need to bound it here)
+            plain = dataclasses.replace(c, recompute="none", rc_ranks=0)
+            if c.cp > 1 and (("cp", c.cp) not in units.checked or
+                             units.refusal(c.tp, c.cp)):
+                continue
+            if not units.has(plain.mbs, plain.tp > 1, plain.sp, "none", plain.cp):
+                continue
+            try:
+                if not _reads_order(units, plain, device, capacity):
+                    continue
+            except Exception:  # (left to the search, which raises it where it belongs)
+                continue
+            yield index[held_states_key(c)]
+
+    stream = forked.stream(len(keys), plan, lambda i: order_held_states(keys[i]), workers=2)
+    units.ahead = lambda key: stream.take(index[key]) if key in index else None
+    return stream
 
 
 def _where(c: Candidate) -> Optional[Candidate]:

@@ -98,6 +98,7 @@ class Units:
     captures: int = 0  # how many times the model was captured
     cache: dict = field(default_factory=dict)  # the cost model's per-shape results
     checked: set = field(default_factory=set)  # ("cp", value) whose refusals are known
+    ahead: Optional[Callable] = None  # cost key -> its value computed ahead elsewhere, or None
 
     def at(self, mbs: int, tp_on: bool, sp: bool, recompute: str, cp: int = 1) -> list[Unit]:
         key = (mbs, tp_on, sp, recompute, cp)

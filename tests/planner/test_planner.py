@@ -337,6 +337,80 @@ def test_recompute_only_where_it_pays_is_found_and_compiles_alike(plan, units):
     assert _peak(est) == best.prediction.peak_bytes
 
 
+def test_orders_built_ahead_in_children_are_those_built_here(plan, units, monkeypatch):
+    """The fixed kinds' orders the stand-ins read are built by forked children in the order
+    the search pops them (search._orders_ahead): the same top list, predictions and counts
+    as a search that forks nothing, the children's orders were used, and the held states
+    they handed back equal those built here."""
+    from pipeplan.planner import forked
+    from pipeplan.planner.cost import order_held_states
+
+    fixed = {"tp": 1, "cp": 1, "zero": 0, "sp": False, "mbs": 1}
+    cons = Constraints(fixed=fixed, schedules=("1f1b", "zbh2", "vhalf", "interleaved"))
+    dev = device_model(plan)
+    full = search(plan, 8, dev, 1e12, Constraints(fixed=dict(fixed, recompute="full", pp=4),
+                                                  schedules=("1f1b",)), top_k=1, units=units)
+    none = search(plan, 8, dev, 1e12, Constraints(fixed=dict(fixed, recompute="none", pp=4),
+                                                  schedules=("1f1b",)), top_k=1, units=units)
+    capacity = (full.top[0].prediction.peak_bytes + none.top[0].prediction.peak_bytes) / 2
+    streams, taken = [], {}
+    start = forked.stream
+
+    def watched(n, plan_, work, workers=1):
+        streams.append(start(n, plan_, work, workers))
+        take = streams[-1].take
+        streams[-1].take = lambda i: taken.setdefault(i, take(i))
+        return streams[-1]
+    monkeypatch.setattr(forked, "stream", watched)
+    units.cache.clear()
+    ahead = search(plan, 8, dev, capacity, cons, top_k=20, units=units)
+    monkeypatch.setattr(forked, "stream", lambda n, plan_, work, workers=1:
+                        forked.Stream(n, plan_, work, workers=0))
+    units.cache.clear()
+    here = search(plan, 8, dev, capacity, cons, top_k=20, units=units)
+    assert streams and streams[0].taken >= 3
+    assert any(r.candidate.rc_ranks for r in here.top)  # the stand-ins were resolved
+    assert [(r.candidate, r.prediction) for r in ahead.top] == \
+        [(r.candidate, r.prediction) for r in here.top]
+    assert (ahead.evaluated, ahead.enumerated, ahead.pruned, ahead.over_memory) == \
+        (here.evaluated, here.enumerated, here.pruned, here.over_memory)
+    got = {k: v for k, v in units.cache.items() if k[0] == "held states"}
+    assert got and all(order_held_states(k) == v for k, v in got.items())
+
+
+def test_a_stream_hands_back_what_its_work_computes_and_skips_what_is_taken_here():
+    """forked.Stream: the children's results equal the work's; an item claimed here before
+    a child reaches it is left to the caller (None), never computed twice by the children;
+    a failing item is handed back as None; with no children every take is None."""
+    import time
+
+    from pipeplan.planner import forked
+
+    def plan(wanted):
+        time.sleep(0.2)  # (the caller claims item 5 first)
+        return list(range(20))
+
+    def work(i):
+        if i == 7:
+            raise ValueError("seven")
+        return {"square": i * i}
+
+    s = forked.stream(20, plan, work, workers=2)
+    try:
+        assert s.take(5) is None  # claimed before any child started it
+        while not all(child.done() for child in s.children):
+            time.sleep(0.05)
+        got = {i: s.take(i) for i in range(20) if i != 5}
+        assert got.pop(7) is None
+        assert got == {i: {"square": i * i} for i in got}
+        assert s.taken == 18
+    finally:
+        s.close()
+    assert not s.children
+    idle = forked.Stream(3, plan, work, workers=0)
+    assert [idle.take(i) for i in range(3)] == [None, None, None]
+
+
 @pytest.mark.heavy
 def test_cp_is_searched_on_a_library_model_with_its_own_mask(tmp_path):
     """A transformers Llama (export, the library's own sdpa mask): cp = 2 passes the
