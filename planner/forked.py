@@ -15,10 +15,10 @@ child.
 from __future__ import annotations
 
 import atexit
+import mmap
 import multiprocessing
 import os
 import pickle
-import mmap
 import signal
 import struct
 import tempfile

@@ -239,8 +239,8 @@ def _reads_order(units: Units, plain: Candidate, device: DeviceModel, capacity: 
 
 def _orders_ahead(units: Units, heap: list, device: DeviceModel,
                   capacity: float) -> forked.Stream:
-    """The fixed kinds' orders the stand-ins will read (their held states), built in a
-    forked child in the order the search pops the stand-ins, skipping those it decides
+    """The fixed kinds' orders the stand-ins will read (their held states), built by two
+    forked children in the order the search pops the stand-ins, skipping those it decides
     without an order (`_reads_order`) and any it could not bound without a capture. The
     search takes each from the child when it asks (units.ahead; cost._held_states), or
     builds it itself: the same values, sooner."""
@@ -269,7 +269,8 @@ def _orders_ahead(units: Units, heap: list, device: DeviceModel,
                 continue
             yield index[held_states_key(c)]
 
-    stream = forked.stream(len(keys), plan, lambda i: order_held_states(keys[i]), workers=2)
+    stream = forked.stream(len(keys), plan, lambda i: order_held_states(keys[i]),
+                           workers=2 if keys else 0)  # (no stand-in: nothing to fork for)
     units.ahead = lambda key: stream.take(index[key]) if key in index else None
     return stream
 
