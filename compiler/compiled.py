@@ -63,6 +63,8 @@ class StageSpec:
     ops: int = 0  # aten ops the forward dispatches per microbatch (host time per op)
     recompute_ops: int = 0  # ... rerun in backward per microbatch
     cp_bytes: int = 0  # context parallel: bytes a rank's all-to-alls / ring hops send per microbatch (F+B)
+    cp_calls: int = 0  # ... its all-to-alls / ring sends per microbatch (F+B)
+    cp_steps: tuple = (0, 0)  # ... the message latencies it waits per microbatch (F, B)
     joint: Any = None  # compile.mode = graphs: the stage's joint graph (compiler/graphs/joint.py; not serialised)
 
 

@@ -30,12 +30,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..compiler.estimate.collectives import _role_collectives, ring_bytes
+from ..compiler.estimate.collectives import _role_collectives, ep_calls, ring_bytes
 from ..compiler.estimate.device import DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
-from ..compiler.estimate.predict import breakdown, collective_s
+from ..compiler.estimate.predict import breakdown, collective_s, exchange_waits
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -107,7 +107,7 @@ def _content(units: Units, u: Unit) -> int:
     if id(u) not in ids:
         w = u.work
         key = (u.flops, u.recompute_flops, u.ops, u.recompute_ops, u.out_bytes, u.cp_bytes,
-               u.tp_traffic, u.tp_inner, u.ep_tokens, u.ep_weights, len(u.params),
+               u.cp_steps, u.ep_roles, u.tp_traffic, u.tp_inner, u.ep_tokens, u.ep_weights, len(u.params),
                tuple(w.gemms.items()),
                tuple((k, tuple(v)) for k, v in w.memory.items()), w.ops, w.recompute_ops)
         contents = units.cache.setdefault("unit contents", {})
@@ -125,13 +125,18 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s) for op, n in calls)
     ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
     other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
+    ep_n = sum(ep_calls(plan, role, prepass=False) for u in run for role in u.ep_roles) \
+        if c.ep > 1 and plan.experts else 0
+    wait_f, wait_b = exchange_waits(c.ep, ep_n, (sum(u.cp_steps[0] for u in run),
+                                                 sum(u.cp_steps[1] for u in run)),
+                                    device.latency_s)
     again = tp_s / 2 if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
     comm = (tp_s + other) / 2
     # wrapped tensors: the units' trainable parameters and the stage's input (buffers are
     # not in the units: on the measured CPU the planner's stage is a little cheaper here)
     host_f, host_b = dtensor_host(plan, device.hardware, sum(len(u.params) for u in run) + 1,
                                   len(calls))
-    return t, (t.f + comm + host_f, t.b + comm + again + host_b, t.w)
+    return t, (t.f + comm + wait_f + host_f, t.b + comm + again + wait_b + host_b, t.w)
 
 
 def _inner(run: list[Unit], sp: bool) -> list[bool]:

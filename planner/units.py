@@ -74,11 +74,13 @@ class Unit:
     # sequence parallel its inputs arrive as shards)
     out_bytes: float  # what crosses its end (action_costs's message: floats at the precision)
     cp_bytes: float
+    cp_steps: tuple  # (forward, backward) cp message latencies (compiler/parallel/cp.py)
     tp_traffic: tuple  # (role, bytes at the plan's precision) per TP traffic item (traffic.py),
     # the unit first in its stage (its inputs arrive from another stage)
     tp_inner: tuple  # ... the unit after another in the same stage (no stage edge before it)
     ep_tokens: int  # experts call rows moved (traffic role "tokens")
     ep_weights: int
+    ep_roles: tuple  # the traffic roles of its experts calls, one per item (their all-to-alls)
     params: tuple  # (key, kind, numel before tp/ep division)
     work: StageWork = field(default_factory=StageWork)  # its ops (optime.py), whole shapes
 
@@ -367,7 +369,8 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                                    tp_probe if tp_on else 1, len(stages))
                 scale = {n.name: c.scale for n, c in costs.items() if c.scale != 1.0}
                 tps = tuple(t for t in tp_values if t > 1) if tp_on else (1,)
-                cp_stages = [dataclasses.replace(st, cp_bytes=0.0) for st in stages]
+                cp_stages = [dataclasses.replace(st, cp_bytes=0.0, cp_calls=0, cp_steps=(0, 0))
+                             for st in stages]
                 attach_context_costs(p, cp_stages, split, graph, nodes, run, tp_heads)
                 table = []
 
@@ -393,6 +396,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                         out_bytes=sum(_nbytes(o) * (fs if "float" in o.dtype else 1)
                                       for o in st.outputs),
                         cp_bytes=cp_stages[st.index].cp_bytes,
+                        cp_steps=cp_stages[st.index].cp_steps,
                         tp_traffic=tuple((t.role, int(t.nbytes * fs)) for t in tp_traffic
                                          if t.stage == st.index) if tp_on else (),
                         tp_inner=tuple((t.role, int(t.nbytes * fs)) for t in tp_inner
@@ -401,6 +405,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                                       if t.stage == st.index and t.role == "tokens"),
                         ep_weights=sum(t.nbytes for t in moe_traffic
                                        if t.stage == st.index and t.role == "weights"),
+                        ep_roles=tuple(t.role for t in moe_traffic if t.stage == st.index),
                         params=_params(st, kinds, expert_params, plan), work=works[st.index]))
                 units.tables[(mbs, tp_on, sp, mode, cp)] = table
     return traced

@@ -76,24 +76,40 @@ def implied_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list
     prepass = ex.balance == "step"  # the routing pre-pass's forwards (balance.py) once more
     for t in (t for t in moe_traffic if t.stage in idx and ep > 1):
         nbytes = t.nbytes * float_scale / share
+        calls = ep_calls(plan, t.role)
         if plan.compile.graphs:  # the static dispatch (backends/parallel/ep/experts.py)
             if t.role == "tokens":
-                add(("ep", "alltoall"), 4 * m, m * 4 * ep * ex.top_k * nbytes)
+                add(("ep", "alltoall"), calls * m, m * 4 * ep * ex.top_k * nbytes)
             else:  # weights out and back; the indices, int64 (traffic counts 4-byte floats)
-                add(("ep", "alltoall"), 3 * m, m * ep * (2 * nbytes + 2 * t.nbytes))
+                add(("ep", "alltoall"), calls * m, m * ep * (2 * nbytes + 2 * t.nbytes))
             continue
         if t.role == "tokens":  # counts, then rows out and back, forward and backward
-            add(("ep", "alltoall"), 5 * m, m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
+            add(("ep", "alltoall"), calls * m,
+                m * (8 * ex.num_experts + 4 * ex.top_k * nbytes))
             if prepass:  # counts, rows out and back
-                add(("ep", "alltoall"), 3 * m, m * (8 * ex.num_experts + 2 * ex.top_k * nbytes))
+                add(("ep", "alltoall"), 0, m * (8 * ex.num_experts + 2 * ex.top_k * nbytes))
         else:  # the top-k weights out, and their gradient back
-            add(("ep", "alltoall"), 2 * m, m * 2 * nbytes)
+            add(("ep", "alltoall"), calls * m, m * 2 * nbytes)
             if prepass:
-                add(("ep", "alltoall"), m, m * nbytes)
+                add(("ep", "alltoall"), 0, m * nbytes)
         if share > 1:
             calls = 2 if t.role == "tokens" else 1
             add(("tp", "allgather"), calls * m, m * calls * nbytes)
     return out
+
+
+def ep_calls(plan: Plan, role: str, prepass: bool = True) -> int:
+    """All-to-alls one rank makes per microbatch for one experts call's traffic item
+    (traffic.py role "tokens": the rows; "weights": the top-k weights), forward and
+    backward, as backends/parallel/ep/experts.py runs them; the routing pre-pass's
+    (`experts.balance = step`, balance.py) included. Static dispatch (compiled stages):
+    rows, weights, indices and the combine forward, their gradients' three back; eager:
+    the counts, rows out and back (and the rows' gradients both ways and the combine's),
+    the weights out and their gradient back. `prepass`: count the pre-pass's."""
+    if plan.compile.graphs:
+        return 4 if role == "tokens" else 3
+    prepass = prepass and plan.experts.balance == "step"
+    return (5 + 3 * prepass) if role == "tokens" else (2 + prepass)
 
 
 def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int]]:

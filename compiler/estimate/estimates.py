@@ -148,6 +148,8 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
             cp_bytes = sum(st.cp_bytes for st in mine) * float_scale * plan.microbatches
             op = "ring p2p" if plan.context.method == "ring" else "alltoall"
             est.collectives[("cp", op)] = int(cp_bytes)
+            est.collective_calls[("cp", op)] = sum(st.cp_calls for st in mine) \
+                * plan.microbatches
             est.comm_bytes["cp"] = int(cp_bytes)
         per_pp.append(est)
     per_replica = mesh.dp * mesh.cp * mesh.tp

@@ -6,7 +6,9 @@ spends its step on (compute / exposed communication / bubble / optimizer).
   (collectives.py), each call latency x ring steps + the bytes its ring sends / the tp
   group's link, exposed (the runtime does not overlap them): half in F, half in B, and
   the forward's half again in B where the stage recomputes; expert all-to-alls and
-  context-parallel exchanges likewise by bytes / link. p2p: latency + the largest message
+  context-parallel exchanges likewise by bytes / link, plus a latency per message
+  (`exchange_waits`: an all-to-all over n ranks is n - 1 pairwise exchanges, a ring hop
+  one). p2p: latency + the largest message
   / the link between neighbouring pipeline ranks, on its own stream (the simulator's
   arrival delay: the sender does not wait); on the measured CPU posting each send and
   receive costs the host its measured time (`post_s`), charged to the action that
@@ -33,7 +35,7 @@ from typing import Optional
 
 from ...dsl.ast import Plan
 from ..compiled import StageSpec
-from .collectives import _tp_microbatch, ep_bytes, ring_bytes
+from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes
 from .device import DeviceModel, mesh_links
 from .optime import OpTimes, StageWork, dtensor_host, op_times
 
@@ -75,6 +77,17 @@ def collective_s(op: str, nbytes: float, n: int, bandwidth: float, latency: floa
     return latency * (n - 1) + ring_bytes(op, nbytes, n) / bandwidth
 
 
+def exchange_waits(ep: int, ep_calls_mb: int, cp_steps: tuple,
+                   latency: float) -> tuple[float, float]:
+    """(forward, backward) seconds one microbatch of a stage waits on message latency in
+    its expert all-to-alls and context-parallel exchanges (their bytes are charged
+    apart): each all-to-all over ep ranks is ep - 1 pairwise exchanges (Thakur et al.
+    2005), half of the calls forward and half backward; `cp_steps`: the cp exchanges'
+    latencies forward and backward (compiler/parallel/cp.py: exchanges)."""
+    ep_s = ep_calls_mb * (ep - 1) * latency / 2 if ep > 1 else 0.0
+    return ep_s + cp_steps[0] * latency, ep_s + cp_steps[1] * latency
+
+
 def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_traffic,
                  moe_traffic, device: DeviceModel):
     """Seconds per (F, B, W) of each stage and the p2p delay: a schedules.Costs."""
@@ -88,12 +101,17 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
         tp_s = sum(collective_s(op, n, tp, links.tp, device.latency_s) for op, n in calls)
         other = (ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
                  + st.cp_bytes * float_scale / links.tp)
+        ep_calls_mb = sum(ep_calls(plan, x.role, prepass=False) for x in moe_traffic
+                          if x.stage == st.index) if plan.mesh.ep > 1 and plan.experts else 0
+        wait_f, wait_b = exchange_waits(plan.mesh.ep, ep_calls_mb, st.cp_steps,
+                                        device.latency_s)
         again = tp_s / 2 if st.recompute_ops or st.recompute_flops else 0.0
         comm = (tp_s + other) / 2
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
         host_f, host_b = dtensor_host(plan, device.hardware, len(st.param_names)
                                       + len(st.buffer_names) + len(st.inputs), len(calls))
-        table.append((t.f + comm + post + host_f, t.b + comm + again + post + host_b, t.w))
+        table.append((t.f + comm + wait_f + post + host_f,
+                      t.b + comm + again + wait_b + post + host_b, t.w))
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p

@@ -34,7 +34,9 @@ honour: is_causal (with the load-balanced layout of 2*cp chunks, dsl/checks.py c
 data.seq_len), scale and grouped-query K/V; a mask tensor, dropout or q and k of
 different lengths are refused.
 
-`ulysses_traffic` / `ring_traffic` are the bytes per rank for the estimates.
+`ulysses_traffic` / `ring_traffic` are the bytes per rank for the estimates, and
+`exchanges` the calls and message latencies per attention op (the time model's latency
+term: a CPU's gloo message costs hundreds of microseconds, which bytes alone do not say).
 
 Both methods run inside tensor-parallel stages (backends/ulysses.ContextAttention: on the
 tp-local heads, each over the cp group of its tp coordinate), sequence parallel included:
@@ -212,19 +214,38 @@ def ulysses_traffic(plan: Plan, graph: fx.Graph, run: MetaRun,
     return out
 
 
+def exchanges(plan: Plan) -> tuple[int, int, int]:
+    """Per attention op and microbatch on one cp rank: (collective calls, message latencies
+    waited in the forward, in the backward), as backends/parallel/cp/ runs them. Ulysses:
+    q, k, v in and the output back, forward and backward (their gradients), 8 all-to-alls,
+    each cp - 1 pairwise exchanges; ring: K/V cp - 1 hops forward, K/V and the dK/dV
+    accumulators cp - 1 hops each backward, one send (and receive) per hop."""
+    cp = plan.mesh.cp
+    if cp == 1:
+        return 0, 0, 0
+    if plan.context.method == "ring":
+        return 3 * (cp - 1), cp - 1, 2 * (cp - 1)
+    return 8, 4 * (cp - 1), 4 * (cp - 1)
+
+
 def attach_context_costs(plan: Plan, stages: list, split, graph: fx.Graph, nodes: list,
                          run: MetaRun, tp_heads: dict[fx.Node, int] | None = None) -> None:
-    """Per stage and microbatch: the all-to-all or ring bytes (StageSpec.cp_bytes); `nodes`:
-    the graph's compute nodes (partition.compute_nodes, the split's positions). What
-    attention computes under cp is counted on its node (`attention_blocks`, costs.py)."""
+    """Per stage and microbatch: the all-to-all or ring bytes (StageSpec.cp_bytes), calls
+    (cp_calls) and message latencies (cp_steps: forward, backward); `nodes`: the graph's
+    compute nodes (partition.compute_nodes, the split's positions). What attention
+    computes under cp is counted on its node (`attention_blocks`, costs.py)."""
     cp = plan.mesh.cp
     if cp == 1:
         return
     index = {n: i for i, n in enumerate(nodes)}
     ring = plan.context.method == "ring"
     traffic = (ring_traffic if ring else ulysses_traffic)(plan, graph, run, tp_heads)
+    calls, forward, backward = exchanges(plan)
     for node, nbytes in traffic.items():
-        stages[split.stage_of(index[node])].cp_bytes += nbytes
+        st = stages[split.stage_of(index[node])]
+        st.cp_bytes += nbytes
+        st.cp_calls += calls
+        st.cp_steps = (st.cp_steps[0] + forward, st.cp_steps[1] + backward)
 
 
 def attention_blocks(plan: Plan, graph: fx.Graph) -> dict[fx.Node, float]:

@@ -4,6 +4,7 @@ re-timing a compiled plan on another device (estimate/optime.py, estimate/predic
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -261,3 +262,60 @@ def test_mesh_links_equal_the_minimum_over_every_group_of_the_layout():
 def _plan_with_mesh():
     from pipeplan.dsl.ast import Plan, ModelSpec
     return Plan(model=ModelSpec(source="x.py:M"))
+
+
+@pytest.mark.parametrize("method, forward, backward", [("ulysses", 4, 4), ("ring", 1, 2)])
+def test_context_parallel_exchanges_wait_a_latency_per_message(method, forward, backward):
+    """Under cp each attention op's exchanges cost a message latency each, on top of their
+    bytes: Ulysses' 4 all-to-alls forward and 4 backward, each cp - 1 pairwise exchanges;
+    the ring's K/V hop forward, its K/V and dK/dV hops backward (cp - 1 each). pp2 x cp2,
+    2 attention layers per stage: the actions' seconds grow by exactly that many latencies
+    when the latency does (hand count against backends/parallel/cp/'s calls, which the
+    meter counts in tests/parallel/test_ring_attention.py)."""
+    from pipeplan.dsl import parse_plan
+    from pipeplan.tests.parallel.test_context_parallel import PLAN
+
+    text = PLAN if method == "ulysses" else PLAN.replace("method = ulysses", "method = ring")
+    compiled = compile_plan(parse_plan(text, "cp.plan"))
+    assert compiled.plan.mesh.cp == 2 and compiled.plan.mesh.pp == 2
+    timing = compiled.estimates.timing
+    a100 = profile("a100")
+    at = {lat: timing.costs(model_of(compiled.plan, dataclasses.replace(a100, latency=lat)))[1]
+          for lat in (0.0, 1e-3)}
+    layers = 2
+    for (f0, b0, w0), (f1, b1, w1) in zip(at[0.0].per_stage, at[1e-3].per_stage):
+        assert f1 - f0 == pytest.approx(layers * forward * (2 - 1) * 1e-3, rel=1e-9)
+        assert b1 - b0 == pytest.approx(layers * backward * (2 - 1) * 1e-3, rel=1e-9)
+        assert w1 == w0
+    calls = compiled.estimates.ranks[0].collective_calls
+    op = "ring p2p" if method == "ring" else "alltoall"
+    per_op = 3 * (2 - 1) if method == "ring" else 8
+    assert calls[("cp", op)] == layers * compiled.plan.microbatches * per_op
+
+
+def test_expert_all_to_alls_wait_a_latency_per_exchange(make_plan):
+    """Each expert all-to-all over ep ranks waits ep - 1 latencies (pairwise exchanges), as
+    many calls as the runtime makes (collectives.ep_calls, metered in
+    tests/parallel/test_comm_meter.py: 7 per experts call), half in F, half in B."""
+    from pipeplan.compiler.estimate.collectives import ep_calls
+    from pipeplan.dsl import parse_plan
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                        "moe_pp2_ep2_zbv.plan")
+    plan = parse_plan(open(path).read(), path)
+    compiled = compile_plan(plan)
+    ep = compiled.plan.mesh.ep
+    assert ep == 2
+    timing = compiled.estimates.timing
+    a100 = profile("a100")
+    at = {lat: timing.costs(model_of(compiled.plan, dataclasses.replace(a100, latency=lat)))[1]
+          for lat in (0.0, 1e-3)}
+    assert ep_calls(compiled.plan, "tokens", prepass=False) \
+        + ep_calls(compiled.plan, "weights", prepass=False) == 7
+    for st, (f0, b0, _), (f1, b1, _) in zip(compiled.stages, at[0.0].per_stage,
+                                            at[1e-3].per_stage):
+        layers = sum(1 for t in timing.moe_traffic if t.stage == st.index
+                     and t.role == "tokens")
+        assert layers > 0
+        assert f1 - f0 == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)
+        assert b1 - b0 == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)

@@ -1,7 +1,8 @@
 """Ring attention (backends/parallel/cp/ring.py) on real gloo rings equals torch's
 F.scaled_dot_product_attention on the whole sequence, in float64: outputs and dq, dk, dv
 of every rank's positions, causal (load-balanced layout) or not, grouped-query K/V and a
-custom scale, over rings of 4, 3 and 2 ranks; and the bytes each rank sends.
+custom scale, over rings of 4, 3 and 2 ranks; and the bytes each rank sends and its calls,
+Ulysses' all-to-alls' too (the time model's message count).
 
 Then, compile only: the plan-line refusals and the estimates against hand arithmetic; and
 through the runtime: transformers' Llama pp2 x cp2 with ring attention under 1f1b and zbv
@@ -54,10 +55,44 @@ def _case(group, causal: bool, heads: int, kv_heads: int, scale, seed: int,
     kv = 2 * mine[1].numel() * 8
     assert meter.bytes == {("cp", "send"): 3 * (cp - 1) * kv}, (label, meter.bytes)
     assert meter.calls == {("cp", "send"): 3 * (cp - 1)}, (label, meter.calls)
+    assert meter.calls[("cp", "send")] == _exchanges(cp, "ring")[0]  # the estimate's count
     torch.testing.assert_close(out, ref[:, :, cols], **TOL, msg=lambda m: f"{label}: out {m}")
     for name, got, want in zip("qkv", mine, whole):
         torch.testing.assert_close(got.grad, want.grad[:, :, cols], **TOL,
                                    msg=lambda m, name=name: f"{label}: d{name} {m}")
+
+
+def _exchanges(cp: int, method: str) -> tuple[int, int, int]:
+    """compiler/parallel/cp.py's count for one attention op: (calls, latencies F, B)."""
+    from types import SimpleNamespace
+
+    from pipeplan.compiler.parallel.cp import exchanges
+    return exchanges(SimpleNamespace(mesh=SimpleNamespace(cp=cp),
+                                     context=SimpleNamespace(method=method)))
+
+
+def _ulysses_case(group, seed: int) -> None:
+    """Ulysses' all-to-alls for one attention op, forward and backward: as many calls as
+    the estimate counts (compiler/parallel/cp.py: exchanges), handed q, k, v and the
+    output and their gradients whole (ulysses_traffic charges the (cp-1)/cp of each that
+    leaves the rank), and the output equal to attention over the whole sequence."""
+    from pipeplan.backends.parallel.cp.ulysses import UlyssesAttention
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, 4, SEQ, 8, dtype=torch.float64, generator=g)
+                     for _ in range(4))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    part = slice(rank * SEQ // cp, (rank + 1) * SEQ // cp)  # contiguous sequence slices
+    mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
+    attention = UlyssesAttention(F.scaled_dot_product_attention, group)
+    with CommMeter({"cp": group}) as meter:
+        out = attention.local(*mine, is_causal=True)
+        out.backward(dout[:, :, part])
+    moved = 4 * mine[0].numel() * 8
+    assert meter.calls == {("cp", "alltoall"): _exchanges(cp, "ulysses")[0]}, meter.calls
+    assert meter.bytes == {("cp", "alltoall"): 2 * moved}, meter.bytes
+    torch.testing.assert_close(out, ref[:, :, part], **TOL)
 
 
 def _worker(rank, world):
@@ -70,6 +105,8 @@ def _worker(rank, world):
     _case(ring2, causal=True, heads=4, kv_heads=1, scale=None, seed=3 + rank // 2)
     if rank < 3:
         _case(ring3, causal=True, heads=2, kv_heads=2, scale=None, seed=5, seq=18)
+    _ulysses_case(ring4, seed=6)
+    _ulysses_case(ring2, seed=7)
 
 
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(run_workers):
