@@ -35,7 +35,8 @@ from ..compiler.estimate.device import DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
-from ..compiler.estimate.predict import breakdown, collective_s, exchange_waits
+from ..compiler.estimate.predict import breakdown, collective_s, dp_ring_bytes, \
+    exchange_waits, regather_s
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -528,10 +529,10 @@ def _step_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool,
     key = ("tail", id(sh), place, c.zero)
     if key not in units.cache:
         plan = plan_of(units.plan, c, units.blocks, sh.split)
-        dp_s, opt_s, _ = _reduction_and_optimizer(units, c, plan, sh, place, device)
+        dp_s, opt_s, _, after = _reduction_and_optimizer(units, c, plan, sh, place, device)
         least = [min((d for s, d in enumerate(dp_s) if place[s] == r), default=0.0)
                  for r in range(c.pp)]
-        units.cache[key] = [o + d for o, d in zip(opt_s, least)]
+        units.cache[key] = [o + d + a for o, d, a in zip(opt_s, least, after)]
     tail = units.cache[key]
     return max(max(o + t for o, t in zip(own, tail)), worst + min(tail))
 
@@ -623,9 +624,10 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
         actions.append({s: stages.count(s) for s in set(stages)})
     ranks = state(units, c, sh.split, sched.stage_to_rank, actions)
     plan = plan_of(units.plan, c, units.blocks, sh.split)
-    dp_s, opt_s, gather_s = _reduction_and_optimizer(units, c, plan, sh, sched.stage_to_rank,
-                                                     device)
-    step, times = breakdown(sched, sim, list(sh.ops), costs, dp_s, opt_s, gather_s)
+    dp_s, opt_s, gather_s, after = _reduction_and_optimizer(units, c, plan, sh,
+                                                            sched.stage_to_rank, device)
+    step, times = breakdown(sched, sim, list(sh.ops), costs, dp_s, opt_s, gather_s,
+                            after if any(after) else None)
     prepass = routing_prepass_s(plan, sched, costs)
     states = [rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes for rk in ranks]
     peak = max(s + int(a) for s, a in zip(states, peaks))
@@ -640,25 +642,28 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
 
 
 def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_rank,
-                             device: DeviceModel) -> tuple[list, list, list]:
+                             device: DeviceModel) -> tuple[list, list, list, list]:
     """Seconds to reduce each stage's gradients over dp, each pipeline rank's optimizer
     pass (predict.timing_of's bytes: its ZeRO shards, read and written at the sustained
-    memory bandwidth), and one ZeRO-3 all-gather of each stage's parameters."""
+    memory bandwidth), one ZeRO-3 all-gather of each stage's parameters, and per pipeline
+    rank ZeRO-1/2's all-gather after the optimizer (predict.dp_ring_bytes)."""
     per = state_bytes(plan)
     shard = {0: 1, 1: c.dp, 2: c.dp, 3: c.dp}.get(c.zero, 1)
     hw = device.hardware
     bw = hw.memory_bandwidth * hw.efficiency.memory
     table = _table(units, c)
     bounds = (0,) + sh.split + (len(table),)
-    dp_s, opt, gather_s = [], [0.0] * c.pp, []
+    dp_s, opt, gather_s, after = [], [0.0] * c.pp, [], [0.0] * c.pp
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layout = _stage_layout(units, c, table, s, a, b)
-        dp_s.append(_state_bytes(plan, layout, {}).comm_bytes.get("dp", 0) / sh.links.dp)
+        reduce, regather = dp_ring_bytes(plan, layout)
+        dp_s.append(reduce / sh.links.dp)
+        after[stage_rank[s]] += regather_s(regather, c.dp, sh.links.dp, device.latency_s)
         n = sum(layout.numel.values())
         opt[stage_rank[s]] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
         gather = ring_bytes("allgather", n * per.param / c.dp, c.dp) if c.zero == 3 else 0.0
         gather_s.append(device.latency_s * (c.dp - 1) + gather / sh.links.dp if gather else 0.0)
-    return dp_s, [b / bw if bw > 0 else 0.0 for b in opt], gather_s
+    return dp_s, [b / bw if bw > 0 else 0.0 for b in opt], gather_s, after
 
 
 def _stage_layout(units: Units, c: Candidate, table: list[Unit], s: int, a: int,

@@ -22,6 +22,8 @@ spends its step on (compute / exposed communication / bubble / optimizer).
   rank's first action of the step (nothing to hide it behind: exposed), and where the
   next action runs another stage it starts that stage's gather as the current action
   begins: only what outlasts the current action is exposed.
+* ZeRO-1/2's all-gather of the updated shards (`dp_ring_bytes`) runs after the optimizer
+  step, blocking: exposed whole.
 * Optimizer: one memory-bound pass over the rank's shard (read parameters, gradients and
   states, write parameters and states) at the device's sustained memory bandwidth.
 
@@ -196,6 +198,7 @@ class Timing:
     gather_bytes: list  # per stage: ring bytes one of its ranks sends per ZeRO-3 gather
     flops_per_gpu: float
     model_flops_per_gpu: float
+    regather_bytes: list = None  # per stage: ZeRO-1/2's all-gather after the optimizer
 
     def costs(self, device: DeviceModel):
         """(per-stage op times, the schedule's action costs in seconds) on `device`."""
@@ -227,6 +230,10 @@ class Timing:
         opt_s = [b / bw if bw > 0 else 0.0 for b in self.optimizer_bytes]
         gather_s = [device.latency_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
                     for b in self.gather_bytes]
+        for st, b in zip(self.stages, self.regather_bytes or ()):
+            if b:
+                after = after or [0.0] * self.plan.mesh.pp
+                after[st.rank] += regather_s(b, self.plan.mesh.dp, dp_link, device.latency_s)
         step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s, gather_s, after)
         return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
                           device.flops_per_s)
@@ -247,13 +254,16 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
               estimates) -> Timing:
     """A compiled plan's Timing: per stage the ring bytes of its DP reduction (the runtime's
     ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes."""
-    from .estimates import _state_bytes, rank_shards, state_bytes
+    from .estimates import rank_shards, state_bytes
     per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
+    regathers = []
     dp = plan.mesh.dp
     shard = {0: 1, 1: dp, 2: dp, 3: dp}.get(plan.zero, 1)
     for st in stages:
         layout = rank_shards(plan, [st], tp_kinds, expert_params)
-        dp_bytes.append(_state_bytes(plan, layout, {}).comm_bytes.get("dp", 0))
+        reduce, regather = dp_ring_bytes(plan, layout)
+        dp_bytes.append(reduce)
+        regathers.append(regather)
         n = sum(layout.numel.values())
         opt_bytes[st.rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
         gathers.append(ring_bytes("allgather", n * per.param / dp, dp) if plan.zero == 3
@@ -263,7 +273,30 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
         * plan.mesh.cp / world
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
-                  gathers, flops, model)
+                  gathers, flops, model, regathers)
+
+
+def dp_ring_bytes(plan: Plan, layout) -> tuple[float, float]:
+    """(ring bytes one rank sends reducing a stage's gradients over its data-parallel
+    groups, ring bytes of ZeRO-1/2's all-gather of the updated shards) for the stage's
+    shards `layout` (estimates.rank_shards). The runtime (backends/parallel/zero/
+    sharding.py: after_step) runs that all-gather after the optimizer step, blocking: it
+    overlaps nothing, unlike the reduction, which the backward hides (`exposed_reduction`).
+    Under DiLoCo both are the outer sync's (its own rule)."""
+    from .estimates import _size_of, _state_bytes
+    est = _state_bytes(plan, layout, {})
+    total = est.comm_bytes.get("dp", 0)
+    if plan.zero not in (1, 2) or plan.mesh.islands:
+        return total, 0.0
+    after = sum(ring_bytes(op, n, _size_of(plan, group))
+                for (group, op), n in est.collectives.items() if op == "allgather")
+    return total - after, after
+
+
+def regather_s(nbytes: float, dp: int, link: float, latency: float) -> float:
+    """Seconds of ZeRO-1/2's all-gather after the optimizer step (`dp_ring_bytes`): a
+    latency per ring step and its ring bytes over the dp link, as a ZeRO-3 gather."""
+    return latency * (dp - 1) + nbytes / link if nbytes else 0.0
 
 
 def _nbytes(spec) -> int:

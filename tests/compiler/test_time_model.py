@@ -11,7 +11,7 @@ import torch
 
 from pipeplan.compiler import compile_plan
 from pipeplan.compiler.capture.work import Gemm, WorkLog
-from pipeplan.compiler.estimate.device import device_model, model_of
+from pipeplan.compiler.estimate.device import device_model, mesh_links, model_of
 from pipeplan.compiler.estimate.devices import Efficiency, profile
 from pipeplan.compiler.estimate.optime import gemm_time, memory_time, shard
 from pipeplan.compiler.estimate.predict import breakdown, exposed_gathers, exposed_reduction
@@ -319,3 +319,35 @@ def test_expert_all_to_alls_wait_a_latency_per_exchange(make_plan):
         assert layers > 0
         assert f1 - f0 == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)
         assert b1 - b0 == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_1_2_all_gather_after_the_optimizer_is_exposed_whole(make_plan, zero):
+    """ZeRO-1/2 all-gather the updated shards after the optimizer step, blocking
+    (backends/parallel/zero/sharding.py: after_step): its seconds (a latency per ring step
+    + (dp-1)/dp of the padded parameters over the dp link) add to the step whole, beside
+    the reduction (an all-reduce at ZeRO-1, a reduce-scatter at 2) the backward may hide;
+    ZeRO-0 and 3 have none (3 gathers around actions instead). Hand arithmetic on the
+    GPT at dp 4."""
+    from pipeplan.compiler.estimate.predict import Prediction
+    from pipeplan.compiler.parallel.zero import padded
+
+    plan = dataclasses.replace(_gpt(make_plan, 1), mesh=MeshSpec(pp=1, dp=4), zero=zero,
+                               train=TrainSpec(global_batch=8))
+    compiled = compile_plan(plan)
+    timing = compiled.estimates.timing
+    n = sum(p.numel() for p in compiled.stages[0].module.parameters())
+    full = padded(n, 4) * 4  # float32 bytes of the flat buffer
+    total = compiled.estimates.ranks[0].comm_bytes["dp"]
+    if zero in (1, 2):
+        assert timing.regather_bytes == [full // 4 * 3]
+        assert timing.dp_bytes[0] + timing.regather_bytes[0] == total
+    else:
+        assert not any(timing.regather_bytes)
+    dev = model_of(compiled.plan, profile("a100"))
+    with_it: Prediction = timing.time_on(dev)
+    without = dataclasses.replace(timing, regather_bytes=None).time_on(dev)
+    link = mesh_links(compiled.plan, dev).dp
+    want = dev.latency_s * 3 + full // 4 * 3 / link if zero in (1, 2) else 0.0
+    assert with_it.step_s - without.step_s == pytest.approx(want, rel=1e-9, abs=1e-15)
+    assert with_it.ranks[0].comm - without.ranks[0].comm == pytest.approx(want, abs=1e-15)
