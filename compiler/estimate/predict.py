@@ -198,7 +198,7 @@ class Timing:
     gather_bytes: list  # per stage: ring bytes one of its ranks sends per ZeRO-3 gather
     flops_per_gpu: float
     model_flops_per_gpu: float
-    regather_bytes: list = None  # per stage: ZeRO-1/2's all-gather after the optimizer
+    regather_bytes: Optional[list] = None  # per stage: ZeRO-1/2's all-gather after the optimizer
 
     def costs(self, device: DeviceModel):
         """(per-stage op times, the schedule's action costs in seconds) on `device`."""
