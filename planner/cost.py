@@ -35,7 +35,7 @@ from ..compiler.estimate.device import DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
-from ..compiler.estimate.predict import breakdown, collective_s, dp_ring_bytes, \
+from ..compiler.estimate.predict import _posts, breakdown, collective_s, dp_ring_bytes, \
     exchange_waits, regather_s
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
@@ -284,8 +284,12 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
         on = on_recompute_rank(c, len(table), split)
         table = [u if o else x for u, x, o in zip(table, plain_table, on)]
     bounds = (0,) + split + (len(table),)
+    post = device.hardware.post_s if device.hardware else 0.0  # the measured CPU's
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
+    if post:  # each transfer's posting, as predict.action_costs charges it (by adjacency)
+        timed = [(t, (f + n * post, b + n * post, w)) for s, (t, (f, b, w)) in enumerate(timed)
+                 for n in (_posts(s, stages),)]
     tp = c.tp if c.tp > 1 else 1
     act = tuple(sum(dict(u.activation_inner if i else u.activation_bytes)[tp]
                     for u, i in zip(table[a:b], _inner(table[a:b], c.sp and c.tp > 1)))
@@ -612,8 +616,10 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
     sched = order(units, c) if c.schedule != "auto" else _auto_order(units, c, sh, costs)
     sim = simulate(sched, costs)
-    if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them
-        device = device.shared(sim.concurrency)
+    if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them,
+        # in as many copies of the pipeline as the candidate has (check's device_model)
+        sharing = dataclasses.replace(device.sharing, replicas=c.dp * c.cp * c.tp)
+        device = dataclasses.replace(device, sharing=sharing).shared(sim.concurrency)
         sh = shape(units, c, device)
         costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
         sim = simulate(sched, costs)

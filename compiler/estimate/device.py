@@ -26,7 +26,9 @@ class Sharing:
     leaves its core to the others), and `replicas` the copies of that pipeline (dp x cp x
     tp) running the same timeline. A message's latency goes from the idle pair's
     (`latency`) to what a pair measured with all `ranks` busy (`loaded_latency`: the
-    scheduler's wait) as the busy ranks go from `cores` to `ranks`."""
+    scheduler's wait) as the busy ranks go from `cores` to `ranks`. A rank never runs faster
+    than alone (a contention probe under 1 is the probe's noise), so the speeds alone bound
+    every shared step from below (what the planner's bounds read)."""
 
     ranks: int
     cores: int
@@ -36,7 +38,7 @@ class Sharing:
     loaded_latency: float = 0.0
 
     def factor(self, busy: float) -> float:
-        return max(1.0, busy * self.replicas / self.cores) * self.extra
+        return max(1.0, max(1.0, busy * self.replicas / self.cores) * self.extra)
 
     def message_latency(self, busy: float) -> float:
         over = (busy * self.replicas - self.cores) / max(self.ranks - self.cores, 1)

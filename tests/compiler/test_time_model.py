@@ -351,3 +351,15 @@ def test_zero_1_2_all_gather_after_the_optimizer_is_exposed_whole(make_plan, zer
     want = dev.latency_s * 3 + full // 4 * 3 / link if zero in (1, 2) else 0.0
     assert with_it.step_s - without.step_s == pytest.approx(want, rel=1e-9, abs=1e-15)
     assert with_it.ranks[0].comm - without.ranks[0].comm == pytest.approx(want, abs=1e-15)
+
+
+def test_a_rank_sharing_the_cpu_never_runs_faster_than_alone():
+    """Sharing.factor: the fair share of the cores times the probe's extra, never under 1
+    (a probe's extra under 1 is its noise; the planner's bounds read the speeds alone)."""
+    from pipeplan.compiler.estimate.device import Sharing
+
+    s = Sharing(ranks=4, cores=2, extra=0.9, replicas=1)
+    assert s.factor(1.0) == 1.0 and s.factor(2.0) == 1.0
+    assert s.factor(4.0) == pytest.approx(1.8)
+    assert Sharing(ranks=4, cores=2, extra=0.9, replicas=4).factor(1.0) == pytest.approx(1.8)
+    assert Sharing(ranks=8, cores=2, extra=1.05).factor(1.0) == pytest.approx(1.05)

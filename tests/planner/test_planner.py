@@ -14,7 +14,7 @@ import pytest
 from pipeplan.cli import main
 from pipeplan.compiler import compile_plan
 from pipeplan.compiler.estimate.device import device_model
-from pipeplan.dsl.ast import ContextSpec
+from pipeplan.dsl.ast import ContextSpec, DeviceSpec, MeshSpec
 from pipeplan.dsl.load import load_plan, parse_plan
 from pipeplan.planner.cost import auto_memory_limit, lower_bound, predict, quick_bound, \
     quick_held, step_bound
@@ -109,10 +109,15 @@ def test_constraints_are_honoured(plan, units):
     assert any("--max-pp 2" in reason for reason in res.not_considered)
 
 
-def test_bound_never_exceeds_the_prediction(plan, units):
+@pytest.mark.parametrize("cpu", [False, True], ids=["plan's device", "this CPU, shared"])
+def test_bound_never_exceeds_the_prediction(plan, units, cpu):
+    """The bounds read the speeds alone; on this CPU's measured model the prediction shares
+    the cores (Sharing.factor >= 1: never faster than alone), so they bound it too."""
     cands = enumerate_space(plan, 8, len(units.blocks), Constraints(), 4, units.refused, True,
                             {}, frozenset({("cp", 1)}))
-    dev = device_model(plan)
+    dev = device_model(plan) if not cpu else device_model(dataclasses.replace(
+        plan, device=DeviceSpec(), mesh=MeshSpec(pp=1, dp=8)))
+    assert (dev.sharing is not None) == cpu
     picked = cands[::max(1, len(cands) // 60)]  # 60 spread over the space, every kind
     picked += [dataclasses.replace(c, memory_limit=n) for c in picked  # auto under a limit
                if c.schedule == "auto" for n in (1, 2)]
@@ -583,3 +588,27 @@ def test_balanced_split_cuts_at_the_least_bottleneck_a_whole_range_bisection_fin
         want = tuple(greedy(prefix, stages, hi * (1 + 1e-12))
                      or greedy(prefix, stages, hi * (1 + 1e-9)))
         assert balanced_split(w, stages) == want, (n, stages)
+
+
+def test_on_the_measured_cpu_a_pipelined_plan_is_estimated_as_check_estimates_it(tmp_path,
+                                                                                 capsys):
+    """No device section: the planner predicts on this CPU's measured model, whose ranks
+    share the cores (Sharing: each candidate's dp x cp x tp copies of its pipeline) and pay
+    for posting each transfer (post_s, by stage adjacency). The written pp = 4 plans,
+    compiled as `pipeplan check` compiles them, agree with the printed steps. (Before: every
+    candidate was timed as if world / 1 pipelines shared the cores -- 2x on pp 4 -- and
+    without the posting.)"""
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "gpt_pp4_1f1b.plan")
+    for pick in (1, 2):
+        out = tmp_path / f"cpu{pick}.plan"
+        code = main(["plan", src, "--gpus", "4", "--memory", "2", "--set", "mesh.pp=4",
+                     "--schedules", "1f1b,zbv", "--top", "2", "--pick", str(pick), "-o",
+                     str(out), "--no-progress", "--no-verify"])
+        printed = capsys.readouterr().out
+        assert code == 0, printed
+        row = printed.split(f"\n  {pick}  ")[1].split("\n")[0].split()
+        step = float(row[-6])  # step s, then TFLOP/s, MFU, peak GiB, bubble, comm s
+        written = load_plan(str(out), world_size=4)
+        assert written.mesh.pp == 4 and written.device.name is None
+        est = compile_plan(written).estimates
+        assert est.step_time_s == pytest.approx(step, rel=2e-3), (pick, printed)
