@@ -53,7 +53,9 @@ def summary(result: SearchResult) -> str:
             f"{result.pruned} skipped by the bound with the optimizer and DP reduction, "
             f"{result.evaluated} evaluated (schedule generated and simulated; "
             f"{result.auto_evaluated} of them auto), "
-            f"{result.over_memory_evaluated} of those over memory; {closed}; "
+            f"{result.over_memory_evaluated} of those over memory"
+            + (f", {result.twins} the same order as a listed plan under another kind "
+               "(listed once)" if result.twins else "") + f"; {closed}; "
             f"model captured {result.units.captures} times\n")
 
 

@@ -48,7 +48,7 @@ from ..compiler.estimate.device import DeviceModel
 from ..dsl.ast import Plan
 from ..dsl.checks import find_problems
 from . import forked
-from .cost import Prediction, auto_memory_limit, held_bytes, held_states_key, \
+from .cost import Prediction, auto_memory_limit, held_bytes, held_states_key, order, \
     order_held_states, predict, quick_bound, quick_held, step_bound, time_bound
 from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
     recompute_pattern
@@ -79,6 +79,7 @@ class SearchResult:
     auto_evaluated: int = 0  # of `evaluated`, schedule kind auto (at most max_auto)
     auto_capped: bool = False  # stopped at max_auto with auto candidates left under the bound
     refused: int = 0  # evaluated candidates `check` refuses (none expected)
+    twins: int = 0  # evaluated, the same order as a listed plan's under another kind (_twin)
     closed: bool = False  # the bound proved no unevaluated candidate enters the top K
     not_considered: dict = field(default_factory=dict)  # reason -> values
     capacity: float = 0.0
@@ -195,6 +196,9 @@ def _loop(plan: Plan, units: Units, heap: list, device: DeviceModel, result: Sea
         if p.peak_bytes > result.capacity:
             result.over_memory_evaluated += 1
             continue
+        if _twin(units, top, c):
+            result.twins += 1
+            continue
         top.append(Ranked(dataclasses.replace(c, split=p.split), p))
         top.sort(key=lambda r: (r.prediction.step_time_s, r.candidate))
         del top[top_k:]
@@ -207,6 +211,25 @@ def _loop(plan: Plan, units: Units, heap: list, device: DeviceModel, result: Sea
         child.cancel()
     result.top = top
     return result
+
+
+def _twin(units: Units, top: list, c: Candidate) -> bool:
+    """Does the top list hold `c`'s layout under another fixed kind whose order is the same
+    actions on the same ranks (ZB-H1 and ZB-H2, or 1F1B and GPipe, with too few
+    microbatches to differ)? The same run then, listed once: as the kind reached first."""
+    if c.schedule == "auto":
+        return False
+    mine = None
+    for r in top:
+        o = r.candidate
+        if o.schedule in ("auto", c.schedule) or \
+                dataclasses.replace(o, schedule=c.schedule, split=c.split) != c:
+            continue
+        mine = mine or order(units, c)
+        other = order(units, o)
+        if mine.order == other.order and mine.stage_to_rank == other.stage_to_rank:
+            return True
+    return False
 
 
 def recompute_where_it_pays(units: Units, cands: list, device: DeviceModel,

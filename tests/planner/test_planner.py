@@ -19,6 +19,7 @@ from pipeplan.dsl.load import load_plan, parse_plan
 from pipeplan.planner.cost import auto_memory_limit, lower_bound, predict, quick_bound, \
     quick_held, step_bound
 from pipeplan.schedules.memory import peak_per_rank
+from pipeplan.planner.report import summary
 from pipeplan.planner.search import search
 from pipeplan.planner.space import Candidate, Constraints, enumerate_space, plan_of
 from pipeplan.planner.units import measure
@@ -612,3 +613,22 @@ def test_on_the_measured_cpu_a_pipelined_plan_is_estimated_as_check_estimates_it
         assert written.mesh.pp == 4 and written.device.name is None
         est = compile_plan(written).estimates
         assert est.step_time_s == pytest.approx(step, rel=2e-3), (pick, printed)
+
+
+def test_two_kinds_with_the_same_order_are_listed_once(plan, units):
+    """ZB-H1 and ZB-H2 coincide when too few microbatches are in flight to differ: the same
+    actions on the same ranks, the same run. The top list holds each run once (as the kind
+    reached first) and says how many twins it left out; kinds whose orders differ both stay."""
+    from pipeplan.planner.cost import order
+
+    cons = Constraints(fixed={"pp": 2, "tp": 1, "cp": 1, "zero": 0, "recompute": "none",
+                              "sp": False}, schedules=("zbh1", "zbh2"))
+    res = search(plan, 8, device_model(plan), 1e9, cons, top_k=50, units=units)
+    assert res.twins > 0 and "the same order as a listed plan" in summary(res)
+    listed = [r.candidate for r in res.top]
+    for a, b in itertools.combinations(listed, 2):
+        if dataclasses.replace(a, schedule=b.schedule) == b:
+            oa, ob = order(res.units, a), order(res.units, b)
+            assert (oa.order, oa.stage_to_rank) != (ob.order, ob.stage_to_rank), (a, b)
+    one = [c for c in listed if c.microbatches == 1]
+    assert one and len({dataclasses.replace(c, schedule="") for c in one}) == len(one)
