@@ -632,3 +632,26 @@ def test_two_kinds_with_the_same_order_are_listed_once(plan, units):
             assert (oa.order, oa.stage_to_rank) != (ob.order, ob.stage_to_rank), (a, b)
     one = [c for c in listed if c.microbatches == 1]
     assert one and len({dataclasses.replace(c, schedule="") for c in one}) == len(one)
+
+
+def test_a_size_read_off_the_line_equals_its_own_capture():
+    """Sizes above 3 are read off the line through sizes 2 and 3 (Units.at); on the example
+    GPT (vocabulary 256, 64 tokens a sequence) an embedding's gathered rows outgrow its
+    table between 3 and 8 sequences: every unit's work, FLOPs, traffic and activation bytes
+    at 8 equal a capture at 8 (the work rule is linear in the batch: compiler/capture/
+    work.py, a gather reads the rows it writes)."""
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "gpt_pp4_1f1b.plan")
+    plan = load_plan(src)
+    key = (8, False, False, "none", 1)
+    lined = measure(plan, (1, 2, 4), (1,), "layers.*")
+    got = lined.at(*key)
+    assert lined.affine == {1: True}  # read off the line, not captured
+    captured = measure(plan, (1, 2, 4), (1,), "layers.*")
+    captured.affine[1] = False  # every size captured
+    want = captured.at(*key)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.work.memory == b.work.memory and a.work.ops == b.work.ops, a.name
+        assert a.work.gemms == b.work.gemms, a.name
+        assert (a.flops, a.out_bytes) == pytest.approx((b.flops, b.out_bytes)), a.name
+        assert a.activation_bytes == b.activation_bytes, a.name
