@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..compiler.estimate.collectives import _role_collectives, ep_calls, ring_bytes
+from ..compiler.estimate.collectives import _role_collectives, ring_bytes
 from ..compiler.estimate.device import DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
@@ -108,7 +108,8 @@ def _content(units: Units, u: Unit) -> int:
     if id(u) not in ids:
         w = u.work
         key = (u.flops, u.recompute_flops, u.ops, u.recompute_ops, u.out_bytes, u.cp_bytes,
-               u.cp_steps, u.ep_roles, u.tp_traffic, u.tp_inner, u.ep_tokens, u.ep_weights, len(u.params),
+               u.cp_steps, u.ep_roles, u.tp_traffic, u.tp_inner, u.ep_tokens, u.ep_weights,
+               len(u.params),
                tuple(w.gemms.items()),
                tuple((k, tuple(v)) for k, v in w.memory.items()), w.ops, w.recompute_ops)
         contents = units.cache.setdefault("unit contents", {})
@@ -126,11 +127,9 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s) for op, n in calls)
     ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
     other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
-    ep_n = sum(ep_calls(plan, role, prepass=False) for u in run for role in u.ep_roles) \
-        if c.ep > 1 and plan.experts else 0
-    wait_f, wait_b = exchange_waits(c.ep, ep_n, (sum(u.cp_steps[0] for u in run),
-                                                 sum(u.cp_steps[1] for u in run)),
-                                    device.latency_s)
+    wait_f, wait_b = exchange_waits(plan, c.ep, [r for u in run for r in u.ep_roles],
+                                    (sum(u.cp_steps[0] for u in run),
+                                     sum(u.cp_steps[1] for u in run)), device.latency_s)
     again = tp_s / 2 if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
     comm = (tp_s + other) / 2
     # wrapped tensors: the units' trainable parameters and the stage's input (buffers are
@@ -288,8 +287,8 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
     if post:  # each transfer's posting, as predict.action_costs charges it (by adjacency)
-        timed = [(t, (f + n * post, b + n * post, w)) for s, (t, (f, b, w)) in enumerate(timed)
-                 for n in (_posts(s, stages),)]
+        timed = [(t, (f + _posts(s, stages) * post, b + _posts(s, stages) * post, w))
+                 for s, (t, (f, b, w)) in enumerate(timed)]
     tp = c.tp if c.tp > 1 else 1
     act = tuple(sum(dict(u.activation_inner if i else u.activation_bytes)[tp]
                     for u, i in zip(table[a:b], _inner(table[a:b], c.sp and c.tp > 1)))

@@ -79,14 +79,17 @@ def collective_s(op: str, nbytes: float, n: int, bandwidth: float, latency: floa
     return latency * (n - 1) + ring_bytes(op, nbytes, n) / bandwidth
 
 
-def exchange_waits(ep: int, ep_calls_mb: int, cp_steps: tuple,
+def exchange_waits(plan: Plan, ep: int, ep_roles, cp_steps: tuple,
                    latency: float) -> tuple[float, float]:
     """(forward, backward) seconds one microbatch of a stage waits on message latency in
     its expert all-to-alls and context-parallel exchanges (their bytes are charged
-    apart): each all-to-all over ep ranks is ep - 1 pairwise exchanges (Thakur et al.
-    2005), half of the calls forward and half backward; `cp_steps`: the cp exchanges'
+    apart). `ep_roles`: the traffic roles of the stage's experts calls (traffic.py), each
+    making `collectives.ep_calls` all-to-alls, each ep - 1 pairwise exchanges (Thakur et
+    al. 2005), half of them forward and half backward; `cp_steps`: the cp exchanges'
     latencies forward and backward (compiler/parallel/cp.py: exchanges)."""
-    ep_s = ep_calls_mb * (ep - 1) * latency / 2 if ep > 1 else 0.0
+    calls = sum(ep_calls(plan, role, prepass=False) for role in ep_roles) \
+        if ep > 1 and plan.experts else 0
+    ep_s = calls * (ep - 1) * latency / 2
     return ep_s + cp_steps[0] * latency, ep_s + cp_steps[1] * latency
 
 
@@ -103,10 +106,9 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
         tp_s = sum(collective_s(op, n, tp, links.tp, device.latency_s) for op, n in calls)
         other = (ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
                  + st.cp_bytes * float_scale / links.tp)
-        ep_calls_mb = sum(ep_calls(plan, x.role, prepass=False) for x in moe_traffic
-                          if x.stage == st.index) if plan.mesh.ep > 1 and plan.experts else 0
-        wait_f, wait_b = exchange_waits(plan.mesh.ep, ep_calls_mb, st.cp_steps,
-                                        device.latency_s)
+        wait_f, wait_b = exchange_waits(
+            plan, plan.mesh.ep, [x.role for x in moe_traffic if x.stage == st.index],
+            st.cp_steps, device.latency_s)
         again = tp_s / 2 if st.recompute_ops or st.recompute_flops else 0.0
         comm = (tp_s + other) / 2
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
