@@ -95,7 +95,7 @@ def _stage_times(units: Units, c: Candidate, plan, device: DeviceModel, links,
     (cached by what the units hold, not where they are: a 80-layer stack's middle stages of
     equal length are timed once)."""
     key = ("stage times", tuple(_content(units, u) for u in run), c.tp, c.sp, c.ep,
-           c.dp if plan.experts else 0, links.tp, links.ep, id(device))
+           c.dp if plan.experts else 0, links.tp, links.ep, device_key(units, device))
     if key not in units.cache:
         units.cache[key] = _stage_times_of(c, plan, device, links, run)
     return units.cache[key]
@@ -256,7 +256,7 @@ class Shape:
 def shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     """The candidate's stages (cached: the schedule kind and ZeRO stage do not change them)."""
     key = ("shape", c.pp, c.dp, c.tp, c.cp, c.ep, c.virtual, c.mbs, c.sp, c.recompute,
-           id(device)) + ((c.rc_ranks, placement(c.schedule, c.pp, c.pp * c.virtual))
+           device_key(units, device)) + ((c.rc_ranks, placement(c.schedule, c.pp, c.pp * c.virtual))
                           if c.rc_ranks else ())
     if key not in units.cache:
         units.cache[key] = _shape(units, c, device)
@@ -304,7 +304,7 @@ def _unit_weights(units: Units, c: Candidate, plan, device: DeviceModel, links,
     """Each unit's F + B + W seconds as a stage of its own (what the split balances),
     cached per table and what those seconds read of the mesh: tp, ep, the TP and EP links."""
     key = ("weights", id(table), c.tp, c.ep, c.sp, c.dp if plan.experts else 0, links.tp,
-           links.ep, id(device))
+           links.ep, device_key(units, device))
     if key not in units.cache:
         units.cache[key] = [sum(_stage_times(units, c, plan, device, links, [u])[1])
                             for u in table]
@@ -321,9 +321,19 @@ _LINKS: dict = {}
 
 def _links_cached(key, plan, device):
     k = key + (id(device),)
-    if k not in _LINKS:
-        _LINKS[k] = mesh_links(plan, device)
-    return _LINKS[k]
+    hit = _LINKS.get(k)
+    if hit is None or hit[0] is not device:  # the device held beside its links: an id
+        hit = _LINKS[k] = (device, mesh_links(plan, device))  # freed and reused misses
+    return hit[1]
+
+
+def device_key(units: Units, device: DeviceModel) -> int:
+    """`device`'s part of a units.cache key: its id, the device itself kept in the cache so
+    no later device is ever given that id while the entries live (predict makes a shared
+    device per candidate on the measured CPU: freed, its id went to the next one, whose
+    prediction then read the first one's cached stage times)."""
+    units.cache.setdefault(("device", id(device)), device)
+    return id(device)
 
 
 def state(units: Units, c: Candidate, split: tuple[int, ...], stage_rank: tuple[int, ...],
@@ -373,7 +383,7 @@ def quick_bound(units: Units, c: Candidate, device: DeviceModel) -> float:
     less than their share of the whole sequence's: op time grows no faster than the op)."""
     rc = "none" if c.rc_ranks else c.recompute
     cp = c.cp if units.has(c.mbs, c.tp > 1, c.sp, rc, c.cp) else 1
-    key = ("quick", c.mbs, c.tp, c.sp, rc, cp, id(device))
+    key = ("quick", c.mbs, c.tp, c.sp, rc, cp, device_key(units, device))
     if key not in units.cache:
         plan = plan_of(units.plan, dataclasses.replace(c, recompute=rc, rc_ranks=0),
                        units.blocks)
@@ -617,8 +627,7 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     sim = simulate(sched, costs)
     if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them,
         # in as many copies of the pipeline as the candidate has (check's device_model)
-        sharing = dataclasses.replace(device.sharing, replicas=c.dp * c.cp * c.tp)
-        device = dataclasses.replace(device, sharing=sharing).shared(sim.concurrency)
+        device = _shared(units, device, c.dp * c.cp * c.tp, sim.concurrency)
         sh = shape(units, c, device)
         costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
         sim = simulate(sched, costs)
@@ -644,6 +653,17 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
                       max((t.comm for t in times), default=0.0), sim.bubble, int(peak),
                       int(max(states)), hw / world, model / world, sh.split,
                       tuple(sched.stage_to_rank))
+
+
+def _shared(units: Units, device: DeviceModel, replicas: int, busy: float) -> DeviceModel:
+    """The measured CPU's speeds for `replicas` copies of a pipeline keeping `busy` ranks
+    computing at once (Sharing; one device per distinct sharing, so their stage times are
+    cached once)."""
+    key = ("shared", device_key(units, device), replicas, busy)
+    if key not in units.cache:
+        sharing = dataclasses.replace(device.sharing, replicas=replicas)
+        units.cache[key] = dataclasses.replace(device, sharing=sharing).shared(busy)
+    return units.cache[key]
 
 
 def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_rank,

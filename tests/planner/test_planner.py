@@ -135,6 +135,27 @@ def test_bound_never_exceeds_the_prediction(plan, units, cpu):
             assert quick_held(units, c) == p.state_bytes, c.label()
 
 
+def test_a_prediction_reads_no_other_devices_cached_times(plan, units):
+    """Cached stage times are keyed by device: a device freed (the measured CPU's shared
+    one is made per candidate, the plan's device per test) never lends its id, and so its
+    cached times, to another. Every kind on one mesh (the same stages, a different busy
+    share each), after the plan's device's own, predicted as on an empty cache."""
+    def on_the_plans_device(cands):
+        dev = device_model(plan)
+        return [predict(units, c, dev).step_time_s for c in cands]
+
+    cands = [c for c in enumerate_space(plan, 8, len(units.blocks), Constraints(), 4,
+                                        units.refused, True, {}, frozenset({("cp", 1)}))
+             if (c.pp, c.dp, c.tp, c.mbs, c.recompute, c.zero, c.sp) ==
+             (2, 2, 2, 1, "none", 0, False)]
+    assert len({c.schedule for c in cands}) >= 4
+    on_the_plans_device(cands)
+    cpu = device_model(dataclasses.replace(plan, device=DeviceSpec(), mesh=MeshSpec(pp=1, dp=8)))
+    got = [predict(units, c, cpu) for c in cands]
+    for c, p in zip(cands, got):
+        assert predict(dataclasses.replace(units, cache={}), c, cpu) == p, c.label()
+
+
 def test_one_pipeline_rank_searches_1f1b_not_gpipe_its_costlier_twin(plan, units):
     """At pp 1 gpipe is 1f1b's step holding every microbatch: enumerated only when 1f1b is
     not allowed."""
