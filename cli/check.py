@@ -38,10 +38,11 @@ def run_check(args: argparse.Namespace) -> int:
         plan_catalogue(plan)  # without the model: the weights' files and headers at least
     if not args.no_model:
         # Once the model is known: trace it on meta (no weights) and print the estimates.
+        from ..backends.runtime.source import compile_checked
         from ..compiler import estimates_summary
 
         sys.stdout.write("\n# after tracing the model (meta device, no weights)\n")
-        sys.stdout.write(estimates_summary(plan).rstrip("\n") + "\n")
+        sys.stdout.write(estimates_summary(plan, compile_checked).rstrip("\n") + "\n")
     return 0
 
 

@@ -37,13 +37,13 @@ def _positive(text: str) -> float:
 def run_compile(args: argparse.Namespace) -> int:
     from ..dsl import load_plan
     from ..compiler.build import write_build
-    from ..compiler.driver import compile_plan
+    from ..backends.runtime.source import compile_checked
     from ..compiler.estimate.device import device_model
     from ..compiler.estimate.report import render_summary
     started = time.perf_counter()
     plan = load_plan(args.plan, args.overrides)
     device = device_model(plan, tflops=args.tflops, link_gbps=args.link_gbps)
-    compiled = compile_plan(plan, device=device)
+    compiled = compile_checked(plan, device=device)
     out = Path(args.out) if args.out else Path("build") / Path(args.plan).stem
     write_build(compiled, out)
     lines = [f"compiled {args.plan} in {time.perf_counter() - started:.1f} s"]

@@ -173,10 +173,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _verify(path: str, predicted, gpus: int) -> str:
     """The written plan read back and compiled as `pipeplan check` does; both estimates."""
-    from ..compiler import compile_plan
+    from ..backends.runtime.source import compile_checked
     from ..dsl.load import load_plan
     plan = load_plan(path, world_size=gpus)
-    est = compile_plan(plan).estimates
+    est = compile_checked(plan).estimates
     peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
                for r in est.ranks)
     return (f"checked {path}: the compiler estimates step {est.step_time_s:.6g} s, peak "

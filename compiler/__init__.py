@@ -14,14 +14,16 @@ from .estimate.report import render_summary
 from .stages import move_stage
 
 
-def estimates_summary(plan) -> str:
+def estimates_summary(plan, compile=None) -> str:
     """`pipeplan check`'s estimate lines: compile on meta and summarise (raises PlanError,
-    also when the model's initial weights cannot be drawn per module: init_rules.check_init)."""
+    also when the model's initial weights cannot be drawn per module: init_rules.check_init).
+    `compile`: (plan, model) -> CompiledPlan, compile_plan by default (the CLI hands in the
+    compile made before a launch: backends/runtime/source.py compile_checked)."""
     from .capture.init_rules import check_init
 
     model = load_model(plan, "meta")
     check_init(plan, model)
-    return render_summary(compile_plan(plan, model))
+    return render_summary((compile or compile_plan)(plan, model))
 
 
 __all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary",

@@ -50,14 +50,18 @@ from .weights import check_weights
 
 
 def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
-                 device: Optional[DeviceModel] = None, schedule=None) -> CompiledPlan:
+                 device: Optional[DeviceModel] = None, schedule=None,
+                 rewrite=None) -> CompiledPlan:
     """Compile `plan`. Without `model` it is built on the meta device (no weights allocated);
     with one, each stage GraphModule holds that model's own parameter tensors (converted
     in place to the plan's precision first: float64 under `train.precision = fp64`).
     `device` is the accelerator model the time estimate assumes (default: the plan's
     device section, see `device_model`). `schedule`: a schedule already decided and
     verified (rank 0's, broadcast by backends/runtime/agreement.py, or a build directory's) used
-    instead of generating one, so no search runs again; it must fit the stages."""
+    instead of generating one, so no search runs again; it must fit the stages. `rewrite`:
+    the runtime's stage rewrite in a fake world (backends/parallel/pretrace.py), which the
+    commands compiling before a launch hand in so that compiled stages under tp or ep are
+    estimated from their rewritten joint graphs (graphs/__init__.py)."""
     device = device or device_model(plan)
     check_plan_values(plan)
     profile = load_profile(plan)  # measured op times, when the plan names a cost file
@@ -86,7 +90,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
     _attach_activations(plan, stages, traced.run, costs, tp_kinds)
-    check_joint_graphs(plan, stages, graph, traced.run.values)  # graphs mode: exact bytes
+    check_joint_graphs(plan, stages, graph, traced.run.values, experts, tp_kinds,
+                       rewrite)  # graphs mode: exact bytes
     attach_context_costs(plan, stages, split, graph, nodes, traced.run, tp_heads)
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)

@@ -25,10 +25,15 @@ class RunSource:
     schedule_file: Optional[str] = None  # a build directory's pinned schedule
 
 
-def _compile(plan: Plan, model, schedule=None):
+def compile_checked(plan: Plan, model=None, schedule=None, device=None):
+    """The plan compiled as `pipeplan check` compiles it before a launch: compiled stages
+    under tp or ep estimated from their rewritten joint graphs (parallel/pretrace.py)."""
     from ...compiler.driver import compile_plan
+    from ..parallel.pretrace import rewrite_in_fake_world
 
-    return compile_plan(plan, model, schedule=schedule)
+    return compile_plan(plan, model, schedule=schedule, device=device,
+                        rewrite=rewrite_in_fake_world)
+
 
 
 def _build_plan_file(folder: str) -> str:
@@ -63,7 +68,7 @@ def _pinned(pinned):
 
         want = schedule or pinned  # rank 0 broadcasts the build's schedule (agreement.py)
         try:
-            compiled = _compile(plan, model, want)
+            compiled = compile_checked(plan, model, want)
         except ScheduleMismatch as e:
             raise PipeplanError(f"the build's schedule.json does not fit the plan: {e}; "
                                 "recompile the build directory") from None
@@ -87,5 +92,5 @@ def _load_source(path: str, overrides: Sequence[str], world_size: Optional[int])
         schedule_file = os.path.join(path, "schedule.json")
         if os.path.isfile(schedule_file):  # checked here, before any process starts
             return RunSource(plan, _pinned(read_pinned_schedule(schedule_file)), schedule_file)
-        return RunSource(plan, _compile)
-    return RunSource(load_plan(path, overrides, world_size), _compile)
+        return RunSource(plan, compile_checked)
+    return RunSource(load_plan(path, overrides, world_size), compile_checked)

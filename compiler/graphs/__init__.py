@@ -3,7 +3,7 @@ backward graph (joint.py), partitioned into F, B, W and BW (split.py); `check_jo
 is the compile phase that traces them, refusing at the `compile.mode` line what cannot be."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch.fx as fx
 
@@ -15,7 +15,8 @@ from .split import saved_bytes, split_joint
 
 
 def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
-                       values: dict) -> None:
+                       values: dict, experts: tuple = (), tp_kinds: Optional[dict] = None,
+                       rewrite: Optional[Callable] = None) -> None:
     """compile.mode = graphs | inductor: every stage traced jointly (forward + backward) on
     fake CPU tensors of its parameters and per-microbatch inputs (`values`: the capture's
     meta value of each node of `graph`); one that cannot be is refused at the
@@ -25,10 +26,14 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
     per microbatch are the bytes F saves for B and W (split.py: saved_bytes; under the
     plan's recompute rules, what their regions leave unsaved is not counted). Call
     after the per-node costs are attached (this replaces their saved-bytes sum).
-    Under tp, ep or cp the runtime rewrites the stages (DTensor nodes, the static expert
-    dispatch, ring / Ulysses attention) and traces the rewritten stage itself, with its
-    process groups: the trace here checks the model's code only, and the activation
-    estimate stays the eager one."""
+    Under tp or ep the runtime rewrites the stages (DTensor nodes, the static expert
+    dispatch) and traces the rewritten stage itself, with its process groups: the trace
+    here checks the model's code, and `rewrite` (backends/parallel/pretrace.py, handed in
+    by the commands that compile before a launch: the compiler does not import the
+    runtime) rewrites each stage as a rank's runtime will, in a world of fake process
+    groups, so the activation bytes are those of the rewritten stage's own joint graph.
+    Without `rewrite` (or under cp, whose rewrite renumbers positions per rank) the
+    activation estimate stays the eager one."""
     if not plan.compile.graphs:
         return
     rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1 or plan.mesh.cp > 1
@@ -43,8 +48,17 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
         except JointTraceError as e:
             raise PlanError.at(plan, "compile.mode", f"stage {st.index} cannot run as compiled "
                                f"graphs: {e}", "use compile { mode = eager }") from None
-        if rewritten:
-            continue
-        st.joint = joint
-        # exact by construction: what F hands to B and W is what the runtime keeps
-        st.activation_bytes = saved_bytes(split_joint(joint))
+        if not rewritten:
+            st.joint = joint
+            # exact by construction: what F hands to B and W is what the runtime keeps
+            st.activation_bytes = saved_bytes(split_joint(joint))
+    if rewritten and rewrite is not None and plan.mesh.cp == 1:
+        with rewrite(plan, experts, tp_kinds or {}) as rewritten_stage:
+            if rewritten_stage is None:  # inside a running world: its ranks trace their own
+                return
+            for st in stages:
+                module = rewritten_stage(st)
+                inputs = [by_name[r.name] for r in st.inputs]
+                needs = [r.source != BATCH for r in st.inputs]
+                joint = trace_joint(module, inputs, needs, on=TRACE_DEVICE, recompute=rules)
+                st.activation_bytes = saved_bytes(split_joint(joint))

@@ -1,0 +1,103 @@
+"""Compiled stages under tp and ep: the activation estimate equals what the runtime keeps.
+
+In `compile.mode = graphs` a rank's runtime rewrites each stage (TP's DTensor nodes, EP's
+static dispatch) and traces the rewritten stage jointly; per microbatch it keeps what F
+hands to B and W. `pipeplan check` compiles with the same rewrite made before launch in a
+world of fake process groups (backends/parallel/pretrace.py). Here gloo ranks rewrite the
+stages with their real groups, run each stage's F through the runtime's GraphStageRunner
+and measure the distinct storages it keeps (`measure_saved`, the real tensors); the
+compiler's number, from its own trace of its own rewrite, must equal it per stage on
+every rank. Without the rewrite the compiler falls back to the eager estimate, which here
+differs (the test would fail on it).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from pipeplan.backends.parallel import build_parallel_groups, parallelize_stage
+from pipeplan.backends.runtime import data
+from pipeplan.backends.runtime.graph_stage import GraphStageRunner
+from pipeplan.backends.runtime.source import compile_checked
+from pipeplan.compiler.capture.loading import load_model
+from pipeplan.compiler.compiled import BATCH
+from pipeplan.compiler.driver import compile_plan
+from pipeplan.dsl.load import load_plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+GPT = ["model.args.seq_len=8", "data.seq_len=8", "model.args.vocab=32", "data.vocab=32",
+       "train.global_batch=4", "pipeline.microbatches=2", "model.args.heads=2",
+       "model.args.dim=16", "model.args.layers=2", "mesh.dp=1", "zero=0",
+       "pipeline.schedule=1f1b", "pipeline.virtual=1", "tensor.vocab=[tok_emb, lm_head]",
+       "compile.mode=graphs", "train.precision=fp64"]
+MOE = ["model.args.seq_len=8", "data.seq_len=8", "model.args.vocab=32", "data.vocab=32",
+       "model.args.dim=16", "train.global_batch=8", "compile.mode=graphs",
+       "train.precision=fp64"]
+
+
+def _measure(plan, compiled, groups, dp: int) -> list[int]:
+    """Per stage, the bytes the graphs runner keeps from F for one microbatch here."""
+    batch = data.dp_microbatches(plan, 0, dp)[0]
+    values, got = {}, []
+    for spec in compiled.stages:
+        module = parallelize_stage(copy.deepcopy(spec.module), plan, groups, compiled.experts,
+                                   compiled.tp_rewrites).module
+        runner = GraphStageRunner(spec, module, spec.index == len(compiled.stages) - 1, 1.0)
+        runner.measure_saved()
+        inputs = [batch.field(r.name).clone() if r.source == BATCH else values[r.name]
+                  for r in spec.inputs]
+        out = runner.forward(0, inputs)
+        got.append(runner.saved_bytes[0])
+        values.update({o.name: v.detach() for o, v in zip(spec.outputs, out)})
+    return got
+
+
+def _worker(rank, world, cases):
+    from pipeplan.backends.runtime.topology import build_topology
+    for name, plan, compiled, want in cases:
+        mesh = dataclasses.replace(plan.mesh, pp=1)
+        topo = build_topology(mesh)
+        groups = build_parallel_groups(mesh, topo.tp_group, topo.dp_group)
+        got = _measure(plan, compiled, groups, topo.coords.dp)
+        assert got == want, f"{name} rank {rank}: measured {got}, estimated {want}"
+
+
+def _case(name: str, example: str, overrides: list[str]):
+    plan = load_plan(str(EXAMPLES / example), overrides=overrides)
+    torch.manual_seed(0)
+    compiled = compile_plan(plan, load_model(plan, "cpu"))  # the stages the workers run
+    checked = compile_checked(plan)  # what `pipeplan check` prints: on meta, rewritten
+    eager = compile_plan(plan)  # the fallback without the rewrite
+    want = [s.activation_bytes for s in checked.stages]
+    assert want != [s.activation_bytes for s in eager.stages], name
+    return name, plan, compiled, want
+
+
+def test_tp_and_ep_compiled_stages_keep_what_check_estimates(run_workers):
+    cases = [_case("gpt tp2", "hybrid_pp2_dp2_tp2.plan", GPT),
+             _case("gpt tp2 sp", "hybrid_pp2_dp2_tp2.plan",
+                   GPT + ["tensor.sequence_parallel=true"]),
+             _case("moe dp2 ep2", "moe_pp2_ep2_zbv.plan", MOE)]
+    run_workers(_worker, 2, cases, timeout=300)
+
+
+def test_check_prints_the_rewritten_stages_estimate(capsys):
+    """`pipeplan check` compiles as a launch does: its per-rank activation column is the
+    rewritten stages' (here about twice the eager estimate's: the static dispatch)."""
+    from pipeplan.cli import main
+    from pipeplan.dsl.layout import mesh_layout
+
+    path = str(EXAMPLES / "moe_pp2_ep2_zbv.plan")
+    plan = load_plan(path, overrides=["compile.mode=graphs"])
+    assert main(["check", path, "--set", "compile.mode=graphs"]) == 0
+    out = capsys.readouterr().out
+    rows = out[out.index("pp rank   params"):].splitlines()[1:3]
+    printed = [float(r.split()[4]) for r in rows]
+    checked, eager = compile_checked(plan).estimates, compile_plan(plan).estimates
+    pp_of = [c.pp for c in mesh_layout(plan.mesh)]
+    by_pp = [max(r.activation_bytes for r in e.ranks if pp_of[r.rank] == k) / 2**20
+             for e in (checked, eager) for k in (0, 1)]
+    assert printed == [round(x, 2) for x in by_pp[:2]] != [round(x, 2) for x in by_pp[2:]]
