@@ -300,6 +300,32 @@ def build_zero_optimizer(stages: dict[int, ParallelStage], plan: Plan,
 
 
 # ------------------------------------------------------------- the one entry
+def rewrite_stages(plan: Plan, topo, modules: dict[int, nn.Module],
+                   experts: tuple[ExpertPlacement, ...], tp_kinds: Optional[dict[str, str]]
+                   ) -> Optional[tuple[ParallelGroups, dict[int, ParallelStage]]]:
+    """Steps 1 and 2 of `parallelize` (the stage modules rewritten in place, cp first);
+    (groups, stages) where ep / tp rewrite them, else None. Also what pretrace.py runs in
+    a fake world before launch (collective)."""
+    if plan.mesh.cp > 1:
+        from .cp.ring import apply_ring
+        from .cp.ulysses import apply_ulysses
+
+        from .cp.positions import cp_columns, gather_masks, renumber_positions
+
+        apply = apply_ring if plan.context.method == "ring" else apply_ulysses
+        for m in modules.values():
+            apply(m, topo.cp_group)
+            renumber_positions(m, cp_columns(plan, topo.coords.cp))  # the model's own arange
+            gather_masks(m, plan, topo.cp_group)  # the model's own mask, on the whole sequence
+    if not rewrites_stages(plan):
+        return None
+    groups = build_parallel_groups(
+        plan.mesh, topo.tp_group, topo.dp_group,
+        sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
+    return groups, {s: parallelize_stage(modules[s], plan, groups, experts, tp_kinds)
+                    for s in sorted(modules)}
+
+
 def parallelize(plan: Plan, topo, modules: dict[int, nn.Module], device: torch.device,
                 experts: tuple[ExpertPlacement, ...], tp_kinds: Optional[dict[str, str]],
                 make_optimizer) -> tuple[StageLayout, Optional[StageZero]]:
@@ -320,24 +346,10 @@ def parallelize(plan: Plan, topo, modules: dict[int, nn.Module], device: torch.d
     Weights come after all three, outside (state/materialize.py: `fill_stages`), so a rank
     gives storage only to the shards it owns. Returns the layout (where each gradient is
     summed) and the ZeRO optimizer (None at zero = 0)."""
-    if plan.mesh.cp > 1:
-        from .cp.ring import apply_ring
-        from .cp.ulysses import apply_ulysses
-
-        from .cp.positions import cp_columns, gather_masks, renumber_positions
-
-        apply = apply_ring if plan.context.method == "ring" else apply_ulysses
-        for m in modules.values():
-            apply(m, topo.cp_group)
-            renumber_positions(m, cp_columns(plan, topo.coords.cp))  # the model's own arange
-            gather_masks(m, plan, topo.cp_group)  # the model's own mask, on the whole sequence
-    if not rewrites_stages(plan):
+    rewritten = rewrite_stages(plan, topo, modules, experts, tp_kinds)
+    if rewritten is None:
         return StageLayout.build(topo, modules, device), None
-    groups = build_parallel_groups(
-        plan.mesh, topo.tp_group, topo.dp_group,
-        sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
-    parallel = {s: parallelize_stage(modules[s], plan, groups, experts, tp_kinds)
-                for s in sorted(modules)}
+    groups, parallel = rewritten
     layout = StageLayout.build(topo, modules, device, groups, parallel)
     zero = build_zero_optimizer(layout.parallel, plan, make_optimizer, device) \
         if plan.zero > 0 else None

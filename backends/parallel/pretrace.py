@@ -1,27 +1,27 @@
 """Stages rewritten before launch, in a world of fake process groups: what a compiled
-stage (`compile.mode = graphs | inductor`) under tp or ep keeps for its backward is known
-at compile time.
+stage (`compile.mode = graphs | inductor`) under cp, tp or ep keeps for its backward is
+known at compile time.
 
-A rank's runtime rewrites each stage (`parallelize_stage`: the static expert dispatch,
-then TP's DTensor nodes) and traces the rewritten stage jointly; the bytes its F hands to
+A rank's runtime rewrites each stage (`rewrite_stages`: ring or Ulysses attention, the
+static expert dispatch, then TP's DTensor nodes) and traces the rewritten stage jointly; the bytes its F hands to
 B and W are what it holds per microbatch. The compiler cannot make that rewrite (it lives
 here and needs process groups), so the commands that compile before a launch (`pipeplan
 check`, `compile`, `plan`'s check, the launcher's own compile: runtime/source.py
 `compile_checked`) hand it `rewrite_in_fake_world`: a torch.distributed world of "fake"
 process groups (torch's FakeProcessGroup: groups of the right sizes, no communication),
-rank 0's groups built as the runtime builds them (topology.py, `build_parallel_groups`),
-and each stage module copied and rewritten in it on the meta device. The compiler traces
-the copy on fake tensors (compiler/graphs/__init__.py). Every rank of a tp or ep group
-holds the same shapes (tp slices, ep's equal all-to-all blocks), so rank 0's stages stand
-for all. Inside a running world (a worker compiling) nothing is faked: its ranks trace
+rank 0's groups built as the runtime builds them (topology.py, `rewrite_stages`), and each
+stage module copied and rewritten in it on the meta device. The compiler traces the copy
+on fake tensors (compiler/graphs/__init__.py). The ranks of a tp or ep group hold the same
+shapes (tp slices, ep's equal all-to-all blocks), so their coordinate 0 stands for all;
+cp ranks do not (ring attention computes the causal blocks a rank's chunks need), so each
+cp rank is rewritten in a world of its own and a stage keeps the most any of them keeps. Inside a running world (a worker compiling) nothing is faked: its ranks trace
 their own stages.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 from torch import nn
@@ -36,34 +36,37 @@ def _register_fake_backend() -> None:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
-@contextlib.contextmanager
 def rewrite_in_fake_world(plan: Plan, experts: tuple, tp_kinds: dict
-                          ) -> Iterator[Optional[Callable[[StageSpec], object]]]:
-    """Yields stage spec -> a copy of its module rewritten as rank 0's runtime rewrites it
-    (None inside an initialised world). The fake world is torn down on exit."""
+                          ) -> Iterator[Callable[[StageSpec], nn.Module]]:
+    """For each cp rank in turn (dp and tp coordinate 0), a world of fake groups at that
+    rank and, while the next one is not asked for, stage spec -> a copy of its module
+    rewritten as that rank's runtime rewrites it. Nothing inside an initialised world
+    (its ranks trace their own). Close the generator (contextlib.closing) to tear the
+    current world down early."""
     if dist.is_initialized():
-        yield None
         return
+    from ...dsl.layout import global_rank
     from ..runtime.topology import build_topology
-    from . import build_parallel_groups, parallelize_stage
+    from . import rewrite_stages
 
     _register_fake_backend()
     mesh = dataclasses.replace(plan.mesh, pp=1)  # one pipeline rank's groups: all alike
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0,
-                            world_size=mesh.dp * mesh.cp * mesh.tp)
-    try:
-        topo = build_topology(mesh)
-        groups = build_parallel_groups(
-            mesh, topo.tp_group, topo.dp_group,
-            sequence_parallel_experts=plan.tensor.sequence_parallel and plan.experts is not None)
+    one = dataclasses.replace(plan, mesh=mesh)
+    for cp in range(mesh.cp):  # ring attention's causal blocks differ by cp rank
+        dist.init_process_group("fake", store=dist.HashStore(),
+                                rank=global_rank(mesh, 0, 0, 0, cp),
+                                world_size=mesh.dp * mesh.cp * mesh.tp)
+        try:
+            topo = build_topology(mesh)
 
-        def rewritten(spec: StageSpec):
-            return parallelize_stage(_meta_copy(spec.module), plan, groups, experts,
-                                     tp_kinds).module
+            def rewritten(spec: StageSpec) -> nn.Module:
+                module = _meta_copy(spec.module)
+                rewrite_stages(one, topo, {spec.index: module}, experts, tp_kinds)
+                return module
 
-        yield rewritten
-    finally:
-        dist.destroy_process_group()
+            yield rewritten
+        finally:
+            dist.destroy_process_group()
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

@@ -3,6 +3,7 @@ backward graph (joint.py), partitioned into F, B, W and BW (split.py); `check_jo
 is the compile phase that traces them, refusing at the `compile.mode` line what cannot be."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch.fx as fx
@@ -26,14 +27,14 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
     per microbatch are the bytes F saves for B and W (split.py: saved_bytes; under the
     plan's recompute rules, what their regions leave unsaved is not counted). Call
     after the per-node costs are attached (this replaces their saved-bytes sum).
-    Under tp or ep the runtime rewrites the stages (DTensor nodes, the static expert
-    dispatch) and traces the rewritten stage itself, with its process groups: the trace
-    here checks the model's code, and `rewrite` (backends/parallel/pretrace.py, handed in
-    by the commands that compile before a launch: the compiler does not import the
-    runtime) rewrites each stage as a rank's runtime will, in a world of fake process
-    groups, so the activation bytes are those of the rewritten stage's own joint graph.
-    Without `rewrite` (or under cp, whose rewrite renumbers positions per rank) the
-    activation estimate stays the eager one."""
+    Under cp, tp or ep the runtime rewrites the stages (ring / Ulysses attention, DTensor
+    nodes, the static expert dispatch) and traces the rewritten stage itself, with its
+    process groups: the trace here checks the model's code, and `rewrite`
+    (backends/parallel/pretrace.py, handed in by the commands that compile before a
+    launch: the compiler does not import the runtime) rewrites each stage as a rank's
+    runtime will, in a world of fake process groups, so the activation bytes are those of
+    the rewritten stage's own joint graph (the most any cp rank keeps). Without `rewrite`
+    the activation estimate stays the eager one."""
     if not plan.compile.graphs:
         return
     rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1 or plan.mesh.cp > 1
@@ -52,13 +53,23 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
             st.joint = joint
             # exact by construction: what F hands to B and W is what the runtime keeps
             st.activation_bytes = saved_bytes(split_joint(joint))
-    if rewritten and rewrite is not None and plan.mesh.cp == 1:
-        with rewrite(plan, experts, tp_kinds or {}) as rewritten_stage:
-            if rewritten_stage is None:  # inside a running world: its ranks trace their own
-                return
+    if rewritten and rewrite is not None:
+        kept = _rewritten_bytes(plan, stages, by_name, rules, experts, tp_kinds or {}, rewrite)
+        for st in stages:  # none inside a running world: its ranks trace their own
+            st.activation_bytes = kept.get(st.index, st.activation_bytes)
+
+
+def _rewritten_bytes(plan: Plan, stages: Sequence[StageSpec], by_name: dict, rules: tuple,
+                     experts: tuple, tp_kinds: dict, rewrite: Callable) -> dict[int, int]:
+    """Stage index -> the most bytes F of its rewritten copy hands to B and W, over the
+    ranks `rewrite` stands up one after another (each rank's copies are valid until the
+    next is asked for)."""
+    kept: dict[int, int] = {}
+    with contextlib.closing(rewrite(plan, experts, tp_kinds)) as worlds:
+        for rewritten_stage in worlds:
             for st in stages:
-                module = rewritten_stage(st)
-                inputs = [by_name[r.name] for r in st.inputs]
-                needs = [r.source != BATCH for r in st.inputs]
-                joint = trace_joint(module, inputs, needs, on=TRACE_DEVICE, recompute=rules)
-                st.activation_bytes = saved_bytes(split_joint(joint))
+                joint = trace_joint(rewritten_stage(st), [by_name[r.name] for r in st.inputs],
+                                    [r.source != BATCH for r in st.inputs], on=TRACE_DEVICE,
+                                    recompute=rules)
+                kept[st.index] = max(kept.get(st.index, 0), saved_bytes(split_joint(joint)))
+    return kept
