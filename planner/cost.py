@@ -339,12 +339,12 @@ def device_key(units: Units, device: DeviceModel) -> int:
 def state(units: Units, c: Candidate, split: tuple[int, ...], stage_rank: tuple[int, ...],
           actions: Optional[list] = None) -> list:
     """RankEstimate (params, grads, optimizer, dp bytes) per pipeline rank (_state_bytes on
-    the rank's flat shards as the runtime lays them). `actions`: per rank, how many actions
-    run each stage (ZeRO-3 gathers); None: one each."""
+    the rank's flat shards as the runtime lays them). `actions`: per rank, the stage of each
+    of its actions in order (ZeRO-3 gathers); None: one action per stage."""
     plan = plan_of(units.plan, c, units.blocks)
     layouts = _layouts(units, c, split, stage_rank)
-    return [_state_bytes(plan, lay, actions[r] if actions is not None else
-                         {s: 1 for s in lay.uses}) for r, lay in enumerate(layouts)]
+    return [_state_bytes(plan, lay, actions[r] if actions is not None else tuple(lay.uses))
+            for r, lay in enumerate(layouts)]
 
 
 def _layouts(units: Units, c: Candidate, split: tuple[int, ...], stage_rank) -> list:
@@ -368,7 +368,7 @@ def _layouts(units: Units, c: Candidate, split: tuple[int, ...], stage_rank) -> 
                     params.append((k, kind))
             listed.append((s, params))
         shards, uses = group_shards(listed)
-        out.append(RankShards(shards, uses, numel))
+        out.append(RankShards(shards, uses, numel, tuple(listed)))
     units.cache[key] = out
     return out
 
@@ -402,8 +402,7 @@ def quick_held(units: Units, c: Candidate) -> float:
         one = dataclasses.replace(c, pp=1, virtual=1, rc_ranks=0)
         lay = _layouts(units, dataclasses.replace(one, cp=1, mbs=1, sp=False,
                                                   recompute="none"), (), (0,))[0]
-        rk = _state_bytes(plan_of(units.plan, one, units.blocks), lay,
-                          {s: 1 for s in lay.uses})
+        rk = _state_bytes(plan_of(units.plan, one, units.blocks), lay, tuple(lay.uses))
         units.cache[key] = rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes
     return units.cache[key] / c.pp
 
@@ -632,10 +631,7 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
         costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
         sim = simulate(sched, costs)
     peaks = held_peaks(sched, list(sh.act))[0]
-    actions = []
-    for r in range(c.pp):
-        stages = [a.stage for a in sched.order[r]]
-        actions.append({s: stages.count(s) for s in set(stages)})
+    actions = [tuple(a.stage for a in sched.order[r]) for r in range(c.pp)]
     ranks = state(units, c, sh.split, sched.stage_to_rank, actions)
     plan = plan_of(units.plan, c, units.blocks, sh.split)
     dp_s, opt_s, gather_s, after = _reduction_and_optimizer(units, c, plan, sh,
@@ -681,9 +677,9 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
     dp_s, opt, gather_s, after = [], [0.0] * c.pp, [], [0.0] * c.pp
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layout = _stage_layout(units, c, table, s, a, b)
-        reduce, regather = dp_ring_bytes(plan, layout)
-        dp_s.append(reduce / sh.links.dp)
-        after[stage_rank[s]] += regather_s(regather, c.dp, sh.links.dp, device.latency_s)
+        reduce, regather, waits, rewaits = dp_ring_bytes(plan, layout)
+        dp_s.append(reduce / sh.links.dp + waits * device.latency_s)
+        after[stage_rank[s]] += regather_s(regather, rewaits, sh.links.dp, device.latency_s)
         n = sum(layout.numel.values())
         opt[stage_rank[s]] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
         gather = ring_bytes("allgather", n * per.param / c.dp, c.dp) if c.zero == 3 else 0.0
@@ -703,5 +699,5 @@ def _stage_layout(units: Units, c: Candidate, table: list[Unit], s: int, a: int,
                     n // c.ep if kind == EXPERT else n
                 params.append((k, kind))
         shards, uses = group_shards([(s, params)])
-        units.cache[key] = RankShards(shards, uses, numel)
+        units.cache[key] = RankShards(shards, uses, numel, ((s, params),))
     return units.cache[key]

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from ...compiler.compiled import TiedParam
+from ...compiler.parallel import zero as zero_layout
 from .stage import StageRunner
 from ..parallel.layout import StageLayout
 from .topology import Topology, global_rank, new_groups
 
-BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass
@@ -173,7 +173,7 @@ class GradSync:
             for p in params:
                 bucket.append(p)
                 size += p.numel() * p.element_size()
-                if size >= BUCKET_BYTES:
+                if size >= zero_layout.DP_BUCKET_BYTES:  # the rule: zero_layout.bucket_count
                     self._buckets.append(_Bucket(bucket, group))
                     bucket, size = [], 0
             if bucket:

@@ -42,6 +42,14 @@ def ring_bytes(op: str, nbytes: float, n: int) -> float:
             "allgather": n - 1, "alltoall": (n - 1) / n}[op] * nbytes
 
 
+def ring_steps(op: str, n: int) -> int:
+    """Messages one rank waits for in a ring collective over n ranks (a latency each):
+    all-reduce 2(n - 1) (reduce-scatter, then all-gather), the others n - 1."""
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if op == "allreduce" else n - 1
+
+
 def implied_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list[Traffic],
                         idx: set[int], partial_grads: tuple[int, int] = (0, 0)
                         ) -> dict[tuple[str, str], tuple[int, int]]:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import torch
 
@@ -62,7 +63,8 @@ from ...schedules.memory import held_peaks
 from ..compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from ..parallel.ep import experts_dispatched
 from .traffic import Traffic
-from ..parallel.zero import (EXPERT, REPLICATED, TENSOR_PARALLEL, MemoryBytes, StateBytes, group_shards, padded, shard_memory)
+from ..parallel.zero import (EXPERT, REPLICATED, TENSOR_PARALLEL, MemoryBytes, StateBytes,
+                             bucket_count, group_shards, padded, shard_memory)
 
 
 def state_bytes(plan: Plan) -> StateBytes:
@@ -77,6 +79,7 @@ class RankShards:
     shards: list  # zero_layout.ShardGroup, keys: id(parameter)
     uses: dict  # stage index -> indices into shards
     numel: dict  # id(parameter) -> elements this rank holds of it (after tp / ep)
+    listed: tuple = ()  # (stage index, [(key, kind)] in module order): ZeRO 0's buckets
 
 
 def rank_shards(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
@@ -102,7 +105,7 @@ def rank_shards(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
             params.append((id(p), kind))
         listed.append((st.index, params))
     shards, uses = group_shards(listed)
-    return RankShards(shards, uses, numel)
+    return RankShards(shards, uses, numel, tuple(listed))
 
 
 def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
@@ -127,12 +130,12 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
         mine = [st for st in stages if st.rank == r]
         layout = rank_shards(plan, mine, tp_kinds, expert_params)
         actions = [a.stage for a in schedule.order[r]]
-        est = _state_bytes(plan, layout, {s: actions.count(s) for s in set(actions)})
+        est = _state_bytes(plan, layout, actions)
         est.rank, est.activation_bytes = r, int(peaks[r])
         implied = implied_collectives(plan, tp_traffic, moe_traffic, {st.index for st in mine},
                                       _partial_grads(plan, layout))
         est.collectives.update({k: b for k, (_, b) in implied.items()})
-        est.collective_calls = {k: c for k, (c, _) in implied.items()}
+        est.collective_calls.update({k: c for k, (c, _) in implied.items()})
         tied_grads = _tied_grads(tied, stages, r, layout, state_bytes(plan).grad)
         if tied_grads:
             est.collectives[("tied", "allreduce")] = sum(n for n, _ in tied_grads)
@@ -182,26 +185,32 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                                                          tp_traffic, moe_traffic))
 
 
-def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> RankEstimate:
+def _state_bytes(plan: Plan, layout: RankShards, order: Sequence[int]) -> RankEstimate:
     """Weights, grads and optimizer states of one rank's shards, and their DP collectives.
-    `actions`: how many actions of the rank's schedule run each stage (ZeRO-3 gathers)."""
+    `order`: the stage of each action of the rank's step, in order (ZeRO-3 gathers: the
+    prefetch window gathers a shard once per run of consecutive actions whose stages read
+    it, backends/parallel/zero/window.py)."""
     z, per = plan.zero, state_bytes(plan)
-    memory, coll = [], {}
+    memory, coll, calls = [], {}, {}
 
-    def add(group: str, op: str, nbytes: float) -> None:
+    def add(group: str, op: str, nbytes: float, count: int = 1) -> None:
         coll[(group, op)] = coll.get((group, op), 0) + int(nbytes)
+        calls[(group, op)] = calls.get((group, op), 0) + count
 
     islands = plan.mesh.islands  # DiLoCo: the dp sums are pseudo-gradients (sync_estimate.py)
     if z == 0:  # the plain optimizer over every parameter; gradients all-reduced per group
         total = sum(layout.numel.values())
         memory.append(shard_memory(total, 1, 0, per, tensors=len(layout.numel)))
+        buckets = _buckets(plan, layout, per.param)
         for s in layout.shards:
             group, n = ("dp", plan.mesh.dp) if islands else _group_of(plan, s.kind)
             if n > 1:
-                add(group, "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad)
+                add(group, "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad,
+                    buckets.pop((s.stage, group), 0))
             if islands and s.kind == EXPERT and _group_of(plan, s.kind)[1] > 1:
                 # an island's own expert replicas (ep below tp): summed every step
-                add("edp", "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad)
+                add("edp", "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad,
+                    buckets.pop((s.stage, "edp"), 0))
     for i, s in enumerate(layout.shards if z > 0 else ()):
         numel = sum(layout.numel[k] for k in s.keys)
         group, n = _group_of(plan, s.kind)
@@ -210,9 +219,9 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
             continue
         full = padded(numel, n)
         add(group, "allreduce" if z == 1 else "reduce_scatter", full * per.grad)
-        gathers = 1 if z < 3 else sum(actions.get(st, 0) for st, used in layout.uses.items()
-                                      if i in used)
-        add(group, "allgather", gathers * full // n * per.param)
+        gathers = 1 if z < 3 else _runs(order, {st for st, used in layout.uses.items()
+                                                if i in used})
+        add(group, "allgather", gathers * full // n * per.param, gathers)
     held = MemoryBytes(*(sum(getattr(m, f) for m in memory)
                          for f in ("params", "grads", "optimizer")))
 
@@ -225,7 +234,35 @@ def _state_bytes(plan: Plan, layout: RankShards, actions: dict[int, int]) -> Ran
     if islands and ("edp", "allreduce") in coll:
         comm["edp"] = through(True)
     return RankEstimate(rank=0, param_bytes=held.params, grad_bytes=held.grads,
-                        optimizer_bytes=held.optimizer, comm_bytes=comm, collectives=coll)
+                        optimizer_bytes=held.optimizer, comm_bytes=comm, collectives=coll,
+                        collective_calls={k: c for k, c in calls.items() if c})
+
+
+def _runs(order: Sequence[int], stages: set) -> int:
+    """Maximal runs of consecutive actions in `order` whose stage is in `stages`."""
+    return sum(1 for k, st in enumerate(order)
+               if st in stages and (k == 0 or order[k - 1] not in stages))
+
+
+def _buckets(plan: Plan, layout: RankShards, param_size: int) -> dict[tuple[int, str], int]:
+    """ZeRO 0: {(stage, group): all-reduces} the runtime's gradient sync makes of each
+    stage's gradients (backends/runtime/grads.py: per group, parameters in module order,
+    zero_layout.bucket_count; a parameter two stages hold counted in the first's, as
+    group_shards places it). Listed without an order (by hand): one per stage and group."""
+    islands, seen, sizes = plan.mesh.islands, set(), {}
+    for stage, params in layout.listed:
+        for key, kind in params:
+            if key in seen:
+                continue
+            seen.add(key)
+            group = "dp" if islands else _group_of(plan, kind)[0]
+            sizes.setdefault((stage, group), []).append(layout.numel[key] * param_size)
+            if islands and kind == EXPERT and _group_of(plan, kind)[1] > 1:
+                sizes.setdefault((stage, "edp"), []).append(layout.numel[key] * param_size)
+    if not layout.listed:
+        return {(s.stage, g): 1 for s in layout.shards
+                for g in {"dp" if islands else _group_of(plan, s.kind)[0], "edp"}}
+    return {k: bucket_count(v) for k, v in sizes.items()}
 
 
 def _size_of(plan: Plan, group: str) -> int:

@@ -37,7 +37,7 @@ from typing import Optional
 
 from ...dsl.ast import Plan
 from ..compiled import StageSpec
-from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes
+from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
 from .optime import OpTimes, StageWork, dtensor_host, op_times
 
@@ -76,7 +76,7 @@ def collective_s(op: str, nbytes: float, n: int, bandwidth: float, latency: floa
     """One ring collective a rank hands `nbytes`: a latency per ring step + bytes sent."""
     if n <= 1:
         return 0.0
-    return latency * (n - 1) + ring_bytes(op, nbytes, n) / bandwidth
+    return latency * ring_steps(op, n) + ring_bytes(op, nbytes, n) / bandwidth
 
 
 def exchange_waits(plan: Plan, ep: int, ep_roles, cp_steps: tuple,
@@ -201,6 +201,7 @@ class Timing:
     flops_per_gpu: float
     model_flops_per_gpu: float
     regather_bytes: Optional[list] = None  # per stage: ZeRO-1/2's all-gather after the optimizer
+    dp_waits: Optional[list] = None  # per stage: (latencies the reduction, the all-gather wait)
 
     def costs(self, device: DeviceModel):
         """(per-stage op times, the schedule's action costs in seconds) on `device`."""
@@ -221,21 +222,22 @@ class Timing:
             sim = simulate(self.schedule, costs)
         hw = device.hardware
         dp_link = mesh_links(self.plan, device).dp
-        dp_s = [b / dp_link for b in self.dp_bytes]
+        waits = self.dp_waits or [(0, 0)] * len(self.dp_bytes)
+        dp_s = [b / dp_link + w * device.latency_s for b, (w, _) in zip(self.dp_bytes, waits)]
         after = None
         if self.plan.sync.diloco and not every_step:  # amortised over its H inner steps
             after = [0.0] * self.plan.mesh.pp
-            for st, t in zip(self.stages, dp_s):
-                after[st.rank] += t / self.plan.sync.inner_steps
+            for st, b in zip(self.stages, self.dp_bytes):  # one all-reduce per fragment:
+                after[st.rank] += b / dp_link / self.plan.sync.inner_steps  # bytes only
             dp_s = [0.0] * len(dp_s)
         bw = hw.memory_bandwidth * hw.efficiency.memory
         opt_s = [b / bw if bw > 0 else 0.0 for b in self.optimizer_bytes]
         gather_s = [device.latency_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
                     for b in self.gather_bytes]
-        for st, b in zip(self.stages, self.regather_bytes or ()):
+        for st, b, (_, w) in zip(self.stages, self.regather_bytes or (), waits):
             if b:
                 after = after or [0.0] * self.plan.mesh.pp
-                after[st.rank] += regather_s(b, self.plan.mesh.dp, dp_link, device.latency_s)
+                after[st.rank] += regather_s(b, w, dp_link, device.latency_s)
         step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s, gather_s, after)
         return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
                           device.flops_per_s)
@@ -258,14 +260,15 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes."""
     from .estimates import rank_shards, state_bytes
     per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
-    regathers = []
+    regathers, waits = [], []
     dp = plan.mesh.dp
     shard = {0: 1, 1: dp, 2: dp, 3: dp}.get(plan.zero, 1)
     for st in stages:
         layout = rank_shards(plan, [st], tp_kinds, expert_params)
-        reduce, regather = dp_ring_bytes(plan, layout)
+        reduce, regather, *w = dp_ring_bytes(plan, layout)
         dp_bytes.append(reduce)
         regathers.append(regather)
+        waits.append(tuple(w))
         n = sum(layout.numel.values())
         opt_bytes[st.rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
         gathers.append(ring_bytes("allgather", n * per.param / dp, dp) if plan.zero == 3
@@ -275,30 +278,35 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
         * plan.mesh.cp / world
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
-                  gathers, flops, model, regathers)
+                  gathers, flops, model, regathers, waits)
 
 
-def dp_ring_bytes(plan: Plan, layout) -> tuple[float, float]:
+def dp_ring_bytes(plan: Plan, layout) -> tuple[float, float, int, int]:
     """(ring bytes one rank sends reducing a stage's gradients over its data-parallel
-    groups, ring bytes of ZeRO-1/2's all-gather of the updated shards) for the stage's
-    shards `layout` (estimates.rank_shards). The runtime (backends/parallel/zero/
-    sharding.py: after_step) runs that all-gather after the optimizer step, blocking: it
-    overlaps nothing, unlike the reduction, which the backward hides (`exposed_reduction`).
-    Under DiLoCo both are the outer sync's (its own rule)."""
+    groups, ring bytes of ZeRO-1/2's all-gather of the updated shards, and the message
+    latencies each waits: its calls' ring steps, `ring_steps`) for the stage's shards
+    `layout` (estimates.rank_shards; the calls: ZeRO 0's buckets, one per flat shard
+    under ZeRO). The runtime (backends/parallel/zero/sharding.py: after_step) runs that
+    all-gather after the optimizer step, blocking: it overlaps nothing, unlike the
+    reduction, which the backward hides (`exposed_reduction`). Under DiLoCo both are the
+    outer sync's (its own rule)."""
     from .estimates import _size_of, _state_bytes
-    est = _state_bytes(plan, layout, {})
+    est = _state_bytes(plan, layout, ())
     total = est.comm_bytes.get("dp", 0)
+    steps = [(op == "allgather", c * ring_steps(op, _size_of(plan, group)))
+             for (group, op), c in est.collective_calls.items()]
+    reduce_waits = sum(n for gather, n in steps if not gather)
     if plan.zero not in (1, 2) or plan.mesh.islands:
-        return total, 0.0
+        return total, 0.0, reduce_waits, 0
     after = sum(ring_bytes(op, n, _size_of(plan, group))
                 for (group, op), n in est.collectives.items() if op == "allgather")
-    return total - after, after
+    return total - after, after, reduce_waits, sum(n for gather, n in steps if gather)
 
 
-def regather_s(nbytes: float, dp: int, link: float, latency: float) -> float:
+def regather_s(nbytes: float, waits: int, link: float, latency: float) -> float:
     """Seconds of ZeRO-1/2's all-gather after the optimizer step (`dp_ring_bytes`): a
-    latency per ring step and its ring bytes over the dp link, as a ZeRO-3 gather."""
-    return latency * (dp - 1) + nbytes / link if nbytes else 0.0
+    latency per ring step of its calls and its ring bytes over the dp link."""
+    return latency * waits + nbytes / link if nbytes else 0.0
 
 
 def _nbytes(spec) -> int:

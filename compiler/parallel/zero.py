@@ -14,13 +14,16 @@ functions here, so the prediction cannot drift from what runs:
   buffer padded to a multiple of the group size, 1/group of it for what ZeRO
   shards at the plan's stage, and one optimizer step counter per tensor the
   optimizer steps.
+* `bucket_count` (ZeRO 0): how many all-reduces the runtime's gradient sync
+  (backends/runtime/grads.py) makes of one stage's gradients in one group: buckets
+  filled in parameter order, each closed once it holds `DP_BUCKET_BYTES`.
 
 No torch.distributed here: the compiler imports this at compile time.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
 from ...errors import PipeplanError
 
@@ -31,6 +34,20 @@ if TYPE_CHECKING:
 # its own group and its norm over its own spread group), in the runtime's order.
 REPLICATED, TENSOR_PARALLEL, EXPERT = "replicated", "tensor_parallel", "expert"
 KINDS = (REPLICATED, TENSOR_PARALLEL, EXPERT)
+
+DP_BUCKET_BYTES = 25 * 2**20  # ZeRO 0: a gradient bucket is all-reduced once this full
+
+
+def bucket_count(sizes: Sequence[int], limit: Optional[int] = None) -> int:
+    """All-reduces of gradients of these byte sizes, in order: a bucket closes as soon as
+    it holds `limit` (default DP_BUCKET_BYTES, read at call time), the rest make one."""
+    limit = DP_BUCKET_BYTES if limit is None else limit
+    count, size = 0, 0
+    for n in sizes:
+        size += n
+        if size >= limit:
+            count, size = count + 1, 0
+    return count + (1 if size else 0)
 
 
 @dataclass(frozen=True)
