@@ -24,7 +24,11 @@ import time
 
 from pipeplan.dsl.ast import RecomputeRule
 
-from .table1 import plan_of, spearman
+if __package__:
+    from .table1 import plan_of, spearman
+else:  # run as a script: its folder on the path (as fit.py)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from table1 import plan_of, spearman  # noqa: E402
 
 #        name   heads hidden layers PP GPUs batch mb virtual  full (s) present (s)
 ROWS = (("22B",   64,  6144,   48,  1,   8,    4, 4, 1,   1.42,  1.10),
