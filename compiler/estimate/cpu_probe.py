@@ -17,12 +17,17 @@ them a plan's own model or shapes:
   (`fit_host`; the backward's host time per op by least squares). The element rate comes
   from the difference of two measured times, so it is the probe's noisiest number;
 * links: the local launcher's ranks talk through gloo over 127.0.0.1: two processes
-  all-reduce 4 KiB and 1 MiB (best of 20 each) and the two times give a latency per
-  message and a bandwidth, which every collective and transfer of the plan is costed at;
+  all-reduce 4 KiB and 1 MiB (best of 20 each) and the two times give a latency and a
+  bandwidth, which every collective and transfer of the plan is costed at. A 2-rank
+  all-reduce is two ring steps (reduce-scatter, then all-gather: `ring_steps`), so the
+  latency per message is half its intercept (measured here: a 2-rank gloo all-reduce of
+  4 KiB took 425 us median, an all-to-all of the same 206 us, a send-receive round trip
+  223 us);
   and the median time to post one send or receive as the runtime does
   (`batch_isend_irecv`, 32 KiB): the host work each transfer adds to the actions around it;
   and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other processes
-  compute: with more busy processes than cores a blocked peer waits for the scheduler;
+  compute (per message: over its two ring steps): with more busy processes than cores a
+  blocked peer waits for the scheduler;
 * host time per op on DTensors: eager tensor parallelism runs a stage's ops on DTensors
   (backends/parallel/tp/dtensor.py), and each op then also pays DTensor's dispatch
   (sharding propagation, wrapping) on the host. Two gloo processes run a residual MLP
@@ -58,6 +63,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .collectives import ring_steps
 from torch import nn
 
 from .devices import DTENSOR_FIELDS  # measure_dtensor's order
@@ -94,9 +101,12 @@ def cache_path() -> str:
     return os.path.join(base, "cpu_flops.json")
 
 
+PROBE_VERSION = 2  # 2: latencies per message (a 2-rank all-reduce is two ring steps)
+
+
 def _key() -> str:
     return f"{platform.machine()} {platform.processor() or '-'} {os.cpu_count()} cpus, " \
-           f"torch {torch.__version__}"
+           f"torch {torch.__version__}, probe v{PROBE_VERSION}"
 
 
 def _two_digits(x: float) -> float:
@@ -279,14 +289,16 @@ def _link_worker(rank: int, port: int, results) -> None:
 
 
 def measure_link() -> tuple[float, float, float]:
-    """(latency s, bytes/s, post s) of this machine's gloo transport between two local
-    processes (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n), so
-    its best time at two sizes is latency + n / bandwidth; post: the median host time of
+    """(latency s per message, bytes/s, post s) of this machine's gloo transport between two
+    local processes (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's
+    2(n-1)/n) in two ring steps, so its best time at two sizes is 2 latencies + n /
+    bandwidth; post: the median host time of
     posting one send or receive (`batch_isend_irecv`, 32 KiB), the runtime's work per
     transfer around an action."""
     small, large, post = (max(t) for t in zip(*_pair(_link_worker)))
     per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
-    return (_two_digits(max(small - LINK_BYTES[0] * per_byte, 1e-7)), _two_digits(1 / per_byte),
+    intercept = max(small - LINK_BYTES[0] * per_byte, 1e-7)
+    return (_two_digits(intercept / ring_steps("allreduce", 2)), _two_digits(1 / per_byte),
             _two_digits(post))
 
 
@@ -435,8 +447,8 @@ def _loaded_pair(rank: int, port: int, results, ready) -> None:
 
 
 def measure_loaded_latency(n: int) -> float:
-    """Seconds a small (4 KiB) 2-rank gloo all-reduce takes, the median of LINK_REPEATS, while
-    n - 2 other processes compute: with more busy processes than cores a blocked peer waits
+    """Seconds per message (of its two ring steps) a small (4 KiB) 2-rank gloo all-reduce
+    takes, the median of LINK_REPEATS, while n - 2 other processes compute: with more busy processes than cores a blocked peer waits
     for the scheduler, and that wait, not the wire, is what a collective costs then."""
     port = _free_port()
     ctx = _group_context()
@@ -447,7 +459,7 @@ def measure_loaded_latency(n: int) -> float:
     for p in spin + pair:
         p.start()
     try:
-        seconds = max(results.get(timeout=300) for _ in pair)
+        seconds = max(results.get(timeout=300) for _ in pair) / ring_steps("allreduce", 2)
     finally:
         stop.set()
         for p in pair + spin:
