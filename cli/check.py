@@ -41,8 +41,18 @@ def run_check(args: argparse.Namespace) -> int:
         from ..backends.runtime.source import compile_checked
         from ..compiler import estimates_summary
 
+        kept = []
+
+        def compile_kept(plan, model):
+            kept.append(compile_checked(plan, model))
+            return kept[-1]
+
         sys.stdout.write("\n# after tracing the model (meta device, no weights)\n")
-        sys.stdout.write(estimates_summary(plan, compile_checked).rstrip("\n") + "\n")
+        sys.stdout.write(estimates_summary(plan, compile_kept).rstrip("\n") + "\n")
+        if plan.compile.mode == "inductor":
+            from ..backends.runtime.inductor import cache_report
+
+            sys.stdout.write("\n".join(cache_report(kept[-1])) + "\n")
     return 0
 
 

@@ -163,3 +163,27 @@ def test_inductor_zbv_20_fp32_steps_within_the_fp32_rule_and_cached(spawn, tmp_p
         assert cold and len(warm) == len(cold) and all(hit for _, _, hit in warm), warm
         print("inductor compile s, cold:", round(sum(s for _, s, _ in cold), 1),
               "warm:", round(sum(s for _, s, _ in warm), 1))
+
+
+def test_check_reports_the_inductor_cache_cold_then_warm(monkeypatch, tmp_path):
+    """`pipeplan check` under compile.mode = inductor names, per stage, the graphs a run
+    will compile (cold) or finds compiled (warm): keyed by each graph's code and inputs, so
+    a second compile of the plan (another process: the runtime's own) finds the keys the
+    first one's graphs were recorded under."""
+    from pipeplan.backends.runtime import inductor
+    from pipeplan.backends.runtime.source import compile_checked
+    from pipeplan.compiler.graphs.split import split_joint
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    plan = _fp32(dataclasses.replace(make_plan("gpt", "zbv", 2, 1),
+                                     compile=CompileSpec(mode="inductor")), 1)
+    cold = inductor.cache_report(compile_checked(plan))
+    assert cold[0].startswith(f"inductor cache: {tmp_path} ")
+    assert len(cold) == 5 and all("cold: the first run compiles" in line for line in cold[1:])
+    first = compile_checked(plan)
+    g = split_joint(first.stages[0].joint)  # the first stage (the embedding: its own graphs)
+    for part in (g.F, g.B, g.W, g.BW):  # as compile_part records a cold compile
+        inductor._record(inductor.part_key(part), 1.5)
+    again = inductor.cache_report(compile_checked(plan))
+    assert again[1].startswith("  stage 0: warm (") and "4.5 s cold" in again[1], again
+    assert again[-1].startswith("  stage 3: cold: the first run compiles"), again
