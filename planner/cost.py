@@ -35,8 +35,8 @@ from ..compiler.estimate.device import DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
-from ..compiler.estimate.predict import _posts, breakdown, collective_s, dp_ring_bytes, \
-    exchange_waits, regather_s
+from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
+    passes, regather_s, tp_passes
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -121,22 +121,22 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     t = op_times(plan, _work(run), device.hardware)
     fs = 0.5 if plan.train.precision == "bf16" else 1.0
     inner = _inner(run, c.sp)
-    calls = [(op, n) for u, i in zip(run, inner)
+    calls = [call for u, i in zip(run, inner)
              for role, nbytes in (u.tp_inner if i else u.tp_traffic)
-             for op, n in _role_collectives(role, nbytes, c.tp, c.sp)] if c.tp > 1 else []
-    tp_s = sum(collective_s(op, n, c.tp, links.tp, device.latency_s) for op, n in calls)
+             for call in _role_collectives(role, nbytes, c.tp, c.sp)] if c.tp > 1 else []
+    tp_f, tp_b = tp_passes(calls, c.tp, links.tp, device.latency_s)
     ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
     other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
     wait_f, wait_b = exchange_waits(plan, c.ep, [r for u in run for r in u.ep_roles],
                                     (sum(u.cp_steps[0] for u in run),
                                      sum(u.cp_steps[1] for u in run)), device.latency_s)
-    again = tp_s / 2 if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
-    comm = (tp_s + other) / 2
+    again = tp_f if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
     # wrapped tensors: the units' trainable parameters and the stage's input (buffers are
     # not in the units: on the measured CPU the planner's stage is a little cheaper here)
     host_f, host_b = dtensor_host(plan, device.hardware, sum(len(u.params) for u in run) + 1,
-                                  len(calls))
-    return t, (t.f + comm + wait_f + host_f, t.b + comm + again + wait_b + host_b, t.w)
+                                  passes(calls))
+    return t, (t.f + tp_f + other / 2 + wait_f + host_f,
+               t.b + tp_b + other / 2 + again + wait_b + host_b, t.w)
 
 
 def _inner(run: list[Unit], sp: bool) -> list[bool]:

@@ -69,11 +69,11 @@ def implied_collectives(plan: Plan, tp_traffic: list[Traffic], moe_traffic: list
         per_mb = _tp_microbatch(plan, tp_traffic, idx, float_scale)
         if sp:
             for op, nbytes in _sequence_boundaries(plan, tp_traffic, idx, float_scale):
-                per_mb.append((op, nbytes))
+                per_mb.append((op, nbytes, ""))
             # Replicated parameters (and experts) saw only this rank's positions: their
             # gradients are summed over tp once per step, one all-reduce each.
             add(("tp", "allreduce"), *partial_grads)
-        for op, nbytes in per_mb:
+        for op, nbytes, _ in per_mb:
             add(("tp", op), m, m * nbytes)
     ex = plan.experts
     if ex is None or not experts_dispatched(plan):
@@ -120,28 +120,29 @@ def ep_calls(plan: Plan, role: str, prepass: bool = True) -> int:
     return (5 + 3 * prepass) if role == "tokens" else (2 + prepass)
 
 
-def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int]]:
-    """(collective, bytes each rank hands in) for one traffic role (traffic.py), as
-    backends/parallel/tp/rewrite.py places them, forward and backward."""
-    if role == "output":  # row-parallel / vocab embedding
-        return [("reduce_scatter", nbytes), ("allgather", nbytes // tp)] if sp \
-            else [("allreduce", nbytes)]
+def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[str, int, str]]:
+    """(collective, bytes each rank hands in, "F" or "B": the pass it runs in) for one traffic
+    role (traffic.py), as backends/parallel/tp/rewrite.py places them, forward and
+    backward."""
+    if role == "output":  # row-parallel / vocab embedding: the partial sum made whole
+        return [("reduce_scatter", nbytes, "F"), ("allgather", nbytes // tp, "B")] if sp \
+            else [("allreduce", nbytes, "F")]
     if role in ("whole_input", "partial_input"):  # grads all-reduced (see traffic.py)
-        return [("allreduce", nbytes)]
-    if role == "input":  # column-parallel entry
-        return [("allgather", nbytes // tp), ("reduce_scatter", nbytes)] if sp \
-            else [("allreduce", nbytes)]
+        return [("allreduce", nbytes, "B")]
+    if role == "input":  # column-parallel entry: its input's gradient summed
+        return [("allgather", nbytes // tp, "F"), ("reduce_scatter", nbytes, "B")] if sp \
+            else [("allreduce", nbytes, "B")]
     if role == "loss":  # loss_parallel: the max, the sum of exponentials, the target logit
-        return [("allreduce", nbytes // 3)] * 3
+        return [("allreduce", nbytes // 3, "F")] * 3
     if role == "logits":
-        return [("allgather", nbytes // tp)]
+        return [("allgather", nbytes // tp, "F")]
     return []
 
 
 def _tp_microbatch(plan: Plan, traffic: list[Traffic], idx: set[int],
-                   float_scale: float) -> list[tuple[str, int]]:
+                   float_scale: float) -> list[tuple[str, int, str]]:
     """TP collectives of the layers of stages `idx`, per microbatch: one (op, bytes handed
-    in) per call."""
+    in, pass) per call."""
     tp, sp = plan.mesh.tp, plan.tensor.sequence_parallel
     return [c for t in traffic if t.stage in idx
             for c in _role_collectives(t.role, int(t.nbytes * float_scale), tp, sp)]
@@ -162,7 +163,7 @@ def tp_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],
               float_scale: float) -> float:
     """Bytes a rank sends through the TP collectives of `stages`' layers, per microbatch."""
     per_mb = _tp_microbatch(plan, traffic, {st.index for st in stages}, float_scale)
-    return sum(ring_bytes(op, nbytes, plan.mesh.tp) for op, nbytes in per_mb)
+    return sum(ring_bytes(op, nbytes, plan.mesh.tp) for op, nbytes, _ in per_mb)
 
 
 def ep_bytes(plan: Plan, traffic: list[Traffic], stages: list[StageSpec],

@@ -202,18 +202,20 @@ def op_times(plan: Plan, work: StageWork, dev: DeviceProfile) -> OpTimes:
 
 
 def dtensor_host(plan: Plan, dev: Optional[DeviceProfile], tensors: int,
-                 collectives: int) -> tuple[float, float]:
+                 collectives: tuple[int, int]) -> tuple[float, float]:
     """(F, B) host seconds per microbatch eager tensor parallelism adds to a stage around its
     ops (their own dispatch is in op_times): each tensor its rewrite wraps as a DTensor
     (`tensors`: its parameters, buffers and inputs; forward, and the rest of the round trip
     in backward) and each redistribution's Python beyond its collective (`collectives`: the
-    stage's TP collectives per microbatch, forward and backward, half in each). Zero where
-    the stage runs no collective (nothing rewritten), outside eager mode, and on devices
-    without a measured host (accelerators)."""
-    if dev is None or collectives == 0 or plan.mesh.tp <= 1 or plan.compile.mode != "eager":
+    stage's TP collectives per microbatch in the forward and in the backward,
+    predict.tp_passes' placement). Zero where the stage runs no collective (nothing
+    rewritten), outside eager mode, and on devices without a measured host
+    (accelerators)."""
+    if dev is None or not sum(collectives) or plan.mesh.tp <= 1 or \
+            plan.compile.mode != "eager":
         return 0.0, 0.0
-    red = collectives / 2 * dev.dtensor_redistribute_s
-    return tensors * dev.dtensor_wrap_s + red, tensors * dev.dtensor_wrap_backward_s + red
+    f, b = (n * dev.dtensor_redistribute_s for n in collectives)
+    return tensors * dev.dtensor_wrap_s + f, tensors * dev.dtensor_wrap_backward_s + b
 
 
 def on_dtensors(plan: Plan, work: StageWork) -> bool:

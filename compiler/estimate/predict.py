@@ -4,9 +4,11 @@ spends its step on (compute / exposed communication / bubble / optimizer).
 * Action costs (`action_costs`): each stage's F, B, W from its ops on the device
   (optime.py), plus the tensor-parallel collectives the rewrite places in them
   (collectives.py), each call latency x ring steps + the bytes its ring sends / the tp
-  group's link, exposed (the runtime does not overlap them): half in F, half in B, and
-  the forward's half again in B where the stage recomputes; expert all-to-alls and
-  context-parallel exchanges likewise by bytes / link, plus a latency per message
+  group's link, exposed (the runtime does not overlap them), each in the pass the
+  rewrite places it in (`tp_passes`: a row layer's all-reduce in F, a column layer's
+  input-gradient all-reduce in B), the forward's again in B where the stage recomputes;
+  expert all-to-alls and context-parallel exchanges by bytes / link, half in F and half
+  in B, plus a latency per message
   (`exchange_waits`: an all-to-all over n ranks is n - 1 pairwise exchanges, a ring hop
   one). p2p: latency + the largest message
   / the link between neighbouring pipeline ranks, on its own stream (the simulator's
@@ -79,6 +81,23 @@ def collective_s(op: str, nbytes: float, n: int, bandwidth: float, latency: floa
     return latency * ring_steps(op, n) + ring_bytes(op, nbytes, n) / bandwidth
 
 
+def tp_passes(calls, tp: int, link: float, latency: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a stage's TP collectives per microbatch, each call in
+    the pass the rewrite places it in (collectives._role_collectives: a row layer's
+    all-reduce in F, a column layer's input-gradient all-reduce in B, ...), exposed."""
+    f = b = 0.0
+    for op, n, phase in calls:
+        s = collective_s(op, n, tp, link, latency)
+        f, b = (f + s, b) if phase == "F" else (f, b + s)
+    return f, b
+
+
+def passes(calls) -> tuple[int, int]:
+    """How many of a stage's TP calls (op, bytes, pass) run in the forward, in the backward."""
+    f = sum(1 for *_, phase in calls if phase == "F")
+    return f, len(calls) - f
+
+
 def exchange_waits(plan: Plan, ep: int, ep_roles, cp_steps: tuple,
                    latency: float) -> tuple[float, float]:
     """(forward, backward) seconds one microbatch of a stage waits on message latency in
@@ -103,19 +122,18 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
     table = []
     for st, t in zip(stages, ops):
         calls = _tp_microbatch(plan, tp_traffic, {st.index}, float_scale) if tp > 1 else []
-        tp_s = sum(collective_s(op, n, tp, links.tp, device.latency_s) for op, n in calls)
+        tp_f, tp_b = tp_passes(calls, tp, links.tp, device.latency_s)
         other = (ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
                  + st.cp_bytes * float_scale / links.tp)
         wait_f, wait_b = exchange_waits(
             plan, plan.mesh.ep, [x.role for x in moe_traffic if x.stage == st.index],
             st.cp_steps, device.latency_s)
-        again = tp_s / 2 if st.recompute_ops or st.recompute_flops else 0.0
-        comm = (tp_s + other) / 2
+        again = tp_f if st.recompute_ops or st.recompute_flops else 0.0
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
         host_f, host_b = dtensor_host(plan, device.hardware, len(st.param_names)
-                                      + len(st.buffer_names) + len(st.inputs), len(calls))
-        table.append((t.f + comm + wait_f + post + host_f,
-                      t.b + comm + again + wait_b + post + host_b, t.w))
+                                      + len(st.buffer_names) + len(st.inputs), passes(calls))
+        table.append((t.f + tp_f + other / 2 + wait_f + post + host_f,
+                      t.b + tp_b + other / 2 + again + wait_b + post + host_b, t.w))
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p

@@ -196,9 +196,9 @@ def test_dtensor_host_time_only_where_eager_tp_runs_dtensors(make_plan):
 
 def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     """Eager tp also pays per tensor its rewrite wraps (the stage's parameters, buffers and
-    inputs) and per redistribution (its TP collectives per microbatch, half forward, half
-    backward): the action costs grow by exactly that on a device that measured them, and
-    not at all in graphs mode."""
+    inputs) and per redistribution (its TP collectives per microbatch, each in its pass:
+    4 forward, 4 backward here): the action costs grow by exactly that on a device that
+    measured them, and not at all in graphs mode."""
     from pipeplan.compiler.estimate.device import DeviceModel
     from pipeplan.compiler.estimate.optime import dtensor_host, op_times
     from pipeplan.compiler.estimate.predict import action_costs
@@ -213,8 +213,9 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     calls = compiled.estimates.stage_collectives[0]  # the report's per-step calls
     n = sum(c for (group, _), (c, _) in calls.items() if group == "tp") / plan.microbatches
     assert n > 0 and tensors > len(st.param_names)
-    f, b = dtensor_host(plan, priced, tensors, int(n))
-    assert (f, b) == pytest.approx((tensors * 1e-3 + n / 2 * 5e-3, tensors * 3e-3 + n / 2 * 5e-3))
+    f, b = dtensor_host(plan, priced, tensors, (int(n) // 2, int(n) - int(n) // 2))
+    assert (f, b) == pytest.approx((tensors * 1e-3 + n // 2 * 5e-3,
+                                    tensors * 3e-3 + (n - n // 2) * 5e-3))
     ops = [op_times(plan, w, hw) for w in timing.work]
     base = action_costs(plan, compiled.stages, ops, timing.tp_traffic, timing.moe_traffic,
                         DeviceModel(hardware=hw))
@@ -223,7 +224,7 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     (f0, b0, w0), (f1, b1, w1) = base.per_stage[0], more.per_stage[0]
     assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((f, b, 0.0))
     graphs = dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
-    assert dtensor_host(graphs, priced, tensors, int(n)) == (0.0, 0.0)
+    assert dtensor_host(graphs, priced, tensors, (int(n), 0)) == (0.0, 0.0)
 
 
 def test_mesh_links_equal_the_minimum_over_every_group_of_the_layout():
@@ -363,3 +364,31 @@ def test_a_rank_sharing_the_cpu_never_runs_faster_than_alone():
     assert s.factor(4.0) == pytest.approx(1.8)
     assert Sharing(ranks=4, cores=2, extra=0.9, replicas=4).factor(1.0) == pytest.approx(1.8)
     assert Sharing(ranks=8, cores=2, extra=1.05).factor(1.0) == pytest.approx(1.05)
+
+
+def test_tp_collectives_wait_in_the_pass_the_rewrite_places_them(make_plan):
+    """tp = 2, two GPT layers in one stage, the embedding and the head vocab-parallel: the
+    forward all-reduces the row layers' outputs (attn.proj, mlp.down: 2 a layer), the split
+    embedding's output (1) and the parallel loss's max, sum and target logit (3): 8; the
+    backward the column layers' input gradients (q, k, v share one input; mlp.up: 2 a
+    layer) and the head's (1): 5. A latency more per message lengthens F by 8 all-reduces'
+    ring steps (2 each at tp = 2) and B by 5; the 13 calls are those the report counts (each
+    compared with the runtime's meter in tests/parallel/test_estimates_exact.py)."""
+    from pipeplan.compiler.estimate.device import DeviceModel
+    from pipeplan.compiler.estimate.optime import op_times
+    from pipeplan.compiler.estimate.predict import action_costs
+    plan = _gpt(make_plan, 2)
+    plan = dataclasses.replace(plan, tensor=dataclasses.replace(
+        plan.tensor, vocab=("tok_emb", "lm_head")))
+    compiled = compile_plan(plan)
+    plan, timing = compiled.plan, compiled.estimates.timing
+    calls = compiled.estimates.stage_collectives[0]
+    assert calls == {("tp", "allreduce"): (13 * plan.microbatches, calls[("tp", "allreduce")][1])}
+    hw = profile("a100")
+    ops = [op_times(plan, w, hw) for w in timing.work]
+
+    def costs(latency):
+        return action_costs(plan, compiled.stages, ops, timing.tp_traffic, timing.moe_traffic,
+                            DeviceModel(hardware=hw, latency_s=latency)).per_stage[0]
+    (f0, b0, w0), (f1, b1, w1) = costs(0.0), costs(1e-3)
+    assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((8 * 2 * 1e-3, 5 * 2 * 1e-3, 0.0))
