@@ -39,20 +39,15 @@ def run_check(args: argparse.Namespace) -> int:
     if not args.no_model:
         # Once the model is known: trace it on meta (no weights) and print the estimates.
         from ..backends.runtime.source import compile_checked
-        from ..compiler import estimates_summary
+        from ..compiler import compile_for_check, render_summary
 
-        kept = []
-
-        def compile_kept(plan, model):
-            kept.append(compile_checked(plan, model))
-            return kept[-1]
-
+        compiled = compile_for_check(plan, compile_checked)
         sys.stdout.write("\n# after tracing the model (meta device, no weights)\n")
-        sys.stdout.write(estimates_summary(plan, compile_kept).rstrip("\n") + "\n")
+        sys.stdout.write(render_summary(compiled).rstrip("\n") + "\n")
         if plan.compile.mode == "inductor":
             from ..backends.runtime.inductor import cache_report
 
-            sys.stdout.write("\n".join(cache_report(kept[-1])) + "\n")
+            sys.stdout.write("\n".join(cache_report(compiled)) + "\n")
     return 0
 
 

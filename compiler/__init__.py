@@ -14,18 +14,23 @@ from .estimate.report import render_summary
 from .stages import move_stage
 
 
-def estimates_summary(plan, compile=None) -> str:
-    """`pipeplan check`'s estimate lines: compile on meta and summarise (raises PlanError,
-    also when the model's initial weights cannot be drawn per module: init_rules.check_init).
-    `compile`: (plan, model) -> CompiledPlan, compile_plan by default (the CLI hands in the
-    compile made before a launch: backends/runtime/source.py compile_checked)."""
+def compile_for_check(plan, compile=None):
+    """What `pipeplan check` compiles: the model on meta, its initial weights checked drawable
+    per module (init_rules.check_init: raises PlanError), then `compile` (plan, model) ->
+    CompiledPlan, compile_plan by default (the CLI hands in the compile made before a
+    launch: backends/runtime/source.py compile_checked)."""
     from .capture.init_rules import check_init
 
     model = load_model(plan, "meta")
     check_init(plan, model)
-    return render_summary((compile or compile_plan)(plan, model))
+    return (compile or compile_plan)(plan, model)
 
 
-__all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary", "render_summary",
-           "move_stage", "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel",
+def estimates_summary(plan) -> str:
+    """`pipeplan check`'s estimate lines (with compile_plan): `compile_for_check`, summarised."""
+    return render_summary(compile_for_check(plan))
+
+
+__all__ = ["compile_plan", "load_model", "reference_loss", "estimates_summary",
+           "compile_for_check", "render_summary", "move_stage", "CompiledPlan", "StageSpec", "ValueRef", "ValueSpec", "DeviceModel",
            "device_model", "predicted", "Prediction"]

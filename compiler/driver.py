@@ -60,7 +60,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     verified (rank 0's, broadcast by backends/runtime/agreement.py, or a build directory's) used
     instead of generating one, so no search runs again; it must fit the stages. `rewrite`:
     the runtime's stage rewrite in a fake world (backends/parallel/pretrace.py), which the
-    commands compiling before a launch hand in so that compiled stages under tp or ep are
+    commands compiling before a launch hand in so that compiled stages under cp, tp or ep are
     estimated from their rewritten joint graphs (graphs/__init__.py)."""
     device = device or device_model(plan)
     check_plan_values(plan)

@@ -2,26 +2,26 @@
 stage (`compile.mode = graphs | inductor`) under cp, tp or ep keeps for its backward is
 known at compile time.
 
-A rank's runtime rewrites each stage (`rewrite_stages`: ring or Ulysses attention, the
-static expert dispatch, then TP's DTensor nodes) and traces the rewritten stage jointly; the bytes its F hands to
-B and W are what it holds per microbatch. The compiler cannot make that rewrite (it lives
-here and needs process groups), so the commands that compile before a launch (`pipeplan
-check`, `compile`, `plan`'s check, the launcher's own compile: runtime/source.py
-`compile_checked`) hand it `rewrite_in_fake_world`: a torch.distributed world of "fake"
-process groups (torch's FakeProcessGroup: groups of the right sizes, no communication),
-rank 0's groups built as the runtime builds them (topology.py, `rewrite_stages`), and each
-stage module copied and rewritten in it on the meta device. The compiler traces the copy
-on fake tensors (compiler/graphs/__init__.py). The ranks of a tp or ep group hold the same
-shapes (tp slices, ep's equal all-to-all blocks), so their coordinate 0 stands for all;
-cp ranks do not (ring attention computes the causal blocks a rank's chunks need), so each
-cp rank is rewritten in a world of its own and a stage keeps the most any of them keeps. Inside a running world (a worker compiling) nothing is faked: its ranks trace
-their own stages.
+A rank's runtime rewrites its stages (`rewrite_stages`: ring or Ulysses attention, the
+static expert dispatch, then TP's DTensor nodes) and traces each rewritten stage jointly;
+the bytes its F hands to B and W are what it holds per microbatch. The compiler cannot make
+that rewrite (it lives here and needs process groups), so the commands that compile before
+a launch (`pipeplan check`, `compile`, `plan`'s check, the launcher's own compile:
+runtime/source.py `compile_checked`) hand it `rewrite_in_fake_world`: a torch.distributed
+world of "fake" process groups (torch's FakeProcessGroup: groups of the right sizes, no
+communication), the groups built as the runtime builds them, and every stage module copied
+on the meta device and rewritten there in one `rewrite_stages` call. The compiler traces
+the copies on fake tensors (compiler/graphs/__init__.py). The ranks of a tp or ep group
+hold the same shapes (tp slices, ep's equal all-to-all blocks), so coordinate 0 stands for
+all; cp ranks do not (ring attention computes the causal blocks a rank's chunks need), so
+each cp rank gets a world of its own and a stage keeps the most any of them keeps. Inside a
+running world (a worker compiling) nothing is faked: its ranks trace their own stages.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Callable, Iterator
+from typing import Iterator, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -36,11 +36,11 @@ def _register_fake_backend() -> None:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
-def rewrite_in_fake_world(plan: Plan, experts: tuple, tp_kinds: dict
-                          ) -> Iterator[Callable[[StageSpec], nn.Module]]:
+def rewrite_in_fake_world(plan: Plan, experts: tuple, tp_kinds: dict, stages: Sequence[StageSpec]
+                          ) -> Iterator[dict[int, nn.Module]]:
     """For each cp rank in turn (dp and tp coordinate 0), a world of fake groups at that
-    rank and, while the next one is not asked for, stage spec -> a copy of its module
-    rewritten as that rank's runtime rewrites it. Nothing inside an initialised world
+    rank and, valid until the next is asked for, {stage index: a copy of its module
+    rewritten as that rank's runtime rewrites it}. Nothing inside an initialised world
     (its ranks trace their own). Close the generator (contextlib.closing) to tear the
     current world down early."""
     if dist.is_initialized():
@@ -57,14 +57,9 @@ def rewrite_in_fake_world(plan: Plan, experts: tuple, tp_kinds: dict
                                 rank=global_rank(mesh, 0, 0, 0, cp),
                                 world_size=mesh.dp * mesh.cp * mesh.tp)
         try:
-            topo = build_topology(mesh)
-
-            def rewritten(spec: StageSpec) -> nn.Module:
-                module = _meta_copy(spec.module)
-                rewrite_stages(one, topo, {spec.index: module}, experts, tp_kinds)
-                return module
-
-            yield rewritten
+            modules = {st.index: _meta_copy(st.module) for st in stages}
+            rewrite_stages(one, build_topology(mesh), modules, experts, tp_kinds)
+            yield modules
         finally:
             dist.destroy_process_group()
 

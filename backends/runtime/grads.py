@@ -33,7 +33,6 @@ from ..parallel.layout import StageLayout
 from .topology import Topology, global_rank, new_groups
 
 
-
 @dataclass
 class TiedGroup:
     """One tied parameter set as this rank sees it."""
@@ -169,15 +168,8 @@ class GradSync:
             if group is not None:
                 by_group.setdefault(id(group), (group, []))[1].append(p)
         for group, params in by_group.values():
-            bucket, size = [], 0
-            for p in params:
-                bucket.append(p)
-                size += p.numel() * p.element_size()
-                if size >= zero_layout.DP_BUCKET_BYTES:  # the rule: zero_layout.bucket_count
-                    self._buckets.append(_Bucket(bucket, group))
-                    bucket, size = [], 0
-            if bucket:
-                self._buckets.append(_Bucket(bucket, group))
+            for b in zero_layout.buckets([p.numel() * p.element_size() for p in params]):
+                self._buckets.append(_Bucket([params[i] for i in b], group))
         self._done.add(stage)
         while self._tied_started < len(self.tied) and \
                 self._tied_stage[self._tied_started] in self._done:

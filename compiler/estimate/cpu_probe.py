@@ -63,10 +63,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-from .collectives import ring_steps
 from torch import nn
 
+from .collectives import ring_steps
 from .devices import DTENSOR_FIELDS  # measure_dtensor's order
 
 N, REPEATS, ROUNDS = 512, 8, 5

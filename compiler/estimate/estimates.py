@@ -64,7 +64,7 @@ from ..compiled import Estimates, RankEstimate, StageSpec, TiedParam
 from ..parallel.ep import experts_dispatched
 from .traffic import Traffic
 from ..parallel.zero import (EXPERT, REPLICATED, TENSOR_PARALLEL, MemoryBytes, StateBytes,
-                             bucket_count, group_shards, padded, shard_memory)
+                             buckets, group_shards, padded, shard_memory)
 
 
 def state_bytes(plan: Plan) -> StateBytes:
@@ -79,7 +79,7 @@ class RankShards:
     shards: list  # zero_layout.ShardGroup, keys: id(parameter)
     uses: dict  # stage index -> indices into shards
     numel: dict  # id(parameter) -> elements this rank holds of it (after tp / ep)
-    listed: tuple = ()  # (stage index, [(key, kind)] in module order): ZeRO 0's buckets
+    listed: tuple  # (stage index, [(key, kind)] in module order): ZeRO 0's buckets
 
 
 def rank_shards(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
@@ -201,16 +201,16 @@ def _state_bytes(plan: Plan, layout: RankShards, order: Sequence[int]) -> RankEs
     if z == 0:  # the plain optimizer over every parameter; gradients all-reduced per group
         total = sum(layout.numel.values())
         memory.append(shard_memory(total, 1, 0, per, tensors=len(layout.numel)))
-        buckets = _buckets(plan, layout, per.param)
+        bucketed = _buckets(plan, layout, per.param)
         for s in layout.shards:
             group, n = ("dp", plan.mesh.dp) if islands else _group_of(plan, s.kind)
             if n > 1:
                 add(group, "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad,
-                    buckets.pop((s.stage, group), 0))
+                    bucketed.pop((s.stage, group), 0))
             if islands and s.kind == EXPERT and _group_of(plan, s.kind)[1] > 1:
                 # an island's own expert replicas (ep below tp): summed every step
                 add("edp", "allreduce", sum(layout.numel[k] for k in s.keys) * per.grad,
-                    buckets.pop((s.stage, "edp"), 0))
+                    bucketed.pop((s.stage, "edp"), 0))
     for i, s in enumerate(layout.shards if z > 0 else ()):
         numel = sum(layout.numel[k] for k in s.keys)
         group, n = _group_of(plan, s.kind)
@@ -247,8 +247,8 @@ def _runs(order: Sequence[int], stages: set) -> int:
 def _buckets(plan: Plan, layout: RankShards, param_size: int) -> dict[tuple[int, str], int]:
     """ZeRO 0: {(stage, group): all-reduces} the runtime's gradient sync makes of each
     stage's gradients (backends/runtime/grads.py: per group, parameters in module order,
-    zero_layout.bucket_count; a parameter two stages hold counted in the first's, as
-    group_shards places it). Listed without an order (by hand): one per stage and group."""
+    zero_layout.buckets; a parameter two stages hold counted in the first's, as
+    group_shards places it)."""
     islands, seen, sizes = plan.mesh.islands, set(), {}
     for stage, params in layout.listed:
         for key, kind in params:
@@ -259,10 +259,7 @@ def _buckets(plan: Plan, layout: RankShards, param_size: int) -> dict[tuple[int,
             sizes.setdefault((stage, group), []).append(layout.numel[key] * param_size)
             if islands and kind == EXPERT and _group_of(plan, kind)[1] > 1:
                 sizes.setdefault((stage, "edp"), []).append(layout.numel[key] * param_size)
-    if not layout.listed:
-        return {(s.stage, g): 1 for s in layout.shards
-                for g in {"dp" if islands else _group_of(plan, s.kind)[0], "edp"}}
-    return {k: bucket_count(v) for k, v in sizes.items()}
+    return {k: len(buckets(v)) for k, v in sizes.items()}
 
 
 def _size_of(plan: Plan, group: str) -> int:

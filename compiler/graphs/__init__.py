@@ -62,13 +62,13 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
 def _rewritten_bytes(plan: Plan, stages: Sequence[StageSpec], by_name: dict, rules: tuple,
                      experts: tuple, tp_kinds: dict, rewrite: Callable) -> dict[int, int]:
     """Stage index -> the most bytes F of its rewritten copy hands to B and W, over the
-    ranks `rewrite` stands up one after another (each rank's copies are valid until the
-    next is asked for)."""
+    ranks `rewrite` stands up one after another (each yields every stage's rewritten copy,
+    valid until the next is asked for)."""
     kept: dict[int, int] = {}
-    with contextlib.closing(rewrite(plan, experts, tp_kinds)) as worlds:
-        for rewritten_stage in worlds:
+    with contextlib.closing(rewrite(plan, experts, tp_kinds, stages)) as worlds:
+        for modules in worlds:
             for st in stages:
-                joint = trace_joint(rewritten_stage(st), [by_name[r.name] for r in st.inputs],
+                joint = trace_joint(modules[st.index], [by_name[r.name] for r in st.inputs],
                                     [r.source != BATCH for r in st.inputs], on=TRACE_DEVICE,
                                     recompute=rules)
                 kept[st.index] = max(kept.get(st.index, 0), saved_bytes(split_joint(joint)))

@@ -14,7 +14,7 @@ functions here, so the prediction cannot drift from what runs:
   buffer padded to a multiple of the group size, 1/group of it for what ZeRO
   shards at the plan's stage, and one optimizer step counter per tensor the
   optimizer steps.
-* `bucket_count` (ZeRO 0): how many all-reduces the runtime's gradient sync
+* `buckets` (ZeRO 0): the all-reduces the runtime's gradient sync
   (backends/runtime/grads.py) makes of one stage's gradients in one group: buckets
   filled in parameter order, each closed once it holds `DP_BUCKET_BYTES`.
 
@@ -38,16 +38,21 @@ KINDS = (REPLICATED, TENSOR_PARALLEL, EXPERT)
 DP_BUCKET_BYTES = 25 * 2**20  # ZeRO 0: a gradient bucket is all-reduced once this full
 
 
-def bucket_count(sizes: Sequence[int], limit: Optional[int] = None) -> int:
-    """All-reduces of gradients of these byte sizes, in order: a bucket closes as soon as
-    it holds `limit` (default DP_BUCKET_BYTES, read at call time), the rest make one."""
+def buckets(sizes: Sequence[int], limit: Optional[int] = None) -> list[range]:
+    """ZeRO 0's gradient buckets over gradients of these byte sizes, in order, as index
+    ranges: a bucket closes as soon as it holds `limit` (default DP_BUCKET_BYTES, read at
+    call time), the rest make one. The runtime all-reduces each (backends/runtime/
+    grads.py); the estimate counts them."""
     limit = DP_BUCKET_BYTES if limit is None else limit
-    count, size = 0, 0
-    for n in sizes:
+    out, start, size = [], 0, 0
+    for i, n in enumerate(sizes):
         size += n
         if size >= limit:
-            count, size = count + 1, 0
-    return count + (1 if size else 0)
+            out.append(range(start, i + 1))
+            start, size = i + 1, 0
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 @dataclass(frozen=True)
