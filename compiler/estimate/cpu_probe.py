@@ -11,7 +11,7 @@ them a plan's own model or shapes:
 * host time per op and the memory-bound rate: a small model runs op by op, and on a CPU
   each aten op costs dispatch, autograd bookkeeping and allocation on top of its kernel.
   The example GPT's transformer block runs twice, overhead-bound (width 8, FLOPs
-  negligible) and kernel-bound (width 32, 128 tokens), best of a few rounds each; their
+  negligible) and kernel-bound (width 32, 128 tokens), the median of 20 runs each; their
   forward times less their GEMMs and attention give seconds per op (the count the meta
   run takes per node, analysis.py) and seconds per float element the other kernels move
   (`fit_host`; the backward's host time per op by least squares). The element rate comes
@@ -22,10 +22,7 @@ them a plan's own model or shapes:
   all-reduce is two ring steps (reduce-scatter, then all-gather: `ring_steps`), so the
   latency per message is half its intercept (measured here: a 2-rank gloo all-reduce of
   4 KiB took 425 us median, an all-to-all of the same 206 us, a send-receive round trip
-  223 us);
-  and the median time to post one send or receive as the runtime does
-  (`batch_isend_irecv`, 32 KiB): the host work each transfer adds to the actions around it;
-  and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other processes
+  223 us); and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other processes
   compute (per message: over its two ring steps): with more busy processes than cores a
   blocked peer waits for the scheduler;
 * host time per op on DTensors: eager tensor parallelism runs a stage's ops on DTensors
@@ -33,15 +30,21 @@ them a plan's own model or shapes:
   (sharding propagation, wrapping) on the host. Two gloo processes run a residual MLP
   stack (layer norm, linear, GELU, linear; width 8, FLOPs negligible) with plain and with
   replicated DTensor parameters and input over their 2-rank mesh; the difference per op
-  the forward dispatches, forward and backward, best of a few rounds; and what wrapping
+  the forward dispatches, forward and backward, the median of 20 runs; and what wrapping
   one tensor costs (`from_local`; the rest of its round trip: `to_local` and both
   backwards) and what a Partial -> Replicate redistribution costs beyond its all-reduce;
-* contention: the local launcher starts every rank on this machine, so a rank runs at the
-  speed N processes get together, not at 1/N of one (cache and memory sharing, switching):
-  N processes (forked, one thread each, started together) run the same block forward and
-  backward at once (width 32) and their mean time per iteration over the one-process time
-  (each the better of two rounds: a quieter moment) is the factor every time above is
-  multiplied by for an N-rank local run (measured per N; 1 for one rank).
+* sharing (contention and posting): the local launcher starts every rank on this machine,
+  so a rank computes at the speed N processes get together, not at 1/N of one: N
+  processes (one thread each) run a pipeline's pattern as the executor runs an action, a
+  ring in which each posts the receive of the previous rank's tensor, computes a block
+  (width 32) forward and backward, posts the send of a 32 KiB tensor to the next and
+  waits for both. The mean CPU time of a block on a rank's thread over one process's
+  alone is what caches and the switching at every blocking handoff cost (`extra`), and
+  the mean CPU time of posting one transfer there is the host work each send or receive
+  adds to the action around it (between computes it costs about twice what a post in a
+  tight loop does: 85-105 us against 45 here). Measured per N (nothing for one rank). The
+  fair share of the cores is waiting, not CPU time: the time model adds it from the
+  simulated timeline (device.Sharing).
 
 Rounded to two significant digits and cached per machine and torch version in
 ~/.cache/pipeplan/cpu_flops.json (PIPEPLAN_CACHE moves it), so every compile on
@@ -71,7 +74,10 @@ from .devices import DTENSOR_FIELDS  # measure_dtensor's order
 N, REPEATS, ROUNDS = 512, 8, 5
 WIDTH, TOKENS, BLOCKS = 8, 16, 4  # the op-time probe: FLOPs negligible, ops as a model's
 HEAD_DIMS, ATTN_SEQ, ATTN_BH = (16, 32, 64, 128), 128, (2, 4)  # the attention probe
-CONTENTION_WIDTH, CONTENTION_ITERS, MAX_PROCESSES = 32, 60, 32
+# the sharing probe: one width-32 block of 128 tokens (~1 ms forward and backward here, an
+# action's length in the example plans: the shorter the compute between handoffs, the more
+# of it goes to refilling caches), 100 rounds; at most 32 ranks probed
+CONTENTION_WIDTH, CONTENTION_BLOCKS, CONTENTION_ITERS, MAX_PROCESSES = 32, 1, 100, 32
 
 
 @dataclass(frozen=True)
@@ -83,10 +89,10 @@ class CpuModel:
     bytes_per_s: float = 0.0  # memory-bound kernels' effective bandwidth
     link_latency_s: float = 0.0  # gloo between local processes: per message ...
     link_bytes_per_s: float = 0.0  # ... and bandwidth
-    post_s: float = 0.0  # host seconds to post one transfer (send or receive)
+    post_s: float = 0.0  # host seconds to post one transfer (send or receive), shared
     loaded_latency_s: float = 0.0  # a small collective's seconds with all the ranks busy
     attention: tuple = ()  # ((head dim, forward FLOP/s, backward/forward), ...)
-    contention: float = 1.0  # the slowdown of this run's ranks sharing the machine
+    contention: float = 1.0  # a rank's CPU time per op sharing the machine, over alone
     dtensor_op_s: float = 0.0  # host seconds DTensor adds per op of a forward (eager tp) ...
     dtensor_op_backward_s: float = 0.0  # ... and to backward per op of the forward
     dtensor_wrap_s: float = 0.0  # ... per tensor wrapped as a DTensor, forward ...
@@ -100,7 +106,8 @@ def cache_path() -> str:
     return os.path.join(base, "cpu_flops.json")
 
 
-PROBE_VERSION = 2  # 2: latencies per message (a 2-rank all-reduce is two ring steps)
+PROBE_VERSION = 3  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
+# 3: contention and posting a transfer measured per rank count in a ring of handoffs
 
 
 def _key() -> str:
@@ -172,7 +179,7 @@ def _block(width: int, tokens: int, blocks: int):
 @dataclass(frozen=True)
 class BlockRun:
     """One probe block: what its forward dispatches (ops, GEMMs, float elements the other
-    kernels move; counted as the compiler counts a stage, work.py) and its best one-thread
+    kernels move; counted as the compiler counts a stage, work.py) and its median one-thread
     CPU seconds forward and backward."""
 
     ops: int
@@ -189,9 +196,9 @@ def run_block(width: int, tokens: int, blocks: int) -> BlockRun:
         model, x = _block(width, tokens, blocks)
         with OpCounter() as counted:
             model(x)
-        best_f, best_b = _best_forward_backward(model, x)
+        forward_s, backward_s = _typical_forward_backward(model, x)
         log = counted.log
-        return BlockRun(counted.count, tuple(log.gemms), log.float_elements, best_f, best_b)
+        return BlockRun(counted.count, tuple(log.gemms), log.float_elements, forward_s, backward_s)
     return _one_thread(run)
 
 
@@ -219,40 +226,76 @@ def fit_host(runs: tuple, flops: float, attention: tuple) -> tuple[float, float,
     return op_s, op_b, 1.0 / per_element
 
 
-def _contention_worker(barrier, results) -> None:
+def _ring_worker(rank: int, n: int, port: int, results) -> None:
+    """One of `n` processes in a pipeline's pattern, as the runtime's executor runs an
+    action: post the receive of the previous rank's tensor (`batch_isend_irecv`, prefetched
+    before the compute), compute a block forward and backward, post the send of a tensor to
+    the next rank, wait for both; again and again. Puts the medians of a block's CPU
+    seconds on this thread, its wall seconds, and the CPU seconds of posting one transfer.
+    Alone (n = 1): the same blocks, no group, no transfers."""
+    import statistics
+
+    import torch.distributed as dist
     torch.set_num_threads(1)
-    model, x = _block(CONTENTION_WIDTH, 128, 2)
-    for _ in range(5):
-        model(x).sum().backward()
-    barrier.wait()  # all start together
-    t = time.perf_counter()
-    for _ in range(CONTENTION_ITERS):
-        model(x).sum().backward()
-    results.put((time.perf_counter() - t) / CONTENTION_ITERS)
-
-
-def _processes_at_once(n: int) -> float:
-    """Mean wall seconds per iteration of the block when `n` processes run it together
-    (forked, as DataLoader workers are: one thread each)."""
-    ctx = multiprocessing.get_context("fork")
-    barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_contention_worker, args=(barrier, results), daemon=True)
-             for _ in range(n)]
-    for p in procs:
-        p.start()
+    if n > 1:
+        store = dist.TCPStore("127.0.0.1", port, n, rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
     try:
-        times = [results.get(timeout=300) for _ in procs]
+        model, x = _block(CONTENTION_WIDTH, 128, CONTENTION_BLOCKS)
+        out = torch.zeros(POST_BYTES // 4)
+        cpu, wall, posts = [], [], []
+        for i in range(CONTENTION_ITERS + 5):  # 5 warm-up rounds
+            c = time.thread_time()
+            works = dist.batch_isend_irecv([dist.P2POp(
+                dist.irecv, torch.empty(POST_BYTES // 4), (rank - 1) % n)]) if n > 1 else []
+            post = time.thread_time() - c
+            t, c = time.perf_counter(), time.thread_time()
+            model(x).sum().backward()
+            t, c = time.perf_counter() - t, time.thread_time() - c
+            if n > 1:
+                c1 = time.thread_time()
+                works += dist.batch_isend_irecv([dist.P2POp(dist.isend, out, (rank + 1) % n)])
+                post += time.thread_time() - c1
+                for work in works:
+                    work.wait()
+            if i >= 5:
+                cpu.append(c)
+                wall.append(t)
+                posts.append(post / 2)
+        results.put((statistics.median(cpu), statistics.median(wall), statistics.median(posts)))
     finally:
+        if n > 1:
+            dist.destroy_process_group()
+
+
+def ring_slowdown(n: int) -> tuple[float, float, float]:
+    """When `n` processes run the ring of `_ring_worker` together: a block's CPU seconds and
+    wall seconds per process, each over the same for one process alone (the mean over the
+    ring's processes; the alone baseline the better of two runs: a quieter moment), and the
+    mean CPU seconds of posting one transfer."""
+    def run(k: int) -> tuple[float, float, float]:
+        port, ctx = _free_port(), _group_context()
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_ring_worker, args=(r, k, port, results), daemon=True)
+                 for r in range(k)]
         for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return sum(times) / n
+            p.start()
+        try:
+            got = [results.get(timeout=300) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+        return tuple(sum(g[i] for g in got) / k for i in range(3))
+    alone = min(run(1) for _ in range(2))
+    cpu, wall, post = run(n)
+    return cpu / alone[0], wall / alone[1], post
 
 
 LINK_BYTES = (1 << 12, 1 << 20)  # the link probe's two message sizes
 LINK_REPEATS = 20
-POST_BYTES, POST_REPEATS = 1 << 15, 60  # posting a transfer: its size and rounds
+POST_BYTES = 1 << 15  # the ring probe's transfers (the runtime posts each as it goes)
 
 
 def _link_worker(rank: int, port: int, results) -> None:
@@ -272,33 +315,19 @@ def _link_worker(rank: int, port: int, results) -> None:
                 dist.all_reduce(x)
                 best = min(best, time.perf_counter() - t)
             out.append(best)
-        posts = []  # posting one transfer as the runtime does (executor.py)
-        x = torch.zeros(POST_BYTES // 4)
-        for _ in range(POST_REPEATS):
-            dist.barrier()
-            op = dist.P2POp(dist.isend, x, 1) if rank == 0 else dist.P2POp(dist.irecv, x, 0)
-            t = time.perf_counter()
-            works = dist.batch_isend_irecv([op])
-            posts.append(time.perf_counter() - t)
-            for w in works:
-                w.wait()
-        results.put(out + [sorted(posts)[len(posts) // 2]])
+        results.put(out)
     finally:
         dist.destroy_process_group()
 
 
-def measure_link() -> tuple[float, float, float]:
-    """(latency s per message, bytes/s, post s) of this machine's gloo transport between two
-    local processes (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's
-    2(n-1)/n) in two ring steps, so its best time at two sizes is 2 latencies + n /
-    bandwidth; post: the median host time of
-    posting one send or receive (`batch_isend_irecv`, 32 KiB), the runtime's work per
-    transfer around an action."""
-    small, large, post = (max(t) for t in zip(*_pair(_link_worker)))
+def measure_link() -> tuple[float, float]:
+    """(latency s per message, bytes/s) of this machine's gloo transport between two local
+    processes (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n) in
+    two ring steps, so its best time at two sizes is 2 latencies + n / bandwidth."""
+    small, large = (max(t) for t in zip(*_pair(_link_worker)))
     per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
     intercept = max(small - LINK_BYTES[0] * per_byte, 1e-7)
-    return (_two_digits(intercept / ring_steps("allreduce", 2)), _two_digits(1 / per_byte),
-            _two_digits(post))
+    return _two_digits(intercept / ring_steps("allreduce", 2)), _two_digits(1 / per_byte)
 
 
 def _free_port() -> int:
@@ -351,20 +380,24 @@ def _mlp_stack(width: int = WIDTH, tokens: int = TOKENS, blocks: int = BLOCKS):
         torch.randn(2, tokens, width, requires_grad=True)
 
 
-def _best_forward_backward(model, x) -> tuple[float, float]:
-    """Best thread-CPU seconds of forward and of backward (the output summed)."""
+def _typical_forward_backward(model, x) -> tuple[float, float]:
+    """Median thread-CPU seconds of forward and of backward (the output summed): a stage's
+    typical time, not its best (the best of 20 is 2-4% under the median here)."""
+    import statistics
+
     def loss(out):
         return (out.to_local() if hasattr(out, "to_local") else out).sum()
     for _ in range(ROUNDS):  # warm-up: the allocator's caches, lazy initialisation
         loss(model(x)).backward()
-    best_f = best_b = float("inf")
+    fs, bs = [], []
     for _ in range(ROUNDS * 4):
         t = time.thread_time()
         out = model(x)
         t1 = time.thread_time()
         loss(out).backward()
-        best_f, best_b = min(best_f, t1 - t), min(best_b, time.thread_time() - t1)
-    return best_f, best_b
+        fs.append(t1 - t)
+        bs.append(time.thread_time() - t1)
+    return statistics.median(fs), statistics.median(bs)
 
 
 def _dtensor_worker(rank: int, port: int, results) -> None:
@@ -380,7 +413,7 @@ def _dtensor_worker(rank: int, port: int, results) -> None:
         model, x = _mlp_stack()
         with OpCounter() as counted:
             model(x)
-        plain = _best_forward_backward(model, x)
+        plain = _typical_forward_backward(model, x)
         mesh = init_device_mesh("cpu", (2,))
         for name, p in list(model.named_parameters()):
             owner, _, leaf = name.rpartition(".")
@@ -388,7 +421,7 @@ def _dtensor_worker(rank: int, port: int, results) -> None:
                     nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
         dx = DTensor.from_local(x.detach().requires_grad_(), mesh, [Replicate()],
                                 run_check=False)
-        wrapped = _best_forward_backward(model, dx)
+        wrapped = _typical_forward_backward(model, dx)
         per_op = tuple(max(w - p, 0.0) / counted.count for w, p in zip(wrapped, plain))
         # a tensor the rewrite wraps: from_local, and the rest of its round trip (to_local,
         # both backwards) beyond a plain tensor's; a Partial -> Replicate redistribution
@@ -468,17 +501,21 @@ def measure_loaded_latency(n: int) -> float:
     return _two_digits(seconds)
 
 
-def measure_contention(n: int) -> float:
-    """How much slower each of `n` processes runs when all run at once (>= 1; 1 for n <= 1)."""
+def measure_sharing(n: int) -> tuple[float, float]:
+    """What `n` ranks sharing this machine in a pipeline's pattern (`ring_slowdown`) pay:
+    the CPU time of a rank's compute over its CPU time alone (>= 1: caches and the
+    switching at every blocking handoff, beyond the fair share of the cores, which is
+    waiting, not computing: Sharing.factor adds it from the timeline), and the CPU seconds
+    of posting one transfer between computes (the runtime's host work per send or receive;
+    a cache-warm post in a loop costs about half)."""
     if n <= 1:
-        return 1.0
-    alone = min(_processes_at_once(1) for _ in range(2))  # the best of two: a quieter moment
-    together = min(_processes_at_once(n) for _ in range(2))
-    return _two_digits(max(1.0, together / alone))
+        return 1.0, 0.0
+    cpu, _, post = ring_slowdown(n)
+    return _two_digits(max(1.0, cpu)), _two_digits(post)
 
 
 _FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
-           "link_bytes_per_s", "post_s") + DTENSOR_FIELDS
+           "link_bytes_per_s") + DTENSOR_FIELDS
 
 
 def _load(path: str, key: str) -> dict:
@@ -495,14 +532,16 @@ def _load(path: str, key: str) -> dict:
 def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
     if not c:
         return None
-    factor = 1.0 if n <= 1 else c.get("contention", {}).get(str(n))
+    factor, post = c.get("contention", {}).get(str(n)), c.get("posts", {}).get(str(n))
     loaded = c["link_latency_s"] if n <= 2 else c.get("loaded", {}).get(str(n))
-    if factor is None or loaded is None:
+    if n <= 1:
+        factor, post = 1.0, 0.0  # one rank: nothing shared, nothing sent
+    if factor is None or post is None or loaded is None:
         return None
     return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),
                     origin, bytes_per_s=float(c["bytes_per_s"]),
                     link_latency_s=float(c["link_latency_s"]),
-                    link_bytes_per_s=float(c["link_bytes_per_s"]), post_s=float(c["post_s"]),
+                    link_bytes_per_s=float(c["link_bytes_per_s"]), post_s=float(post),
                     loaded_latency_s=float(loaded),
                     attention=tuple(tuple(float(v) for v in row) for row in c["attention"]),
                     contention=float(factor),
@@ -538,8 +577,9 @@ def cpu_model(processes: int = 1) -> CpuModel:
         return cached
     with _exclusive(path):
         c = _load(path, key) or _measure(key)
-        if n > 1 and str(n) not in c.setdefault("contention", {}):
-            c["contention"][str(n)] = measure_contention(n)
+        if n > 1 and (str(n) not in c.setdefault("contention", {})
+                      or str(n) not in c.setdefault("posts", {})):
+            c["contention"][str(n)], c["posts"][str(n)] = measure_sharing(n)
         if n > 2 and str(n) not in c.setdefault("loaded", {}):
             c["loaded"][str(n)] = measure_loaded_latency(n)
         _store(path, c)
@@ -559,13 +599,13 @@ def _measure(key: str) -> dict:
     flops, attention = measure_flops(), measure_attention()
     op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
                                                    flops, attention)
-    latency, link, post = measure_link()
+    latency, link = measure_link()
     dtensor = dict(zip(DTENSOR_FIELDS, measure_dtensor()))
     return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s), **dtensor,
             "op_backward_s": _two_digits(op_backward_s),
             "bytes_per_s": _two_digits(4 * elements_per_s),
-            "link_latency_s": latency, "link_bytes_per_s": link, "post_s": post,
-            "attention": [list(r) for r in attention], "contention": {}}
+            "link_latency_s": latency, "link_bytes_per_s": link,
+            "attention": [list(r) for r in attention], "contention": {}, "posts": {}}
 
 
 def _store(path: str, c: dict) -> None:

@@ -20,9 +20,9 @@ from ...dsl.layout import groups, mesh_layout
 class Sharing:
     """Ranks that share one machine's cores (the local launcher on the measured CPU): each
     runs max(1, busy x replicas / cores) x `extra` slower than alone, where `extra` is what
-    `ranks` processes busy at once measured beyond that fair share (caches, switching;
-    cpu_probe.measure_contention), `busy` is how many pipeline ranks compute at once while
-    one does, on the simulated timeline (SimResult.concurrency: a rank waiting in a bubble
+    `ranks` processes measured beyond that fair share (the CPU time of a block in a ring of
+    blocking handoffs over alone: caches, switching; cpu_probe.measure_sharing), `busy` is
+    how many pipeline ranks compute at once while one does, on the simulated timeline (SimResult.concurrency: a rank waiting in a bubble
     leaves its core to the others), and `replicas` the copies of that pipeline (dp x cp x
     tp) running the same timeline. A message's latency goes from the idle pair's
     (`latency`) to what a pair measured with all `ranks` busy (`loaded_latency`: the
@@ -37,8 +37,13 @@ class Sharing:
     latency: float = 0.0
     loaded_latency: float = 0.0
 
+    def fair(self, busy: float) -> float:
+        """The fair share of the cores alone: waiting for one (what CPU times measured
+        under sharing, as the ring probe's posting, still wait for)."""
+        return max(1.0, busy * self.replicas / self.cores)
+
     def factor(self, busy: float) -> float:
-        return max(1.0, max(1.0, busy * self.replicas / self.cores) * self.extra)
+        return max(1.0, self.fair(busy) * self.extra)
 
     def message_latency(self, busy: float) -> float:
         over = (busy * self.replicas - self.cores) / max(self.ranks - self.cores, 1)
@@ -77,7 +82,8 @@ class DeviceModel:
                          memory_bandwidth=hw.memory_bandwidth / k,
                          intra_node=hw.intra_node / k, inter_node=hw.inter_node / k,
                          latency=latency, op_s=hw.op_s * k,
-                         op_backward_s=hw.op_backward_s * k, post_s=hw.post_s * k,
+                         op_backward_s=hw.op_backward_s * k,
+                         post_s=hw.post_s * self.sharing.fair(busy),  # measured shared
                          **{f: getattr(hw, f) * k for f in DTENSOR_FIELDS},
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
@@ -163,7 +169,7 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     # alone, and how many processes busy at once slow each other (DeviceModel.shared)
     local = plan.mesh.world_size
     cpu = cpu_model(local)
-    sharing = Sharing(local, cores(), cpu.contention / max(1.0, local / cores()),
+    sharing = Sharing(local, cores(), cpu.contention,
                       local // plan.mesh.pp, cpu.link_latency_s, cpu.loaded_latency_s) \
         if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,

@@ -9,10 +9,11 @@ Each plan is profiled (`pipeplan profile`, 2 warm-up + 4 measured steps, its ran
 gloo processes) and compiled without a device section (the measured CPU); prints predicted
 and measured seconds per microbatch per stage and their ratio (goal: within 15%), twice:
 the slots' wall time against the prediction with the ranks sharing the cores, and the
-slots' CPU time on each rank's thread (the profile's `cpu`) against the prediction for a
-rank alone times the contention probe's `extra` (caches and switching cost CPU time; the
-fair share of the cores is waiting, not computing): the per-op model without the
-scheduler's time slices. On a loaded shared machine the measurement moves with the load:
+slots' CPU time on each rank's thread (the profile's `cpu`: the action's compute and the
+posting of its transfers) against the prediction for a rank alone times the sharing
+probe's `extra`, plus posting as the probe measured it among the ranks (caches and
+switching cost CPU time; the fair share of the cores is waiting, not computing): the
+per-op model without the scheduler's time slices. On a loaded shared machine the measurement moves with the load:
 report what you get.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
@@ -41,9 +42,12 @@ def measured(plan: str, out: str) -> dict:
         return json.load(f)
 
 
-def compiled_alone(plan_path: str):
-    """The plan compiled as if each rank had a core of its own: the time model's prediction
-    for one rank alone (no sharing of the cores, no other process busy)."""
+def compiled_alone(plan_path: str, ranks_alone: bool = False):
+    """The plan compiled as if each rank had a core of its own: the time model's CPU time of
+    a rank, its speed alone x what the plan's ranks measured beyond their fair share of the
+    cores (caches, switching) plus posting its transfers as measured among them, without
+    the fair share itself (waiting for a core is not CPU time). `ranks_alone`: one rank's
+    speeds, nothing shared, nothing posted (a stage run by itself, `--alone`)."""
     import importlib
 
     from pipeplan.compiler import compile_plan
@@ -52,8 +56,9 @@ def compiled_alone(plan_path: str):
 
     device = importlib.import_module("pipeplan.compiler.estimate.device")
     measure, cores = cpu_probe.cpu_model, device.cores
-    cpu_probe.cpu_model = lambda processes=1: measure(1)  # one rank's speeds ...
-    device.cores = lambda: 1 << 16  # ... and a core for every rank: nothing shared
+    if ranks_alone:
+        cpu_probe.cpu_model = lambda processes=1: measure(1)
+    device.cores = lambda: 1 << 16  # a core for every rank: no fair share
     try:
         return compile_plan(load_plan(os.path.join(REPO, plan_path)))
     finally:
@@ -68,7 +73,7 @@ def alone(plan_path: str) -> None:
 
     from pipeplan.backends.runtime.stage import StageRunner
 
-    compiled = compiled_alone(plan_path)
+    compiled = compiled_alone(plan_path, ranks_alone=True)
     torch.set_num_threads(1)
     table = compiled.estimates.simulation.costs.per_stage
     outputs = {v.name: v for st in compiled.stages for v in st.outputs}
@@ -80,6 +85,7 @@ def alone(plan_path: str) -> None:
                 p.normal_(0, 0.02)
         last = spec.index == len(compiled.stages) - 1
         runner = StageRunner(spec, module, last)
+        runner.check_grads = False  # the hot path: the executor asks once per step
         plan = compiled.plan
         rows = plan.train.global_batch // (plan.mesh.dp * plan.microbatches)
         inputs = [torch.randint(0, 2, (rows, plan.data.seq_len)) if r.source == "batch" else
@@ -115,13 +121,10 @@ def main(argv: list[str]) -> int:
         shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
         table = shared.estimates.simulation.costs.per_stage
         own = compiled_alone(plan_path).estimates.simulation.costs.per_stage
-        # the time model's CPU seconds of a rank among the plan's: alone x `extra`, what the
-        # contention probe measured beyond the fair share (caches, switching: time a rank
-        # spends computing); the fair share itself is waiting for a core, not CPU time
         sharing = device_model(load_plan(os.path.join(REPO, plan_path))).sharing
         extra = sharing.extra if sharing is not None else 1.0
-        own = [tuple(x * extra for x in row) for row in own]
-        print(f"{plan_path}  ({costs.get('device')}; CPU time predicted: alone x {extra:.3g})")
+        print(f"{plan_path}  ({costs.get('device')}; CPU time predicted: alone x {extra:.3g} "
+              f"+ posting as measured shared)")
         print("stage  op | slot: predicted (ms)  measured (ms)  ratio | CPU time: predicted "
               "(ms)  measured (ms)  ratio")
         for st, (f, b, w), (fa, ba, wa) in zip(costs["stages"], table, own):
