@@ -60,6 +60,7 @@ import json
 import multiprocessing
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -233,8 +234,6 @@ def _ring_worker(rank: int, n: int, port: int, results) -> None:
     the next rank, wait for both; again and again. Puts the medians of a block's CPU
     seconds on this thread, its wall seconds, and the CPU seconds of posting one transfer.
     Alone (n = 1): the same blocks, no group, no transfers."""
-    import statistics
-
     import torch.distributed as dist
     torch.set_num_threads(1)
     if n > 1:
@@ -383,8 +382,6 @@ def _mlp_stack(width: int = WIDTH, tokens: int = TOKENS, blocks: int = BLOCKS):
 def _typical_forward_backward(model, x) -> tuple[float, float]:
     """Median thread-CPU seconds of forward and of backward (the output summed): a stage's
     typical time, not its best (the best of 20 is 2-4% under the median here)."""
-    import statistics
-
     def loss(out):
         return (out.to_local() if hasattr(out, "to_local") else out).sum()
     for _ in range(ROUNDS):  # warm-up: the allocator's caches, lazy initialisation
@@ -431,14 +428,16 @@ def _dtensor_worker(rank: int, port: int, results) -> None:
 
         def wrap(v, p=Replicate()):
             return DTensor.from_local(v, mesh, [p], run_check=False)
-        plain_backward = _best(lambda: t.sum().backward(), LINK_REPEATS)
-        wrap_s = _best(lambda: wrap(t), LINK_REPEATS)
-        trip = _best(lambda: wrap(t).to_local().sum().backward(), LINK_REPEATS)
-        reduce = _best(lambda: dist.all_reduce(y), LINK_REPEATS)
-        redistribute = _best(lambda: wrap(y, Partial()).redistribute(mesh, [Replicate()])
-                             .to_local(), LINK_REPEATS)
-        results.put(per_op + (wrap_s, max(trip - plain_backward - wrap_s, 0.0),
-                              max(redistribute - reduce - wrap_s, 0.0)))
+        calls = (lambda: t.sum().backward(), lambda: wrap(t),
+                 lambda: wrap(t).to_local().sum().backward(), lambda: dist.all_reduce(y),
+                 lambda: wrap(y, Partial()).redistribute(mesh, [Replicate()]).to_local())
+        rounds = []  # each a difference of timed calls: paired round by round, the median
+        for _ in range(2 * ROUNDS + 1):  # (one slow moment moves one round, not the result)
+            plain_backward, wrap_s, trip, reduce, redistribute = (
+                _best(fn, LINK_REPEATS, rounds=1) for fn in calls)
+            rounds.append((wrap_s, trip - plain_backward - wrap_s,
+                           redistribute - reduce - wrap_s))
+        results.put(per_op + tuple(max(statistics.median(r), 0.0) for r in zip(*rounds)))
     finally:
         dist.destroy_process_group()
 
