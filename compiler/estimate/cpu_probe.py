@@ -232,8 +232,9 @@ def _ring_worker(rank: int, n: int, port: int, results) -> None:
     action: post the receive of the previous rank's tensor (`batch_isend_irecv`, prefetched
     before the compute), compute a block forward and backward, post the send of a tensor to
     the next rank, wait for both; again and again. Puts the medians of a block's CPU
-    seconds on this thread, its wall seconds, and the CPU seconds of posting one transfer.
-    Alone (n = 1): the same blocks, no group, no transfers."""
+    seconds on this thread, a round's wall seconds (all n blocks of a round must run before
+    the next: n blocks on the machine's cores), and the CPU seconds of posting one
+    transfer. Alone (n = 1): the same blocks, no group, no transfers."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     if n > 1:
@@ -244,13 +245,13 @@ def _ring_worker(rank: int, n: int, port: int, results) -> None:
         out = torch.zeros(POST_BYTES // 4)
         cpu, wall, posts = [], [], []
         for i in range(CONTENTION_ITERS + 5):  # 5 warm-up rounds
-            c = time.thread_time()
+            t, c = time.perf_counter(), time.thread_time()
             works = dist.batch_isend_irecv([dist.P2POp(
                 dist.irecv, torch.empty(POST_BYTES // 4), (rank - 1) % n)]) if n > 1 else []
             post = time.thread_time() - c
-            t, c = time.perf_counter(), time.thread_time()
+            c = time.thread_time()
             model(x).sum().backward()
-            t, c = time.perf_counter() - t, time.thread_time() - c
+            c = time.thread_time() - c
             if n > 1:
                 c1 = time.thread_time()
                 works += dist.batch_isend_irecv([dist.P2POp(dist.isend, out, (rank + 1) % n)])
@@ -259,7 +260,7 @@ def _ring_worker(rank: int, n: int, port: int, results) -> None:
                     work.wait()
             if i >= 5:
                 cpu.append(c)
-                wall.append(t)
+                wall.append(time.perf_counter() - t)
                 posts.append(post / 2)
         results.put((statistics.median(cpu), statistics.median(wall), statistics.median(posts)))
     finally:
@@ -269,7 +270,7 @@ def _ring_worker(rank: int, n: int, port: int, results) -> None:
 
 def ring_slowdown(n: int) -> tuple[float, float, float]:
     """When `n` processes run the ring of `_ring_worker` together: a block's CPU seconds and
-    wall seconds per process, each over the same for one process alone (the mean over the
+    a round's wall seconds per process, each over the same for one process alone (the mean over the
     ring's processes; the alone baseline the better of two runs: a quieter moment), and the
     mean CPU seconds of posting one transfer."""
     def run(k: int) -> tuple[float, float, float]:

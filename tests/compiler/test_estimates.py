@@ -279,17 +279,18 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
 
 
 def test_the_sharing_probe_sees_an_oversubscribed_machine():
-    """Twice as many processes as cores in the ring of handoffs: each block takes clearly
-    longer on the wall than alone (about twice on a quiet machine; a loaded one slows the
-    one-process baseline too, so the bound is loose) while its CPU time stays near alone's
-    (the fair share is waiting, not computing); posting a transfer costs host time; and a
-    pair's small all-reduce waits longer with the others busy."""
+    """Twice as many processes as cores in the ring of handoffs: a round (every process's
+    block, then the handoffs) takes clearly longer on the wall than one process's block
+    alone (twice at least on a quiet machine: 2 x cores blocks on the cores; a loaded
+    machine slows the one-process baseline too, so the bound is loose) while a block's CPU
+    time stays near alone's (the fair share is waiting, not computing); posting a transfer
+    costs host time; and a pair's small all-reduce waits longer with the others busy."""
     from pipeplan.compiler.estimate.cpu_probe import (measure_link, measure_loaded_latency,
                                                       measure_sharing, ring_slowdown)
     from pipeplan.compiler.estimate.device import cores
     assert measure_sharing(1) == (1.0, 0.0)
     cpu, wall, post = ring_slowdown(2 * cores())
-    assert wall >= 1.2 and 0.8 < cpu < wall and 1e-6 < post < 1e-2, (cpu, wall, post)
+    assert wall >= 1.4 and 0.8 < cpu < wall and 1e-6 < post < 1e-2, (cpu, wall, post)
     idle = measure_link()[0]
     assert measure_loaded_latency(2 * cores() + 2) > idle
 
