@@ -2,11 +2,12 @@
 (compiler/estimate/optime.py on the CPU profile of cpu_probe.py) next to what the plan's own
 processes measured on this machine.
 
-    python tests/benchmarks/bench_cpu_model.py [PLAN ...]   (default: the example plans)
+    python tests/benchmarks/bench_cpu_model.py [--repeat 3] [PLAN ...]   (default: the example plans)
     python tests/benchmarks/bench_cpu_model.py --alone [PLAN ...]
 
-Each plan is profiled (`pipeplan profile`, 2 warm-up + 4 measured steps, its ranks as local
-gloo processes) and compiled without a device section (the measured CPU); prints predicted
+Each plan is profiled `--repeat` times (`pipeplan profile`, 2 warm-up + 4 measured steps, its
+ranks as local gloo processes; per stage and op the median of the runs: one run's slots move
+10-15% from the next on a quiet 2-core machine) and compiled without a device section (the measured CPU); prints predicted
 and measured seconds per microbatch per stage and their ratio (goal: within 15%), twice:
 the slots' wall time against the prediction with the ranks sharing the cores, and the
 slots' CPU time on each rank's thread (the profile's `cpu`: the action's compute and the
@@ -40,6 +41,26 @@ def measured(plan: str, out: str) -> dict:
                    stdout=subprocess.DEVNULL)
     with open(out, encoding="utf-8") as f:
         return json.load(f)
+
+
+def median_of(runs: list[dict]) -> dict:
+    """The first run's cost file with each stage's slot and CPU times the median over the
+    runs (per stage and op)."""
+    import statistics
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    out = dict(runs[0])
+    out["stages"] = []
+    for i, st in enumerate(runs[0]["stages"]):
+        row = dict(st)
+        for op in ("F", "B", "W", "BW"):
+            row[op] = med([r["stages"][i].get(op) for r in runs])
+        row["cpu"] = {op: med([(r["stages"][i].get("cpu") or {}).get(op) for r in runs])
+                      for op in ("F", "B", "W", "BW")}
+        out["stages"].append(row)
+    return out
 
 
 def compiled_alone(plan_path: str, ranks_alone: bool = False):
@@ -114,17 +135,21 @@ def main(argv: list[str]) -> int:
     from pipeplan.compiler import compile_plan
     from pipeplan.compiler.estimate.device import device_model
     from pipeplan.dsl import load_plan
+    repeat = 3
+    if argv[:1] == ["--repeat"]:
+        repeat, argv = int(argv[1]), argv[2:]
     worst, worst_cpu = 0.0, 0.0
     for plan_path in argv or PLANS:
         with tempfile.TemporaryDirectory() as tmp:
-            costs = measured(plan_path, os.path.join(tmp, "costs.json"))
+            costs = median_of([measured(plan_path, os.path.join(tmp, f"costs{k}.json"))
+                               for k in range(repeat)])
         shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
         table = shared.estimates.simulation.costs.per_stage
         own = compiled_alone(plan_path).estimates.simulation.costs.per_stage
         sharing = device_model(load_plan(os.path.join(REPO, plan_path))).sharing
         extra = sharing.extra if sharing is not None else 1.0
-        print(f"{plan_path}  ({costs.get('device')}; CPU time predicted: alone x {extra:.3g} "
-              f"+ posting as measured shared)")
+        print(f"{plan_path}  ({costs.get('device')}; median of {repeat} profiles; CPU time "
+              f"predicted: alone x {extra:.3g} + posting as measured shared)")
         print("stage  op | slot: predicted (ms)  measured (ms)  ratio | CPU time: predicted "
               "(ms)  measured (ms)  ratio")
         for st, (f, b, w), (fa, ba, wa) in zip(costs["stages"], table, own):
