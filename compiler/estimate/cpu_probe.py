@@ -22,9 +22,9 @@ them a plan's own model or shapes:
   all-reduce is two ring steps (reduce-scatter, then all-gather: `ring_steps`), so the
   latency per message is half its intercept (measured here: a 2-rank gloo all-reduce of
   4 KiB took 425 us median, an all-to-all of the same 206 us, a send-receive round trip
-  223 us); and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other processes
-  compute (per message: over its two ring steps): with more busy processes than cores a
-  blocked peer waits for the scheduler;
+  223 us); and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other
+  processes compute (per message: over its two ring steps): with more busy processes than
+  cores a blocked peer waits for the scheduler;
 * host time per op on DTensors: eager tensor parallelism runs a stage's ops on DTensors
   (backends/parallel/tp/dtensor.py), and each op then also pays DTensor's dispatch
   (sharding propagation, wrapping) on the host. Two gloo processes run a residual MLP
@@ -199,7 +199,8 @@ def run_block(width: int, tokens: int, blocks: int) -> BlockRun:
             model(x)
         forward_s, backward_s = _typical_forward_backward(model, x)
         log = counted.log
-        return BlockRun(counted.count, tuple(log.gemms), log.float_elements, forward_s, backward_s)
+        return BlockRun(counted.count, tuple(log.gemms), log.float_elements, forward_s,
+                        backward_s)
     return _one_thread(run)
 
 
@@ -227,7 +228,7 @@ def fit_host(runs: tuple, flops: float, attention: tuple) -> tuple[float, float,
     return op_s, op_b, 1.0 / per_element
 
 
-def _ring_worker(rank: int, n: int, port: int, results) -> None:
+def _ring_worker(rank: int, port: int, results, n: int) -> None:
     """One of `n` processes in a pipeline's pattern, as the runtime's executor runs an
     action: post the receive of the previous rank's tensor (`batch_isend_irecv`, prefetched
     before the compute), compute a block forward and backward, post the send of a tensor to
@@ -270,23 +271,11 @@ def _ring_worker(rank: int, n: int, port: int, results) -> None:
 
 def ring_slowdown(n: int) -> tuple[float, float, float]:
     """When `n` processes run the ring of `_ring_worker` together: a block's CPU seconds and
-    a round's wall seconds per process, each over the same for one process alone (the mean over the
-    ring's processes; the alone baseline the better of two runs: a quieter moment), and the
-    mean CPU seconds of posting one transfer."""
+    a round's wall seconds per process, each over the same for one process alone (the mean
+    over the ring's processes; the alone baseline the better of two runs: a quieter
+    moment), and the mean CPU seconds of posting one transfer."""
     def run(k: int) -> tuple[float, float, float]:
-        port, ctx = _free_port(), _group_context()
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_ring_worker, args=(r, k, port, results), daemon=True)
-                 for r in range(k)]
-        for p in procs:
-            p.start()
-        try:
-            got = [results.get(timeout=300) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
+        got = _ranks(_ring_worker, k, k)
         return tuple(sum(g[i] for g in got) / k for i in range(3))
     alone = min(run(1) for _ in range(2))
     cpu, wall, post = run(n)
@@ -347,12 +336,14 @@ def _group_context():
     return multiprocessing.get_context("spawn" if fresh else "fork")
 
 
-def _pair(worker) -> list:
-    """What `worker(rank, port, results)` puts, from each of two processes."""
+def _ranks(worker, n: int, *args) -> list:
+    """What `worker(rank, port, results, *args)` puts, from each of `n` processes (one gloo
+    group's ranks; the port is free for its store)."""
     port = _free_port()
     ctx = _group_context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, results), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, port, results, *args), daemon=True)
+             for r in range(n)]
     for p in procs:
         p.start()
     try:
@@ -362,6 +353,11 @@ def _pair(worker) -> list:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+def _pair(worker) -> list:
+    """What `worker(rank, port, results)` puts, from each of two processes."""
+    return _ranks(worker, 2)
 
 
 def _mlp_stack(width: int = WIDTH, tokens: int = TOKENS, blocks: int = BLOCKS):
@@ -479,9 +475,10 @@ def _loaded_pair(rank: int, port: int, results, ready) -> None:
 
 
 def measure_loaded_latency(n: int) -> float:
-    """Seconds per message (of its two ring steps) a small (4 KiB) 2-rank gloo all-reduce
-    takes, the median of LINK_REPEATS, while n - 2 other processes compute: with more busy processes than cores a blocked peer waits
-    for the scheduler, and that wait, not the wire, is what a collective costs then."""
+    """Seconds per message (of its two ring steps) a small (4 KiB) 2-rank gloo all-reduce takes,
+    the median of LINK_REPEATS, while n - 2 other processes compute: with more busy
+    processes than cores a blocked peer waits for the scheduler, and that wait, not the
+    wire, is what a collective costs then."""
     port = _free_port()
     ctx = _group_context()
     stop, results, ready = ctx.Event(), ctx.Queue(), ctx.Barrier(n)
@@ -532,10 +529,11 @@ def _load(path: str, key: str) -> dict:
 def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
     if not c:
         return None
-    factor, post = c.get("contention", {}).get(str(n)), c.get("posts", {}).get(str(n))
-    loaded = c["link_latency_s"] if n <= 2 else c.get("loaded", {}).get(str(n))
     if n <= 1:
         factor, post = 1.0, 0.0  # one rank: nothing shared, nothing sent
+    else:
+        factor, post = c.get("contention", {}).get(str(n)), c.get("posts", {}).get(str(n))
+    loaded = c["link_latency_s"] if n <= 2 else c.get("loaded", {}).get(str(n))
     if factor is None or post is None or loaded is None:
         return None
     return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),

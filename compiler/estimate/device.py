@@ -18,17 +18,18 @@ from ...dsl.layout import groups, mesh_layout
 
 @dataclass(frozen=True)
 class Sharing:
-    """Ranks that share one machine's cores (the local launcher on the measured CPU): each
-    runs max(1, busy x replicas / cores) x `extra` slower than alone, where `extra` is what
+    """Ranks that share one machine's cores (the local launcher on the measured CPU): each runs
+    max(1, busy x replicas / cores) x `extra` slower than alone, where `extra` is what
     `ranks` processes measured beyond that fair share (the CPU time of a block in a ring of
     blocking handoffs over alone: caches, switching; cpu_probe.measure_sharing), `busy` is
-    how many pipeline ranks compute at once while one does, on the simulated timeline (SimResult.concurrency: a rank waiting in a bubble
-    leaves its core to the others), and `replicas` the copies of that pipeline (dp x cp x
-    tp) running the same timeline. A message's latency goes from the idle pair's
-    (`latency`) to what a pair measured with all `ranks` busy (`loaded_latency`: the
-    scheduler's wait) as the busy ranks go from `cores` to `ranks`. A rank never runs faster
-    than alone (a contention probe under 1 is the probe's noise), so the speeds alone bound
-    every shared step from below (what the planner's bounds read)."""
+    how many pipeline ranks compute at once while one does, on the simulated timeline
+    (SimResult.concurrency: a rank waiting in a bubble leaves its core to the others), and
+    `replicas` the copies of that pipeline (dp x cp x tp) running the same timeline. A
+    message's latency goes from the idle pair's (`latency`) to what a pair measured with all
+    `ranks` busy (`loaded_latency`: the scheduler's wait) as the busy ranks go from `cores`
+    to `ranks`. A rank never runs faster than alone (a sharing probe under 1 is the
+    probe's noise), so the speeds alone bound every shared step from below (what the
+    planner's bounds read)."""
 
     ranks: int
     cores: int

@@ -2,20 +2,20 @@
 (compiler/estimate/optime.py on the CPU profile of cpu_probe.py) next to what the plan's own
 processes measured on this machine.
 
-    python tests/benchmarks/bench_cpu_model.py [--repeat 3] [PLAN ...]   (default: the example plans)
+    python tests/benchmarks/bench_cpu_model.py [--repeat 3] [PLAN ...]   (default: the examples)
     python tests/benchmarks/bench_cpu_model.py --alone [PLAN ...]
 
-Each plan is profiled `--repeat` times (`pipeplan profile`, 2 warm-up + 4 measured steps, its
-ranks as local gloo processes; per stage and op the median of the runs: one run's slots move
-10-15% from the next on a quiet 2-core machine) and compiled without a device section (the measured CPU); prints predicted
-and measured seconds per microbatch per stage and their ratio (goal: within 15%), twice:
-the slots' wall time against the prediction with the ranks sharing the cores, and the
-slots' CPU time on each rank's thread (the profile's `cpu`: the action's compute and the
-posting of its transfers) against the prediction for a rank alone times the sharing
-probe's `extra`, plus posting as the probe measured it among the ranks (caches and
-switching cost CPU time; the fair share of the cores is waiting, not computing): the
-per-op model without the scheduler's time slices. On a loaded shared machine the measurement moves with the load:
-report what you get.
+Each plan is profiled `--repeat` times (`pipeplan profile`, 2 warm-up + 4 measured steps,
+its ranks as local gloo processes; per stage and op the median of the runs: one run's slots
+move 10-15% from the next on a quiet 2-core machine) and compiled without a device section
+(the measured CPU); prints predicted and measured seconds per microbatch per stage and their
+ratio (goal: within 15%), twice: the slots' wall time against the prediction with the ranks
+sharing the cores, and the slots' CPU time on each rank's thread (the profile's `cpu`: the
+action's compute and the posting of its transfers) against the prediction for a rank alone
+times the sharing probe's `extra`, plus posting as the probe measured it among the ranks
+(caches and switching cost CPU time; the fair share of the cores is waiting, not computing):
+the per-op model without the scheduler's time slices. On a loaded shared machine the
+measurement moves with the load: report what you get.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
 thread, on random weights (the runtime's StageRunner), timed in thread CPU time (median of

@@ -249,7 +249,8 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
     monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "cores", lambda: 1)
     asked = []
-    monkeypatch.setattr(cpu_probe, "measure_sharing", lambda n: asked.append(n) or (2.5, 1e-4))
+    monkeypatch.setattr(cpu_probe, "measure_sharing",
+                        lambda n: asked.append(n) or (2.5, 1e-4))
     own = dm.device_model(_one_stage(make_plan, DeviceSpec()))  # 1 rank: nothing shared
     assert own.sharing is None and own.shared(1.0) is own and asked == []
     alone = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
