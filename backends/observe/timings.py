@@ -19,6 +19,8 @@ after the last action are in neither side's denominator.
 """
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from statistics import mean, median
 from typing import Optional, Sequence
@@ -38,6 +40,8 @@ class RankTimings:
     steps: tuple[tuple[ActionTiming, ...], ...]
     first_step: int = 0  # steps done before these (a resumed run starts after its checkpoint)
     spans: tuple[tuple[Span, ...], ...] = ()  # per step: sends, gradient sync, optimizer
+    cpu: tuple[tuple[float, float], ...] = ()  # per step: its process's CPU s, its step's s
+    machine: tuple[str, int] = ("", 0)  # (host name, cores) it ran on
 
 
 def measured_bubble(step: Sequence[Sequence[ActionTiming]]) -> float:
@@ -188,3 +192,38 @@ def step_sample(step: int, schedule, pipeline: Sequence[RankTimings], k: int) ->
 def _lists(table) -> tuple[dict, ...]:
     return tuple({op: None if all(t is None for t in times) else tuple(t or 0.0 for t in times)
                   for op, times in per.items()} for per in table)
+
+
+def machine() -> tuple[str, int]:
+    """(host name, cores) of this process's machine, for `cpu_lines`."""
+    return socket.gethostname(), os.cpu_count() or 1
+
+
+def cpu_lines(ranks: Sequence[RankTimings], warmup: int = 1) -> list[str]:
+    """Per machine, how much of its cores the ranks on it took per step (median over the
+    steady steps): their processes' CPU seconds (all threads: their own and gloo's), of
+    which the action slots' own threads, over the cores x the step's wall time. Ranks
+    sharing a machine's cores finish no step sooner than their CPU seconds over the cores
+    (the time model's floor: compiler/estimate/predict.shared_floor), so a share near 1
+    says the step was bound by the cores."""
+    lines, hosts = [], {}
+    for r in ranks:
+        if r.cpu and r.machine[1] > 0:
+            hosts.setdefault(r.machine, []).append(r)
+    for (host, cores), group in sorted(hosts.items()):
+        n = min(len(r.cpu) for r in group)
+        steady = steady_steps(n, warmup)
+        if not steady:
+            continue
+        total = median(sum(r.cpu[k][0] for r in group) for k in steady)
+        slots = median(sum(a.cpu for r in group for a in r.steps[k] if a.cpu >= 0)
+                       for k in steady)
+        wall = median(max(r.cpu[k][1] for r in group) for k in steady)
+        share = total / (cores * wall) if wall > 0 else 0.0
+        first = group[0].first_step
+        lines.append(f"CPU on {host} ({len(group)} ranks, {cores} cores), median of steps "
+                     f"{first + steady[0] + 1}-{first + steady[-1] + 1}: the ranks' processes "
+                     f"{total * 1e3:.1f} ms per step ({slots * 1e3:.1f} ms in their action "
+                     f"slots' own threads), the step {wall * 1e3:.1f} ms: the cores busy "
+                     f"{share:.2f} of it")
+    return lines

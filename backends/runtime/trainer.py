@@ -53,6 +53,8 @@ class StepReport:
     timings: tuple[ActionTiming, ...]
     spans: tuple[Span, ...] = ()  # sends, gradient sync, norm, loss all-reduce, optimizer
     sync_events: tuple = ()  # DiLoCo: the syncs after this step (diloco.SyncEvent)
+    cpu_time: float = 0.0  # CPU seconds of this rank's process in the step (all its threads:
+    # its own and gloo's), what ranks sharing a machine's cores take of them
 
 
 def _boundary_specs(plan: Plan, stages) -> list:
@@ -211,7 +213,7 @@ class PipelineTrainer:
         non-finite sends NaN in place of its loss, so every rank sees it in the one
         all-reduce: then (or when the norm or the loss is not finite) the step stops before
         the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
         rng = _rng_state(self.device)  # a failed step is rerun from it (_rerun_checked)
         begun = time.time()
@@ -256,7 +258,8 @@ class PipelineTrainer:
         events = tuple(self.diloco.after_step(t)) if self.diloco is not None else ()
         return StepReport(t, loss_value, norm, lr, time.perf_counter() - start,
                           self.plan.train.global_batch * self.plan.data.seq_len,
-                          tuple(result.timings), tuple(result.spans), events)
+                          tuple(result.timings), tuple(result.spans), events,
+                          time.process_time() - cpu)
 
     def _grads(self):
         """Every gradient this rank holds: its stages' parameters' and its optimizer's."""

@@ -30,7 +30,7 @@ from .launcher import LOCAL_STORE_ENV
 from .memory import (RankMemory, graphs_note, memory_lines, peak_rss_bytes,
                      return_large_blocks_to_os)
 from ..observe.progress import Progress, describe_run
-from ..observe.timings import RankTimings, check_bubble, format_bubble
+from ..observe.timings import RankTimings, check_bubble, cpu_lines, format_bubble, machine
 from .topology import Coords, build_topology
 from ..observe.trace import write_trace
 from .trainer import PipelineTrainer
@@ -165,7 +165,7 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
                         trackers=trackers) if env.rank == 0 else None
     if progress and first:
         print(f"resumed from {plan.train.checkpoint.dir} after step {first}", flush=True)
-    losses, timings, spans = [], [], []
+    losses, timings, spans, cpu = [], [], [], []
     evaluate = plan.train.eval
     try:
         for t in range(first, opts.steps):
@@ -173,6 +173,7 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
             report = trainer.step(t)
             timings.append(report.timings)
             spans.append(report.spans)
+            cpu.append((report.cpu_time, report.step_time))
             losses.append(report.loss)
             held = None
             if evaluate is not None and (t + 1) % evaluate.every == 0:
@@ -190,7 +191,7 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
     finally:
         if progress:
             progress.close()
-    return losses, (tuple(timings), tuple(spans)), first
+    return losses, (tuple(timings), tuple(spans), tuple(cpu)), first
 
 
 def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
@@ -204,6 +205,8 @@ def _report(mine: RankTimings, memory: list, run: "_RunFacts", env: RankEnv,
         return None
     check = check_bubble(run.schedule, gathered, run.planned, run.planned_source, opts.warmup)
     print(format_bubble(check), flush=True)
+    for line in cpu_lines(gathered, opts.warmup):
+        print(line, flush=True)
     try:  # checked writable before launch (outputs.py); a disk that fills is said plainly
         _write_outputs(gathered, memory, run, opts, check)
     except OSError as e:
@@ -341,7 +344,7 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         grads = FirstStepGrads(trainer) if opts.dump_dir else None  # for `pipeplan verify`
         startup = (time.perf_counter() - started, peak_rss_bytes())
         trackers = _trackers(plan) if env.rank == 0 else None
-        losses, (timings, spans), first = _train(plan, trainer, env, opts, where, run_hash,
+        losses, (timings, spans, cpu), first = _train(plan, trainer, env, opts, where, run_hash,
                                                  run.split_points, trackers)
         where[0] = "finish"
         if plan.sync.decoupled:  # no collective at the end: an island may be gone
@@ -356,7 +359,8 @@ def run_worker(plan: Plan, compile_fn, env: RankEnv, opts: RunOptions) -> int:
         if env.rank == 0:
             print(memory_lines(every), flush=True)
         check = _report(RankTimings(env.rank, topo.coords.pp, topo.coords.dp, topo.coords.tp,
-                                    timings, first, spans), every, run, env, opts)
+                                    timings, first, spans, cpu, machine()), every, run, env,
+                        opts)
         if trackers is not None:
             trackers.summary(opts.steps, check.measured if check else None, every)
             trackers.close()

@@ -56,5 +56,6 @@ def test_resume_from_another_directory_continues_the_same_run(tmp_path):
              (plans / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]  # step 3 trained twice, recorded once
     assert "median of steps 4-5)" in r.stdout, r.stdout  # the bubble line numbers the run's steps
+    assert "median of steps 4-5: the ranks' processes" in r.stdout, r.stdout  # and the CPU's
     assert "lr_scheduler.step()" not in r.stderr, r.stderr
     assert sorted(p.name for p in (plans / "ckpt").iterdir()) == ["step_000004"]

@@ -178,6 +178,32 @@ def test_measured_bubble_trace_and_costs():
     assert measured_latency([ranks[0], RankTimings(1, 1, 0, 0, (late,))], schedule) == 0.125
 
 
+def test_cpu_lines_say_how_much_of_each_machines_cores_a_step_took():
+    """Per machine, the median over the steady steps (after one warm-up) of the ranks'
+    processes' CPU seconds per step, of the slots' own threads' CPU, and of the step's wall
+    time (the slowest rank's): two ranks on one 2-core host, steps 2-3 taking 0.04 + 0.05
+    and 0.05 + 0.06 s of CPU (medians 0.1) in 0.06 and 0.07 s (0.065): 0.1 / (2 x 0.065);
+    a rank on another machine its own line; ranks that measured no CPU none."""
+    from pipeplan.backends.observe.timings import RankTimings, cpu_lines
+    from pipeplan.backends.runtime.executor import ActionTiming
+
+    def step(cpu):
+        return (ActionTiming("F", 0, 0, 0.0, 1.0, 0.0, cpu=cpu),)
+    a = RankTimings(0, 0, 0, 0, (step(0.01), step(0.02), step(0.03)), cpu=(
+        (0.5, 0.9), (0.04, 0.06), (0.05, 0.07)), machine=("h", 2))
+    b = RankTimings(1, 1, 0, 0, (step(0.01), step(0.02), step(0.02)), cpu=(
+        (0.5, 0.9), (0.05, 0.05), (0.06, 0.06)), machine=("h", 2))
+    c = RankTimings(2, 2, 0, 0, (step(0.01),) * 3, cpu=((0.01, 0.02),) * 3,
+                    machine=("other", 4))
+    lines = cpu_lines([a, b, c, RankTimings(3, 3, 0, 0, (step(0.01),) * 3)])
+    assert len(lines) == 2
+    assert lines[0].startswith("CPU on h (2 ranks, 2 cores), median of steps 2-3: the ranks' "
+                               "processes 100.0 ms per step (45.0 ms in their action slots' "
+                               "own threads), the step 65.0 ms")
+    assert lines[0].endswith(f"busy {0.1 / (2 * 0.065):.2f} of it")
+    assert lines[1].startswith("CPU on other (1 ranks, 4 cores)")
+
+
 def test_bubble_costs_and_latency_count_whole_slots():
     """The bubble, the per-op costs and the latency all use an action's slot [ready, done]
     (compute plus the runtime's work around it), not its compute alone: the unit the
