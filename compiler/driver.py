@@ -26,7 +26,7 @@ from .parallel.checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
 from .estimate.activations import TensorSplit, saved_records, stage_saved_bytes
 from .estimate.costs import Cost, node_costs, param_bytes_per_node
-from .estimate.device import DeviceModel, device_model
+from .estimate.device import SHARING_ROUNDS, DeviceModel, device_model
 from .estimate.estimates import estimate, normalised
 from .estimate.optime import op_times, stage_work
 from .estimate.predict import action_costs, timing_of
@@ -104,8 +104,10 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     schedule = make_schedule(plan, stages, normalised(times)) if schedule is None else \
         decided_schedule(plan, stages, schedule)
     if not profile and device.sharing is not None:  # ranks sharing this CPU: how busy they are
-        device = device.shared(simulate(schedule, times).concurrency)
-        times = _model_costs(plan, stages, work, tp_traffic, moe_traffic, device)
+        alone = device
+        for _ in range(SHARING_ROUNDS):
+            device = alone.shared(simulate(schedule, times).concurrency)
+            times = _model_costs(plan, stages, work, tp_traffic, moe_traffic, device)
     for st in stages:
         st.rank = schedule.stage_to_rank[st.index]
     tied = find_tied(model, stages)

@@ -31,12 +31,12 @@ from typing import Optional
 import numpy as np
 
 from ..compiler.estimate.collectives import _role_collectives, ring_bytes
-from ..compiler.estimate.device import DeviceModel, mesh_links
+from ..compiler.estimate.device import SHARING_ROUNDS, DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
-    passes, regather_s, tp_passes
+    passes, regather_s, shared_floor, tp_passes, waiting_of
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -91,7 +91,8 @@ def _work(units: list[Unit]) -> StageWork:
 
 def _stage_times(units: Units, c: Candidate, plan, device: DeviceModel, links,
                  run: list[Unit]):
-    """(OpTimes, (F, B, W) seconds) of a run of units as one stage: action_costs's rule
+    """(OpTimes, (F, B, W) seconds, of which waiting on other ranks) of a run of units as
+    one stage: action_costs's rule
     (cached by what the units hold, not where they are: a 80-layer stack's middle stages of
     equal length are timed once)."""
     key = ("stage times", tuple(_content(units, u) for u in run), c.tp, c.sp, c.ep,
@@ -124,19 +125,20 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     calls = [call for u, i in zip(run, inner)
              for role, nbytes in (u.tp_inner if i else u.tp_traffic)
              for call in _role_collectives(role, nbytes, c.tp, c.sp)] if c.tp > 1 else []
-    tp_f, tp_b = tp_passes(calls, c.tp, links.tp, device.latency_s)
+    tp_f, tp_b = tp_passes(calls, c.tp, links.tp, device.ring_step_s)
     ep_b = sum(_ep_bytes(plan, u, c) for u in run) if c.ep > 1 and plan.experts else 0.0
     other = ep_b / links.ep + sum(u.cp_bytes for u in run) * fs / links.tp
     wait_f, wait_b = exchange_waits(plan, c.ep, [r for u in run for r in u.ep_roles],
                                     (sum(u.cp_steps[0] for u in run),
-                                     sum(u.cp_steps[1] for u in run)), device.latency_s)
+                                     sum(u.cp_steps[1] for u in run)), device.ring_step_s)
     again = tp_f if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
     # wrapped tensors: the units' trainable parameters and the stage's input (buffers are
     # not in the units: on the measured CPU the planner's stage is a little cheaper here)
     host_f, host_b = dtensor_host(plan, device.hardware, sum(len(u.params) for u in run) + 1,
                                   passes(calls))
+    waiting = waiting_of(calls, c.tp, (tp_f, tp_b), (wait_f, wait_b), again, device)
     return t, (t.f + tp_f + other / 2 + wait_f + host_f,
-               t.b + tp_b + other / 2 + again + wait_b + host_b, t.w)
+               t.b + tp_b + other / 2 + again + wait_b + host_b, t.w), waiting
 
 
 def _inner(run: list[Unit], sp: bool) -> list[bool]:
@@ -246,6 +248,7 @@ class Shape:
 
     ops: tuple  # optime.OpTimes per stage (compute alone)
     per_stage: tuple  # (F, B, W) seconds, collectives included (action_costs)
+    waiting: tuple  # of those, the seconds waiting on other ranks (Costs.waiting)
     latency: float
     split: tuple[int, ...]
     act: tuple[float, ...]  # activation bytes per microbatch per stage (what the walk adds)
@@ -287,16 +290,16 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
     if post:  # each transfer's posting, as predict.action_costs charges it (by adjacency)
-        timed = [(t, (f + _posts(s, stages) * post, b + _posts(s, stages) * post, w))
-                 for s, (t, (f, b, w)) in enumerate(timed)]
+        timed = [(t, (f + _posts(s, stages) * post, b + _posts(s, stages) * post, w), waits)
+                 for s, (t, (f, b, w), waits) in enumerate(timed)]
     tp = c.tp if c.tp > 1 else 1
     act = tuple(sum(dict(u.activation_inner if i else u.activation_bytes)[tp]
                     for u, i in zip(table[a:b], _inner(table[a:b], c.sp and c.tp > 1)))
                 for a, b in zip(bounds, bounds[1:]))
     msg = [table[b - 1].out_bytes for b in bounds[1:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
-    return Shape(tuple(t for t, _ in timed), tuple(x for _, x in timed), latency, split, act,
-                 links, tuple(table))
+    return Shape(tuple(t for t, _, _ in timed), tuple(x for _, x, _ in timed),
+                 tuple(w for _, _, w in timed), latency, split, act, links, tuple(table))
 
 
 def _unit_weights(units: Units, c: Candidate, plan, device: DeviceModel, links,
@@ -541,7 +544,8 @@ def _step_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool,
     key = ("tail", id(sh), place, c.zero)
     if key not in units.cache:
         plan = plan_of(units.plan, c, units.blocks, sh.split)
-        dp_s, opt_s, _, after = _reduction_and_optimizer(units, c, plan, sh, place, device)
+        dp_s, opt_s, _, after, _, _ = _reduction_and_optimizer(units, c, plan, sh, place,
+                                                               device)
         least = [min((d for s, d in enumerate(dp_s) if place[s] == r), default=0.0)
                  for r in range(c.pp)]
         units.cache[key] = [o + d + a for o, d, a in zip(opt_s, least, after)]
@@ -621,23 +625,26 @@ def auto_memory_limit(units: Units, c: Candidate, device: DeviceModel,
 def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     """The compiler's estimate of candidate `c` (what `pipeplan check` prints for its plan)."""
     sh = shape(units, c, device)
-    costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
+    costs = Costs(per_stage=sh.per_stage, latency=sh.latency, waiting=sh.waiting)
     sched = order(units, c) if c.schedule != "auto" else _auto_order(units, c, sh, costs)
     sim = simulate(sched, costs)
     if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them,
         # in as many copies of the pipeline as the candidate has (check's device_model)
-        device = _shared(units, device, c.dp * c.cp * c.tp, sim.concurrency)
-        sh = shape(units, c, device)
-        costs = Costs(per_stage=sh.per_stage, latency=sh.latency)
-        sim = simulate(sched, costs)
+        alone = device
+        for _ in range(SHARING_ROUNDS):
+            device = _shared(units, alone, c.dp * c.cp * c.tp, sim.concurrency)
+            sh = shape(units, c, device)
+            costs = Costs(per_stage=sh.per_stage, latency=sh.latency, waiting=sh.waiting)
+            sim = simulate(sched, costs)
     peaks = held_peaks(sched, list(sh.act))[0]
     actions = [tuple(a.stage for a in sched.order[r]) for r in range(c.pp)]
     ranks = state(units, c, sh.split, sched.stage_to_rank, actions)
     plan = plan_of(units.plan, c, units.blocks, sh.split)
-    dp_s, opt_s, gather_s, after = _reduction_and_optimizer(units, c, plan, sh,
-                                                            sched.stage_to_rank, device)
+    dp_s, opt_s, gather_s, after, once, gathers = _reduction_and_optimizer(
+        units, c, plan, sh, sched.stage_to_rank, device)
+    floor = shared_floor(sched, costs, device, once, gathers, opt_s)
     step, times = breakdown(sched, sim, list(sh.ops), costs, dp_s, opt_s, gather_s,
-                            after if any(after) else None)
+                            after if any(after) else None, floor)
     prepass = routing_prepass_s(plan, sched, costs)
     states = [rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes for rk in ranks]
     peak = max(s + int(a) for s, a in zip(states, peaks))
@@ -663,11 +670,13 @@ def _shared(units: Units, device: DeviceModel, replicas: int, busy: float) -> De
 
 
 def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_rank,
-                             device: DeviceModel) -> tuple[list, list, list, list]:
+                             device: DeviceModel) -> tuple[list, ...]:
     """Seconds to reduce each stage's gradients over dp, each pipeline rank's optimizer
     pass (predict.timing_of's bytes: its ZeRO shards, read and written at the sustained
     memory bandwidth), one ZeRO-3 all-gather of each stage's parameters, and per pipeline
-    rank ZeRO-1/2's all-gather after the optimizer (predict.dp_ring_bytes)."""
+    rank ZeRO-1/2's all-gather after the optimizer (predict.dp_ring_bytes); and per stage
+    the ring steps of its collectives once a step and of one ZeRO-3 gather (what
+    predict.shared_floor charges gloo's threads for)."""
     per = state_bytes(plan)
     shard = {0: 1, 1: c.dp, 2: c.dp, 3: c.dp}.get(c.zero, 1)
     hw = device.hardware
@@ -675,16 +684,19 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
     table = _table(units, c)
     bounds = (0,) + sh.split + (len(table),)
     dp_s, opt, gather_s, after = [], [0.0] * c.pp, [], [0.0] * c.pp
+    once, gathers = [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layout = _stage_layout(units, c, table, s, a, b)
         reduce, regather, waits, rewaits = dp_ring_bytes(plan, layout)
-        dp_s.append(reduce / sh.links.dp + waits * device.latency_s)
-        after[stage_rank[s]] += regather_s(regather, rewaits, sh.links.dp, device.latency_s)
+        once.append(waits + rewaits)
+        dp_s.append(reduce / sh.links.dp + waits * device.ring_step_s)
+        after[stage_rank[s]] += regather_s(regather, rewaits, sh.links.dp, device.ring_step_s)
         n = sum(layout.numel.values())
         opt[stage_rank[s]] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
         gather = ring_bytes("allgather", n * per.param / c.dp, c.dp) if c.zero == 3 else 0.0
-        gather_s.append(device.latency_s * (c.dp - 1) + gather / sh.links.dp if gather else 0.0)
-    return dp_s, [b / bw if bw > 0 else 0.0 for b in opt], gather_s, after
+        gathers.append(c.dp - 1 if gather else 0)
+        gather_s.append(device.ring_step_s * (c.dp - 1) + gather / sh.links.dp if gather else 0.0)
+    return dp_s, [b / bw if bw > 0 else 0.0 for b in opt], gather_s, after, once, gathers
 
 
 def _stage_layout(units: Units, c: Candidate, table: list[Unit], s: int, a: int,

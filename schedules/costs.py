@@ -3,7 +3,10 @@
 Uniform costs are for a rank's whole share of the layers: with v stages per
 rank each stage's op costs F/v, B/v, W/v, so kinds with different v compare
 at equal work. `per_stage` gives absolute (F, B, W) per stage instead.
-A full backward BW costs B + W.
+A full backward BW costs B + W. `waiting` (optional, same shape as `per_stage`): of each
+op's seconds, those its rank spends waiting on other ranks inside the action (collectives),
+not computing; the simulator charges the whole op either way, only
+SimResult.concurrency (ranks sharing a CPU's cores) reads it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ class Costs:
     W: float = 1.0
     latency: float = 0.0
     per_stage: Optional[tuple[tuple[float, float, float], ...]] = None
+    waiting: Optional[tuple[tuple[float, float, float], ...]] = None
 
     def __post_init__(self):
         values = [self.F, self.B, self.W, self.latency]
@@ -30,6 +34,13 @@ class Costs:
                 if len(t) != 3:
                     raise ScheduleError(f"per-stage costs need (F, B, W) for each stage, got {t}")
                 values.extend(t)
+        if self.waiting is not None:
+            if self.per_stage is None or len(self.waiting) != len(self.per_stage):
+                raise ScheduleError("waiting times need per-stage costs, one (F, B, W) each")
+            object.__setattr__(self, "waiting", tuple(
+                tuple(min(float(x), float(t)) for x, t in zip(w, op))
+                for w, op in zip(self.waiting, self.per_stage)))
+            values.extend(x for w in self.waiting for x in w)
         if any(not (v >= 0) for v in values):  # also rejects NaN
             raise ScheduleError(f"costs must be non-negative numbers, got {self}")
 

@@ -71,16 +71,33 @@ class SimResult:
     def concurrency(self) -> float:
         """How many ranks compute at once, as a computing rank sees it: the time average of
         k(t) over the moments some rank computes, weighted by k(t) itself (each computing
-        rank counts the moment once): sum k^2 dt / sum k dt. 1 for one rank."""
-        edges = sorted((t, d) for r in range(len(self.start))
-                       for s, e in zip(self.start[r], self.end[r]) if e > s
+        rank counts the moment once): sum k^2 dt / sum k dt. 1 for one rank. An action
+        counts over its span by the share of it its rank computes: all of it, less what
+        `costs.waiting` says it waits on other ranks inside it (a collective's wait leaves
+        the core to the others, as a bubble does)."""
+        edges = sorted((t, d * share) for r in range(len(self.start))
+                       for a, s, e in zip(self._actions(r), self.start[r], self.end[r])
+                       if e > s and (share := self._computing(a, e - s)) > 0
                        for t, d in ((s, 1), (e, -1)))
-        k, last, weighted, total = 0, 0.0, 0.0, 0.0
+        k, last, weighted, total = 0.0, 0.0, 0.0, 0.0
         for t, d in edges:
             weighted += k * k * (t - last)
             total += k * (t - last)
             k, last = k + d, t
         return weighted / total if total > 0 else 1.0
+
+    def _actions(self, rank: int):
+        return self.schedule.order[rank] if self.schedule is not None else \
+            (None,) * len(self.start[rank])
+
+    def _computing(self, action: Optional[Action], span: float) -> float:
+        """The share of `span` (the action's simulated time) its rank computes."""
+        waiting = self.costs.waiting
+        if waiting is None or action is None:
+            return 1.0
+        _, b, w = waiting[action.stage]
+        wait = {F: waiting[action.stage][0], B: b, W: w, BW: b + w}[action.op]
+        return max(0.0, 1.0 - wait / span)
 
     @property
     def lower_bound_bubble(self) -> float:

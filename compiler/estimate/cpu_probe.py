@@ -22,9 +22,13 @@ them a plan's own model or shapes:
   all-reduce is two ring steps (reduce-scatter, then all-gather: `ring_steps`), so the
   latency per message is half its intercept (measured here: a 2-rank gloo all-reduce of
   4 KiB took 425 us median, an all-to-all of the same 206 us, a send-receive round trip
-  223 us); and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while N - 2 other
-  processes compute (per message: over its two ring steps): with more busy processes than
-  cores a blocked peer waits for the scheduler;
+  223 us); the CPU time of the pair's processes beside the calling threads is what gloo's
+  own threads (the process group's workers) spend, which ranks sharing the cores pay too:
+  the mean over 100 calls back to back, per ring step of the 4 KiB all-reduce (150-260 us
+  here, the main thread's ~25; single calls range from 0.1 to several ms) and per p2p
+  message (14-30 us); and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while
+  N - 2 other processes compute (per message: over its two ring steps): with more busy
+  processes than cores a blocked peer waits for the scheduler;
 * host time per op on DTensors: eager tensor parallelism runs a stage's ops on DTensors
   (backends/parallel/tp/dtensor.py), and each op then also pays DTensor's dispatch
   (sharding propagation, wrapping) on the host. Two gloo processes run a residual MLP
@@ -99,6 +103,8 @@ class CpuModel:
     dtensor_wrap_s: float = 0.0  # ... per tensor wrapped as a DTensor, forward ...
     dtensor_wrap_backward_s: float = 0.0  # ... and the rest of its round trip
     dtensor_redistribute_s: float = 0.0  # ... per redistribution, beyond its collective
+    collective_cpu_s: float = 0.0  # gloo's own threads' CPU per ring step of a collective
+    transfer_cpu_s: float = 0.0  # ... and per p2p message (beside the posting thread's)
 
 
 def cache_path() -> str:
@@ -107,8 +113,10 @@ def cache_path() -> str:
     return os.path.join(base, "cpu_flops.json")
 
 
-PROBE_VERSION = 3  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
-# 3: contention and posting a transfer measured per rank count in a ring of handoffs
+PROBE_VERSION = 4  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
+# 3: contention and posting a transfer measured per rank count in a ring of handoffs;
+# 4: gloo's own threads' CPU per collective ring step and per p2p message; the ring's
+# block and post CPU as means
 
 
 def _key() -> str:
@@ -232,10 +240,10 @@ def _ring_worker(rank: int, port: int, results, n: int) -> None:
     """One of `n` processes in a pipeline's pattern, as the runtime's executor runs an
     action: post the receive of the previous rank's tensor (`batch_isend_irecv`, prefetched
     before the compute), compute a block forward and backward, post the send of a tensor to
-    the next rank, wait for both; again and again. Puts the medians of a block's CPU
-    seconds on this thread, a round's wall seconds (all n blocks of a round must run before
-    the next: n blocks on the machine's cores), and the CPU seconds of posting one
-    transfer. Alone (n = 1): the same blocks, no group, no transfers."""
+    the next rank, wait for both; again and again. Puts the mean of a block's CPU
+    seconds on this thread, the median of a round's wall seconds (all n blocks of a round
+    must run before the next: n blocks on the machine's cores), and the mean CPU seconds
+    of posting one transfer. Alone (n = 1): the same blocks, no group, no transfers."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     if n > 1:
@@ -263,7 +271,9 @@ def _ring_worker(rank: int, port: int, results, n: int) -> None:
                 cpu.append(c)
                 wall.append(time.perf_counter() - t)
                 posts.append(post / 2)
-        results.put((statistics.median(cpu), statistics.median(wall), statistics.median(posts)))
+        # means: a total of CPU seconds is what the ranks pay, the preempted blocks'
+        # refills included (the median leaves them out: 1.22 against 1.36 at 4 here)
+        results.put((statistics.mean(cpu), statistics.median(wall), statistics.mean(posts)))
     finally:
         if n > 1:
             dist.destroy_process_group()
@@ -284,6 +294,7 @@ def ring_slowdown(n: int) -> tuple[float, float, float]:
 
 LINK_BYTES = (1 << 12, 1 << 20)  # the link probe's two message sizes
 LINK_REPEATS = 20
+BEHIND_CALLS = 100  # calls back to back for gloo's own threads' CPU per message
 POST_BYTES = 1 << 15  # the ring probe's transfers (the runtime posts each as it goes)
 
 
@@ -304,19 +315,47 @@ def _link_worker(rank: int, port: int, results) -> None:
                 dist.all_reduce(x)
                 best = min(best, time.perf_counter() - t)
             out.append(best)
+        x = torch.zeros(LINK_BYTES[0] // 4)
+
+        def behind(calls: int, messages: int, call) -> float:
+            """CPU seconds the process's other threads (gloo's) spend per message, over
+            `calls` back to back (a mean: a few calls cost milliseconds, most ~0.1)."""
+            dist.barrier()
+            own, all_ = time.thread_time(), time.process_time()
+            for _ in range(calls):
+                call()
+            return ((time.process_time() - all_) - (time.thread_time() - own)) \
+                / (calls * messages)
+
+        def round_trip():
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        out.append(behind(BEHIND_CALLS, ring_steps("allreduce", 2), lambda: dist.all_reduce(x)))
+        out.append(behind(BEHIND_CALLS, 2, round_trip))
         results.put(out)
     finally:
         dist.destroy_process_group()
 
 
-def measure_link() -> tuple[float, float]:
+def measure_link() -> tuple[float, float, float, float]:
     """(latency s per message, bytes/s) of this machine's gloo transport between two local
     processes (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n) in
-    two ring steps, so its best time at two sizes is 2 latencies + n / bandwidth."""
-    small, large = (max(t) for t in zip(*_pair(_link_worker)))
+    two ring steps, so its best time at two sizes is 2 latencies + n / bandwidth; and the CPU
+    seconds gloo's own threads spend (the process's CPU time beside the calling thread's,
+    mean over the pair's calls back to back): per ring step of a small all-reduce, and per
+    p2p message."""
+    rows = _pair(_link_worker)
+    small, large = (max(r[i] for r in rows) for i in range(2))
     per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
     intercept = max(small - LINK_BYTES[0] * per_byte, 1e-7)
-    return _two_digits(intercept / ring_steps("allreduce", 2)), _two_digits(1 / per_byte)
+    behind = statistics.mean(r[2] for r in rows) / ring_steps("allreduce", 2)
+    sent = statistics.mean(r[3] for r in rows)
+    return (_two_digits(intercept / ring_steps("allreduce", 2)), _two_digits(1 / per_byte),
+            _two_digits(max(behind, 0.0)), _two_digits(max(sent, 0.0)))
 
 
 def _free_port() -> int:
@@ -543,6 +582,8 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
                     loaded_latency_s=float(loaded),
                     attention=tuple(tuple(float(v) for v in row) for row in c["attention"]),
                     contention=float(factor),
+                    collective_cpu_s=float(c.get("collective_cpu_s", 0.0)),
+                    transfer_cpu_s=float(c.get("transfer_cpu_s", 0.0)),
                     **{k: float(c[k]) for k in DTENSOR_FIELDS})
 
 
@@ -597,12 +638,13 @@ def _measure(key: str) -> dict:
     flops, attention = measure_flops(), measure_attention()
     op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
                                                    flops, attention)
-    latency, link = measure_link()
+    latency, link, collective_cpu, transfer_cpu = measure_link()
     dtensor = dict(zip(DTENSOR_FIELDS, measure_dtensor()))
     return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s), **dtensor,
             "op_backward_s": _two_digits(op_backward_s),
             "bytes_per_s": _two_digits(4 * elements_per_s),
             "link_latency_s": latency, "link_bytes_per_s": link,
+            "collective_cpu_s": collective_cpu, "transfer_cpu_s": transfer_cpu,
             "attention": [list(r) for r in attention], "contention": {}, "posts": {}}
 
 

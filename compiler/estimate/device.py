@@ -16,6 +16,12 @@ from .devices import DTENSOR_FIELDS, NAMES, DeviceProfile, cpu_profile, dtype_of
 from ...dsl.layout import groups, mesh_layout
 
 
+SHARING_ROUNDS = 3  # busy ranks and shared stage times depend on each other (a collective's
+# wait leaves the cores to others, and lengthens with the loaded latency): this many rounds
+# of timeline -> busy -> speeds settle them (within 0.2% on the example hybrid; round 1
+# alone was 15% off)
+
+
 @dataclass(frozen=True)
 class Sharing:
     """Ranks that share one machine's cores (the local launcher on the measured CPU): each runs
@@ -70,6 +76,14 @@ class DeviceModel:
     profile: str = ""  # op times and p2p latency measured instead: the cost file (profile.py)
     hardware: Optional[DeviceProfile] = None  # what ops are costed on (optime.py)
     sharing: Optional[Sharing] = None  # the ranks share this machine: speeds are alone
+    shared_at: Optional[tuple] = None  # (Sharing, busy): speeds as `shared(busy)` made them
+
+    @property
+    def ring_step_s(self) -> float:
+        """Seconds per ring step of a collective (a message each rank sends): the message
+        latency, or on the measured CPU what gloo's own threads compute per step where that
+        is longer (small collectives there are CPU-bound: cpu_probe.measure_link)."""
+        return max(self.latency_s, self.hardware.collective_cpu_s if self.hardware else 0.0)
 
     def shared(self, busy: float) -> "DeviceModel":
         """This machine's speeds when `busy` of the plan's ranks compute at once (see
@@ -85,6 +99,8 @@ class DeviceModel:
                          latency=latency, op_s=hw.op_s * k,
                          op_backward_s=hw.op_backward_s * k,
                          post_s=hw.post_s * self.sharing.fair(busy),  # measured shared
+                         collective_cpu_s=hw.collective_cpu_s * k,
+                         transfer_cpu_s=hw.transfer_cpu_s * k,
                          **{f: getattr(hw, f) * k for f in DTENSOR_FIELDS},
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
@@ -96,7 +112,7 @@ class DeviceModel:
                        link_bytes_per_s=self.link_bytes_per_s / k, latency_s=latency,
                        tp_link_bytes_per_s=self.tp_link_bytes_per_s / k, op_s=self.op_s * k,
                        op_backward_s=self.op_backward_s * k, hardware=scaled, origin=origin,
-                       sharing=None)
+                       sharing=None, shared_at=(s, busy))
 
     def link(self, ranks: Iterable[int], inside_by_default: bool = False) -> float:
         """Bandwidth per rank of a group of global ranks: inside a node when all share one
@@ -175,7 +191,8 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
         if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
-                       cpu.post_s, {k: getattr(cpu, k) for k in DTENSOR_FIELDS}), \
+                       cpu.post_s, {k: getattr(cpu, k) for k in DTENSOR_FIELDS},
+                       (cpu.collective_cpu_s, cpu.transfer_cpu_s)), \
         cpu.origin, sharing
 
 

@@ -51,7 +51,8 @@ class RankTime:
     rank: int
     compute: float  # its ops: F, B, W and recompute
     comm: float  # exposed: collectives inside its actions + the DP reduction's tail
-    bubble: float  # waiting: for other ranks' actions, p2p arrivals, the slowest rank
+    bubble: float  # waiting: for other ranks' actions, p2p arrivals, the slowest rank (and
+    # ranks sharing a CPU: for a core, predict.shared_floor)
     optimizer: float
 
 
@@ -92,6 +93,24 @@ def tp_passes(calls, tp: int, link: float, latency: float) -> tuple[float, float
     return f, b
 
 
+def waiting_of(calls, tp: int, tp_s: tuple[float, float], exchange_s: tuple[float, float],
+               again: float, device: DeviceModel) -> tuple[float, float, float]:
+    """Costs.waiting of a stage: of the seconds its F and B spend in collectives (`tp_s`:
+    its TP calls', `calls` in tp_passes' form; `exchange_s`: EP's and CP's message
+    latencies; `again`: the forward's TP collectives recomputed in B), those its rank
+    leaves the cores to others: less what gloo's own threads compute meanwhile, per ring
+    step (the measured CPU's collective_cpu_s; 0 on an accelerator)."""
+    f_steps = sum(ring_steps(op, tp) for op, _, phase in calls if phase == "F")
+    b_steps = sum(ring_steps(op, tp) for op, _, phase in calls) - f_steps
+    step = device.ring_step_s
+    exchanges = (exchange_s[0] / step, exchange_s[1] / step) if step > 0 else (0.0, 0.0)
+    behind = device.hardware.collective_cpu_s if device.hardware else 0.0
+    f = tp_s[0] + exchange_s[0] - (f_steps + exchanges[0]) * behind
+    b = tp_s[1] + again + exchange_s[1] - (b_steps + (f_steps if again else 0)
+                                           + exchanges[1]) * behind
+    return max(0.0, f), max(0.0, b), 0.0
+
+
 def passes(calls) -> tuple[int, int]:
     """How many of a stage's TP calls (op, bytes, pass) run in the forward, in the backward."""
     f = sum(1 for *_, phase in calls if phase == "F")
@@ -114,30 +133,33 @@ def exchange_waits(plan: Plan, ep: int, ep_roles, cp_steps: tuple,
 
 def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_traffic,
                  moe_traffic, device: DeviceModel):
-    """Seconds per (F, B, W) of each stage and the p2p delay: a schedules.Costs."""
+    """Seconds per (F, B, W) of each stage and the p2p delay: a schedules.Costs, with the
+    seconds of each action its rank waits in collectives (TP's, EP's and CP's latencies)
+    as its `waiting`."""
     from ...schedules.costs import Costs
     links = mesh_links(plan, device)
     tp = plan.mesh.tp
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    table = []
+    table, waiting = [], []
     for st, t in zip(stages, ops):
         calls = _tp_microbatch(plan, tp_traffic, {st.index}, float_scale) if tp > 1 else []
-        tp_f, tp_b = tp_passes(calls, tp, links.tp, device.latency_s)
+        tp_f, tp_b = tp_passes(calls, tp, links.tp, device.ring_step_s)
         other = (ep_bytes(plan, moe_traffic, [st], float_scale) / links.ep
                  + st.cp_bytes * float_scale / links.tp)
         wait_f, wait_b = exchange_waits(
             plan, plan.mesh.ep, [x.role for x in moe_traffic if x.stage == st.index],
-            st.cp_steps, device.latency_s)
+            st.cp_steps, device.ring_step_s)
         again = tp_f if st.recompute_ops or st.recompute_flops else 0.0
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
         host_f, host_b = dtensor_host(plan, device.hardware, len(st.param_names)
                                       + len(st.buffer_names) + len(st.inputs), passes(calls))
         table.append((t.f + tp_f + other / 2 + wait_f + post + host_f,
                       t.b + tp_b + other / 2 + again + wait_b + post + host_b, t.w))
+        waiting.append(waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
-    return Costs(per_stage=tuple(table), latency=latency)
+    return Costs(per_stage=tuple(table), latency=latency, waiting=tuple(waiting))
 
 
 def exposed_reduction(jobs: list[tuple[float, float]], compute_end: float) -> float:
@@ -171,12 +193,14 @@ def exposed_gathers(actions, durations: list[float], gather_s: list[float]) -> f
 
 def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
               optimizer_s: list[float], gather_s: Optional[list[float]] = None,
-              after_s: Optional[list[float]] = None) -> tuple[float, tuple[RankTime, ...]]:
+              after_s: Optional[list[float]] = None,
+              floor: float = 0.0) -> tuple[float, tuple[RankTime, ...]]:
     """(step seconds, per pipeline rank) of one simulated step. `dp_s[s]`: seconds to reduce
     stage s's gradients over dp; `optimizer_s[r]`: rank r's optimizer step; `gather_s[s]`:
     one ZeRO-3 all-gather of stage s's parameters (None: no ZeRO-3); `after_s[r]`:
     communication rank r waits for after its actions, overlapping nothing (DiLoCo's outer
-    sync, per step on average)."""
+    sync, per step on average); `floor`: no step is shorter (shared_floor; the ranks then
+    wait for a core, counted as bubble)."""
     table = costs.stage_table(schedule.stage_to_rank)
     rows = []
     for r, actions in enumerate(schedule.order):
@@ -190,9 +214,39 @@ def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
         exposed += after_s[r] if after_s else 0.0
         rows.append((r, compute, busy - compute + gathered + exposed, end + exposed,
                      optimizer_s[r]))
-    step = max((end + opt for _, _, _, end, opt in rows), default=0.0)
+    step = max(max((end + opt for _, _, _, end, opt in rows), default=0.0), floor)
     return step, tuple(RankTime(r, c, comm, step - c - comm - opt, opt)
                        for r, c, comm, _, opt in rows)
+
+
+def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
+                 gather_steps: list[float], optimizer_s: list[float]) -> float:
+    """Ranks sharing a CPU's cores (`device.shared_at`; 0 elsewhere): no step is shorter
+    than the CPU seconds all their processes spend in it over the cores, whatever the
+    timeline says (it stretches every action alike by the busy count). A pipeline rank
+    spends, at the shared speeds: each action's seconds less its `costs.waiting`; gloo's
+    own threads' work (hardware.collective_cpu_s) per ring step of its stages' reductions
+    and all-gathers once a step (`once_steps[s]`) and of a ZeRO-3 gather of stage s
+    (`gather_steps[s]`) each time its actions come to the stage (exposed_gathers' count),
+    and per p2p transfer it posts (transfer_cpu_s); its optimizer pass. The speeds are
+    alone x extra x fair: over the fair share, x the replicas, over the cores."""
+    if device.shared_at is None:
+        return 0.0
+    sharing, busy = device.shared_at
+    hw = device.hardware
+    table = costs.stage_table(schedule.stage_to_rank)
+    waiting = costs.waiting or ((0.0, 0.0, 0.0),) * len(table.table)
+    total = sum(optimizer_s)
+    for actions in schedule.order:
+        for i, a in enumerate(actions):
+            f, b, w = waiting[a.stage]
+            total += table.time(a.op, a.stage) - {"F": f, "B": b, "W": w, "BW": b + w}[a.op]
+            if a.op != "W":
+                total += _posts(a.stage, schedule.stages) * hw.transfer_cpu_s
+            if i == 0 or a.stage != actions[i - 1].stage:
+                total += gather_steps[a.stage] * hw.collective_cpu_s
+        total += sum(once_steps[s] for s in {a.stage for a in actions}) * hw.collective_cpu_s
+    return total * sharing.replicas / (sharing.fair(busy) * sharing.cores)
 
 
 def _op_time(ops: list[OpTimes], a) -> float:
@@ -241,7 +295,7 @@ class Timing:
         hw = device.hardware
         dp_link = mesh_links(self.plan, device).dp
         waits = self.dp_waits or [(0, 0)] * len(self.dp_bytes)
-        dp_s = [b / dp_link + w * device.latency_s for b, (w, _) in zip(self.dp_bytes, waits)]
+        dp_s = [b / dp_link + w * device.ring_step_s for b, (w, _) in zip(self.dp_bytes, waits)]
         after = None
         if self.plan.sync.diloco and not every_step:  # amortised over its H inner steps
             after = [0.0] * self.plan.mesh.pp
@@ -250,13 +304,18 @@ class Timing:
             dp_s = [0.0] * len(dp_s)
         bw = hw.memory_bandwidth * hw.efficiency.memory
         opt_s = [b / bw if bw > 0 else 0.0 for b in self.optimizer_bytes]
-        gather_s = [device.latency_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
+        gather_s = [device.ring_step_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
                     for b in self.gather_bytes]
         for st, b, (_, w) in zip(self.stages, self.regather_bytes or (), waits):
             if b:
                 after = after or [0.0] * self.plan.mesh.pp
-                after[st.rank] += regather_s(b, w, dp_link, device.latency_s)
-        step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s, gather_s, after)
+                after[st.rank] += regather_s(b, w, dp_link, device.ring_step_s)
+        outer = self.plan.sync.inner_steps if self.plan.sync.diloco and not every_step else 1
+        once = [w / outer + r for w, r in waits]  # DiLoCo: one reduction per H steps
+        gathers = [self.plan.mesh.dp - 1 if b else 0 for b in self.gather_bytes]
+        floor = shared_floor(self.schedule, costs, device, once, gathers, opt_s)
+        step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s, gather_s, after,
+                                floor)
         return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
                           device.flops_per_s)
 

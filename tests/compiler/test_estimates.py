@@ -292,8 +292,77 @@ def test_the_sharing_probe_sees_an_oversubscribed_machine():
     assert measure_sharing(1) == (1.0, 0.0)
     cpu, wall, post = ring_slowdown(2 * cores())
     assert wall >= 1.4 and 0.8 < cpu < wall and 1e-6 < post < 1e-2, (cpu, wall, post)
-    idle = measure_link()[0]
+    idle, _, behind, sent = measure_link()
     assert measure_loaded_latency(2 * cores() + 2) > idle
+    assert 1e-6 < behind < 1e-2 and 0 <= sent < 1e-2, (behind, sent)  # gloo's threads' CPU
+
+
+def test_ranks_sharing_the_cores_take_no_less_than_their_cpu_seconds_over_the_cores():
+    """predict.shared_floor on a hand-built step: 2 pipeline ranks in 2 replicas on 1 core,
+    the timeline saying 0.5 of each replica's ranks busy at once (fair share 1: the speeds
+    as alone; the serial timeline, 6 s, never has both replicas' ranks on the core at
+    once in its own account). CPU seconds at the shared
+    speeds: rank 0 F 1 - 0.5 waiting + BW 2 - 0.5, rank 1 1 + 2; 4 posted transfers x 0.1;
+    the stages' once-a-step collectives 2 + 3 ring steps x 0.01; optimizers 0.2 + 0.3:
+    5.95, x 2 replicas / (1 x 1 core). The step is the floor where the timeline is
+    shorter (the rest counted as bubble), and the timeline where it is longer; a device
+    not shared has no floor."""
+    import dataclasses
+
+    from pipeplan.compiler.estimate.device import DeviceModel, Sharing
+    from pipeplan.compiler.estimate.devices import cpu_profile
+    from pipeplan.compiler.estimate.optime import OpTimes
+    from pipeplan.compiler.estimate.predict import breakdown, shared_floor, waiting_of
+    from pipeplan.schedules import Action, Costs, Schedule, simulate
+    order = ((Action("F", 0, 0), Action("BW", 0, 0)), (Action("F", 1, 0), Action("BW", 1, 0)))
+    sched = Schedule("custom", 2, 2, 1, (0, 1), order)
+    costs = Costs(per_stage=((1.0, 2.0, 0.0), (1.0, 2.0, 0.0)),
+                  waiting=((0.5, 0.5, 0.0), (0.0, 0.0, 0.0)))
+    hw = cpu_profile(1e9, 0.0, 0.0, behind=(0.01, 0.1))
+    shared = DeviceModel(hardware=hw, shared_at=(Sharing(4, 1, 1.0, replicas=2), 0.5))
+    floor = shared_floor(sched, costs, shared, [2, 3], [0, 0], [0.2, 0.3])
+    assert floor == pytest.approx(5.95 * 2 / (1 * 1))
+    assert shared_floor(sched, costs, dataclasses.replace(shared, shared_at=None), [2, 3],
+                        [0, 0], [0.2, 0.3]) == 0.0
+    sim = simulate(sched, costs)
+    ops = [OpTimes(1.0, 1.0, 1.0)] * 2
+    step, ranks = breakdown(sched, sim, ops, costs, [0.0, 0.0], [0.2, 0.3], floor=floor)
+    assert sim.makespan + 0.3 < floor and step == pytest.approx(floor)
+    assert all(r.compute + r.comm + r.bubble + r.optimizer == pytest.approx(step) for r in ranks)
+    step, _ = breakdown(sched, sim, ops, costs, [0.0, 0.0], [0.2, 0.3], floor=1.0)
+    assert step == pytest.approx(6.0 + 0.2)  # the timeline's: rank 0 ends last, then its optimizer
+    # waiting: a collective's seconds less gloo's own threads' CPU per ring step, >= 0:
+    # an F all-reduce of 2 ranks (2 steps) and 2 exchange messages (0.5 s each); B one
+    # all-reduce and the forward's again (4 steps of 0.2 s of CPU: more than its seconds)
+    device = dataclasses.replace(shared, latency_s=0.5, hardware=dataclasses.replace(
+        hw, collective_cpu_s=0.2))
+    calls = [("allreduce", 8, "F"), ("allreduce", 8, "B")]
+    assert waiting_of(calls, 2, (1.5, 0.3), (1.0, 0.0), 0.2, device) == pytest.approx(
+        (2.5 - 4 * 0.2, 0.0, 0.0))
+
+
+def test_shared_speeds_settle_to_the_busy_count_of_their_own_timeline():
+    """Busy ranks and shared speeds depend on each other where collectives wait inside
+    actions (the hybrid example: tp = 2 on this CPU's measured model): the compiled plan's
+    speeds are those of the busy count its own final timeline gives (device.SHARING_ROUNDS;
+    one round was 15% off on the example), and that count leaves out the collectives'
+    waits (less than if every action computed all along)."""
+    import dataclasses
+
+    from pipeplan.compiler.estimate.device import device_model
+    from pipeplan.dsl import load_plan
+    from pipeplan.schedules import Costs
+    compiled = compile_plan(load_plan("examples/hybrid_pp2_dp2_tp2.plan"))
+    sim = compiled.estimates.simulation
+    alone = device_model(compiled.plan)
+    if alone.sharing is None:
+        pytest.skip("a CUDA machine: nothing shared")
+    again = alone.shared(sim.concurrency)
+    assert compiled.estimates.device_model["flops_per_s"] == pytest.approx(
+        again.flops_per_s, rel=0.01)
+    assert any(w > 0 for ws in sim.costs.waiting for w in ws)
+    computing = dataclasses.replace(sim, costs=Costs(per_stage=sim.costs.per_stage))
+    assert sim.concurrency < computing.concurrency
 
 
 def test_no_device_section_on_cpu_uses_a_measured_cached_cpu_model(make_plan, tmp_path,
@@ -393,8 +462,8 @@ def test_a_rank_in_a_process_group_can_probe_the_cpu():
         if rank.is_alive():
             rank.kill()
     assert isinstance(got, tuple), got  # not an error's text
-    latency, bandwidth = got
-    assert 0 < latency < 1e-2 and bandwidth > 1e6
+    latency, bandwidth, behind, sent = got
+    assert 0 < latency < 1e-2 and bandwidth > 1e6 and behind > 0 and sent >= 0
 
 
 def _probe_in_a_group(results) -> None:

@@ -5,7 +5,7 @@ import pytest
 
 from pipeplan.compiler import compile_plan
 from pipeplan.compiler.estimate.report import render_summary
-from pipeplan.dsl.ast import InputSpec, MeshSpec, SyncSpec, TrainSpec
+from pipeplan.dsl.ast import DeviceSpec, InputSpec, MeshSpec, SyncSpec, TrainSpec
 
 # Regressor(layers=4, dim=8) in two stages of two Linear(8, 8): 2 * (64 + 8) fp32 params each
 PARAMS_PER_STAGE = 2 * (8 * 8 + 8)
@@ -16,7 +16,9 @@ def _compile(make_plan, sync: SyncSpec, virtual: int = 1):
                      inputs=(InputSpec("x", "float32", ("batch", 8)),), microbatches=4,
                      schedule="interleaved" if virtual > 1 else "1f1b", virtual=virtual,
                      mesh=MeshSpec(pp=2, dp=2), sync=sync,
-                     train=TrainSpec(steps=20, global_batch=16))
+                     train=TrainSpec(steps=20, global_batch=16),
+                     device=DeviceSpec("h100", ranks_per_node=1))  # one rank a node: the step by
+    # the timeline (the measured CPU's shared cores add a floor: test_estimates.py)
     return compile_plan(plan)
 
 

@@ -1,4 +1,6 @@
 """The simulator: timing semantics, bounds, idle attribution, critical path."""
+import dataclasses
+
 import pytest
 
 from pipeplan.schedules import Action, Costs, Schedule, generate, simulate
@@ -84,6 +86,29 @@ def test_concurrency_is_what_a_computing_rank_sees():
                       busy=(2.0,), idle=(0.0,), peak_activations=(0.0,), lower_bound=2.0,
                       start=((0.0, 1.0),), end=((1.0, 2.0),))
     assert alone.concurrency == pytest.approx(1.0)
+
+
+def test_concurrency_counts_only_the_computing_share_of_an_action():
+    """Costs.waiting: a rank waiting in a collective inside its action leaves the core to
+    the others. One stage per rank, rank 0's F on [0, 2] all computing, rank 1's F on
+    [1, 2] half waiting (its F is 1 s, 0.5 of it waiting): k = 1 on [0, 1], 1.5 on [1, 2]:
+    (1 + 2.25) / (1 + 1.5). Waiting is clipped to the op's own time, needs per-stage costs."""
+    from pipeplan.schedules.costs import Costs
+    from pipeplan.schedules.errors import ScheduleError
+    from pipeplan.schedules.simulate import SimResult
+    sched = Schedule(name="custom", ranks=2, stages=2, microbatches=1,
+                     stage_to_rank=(0, 1), order=((Action("F", 0, 0),), (Action("F", 1, 0),)))
+    costs = Costs(per_stage=((2.0, 0.0, 0.0), (1.0, 0.0, 0.0)),
+                  waiting=((0.0, 0.0, 0.0), (0.5, 9.0, 0.0)))
+    assert costs.waiting[1] == (0.5, 0.0, 0.0)  # clipped: B costs nothing here
+    sim = SimResult(schedule=sched, costs=costs, makespan=2.0, bubble=0.25, span_bubble=0.0,
+                    busy=(2.0, 1.0), idle=(0.0, 1.0), peak_activations=(0.0, 0.0),
+                    lower_bound=2.0, start=((0.0,), (1.0,)), end=((2.0,), (2.0,)))
+    assert sim.concurrency == pytest.approx(3.25 / 2.5)
+    plain = dataclasses.replace(sim, costs=Costs(per_stage=costs.per_stage))
+    assert plain.concurrency == pytest.approx(5 / 3)  # waiting unknown: all computing
+    with pytest.raises(ScheduleError, match="waiting"):
+        Costs(waiting=((0.0, 0.0, 0.0),))
 
 
 def test_held_states_give_the_peaks_held_peaks_walks():
