@@ -63,6 +63,8 @@ class Prediction:
     flops_per_gpu: float  # model FLOPs per step per GPU (recompute counted: hardware FLOPs)
     model_flops_per_gpu: float  # without recompute: what MFU counts
     peak: float  # the device's peak FLOP/s in the compute precision
+    cpu_s: float = 0.0  # ranks sharing a CPU: its processes' CPU seconds per step (the floor
+    # x the cores: predict.shared_floor); 0 elsewhere
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -317,7 +319,8 @@ class Timing:
         step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s, gather_s, after,
                                 floor)
         return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
-                          device.flops_per_s)
+                          device.flops_per_s,
+                          floor * device.shared_at[0].cores if device.shared_at else 0.0)
 
 
 def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:

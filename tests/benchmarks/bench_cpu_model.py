@@ -14,8 +14,11 @@ sharing the cores, and the slots' CPU time on each rank's thread (the profile's 
 action's compute and the posting of its transfers) against the prediction for a rank alone
 times the sharing probe's `extra`, plus posting as the probe measured it among the ranks
 (caches and switching cost CPU time; the fair share of the cores is waiting, not computing):
-the per-op model without the scheduler's time slices. On a loaded shared machine the
-measurement moves with the load: report what you get.
+the per-op model without the scheduler's time slices. Then a line per plan: the predicted
+step and, the ranks sharing the cores, the CPU seconds per step of all their processes that
+the floor counts (predict.shared_floor), beside the run's own (its "CPU on ..." line: the
+processes' CPU seconds per step, the step, the cores' busy share; median over the runs). On
+a loaded shared machine the measurement moves with the load: report what you get.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
 thread, on random weights (the runtime's StageRunner), timed in thread CPU time (median of
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,12 +39,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PLANS = ("examples/gpt_pp4_1f1b.plan", "examples/hybrid_pp2_dp2_tp2.plan")
 
 
+CPU_LINE = re.compile(r"^CPU on .*: the ranks' processes ([0-9.]+) ms per step .* the step "
+                      r"([0-9.]+) ms: the cores busy ([0-9.]+) of it$", re.M)
+
+
 def measured(plan: str, out: str) -> dict:
-    subprocess.run([sys.executable, "-m", "pipeplan", "profile", plan, "-o", out,
-                    "--steps", "4", "--warmup", "2"], check=True, cwd=REPO,
-                   stdout=subprocess.DEVNULL)
+    """The cost file of a `pipeplan profile` run, with the run's CPU line (its processes'
+    CPU seconds per step, the step's seconds, the cores' busy share) as "machine"."""
+    run = subprocess.run([sys.executable, "-m", "pipeplan", "profile", plan, "-o", out,
+                          "--steps", "4", "--warmup", "2"], check=True, cwd=REPO,
+                         stdout=subprocess.PIPE, text=True)
     with open(out, encoding="utf-8") as f:
-        return json.load(f)
+        costs = json.load(f)
+    found = CPU_LINE.search(run.stdout)
+    if found:
+        cpu, step, busy = map(float, found.groups())
+        costs["machine"] = {"cpu": cpu / 1e3, "step": step / 1e3, "busy": busy}
+    return costs
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -53,6 +68,9 @@ def median_of(runs: list[dict]) -> dict:
         return statistics.median(values) if values else None
     out = dict(runs[0])
     out["stages"] = []
+    machines = [r["machine"] for r in runs if "machine" in r]
+    if machines:
+        out["machine"] = {k: med([m[k] for m in machines]) for k in machines[0]}
     for i, st in enumerate(runs[0]["stages"]):
         row = dict(st)
         for op in ("F", "B", "W", "BW"):
@@ -127,6 +145,22 @@ def alone(plan_path: str) -> None:
               f"({(b + w) / mb:.3f})")
 
 
+def step(estimates, machine) -> None:
+    """The step against the run's: predicted seconds and, ranks sharing the cores, the CPU
+    seconds per step the floor counts (predict.shared_floor) beside the measured ones."""
+    p = estimates.prediction
+    line = f"step: predicted {estimates.step_time_s * 1e3:.1f} ms"
+    if p.cpu_s:
+        line += f" (CPU {p.cpu_s * 1e3:.1f} ms per step over the cores: no step shorter)"
+    if machine:
+        line += (f"; measured {machine['step'] * 1e3:.1f} ms, CPU {machine['cpu'] * 1e3:.1f} "
+                 f"ms per step (the cores busy {machine['busy']:.2f}); predicted / measured: "
+                 f"step {estimates.step_time_s / machine['step']:.3f}")
+        if p.cpu_s:
+            line += f", CPU {p.cpu_s / machine['cpu']:.3f}"
+    print(line)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--alone"]:
         for plan_path in argv[1:] or PLANS[:1]:
@@ -165,6 +199,7 @@ def main(argv: list[str]) -> int:
                     worst_cpu = max(worst_cpu, abs(pa / c - 1))
                     line += f" {pa * 1e3:>20.3f} {c * 1e3:>14.3f} {pa / c:>6.3f}"
                 print(line)
+        step(shared.estimates, costs.get("machine"))
     print(f"largest deviation: slots (wall, shared cores) {worst:.1%}; CPU time (each rank's "
           f"own compute) {worst_cpu:.1%}")
     return 0
