@@ -92,12 +92,10 @@ class SimResult:
 
     def _computing(self, action: Optional[Action], span: float) -> float:
         """The share of `span` (the action's simulated time) its rank computes."""
-        waiting = self.costs.waiting
-        if waiting is None or action is None:
+        if self.costs.waiting is None or action is None:
             return 1.0
-        _, b, w = waiting[action.stage]
-        wait = {F: waiting[action.stage][0], B: b, W: w, BW: b + w}[action.op]
-        return max(0.0, 1.0 - wait / span)
+        waits = StageCosts(self.costs.waiting, 0.0)  # the op's waiting, as its time is read
+        return max(0.0, 1.0 - waits.time(action.op, action.stage) / span)
 
     @property
     def lower_bound_bubble(self) -> float:

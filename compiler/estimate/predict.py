@@ -236,13 +236,13 @@ def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
         return 0.0
     sharing, busy = device.shared_at
     hw = device.hardware
+    from ...schedules.costs import StageCosts
     table = costs.stage_table(schedule.stage_to_rank)
-    waiting = costs.waiting or ((0.0, 0.0, 0.0),) * len(table.table)
+    waiting = StageCosts(costs.waiting or ((0.0, 0.0, 0.0),) * len(table.table), 0.0)
     total = sum(optimizer_s)
     for actions in schedule.order:
         for i, a in enumerate(actions):
-            f, b, w = waiting[a.stage]
-            total += table.time(a.op, a.stage) - {"F": f, "B": b, "W": w, "BW": b + w}[a.op]
+            total += table.time(a.op, a.stage) - waiting.time(a.op, a.stage)
             if a.op != "W":
                 total += _posts(a.stage, schedule.stages) * hw.transfer_cpu_s
             if i == 0 or a.stage != actions[i - 1].stage:
