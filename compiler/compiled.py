@@ -65,6 +65,8 @@ class StageSpec:
     cp_bytes: int = 0  # context parallel: bytes a rank's all-to-alls / ring hops send per microbatch (F+B)
     cp_calls: int = 0  # ... its all-to-alls / ring sends per microbatch (F+B)
     cp_steps: tuple = (0, 0)  # ... the message latencies it waits per microbatch (F, B)
+    made: int = 0  # values its forward makes from no input or parameter (masks, positions)
+    # that meet ones that are: eager tp wraps each per microbatch (parallel/tp.graph_made)
     joint: Any = None  # compile.mode = graphs: the stage's joint graph (compiler/graphs/joint.py; not serialised)
 
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 from .capture.analysis import MetaRun
 from .capture.blocks import block_of, module_path
 from .compiled import BATCH, StageSpec, ValueRef
+from .parallel.tp import graph_made
 from .partition import Split, compute_nodes
 
 LOSS = "loss"
@@ -112,11 +113,13 @@ def _stage(gm: fx.GraphModule, k: int, layout: _Layout, sends: tuple, run: MetaR
         if name in non_persistent:
             owner, _, leaf = name.rpartition(".")
             module.get_submodule(owner).register_buffer(leaf, buf, persistent=False)
+    original = {new: old for old, new in env.items()}
     return StageSpec(
         index=k, rank=k, inputs=tuple(inputs), outputs=outputs,
         param_names=tuple(n for n, _ in module.named_parameters(remove_duplicate=False)),
         buffer_names=tuple(n for n, _ in module.named_buffers(remove_duplicate=False)),
-        module_names=_blocks_in(mine, blocks), code=module.code, module=module)
+        module_names=_blocks_in(mine, blocks), code=module.code, module=module,
+        made=sum(1 for n in graph_made(module) if run.is_tensor(original[n])))
 
 
 def _blocks_in(nodes: list[fx.Node], blocks: set[str]) -> tuple[str, ...]:

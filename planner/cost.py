@@ -36,7 +36,7 @@ from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, 
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
-    passes, regather_s, shared_floor, tp_passes, waiting_of
+    passes, regather_s, shared_floor, step_sync, tp_passes, waiting_of
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -132,10 +132,11 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
                                     (sum(u.cp_steps[0] for u in run),
                                      sum(u.cp_steps[1] for u in run)), device.ring_step_s)
     again = tp_f if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
-    # wrapped tensors: the units' trainable parameters and the stage's input (buffers are
-    # not in the units: on the measured CPU the planner's stage is a little cheaper here)
-    host_f, host_b = dtensor_host(plan, device.hardware, sum(len(u.params) for u in run) + 1,
-                                  passes(calls))
+    # wrapped tensors: the units' trainable parameters, the values they make (masks) and the
+    # stage's input (buffers are not in the units: on the measured CPU the planner's stage
+    # is a little cheaper here)
+    host_f, host_b = dtensor_host(plan, device.hardware,
+                                  sum(len(u.params) + u.made for u in run) + 1, passes(calls))
     waiting = waiting_of(calls, c.tp, (tp_f, tp_b), (wait_f, wait_b), again, device)
     return t, (t.f + tp_f + other / 2 + wait_f + host_f,
                t.b + tp_b + other / 2 + again + wait_b + host_b, t.w), waiting
@@ -642,9 +643,13 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     plan = plan_of(units.plan, c, units.blocks, sh.split)
     dp_s, opt_s, gather_s, after, once, gathers = _reduction_and_optimizer(
         units, c, plan, sh, sched.stage_to_rank, device)
-    floor = shared_floor(sched, costs, device, once, gathers, opt_s)
+    sync, loss_steps, tied_steps = step_sync(plan, _tied_sums(units, c, plan, sh,
+                                                          sched.stage_to_rank),
+                                             len(sh.per_stage), device)
+    once = [o + t for o, t in zip(once, tied_steps)]
+    floor = shared_floor(sched, costs, device, once, gathers, opt_s, loss_steps)
     step, times = breakdown(sched, sim, list(sh.ops), costs, dp_s, opt_s, gather_s,
-                            after if any(after) else None, floor)
+                            after if any(after) else None, floor, sync)
     prepass = routing_prepass_s(plan, sched, costs)
     states = [rk.param_bytes + rk.grad_bytes + rk.optimizer_bytes for rk in ranks]
     peak = max(s + int(a) for s, a in zip(states, peaks))
@@ -697,6 +702,33 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
         gathers.append(c.dp - 1 if gather else 0)
         gather_s.append(device.ring_step_s * (c.dp - 1) + gather / sh.links.dp if gather else 0.0)
     return dp_s, [b / bw if bw > 0 else 0.0 for b in opt], gather_s, after, once, gathers
+
+
+def _tied_sums(units: Units, c: Candidate, plan, sh: Shape, stage_rank) -> list[list]:
+    """Per pipeline rank, (stage, bytes, holders) of each tied gradient it sums with the
+    other pipeline ranks holding it (estimates.tied_sums' numbers): a parameter that units
+    in stages on different ranks hold, its local size on the first such stage of a rank."""
+    table = _table(units, c)
+    bounds = (0,) + sh.split + (len(table),)
+    where: dict = {}
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for u in table[a:b]:
+            for key, kind, n in u.params:
+                where.setdefault(key, {}).setdefault(s, (kind, n))
+    grad = state_bytes(plan).grad
+    out = [[] for _ in range(c.pp)]
+    for at in where.values():
+        ranks = {stage_rank[s] for s in at}
+        if len(ranks) < 2:
+            continue
+        first = {}
+        for s in sorted(at):
+            first.setdefault(stage_rank[s], s)
+        for r, s in first.items():
+            kind, n = at[s]
+            local = n // c.tp if kind == TENSOR_PARALLEL else n // c.ep if kind == EXPERT else n
+            out[r].append((s, local * grad, len(ranks)))
+    return out
 
 
 def _stage_layout(units: Units, c: Candidate, table: list[Unit], s: int, a: int,

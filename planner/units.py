@@ -82,6 +82,7 @@ class Unit:
     ep_weights: int
     ep_roles: tuple  # the traffic roles of its experts calls, one per item (their all-to-alls)
     params: tuple  # (key, kind, numel before tp/ep division)
+    made: int  # values it makes from no input or parameter (StageSpec.made: eager tp wraps)
     work: StageWork = field(default_factory=StageWork)  # its ops (optime.py), whole shapes
 
 
@@ -406,7 +407,8 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                         ep_weights=sum(t.nbytes for t in moe_traffic
                                        if t.stage == st.index and t.role == "weights"),
                         ep_roles=tuple(t.role for t in moe_traffic if t.stage == st.index),
-                        params=_params(st, kinds, expert_params, plan), work=works[st.index]))
+                        params=_params(st, kinds, expert_params, plan), made=st.made,
+                        work=works[st.index]))
                 units.tables[(mbs, tp_on, sp, mode, cp)] = table
     return traced
 

@@ -31,12 +31,15 @@ them a plan's own model or shapes:
   processes than cores a blocked peer waits for the scheduler;
 * host time per op on DTensors: eager tensor parallelism runs a stage's ops on DTensors
   (backends/parallel/tp/dtensor.py), and each op then also pays DTensor's dispatch
-  (sharding propagation, wrapping) on the host. Two gloo processes run a residual MLP
-  stack (layer norm, linear, GELU, linear; width 8, FLOPs negligible) with plain and with
-  replicated DTensor parameters and input over their 2-rank mesh; the difference per op
-  the forward dispatches, forward and backward, the median of 20 runs; and what wrapping
-  one tensor costs (`from_local`; the rest of its round trip: `to_local` and both
-  backwards) and what a Partial -> Replicate redistribution costs beyond its all-reduce;
+  (sharding propagation, wrapping) on the host. Two gloo processes run transformer blocks
+  (layer norm, q/k/v, attention on heads, projection, GELU MLP; width 32, FLOPs small)
+  plain and in the TP rewrite's pattern (`_TpBlock`: every parameter wrapped per call,
+  column layers' outputs and row layers' inputs sharded, a redistribution at each column
+  entry and row output, attention on the local heads); the wraps and redistributions are
+  timed in place (a wrap costs ~1.5x in a stage what it does in a tight loop: the caches
+  hold the whole stage's code and data there), the rest of the difference per op the
+  forward dispatches, forward and backward, the median of 20 runs; and the rest of a
+  wrap's round trip (`to_local` and both backwards) beyond a plain tensor's backward;
 * sharing (contention and posting): the local launcher starts every rank on this machine,
   so a rank computes at the speed N processes get together, not at 1/N of one: N
   processes (one thread each) run a pipeline's pattern as the executor runs an action, a
@@ -78,6 +81,7 @@ from .devices import DTENSOR_FIELDS  # measure_dtensor's order
 
 N, REPEATS, ROUNDS = 512, 8, 5
 WIDTH, TOKENS, BLOCKS = 8, 16, 4  # the op-time probe: FLOPs negligible, ops as a model's
+TP_WIDTH, TP_HEADS = 32, 4  # the DTensor probe's transformer blocks (FLOPs small)
 HEAD_DIMS, ATTN_SEQ, ATTN_BH = (16, 32, 64, 128), 128, (2, 4)  # the attention probe
 # the sharing probe: one width-32 block of 128 tokens (~1 ms forward and backward here, an
 # action's length in the example plans: the shorter the compute between handoffs, the more
@@ -113,10 +117,11 @@ def cache_path() -> str:
     return os.path.join(base, "cpu_flops.json")
 
 
-PROBE_VERSION = 4  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
+PROBE_VERSION = 5  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
 # 3: contention and posting a transfer measured per rank count in a ring of handoffs;
 # 4: gloo's own threads' CPU per collective ring step and per p2p message; the ring's
-# block and post CPU as means
+# block and post CPU as means; 5: DTensor's host time on transformer blocks in the TP
+# rewrite's pattern, its parts timed in place
 
 
 def _key() -> str:
@@ -399,20 +404,43 @@ def _pair(worker) -> list:
     return _ranks(worker, 2)
 
 
-def _mlp_stack(width: int = WIDTH, tokens: int = TOKENS, blocks: int = BLOCKS):
-    """Residual blocks of layer norm, linear, GELU, linear: ops DTensor has rules for (the
-    CPU's fused attention has none: the runtime runs attention on local heads)."""
-    class Residual(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm, self.up = nn.LayerNorm(width), nn.Linear(width, 4 * width)
-            self.down = nn.Linear(4 * width, width)
+class _TpBlock(nn.Module):
+    """A pre-norm transformer block (attention on heads, GELU MLP) that runs plain, or in
+    the TP rewrite's pattern (backends/parallel/tp/rewrite.py) when handed its hooks:
+    `wrap(name, tensor)` every parameter per call, `entry(x)` at each column layer's input
+    and `row(y)` at each row layer's output (redistributions to Replicate), `attend` the
+    attention core (on the local heads, as dtensor.HeadLocal runs it)."""
 
-        def forward(self, x):
-            return x + self.down(F.gelu(self.up(self.norm(x))))
-    torch.manual_seed(0)
-    return nn.Sequential(*(Residual() for _ in range(blocks))), \
-        torch.randn(2, tokens, width, requires_grad=True)
+    def __init__(self, width: int = TP_WIDTH):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.q, self.k, self.v, self.proj = (nn.Linear(width, width) for _ in range(4))
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.width = width
+
+    def forward(self, x, hooks=None):
+        wrap, entry, row, attend = hooks or (
+            lambda n, t: t, lambda t: t, lambda t: t, F.scaled_dot_product_attention)
+        p = {n: wrap(n, t) for n, t in self.named_parameters()}
+        b, s, _ = x.shape
+        h = entry(F.layer_norm(x, (self.width,), p["ln1.weight"], p["ln1.bias"]))
+        q, k, v = (F.linear(h, p[f"{n}.weight"], p[f"{n}.bias"])
+                   .view(b, s, -1, self.width // TP_HEADS).transpose(1, 2) for n in "qkv")
+        a = attend(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        x = x + row(F.linear(a, p["proj.weight"], p["proj.bias"]))
+        h = entry(F.layer_norm(x, (self.width,), p["ln2.weight"], p["ln2.bias"]))
+        up = F.gelu(F.linear(h, p["up.weight"], p["up.bias"]))
+        return x + row(F.linear(up, p["down.weight"], p["down.bias"]))
+
+
+def _tp_placement(name: str):
+    """The rewrite's placement of a _TpBlock parameter: column layers (q, k, v, up) split
+    their outputs (dim 0), row layers (proj, down) their weights' inputs (dim 1)."""
+    from torch.distributed.tensor import Replicate, Shard
+    module, _, leaf = name.partition(".")
+    if module in ("q", "k", "v", "up"):
+        return Shard(0)
+    return Shard(1) if module in ("proj", "down") and leaf == "weight" else Replicate()
 
 
 def _typical_forward_backward(model, x) -> tuple[float, float]:
@@ -436,53 +464,109 @@ def _typical_forward_backward(model, x) -> tuple[float, float]:
 def _dtensor_worker(rank: int, port: int, results) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from ..capture.analysis import OpCounter
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        model, x = _mlp_stack()
-        with OpCounter() as counted:
-            model(x)
-        plain = _typical_forward_backward(model, x)
         mesh = init_device_mesh("cpu", (2,))
-        for name, p in list(model.named_parameters()):
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf,
-                    nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
-        dx = DTensor.from_local(x.detach().requires_grad_(), mesh, [Replicate()],
-                                run_check=False)
-        wrapped = _typical_forward_backward(model, dx)
-        per_op = tuple(max(w - p, 0.0) / counted.count for w, p in zip(wrapped, plain))
-        # a tensor the rewrite wraps: from_local, and the rest of its round trip (to_local,
-        # both backwards) beyond a plain tensor's; a Partial -> Replicate redistribution
-        # beyond its own all-reduce and wrap
-        t = torch.randn(2, TOKENS, 4 * WIDTH, requires_grad=True)
-        y = torch.zeros(2, TOKENS, 4 * WIDTH)  # summed in place over and over: stays finite
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(_TpBlock() for _ in range(BLOCKS))
+        x = torch.randn(2, TOKENS, TP_WIDTH, requires_grad=True)
+        spent: dict[str, list] = {"wrap": [0.0, 0], "redistribute": [0.0, 0]}
 
-        def wrap(v, p=Replicate()):
-            return DTensor.from_local(v, mesh, [p], run_check=False)
-        calls = (lambda: t.sum().backward(), lambda: wrap(t),
-                 lambda: wrap(t).to_local().sum().backward(), lambda: dist.all_reduce(y),
-                 lambda: wrap(y, Partial()).redistribute(mesh, [Replicate()]).to_local())
-        rounds = []  # each a difference of timed calls: paired round by round, the median
-        for _ in range(2 * ROUNDS + 1):  # (one slow moment moves one round, not the result)
-            plain_backward, wrap_s, trip, reduce, redistribute = (
-                _best(fn, LINK_REPEATS, rounds=1) for fn in calls)
-            rounds.append((wrap_s, trip - plain_backward - wrap_s,
-                           redistribute - reduce - wrap_s))
-        results.put(per_op + tuple(max(statistics.median(r), 0.0) for r in zip(*rounds)))
+        def timed(kind, fn):  # thread CPU inside the rewrite's own calls, in place
+            def call(*args):
+                t = time.thread_time()
+                out = fn(*args)
+                spent[kind][0] += time.thread_time() - t
+                spent[kind][1] += 1
+                return out
+            return call
+
+        def local_heads(q, k, v):
+            out = F.scaled_dot_product_attention(q.to_local(), k.to_local(), v.to_local())
+            return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+        replicate = timed("redistribute", lambda t: t.redistribute(mesh, [Replicate()]))
+        hooks = (timed("wrap", lambda n, t: DTensor.from_local(t, mesh, [_tp_placement(n)],
+                                                               run_check=False)),
+                 replicate, replicate, local_heads)
+        wrap_input = timed("wrap", lambda t: DTensor.from_local(t, mesh, [Replicate()],
+                                                                run_check=False))
+
+        def stack(y, tp):
+            y = wrap_input(y) if tp else y
+            for block in blocks:
+                y = block(y, hooks if tp else None)
+            return y.to_local() if tp else y
+
+        with OpCounter() as counted:
+            stack(x, False)
+        rows = 2 * BLOCKS  # row outputs: one all-reduce each forward, one column entry's back
+        plain, tp = _in_place(stack, x, False, spent), _in_place(stack, x, True, spent)
+        reduce = statistics.median(_cpu_of(lambda: dist.all_reduce(torch.ones(
+            2, TOKENS, TP_WIDTH))) for _ in range(4 * ROUNDS))
+        wrap_s = tp["wrap"][0] / tp["wrap"][1]
+        redistribute_s = max(tp["redistribute"][0] - rows * reduce, 0.0) / rows
+        op_s = max(tp["f"] - plain["f"] - tp["wrap"][0] - tp["redistribute"][0], 0.0) \
+            / counted.count
+        # the rest of a wrap's round trip (to_local, both backwards), beyond a plain tensor's
+        # backward (paired round by round, the median; it cannot be timed in place)
+        t = torch.randn(2, TOKENS, 4 * TP_WIDTH, requires_grad=True)
+        trips = []
+        for _ in range(2 * ROUNDS + 1):
+            plain_backward = _best(lambda: t.sum().backward(), LINK_REPEATS, rounds=1)
+            one = _best(lambda: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
+                        LINK_REPEATS, rounds=1)
+            trip = _best(lambda: DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                         .to_local().sum().backward(), LINK_REPEATS, rounds=1)
+            trips.append(trip - plain_backward - one)
+        wrap_back = max(statistics.median(trips), 0.0)
+        op_b = max(tp["b"] - plain["b"] - tp["wrap"][1] * wrap_back
+                   - rows * (redistribute_s + reduce), 0.0) / counted.count
+        results.put((op_s, op_b, wrap_s, wrap_back, redistribute_s))
     finally:
         dist.destroy_process_group()
 
 
+def _cpu_of(fn) -> float:
+    """Thread CPU seconds of one `fn()`."""
+    t = time.thread_time()
+    fn()
+    return time.thread_time() - t
+
+
+def _in_place(stack, x, tp: bool, spent: dict) -> dict:
+    """Median thread-CPU seconds of `stack`'s forward ("f") and backward ("b") over 4 x
+    ROUNDS runs (after ROUNDS), and per kind in `spent` the median seconds and calls of
+    its forward: a stage's typical time, its parts timed where the stage runs them."""
+    for _ in range(ROUNDS):
+        stack(x, tp).sum().backward()
+    runs = []
+    for _ in range(4 * ROUNDS):
+        for v in spent.values():
+            v[:] = [0.0, 0]
+        t = time.thread_time()
+        out = stack(x, tp)
+        t1 = time.thread_time()
+        parts = {k: tuple(v) for k, v in spent.items()}
+        out.sum().backward()
+        runs.append((t1 - t, time.thread_time() - t1, parts))
+    out = {"f": statistics.median(r[0] for r in runs), "b": statistics.median(r[1] for r in runs)}
+    for k in spent:
+        out[k] = (statistics.median(r[2][k][0] for r in runs), runs[0][2][k][1])
+    return out
+
+
 def measure_dtensor() -> tuple[float, ...]:
     """Host seconds DTensor adds in eager tensor parallelism, from two gloo processes (the
-    slower process's numbers): per op of a forward, forward and backward (the same MLP
-    stack with plain and with replicated DTensor parameters); per tensor wrapped, forward
-    and the rest of its round trip; per redistribution beyond its collective."""
+    slower process's numbers), on transformer blocks in the rewrite's pattern (_TpBlock):
+    per op of a forward, forward and backward, beyond the plain blocks' (its parts timed
+    in place taken out); per tensor wrapped, forward (in place) and the rest of its round
+    trip; per redistribution beyond its collective (in place: a row output's all-reduce
+    and the next column entry's)."""
     return tuple(_two_digits(max(max(t), 1e-7)) for t in zip(*_pair(_dtensor_worker)))
 
 

@@ -136,9 +136,11 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                                       _partial_grads(plan, layout))
         est.collectives.update({k: b for k, (_, b) in implied.items()})
         est.collective_calls.update({k: c for k, (c, _) in implied.items()})
-        tied_grads = _tied_grads(tied, stages, r, layout, state_bytes(plan).grad)
+        tied_grads = [(n, k) for _, n, k in tied_sums(tied, stages, r, layout,
+                                                       state_bytes(plan).grad)]
         if tied_grads:
             est.collectives[("tied", "allreduce")] = sum(n for n, _ in tied_grads)
+            est.collective_calls[("tied", "allreduce")] = len(tied_grads)
         est.flops = sum(3 * st.flops + st.recompute_flops for st in mine) * plan.microbatches \
             / mesh.tp
         est.comm_bytes.update({
@@ -343,15 +345,17 @@ def _p2p_bytes(stages: list[StageSpec], rank: int, m: int, float_scale: float,
     return sent * m
 
 
-def _tied_grads(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int,
-                layout: RankShards, gb: int) -> list[tuple[int, int]]:
-    """(bytes, holding ranks) of each tied gradient this rank all-reduces with the other
-    pipeline ranks holding it (its local size: a vocab-parallel weight's TP slice)."""
+def tied_sums(tied: tuple[TiedParam, ...], stages: list[StageSpec], rank: int,
+              layout: RankShards, gb: int) -> list[tuple[int, int, int]]:
+    """(stage, bytes, holding ranks) of each tied gradient pipeline rank `rank` all-reduces
+    with the other pipeline ranks holding it (backends/runtime/grads.py: sum_tied; its
+    local size: a vocab-parallel weight's TP slice; the stage: the one on this rank that
+    holds it)."""
     out = []
     for t in tied:
         ranks = [stages[s].rank for s in t.stages]
         if rank in ranks and len(set(ranks)) > 1:
             i = ranks.index(rank)
             p = stages[t.stages[i]].module.get_parameter(t.names[i])
-            out.append((layout.numel[id(p)] * gb, len(set(ranks))))
+            out.append((t.stages[i], layout.numel[id(p)] * gb, len(set(ranks))))
     return out

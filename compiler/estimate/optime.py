@@ -205,7 +205,7 @@ def dtensor_host(plan: Plan, dev: Optional[DeviceProfile], tensors: int,
                  collectives: tuple[int, int]) -> tuple[float, float]:
     """(F, B) host seconds per microbatch eager tensor parallelism adds to a stage around its
     ops (their own dispatch is in op_times): each tensor its rewrite wraps as a DTensor
-    (`tensors`: its parameters, buffers and inputs; forward, and the rest of the round trip
+    (`tensors`: predict.wrapped; forward, and the rest of the round trip
     in backward) and each redistribution's Python beyond its collective (`collectives`: the
     stage's TP collectives per microbatch in the forward and in the backward,
     predict.tp_passes' placement). Zero where the stage runs no collective (nothing

@@ -113,6 +113,12 @@ def waiting_of(calls, tp: int, tp_s: tuple[float, float], exchange_s: tuple[floa
     return max(0.0, f), max(0.0, b), 0.0
 
 
+def wrapped(st: StageSpec) -> int:
+    """Tensors eager tensor parallelism wraps as DTensors per microbatch of a stage: its
+    parameters, buffers, inputs and the values its graph makes (StageSpec.made)."""
+    return len(st.param_names) + len(st.buffer_names) + len(st.inputs) + st.made
+
+
 def passes(calls) -> tuple[int, int]:
     """How many of a stage's TP calls (op, bytes, pass) run in the forward, in the backward."""
     f = sum(1 for *_, phase in calls if phase == "F")
@@ -153,8 +159,7 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
             st.cp_steps, device.ring_step_s)
         again = tp_f if st.recompute_ops or st.recompute_flops else 0.0
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
-        host_f, host_b = dtensor_host(plan, device.hardware, len(st.param_names)
-                                      + len(st.buffer_names) + len(st.inputs), passes(calls))
+        host_f, host_b = dtensor_host(plan, device.hardware, wrapped(st), passes(calls))
         table.append((t.f + tp_f + other / 2 + wait_f + post + host_f,
                       t.b + tp_b + other / 2 + again + wait_b + post + host_b, t.w))
         waiting.append(waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
@@ -193,16 +198,32 @@ def exposed_gathers(actions, durations: list[float], gather_s: list[float]) -> f
     return exposed
 
 
+@dataclass(frozen=True)
+class StepSync:
+    """The trainer's own collectives each step (backends/runtime/trainer.py, grads.py):
+    the loss all-reduce over the island (`loss_s`; every rank starts it as its actions end
+    and waits for it before the optimizer, so no rank's optimizer starts before the last
+    rank's actions end), and per pipeline rank the sums of its tied gradients
+    (`tied[r]`: (stage, seconds, overlapped) each; overlapped ones start when their
+    stage's last W/BW ends, on the communication stream with the DP reduction's buckets,
+    the others run after the DP reduction, blocking: grads.GradSync / ZeroSync)."""
+
+    loss_s: float = 0.0
+    tied: tuple = ()
+
+
 def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
               optimizer_s: list[float], gather_s: Optional[list[float]] = None,
-              after_s: Optional[list[float]] = None,
-              floor: float = 0.0) -> tuple[float, tuple[RankTime, ...]]:
+              after_s: Optional[list[float]] = None, floor: float = 0.0,
+              sync: StepSync = StepSync()) -> tuple[float, tuple[RankTime, ...]]:
     """(step seconds, per pipeline rank) of one simulated step. `dp_s[s]`: seconds to reduce
     stage s's gradients over dp; `optimizer_s[r]`: rank r's optimizer step; `gather_s[s]`:
     one ZeRO-3 all-gather of stage s's parameters (None: no ZeRO-3); `after_s[r]`:
-    communication rank r waits for after its actions, overlapping nothing (DiLoCo's outer
-    sync, per step on average); `floor`: no step is shorter (shared_floor; the ranks then
-    wait for a core, counted as bubble)."""
+    communication rank r waits for after its optimizer step, overlapping nothing (DiLoCo's
+    outer sync, per step on average; ZeRO-1/2's all-gather); `floor`: no step is shorter
+    (shared_floor; the ranks then wait for a core, counted as bubble); `sync`: the step's
+    own collectives (StepSync: a rank waiting for the loss all-reduce waits for the last
+    rank's actions, bubble, then for the all-reduce itself, communication)."""
     table = costs.stage_table(schedule.stage_to_rank)
     rows = []
     for r, actions in enumerate(schedule.order):
@@ -212,17 +233,25 @@ def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
         gathered = exposed_gathers(actions, durations, gather_s) if gather_s else 0.0
         end = (sim.end[r][-1] if actions else 0.0) + gathered
         last = {a.stage: e for a, e in zip(actions, sim.end[r]) if a.op in ("W", "BW")}
-        exposed = exposed_reduction([(e, dp_s[s]) for s, e in last.items()], end)
-        exposed += after_s[r] if after_s else 0.0
-        rows.append((r, compute, busy - compute + gathered + exposed, end + exposed,
-                     optimizer_s[r]))
-    step = max(max((end + opt for _, _, _, end, opt in rows), default=0.0), floor)
+        tied = sync.tied[r] if sync.tied else ()
+        jobs = [(e, dp_s[s]) for s, e in last.items()]
+        jobs += [(last.get(s, end), t) for s, t, overlapped in tied if overlapped]
+        exposed = exposed_reduction(jobs, end) + sum(t for _, t, o in tied if not o)
+        rows.append((r, compute, busy - compute + gathered + exposed, end, end + exposed))
+    summed = max((end for *_, end, _ in rows), default=0.0) + sync.loss_s  # the loss's
+    out, step = [], floor
+    for (r, compute, comm, _, ready), opt in zip(rows, optimizer_s):
+        comm += max(0.0, min(sync.loss_s, summed - ready))  # waiting for the all-reduce
+        after = after_s[r] if after_s else 0.0
+        out.append((r, compute, comm + after, opt))
+        step = max(step, max(ready, summed) + opt + after)
     return step, tuple(RankTime(r, c, comm, step - c - comm - opt, opt)
-                       for r, c, comm, _, opt in rows)
+                       for r, c, comm, opt in out)
 
 
 def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
-                 gather_steps: list[float], optimizer_s: list[float]) -> float:
+                 gather_steps: list[float], optimizer_s: list[float],
+                 step_steps: float = 0.0) -> float:
     """Ranks sharing a CPU's cores (`device.shared_at`; 0 elsewhere): no step is shorter
     than the CPU seconds all their processes spend in it over the cores, whatever the
     timeline says (it stretches every action alike by the busy count). A pipeline rank
@@ -230,8 +259,9 @@ def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
     own threads' work (hardware.collective_cpu_s) per ring step of its stages' reductions
     and all-gathers once a step (`once_steps[s]`) and of a ZeRO-3 gather of stage s
     (`gather_steps[s]`) each time its actions come to the stage (exposed_gathers' count),
-    and per p2p transfer it posts (transfer_cpu_s); its optimizer pass. The speeds are
-    alone x extra x fair: over the fair share, x the replicas, over the cores."""
+    and per p2p transfer it posts (transfer_cpu_s), and of the loss all-reduce every
+    process joins once a step (`step_steps`: its ring steps); its optimizer pass. The
+    speeds are alone x extra x fair: over the fair share, x the replicas, over the cores."""
     if device.shared_at is None:
         return 0.0
     sharing, busy = device.shared_at
@@ -247,7 +277,8 @@ def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
                 total += _posts(a.stage, schedule.stages) * hw.transfer_cpu_s
             if i == 0 or a.stage != actions[i - 1].stage:
                 total += gather_steps[a.stage] * hw.collective_cpu_s
-        total += sum(once_steps[s] for s in {a.stage for a in actions}) * hw.collective_cpu_s
+        total += (sum(once_steps[s] for s in {a.stage for a in actions}) + step_steps) \
+            * hw.collective_cpu_s
     return total * sharing.replicas / (sharing.fair(busy) * sharing.cores)
 
 
@@ -276,6 +307,15 @@ class Timing:
     model_flops_per_gpu: float
     regather_bytes: Optional[list] = None  # per stage: ZeRO-1/2's all-gather after the optimizer
     dp_waits: Optional[list] = None  # per stage: (latencies the reduction, the all-gather wait)
+    tied: Optional[list] = None  # per pipeline rank: (stage, bytes, holders) of each tied
+    # gradient it sums with other pipeline ranks (estimates.tied_sums)
+
+    def step_sync(self, device: DeviceModel,
+                  every_step: bool = False) -> tuple[StepSync, float, list[float]]:
+        """The trainer's own collectives on `device` (StepSync), with the ring steps of the
+        loss all-reduce and of each stage's tied sums (what shared_floor charges)."""
+        return step_sync(self.plan, self.tied or [[] for _ in range(self.plan.mesh.pp)],
+                         len(self.stages), device, every_step)
 
     def costs(self, device: DeviceModel):
         """(per-stage op times, the schedule's action costs in seconds) on `device`."""
@@ -315,12 +355,38 @@ class Timing:
         outer = self.plan.sync.inner_steps if self.plan.sync.diloco and not every_step else 1
         once = [w / outer + r for w, r in waits]  # DiLoCo: one reduction per H steps
         gathers = [self.plan.mesh.dp - 1 if b else 0 for b in self.gather_bytes]
-        floor = shared_floor(self.schedule, costs, device, once, gathers, opt_s)
+        sync, loss_steps, tied_steps = self.step_sync(device, every_step)
+        once = [o + t for o, t in zip(once, tied_steps)]
+        floor = shared_floor(self.schedule, costs, device, once, gathers, opt_s, loss_steps)
         step, ranks = breakdown(self.schedule, sim, ops, costs, dp_s, opt_s, gather_s, after,
-                                floor)
+                                floor, sync)
         return Prediction(step, ranks, self.flops_per_gpu, self.model_flops_per_gpu,
                           device.flops_per_s,
                           floor * device.shared_at[0].cores if device.shared_at else 0.0)
+
+
+def step_sync(plan: Plan, tied: list, stages: int, device: DeviceModel,
+              every_step: bool = False) -> tuple[StepSync, float, list[float]]:
+    """The trainer's own collectives each step on `device` (StepSync) from `tied` (per
+    pipeline rank: (stage, bytes, holders) of its tied sums, estimates.tied_sums), and their
+    ring steps: the loss all-reduce's (a float64 over the island: the world, or under
+    DiLoCo its pp x tp ranks) and per stage its tied sums'. Tied sums overlap the backward
+    where the runtime starts them early: no ZeRO and no every-step DP reduction of them.
+    `every_step`: as the plan would run with every-step DP instead of DiLoCo."""
+    mesh = plan.mesh
+    links = mesh_links(plan, device)
+    islands = plan.sync.diloco and not every_step
+    island = mesh.pp * mesh.tp if islands else mesh.world_size
+    loss_s = collective_s("allreduce", 8, island, links.p2p, device.ring_step_s)
+    overlapped = plan.zero == 0 and (mesh.dp == 1 or islands)
+    steps = [0.0] * stages
+    per_rank = []
+    for sums in tied:
+        per_rank.append(tuple((s, collective_s("allreduce", n, k, links.p2p, device.ring_step_s),
+                               overlapped) for s, n, k in sums))
+        for s, _, k in sums:
+            steps[s] += ring_steps("allreduce", k)
+    return StepSync(loss_s, tuple(per_rank)), ring_steps("allreduce", island), steps
 
 
 def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
@@ -335,10 +401,11 @@ def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
 
 def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWork],
               tp_traffic, moe_traffic, tp_kinds: dict[str, str], expert_params: set[str],
-              estimates) -> Timing:
+              estimates, tied=()) -> Timing:
     """A compiled plan's Timing: per stage the ring bytes of its DP reduction (the runtime's
-    ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes."""
-    from .estimates import rank_shards, state_bytes
+    ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes and its
+    tied gradients' sums (`tied`: the compiled plan's TiedParams)."""
+    from .estimates import rank_shards, state_bytes, tied_sums
     per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
     regathers, waits = [], []
     dp = plan.mesh.dp
@@ -357,8 +424,11 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     flops = sum(r.flops for r in estimates.ranks) / world
     model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
         * plan.mesh.cp / world
+    sums = [tied_sums(tied, stages, r, rank_shards(plan, [st for st in stages if st.rank == r],
+                                                   tp_kinds, expert_params), per.grad)
+            for r in range(plan.mesh.pp)] if tied else None
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
-                  gathers, flops, model, regathers, waits)
+                  gathers, flops, model, regathers, waits, sums)
 
 
 def dp_ring_bytes(plan: Plan, layout) -> tuple[float, float, int, int]:

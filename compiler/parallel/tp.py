@@ -360,3 +360,44 @@ def _key_of(plan: Plan, kind: str, name: str) -> str:
     if plan.tensor.plan == "model":
         return "tensor.plan"
     return f"tensor.{kind}" if any(getattr(plan.tensor, k) for k in KINDS) else "mesh.tp"
+
+
+_SIZE_METHODS = {"size", "dim", "numel", "stride", "get_device"}
+_SIZE_FUNCTIONS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
+                   torch.ops.aten.sym_stride.int}
+_TENSOR_ATTRS = {"T", "mT", "H", "mH", "real", "imag", "data"}
+
+
+def _is_size_query(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _SIZE_METHODS
+    if n.op == "call_function":
+        if n.target is getattr:
+            return n.args[1] not in _TENSOR_ATTRS
+        return n.target in _SIZE_FUNCTIONS
+    return False
+
+
+def graph_made(gm: fx.GraphModule) -> list[fx.Node]:
+    """Values a stage graph computes from no stage input or parameter (factories such as
+    `arange`, masks built from sizes) where they meet values that are (a leaf call with
+    parameters or buffers counts as one): the tensor-parallel rewrite
+    (backends/parallel/tp/rewrite.py) wraps each there as a Replicate DTensor, every
+    microbatch, where it is a tensor (sizes pass through: StageSpec.made counts the
+    tensors, what the time model charges, estimate/optime.dtensor_host)."""
+    def holds_tensors(n: fx.Node) -> bool:
+        mod = gm.get_submodule(n.target)
+        return any(True for _ in mod.parameters()) or any(True for _ in mod.buffers())
+
+    tainted: set[fx.Node] = set()
+    made = []
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr") or n.op == "call_module" and holds_tensors(n):
+            tainted.add(n)  # (a leaf call with parameters computes with DTensors)
+        elif n.op in ("call_function", "call_method", "call_module"):
+            if any(a in tainted for a in n.all_input_nodes):
+                if not _is_size_query(n):
+                    tainted.add(n)
+            elif not _is_size_query(n):
+                made.append(n)
+    return [n for n in made if any(u in tainted for u in n.users)]

@@ -12,7 +12,8 @@ move 10-15% from the next on a quiet 2-core machine) and compiled without a devi
 ratio (goal: within 15%), twice: the slots' wall time against the prediction with the ranks
 sharing the cores, and the slots' CPU time on each rank's thread (the profile's `cpu`: the
 action's compute and the posting of its transfers) against the prediction for a rank alone
-times the sharing probe's `extra`, plus posting as the probe measured it among the ranks
+less its waits in collectives (Costs.waiting: gloo blocks, the thread spends no CPU there) times
+the sharing probe's `extra`, plus posting as the probe measured it among the ranks
 (caches and switching cost CPU time; the fair share of the cores is waiting, not computing):
 the per-op model without the scheduler's time slices. Then a line per plan: the predicted
 step and, the ranks sharing the cores, the CPU seconds per step of all their processes that
@@ -21,10 +22,11 @@ processes' CPU seconds per step, the step, the cores' busy share; median over th
 a loaded shared machine the measurement moves with the load: report what you get.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
-thread, on random weights (the runtime's StageRunner), timed in thread CPU time (median of
-25 after 5), beside the model's prediction for one rank alone (no sharing): the per-op model
-checked without the machine's scheduling. Pipeline-only plans (a stage here runs unsharded:
-no tp/ep/cp).
+thread (under tensor parallelism in its tp group's processes, the stage rewritten as the
+runtime rewrites it), on random weights (the runtime's StageRunner), timed in thread CPU time
+(median of 25 after 5), beside the model's prediction for one rank alone (no sharing) less
+its waits in collectives: the per-op model checked without the machine's scheduling. Plans
+without ep/cp (a stage here runs with its tp split only; dp does not change a stage).
 """
 from __future__ import annotations
 
@@ -105,27 +107,66 @@ def compiled_alone(plan_path: str, ranks_alone: bool = False):
 
 
 def alone(plan_path: str) -> None:
+    """Each stage by itself (`--alone`), in one process, or under tensor parallelism in its
+    tp group's processes (gloo on 127.0.0.1, the stage rewritten as the runtime does)."""
+    compiled = compiled_alone(plan_path, ranks_alone=True)
+    plan = compiled.plan
+    print(f"{plan_path}: {'one process' if plan.mesh.tp == 1 else f'{plan.mesh.tp} processes'}"
+          ", one thread each (CPU time predicted: the actions less their waits in collectives)")
+    if plan.mesh.tp == 1:
+        time_stages(compiled, 0, None)
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_tp_alone, args=(plan.mesh.tp, port, compiled), nprocs=plan.mesh.tp,
+                       start_method="fork")
+
+
+def _tp_alone(rank: int, world: int, port: int, compiled) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        time_stages(compiled, rank, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def time_stages(compiled, rank: int, group) -> None:
+    """Each stage's F and BW on random weights (the runtime's StageRunner; `group`: its
+    tensor-parallel rewrite over that group), in thread CPU time (median of 25 after 5),
+    beside the model's prediction for a rank alone less its waits; rank 0 prints."""
+    import dataclasses
     import statistics
     import time
 
     import torch
 
+    from pipeplan.backends.parallel.tp import TensorParallelRules, apply_tensor_parallel
     from pipeplan.backends.runtime.stage import StageRunner
 
-    compiled = compiled_alone(plan_path, ranks_alone=True)
     torch.set_num_threads(1)
-    table = compiled.estimates.simulation.costs.per_stage
+    costs = compiled.estimates.simulation.costs
+    waits = costs.waiting or ((0.0, 0.0, 0.0),) * len(costs.per_stage)
     outputs = {v.name: v for st in compiled.stages for v in st.outputs}
-    print(f"{plan_path}: one process, one thread")
-    for spec, (f, b, w) in zip(compiled.stages, table):
+    plan = compiled.plan
+    rules = dataclasses.replace(TensorParallelRules.from_plan(plan.tensor),
+                                kinds=tuple(sorted(compiled.tp_rewrites.items())))
+    for spec, (f, b, w), (wf, wb, ww) in zip(compiled.stages, costs.per_stage, waits):
         module = spec.module.to_empty(device="cpu")
+        torch.manual_seed(0)
         with torch.no_grad():
             for p in module.parameters():
                 p.normal_(0, 0.02)
+        if group is not None:
+            apply_tensor_parallel(module, rules, group)
         last = spec.index == len(compiled.stages) - 1
         runner = StageRunner(spec, module, last)
         runner.check_grads = False  # the hot path: the executor asks once per step
-        plan = compiled.plan
         rows = plan.train.global_batch // (plan.mesh.dp * plan.microbatches)
         inputs = [torch.randint(0, 2, (rows, plan.data.seq_len)) if r.source == "batch" else
                   torch.randn(outputs[r.name].shape) for r in spec.inputs]
@@ -140,9 +181,11 @@ def alone(plan_path: str) -> None:
                 fs.append(t1 - t)
                 bs.append(time.thread_time() - t1)
         mf, mb = statistics.median(fs), statistics.median(bs)
-        print(f"stage {spec.index}: F predicted {f * 1e3:.3f} ms, measured {mf * 1e3:.3f} "
-              f"({f / mf:.3f}); BW predicted {(b + w) * 1e3:.3f}, measured {mb * 1e3:.3f} "
-              f"({(b + w) / mb:.3f})")
+        pf, pb = f - wf, b + w - wb - ww
+        if rank == 0:
+            print(f"stage {spec.index}: F predicted {pf * 1e3:.3f} ms, measured {mf * 1e3:.3f} "
+                  f"({pf / mf:.3f}); BW predicted {pb * 1e3:.3f}, measured {mb * 1e3:.3f} "
+                  f"({pb / mb:.3f})")
 
 
 def step(estimates, machine) -> None:
@@ -179,7 +222,10 @@ def main(argv: list[str]) -> int:
                                for k in range(repeat)])
         shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
         table = shared.estimates.simulation.costs.per_stage
-        own = compiled_alone(plan_path).estimates.simulation.costs.per_stage
+        alone_costs = compiled_alone(plan_path).estimates.simulation.costs
+        waits = alone_costs.waiting or ((0.0, 0.0, 0.0),) * len(table)
+        # a rank's CPU time: its actions less their waits in collectives (Costs.waiting)
+        own = [tuple(t - x for t, x in zip(c, w)) for c, w in zip(alone_costs.per_stage, waits)]
         sharing = device_model(load_plan(os.path.join(REPO, plan_path))).sharing
         extra = sharing.extra if sharing is not None else 1.0
         print(f"{plan_path}  ({costs.get('device')}; median of {repeat} profiles; CPU time "

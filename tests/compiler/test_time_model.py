@@ -195,8 +195,9 @@ def test_dtensor_host_time_only_where_eager_tp_runs_dtensors(make_plan):
 
 
 def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
-    """Eager tp also pays per tensor its rewrite wraps (the stage's parameters, buffers and
-    inputs) and per redistribution (its TP collectives per microbatch, each in its pass:
+    """Eager tp also pays per tensor its rewrite wraps (the stage's parameters, buffers,
+    inputs and the tensors its graph makes: tests/parallel/test_tensor_parallel.py counts
+    them in the rewritten stage) and per redistribution (its TP collectives per microbatch, each in its pass:
     4 forward, 4 backward here): the action costs grow by exactly that on a device that
     measured them, and not at all in graphs mode."""
     from pipeplan.compiler.estimate.device import DeviceModel
@@ -209,7 +210,7 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     hw = profile("a100")
     priced = dataclasses.replace(hw, dtensor_wrap_s=1e-3, dtensor_wrap_backward_s=3e-3,
                                  dtensor_redistribute_s=5e-3)
-    tensors = len(st.param_names) + len(st.buffer_names) + len(st.inputs)
+    tensors = len(st.param_names) + len(st.buffer_names) + len(st.inputs) + st.made
     calls = compiled.estimates.stage_collectives[0]  # the report's per-step calls
     n = sum(c for (group, _), (c, _) in calls.items() if group == "tp") / plan.microbatches
     assert n > 0 and tensors > len(st.param_names)
@@ -392,3 +393,62 @@ def test_tp_collectives_wait_in_the_pass_the_rewrite_places_them(make_plan):
                             DeviceModel(hardware=hw, latency_s=latency)).per_stage[0]
     (f0, b0, w0), (f1, b1, w1) = costs(0.0), costs(1e-3)
     assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((8 * 2 * 1e-3, 5 * 2 * 1e-3, 0.0))
+
+
+def test_the_steps_own_collectives_hold_every_optimizer_until_the_last_rank_ends():
+    """predict.breakdown with the trainer's own collectives (StepSync) on a hand-built step:
+    rank 0 runs F0 0-1 and BW0 4-6, rank 1 F1 1-2 and BW1 2-4; optimizers 0.2 and 0.3.
+    Every rank starts the loss all-reduce as its actions end and waits for it before its
+    optimizer, so rank 1 (done at 4) cannot step before rank 0 ends (6): 6 + 0.3, not
+    max(6 + 0.2, 4 + 0.3). With the all-reduce taking 0.5: 6.5 + 0.3, each rank's last
+    0.5 of waiting communication (rank 1's first 2 bubble). Rank 0's tied sum (1 s, overlapped) starts as its
+    stage's last BW ends (6): 7 + 0.2; blocking, after the DP reduction's tail (1 s from
+    6): 8 + 0.2. Every rank's parts sum to the step."""
+    from pipeplan.compiler.estimate.optime import OpTimes
+    from pipeplan.compiler.estimate.predict import StepSync, breakdown
+    from pipeplan.schedules import Action, Schedule
+    order = ((Action("F", 0, 0), Action("BW", 0, 0)), (Action("F", 1, 0), Action("BW", 1, 0)))
+    sched = Schedule("custom", 2, 2, 1, (0, 1), order)
+    costs = Costs(per_stage=((1.0, 2.0, 0.0), (1.0, 2.0, 0.0)))
+    sim = simulate(sched, costs)
+    assert [e[-1] for e in sim.end] == [6.0, 4.0]
+    ops = [OpTimes(1.0, 1.0, 1.0)] * 2
+    cases = [(StepSync(), [0.0, 0.0], 6.3, (0.0, 0.0)),
+             (StepSync(loss_s=0.5), [0.0, 0.0], 6.8, (0.5, 0.5)),
+             (StepSync(0.5, (((0, 1.0, True),), ())), [0.0, 0.0], 7.2, (1.0, 0.5)),
+             (StepSync(0.5, (((0, 1.0, False),), ())), [1.0, 0.0], 8.2, (2.0, 0.5))]
+    for sync, dp, want, comm in cases:
+        step, ranks = breakdown(sched, sim, ops, costs, dp, [0.2, 0.3], sync=sync)
+        assert step == pytest.approx(want)
+        assert tuple(r.comm for r in ranks) == pytest.approx(comm)
+        for r in ranks:
+            assert r.compute + r.comm + r.bubble + r.optimizer == pytest.approx(step)
+
+
+def test_the_tied_sums_and_the_loss_all_reduce_on_a_device(make_plan):
+    """predict.step_sync from the compiled plan's tied gradients: the GPT's tied embedding
+    and head on pipeline ranks 0 and 1, each summing its gradient's bytes (the estimate's
+    tied collective) over the 2 holders, overlapped with the backward (no ZeRO, one dp
+    replica) or after the DP reduction (dp = 2); the loss all-reduce over the world's ranks:
+    2 (n - 1) ring steps, each the device's ring step."""
+    import dataclasses
+
+    from pipeplan.compiler.estimate.device import DeviceModel, mesh_links
+    from pipeplan.compiler.estimate.predict import collective_s, step_sync
+    compiled = compile_plan(make_plan("examples/models/gpt.py:GPT", {
+        "vocab": 64, "dim": 32, "layers": 2, "heads": 4, "seq_len": 16}, pp=2,
+        inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),), microbatches=2,
+        mesh=MeshSpec(pp=2), train=TrainSpec(global_batch=4)))
+    timing, est = compiled.estimates.timing, compiled.estimates
+    tied = est.ranks[0].collectives[("tied", "allreduce")]
+    assert timing.tied == [[(0, tied, 2)], [(1, tied, 2)]]
+    device = DeviceModel(hardware=profile("a100"))
+    link = mesh_links(compiled.plan, device).p2p
+    sync, loss_steps, steps = step_sync(compiled.plan, timing.tied, 2, device)
+    one = collective_s("allreduce", tied, 2, link, device.ring_step_s)
+    assert sync.tied == (((0, one, True),), ((1, one, True),)) and steps == [2, 2]
+    assert loss_steps == 2 and sync.loss_s == pytest.approx(
+        2 * device.ring_step_s + 8 / link)
+    dp2 = dataclasses.replace(compiled.plan, mesh=MeshSpec(pp=2, dp=2))
+    sync, loss_steps, _ = step_sync(dp2, timing.tied, 2, device)
+    assert not sync.tied[0][0][2] and loss_steps == 2 * (4 - 1)

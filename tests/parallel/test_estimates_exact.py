@@ -286,6 +286,8 @@ def _p2p_worker(rank, world, plan, compiled):
     assert meter.bytes.get(("world", "send"), 0) == est.comm_bytes["p2p"], (rank, meter.bytes)
     assert meter.bytes.get(("tied", "allreduce")) == est.collectives.get(("tied", "allreduce")), \
         (rank, meter.bytes)
+    assert meter.calls.get(("tied", "allreduce")) == \
+        est.collective_calls.get(("tied", "allreduce")), (rank, meter.calls)
 
 
 @pytest.mark.slow

@@ -139,3 +139,47 @@ def test_what_cannot_be_split_is_refused_at_the_plan_line(edit, line, message):
     with pytest.raises(PlanError, match=message) as err:
         compile_plan(plan)
     assert f"plan.plan:{line}:" in str(err.value), str(err.value)
+
+
+def _count_wraps_worker(rank, world, stage, rules, vocab):
+    """Run the rewritten stage once, counting the tensors it wraps as DTensors."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeplan.backends.parallel.tp import apply_tensor_parallel
+    from pipeplan.backends.parallel.tp import dtensor
+    from pipeplan.compiler.estimate.predict import wrapped
+    from torch.distributed.tensor import DTensor
+
+    count = [0]
+    for cls in (dtensor.ToDTensor, dtensor.ReplicatedParameter):
+        def counted(self, x, _forward=cls.forward):
+            count[0] += isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            return _forward(self, x)
+        cls.forward = counted
+    module = stage.module.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)
+    apply_tensor_parallel(module, rules, dist.group.WORLD)
+    inputs = [torch.randint(0, vocab, (2, 16)) for _ in stage.inputs]
+    module(*inputs)
+    assert stage.made > 0 and count[0] == wrapped(stage), (count[0], wrapped(stage))
+
+
+def test_the_time_model_counts_the_tensors_the_rewrite_wraps(run_workers):
+    """What eager tp's host time is charged per wrapped tensor (predict.wrapped: parameters,
+    buffers, inputs and the values the graph makes, its masks) equals the wraps the
+    rewritten stage makes in one forward, counted at the rewrite's own modules."""
+    import dataclasses
+
+    from pipeplan.compiler import compile_plan
+    from pipeplan.backends.parallel.tp import TensorParallelRules
+    plan = load_plan(str(EXAMPLE), overrides=SMALL + [
+        "mesh.pp=1", "mesh.dp=1", "pipeline.schedule=gpipe", "pipeline.virtual=1",
+        "pipeline.microbatches=4", "zero=0"])
+    compiled = compile_plan(plan)
+    rules = dataclasses.replace(TensorParallelRules.from_plan(plan.tensor),
+                                kinds=tuple(sorted(compiled.tp_rewrites.items())))
+    run_workers(_count_wraps_worker, 2, compiled.stages[0], rules, plan.data.vocab)

@@ -48,7 +48,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ....compiler.capture.blocks import ATTENTION, COLLECTIVE, TRACED_IN, module_path
 from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight,
-                                      loss_of_logits, shard_dim)
+                                      graph_made, loss_of_logits, shard_dim)
 from ....errors import PipeplanError
 from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
                       VocabParallelLoss)
@@ -133,39 +133,6 @@ def _functional_form(gm: fx.GraphModule, node: fx.Node) -> None:
             attr.meta[TRACED_IN] = module_path(node)
     node.replace_all_uses_with(new)
     g.erase_node(node)
-
-
-_SIZE_METHODS = {"size", "dim", "numel", "stride", "get_device"}
-_SIZE_FUNCTIONS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
-                   torch.ops.aten.sym_stride.int}
-_TENSOR_ATTRS = {"T", "mT", "H", "mH", "real", "imag", "data"}
-
-
-def _is_size_query(n: fx.Node) -> bool:
-    if n.op == "call_method":
-        return n.target in _SIZE_METHODS
-    if n.op == "call_function":
-        if n.target is getattr:
-            return n.args[1] not in _TENSOR_ATTRS
-        return n.target in _SIZE_FUNCTIONS
-    return False
-
-
-def _graph_made(graph: fx.Graph, holds_tensors) -> list[fx.Node]:
-    """Values computed from no stage input or parameter (factories such as `arange`, masks
-    built from sizes) where they meet DTensors: they enter there as Replicate."""
-    tainted: set[fx.Node] = set()
-    made = []
-    for n in graph.nodes:
-        if n.op in ("placeholder", "get_attr") or n.op == "call_module" and holds_tensors(n):
-            tainted.add(n)  # (a leaf call with parameters computes with DTensors)
-        elif n.op in ("call_function", "call_method", "call_module"):
-            if any(a in tainted for a in n.all_input_nodes):
-                if not _is_size_query(n):
-                    tainted.add(n)
-            elif not _is_size_query(n):
-                made.append(n)
-    return [n for n in made if any(u in tainted for u in n.users)]
 
 
 def _leaf_hooks(mod: nn.Module, convert) -> None:
@@ -330,11 +297,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
                 partial.append(node.target)
             else:
                 b.after(node, "replicate", b.to_dtensor("replicate"))
-    def holds_tensors(n):
-        mod = gm.get_submodule(n.target)
-        return any(True for _ in mod.parameters()) or any(True for _ in mod.buffers())
-
-    for node in _graph_made(g, holds_tensors):
+    for node in graph_made(gm):
         if node.users:
             b.after(node, "replicate", b.to_dtensor("replicate"))
 
