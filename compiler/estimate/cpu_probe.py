@@ -11,7 +11,8 @@ them a plan's own model or shapes:
 * host time per op and the memory-bound rate: a small model runs op by op, and on a CPU
   each aten op costs dispatch, autograd bookkeeping and allocation on top of its kernel.
   The example GPT's transformer block runs twice, overhead-bound (width 8, FLOPs
-  negligible) and kernel-bound (width 32, 128 tokens), the median of 20 runs each; their
+  negligible) and kernel-bound (width 32, 128 tokens), the median of 20 runs each, the
+  two in turn three times (`probe_blocks`: the median of the three); their
   forward times less their GEMMs and attention give seconds per op (the count the meta
   run takes per node, analysis.py) and seconds per float element the other kernels move
   (`fit_host`; the backward's host time per op by least squares). The element rate comes
@@ -49,7 +50,8 @@ them a plan's own model or shapes:
   alone is what caches and the switching at every blocking handoff cost (`extra`), and
   the mean CPU time of posting one transfer there is the host work each send or receive
   adds to the action around it (between computes it costs about twice what a post in a
-  tight loop does: 85-105 us against 45 here). Measured per N (nothing for one rank). The
+  tight loop does: 85-105 us against 45 here). Measured per N (nothing for one rank), the
+  median of three runs each beside one alone (`ring_slowdown`). The
   fair share of the cores is waiting, not CPU time: the time model adds it from the
   simulated timeline (device.Sharing).
 
@@ -62,6 +64,7 @@ deterministic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import multiprocessing
@@ -81,12 +84,14 @@ from .devices import DTENSOR_FIELDS  # measure_dtensor's order
 
 N, REPEATS, ROUNDS = 512, 8, 5
 WIDTH, TOKENS, BLOCKS = 8, 16, 4  # the op-time probe: FLOPs negligible, ops as a model's
-TP_WIDTH, TP_HEADS = 32, 4  # the DTensor probe's transformer blocks (FLOPs small)
+TP_WIDTH, TP_HEADS, DTENSOR_PAIRS = 32, 4, 3  # the DTensor probe's transformer blocks (FLOPs
+# small), run by this many pairs of processes
 HEAD_DIMS, ATTN_SEQ, ATTN_BH = (16, 32, 64, 128), 128, (2, 4)  # the attention probe
 # the sharing probe: one width-32 block of 128 tokens (~1 ms forward and backward here, an
 # action's length in the example plans: the shorter the compute between handoffs, the more
 # of it goes to refilling caches), 100 rounds; at most 32 ranks probed
 CONTENTION_WIDTH, CONTENTION_BLOCKS, CONTENTION_ITERS, MAX_PROCESSES = 32, 1, 100, 32
+RING_PAIRS = 3  # the sharing probe's runs (alone, then the n ranks), the median ratio
 
 
 @dataclass(frozen=True)
@@ -287,19 +292,24 @@ def _ring_worker(rank: int, port: int, results, n: int) -> None:
 def ring_slowdown(n: int) -> tuple[float, float, float]:
     """When `n` processes run the ring of `_ring_worker` together: a block's CPU seconds and
     a round's wall seconds per process, each over the same for one process alone (the mean
-    over the ring's processes; the alone baseline the better of two runs: a quieter
-    moment), and the mean CPU seconds of posting one transfer."""
+    over the ring's processes), and the mean CPU seconds of posting one transfer; the
+    median of RING_PAIRS pairs of runs, each pair alone then together, its ratios from
+    the two (the machine's speed moved 15-25% within minutes here, and one run's ratio
+    with it: 1.0 to 1.3 at 8 ranks from one run to the next)."""
     def run(k: int) -> tuple[float, float, float]:
         got = _ranks(_ring_worker, k, k)
         return tuple(sum(g[i] for g in got) / k for i in range(3))
-    alone = min(run(1) for _ in range(2))
-    cpu, wall, post = run(n)
-    return cpu / alone[0], wall / alone[1], post
+    pairs = []
+    for _ in range(RING_PAIRS):
+        alone, (cpu, wall, post) = run(1), run(n)
+        pairs.append((cpu / alone[0], wall / alone[1], post))
+    return tuple(statistics.median(p[i] for p in pairs) for i in range(3))
 
 
 LINK_BYTES = (1 << 12, 1 << 20)  # the link probe's two message sizes
 LINK_REPEATS = 20
-BEHIND_CALLS = 100  # calls back to back for gloo's own threads' CPU per message
+BEHIND_CALLS, BEHIND_ROUNDS = 100, 5  # calls back to back for gloo's own threads' CPU per
+# message, in rounds
 POST_BYTES = 1 << 15  # the ring probe's transfers (the runtime posts each as it goes)
 
 
@@ -324,13 +334,18 @@ def _link_worker(rank: int, port: int, results) -> None:
 
         def behind(calls: int, messages: int, call) -> float:
             """CPU seconds the process's other threads (gloo's) spend per message, over
-            `calls` back to back (a mean: a few calls cost milliseconds, most ~0.1)."""
-            dist.barrier()
-            own, all_ = time.thread_time(), time.process_time()
-            for _ in range(calls):
-                call()
-            return ((time.process_time() - all_) - (time.thread_time() - own)) \
-                / (calls * messages)
+            `calls` back to back in BEHIND_ROUNDS rounds: each round's mean (a few calls
+            cost milliseconds, most ~0.1), the median round (a burst of the process's other
+            work in one round moved a single mean 10-30x here)."""
+            rounds = []
+            for _ in range(BEHIND_ROUNDS):
+                dist.barrier()
+                own, all_ = time.thread_time(), time.process_time()
+                for _ in range(calls // BEHIND_ROUNDS):
+                    call()
+                rounds.append(((time.process_time() - all_) - (time.thread_time() - own))
+                              / (calls // BEHIND_ROUNDS * messages))
+            return statistics.median(rounds)
 
         def round_trip():
             if rank == 0:
@@ -562,12 +577,15 @@ def _in_place(stack, x, tp: bool, spent: dict) -> dict:
 
 def measure_dtensor() -> tuple[float, ...]:
     """Host seconds DTensor adds in eager tensor parallelism, from two gloo processes (the
-    slower process's numbers), on transformer blocks in the rewrite's pattern (_TpBlock):
+    slower process's numbers; the median of DTENSOR_PAIRS pairs run one after another: one
+    pair's numbers all moved 10-40% together here when something else ran meanwhile), on
+    transformer blocks in the rewrite's pattern (_TpBlock):
     per op of a forward, forward and backward, beyond the plain blocks' (its parts timed
     in place taken out); per tensor wrapped, forward (in place) and the rest of its round
     trip; per redistribution beyond its collective (in place: a row output's all-reduce
     and the next column entry's)."""
-    return tuple(_two_digits(max(max(t), 1e-7)) for t in zip(*_pair(_dtensor_worker)))
+    pairs = [[max(t) for t in zip(*_pair(_dtensor_worker))] for _ in range(DTENSOR_PAIRS)]
+    return tuple(_two_digits(max(statistics.median(t), 1e-7)) for t in zip(*pairs))
 
 
 def _spinner(stop, ready) -> None:
@@ -716,12 +734,22 @@ def _origin(key: str, how: str) -> str:
 
 
 PROBES = ((WIDTH, TOKENS, BLOCKS), (32, 128, 2))  # overhead-bound, then kernel-bound
+PROBE_RUNS = 3  # each run in turn this many times, the median: the fit solves two unknowns
+# from the two exactly, so one slow run moved both (4.0 us and 8.5 GB/s quiet here; 5.4 us and
+# 29 GB/s once, the machine busy for one of the two runs)
+
+
+def probe_blocks() -> tuple:
+    """The PROBES' BlockRuns, each the median of PROBE_RUNS runs taken in turn."""
+    runs = [[run_block(*p) for p in PROBES] for _ in range(PROBE_RUNS)]
+    return tuple(dataclasses.replace(
+        rs[0], forward_s=statistics.median(r.forward_s for r in rs),
+        backward_s=statistics.median(r.backward_s for r in rs)) for rs in zip(*runs))
 
 
 def _measure(key: str) -> dict:
     flops, attention = measure_flops(), measure_attention()
-    op_s, op_backward_s, elements_per_s = fit_host(tuple(run_block(*p) for p in PROBES),
-                                                   flops, attention)
+    op_s, op_backward_s, elements_per_s = fit_host(probe_blocks(), flops, attention)
     latency, link, collective_cpu, transfer_cpu = measure_link()
     dtensor = dict(zip(DTENSOR_FIELDS, measure_dtensor()))
     return {"key": key, "flops_per_s": flops, "op_s": _two_digits(op_s), **dtensor,

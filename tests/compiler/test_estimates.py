@@ -487,3 +487,30 @@ def _probe_in_a_group(results) -> None:
         results.put(f"{type(e).__name__}: {e}")
     finally:
         dist.destroy_process_group()
+
+
+def test_one_slow_run_moves_no_probe_that_repeats(monkeypatch):
+    """The probes a busy moment moved most are repeated and their median kept: the op-time
+    blocks (cpu_probe.probe_blocks: each block the median of PROBE_RUNS runs taken in
+    turn; fit_host solves two unknowns from the two exactly) and DTensor's pairs of
+    processes (measure_dtensor: per number, the median over DTENSOR_PAIRS pairs of the
+    slower process's). One run three times slower changes neither."""
+    from pipeplan.compiler.estimate import cpu_probe
+    calls = iter(range(100))
+
+    def run_block(width, tokens, blocks):
+        k = next(calls)
+        slow = 3.0 if k == 2 else 1.0  # the second run of the first block
+        return cpu_probe.BlockRun(width, (), float(tokens), width * 1e-3 * slow,
+                                  width * 2e-3 * slow)
+    monkeypatch.setattr(cpu_probe, "run_block", run_block)
+    monkeypatch.setattr(cpu_probe, "PROBE_RUNS", 3)
+    small, large = cpu_probe.probe_blocks()
+    assert (small.forward_s, small.backward_s) == pytest.approx((8e-3, 16e-3))
+    assert (large.forward_s, large.backward_s) == pytest.approx((32e-3, 64e-3))
+    pairs = iter([[(1e-5, 2e-5, 3e-5, 4e-5, 5e-4), (2e-5, 1e-5, 3e-5, 4e-5, 5e-4)],
+                  [(9e-5, 9e-5, 9e-5, 9e-5, 9e-4), (1e-5, 1e-5, 1e-5, 1e-5, 1e-4)],
+                  [(2e-5, 2e-5, 3e-5, 4e-5, 5e-4), (1e-5, 1e-5, 1e-5, 1e-5, 1e-4)]])
+    monkeypatch.setattr(cpu_probe, "_pair", lambda worker: next(pairs))
+    monkeypatch.setattr(cpu_probe, "DTENSOR_PAIRS", 3)
+    assert cpu_probe.measure_dtensor() == pytest.approx((2e-5, 2e-5, 3e-5, 4e-5, 5e-4))
