@@ -28,6 +28,10 @@ spends its step on (compute / exposed communication / bubble / optimizer).
   step, blocking: exposed whole.
 * Optimizer: one memory-bound pass over the rank's shard (read parameters, gradients and
   states, write parameters and states) at the device's sustained memory bandwidth.
+* The trainer's own collectives (`StepSync`, `step_sync`): the logged loss's all-reduce
+  over the island, which every rank waits for before its optimizer (so none steps before
+  the last rank's actions end), and the tied gradients' sums between pipeline ranks,
+  overlapped with the backward or after the DP reduction as the runtime runs them.
 
 `Timing.time_on(device)` re-times a compiled plan on any device model without tracing
 (per-stage arithmetic and one simulation): the function a plan search calls per candidate.
