@@ -124,6 +124,9 @@ class Estimates:
     # optimizer), predicted MFU and TFLOP/s per GPU (None when a cost file times the plan)
     prediction: Any = None
     timing: Any = field(default=None, repr=False)  # predict.Timing: re-time on any device
+    # per pipeline rank, (stage, bytes, holders) of each tied gradient it sums with the other
+    # pipeline ranks holding it (estimates.tied_sums)
+    tied: list = field(default_factory=list)
 
 
 @dataclass

@@ -120,7 +120,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     estimates = estimate(plan, stages, schedule, times, tied, tp_kinds, expert_params,
                          tp_traffic, moe_traffic, device, replay)
     estimates.timing = timing_of(plan, stages, schedule, work, tp_traffic, moe_traffic, tp_kinds,
-                                 expert_params, estimates, tied)
+                                 expert_params, estimates)
     if not profile:  # the time model's step: the same simulation, its breakdown per rank
         estimates.prediction = estimates.timing.time_on(device, estimates.simulation, times)
         estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s

@@ -461,19 +461,8 @@ def _tp_placement(name: str):
 def _typical_forward_backward(model, x) -> tuple[float, float]:
     """Median thread-CPU seconds of forward and of backward (the output summed): a stage's
     typical time, not its best (the best of 20 is 2-4% under the median here)."""
-    def loss(out):
-        return (out.to_local() if hasattr(out, "to_local") else out).sum()
-    for _ in range(ROUNDS):  # warm-up: the allocator's caches, lazy initialisation
-        loss(model(x)).backward()
-    fs, bs = [], []
-    for _ in range(ROUNDS * 4):
-        t = time.thread_time()
-        out = model(x)
-        t1 = time.thread_time()
-        loss(out).backward()
-        fs.append(t1 - t)
-        bs.append(time.thread_time() - t1)
-    return statistics.median(fs), statistics.median(bs)
+    times = _in_place(lambda y, _: model(y), x, False, {})
+    return times["f"], times["b"]
 
 
 def _dtensor_worker(rank: int, port: int, results) -> None:
@@ -554,9 +543,10 @@ def _cpu_of(fn) -> float:
 
 
 def _in_place(stack, x, tp: bool, spent: dict) -> dict:
-    """Median thread-CPU seconds of `stack`'s forward ("f") and backward ("b") over 4 x
-    ROUNDS runs (after ROUNDS), and per kind in `spent` the median seconds and calls of
-    its forward: a stage's typical time, its parts timed where the stage runs them."""
+    """Median thread-CPU seconds of `stack(x, tp)`'s forward ("f") and backward ("b", the
+    output summed) over 4 x ROUNDS runs (after ROUNDS: the allocator's caches, lazy
+    initialisation), and per kind in `spent` (which `stack`'s timed calls add to) the
+    median seconds and calls of its forward: its parts timed where the stage runs them."""
     for _ in range(ROUNDS):
         stack(x, tp).sum().backward()
     runs = []

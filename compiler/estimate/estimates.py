@@ -125,7 +125,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     mesh = plan.mesh
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
     peaks = held_peaks(schedule, [st.activation_bytes for st in stages])[0]
-    per_pp = []
+    per_pp, sums = [], []
     for r in range(mesh.pp):
         mine = [st for st in stages if st.rank == r]
         layout = rank_shards(plan, mine, tp_kinds, expert_params)
@@ -136,8 +136,8 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                                       _partial_grads(plan, layout))
         est.collectives.update({k: b for k, (_, b) in implied.items()})
         est.collective_calls.update({k: c for k, (c, _) in implied.items()})
-        tied_grads = [(n, k) for _, n, k in tied_sums(tied, stages, r, layout,
-                                                       state_bytes(plan).grad)]
+        sums.append(tied_sums(tied, stages, r, layout, state_bytes(plan).grad))
+        tied_grads = [(n, k) for _, n, k in sums[-1]]
         if tied_grads:
             est.collectives[("tied", "allreduce")] = sum(n for n, _ in tied_grads)
             est.collective_calls[("tied", "allreduce")] = len(tied_grads)
@@ -184,7 +184,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                      step_time_s=makespan + prepass + dp_time, prepass_s=prepass,
                      device_model=asdict(device), simulation=sim, sync=sync,
                      stage_collectives=stage_collectives(plan, stages, tp_kinds, expert_params,
-                                                         tp_traffic, moe_traffic))
+                                                         tp_traffic, moe_traffic), tied=sums)
 
 
 def _state_bytes(plan: Plan, layout: RankShards, order: Sequence[int]) -> RankEstimate:

@@ -405,11 +405,11 @@ def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
 
 def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWork],
               tp_traffic, moe_traffic, tp_kinds: dict[str, str], expert_params: set[str],
-              estimates, tied=()) -> Timing:
+              estimates) -> Timing:
     """A compiled plan's Timing: per stage the ring bytes of its DP reduction (the runtime's
     ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes and its
-    tied gradients' sums (`tied`: the compiled plan's TiedParams)."""
-    from .estimates import rank_shards, state_bytes, tied_sums
+    tied gradients' sums (Estimates.tied)."""
+    from .estimates import rank_shards, state_bytes
     per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
     regathers, waits = [], []
     dp = plan.mesh.dp
@@ -428,11 +428,8 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     flops = sum(r.flops for r in estimates.ranks) / world
     model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
         * plan.mesh.cp / world
-    sums = [tied_sums(tied, stages, r, rank_shards(plan, [st for st in stages if st.rank == r],
-                                                   tp_kinds, expert_params), per.grad)
-            for r in range(plan.mesh.pp)] if tied else None
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
-                  gathers, flops, model, regathers, waits, sums)
+                  gathers, flops, model, regathers, waits, estimates.tied)
 
 
 def dp_ring_bytes(plan: Plan, layout) -> tuple[float, float, int, int]:
