@@ -96,7 +96,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     tp_traffic, moe_traffic = collective_traffic(model, graph, traced.run, split, tp_kinds,
                                                  experts)
     work = stage_work(graph, nodes, split.stage_of, costs, tp_kinds,
-                      plan.mesh.tp, len(stages))  # each stage's ops, for the time model
+                      plan.mesh.tp, stages)  # each stage's ops, for the time model
     if profile:
         times = profiled_costs(split, measured, len(stages), profile.p2p_latency_s)
     else:

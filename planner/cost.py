@@ -36,7 +36,8 @@ from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, 
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
-    passes, regather_s, shared_floor, step_sync, tp_passes, waiting_of
+    in_w_without_input_grads, passes, regather_s, shared_floor, split_of, step_sync, \
+    tp_passes, waiting_of
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -75,7 +76,7 @@ def _table(units: Units, c: Candidate) -> list[Unit]:
 
 def _work(units: list[Unit]) -> StageWork:
     """The grouped ops of a run of units (optime.StageWork.add's sums)."""
-    out = StageWork()
+    out = StageWork(input_grads=units[0].work.input_grads if units else True)
     for u in units:
         for key, n in u.work.gemms.items():
             out.gemms[key] = out.gemms.get(key, 0.0) + n
@@ -86,6 +87,7 @@ def _work(units: list[Unit]) -> StageWork:
             m[2] += k
         out.ops += u.work.ops
         out.recompute_ops += u.work.recompute_ops
+        out.seeds += u.work.seeds
     return out
 
 
@@ -112,7 +114,8 @@ def _content(units: Units, u: Unit) -> int:
                u.cp_steps, u.ep_roles, u.tp_traffic, u.tp_inner, u.ep_tokens, u.ep_weights,
                len(u.params),
                tuple(w.gemms.items()),
-               tuple((k, tuple(v)) for k, v in w.memory.items()), w.ops, w.recompute_ops)
+               tuple((k, tuple(v)) for k, v in w.memory.items()), w.ops, w.recompute_ops,
+               w.seeds, w.input_grads)
         contents = units.cache.setdefault("unit contents", {})
         ids[id(u)] = (u, contents.setdefault(key, len(contents)))  # u kept: its id stays
     return ids[id(u)][1]
@@ -137,9 +140,11 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     # is a little cheaper here)
     host_f, host_b = dtensor_host(plan, device.hardware,
                                   sum(len(u.params) + u.made for u in run) + 1, passes(calls))
-    waiting = waiting_of(calls, c.tp, (tp_f, tp_b), (wait_f, wait_b), again, device)
-    return t, (t.f + tp_f + other / 2 + wait_f + host_f,
-               t.b + tp_b + other / 2 + again + wait_b + host_b, t.w), waiting
+    row, waiting = in_w_without_input_grads(
+        run[0].work.input_grads,
+        (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b
+         + host_b, t.w), waiting_of(calls, c.tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
+    return t, row, waiting
 
 
 def _inner(run: list[Unit], sp: bool) -> list[bool]:
@@ -255,6 +260,11 @@ class Shape:
     act: tuple[float, ...]  # activation bytes per microbatch per stage (what the walk adds)
     links: object
     table: tuple = ()  # the units, each as its stage runs it (recompute on its rank or not)
+
+    def costs(self) -> Costs:
+        """Its schedules.Costs (a separate W's host calls from the OpTimes: Costs.split)."""
+        return Costs(per_stage=self.per_stage, latency=self.latency, waiting=self.waiting,
+                     split=split_of(self.ops))
 
 
 def shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
@@ -443,7 +453,7 @@ def _limited_bound(units: Units, c: Candidate, sh: Shape, place) -> float:
         return 0.0
     key = ("limited bound", id(sh), place, c.microbatches, c.memory_limit)
     if key not in units.cache:
-        table = Costs(per_stage=sh.per_stage, latency=sh.latency).stage_table(place)
+        table = sh.costs().stage_table(place)
         units.cache[key] = makespan_bound(place, c.microbatches, table,
                                           float(c.memory_limit))
     return units.cache[key]
@@ -592,7 +602,7 @@ def _auto_order(units: Units, c: Candidate, sh: Shape, costs: Costs):
     reads the pipeline, the per-stage costs and the limit only: candidates that differ in
     ZeRO stage, or in a data-parallel size their stage costs do not see, share one search)."""
     key = ("auto order", c.pp, c.microbatches, c.virtual, sh.per_stage, sh.latency,
-           c.memory_limit)
+           costs.split, c.memory_limit)
     if key not in units.cache:
         units.cache[key] = generate("auto", ranks=c.pp, microbatches=c.microbatches,
                                     virtual=c.virtual, costs=normalised(costs),
@@ -626,7 +636,7 @@ def auto_memory_limit(units: Units, c: Candidate, device: DeviceModel,
 def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     """The compiler's estimate of candidate `c` (what `pipeplan check` prints for its plan)."""
     sh = shape(units, c, device)
-    costs = Costs(per_stage=sh.per_stage, latency=sh.latency, waiting=sh.waiting)
+    costs = sh.costs()
     sched = order(units, c) if c.schedule != "auto" else _auto_order(units, c, sh, costs)
     sim = simulate(sched, costs)
     if device.sharing is not None:  # ranks sharing a CPU: as busy as the timeline keeps them,
@@ -635,7 +645,7 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
         for _ in range(SHARING_ROUNDS):
             device = _shared(units, alone, c.dp * c.cp * c.tp, sim.concurrency)
             sh = shape(units, c, device)
-            costs = Costs(per_stage=sh.per_stage, latency=sh.latency, waiting=sh.waiting)
+            costs = sh.costs()
             sim = simulate(sched, costs)
     peaks = held_peaks(sched, list(sh.act))[0]
     actions = [tuple(a.stage for a in sched.order[r]) for r in range(c.pp)]

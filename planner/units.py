@@ -175,7 +175,7 @@ def _work_line(a: StageWork, b: StageWork, k: int) -> StageWork:
         gemms[key] = gemms.get(key, 0.0) + a.gemms[(ga, kind, rec)]
     memory = {key: [e + k * (f - e), o + k * (q - o), n]
               for (key, (e, o, n)), (_, (f, q, _)) in zip(a.memory.items(), b.memory.items())}
-    return StageWork(gemms, memory, a.ops, a.recompute_ops)
+    return StageWork(gemms, memory, a.ops, a.recompute_ops, a.seeds, a.input_grads)
 
 
 def _work_pairs(a: StageWork, b: StageWork) -> bool:
@@ -367,7 +367,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                     costs_of[mode] = node_costs(p, graph, run)
                 costs = costs_of[mode]
                 works = stage_work(graph, nodes, split.stage_of, costs, kinds,
-                                   tp_probe if tp_on else 1, len(stages))
+                                   tp_probe if tp_on else 1, stages)
                 scale = {n.name: c.scale for n, c in costs.items() if c.scale != 1.0}
                 tps = tuple(t for t in tp_values if t > 1) if tp_on else (1,)
                 cp_stages = [dataclasses.replace(st, cp_bytes=0.0, cp_calls=0, cp_steps=(0, 0))

@@ -3,7 +3,10 @@
 Uniform costs are for a rank's whole share of the layers: with v stages per
 rank each stage's op costs F/v, B/v, W/v, so kinds with different v compare
 at equal work. `per_stage` gives absolute (F, B, W) per stage instead.
-A full backward BW costs B + W. `waiting` (optional, same shape as `per_stage`): of each
+A full backward BW costs B + W. `split` (optional, one number per stage of `per_stage`): the
+seconds a separate W costs beyond its share of the fused BW (a runtime that splits the
+backward on the host pays a call per weight-using op there; compiler/estimate/optime.py),
+charged to every W and never to BW. `waiting` (optional, same shape as `per_stage`): of each
 op's seconds, those its rank spends waiting on other ranks inside the action (collectives),
 not computing; the simulator charges the whole op either way, only
 SimResult.concurrency (ranks sharing a CPU's cores) reads it.
@@ -25,6 +28,7 @@ class Costs:
     latency: float = 0.0
     per_stage: Optional[tuple[tuple[float, float, float], ...]] = None
     waiting: Optional[tuple[tuple[float, float, float], ...]] = None
+    split: Optional[tuple[float, ...]] = None
 
     def __post_init__(self):
         values = [self.F, self.B, self.W, self.latency]
@@ -41,6 +45,11 @@ class Costs:
                 tuple(min(float(x), float(t)) for x, t in zip(w, op))
                 for w, op in zip(self.waiting, self.per_stage)))
             values.extend(x for w in self.waiting for x in w)
+        if self.split is not None:
+            if self.per_stage is None or len(self.split) != len(self.per_stage):
+                raise ScheduleError("a split backward's costs need per-stage costs, one each")
+            object.__setattr__(self, "split", tuple(float(x) for x in self.split))
+            values.extend(self.split)
         if any(not (v >= 0) for v in values):  # also rejects NaN
             raise ScheduleError(f"costs must be non-negative numbers, got {self}")
 
@@ -51,13 +60,12 @@ class Costs:
             if len(self.per_stage) != stages:
                 raise ScheduleError(
                     f"per-stage costs list {len(self.per_stage)} stages but the schedule has {stages}")
-            table = self.per_stage
-        else:
-            per_rank: dict[int, int] = {}
-            for r in stage_to_rank:
-                per_rank[r] = per_rank.get(r, 0) + 1
-            table = tuple((self.F / per_rank[r], self.B / per_rank[r], self.W / per_rank[r])
-                          for r in stage_to_rank)
+            return StageCosts(self.per_stage, self.latency, self.split)
+        per_rank: dict[int, int] = {}
+        for r in stage_to_rank:
+            per_rank[r] = per_rank.get(r, 0) + 1
+        table = tuple((self.F / per_rank[r], self.B / per_rank[r], self.W / per_rank[r])
+                      for r in stage_to_rank)
         return StageCosts(table, self.latency)
 
     def label(self) -> str:
@@ -71,6 +79,7 @@ class StageCosts:
 
     table: tuple[tuple[float, float, float], ...]
     latency: float
+    split: Optional[tuple[float, ...]] = None  # per stage: what a separate W adds (Costs.split)
 
     def time(self, op: str, stage: int) -> float:
         f, b, w = self.table[stage]
@@ -79,7 +88,7 @@ class StageCosts:
         if op == B:
             return b
         if op == W:
-            return w
+            return w + self.split[stage] if self.split else w
         if op == BW:
             return b + w
         raise ScheduleError(f"unknown op {op!r}")

@@ -138,10 +138,10 @@ class StageRunner:
         saved.roots, saved.root_grads = self._roots(saved, out_grads)
         if not saved.roots:
             return self._input_grads(saved, [None] * len(saved.inputs))
+        if not saved.inputs:  # no gradient to send back: W runs the whole backward, in
+            return {}  # one call (what a split would plan here: its roots, all off B's path)
         if self.split_weights and self.params:
             saved.split = self._split.plan(saved.roots, saved.inputs)
-        if not saved.inputs:
-            return {}
         if saved.split is not None:
             grads = split_backward.backward_input(saved.split, saved.roots, saved.root_grads,
                                                   saved.inputs)

@@ -114,6 +114,7 @@ class CpuModel:
     dtensor_redistribute_s: float = 0.0  # ... per redistribution, beyond its collective
     collective_cpu_s: float = 0.0  # gloo's own threads' CPU per ring step of a collective
     transfer_cpu_s: float = 0.0  # ... and per p2p message (beside the posting thread's)
+    split_call_s: float = 0.0  # host seconds per autograd call of a separate W
 
 
 def cache_path() -> str:
@@ -122,11 +123,11 @@ def cache_path() -> str:
     return os.path.join(base, "cpu_flops.json")
 
 
-PROBE_VERSION = 5  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
+PROBE_VERSION = 6  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
 # 3: contention and posting a transfer measured per rank count in a ring of handoffs;
 # 4: gloo's own threads' CPU per collective ring step and per p2p message; the ring's
 # block and post CPU as means; 5: DTensor's host time on transformer blocks in the TP
-# rewrite's pattern, its parts timed in place
+# rewrite's pattern, its parts timed in place; 6: a separate W's autograd calls
 
 
 def _key() -> str:
@@ -565,6 +566,59 @@ def _in_place(stack, x, tp: bool, spent: dict) -> dict:
     return out
 
 
+SPLIT_RUNS = 3  # measure_split's runs, the median (the first of a process ran ~2x the rest)
+
+
+def measure_split() -> float:
+    """Host seconds per autograd call of a separate W beyond the fused backward (the
+    runtime's split, backends/runtime/split_backward.py: B saves each weight-using op's
+    incoming gradient in a pre-hook, W makes one autograd call per such op from it to its
+    parameters). The overhead-bound probe blocks run forward then the fused backward, and
+    forward then B (to the input, the pre-hooks on each parameter-owning module's output
+    node) and W (a call per module); (B + W - BW) over the calls, medians of 4 x ROUNDS runs
+    after ROUNDS, the median of SPLIT_RUNS such runs. The per-op host time of the fused
+    backward is in op_backward_s."""
+    from torch.autograd.graph import GradientEdge
+
+    def run():
+        model, x = _block(WIDTH, TOKENS, BLOCKS)
+        owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        outs: dict = {}
+        for m in owners:
+            m.register_forward_hook(lambda m, _, o: outs.__setitem__(m, o))
+        grad = torch.randn(x.shape)
+
+        def fused():
+            torch.autograd.backward(model(x), grad)
+
+        def split():
+            y = model(x)
+            t = time.thread_time()
+            saved: dict = {}
+            nodes = [(outs[m].grad_fn, list(m.parameters(recurse=False))) for m in owners]
+            hooks = [n.register_prehook(lambda g, n=n: saved.__setitem__(n, g))
+                     for n, _ in nodes]
+            torch.autograd.grad(y, x, grad, retain_graph=True)
+            for h in hooks:
+                h.remove()
+            for n, params in nodes:
+                torch.autograd.backward([GradientEdge(n, 0)], [saved[n][0]], inputs=params,
+                                        retain_graph=True)
+            return time.thread_time() - t
+
+        def backward_of_fused():
+            y = model(x)
+            return _cpu_of(lambda: torch.autograd.backward(y, grad))
+
+        for _ in range(ROUNDS):
+            fused()
+            split()
+        pairs = [(split(), backward_of_fused()) for _ in range(4 * ROUNDS)]
+        extra = statistics.median(s for s, _ in pairs) - statistics.median(b for _, b in pairs)
+        return max(extra, 1e-7 * len(owners)) / len(owners)  # a cached 0 would re-measure
+    return _two_digits(statistics.median(_one_thread(run) for _ in range(SPLIT_RUNS)))
+
+
 def measure_dtensor() -> tuple[float, ...]:
     """Host seconds DTensor adds in eager tensor parallelism, from two gloo processes (the
     slower process's numbers; the median of DTENSOR_PAIRS pairs run one after another: one
@@ -643,7 +697,7 @@ def measure_sharing(n: int) -> tuple[float, float]:
 
 
 _FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
-           "link_bytes_per_s") + DTENSOR_FIELDS
+           "link_bytes_per_s", "split_call_s") + DTENSOR_FIELDS
 
 
 def _load(path: str, key: str) -> dict:
@@ -676,6 +730,7 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
                     contention=float(factor),
                     collective_cpu_s=float(c.get("collective_cpu_s", 0.0)),
                     transfer_cpu_s=float(c.get("transfer_cpu_s", 0.0)),
+                    split_call_s=float(c["split_call_s"]),
                     **{k: float(c[k]) for k in DTENSOR_FIELDS})
 
 
@@ -747,6 +802,7 @@ def _measure(key: str) -> dict:
             "bytes_per_s": _two_digits(4 * elements_per_s),
             "link_latency_s": latency, "link_bytes_per_s": link,
             "collective_cpu_s": collective_cpu, "transfer_cpu_s": transfer_cpu,
+            "split_call_s": measure_split(),
             "attention": [list(r) for r in attention], "contention": {}, "posts": {}}
 
 

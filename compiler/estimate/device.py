@@ -102,6 +102,7 @@ class DeviceModel:
                          post_s=hw.post_s * self.sharing.fair(busy),  # measured shared
                          collective_cpu_s=hw.collective_cpu_s * k,
                          transfer_cpu_s=hw.transfer_cpu_s * k,
+                         split_call_s=hw.split_call_s * k,
                          **{f: getattr(hw, f) * k for f in DTENSOR_FIELDS},
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
@@ -193,7 +194,7 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
                        cpu.post_s, {k: getattr(cpu, k) for k in DTENSOR_FIELDS},
-                       (cpu.collective_cpu_s, cpu.transfer_cpu_s)), \
+                       (cpu.collective_cpu_s, cpu.transfer_cpu_s), cpu.split_call_s), \
         cpu.origin, sharing
 
 

@@ -86,6 +86,10 @@ class DeviceProfile:
     # ranks sharing its cores pay beside their own threads' work. 0 on accelerators
     collective_cpu_s: float = 0.0
     transfer_cpu_s: float = 0.0
+    # host seconds each autograd call of a separate W costs beyond the fused backward (one
+    # per weight-using op: backends/runtime/split_backward.py): the measured CPU's
+    # (cpu_probe.measure_split); 0 on accelerators (as op_s)
+    split_call_s: float = 0.0
 
 
 DTENSOR_FIELDS = ("dtensor_op_s", "dtensor_op_backward_s", "dtensor_wrap_s",
@@ -146,17 +150,19 @@ def dtype_of(plan) -> str:
 def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: float = 0.0,
                 attention: tuple = (), link: tuple = (10e-6, 50 * _GB),
                 post_s: float = 0.0, dtensor: Optional[dict] = None,
-                behind: tuple = (0.0, 0.0)) -> DeviceProfile:
+                behind: tuple = (0.0, 0.0), split_call_s: float = 0.0) -> DeviceProfile:
     """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, memory-bound
     kernels' bandwidth (0: bytes move for free), fused attention per head dimension, host
     time per op (plain, and `dtensor`: the DeviceProfile's dtensor_* fields), and `link`
     (latency s, bytes/s): gloo between its local processes, every group of the plan's ranks
     on it (one machine: no network); `behind`: gloo's own threads' CPU seconds per ring step
-    of a collective and per p2p message."""
+    of a collective and per p2p message; `split_call_s`: host seconds per autograd call of a
+    separate W."""
     latency, bandwidth = link
     return DeviceProfile("cpu", {k: flops for k in ("bf16", "fp16", "fp32", "fp64")},
                          bytes_per_s, 0.0, bandwidth, bandwidth, latency, ranks_per_node=None,
                          family="cpu", op_s=op_s, op_backward_s=op_backward_s,
                          efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"),
                          attention=attention, post_s=post_s, collective_cpu_s=behind[0],
-                         transfer_cpu_s=behind[1], **(dtensor or {}))
+                         transfer_cpu_s=behind[1], split_call_s=split_call_s,
+                         **(dtensor or {}))

@@ -294,7 +294,8 @@ def normalised(costs):
     from ...schedules.costs import Costs
     scale = max((max(t) for t in costs.per_stage), default=0.0) or 1.0
     return Costs(per_stage=tuple(tuple(x / scale for x in t) for t in costs.per_stage),
-                 latency=costs.latency / scale)
+                 latency=costs.latency / scale,
+                 split=tuple(x / scale for x in costs.split) if costs.split else None)
 
 
 def _bytes(spec) -> int:

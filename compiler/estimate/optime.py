@@ -12,7 +12,14 @@ The model (docs/compiler.md, "The time model"):
 * backward: each matmul's two products (the input gradient in B; the weight gradient in W
   when one operand is a parameter, else in B too) at the forward's shape; memory-bound
   kernels read and write twice the forward's bytes, in B; nodes recomputed (full or
-  selective) run their forward again in B.
+  selective) run their forward again in B;
+* a stage no input gradient leaves (the first: token ids) does nothing in B: its W is the
+  whole backward (backends/runtime/stage.py; a compiled stage's B graph is empty there);
+* a separate W in eager mode makes one autograd call per weight-using op on the path
+  from the stage's inputs (backends/runtime/split_backward.py: its seeds; `weight_seeds`
+  counts them in the stage graph), each costing the host the measured CPU's
+  `split_call_s` beyond the fused backward (OpTimes.split; a compiled stage's W is one
+  graph call).
 
 Tensor parallel divides what the rewrite splits, found by following the graph: a
 column-parallel layer's N and a row-parallel layer's K are 1/tp, every node reading a value
@@ -32,6 +39,7 @@ import torch.fx as fx
 from ...dsl.ast import Plan
 from ..capture.blocks import module_path
 from ..capture.work import Gemm
+from ..compiled import BATCH
 from .costs import Cost
 from .devices import DeviceProfile, dtype_of
 
@@ -43,6 +51,7 @@ class OpTimes:
     f: float
     b: float
     w: float
+    split: float = 0.0  # what a separate W costs beyond its share of the fused BW (host)
 
 
 def _float_bytes(plan: Plan) -> int:
@@ -146,6 +155,8 @@ class StageWork:
     memory: dict = field(default_factory=dict)
     ops: int = 0  # aten ops the forward dispatches (host time on a CPU)
     recompute_ops: int = 0
+    seeds: int = 0  # autograd calls a separate W makes (weight_seeds)
+    input_grads: bool = True  # False: no gradient leaves the stage, B does nothing
 
     def add(self, cost: Cost, kind: Optional[str]) -> None:
         rec = bool(cost.recompute_ops or cost.recompute_flops)
@@ -163,10 +174,12 @@ class StageWork:
 
 
 def stage_work(graph: fx.Graph, nodes: list[fx.Node], stage_of, costs: dict[fx.Node, Cost],
-               tp_kinds: dict[str, str], tp: int, stages: int) -> list[StageWork]:
-    """Per stage, its nodes' work (`stage_of(i)`: the stage of nodes[i])."""
+               tp_kinds: dict[str, str], tp: int, stages: list) -> list[StageWork]:
+    """Per stage (`stages`: their StageSpecs), its nodes' work (`stage_of(i)`: the stage of
+    nodes[i]), its split backward's calls and whether a gradient leaves it."""
     kinds = split_kinds(graph, tp_kinds, tp, costs)
-    out = [StageWork() for _ in range(stages)]
+    out = [StageWork(seeds=weight_seeds(st), input_grads=takes_input_grads(st))
+           for st in stages]
     for i, node in enumerate(nodes):
         c = costs.get(node)
         if c is not None:
@@ -198,7 +211,64 @@ def op_times(plan: Plan, work: StageWork, dev: DeviceProfile) -> OpTimes:
     if on_dtensors(plan, work):  # eager tp: every op also pays DTensor's dispatch
         op_s, op_b = op_s + dev.dtensor_op_s, op_b + dev.dtensor_op_backward_s
     host_b = work.ops * op_b / 2  # host time per op (a CPU): B and W halve it
-    return OpTimes(f + work.ops * op_s, b + host_b + work.recompute_ops * op_s, w + host_b)
+    b, w = b + host_b + work.recompute_ops * op_s, w + host_b
+    if not work.input_grads:  # nothing to send back: W is the whole backward, one call
+        return OpTimes(f + work.ops * op_s, 0.0, b + w)
+    calls = work.seeds * dev.split_call_s if plan.compile.mode == "eager" else 0.0
+    return OpTimes(f + work.ops * op_s, b, w, calls)
+
+
+def takes_input_grads(spec) -> bool:
+    """Does a gradient leave the stage: an input received from the stage before that a
+    gradient flows back to (the runtime's StageRunner.grad_inputs)."""
+    return any(r.source != BATCH and r.requires_grad for r in spec.inputs)
+
+
+def weight_seeds(spec) -> int:
+    """The autograd calls the runtime's separate W makes for the stage (eager mode; one per
+    seed of backends/runtime/split_backward.py), counted in its graph: each op on a path
+    from an input a gradient flows back to that reads a trainable parameter or a value
+    computed from parameters off that path (a module call: one per submodule owning
+    parameters), and one more when an output is off the path but computed from parameters
+    (its free roots)."""
+    module = spec.module
+    if module is None or not takes_input_grads(spec):
+        return 0
+    grad_in = {r.name for r in spec.inputs if r.source != BATCH and r.requires_grad}
+    trainable = {n for n, p in module.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
+    on_path: set = set()  # nodes a gradient of the inputs flows through
+    weighted: set = set()  # nodes off that path computed from trainable parameters
+    seeds = 0
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            if node.target in grad_in:
+                on_path.add(node)
+            continue
+        if node.op == "get_attr":
+            if node.target in trainable:
+                weighted.add(node)
+            continue
+        if node.op == "output":
+            outs = [a for a in node.all_input_nodes]
+            seeds += int(any(a in weighted and a not in on_path for a in outs))
+            continue
+        owners = _owners(module, node)
+        ins = node.all_input_nodes
+        if any(a in on_path for a in ins):
+            on_path.add(node)
+            seeds += owners + int(any(a in weighted for a in ins))
+        elif owners or any(a in weighted for a in ins):
+            weighted.add(node)
+    return seeds
+
+
+def _owners(module, node: fx.Node) -> int:
+    """Submodules owning trainable parameters of the module a call_module node calls."""
+    if node.op != "call_module":
+        return 0
+    return sum(1 for m in module.get_submodule(node.target).modules()
+               if any(p.requires_grad for p in m.parameters(recurse=False)))
 
 
 def dtensor_host(plan: Plan, dev: Optional[DeviceProfile], tensors: int,

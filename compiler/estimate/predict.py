@@ -45,7 +45,7 @@ from ...dsl.ast import Plan
 from ..compiled import StageSpec
 from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
-from .optime import OpTimes, StageWork, dtensor_host, op_times
+from .optime import OpTimes, StageWork, dtensor_host, op_times, takes_input_grads
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
                  moe_traffic, device: DeviceModel):
     """Seconds per (F, B, W) of each stage and the p2p delay: a schedules.Costs, with the
     seconds of each action its rank waits in collectives (TP's, EP's and CP's latencies)
-    as its `waiting`."""
+    as its `waiting`, and what a separate W adds on the host as its `split`."""
     from ...schedules.costs import Costs
     links = mesh_links(plan, device)
     tp = plan.mesh.tp
@@ -164,13 +164,32 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
         again = tp_f if st.recompute_ops or st.recompute_flops else 0.0
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
         host_f, host_b = dtensor_host(plan, device.hardware, wrapped(st), passes(calls))
-        table.append((t.f + tp_f + other / 2 + wait_f + post + host_f,
-                      t.b + tp_b + other / 2 + again + wait_b + post + host_b, t.w))
-        waiting.append(waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
+        row, waits = in_w_without_input_grads(
+            takes_input_grads(st),
+            (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b
+             + host_b, t.w),
+            waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
+        table.append((row[0] + post, row[1] + post, row[2]))
+        waiting.append(waits)
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
-    return Costs(per_stage=tuple(table), latency=latency, waiting=tuple(waiting))
+    return Costs(per_stage=tuple(table), latency=latency, waiting=tuple(waiting),
+                 split=split_of(ops))
+
+
+def split_of(ops: list[OpTimes]) -> Optional[tuple[float, ...]]:
+    """Costs.split from the stages' OpTimes (None where no stage's W adds anything)."""
+    return tuple(t.split for t in ops) if any(t.split for t in ops) else None
+
+
+def in_w_without_input_grads(input_grads: bool, row: tuple, waits: tuple) -> tuple:
+    """A stage's (F, B, W) seconds and their waits, a stage no gradient leaves running its
+    whole backward in W (optime.op_times: B's compute is already there), its backward's
+    collectives with it: B does nothing but receive."""
+    if input_grads:
+        return row, waits
+    return (row[0], 0.0, row[1] + row[2]), (waits[0], 0.0, waits[1] + waits[2])
 
 
 def exposed_reduction(jobs: list[tuple[float, float]], compute_end: float) -> float:
@@ -288,7 +307,7 @@ def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
 
 def _op_time(ops: list[OpTimes], a) -> float:
     t = ops[a.stage]
-    return {"F": t.f, "B": t.b, "W": t.w, "BW": t.b + t.w}[a.op]
+    return {"F": t.f, "B": t.b, "W": t.w + t.split, "BW": t.b + t.w}[a.op]
 
 
 @dataclass

@@ -21,8 +21,8 @@ the floor counts (predict.shared_floor), beside the run's own (its "CPU on ..." 
 processes' CPU seconds per step, the step, the cores' busy share; median over the runs). On
 a loaded shared machine the measurement moves with the load: report what you get.
 
-`--alone`: no pipeline and no other ranks. Each stage runs F and BW in this one process, one
-thread (under tensor parallelism in its tp group's processes, the stage rewritten as the
+`--alone`: no pipeline and no other ranks. Each stage runs F and its backward as the plan's
+schedule runs it (BW, or B then W) in this one process, one thread (under tensor parallelism in its tp group's processes, the stage rewritten as the
 runtime rewrites it), on random weights (the runtime's StageRunner), timed in thread CPU time
 (median of 25 after 5), beside the model's prediction for one rank alone (no sharing) less
 its waits in collectives: the per-op model checked without the machine's scheduling. Plans
@@ -137,9 +137,10 @@ def _tp_alone(rank: int, world: int, port: int, compiled) -> None:
 
 
 def time_stages(compiled, rank: int, group) -> None:
-    """Each stage's F and BW on random weights (the runtime's StageRunner; `group`: its
-    tensor-parallel rewrite over that group), in thread CPU time (median of 25 after 5),
-    beside the model's prediction for a rank alone less its waits; rank 0 prints."""
+    """Each stage's F and its backward as the plan's schedule runs it (BW, or B then W) on
+    random weights (the runtime's StageRunner; `group`: its tensor-parallel rewrite over that
+    group), in thread CPU time (median of 25 after 5), beside the model's prediction for a
+    rank alone less its waits; rank 0 prints."""
     import dataclasses
     import statistics
     import time
@@ -150,13 +151,13 @@ def time_stages(compiled, rank: int, group) -> None:
     from pipeplan.backends.runtime.stage import StageRunner
 
     torch.set_num_threads(1)
-    costs = compiled.estimates.simulation.costs
-    waits = costs.waiting or ((0.0, 0.0, 0.0),) * len(costs.per_stage)
+    predicted = op_table(compiled.estimates.simulation.costs, less_waits=True)
+    split = any(a.op == "W" for row in compiled.schedule.order for a in row)
     outputs = {v.name: v for st in compiled.stages for v in st.outputs}
     plan = compiled.plan
     rules = dataclasses.replace(TensorParallelRules.from_plan(plan.tensor),
                                 kinds=tuple(sorted(compiled.tp_rewrites.items())))
-    for spec, (f, b, w), (wf, wb, ww) in zip(compiled.stages, costs.per_stage, waits):
+    for spec, ops in zip(compiled.stages, predicted):
         module = spec.module.to_empty(device="cpu")
         torch.manual_seed(0)
         with torch.no_grad():
@@ -171,21 +172,22 @@ def time_stages(compiled, rank: int, group) -> None:
         inputs = [torch.randint(0, 2, (rows, plan.data.seq_len)) if r.source == "batch" else
                   torch.randn(outputs[r.name].shape) for r in spec.inputs]
         grads = None if last else [torch.randn(v.shape) for v in spec.outputs]
-        fs, bs = [], []
+        steps = (("F", lambda: runner.forward(0, inputs)),) + (
+            (("B", lambda: runner.backward_input(0, grads)),
+             ("W", lambda: runner.backward_weight(0))) if split else
+            (("BW", lambda: runner.backward_full(0, grads)),))
+        times: dict = {op: [] for op, _ in steps}
         for i in range(30):
-            t = time.thread_time()
-            runner.forward(0, inputs)
-            t1 = time.thread_time()
-            runner.backward_full(0, grads)
-            if i >= 5:
-                fs.append(t1 - t)
-                bs.append(time.thread_time() - t1)
-        mf, mb = statistics.median(fs), statistics.median(bs)
-        pf, pb = f - wf, b + w - wb - ww
+            for op, run in steps:
+                t = time.thread_time()
+                run()
+                if i >= 5:
+                    times[op].append(time.thread_time() - t)
         if rank == 0:
-            print(f"stage {spec.index}: F predicted {pf * 1e3:.3f} ms, measured {mf * 1e3:.3f} "
-                  f"({pf / mf:.3f}); BW predicted {pb * 1e3:.3f}, measured {mb * 1e3:.3f} "
-                  f"({pb / mb:.3f})")
+            print(f"stage {spec.index}: " + "; ".join(
+                f"{op} predicted {ops[op] * 1e3:.3f} ms, measured "
+                f"{statistics.median(times[op]) * 1e3:.3f} "
+                f"({ops[op] / statistics.median(times[op]):.3f})" for op, _ in steps))
 
 
 def step(estimates, machine) -> None:
@@ -202,6 +204,17 @@ def step(estimates, machine) -> None:
         if p.cpu_s:
             line += f", CPU {p.cpu_s / machine['cpu']:.3f}"
     print(line)
+
+
+def op_table(costs, less_waits: bool = False) -> list[dict]:
+    """Per stage, each op's predicted seconds as the simulator charges them (StageCosts.time:
+    a separate W with its calls, Costs.split); `less_waits`: less its waits in collectives."""
+    from pipeplan.schedules.costs import StageCosts
+    stages = len(costs.per_stage)
+    table = costs.stage_table(tuple(range(stages)))
+    waits = StageCosts(costs.waiting or ((0.0, 0.0, 0.0),) * stages, 0.0)
+    return [{op: table.time(op, s) - (waits.time(op, s) if less_waits else 0.0)
+             for op in ("F", "B", "W", "BW")} for s in range(stages)]
 
 
 def main(argv: list[str]) -> int:
@@ -221,23 +234,21 @@ def main(argv: list[str]) -> int:
             costs = median_of([measured(plan_path, os.path.join(tmp, f"costs{k}.json"))
                                for k in range(repeat)])
         shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
-        table = shared.estimates.simulation.costs.per_stage
+        table = op_table(shared.estimates.simulation.costs)
         alone_costs = compiled_alone(plan_path).estimates.simulation.costs
-        waits = alone_costs.waiting or ((0.0, 0.0, 0.0),) * len(table)
         # a rank's CPU time: its actions less their waits in collectives (Costs.waiting)
-        own = [tuple(t - x for t, x in zip(c, w)) for c, w in zip(alone_costs.per_stage, waits)]
+        own = op_table(alone_costs, less_waits=True)
         sharing = device_model(load_plan(os.path.join(REPO, plan_path))).sharing
         extra = sharing.extra if sharing is not None else 1.0
         print(f"{plan_path}  ({costs.get('device')}; median of {repeat} profiles; CPU time "
               f"predicted: alone x {extra:.3g} + posting as measured shared)")
         print("stage  op | slot: predicted (ms)  measured (ms)  ratio | CPU time: predicted "
               "(ms)  measured (ms)  ratio")
-        for st, (f, b, w), (fa, ba, wa) in zip(costs["stages"], table, own):
+        for st, p_ops, a_ops in zip(costs["stages"], table, own):
             cpu = st.get("cpu") or {}
-            pairs = [("F", f, st["F"], fa)]
-            pairs += [("BW", b + w, st["BW"], ba + wa)] if st.get("BW") is not None else \
-                [("B", b, st["B"], ba), ("W", w, st["W"], wa)]
-            for op, p, m, pa in pairs:
+            ops = ("F", "BW") if st.get("BW") is not None else ("F", "B", "W")
+            for op in ops:
+                p, m, pa = p_ops[op], st[op], a_ops[op]
                 worst = max(worst, abs(p / m - 1))
                 line = f"{st['index']:>5}  {op:<3}| {p * 1e3:>19.3f} {m * 1e3:>14.3f} {p / m:>6.3f} |"
                 c = cpu.get(op)

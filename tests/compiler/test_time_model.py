@@ -13,7 +13,7 @@ from pipeplan.compiler import compile_plan
 from pipeplan.compiler.capture.work import Gemm, WorkLog
 from pipeplan.compiler.estimate.device import device_model, mesh_links, model_of
 from pipeplan.compiler.estimate.devices import Efficiency, profile
-from pipeplan.compiler.estimate.optime import gemm_time, memory_time, shard
+from pipeplan.compiler.estimate.optime import OpTimes, gemm_time, memory_time, shard
 from pipeplan.compiler.estimate.predict import breakdown, exposed_gathers, exposed_reduction
 from pipeplan.dsl.ast import DeviceSpec, InputSpec, MeshSpec, TensorSpec, TrainSpec
 from pipeplan.schedules import generate
@@ -96,9 +96,7 @@ def test_breakdown_parts_sum_to_the_step_on_an_interleaved_timeline():
     costs = Costs(per_stage=((1.0, 1.0, 1.0),) * 4)
     sim = simulate(schedule, costs)
 
-    class Ops:
-        f = b = w = 1.0
-    ops = [Ops()] * 4
+    ops = [OpTimes(1.0, 1.0, 1.0)] * 4
     step, ranks = breakdown(schedule, sim, ops, costs, [1.0] * 4, [0.25, 0.25])
     for r in ranks:
         assert r.compute + r.comm + r.bubble + r.optimizer == pytest.approx(step)
@@ -179,7 +177,8 @@ def test_dtensor_host_time_only_where_eager_tp_runs_dtensors(make_plan):
     from pipeplan.compiler.estimate.optime import on_dtensors, op_times
     from pipeplan.dsl.ast import CompileSpec
     compiled = compile_plan(_gpt(make_plan, 2))
-    plan, work = compiled.plan, compiled.estimates.timing.work[0]
+    plan = compiled.plan  # its one stage as a later stage's, a gradient leaving it (B's work)
+    work = dataclasses.replace(compiled.estimates.timing.work[0], input_grads=True)
     hw = dataclasses.replace(profile("a100"), op_s=1e-5, op_backward_s=2e-5)
     plain = op_times(plan, work, hw)
     added = op_times(plan, work, dataclasses.replace(hw, dtensor_op_s=1e-3,
@@ -192,6 +191,32 @@ def test_dtensor_host_time_only_where_eager_tp_runs_dtensors(make_plan):
     assert not on_dtensors(graphs, work)
     whole = compile_plan(_gpt(make_plan, 1))
     assert not on_dtensors(whole.plan, whole.estimates.timing.work[0])
+
+
+def test_a_separate_w_pays_its_calls_and_a_first_stage_runs_its_backward_in_w(make_plan):
+    """The runtime's split backward (backends/runtime/stage.py): a stage a gradient leaves
+    runs B (input gradients) then W, one autograd call per seed, each `split_call_s` on the
+    host in eager mode (a compiled stage's W is one graph: nothing), charged to W and not
+    to the fused BW; a stage no gradient leaves (the first) does nothing in B, its W the
+    whole backward (the runtime's seed counts: tests/backends/test_split_backward.py)."""
+    from pipeplan.compiler.estimate.optime import op_times
+    from pipeplan.compiler.estimate.predict import _op_time
+    from pipeplan.dsl.ast import CompileSpec
+    from pipeplan.schedules import Action
+    compiled = compile_plan(_gpt(make_plan, 1))
+    plan, first = compiled.plan, compiled.estimates.timing.work[0]
+    assert not first.input_grads and first.seeds == 0  # its inputs: the batch's ids
+    later = dataclasses.replace(first, input_grads=True, seeds=7)
+    hw = dataclasses.replace(profile("a100"), op_s=1e-5, op_backward_s=2e-5, split_call_s=3e-4)
+    split, whole = op_times(plan, later, hw), op_times(plan, first, hw)
+    assert split.split == pytest.approx(7 * 3e-4) and split.b > 0
+    assert (whole.b, whole.split) == (0.0, 0.0)
+    assert whole.w == pytest.approx(split.b + split.w) and whole.f == split.f
+    ops = [split]
+    assert _op_time(ops, Action("W", 0, 0)) == pytest.approx(split.w + 7 * 3e-4)
+    assert _op_time(ops, Action("BW", 0, 0)) == pytest.approx(split.b + split.w)
+    graphs = dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
+    assert op_times(graphs, later, hw).split == 0.0
 
 
 def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
@@ -223,7 +248,8 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     more = action_costs(plan, compiled.stages, ops, timing.tp_traffic, timing.moe_traffic,
                         DeviceModel(hardware=priced))
     (f0, b0, w0), (f1, b1, w1) = base.per_stage[0], more.per_stage[0]
-    assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((f, b, 0.0))
+    # its one stage sends no gradient back: its whole backward, the host's too, is W's
+    assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((f, 0.0, b))
     graphs = dataclasses.replace(plan, compile=CompileSpec(mode="graphs"))
     assert dtensor_host(graphs, priced, tensors, (int(n), 0)) == (0.0, 0.0)
 
@@ -285,10 +311,11 @@ def test_context_parallel_exchanges_wait_a_latency_per_message(method, forward, 
     at = {lat: timing.costs(model_of(compiled.plan, dataclasses.replace(a100, latency=lat)))[1]
           for lat in (0.0, 1e-3)}
     layers = 2
-    for (f0, b0, w0), (f1, b1, w1) in zip(at[0.0].per_stage, at[1e-3].per_stage):
-        assert f1 - f0 == pytest.approx(layers * forward * (2 - 1) * 1e-3, rel=1e-9)
-        assert b1 - b0 == pytest.approx(layers * backward * (2 - 1) * 1e-3, rel=1e-9)
-        assert w1 == w0
+    for st, before, after in zip(compiled.stages, at[0.0].per_stage, at[1e-3].per_stage):
+        f, back, other = _added(st, before, after)
+        assert f == pytest.approx(layers * forward * (2 - 1) * 1e-3, rel=1e-9)
+        assert back == pytest.approx(layers * backward * (2 - 1) * 1e-3, rel=1e-9)
+        assert other == 0
     calls = compiled.estimates.ranks[0].collective_calls
     op = "ring p2p" if method == "ring" else "alltoall"
     per_op = 3 * (2 - 1) if method == "ring" else 8
@@ -314,13 +341,25 @@ def test_expert_all_to_alls_wait_a_latency_per_exchange(make_plan):
           for lat in (0.0, 1e-3)}
     assert ep_calls(compiled.plan, "tokens", prepass=False) \
         + ep_calls(compiled.plan, "weights", prepass=False) == 7
-    for st, (f0, b0, _), (f1, b1, _) in zip(compiled.stages, at[0.0].per_stage,
-                                            at[1e-3].per_stage):
+    for st, before, after in zip(compiled.stages, at[0.0].per_stage, at[1e-3].per_stage):
         layers = sum(1 for t in timing.moe_traffic if t.stage == st.index
                      and t.role == "tokens")
         assert layers > 0
-        assert f1 - f0 == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)
-        assert b1 - b0 == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)
+        f, back, other = _added(st, before, after)
+        assert f == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)
+        assert back == pytest.approx(layers * 7 * (ep - 1) * 1e-3 / 2, rel=1e-9)
+        assert other == 0
+
+
+def _added(stage, before, after) -> tuple:
+    """(F's, the backward's, the other backward op's) seconds added from `before` to
+    `after`, (F, B, W) each: the backward's in B, or in W on a stage no gradient leaves
+    (its whole backward runs there: optime.py)."""
+    from pipeplan.compiler.estimate.optime import takes_input_grads
+    (f0, b0, w0), (f1, b1, w1) = before, after
+    if takes_input_grads(stage):
+        return f1 - f0, b1 - b0, w1 - w0
+    return f1 - f0, w1 - w0, b1 - b0
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -391,8 +430,8 @@ def test_tp_collectives_wait_in_the_pass_the_rewrite_places_them(make_plan):
     def costs(latency):
         return action_costs(plan, compiled.stages, ops, timing.tp_traffic, timing.moe_traffic,
                             DeviceModel(hardware=hw, latency_s=latency)).per_stage[0]
-    (f0, b0, w0), (f1, b1, w1) = costs(0.0), costs(1e-3)
-    assert (f1 - f0, b1 - b0, w1 - w0) == pytest.approx((8 * 2 * 1e-3, 5 * 2 * 1e-3, 0.0))
+    assert _added(compiled.stages[0], costs(0.0), costs(1e-3)) == \
+        pytest.approx((8 * 2 * 1e-3, 5 * 2 * 1e-3, 0.0))
 
 
 def test_the_steps_own_collectives_hold_every_optimizer_until_the_last_rank_ends():
@@ -404,7 +443,6 @@ def test_the_steps_own_collectives_hold_every_optimizer_until_the_last_rank_ends
     0.5 of waiting communication (rank 1's first 2 bubble). Rank 0's tied sum (1 s, overlapped) starts as its
     stage's last BW ends (6): 7 + 0.2; blocking, after the DP reduction's tail (1 s from
     6): 8 + 0.2. Every rank's parts sum to the step."""
-    from pipeplan.compiler.estimate.optime import OpTimes
     from pipeplan.compiler.estimate.predict import StepSync, breakdown
     from pipeplan.schedules import Action, Schedule
     order = ((Action("F", 0, 0), Action("BW", 0, 0)), (Action("F", 1, 0), Action("BW", 1, 0)))

@@ -27,6 +27,23 @@ def test_per_stage_costs_are_absolute():
     assert r.makespan == pytest.approx(2 + 1 + 2 + 2)
 
 
+def test_a_split_backward_costs_its_w_more_and_the_fused_one_nothing():
+    """Costs.split: what a separate W adds on the host is charged to every W of its stage
+    and never to BW, and the bound (no schedule is shorter) leaves it out."""
+    from pipeplan.schedules.errors import ScheduleError
+    split = Costs(per_stage=((1, 1, 1), (1, 1, 1)), split=(0.5, 0.25))
+    zb = generate("zbh1", 2, 2)
+    plain = simulate(zb, Costs(per_stage=split.per_stage))
+    added = simulate(zb, split)
+    assert sum(added.busy) - sum(plain.busy) == pytest.approx(2 * 0.5 + 2 * 0.25)
+    assert added.busy[0] - plain.busy[0] == pytest.approx(2 * 0.5)  # stage 0 on rank 0
+    fused = generate("1f1b", 2, 2)
+    assert simulate(fused, split).busy == simulate(fused, Costs(per_stage=split.per_stage)).busy
+    assert added.lower_bound == pytest.approx(plain.lower_bound)
+    with pytest.raises(ScheduleError, match="split"):
+        Costs(split=(0.5,))
+
+
 def test_bubble_definitions():
     r = simulate(generate("1f1b", 4, 8))
     assert r.bubble == pytest.approx(1 - sum(r.busy) / (4 * r.makespan))
