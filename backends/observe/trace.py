@@ -14,7 +14,10 @@ the run (Chrome's unit).
 With `planned` (the simulator's timeline, costs in seconds) each pipeline
 rank gets a second process, "planned pp rank R" (pid PLANNED_PID + R), holding
 the planned timeline of every step, aligned with the step's first slot, so
-Perfetto shows the measured and the planned rows one above the other.
+Perfetto shows the measured and the planned rows one above the other. With
+`predicted` (the time model's timeline, what `pipeplan check` predicted) a third,
+"predicted pp rank R" (pid PREDICTED_PID + R): where the two differ, the plan's
+costs (planned: this run's measured means) and the model's part.
 """
 from __future__ import annotations
 
@@ -22,15 +25,16 @@ import json
 from typing import Sequence
 
 PLANNED_PID = 1000  # pid of pipeline rank 0's planned timeline
+PREDICTED_PID = 2000  # ... and of its predicted one
 _LANES = {0: "compute", 1: "p2p (receive waits, sends)", 2: "sync & optimizer",
           3: "runtime (an action's slot outside its compute)"}
 _LANE_OF = {"send": 1, "send wait": 1, "grad sync": 2, "optimizer": 2}
 US = 1e6  # µs per second
 
 
-def chrome_trace(ranks: Sequence, planned=None) -> dict:
-    """Every rank's measured timeline (observe.RankTimings), plus `planned` (a SimResult in
-    seconds) as a second track per pipeline rank."""
+def chrome_trace(ranks: Sequence, planned=None, predicted=None) -> dict:
+    """Every rank's measured timeline (observe.RankTimings), plus `planned` and `predicted`
+    (SimResults in seconds) as a second and third track per pipeline rank."""
     t0 = min((a.ready - a.recv_wait for r in ranks for s in r.steps for a in s), default=0.0)
     events = []
     for r in ranks:
@@ -57,7 +61,9 @@ def chrome_trace(ranks: Sequence, planned=None) -> dict:
                 events.append(_slice(sp.name, sp.kind, r.rank, _LANE_OF.get(sp.kind, 2),
                                      sp.start - t0, sp.end - sp.start, {"step": n}))
     if planned is not None:
-        events += _planned(ranks, planned, t0)
+        events += _planned(ranks, planned, t0, PLANNED_PID, "planned")
+    if predicted is not None:
+        events += _planned(ranks, predicted, t0, PREDICTED_PID, "predicted")
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -73,12 +79,13 @@ def on_ns_grid(start_us: float, end_us: float) -> dict:
     return {"ts": a / 1000, "dur": (b - a) / 1000}
 
 
-def _planned(ranks: Sequence, planned, t0: float) -> list:
-    """The planned timeline once per measured step of pipeline 0 (dp 0, tp 0), each slice
-    tagged with its step. A step's plan that outlasts the measured step would overlap the
-    next step's plan on one track (which Perfetto cannot nest): such a step goes on the
-    first lane of its planned rank that is free by then (lane 0 "planned", then
-    "planned, overlapping the step before")."""
+def _planned(ranks: Sequence, planned, t0: float, pid_offset: int, label: str) -> list:
+    """A simulated timeline once per measured step of pipeline 0 (dp 0, tp 0), each slice
+    tagged with its step, on pids `pid_offset` + pp rank named "`label` pp rank R". A
+    step's plan that outlasts the measured step would overlap the next step's plan on one
+    track (which Perfetto cannot nest): such a step goes on the first lane of its rank
+    that is free by then (lane 0 `label`, then "`label` 2: a step whose plan overlaps the
+    one before")."""
     from ...schedules.render import SECONDS, chrome_trace as planned_trace
 
     pipeline = sorted((r for r in ranks if r.dp == 0 and r.tp == 0), key=lambda r: r.pp)
@@ -88,8 +95,8 @@ def _planned(ranks: Sequence, planned, t0: float) -> list:
         if not starts:
             continue
         n = pipeline[0].first_step + step + 1
-        trace = planned_trace(planned, SECONDS, pid_offset=PLANNED_PID,
-                              t0_us=(min(starts) - t0) * US, label="planned pp rank")
+        trace = planned_trace(planned, SECONDS, pid_offset=pid_offset,
+                              t0_us=(min(starts) - t0) * US, label=f"{label} pp rank")
         lane = {}
         for pid in {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}:
             mine = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid]
@@ -108,17 +115,17 @@ def _planned(ranks: Sequence, planned, t0: float) -> list:
             events.append(e)
     for pid, ends in sorted(free.items()):
         events.append({"name": "process_name", "ph": "M", "pid": pid,
-                       "args": {"name": f"planned pp rank {pid - PLANNED_PID}"}})
+                       "args": {"name": f"{label} pp rank {pid - pid_offset}"}})
         events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": k,
-                    "args": {"name": "planned" if k == 0 else
-                             f"planned {k + 1}: a step whose plan overlaps the one before"}}
+                    "args": {"name": label if k == 0 else
+                             f"{label} {k + 1}: a step whose plan overlaps the one before"}}
                    for k in range(len(ends))]
-    for r in pipeline:
-        events.append({"name": "process_sort_index", "ph": "M", "pid": PLANNED_PID + r.pp,
-                       "args": {"sort_index": 2 * r.pp * 1000 + 1000 - 1}})
+    for r in pipeline:  # below the pipeline rank's measured rows, planned then predicted
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid_offset + r.pp,
+                       "args": {"sort_index": 2 * r.pp * 1000 + 999 + pid_offset // 1000}})
     return events
 
 
-def write_trace(path: str, ranks: Sequence, planned=None) -> None:
+def write_trace(path: str, ranks: Sequence, planned=None, predicted=None) -> None:
     with open(path, "w") as f:
-        json.dump(chrome_trace(ranks, planned), f)
+        json.dump(chrome_trace(ranks, planned, predicted), f)

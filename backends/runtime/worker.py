@@ -219,9 +219,10 @@ def _write_outputs(gathered, memory, run: "_RunFacts", opts: RunOptions, check) 
     from ..observe.run_dir import write_run_files
 
     if opts.trace:
-        write_trace(opts.trace, gathered, check.planned)
-        print(f"trace of every rank's measured actions and the planned timeline: {opts.trace}",
-              flush=True)
+        write_trace(opts.trace, gathered, check.planned, run.predicted)
+        also = " and the time model's (check's)" if run.predicted is not None else ""
+        print(f"trace of every rank's measured actions and the planned timeline{also}: "
+              f"{opts.trace}", flush=True)
     if opts.profile_out:
         from ..observe.profiling import profile_of, write_profile
 
@@ -252,14 +253,18 @@ class _RunFacts:
     specs: list
     planned: object  # the compiler's simulation under the plan's profile, or None
     planned_source: str
+    predicted: object = None  # ... under its time model (what `check` printed), or None
 
 
 def _facts(plan: Plan, compiled, specs) -> _RunFacts:
-    planned, source = None, ""
+    planned, source, predicted = None, "", None
     if plan.pipeline.profile and compiled.estimates is not None:
         planned = compiled.estimates.simulation
         source = f"the plan's profile {plan.pipeline.profile}"
-    return _RunFacts(plan, compiled.schedule, compiled.split_points, specs, planned, source)
+    elif compiled.estimates is not None:
+        predicted = compiled.estimates.simulation
+    return _RunFacts(plan, compiled.schedule, compiled.split_points, specs, planned, source,
+                     predicted)
 
 
 def _finish_decoupled(plan: Plan, env: RankEnv, opts: RunOptions, trainer, losses,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
+
 from pipeplan.backends.observe.timings import RankTimings
 from pipeplan.backends.observe.trace import PLANNED_PID, chrome_trace
 from pipeplan.backends.runtime.executor import ActionTiming
@@ -77,3 +79,29 @@ def test_a_plan_that_fits_its_step_stays_on_one_lane():
     ends = sorted(round((e["ts"] + e["dur"]) * 1000) for e in planned)
     starts = sorted(round(e["ts"] * 1000) for e in planned)
     assert set(ends) & set(starts)
+
+
+def test_the_predicted_timeline_gets_rows_of_its_own():
+    """`predicted` (the time model's timeline, what check printed) beside `planned` (this
+    run's measured means): each on its own pids, named, sorted under its pipeline rank's
+    measured rows, planned first; every step's actions on each."""
+    from pipeplan.backends.observe.trace import PREDICTED_PID
+    schedule = generate("gpipe", ranks=2, microbatches=1)
+    planned = simulate(schedule, Costs(per_stage=((0.1, 0.1, 0.0), (0.1, 0.1, 0.0))))
+    predicted = simulate(schedule, Costs(per_stage=((0.05, 0.1, 0.0), (0.05, 0.1, 0.0))))
+    events = chrome_trace(measured(2, 0.5), planned, predicted)["traceEvents"]
+    assert overlaps(events) == []
+    rows = {}
+    for e in events:
+        if e["ph"] == "X" and e["pid"] >= PLANNED_PID:
+            rows.setdefault(e["pid"], []).append((e["args"]["step"], e["name"], e["dur"]))
+    assert sorted(rows) == [PLANNED_PID, PLANNED_PID + 1, PREDICTED_PID, PREDICTED_PID + 1]
+    assert sorted(rows[PREDICTED_PID]) == [(k, n, pytest.approx(d * 1e6)) for k in (1, 2)
+                                           for n, d in (("BW0.0", 0.1), ("F0.0", 0.05))]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names[PREDICTED_PID + 1] == "predicted pp rank 1"
+    assert names[PLANNED_PID + 1] == "planned pp rank 1"
+    order = {e["pid"]: e["args"]["sort_index"] for e in events
+             if e["name"] == "process_sort_index"}
+    assert order[0] < order[PLANNED_PID] < order[PREDICTED_PID] < order[1] \
+        < order[PLANNED_PID + 1] < order[PREDICTED_PID + 1]
