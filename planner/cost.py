@@ -36,8 +36,8 @@ from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, 
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
-    in_w_without_input_grads, passes, regather_s, shared_floor, split_of, step_sync, \
-    tp_passes, waiting_of
+    in_w_without_input_grads, optimizer_s, optimizer_tensors, passes, regather_s, \
+    shared_floor, split_of, step_sync, tp_passes, waiting_of
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -687,18 +687,17 @@ def _shared(units: Units, device: DeviceModel, replicas: int, busy: float) -> De
 def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_rank,
                              device: DeviceModel) -> tuple[list, ...]:
     """Seconds to reduce each stage's gradients over dp, each pipeline rank's optimizer
-    pass (predict.timing_of's bytes: its ZeRO shards, read and written at the sustained
-    memory bandwidth), one ZeRO-3 all-gather of each stage's parameters, and per pipeline
+    pass (predict.optimizer_s: timing_of's bytes of its ZeRO shards, read and written at
+    the sustained memory bandwidth, and the host's ops per tensor it steps), one ZeRO-3 all-gather of each stage's parameters, and per pipeline
     rank ZeRO-1/2's all-gather after the optimizer (predict.dp_ring_bytes); and per stage
     the ring steps of its collectives once a step and of one ZeRO-3 gather (what
     predict.shared_floor charges gloo's threads for)."""
     per = state_bytes(plan)
     shard = {0: 1, 1: c.dp, 2: c.dp, 3: c.dp}.get(c.zero, 1)
-    hw = device.hardware
-    bw = hw.memory_bandwidth * hw.efficiency.memory
     table = _table(units, c)
     bounds = (0,) + sh.split + (len(table),)
     dp_s, opt, gather_s, after = [], [0.0] * c.pp, [], [0.0] * c.pp
+    tensors = [0] * c.pp
     once, gathers = [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layout = _stage_layout(units, c, table, s, a, b)
@@ -708,10 +707,12 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
         after[stage_rank[s]] += regather_s(regather, rewaits, sh.links.dp, device.ring_step_s)
         n = sum(layout.numel.values())
         opt[stage_rank[s]] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
+        tensors[stage_rank[s]] += optimizer_tensors(plan, layout)
         gather = ring_bytes("allgather", n * per.param / c.dp, c.dp) if c.zero == 3 else 0.0
         gathers.append(c.dp - 1 if gather else 0)
         gather_s.append(device.ring_step_s * (c.dp - 1) + gather / sh.links.dp if gather else 0.0)
-    return dp_s, [b / bw if bw > 0 else 0.0 for b in opt], gather_s, after, once, gathers
+    return dp_s, [optimizer_s(plan, b, n, device.hardware) for b, n in zip(opt, tensors)], \
+        gather_s, after, once, gathers
 
 
 def _tied_sums(units: Units, c: Candidate, plan, sh: Shape, stage_rank) -> list[list]:

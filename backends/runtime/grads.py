@@ -104,14 +104,21 @@ def sum_tied(tied: Sequence[TiedGroup], async_op: bool = False) -> list:
 
 def global_norm(terms: Sequence[tuple[torch.Tensor, tuple]], topo: Topology,
                 device: torch.device) -> float:
-    """sqrt of the sum of squared-norm terms; each term is first summed over its groups
-    (the groups sharding it on this pipeline rank), then everything over the pipeline."""
+    """sqrt of the sum of squared-norm terms; each term is summed over its groups (the
+    groups sharding it on this pipeline rank), then everything over the pipeline. Terms
+    with the same groups are added here first, so each group takes one all-reduce (in the
+    order the terms first name it: the same on every member, which holds the same
+    parameters), not one per parameter."""
     total = torch.zeros((), dtype=torch.float64, device=device)
+    by_groups: dict[tuple, list] = {}
     for sq, groups in terms:
-        sq = sq.detach().to(device=device, dtype=torch.float64).clone()
+        mine = [g for g in groups if g is not None]
+        part = by_groups.setdefault(tuple(map(id, mine)), [
+            torch.zeros((), dtype=torch.float64, device=device), mine])
+        part[0] += sq.detach().to(device=device, dtype=torch.float64)
+    for sq, groups in by_groups.values():
         for g in groups:
-            if g is not None:
-                dist.all_reduce(sq, group=g)
+            dist.all_reduce(sq, group=g)
         total += sq
     if topo.pp_group is not None and topo.mesh.pp > 1:
         dist.all_reduce(total, group=topo.pp_group)

@@ -45,7 +45,8 @@ from ...dsl.ast import Plan
 from ..compiled import StageSpec
 from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
-from .optime import OpTimes, StageWork, dtensor_host, op_times, takes_input_grads
+from .optime import OpTimes, StageWork, dtensor_host, op_times, optimizer_ops, \
+    takes_input_grads
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ class Timing:
     dp_waits: Optional[list] = None  # per stage: (latencies the reduction, the all-gather wait)
     tied: Optional[list] = None  # per pipeline rank: (stage, bytes, holders) of each tied
     # gradient it sums with other pipeline ranks (estimates.tied_sums)
+    optimizer_tensors: Optional[list] = None  # per pipeline rank: tensors its step walks
 
     def step_sync(self, device: DeviceModel,
                   every_step: bool = False) -> tuple[StepSync, float, list[float]]:
@@ -367,8 +369,8 @@ class Timing:
             for st, b in zip(self.stages, self.dp_bytes):  # one all-reduce per fragment:
                 after[st.rank] += b / dp_link / self.plan.sync.inner_steps  # bytes only
             dp_s = [0.0] * len(dp_s)
-        bw = hw.memory_bandwidth * hw.efficiency.memory
-        opt_s = [b / bw if bw > 0 else 0.0 for b in self.optimizer_bytes]
+        opt_s = [optimizer_s(self.plan, b, n, hw) for b, n in
+                 zip(self.optimizer_bytes, self.optimizer_tensors or [0] * len(self.optimizer_bytes))]
         gather_s = [device.ring_step_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
                     for b in self.gather_bytes]
         for st, b, (_, w) in zip(self.stages, self.regather_bytes or (), waits):
@@ -430,7 +432,7 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     tied gradients' sums (Estimates.tied)."""
     from .estimates import rank_shards, state_bytes
     per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
-    regathers, waits = [], []
+    regathers, waits, tensors = [], [], [0] * plan.mesh.pp
     dp = plan.mesh.dp
     shard = {0: 1, 1: dp, 2: dp, 3: dp}.get(plan.zero, 1)
     for st in stages:
@@ -441,6 +443,7 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
         waits.append(tuple(w))
         n = sum(layout.numel.values())
         opt_bytes[st.rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
+        tensors[st.rank] += optimizer_tensors(plan, layout)
         gathers.append(ring_bytes("allgather", n * per.param / dp, dp) if plan.zero == 3
                        else 0.0)
     world = plan.mesh.world_size
@@ -448,7 +451,23 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
         * plan.mesh.cp / world
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
-                  gathers, flops, model, regathers, waits, estimates.tied)
+                  gathers, flops, model, regathers, waits, estimates.tied, tensors)
+
+
+def optimizer_tensors(plan: Plan, layout) -> int:
+    """Tensors the optimizer steps for a stage's shards (`layout`, estimates.rank_shards):
+    each parameter without ZeRO, each flat shard under it (backends/parallel/zero)."""
+    return len(layout.numel) if plan.zero == 0 else len(layout.shards)
+
+
+def optimizer_s(plan: Plan, nbytes: float, tensors: int, hw) -> float:
+    """A pipeline rank's optimizer step: the bytes it reads and writes (timing_of) at the
+    sustained memory bandwidth, and on a host that pays per op (the measured CPU's op_s;
+    0 on accelerators) optime.optimizer_ops: a step's own and each tensor's it steps."""
+    bw = hw.memory_bandwidth * hw.efficiency.memory
+    fixed, per = optimizer_ops(plan.train.optimizer)
+    ops = fixed + per * tensors if tensors else 0
+    return (nbytes / bw if bw > 0 else 0.0) + ops * hw.op_s
 
 
 def dp_ring_bytes(plan: Plan, layout) -> tuple[float, float, int, int]:

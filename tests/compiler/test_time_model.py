@@ -219,6 +219,49 @@ def test_a_separate_w_pays_its_calls_and_a_first_stage_runs_its_backward_in_w(ma
     assert op_times(graphs, later, hw).split == 0.0
 
 
+@pytest.mark.parametrize("optimizer", ["adamw(lr = 0.01, weight_decay = 0.1)", "sgd(lr = 0.1)",
+                                       "sgd(lr = 0.1, momentum = 0.9)"])
+@pytest.mark.parametrize("zero", [0, 2])
+def test_the_optimizer_step_pays_the_host_per_tensor_it_steps(optimizer, zero):
+    """The optimizer's step on a host that pays per op: optime.optimizer_ops (the ops the
+    runtime's own optimizer, backends/runtime/optim.py, dispatches in a step and per tensor,
+    counted here on it) x the host time per op, for the tensors the rank steps (each
+    parameter; each flat shard under ZeRO), beside its bytes over memory bandwidth;
+    nothing on an accelerator."""
+    from pipeplan.backends.runtime.optim import build_optimizer
+    from pipeplan.compiler.capture.analysis import OpCounter
+    from pipeplan.compiler.estimate.optime import optimizer_ops
+    from pipeplan.compiler.estimate.predict import optimizer_s
+    from pipeplan.dsl import load_plan
+    plan = load_plan(os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                                  "gpt_pp4_1f1b.plan"),
+                     overrides=[f"train.optimizer={optimizer}", f"zero={zero}", "mesh.pp=2",
+                                f"mesh.dp={2 if zero else 1}", "pipeline.split=auto"])
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 40, 7)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = build_optimizer(params, plan.train)
+    opt.step()
+    with OpCounter() as counted:
+        opt.step()
+    fixed, per = optimizer_ops(plan.train.optimizer)
+    assert fixed + per * len(params) == counted.count and per > 0
+    compiled = compile_plan(plan)
+    timing = compiled.estimates.timing
+    held = [sum(len(st.param_names) for st in compiled.stages if st.rank == r)
+            for r in range(plan.mesh.pp)]
+    if zero == 0:
+        assert timing.optimizer_tensors == held
+    else:  # a flat shard per kind of parameter on each stage: fewer than its parameters
+        assert all(0 < n < h for n, h in zip(timing.optimizer_tensors, held))
+    cpu = dataclasses.replace(profile("a100"), op_s=1e-5)
+    for nbytes, n in zip(timing.optimizer_bytes, timing.optimizer_tensors):
+        on_gpu = optimizer_s(compiled.plan, nbytes, n, profile("a100"))
+        assert optimizer_s(compiled.plan, nbytes, n, cpu) - on_gpu == pytest.approx(
+            (fixed + per * n) * 1e-5)
+        assert on_gpu == pytest.approx(nbytes / (cpu.memory_bandwidth * cpu.efficiency.memory))
+
+
 def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     """Eager tp also pays per tensor its rewrite wraps (the stage's parameters, buffers,
     inputs and the tensors its graph makes: tests/parallel/test_tensor_parallel.py counts
