@@ -36,8 +36,8 @@ from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, 
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
-    in_w_without_input_grads, optimizer_s, optimizer_tensors, passes, regather_s, \
-    shared_floor, split_of, step_sync, tp_passes, waiting_of
+    in_w_without_input_grads, norm_groups_of, norm_s, optimizer_s, optimizer_tensors, \
+    passes, regather_s, shared_floor, split_of, step_sync, tp_passes, waiting_of
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -555,8 +555,8 @@ def _step_bound(units: Units, c: Candidate, sh: Shape, place, unsplit: bool,
     key = ("tail", id(sh), place, c.zero)
     if key not in units.cache:
         plan = plan_of(units.plan, c, units.blocks, sh.split)
-        dp_s, opt_s, _, after, _, _ = _reduction_and_optimizer(units, c, plan, sh, place,
-                                                               device)
+        dp_s, opt_s, _, after, *_ = _reduction_and_optimizer(units, c, plan, sh, place,
+                                                             device)
         least = [min((d for s, d in enumerate(dp_s) if place[s] == r), default=0.0)
                  for r in range(c.pp)]
         units.cache[key] = [o + d + a for o, d, a in zip(opt_s, least, after)]
@@ -651,11 +651,11 @@ def predict(units: Units, c: Candidate, device: DeviceModel) -> Prediction:
     actions = [tuple(a.stage for a in sched.order[r]) for r in range(c.pp)]
     ranks = state(units, c, sh.split, sched.stage_to_rank, actions)
     plan = plan_of(units.plan, c, units.blocks, sh.split)
-    dp_s, opt_s, gather_s, after, once, gathers = _reduction_and_optimizer(
+    dp_s, opt_s, gather_s, after, once, gathers, norm_groups = _reduction_and_optimizer(
         units, c, plan, sh, sched.stage_to_rank, device)
     sync, loss_steps, tied_steps = step_sync(plan, _tied_sums(units, c, plan, sh,
                                                           sched.stage_to_rank),
-                                             len(sh.per_stage), device)
+                                             len(sh.per_stage), device, False, norm_groups)
     once = [o + t for o, t in zip(once, tied_steps)]
     floor = shared_floor(sched, costs, device, once, gathers, opt_s, loss_steps)
     step, times = breakdown(sched, sim, list(sh.ops), costs, dp_s, opt_s, gather_s,
@@ -688,16 +688,18 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
                              device: DeviceModel) -> tuple[list, ...]:
     """Seconds to reduce each stage's gradients over dp, each pipeline rank's optimizer
     pass (predict.optimizer_s: timing_of's bytes of its ZeRO shards, read and written at
-    the sustained memory bandwidth, and the host's ops per tensor it steps), one ZeRO-3 all-gather of each stage's parameters, and per pipeline
-    rank ZeRO-1/2's all-gather after the optimizer (predict.dp_ring_bytes); and per stage
-    the ring steps of its collectives once a step and of one ZeRO-3 gather (what
-    predict.shared_floor charges gloo's threads for)."""
+    the sustained memory bandwidth, and the host's ops per tensor it steps; clipping, its
+    share of the norm, predict.norm_s), one ZeRO-3 all-gather of each stage's parameters,
+    and per pipeline rank ZeRO-1/2's all-gather after the optimizer
+    (predict.dp_ring_bytes); per stage the ring steps of its collectives once a step and of
+    one ZeRO-3 gather (what predict.shared_floor charges gloo's threads for); per pipeline
+    rank the groups of its norm's all-reduces (predict.norm_groups_of)."""
     per = state_bytes(plan)
     shard = {0: 1, 1: c.dp, 2: c.dp, 3: c.dp}.get(c.zero, 1)
     table = _table(units, c)
     bounds = (0,) + sh.split + (len(table),)
     dp_s, opt, gather_s, after = [], [0.0] * c.pp, [], [0.0] * c.pp
-    tensors = [0] * c.pp
+    tensors, normed, norm_groups = [0] * c.pp, [0.0] * c.pp, [()] * c.pp
     once, gathers = [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layout = _stage_layout(units, c, table, s, a, b)
@@ -708,11 +710,15 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
         n = sum(layout.numel.values())
         opt[stage_rank[s]] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
         tensors[stage_rank[s]] += optimizer_tensors(plan, layout)
+        normed[stage_rank[s]] += n * per.grad / shard
+        norm_groups[stage_rank[s]] += norm_groups_of(plan, layout)
         gather = ring_bytes("allgather", n * per.param / c.dp, c.dp) if c.zero == 3 else 0.0
         gathers.append(c.dp - 1 if gather else 0)
         gather_s.append(device.ring_step_s * (c.dp - 1) + gather / sh.links.dp if gather else 0.0)
-    return dp_s, [optimizer_s(plan, b, n, device.hardware) for b, n in zip(opt, tensors)], \
-        gather_s, after, once, gathers
+    hw = device.hardware
+    return dp_s, [optimizer_s(plan, b, n, hw) + norm_s(plan, g, n, hw)
+                  for b, n, g in zip(opt, tensors, normed)], \
+        gather_s, after, once, gathers, norm_groups
 
 
 def _tied_sums(units: Units, c: Candidate, plan, sh: Shape, stage_rank) -> list[list]:

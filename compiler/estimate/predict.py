@@ -234,6 +234,8 @@ class StepSync:
 
     loss_s: float = 0.0
     tied: tuple = ()
+    norm_s: float = 0.0  # clipping: the gradient norm's all-reduces, after every rank's
+    # gradient sync (a pipeline's ranks meet in its last); before the optimizer
 
 
 def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
@@ -247,7 +249,8 @@ def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
     outer sync, per step on average; ZeRO-1/2's all-gather); `floor`: no step is shorter
     (shared_floor; the ranks then wait for a core, counted as bubble); `sync`: the step's
     own collectives (StepSync: a rank waiting for the loss all-reduce waits for the last
-    rank's actions, bubble, then for the all-reduce itself, communication)."""
+    rank's actions, bubble, then for the all-reduce itself, communication; clipping, for
+    the norm's all-reduces after the last rank's gradient sync)."""
     table = costs.stage_table(schedule.stage_to_rank)
     rows = []
     for r, actions in enumerate(schedule.order):
@@ -263,14 +266,27 @@ def breakdown(schedule, sim, ops: list[OpTimes], costs, dp_s: list[float],
         exposed = exposed_reduction(jobs, end) + sum(t for _, t, o in tied if not o)
         rows.append((r, compute, busy - compute + gathered + exposed, end, end + exposed))
     summed = max((end for *_, end, _ in rows), default=0.0) + sync.loss_s  # the loss's
+    normed = max((ready for *_, ready in rows), default=0.0) + sync.norm_s  # the norm's
     out, step = [], floor
     for (r, compute, comm, _, ready), opt in zip(rows, optimizer_s):
-        comm += max(0.0, min(sync.loss_s, summed - ready))  # waiting for the all-reduce
+        start = max(ready, summed, normed if sync.norm_s else 0.0)
+        comm += _covered(((summed - sync.loss_s, summed), (normed - sync.norm_s, normed)),
+                         ready, start)  # waiting in the all-reduces, the rest bubble
         after = after_s[r] if after_s else 0.0
         out.append((r, compute, comm + after, opt))
-        step = max(step, max(ready, summed) + opt + after)
+        step = max(step, start + opt + after)
     return step, tuple(RankTime(r, c, comm, step - c - comm - opt, opt)
                        for r, c, comm, opt in out)
+
+
+def _covered(spans, lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] inside the union of `spans` ((start, end) each)."""
+    total, reach = 0.0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, reach), min(b, hi)
+        if b > a:
+            total, reach = total + b - a, b
+    return total
 
 
 def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
@@ -334,13 +350,15 @@ class Timing:
     tied: Optional[list] = None  # per pipeline rank: (stage, bytes, holders) of each tied
     # gradient it sums with other pipeline ranks (estimates.tied_sums)
     optimizer_tensors: Optional[list] = None  # per pipeline rank: tensors its step walks
+    norm_bytes: Optional[list] = None  # per pipeline rank: gradient bytes its norm reads
+    norm_groups: Optional[list] = None  # ... and the groups of its norm's all-reduces
 
     def step_sync(self, device: DeviceModel,
                   every_step: bool = False) -> tuple[StepSync, float, list[float]]:
         """The trainer's own collectives on `device` (StepSync), with the ring steps of the
         loss all-reduce and of each stage's tied sums (what shared_floor charges)."""
         return step_sync(self.plan, self.tied or [[] for _ in range(self.plan.mesh.pp)],
-                         len(self.stages), device, every_step)
+                         len(self.stages), device, every_step, self.norm_groups)
 
     def costs(self, device: DeviceModel):
         """(per-stage op times, the schedule's action costs in seconds) on `device`."""
@@ -369,8 +387,10 @@ class Timing:
             for st, b in zip(self.stages, self.dp_bytes):  # one all-reduce per fragment:
                 after[st.rank] += b / dp_link / self.plan.sync.inner_steps  # bytes only
             dp_s = [0.0] * len(dp_s)
-        opt_s = [optimizer_s(self.plan, b, n, hw) for b, n in
-                 zip(self.optimizer_bytes, self.optimizer_tensors or [0] * len(self.optimizer_bytes))]
+        pp = len(self.optimizer_bytes)
+        opt_s = [optimizer_s(self.plan, b, n, hw) + norm_s(self.plan, g, n, hw) for b, n, g in
+                 zip(self.optimizer_bytes, self.optimizer_tensors or [0] * pp,
+                     self.norm_bytes or [0.0] * pp)]
         gather_s = [device.ring_step_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
                     for b in self.gather_bytes]
         for st, b, (_, w) in zip(self.stages, self.regather_bytes or (), waits):
@@ -391,13 +411,17 @@ class Timing:
 
 
 def step_sync(plan: Plan, tied: list, stages: int, device: DeviceModel,
-              every_step: bool = False) -> tuple[StepSync, float, list[float]]:
+              every_step: bool = False, norm_groups: Optional[list] = None
+              ) -> tuple[StepSync, float, list[float]]:
     """The trainer's own collectives each step on `device` (StepSync) from `tied` (per
     pipeline rank: (stage, bytes, holders) of its tied sums, estimates.tied_sums), and their
     ring steps: the loss all-reduce's (a float64 over the island: the world, or under
     DiLoCo its pp x tp ranks) and per stage its tied sums'. Tied sums overlap the backward
     where the runtime starts them early: no ZeRO and no every-step DP reduction of them.
-    `every_step`: as the plan would run with every-step DP instead of DiLoCo."""
+    `every_step`: as the plan would run with every-step DP instead of DiLoCo. Clipping,
+    the norm's scalar all-reduces (`norm_groups`: per pipeline rank, norm_groups_of) then
+    one over the pipeline, which every pipeline rank joins (StepSync.norm_s: the slowest
+    rank's), their ring steps with the loss's."""
     mesh = plan.mesh
     links = mesh_links(plan, device)
     islands = plan.sync.diloco and not every_step
@@ -411,7 +435,20 @@ def step_sync(plan: Plan, tied: list, stages: int, device: DeviceModel,
                                overlapped) for s, n, k in sums))
         for s, _, k in sums:
             steps[s] += ring_steps("allreduce", k)
-    return StepSync(loss_s, tuple(per_rank)), ring_steps("allreduce", island), steps
+    norm, norm_steps = 0.0, 0
+    if plan.train.grad_clip is not None:
+        from .estimates import _size_of
+        link = {"tp": links.tp, "ep": links.ep}
+        for groups in norm_groups or [()]:
+            calls = [(_size_of(plan, g), link.get(g, links.dp)) for g in groups]
+            norm = max(norm, sum(collective_s("allreduce", 8, n, link, device.ring_step_s)
+                                 for n, link in calls))
+            norm_steps = max(norm_steps, sum(ring_steps("allreduce", n) for n, _ in calls))
+        if mesh.pp > 1:
+            norm += collective_s("allreduce", 8, mesh.pp, links.p2p, device.ring_step_s)
+            norm_steps += ring_steps("allreduce", mesh.pp)
+    return (StepSync(loss_s, tuple(per_rank), norm),
+            ring_steps("allreduce", island) + norm_steps, steps)
 
 
 def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
@@ -433,6 +470,7 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     from .estimates import rank_shards, state_bytes
     per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
     regathers, waits, tensors = [], [], [0] * plan.mesh.pp
+    norm_bytes, norm_groups = [0.0] * plan.mesh.pp, [()] * plan.mesh.pp
     dp = plan.mesh.dp
     shard = {0: 1, 1: dp, 2: dp, 3: dp}.get(plan.zero, 1)
     for st in stages:
@@ -444,6 +482,8 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
         n = sum(layout.numel.values())
         opt_bytes[st.rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
         tensors[st.rank] += optimizer_tensors(plan, layout)
+        norm_bytes[st.rank] += n * per.grad / shard
+        norm_groups[st.rank] += norm_groups_of(plan, layout)
         gathers.append(ring_bytes("allgather", n * per.param / dp, dp) if plan.zero == 3
                        else 0.0)
     world = plan.mesh.world_size
@@ -451,7 +491,45 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     model = sum(3 * st.flops for st in stages) * plan.microbatches * plan.mesh.dp \
         * plan.mesh.cp / world
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
-                  gathers, flops, model, regathers, waits, estimates.tied, tensors)
+                  gathers, flops, model, regathers, waits, estimates.tied, tensors,
+                  norm_bytes, norm_groups)
+
+
+NORM_OPS = 4  # per gradient tensor the norm reads: its square, its sum, the float64 cast
+# and the add into its group's total (backends/runtime/grads.py: GradSync.norm, global_norm;
+# under ZeRO per flat shard, zero/sharding.py: grad_sq_norm)
+
+
+def norm_groups_of(plan: Plan, layout) -> tuple:
+    """The groups of the scalar all-reduces a stage's parameters (`layout`,
+    estimates.rank_shards) add to the clipped gradient norm (backends/runtime/grads.py):
+    without ZeRO one per group sharding some of them (tp for tensor-parallel slices, ep
+    for experts; global_norm sums a group's terms first); under ZeRO each flat shard's own
+    reduce group (dp, or expert-dp) and the ranks holding its kind's other parts (tp, ep)."""
+    from ..parallel.zero import EXPERT, TENSOR_PARALLEL
+    from .estimates import _size_of
+    mesh = plan.mesh
+    spread = {TENSOR_PARALLEL: "tp" if mesh.tp > 1 else None,
+              EXPERT: "ep" if mesh.ep > 1 else None}
+    if plan.zero == 0:
+        kinds = {kind for _, params in layout.listed for _, kind in params}
+        return tuple(sorted(g for g in (spread.get(k) for k in kinds) if g))
+    out = []
+    for shard in layout.shards:
+        reduce = "edp" if shard.kind == EXPERT else "dp"
+        out += [g for g in (reduce if _size_of(plan, reduce) > 1 else None,
+                            spread.get(shard.kind)) if g]
+    return tuple(out)
+
+
+def norm_s(plan: Plan, nbytes: float, tensors: int, hw) -> float:
+    """A pipeline rank's share of the clipped gradient norm on its own: its gradients read
+    once at the sustained memory bandwidth, NORM_OPS per tensor on a host that pays per op;
+    0 when the plan does not clip."""
+    if plan.train.grad_clip is None:
+        return 0.0
+    bw = hw.memory_bandwidth * hw.efficiency.memory
+    return (nbytes / bw if bw > 0 else 0.0) + tensors * NORM_OPS * hw.op_s
 
 
 def optimizer_tensors(plan: Plan, layout) -> int:

@@ -497,13 +497,56 @@ def test_the_steps_own_collectives_hold_every_optimizer_until_the_last_rank_ends
     cases = [(StepSync(), [0.0, 0.0], 6.3, (0.0, 0.0)),
              (StepSync(loss_s=0.5), [0.0, 0.0], 6.8, (0.5, 0.5)),
              (StepSync(0.5, (((0, 1.0, True),), ())), [0.0, 0.0], 7.2, (1.0, 0.5)),
-             (StepSync(0.5, (((0, 1.0, False),), ())), [1.0, 0.0], 8.2, (2.0, 0.5))]
+             (StepSync(0.5, (((0, 1.0, False),), ())), [1.0, 0.0], 8.2, (2.0, 0.5)),
+             # clipping: the norm's all-reduces start after the last rank's gradient sync
+             # (rank 0's, at 7 with its 1 s of DP tail) and end 0.25 later: 7.25 + 0.3;
+             # rank 0 waits in them 0.25 s, rank 1 in the loss's (its last 0.5 s before
+             # 6.5) and the norm's, the rest of its wait bubble
+             (StepSync(0.5, norm_s=0.25), [1.0, 0.0], 7.55, (1.25, 0.75))]
     for sync, dp, want, comm in cases:
         step, ranks = breakdown(sched, sim, ops, costs, dp, [0.2, 0.3], sync=sync)
         assert step == pytest.approx(want)
         assert tuple(r.comm for r in ranks) == pytest.approx(comm)
         for r in ranks:
             assert r.compute + r.comm + r.bubble + r.optimizer == pytest.approx(step)
+
+
+@pytest.mark.parametrize("zero, dp, tp, want", [
+    (0, 1, 2, [("tp",), ("tp",)]),  # tensor-parallel slices: one all-reduce over tp
+    (0, 2, 1, [(), ()]),  # replicated parameters: whole on every rank, nothing to sum
+    (1, 2, 1, [("dp",), ("dp",)]),  # ZeRO: each flat shard over its dp group
+    (1, 2, 2, [("dp", "dp", "tp"), ("dp", "dp", "tp")])])  # + the tp kind's over tp
+def test_the_clipped_norm_sums_over_the_groups_that_shard_it(make_plan, zero, dp, tp, want):
+    """Clipping, the norm's all-reduces per pipeline rank (norm_groups_of: the runtime's
+    GradSync.norm / global_norm, one per group sharding some of its gradients; under ZeRO,
+    zero/sharding.py: grad_sq_norm, each flat shard's reduce group and its kind's spread
+    group), then one over the pipeline (StepSync.norm_s: the slowest rank's; 8-byte
+    all-reduces, a latency per ring step each); nothing when the plan does not clip."""
+    from pipeplan.compiler.estimate.device import DeviceModel, mesh_links
+    from pipeplan.compiler.estimate.predict import collective_s
+    pre = "layers.*."
+    tensor = TensorSpec(column=(pre + "attn.q", pre + "attn.k", pre + "attn.v", pre + "mlp.up"),
+                        row=(pre + "attn.proj", pre + "mlp.down")) if tp > 1 else TensorSpec()
+    plan = make_plan("examples/models/gpt.py:GPT", {"vocab": 64, "dim": 32, "layers": 2,
+                                                     "heads": 4, "seq_len": 16}, pp=2,
+                     inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),),
+                     microbatches=2, mesh=MeshSpec(pp=2, dp=dp, tp=tp), tensor=tensor,
+                     train=TrainSpec(global_batch=4 * dp, grad_clip=1.0),
+                     device=DeviceSpec(name="a100"), zero=zero)
+    timing = compile_plan(plan).estimates.timing
+    assert [tuple(sorted(g)) for g in timing.norm_groups] == [tuple(sorted(w)) for w in want]
+    device = DeviceModel(hardware=profile("a100"), latency_s=1e-3)
+    links = mesh_links(timing.plan, device)
+    size = {"tp": tp, "dp": dp}
+    link = {"tp": links.tp, "dp": links.dp}
+    each = max(sum(collective_s("allreduce", 8, size[g], link[g], 1e-3) for g in groups)
+               for groups in want)
+    sync = timing.step_sync(device)[0]
+    assert sync.norm_s == pytest.approx(each + collective_s("allreduce", 8, 2, links.p2p,
+                                                            1e-3))
+    unclipped = dataclasses.replace(timing, plan=dataclasses.replace(
+        timing.plan, train=dataclasses.replace(timing.plan.train, grad_clip=None)))
+    assert unclipped.step_sync(device)[0].norm_s == 0.0
 
 
 def test_the_tied_sums_and_the_loss_all_reduce_on_a_device(make_plan):
