@@ -115,6 +115,7 @@ class CpuModel:
     collective_cpu_s: float = 0.0  # gloo's own threads' CPU per ring step of a collective
     transfer_cpu_s: float = 0.0  # ... and per p2p message (beside the posting thread's)
     split_call_s: float = 0.0  # host seconds per autograd call of a separate W
+    optimizer_ops: tuple = ()  # (name, decay, momentum, ops a step, ops per tensor), each
 
 
 def cache_path() -> str:
@@ -127,7 +128,8 @@ PROBE_VERSION = 6  # 2: latencies per message (a 2-rank all-reduce is two ring s
 # 3: contention and posting a transfer measured per rank count in a ring of handoffs;
 # 4: gloo's own threads' CPU per collective ring step and per p2p message; the ring's
 # block and post CPU as means; 5: DTensor's host time on transformer blocks in the TP
-# rewrite's pattern, its parts timed in place; 6: a separate W's autograd calls
+# rewrite's pattern, its parts timed in place; 6: a separate W's autograd calls, the
+# optimizers' op counts
 
 
 def _key() -> str:
@@ -566,6 +568,37 @@ def _in_place(stack, x, tp: bool, spent: dict) -> dict:
     return out
 
 
+def count_optimizer_ops() -> list:
+    """[name, weight decay on, momentum on, aten ops a step, ops per tensor] of torch's
+    single-tensor AdamW and SGD (foreach off, as backends/runtime/optim.py builds them) in a
+    step after the first (its state made), counted on 4 and on 8 tensors of 8 elements (the
+    count does not depend on their size). A count, not a time: the same on every machine
+    with this torch; cached with the probe (making an optimizer imports torch._dynamo,
+    which a rank's compile would otherwise pay)."""
+    from ..capture.analysis import OpCounter
+
+    def count(name: str, decay: bool, momentum: bool, tensors: int) -> int:
+        params = [nn.Parameter(torch.ones(8)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.ones(8)
+        wd = 0.1 if decay else 0.0
+        opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9 if momentum else 0.0,
+                              weight_decay=wd, foreach=False) if name == "sgd" else \
+            torch.optim.AdamW(params, lr=1e-3, weight_decay=wd, foreach=False)
+        opt.step()
+        with OpCounter() as counted:
+            opt.step()
+        return counted.count
+    out = []
+    for name, decay, momentum in (("adamw", False, False), ("adamw", True, False),
+                                  ("sgd", False, False), ("sgd", True, False),
+                                  ("sgd", False, True), ("sgd", True, True)):
+        four, eight = (count(name, decay, momentum, n) for n in (4, 8))
+        per = (eight - four) // 4
+        out.append([name, decay, momentum, four - 4 * per, per])
+    return out
+
+
 SPLIT_RUNS = 3  # measure_split's runs, the median (the first of a process ran ~2x the rest)
 
 
@@ -704,7 +737,8 @@ def _load(path: str, key: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             c = json.load(f)
-        if c.get("key") == key and min(float(c[k]) for k in _FIELDS) > 0 and c["attention"]:
+        if c.get("key") == key and min(float(c[k]) for k in _FIELDS) > 0 and c["attention"] \
+                and c["optimizer_ops"]:
             return c
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -731,6 +765,7 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
                     collective_cpu_s=float(c.get("collective_cpu_s", 0.0)),
                     transfer_cpu_s=float(c.get("transfer_cpu_s", 0.0)),
                     split_call_s=float(c["split_call_s"]),
+                    optimizer_ops=tuple(tuple(row) for row in c["optimizer_ops"]),
                     **{k: float(c[k]) for k in DTENSOR_FIELDS})
 
 
@@ -802,7 +837,7 @@ def _measure(key: str) -> dict:
             "bytes_per_s": _two_digits(4 * elements_per_s),
             "link_latency_s": latency, "link_bytes_per_s": link,
             "collective_cpu_s": collective_cpu, "transfer_cpu_s": transfer_cpu,
-            "split_call_s": measure_split(),
+            "split_call_s": measure_split(), "optimizer_ops": count_optimizer_ops(),
             "attention": [list(r) for r in attention], "contention": {}, "posts": {}}
 
 

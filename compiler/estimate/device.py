@@ -194,7 +194,8 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
                        cpu.post_s, {k: getattr(cpu, k) for k in DTENSOR_FIELDS},
-                       (cpu.collective_cpu_s, cpu.transfer_cpu_s), cpu.split_call_s), \
+                       (cpu.collective_cpu_s, cpu.transfer_cpu_s), cpu.split_call_s,
+                       cpu.optimizer_ops), \
         cpu.origin, sharing
 
 

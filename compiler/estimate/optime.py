@@ -16,9 +16,9 @@ The model (docs/compiler.md, "The time model"):
 * a stage no input gradient leaves (the first: token ids) does nothing in B: its W is the
   whole backward (backends/runtime/stage.py; a compiled stage's B graph is empty there);
 * the optimizer step: its bytes over memory bandwidth (predict.timing_of), and on a host
-  that pays per op, the ops torch's single-tensor AdamW or SGD dispatches per tensor it
-  steps (`optimizer_ops`, counted by running it; backends/runtime/optim.py builds it with
-  foreach off) x the host time per op;
+  that pays per op, the ops torch's single-tensor AdamW or SGD dispatches in a step and per
+  tensor it steps (`optimizer_ops`: the measured CPU's probe counts them running it as
+  backends/runtime/optim.py builds it, foreach off) x the host time per op;
 * a separate W in eager mode makes one autograd call per weight-using op on the path
   from the stage's inputs (backends/runtime/split_backward.py: its seeds; `weight_seeds`
   counts them in the stage graph), each costing the host the measured CPU's
@@ -34,7 +34,6 @@ Floats move in the plan's compute precision (bf16: 2 bytes).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -301,35 +300,12 @@ def on_dtensors(plan: Plan, work: StageWork) -> bool:
         (any(kind for _, kind, _ in work.gemms) or any(split for split, _ in work.memory))
 
 
-def optimizer_ops(spec) -> tuple[int, int]:
+def optimizer_ops(spec, dev: DeviceProfile) -> tuple[int, int]:
     """(ops per step, ops per tensor) the plan's optimizer (dsl OptimizerSpec) dispatches in
-    a step after the first (its state made): torch's own AdamW or SGD, single-tensor
-    (foreach off, as backends/runtime/optim.py builds it: tests/compiler/test_time_model.py
-    compares), counted on 4 and on 8 tensors of 8 elements (the count does not depend on
-    their size)."""
-    return _optimizer_ops(spec.name, spec.weight_decay != 0.0, spec.momentum != 0.0)
-
-
-@functools.lru_cache(maxsize=None)
-def _optimizer_ops(name: str, decay: bool, momentum: bool) -> tuple[int, int]:
-    import torch
-
-    from ..capture.analysis import OpCounter
-
-    def count(tensors: int) -> int:
-        params = [torch.nn.Parameter(torch.ones(8)) for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.ones(8)
-        if name == "sgd":
-            opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9 if momentum else 0.0,
-                                  weight_decay=0.1 if decay else 0.0, foreach=False)
-        else:
-            opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1 if decay else 0.0,
-                                    foreach=False)
-        opt.step()
-        with OpCounter() as counted:
-            opt.step()
-        return counted.count
-    four, eight = count(4), count(8)
-    per = (eight - four) // 4
-    return four - 4 * per, per
+    a step on `dev`'s host: what the measured CPU's probe counted running torch's own
+    single-tensor AdamW or SGD (cpu_probe.count_optimizer_ops); none on accelerators."""
+    key = (spec.name, spec.weight_decay != 0.0, spec.name == "sgd" and spec.momentum != 0.0)
+    for name, decay, momentum, fixed, per in dev.optimizer_ops:
+        if (name, decay, momentum) == key:
+            return fixed, per
+    return 0, 0

@@ -543,7 +543,7 @@ def optimizer_s(plan: Plan, nbytes: float, tensors: int, hw) -> float:
     sustained memory bandwidth, and on a host that pays per op (the measured CPU's op_s;
     0 on accelerators) optime.optimizer_ops: a step's own and each tensor's it steps."""
     bw = hw.memory_bandwidth * hw.efficiency.memory
-    fixed, per = optimizer_ops(plan.train.optimizer)
+    fixed, per = optimizer_ops(plan.train.optimizer, hw)
     ops = fixed + per * tensors if tensors else 0
     return (nbytes / bw if bw > 0 else 0.0) + ops * hw.op_s
 

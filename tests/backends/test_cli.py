@@ -132,8 +132,10 @@ def _check_trace_profile_and_report(events, rows, costs, run_dir, plan, tmp_path
     step3 = [e for e in measured if e["pid"] == 0 and e["args"].get("step") == 3]
     span_us = max(e["ts"] + e["dur"] for e in step3) - min(e["ts"] for e in step3)
     assert 0.5 < span_us / (rows[2]["step_time_s"] * 1e6) < 1.5
-    planned = [e for e in events if e["ph"] == "X" and e["pid"] >= 1000]
+    planned = [e for e in events if e["ph"] == "X" and 1000 <= e["pid"] < 2000]
     assert {e["pid"] for e in planned} == {1000, 1001} and len(planned) == 3 * 2 * 2 * 2
+    predicted = [e for e in events if e["ph"] == "X" and e["pid"] >= 2000]  # check's model
+    assert {e["pid"] for e in predicted} == {2000, 2001} and len(predicted) == len(planned)
 
     profile = Profile.from_json(costs.read_text(), str(costs))
     assert profile.split_points == ("layers.2",) and profile.measured_steps == (2, 3)

@@ -224,12 +224,13 @@ def test_a_separate_w_pays_its_calls_and_a_first_stage_runs_its_backward_in_w(ma
 @pytest.mark.parametrize("zero", [0, 2])
 def test_the_optimizer_step_pays_the_host_per_tensor_it_steps(optimizer, zero):
     """The optimizer's step on a host that pays per op: optime.optimizer_ops (the ops the
-    runtime's own optimizer, backends/runtime/optim.py, dispatches in a step and per tensor,
-    counted here on it) x the host time per op, for the tensors the rank steps (each
+    CPU probe counts; the runtime's own optimizer, backends/runtime/optim.py, built from the
+    plan, dispatches as many, counted here on it) x the host time per op, for the tensors the rank steps (each
     parameter; each flat shard under ZeRO), beside its bytes over memory bandwidth;
     nothing on an accelerator."""
     from pipeplan.backends.runtime.optim import build_optimizer
     from pipeplan.compiler.capture.analysis import OpCounter
+    from pipeplan.compiler.estimate.cpu_probe import count_optimizer_ops
     from pipeplan.compiler.estimate.optime import optimizer_ops
     from pipeplan.compiler.estimate.predict import optimizer_s
     from pipeplan.dsl import load_plan
@@ -244,8 +245,11 @@ def test_the_optimizer_step_pays_the_host_per_tensor_it_steps(optimizer, zero):
     opt.step()
     with OpCounter() as counted:
         opt.step()
-    fixed, per = optimizer_ops(plan.train.optimizer)
+    cpu = dataclasses.replace(profile("a100"), op_s=1e-5, optimizer_ops=tuple(
+        tuple(row) for row in count_optimizer_ops()))
+    fixed, per = optimizer_ops(plan.train.optimizer, cpu)
     assert fixed + per * len(params) == counted.count and per > 0
+    assert optimizer_ops(plan.train.optimizer, profile("a100")) == (0, 0)
     compiled = compile_plan(plan)
     timing = compiled.estimates.timing
     held = [sum(len(st.param_names) for st in compiled.stages if st.rank == r)
@@ -254,7 +258,6 @@ def test_the_optimizer_step_pays_the_host_per_tensor_it_steps(optimizer, zero):
         assert timing.optimizer_tensors == held
     else:  # a flat shard per kind of parameter on each stage: fewer than its parameters
         assert all(0 < n < h for n, h in zip(timing.optimizer_tensors, held))
-    cpu = dataclasses.replace(profile("a100"), op_s=1e-5)
     for nbytes, n in zip(timing.optimizer_bytes, timing.optimizer_tensors):
         on_gpu = optimizer_s(compiled.plan, nbytes, n, profile("a100"))
         assert optimizer_s(compiled.plan, nbytes, n, cpu) - on_gpu == pytest.approx(
