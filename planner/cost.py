@@ -36,8 +36,8 @@ from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, 
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
-    in_w_without_input_grads, norm_groups_of, norm_s, optimizer_s, optimizer_tensors, \
-    passes, regather_s, shared_floor, split_of, step_sync, tp_passes, waiting_of
+    add_step_end, in_w_without_input_grads, passes, regather_s, shared_floor, split_of, \
+    step_end_s, step_sync, tp_passes, waiting_of
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -695,7 +695,6 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
     one ZeRO-3 gather (what predict.shared_floor charges gloo's threads for); per pipeline
     rank the groups of its norm's all-reduces (predict.norm_groups_of)."""
     per = state_bytes(plan)
-    shard = {0: 1, 1: c.dp, 2: c.dp, 3: c.dp}.get(c.zero, 1)
     table = _table(units, c)
     bounds = (0,) + sh.split + (len(table),)
     dp_s, opt, gather_s, after = [], [0.0] * c.pp, [], [0.0] * c.pp
@@ -708,15 +707,11 @@ def _reduction_and_optimizer(units: Units, c: Candidate, plan, sh: Shape, stage_
         dp_s.append(reduce / sh.links.dp + waits * device.ring_step_s)
         after[stage_rank[s]] += regather_s(regather, rewaits, sh.links.dp, device.ring_step_s)
         n = sum(layout.numel.values())
-        opt[stage_rank[s]] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
-        tensors[stage_rank[s]] += optimizer_tensors(plan, layout)
-        normed[stage_rank[s]] += n * per.grad / shard
-        norm_groups[stage_rank[s]] += norm_groups_of(plan, layout)
+        add_step_end(plan, layout, stage_rank[s], (opt, tensors, normed, norm_groups))
         gather = ring_bytes("allgather", n * per.param / c.dp, c.dp) if c.zero == 3 else 0.0
         gathers.append(c.dp - 1 if gather else 0)
         gather_s.append(device.ring_step_s * (c.dp - 1) + gather / sh.links.dp if gather else 0.0)
-    hw = device.hardware
-    return dp_s, [optimizer_s(plan, b, n, hw) + norm_s(plan, g, n, hw)
+    return dp_s, [step_end_s(plan, b, n, g, device.hardware)
                   for b, n, g in zip(opt, tensors, normed)], \
         gather_s, after, once, gathers, norm_groups
 

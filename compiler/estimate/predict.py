@@ -388,7 +388,7 @@ class Timing:
                 after[st.rank] += b / dp_link / self.plan.sync.inner_steps  # bytes only
             dp_s = [0.0] * len(dp_s)
         pp = len(self.optimizer_bytes)
-        opt_s = [optimizer_s(self.plan, b, n, hw) + norm_s(self.plan, g, n, hw) for b, n, g in
+        opt_s = [step_end_s(self.plan, b, n, g, hw) for b, n, g in
                  zip(self.optimizer_bytes, self.optimizer_tensors or [0] * pp,
                      self.norm_bytes or [0.0] * pp)]
         gather_s = [device.ring_step_s * (self.plan.mesh.dp - 1) + b / dp_link if b else 0.0
@@ -440,6 +440,8 @@ def step_sync(plan: Plan, tied: list, stages: int, device: DeviceModel,
         from .estimates import _size_of
         link = {"tp": links.tp, "ep": links.ep}
         for groups in norm_groups or [()]:
+            if plan.zero == 0:  # global_norm adds a group's terms over all the rank's stages
+                groups = sorted(set(groups))
             calls = [(_size_of(plan, g), link.get(g, links.dp)) for g in groups]
             norm = max(norm, sum(collective_s("allreduce", 8, n, link, device.ring_step_s)
                                  for n, link in calls))
@@ -472,7 +474,6 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     regathers, waits, tensors = [], [], [0] * plan.mesh.pp
     norm_bytes, norm_groups = [0.0] * plan.mesh.pp, [()] * plan.mesh.pp
     dp = plan.mesh.dp
-    shard = {0: 1, 1: dp, 2: dp, 3: dp}.get(plan.zero, 1)
     for st in stages:
         layout = rank_shards(plan, [st], tp_kinds, expert_params)
         reduce, regather, *w = dp_ring_bytes(plan, layout)
@@ -480,10 +481,7 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
         regathers.append(regather)
         waits.append(tuple(w))
         n = sum(layout.numel.values())
-        opt_bytes[st.rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
-        tensors[st.rank] += optimizer_tensors(plan, layout)
-        norm_bytes[st.rank] += n * per.grad / shard
-        norm_groups[st.rank] += norm_groups_of(plan, layout)
+        add_step_end(plan, layout, st.rank, (opt_bytes, tensors, norm_bytes, norm_groups))
         gathers.append(ring_bytes("allgather", n * per.param / dp, dp) if plan.zero == 3
                        else 0.0)
     world = plan.mesh.world_size
@@ -493,6 +491,21 @@ def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWor
     return Timing(plan, stages, schedule, work, tp_traffic, moe_traffic, dp_bytes, opt_bytes,
                   gathers, flops, model, regathers, waits, estimates.tied, tensors,
                   norm_bytes, norm_groups)
+
+
+def add_step_end(plan: Plan, layout, rank: int, into: tuple) -> None:
+    """Add what a stage's shards (`layout`, estimates.rank_shards) give its pipeline rank's
+    step end to `into` (per-rank lists): the optimizer's bytes read and written, the tensors
+    it steps, the gradient bytes the clipped norm reads and its norm's all-reduce groups."""
+    from .estimates import state_bytes
+    per, dp = state_bytes(plan), plan.mesh.dp
+    shard = dp if plan.zero in (1, 2, 3) else 1
+    n = sum(layout.numel.values())
+    opt, tensors, norm, groups = into
+    opt[rank] += n * (2 * per.param + per.grad + 2 * per.optimizer / shard)
+    tensors[rank] += optimizer_tensors(plan, layout)
+    norm[rank] += n * per.grad / shard
+    groups[rank] += norm_groups_of(plan, layout)
 
 
 NORM_OPS = 4  # per gradient tensor the norm reads: its square, its sum, the float64 cast
@@ -520,6 +533,12 @@ def norm_groups_of(plan: Plan, layout) -> tuple:
         out += [g for g in (reduce if _size_of(plan, reduce) > 1 else None,
                             spread.get(shard.kind)) if g]
     return tuple(out)
+
+
+def step_end_s(plan: Plan, opt_bytes: float, tensors: int, norm_bytes: float, hw) -> float:
+    """A pipeline rank's own work after its gradient sync (add_step_end's numbers): the
+    optimizer step and, clipping, its share of the norm."""
+    return optimizer_s(plan, opt_bytes, tensors, hw) + norm_s(plan, norm_bytes, tensors, hw)
 
 
 def norm_s(plan: Plan, nbytes: float, tensors: int, hw) -> float:
