@@ -34,7 +34,7 @@ from ..compiler.estimate.collectives import _role_collectives, ring_bytes
 from ..compiler.estimate.device import SHARING_ROUNDS, DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
-from ..compiler.estimate.optime import StageWork, dtensor_host, op_times
+from ..compiler.estimate.optime import StageWork, dispatch_host, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
     add_step_end, in_w_without_input_grads, passes, regather_s, shared_floor, split_of, \
     step_end_s, step_sync, tp_passes, waiting_of
@@ -140,6 +140,9 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     # is a little cheaper here)
     host_f, host_b = dtensor_host(plan, device.hardware,
                                   sum(len(u.params) + u.made for u in run) + 1, passes(calls))
+    routed_f, routed_b = dispatch_host(plan, device.hardware,
+                                       sum(u.ep_roles.count("tokens") for u in run), c.ep)
+    host_f, host_b = host_f + routed_f, host_b + routed_b
     row, waiting = in_w_without_input_grads(
         run[0].work.input_grads,
         (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b

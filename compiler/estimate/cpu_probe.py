@@ -41,6 +41,15 @@ them a plan's own model or shapes:
   hold the whole stage's code and data there), the rest of the difference per op the
   forward dispatches, forward and backward, the median of 20 runs; and the rest of a
   wrap's round trip (`to_local` and both backwards) beyond a plain tensor's backward;
+* the expert dispatcher: an experts call the runtime dispatches runs its own code around
+  the model's experts (compiler/parallel/ep_dispatch.routed_call: the slots sorted by
+  expert, the counts exchanged, the split sizes read on the host, rows and weights out and
+  the terms back through gloo all-to-alls, summed per token) that no stage graph holds.
+  Two gloo processes run that function on 128 tokens of width 32, top-2 of 4 experts, with
+  a small experts module timed in place (`measure_dispatch`): its thread CPU per call
+  beyond the experts' own, forward and backward (the experts' backward alone on the same
+  rows subtracted), dropless, with a capacity, and a capacity on one rank; the slower
+  process, the median of three pairs;
 * sharing (contention and posting): the local launcher starts every rank on this machine,
   so a rank computes at the speed N processes get together, not at 1/N of one: N
   processes (one thread each) run a pipeline's pattern as the executor runs an action, a
@@ -116,6 +125,7 @@ class CpuModel:
     transfer_cpu_s: float = 0.0  # ... and per p2p message (beside the posting thread's)
     split_call_s: float = 0.0  # host seconds per autograd call of a separate W
     optimizer_ops: tuple = ()  # (name, decay, momentum, ops a step, ops per tensor), each
+    dispatch_s: tuple = ()  # (case, forward s, backward s): the expert dispatcher per call
 
 
 def cache_path() -> str:
@@ -124,12 +134,12 @@ def cache_path() -> str:
     return os.path.join(base, "cpu_flops.json")
 
 
-PROBE_VERSION = 6  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
+PROBE_VERSION = 7  # 2: latencies per message (a 2-rank all-reduce is two ring steps);
 # 3: contention and posting a transfer measured per rank count in a ring of handoffs;
 # 4: gloo's own threads' CPU per collective ring step and per p2p message; the ring's
 # block and post CPU as means; 5: DTensor's host time on transformer blocks in the TP
 # rewrite's pattern, its parts timed in place; 6: a separate W's autograd calls, the
-# optimizers' op counts
+# optimizers' op counts; 7: the expert dispatcher's host time per experts call
 
 
 def _key() -> str:
@@ -662,6 +672,94 @@ def measure_dtensor() -> tuple[float, ...]:
     return tuple(_two_digits(max(statistics.median(t), 1e-7)) for t in zip(*pairs))
 
 
+# the dispatcher probe: 128 tokens of width 32 routed top-2 over 4 experts (2 a rank), the
+# slower of two processes; DISPATCH_PAIRS pairs one after another, the median
+DISPATCH_TOKENS, DISPATCH_EXPERTS, DISPATCH_TOP_K, DISPATCH_PAIRS = 128, 4, 2, 3
+DISPATCH_CAPACITY = 1.0  # the capacity probed (experts.capacity_factor; policy "probs")
+DISPATCHES = ("ep", "ep_capacity", "capacity")  # DeviceProfile.dispatch_s's order
+
+
+class _ProbeExperts(nn.Module):
+    """An experts module of the MoE interface, small: each routed row times one matrix, by
+    its weight (the probe subtracts what it costs; the dispatcher around it is measured)."""
+
+    def __init__(self, width: int = TP_WIDTH):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, rows, index, weights):
+        return (rows @ self.w) * weights.to(rows.dtype)
+
+
+def _dispatch_cost(local, shard, group, capacity) -> tuple[float, float]:
+    """Median thread-CPU seconds (forward, backward) one routed experts call adds beyond its
+    experts' own ops: the call's forward less `local`'s timed in place, its backward less
+    the backward of `local` alone on the same rows."""
+    from ..parallel.ep_dispatch import routed_call
+    spent = [0.0]
+
+    def timed(rows, index, weights):
+        t = time.thread_time()
+        out = local(rows, index, weights)
+        spent[0] += time.thread_time() - t
+        seen.append((rows.detach(), index, weights.detach()))
+        return out
+    hidden = torch.randn(DISPATCH_TOKENS, TP_WIDTH, requires_grad=True)
+    logits = torch.randn(DISPATCH_TOKENS, DISPATCH_EXPERTS, requires_grad=True)
+    seen: list = []
+
+    def once():
+        spent[0] = 0.0
+        seen.clear()
+        top_w, top_i = logits.softmax(-1).topk(DISPATCH_TOP_K, -1)
+        t = time.thread_time()
+        out = routed_call(timed, shard, group, hidden, top_i, top_w, capacity)
+        forward = time.thread_time() - t - spent[0]
+        backward = _cpu_of(lambda: out.sum().backward())
+        rows, index, weights = seen[0]
+        rows.requires_grad_(), weights.requires_grad_()
+        alone = local(rows, index, weights)
+        return forward, backward - _cpu_of(lambda: alone.sum().backward())
+    for _ in range(ROUNDS):
+        once()
+    runs = [once() for _ in range(4 * ROUNDS)]
+    return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
+
+
+def _dispatch_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from ..parallel.ep import ExpertShard
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        torch.manual_seed(rank)
+        local, both = _ProbeExperts(), dist.group.WORLD
+        pair = ExpertShard(DISPATCH_EXPERTS, 2, rank)
+        results.put((*_dispatch_cost(local, pair, both, None),
+                     *_dispatch_cost(local, pair, both, DISPATCH_CAPACITY),
+                     *_dispatch_cost(local, ExpertShard(DISPATCH_EXPERTS, 1, 0), None,
+                                     DISPATCH_CAPACITY)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_dispatch() -> list:
+    """Host seconds the expert dispatcher (compiler/parallel/ep_dispatch.routed_call, the
+    runtime's own: slots sorted by expert, the counts exchanged, the split sizes read, the
+    rows and weights sent and the terms back through gloo all-to-alls, summed per token)
+    adds to one experts call beyond the experts' own ops, forward and backward: [[name,
+    forward s, backward s], ...] for DISPATCHES: expert parallel over 2 ranks, dropless
+    and with a capacity, and a capacity on one rank (no all-to-all). Its all-to-alls'
+    bytes and latencies are charged apart (predict.action_costs); thread CPU here, so a
+    blocked all-to-all's wait is not in it. The slower process of a pair, the median of
+    DISPATCH_PAIRS pairs."""
+    pairs = [[max(t) for t in zip(*_pair(_dispatch_worker))] for _ in range(DISPATCH_PAIRS)]
+    med = [_two_digits(max(statistics.median(t), 1e-7)) for t in zip(*pairs)]
+    return [[name, med[2 * i], med[2 * i + 1]] for i, name in enumerate(DISPATCHES)]
+
+
 def _spinner(stop, ready) -> None:
     torch.set_num_threads(1)
     model, x = _block(CONTENTION_WIDTH, 128, 2)
@@ -735,7 +833,7 @@ def _load(path: str, key: str) -> dict:
         with open(path, encoding="utf-8") as f:
             c = json.load(f)
         if c.get("key") == key and min(float(c[k]) for k in _FIELDS) > 0 and c["attention"] \
-                and c["optimizer_ops"]:
+                and c["optimizer_ops"] and c["dispatch_s"]:
             return c
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -763,6 +861,7 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
                     transfer_cpu_s=float(c.get("transfer_cpu_s", 0.0)),
                     split_call_s=float(c["split_call_s"]),
                     optimizer_ops=tuple(tuple(row) for row in c["optimizer_ops"]),
+                    dispatch_s=tuple((r[0], float(r[1]), float(r[2])) for r in c["dispatch_s"]),
                     **{k: float(c[k]) for k in DTENSOR_FIELDS})
 
 
@@ -835,6 +934,7 @@ def _measure(key: str) -> dict:
             "link_latency_s": latency, "link_bytes_per_s": link,
             "collective_cpu_s": collective_cpu, "transfer_cpu_s": transfer_cpu,
             "split_call_s": measure_split(), "optimizer_ops": count_optimizer_ops(),
+            "dispatch_s": measure_dispatch(),
             "attention": [list(r) for r in attention], "contention": {}, "posts": {}}
 
 

@@ -103,6 +103,7 @@ class DeviceModel:
                          collective_cpu_s=hw.collective_cpu_s * k,
                          transfer_cpu_s=hw.transfer_cpu_s * k,
                          split_call_s=hw.split_call_s * k,
+                         dispatch_s=tuple((c, f * k, b * k) for c, f, b in hw.dispatch_s),
                          **{f: getattr(hw, f) * k for f in DTENSOR_FIELDS},
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
@@ -195,7 +196,7 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
                        cpu.post_s, {k: getattr(cpu, k) for k in DTENSOR_FIELDS},
                        (cpu.collective_cpu_s, cpu.transfer_cpu_s), cpu.split_call_s,
-                       cpu.optimizer_ops), \
+                       cpu.optimizer_ops, cpu.dispatch_s), \
         cpu.origin, sharing
 
 

@@ -292,6 +292,26 @@ def dtensor_host(plan: Plan, dev: Optional[DeviceProfile], tensors: int,
     return tensors * dev.dtensor_wrap_s + f, tensors * dev.dtensor_wrap_backward_s + b
 
 
+def dispatch_host(plan: Plan, dev: Optional[DeviceProfile], calls: int,
+                  ep: int) -> tuple[float, float]:
+    """(F, B) host seconds per microbatch the expert dispatcher (compiler/parallel/
+    ep_dispatch.routed_call) adds to a stage around its `calls` experts calls at `ep`
+    expert-parallel ranks: the measured CPU's time per call (cpu_probe.measure_dispatch:
+    expert parallel, with or without a capacity, or a capacity on one rank), beyond the
+    experts' own ops (op_times) and the all-to-alls' bytes and latencies
+    (predict.action_costs). Zero where nothing is dispatched (parallel.ep.
+    experts_dispatched's rule: ep > 1 or a capacity), for the static dispatch (compiled
+    stages: the all-to-alls are inside one graph) and on devices without a measured host
+    (accelerators); measured at 2 expert-parallel ranks and used at every ep."""
+    ex = plan.experts
+    if dev is None or not dev.dispatch_s or not calls or ex is None or \
+            (ep <= 1 and ex.dropless) or plan.compile.graphs:
+        return 0.0, 0.0
+    case = "capacity" if ep <= 1 else "ep" if ex.dropless else "ep_capacity"
+    f, b = next((f, b) for c, f, b in dev.dispatch_s if c == case)
+    return calls * f, calls * b
+
+
 def on_dtensors(plan: Plan, work: StageWork) -> bool:
     """Does the runtime run this stage's ops on DTensors: eager mode (graphs and inductor
     call traced graphs of plain tensors) on a stage with a tensor-parallel matmul

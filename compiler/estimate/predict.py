@@ -45,7 +45,7 @@ from ...dsl.ast import Plan
 from ..compiled import StageSpec
 from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
-from .optime import OpTimes, StageWork, dtensor_host, op_times, optimizer_ops, \
+from .optime import OpTimes, StageWork, dispatch_host, dtensor_host, op_times, optimizer_ops, \
     takes_input_grads
 
 
@@ -165,6 +165,9 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
         again = tp_f if st.recompute_ops or st.recompute_flops else 0.0
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
         host_f, host_b = dtensor_host(plan, device.hardware, wrapped(st), passes(calls))
+        routed_f, routed_b = dispatch_host(plan, device.hardware, sum(
+            1 for x in moe_traffic if x.stage == st.index and x.role == "tokens"), plan.mesh.ep)
+        host_f, host_b = host_f + routed_f, host_b + routed_b
         row, waits = in_w_without_input_grads(
             takes_input_grads(st),
             (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b

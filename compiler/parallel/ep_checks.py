@@ -8,7 +8,7 @@ its plan line, before any process starts:
 * `top_k`: the model's router decides k (the captured call's `top_k_index` is
   [T, k]); the plan's value feeds the cost model and must equal it.
 * `dropless = false` + `capacity_factor` (+ `drop_policy`): the dispatcher drops
-  the slots over each expert's capacity (backends/parallel/ep/dispatch.py).
+  the slots over each expert's capacity (compiler/parallel/ep_dispatch.py).
 * `aux_loss`, `z_loss`: pipeplan adds the aux losses the model itself returns,
   computed by the model's code; it computes none of its own, so a coefficient
   here is refused (set it in the model: its args or config).

@@ -1,6 +1,8 @@
 """Estimates equal the same quantities computed by hand for a small configuration."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pipeplan.compiler import compile_plan
@@ -524,3 +526,34 @@ def test_one_slow_run_moves_no_probe_that_repeats(monkeypatch):
     monkeypatch.setattr(cpu_probe, "_pair", lambda worker: next(pairs))
     monkeypatch.setattr(cpu_probe, "DTENSOR_PAIRS", 3)
     assert cpu_probe.measure_dtensor() == pytest.approx((2e-5, 2e-5, 3e-5, 4e-5, 5e-4))
+
+
+def test_the_dispatcher_probe_times_the_runtimes_call_less_the_experts_own(monkeypatch):
+    """cpu_probe.measure_dispatch: per case (expert parallel dropless, with a capacity, a
+    capacity on one rank) the slower process's seconds, the median over DISPATCH_PAIRS
+    pairs; `_dispatch_cost` runs compiler/parallel/ep_dispatch.routed_call (what the
+    runtime's ExpertParallelExperts calls) and leaves out its experts' own time: an experts
+    module 200x costlier (a busy loop, in place) moves the measured dispatch by far less
+    than its own cost."""
+    from pipeplan.compiler.estimate import cpu_probe
+    from pipeplan.compiler.parallel.ep import ExpertShard
+    pairs = iter([[(1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 6e-4), (2e-4, 1e-4, 3e-4, 4e-4, 5e-4, 6e-4)],
+                  [(9e-4,) * 6, (1e-4,) * 6],
+                  [(1e-4, 1e-4, 3e-4, 4e-4, 5e-4, 6e-4), (1e-4,) * 6]])
+    monkeypatch.setattr(cpu_probe, "_pair", lambda worker: next(pairs))
+    monkeypatch.setattr(cpu_probe, "DISPATCH_PAIRS", 3)
+    assert cpu_probe.measure_dispatch() == [["ep", 2e-4, 2e-4], ["ep_capacity", 3e-4, 4e-4],
+                                            ["capacity", 5e-4, 6e-4]]
+    one = ExpertShard(cpu_probe.DISPATCH_EXPERTS, 1, 0)
+    monkeypatch.setattr(cpu_probe, "ROUNDS", 2)
+    plain = cpu_probe._ProbeExperts()
+
+    def costly(rows, index, weights):
+        t = time.thread_time()
+        while time.thread_time() - t < 0.02:
+            pass
+        return plain(rows, index, weights)
+    cheap = cpu_probe._dispatch_cost(plain, one, None, cpu_probe.DISPATCH_CAPACITY)
+    slow = cpu_probe._dispatch_cost(costly, one, None, cpu_probe.DISPATCH_CAPACITY)
+    assert 0 < cheap[0] < 0.02 and 0 < cheap[1] < 0.02
+    assert slow[0] < cheap[0] + 0.01

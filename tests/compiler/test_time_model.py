@@ -397,6 +397,36 @@ def test_expert_all_to_alls_wait_a_latency_per_exchange(make_plan):
         assert other == 0
 
 
+@pytest.mark.parametrize("overrides, case", [
+    ([], "ep"),
+    (["experts.dropless=false", "experts.capacity_factor=1.5"], "ep_capacity"),
+    (["experts.dropless=false", "experts.capacity_factor=1.5", "mesh.ep=1"], "capacity"),
+    (["compile.mode=graphs"], None),
+    (["mesh.ep=1"], None)])
+def test_each_experts_call_pays_the_dispatchers_measured_host_time(overrides, case):
+    """On a host that pays per op, each experts call the runtime dispatches (ep > 1 or a
+    capacity: compiler/parallel/ep_dispatch.routed_call) adds the probe's measured time
+    for its case (cpu_probe.measure_dispatch times that same function), forward in F and
+    backward in B (W on a stage no gradient leaves); nothing for the static dispatch
+    (compiled stages) or experts run as captured, nor on an accelerator."""
+    from pipeplan.dsl import load_plan
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                        "moe_pp2_ep2_zbv.plan")
+    compiled = compile_plan(load_plan(path, overrides=overrides))
+    timing = compiled.estimates.timing
+    cases = (("ep", 3e-4, 2e-4), ("ep_capacity", 5e-4, 4e-4), ("capacity", 7e-4, 6e-4))
+    a100 = profile("a100")
+    before, after = (timing.costs(model_of(compiled.plan, dataclasses.replace(
+        a100, dispatch_s=d)))[1].per_stage for d in ((), cases))
+    f_s, b_s = next(((f, b) for c, f, b in cases if c == case), (0.0, 0.0))
+    for st, b0, b1 in zip(compiled.stages, before, after):
+        calls = sum(1 for t in timing.moe_traffic if t.stage == st.index
+                    and t.role == "tokens")
+        assert calls > 0
+        assert _added(st, b0, b1) == pytest.approx((calls * f_s, calls * b_s, 0.0),
+                                                   rel=1e-9, abs=1e-15)
+
+
 def _added(stage, before, after) -> tuple:
     """(F's, the backward's, the other backward op's) seconds added from `before` to
     `after`, (F, B, W) each: the backward's in B, or in W on a stage no gradient leaves

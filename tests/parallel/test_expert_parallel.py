@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeplan.backends.parallel.ep.dispatch import capacity_keep, expert_capacity
+from pipeplan.compiler.parallel.ep_dispatch import capacity_keep, expert_capacity
 from pipeplan.backends.parallel.ep.experts import (ExpertParallelExperts, expert_shard, gather_experts)
 from pipeplan.compiler.parallel.ep import find_experts, offers_interface
 from pipeplan.errors import PipeplanError

@@ -1,3 +1,4 @@
 """Expert parallelism around the model's own experts module: the module wrapper
-(experts.py) and the token all-to-all (dispatch.py). What the compiler knows about
-experts (the MoE interface, placement) is compiler/parallel/ep.py."""
+(experts.py). Its token dispatch is compiler/parallel/ep_dispatch.py (the CPU probe times
+it there), what the compiler knows about experts (the MoE interface, placement)
+compiler/parallel/ep.py."""

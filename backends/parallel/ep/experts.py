@@ -15,7 +15,7 @@ slice; `gather_experts` rebuilds the full stacked tensors by global index.
 
 Forward, per rank (each rank holds different tokens):
   1. list the slots sorted by expert, dropping those over capacity if asked
-     (expert_dispatch.py);
+     (compiler/parallel/ep_dispatch.py, as steps 2-4);
   2. exchange per-expert counts, then the slots' hidden rows and weights
      (differentiable all-to-all) with the ranks owning the experts;
   3. run the MODEL'S OWN experts module on the received rows, one slot per row
@@ -50,8 +50,7 @@ from torch import nn
 from ....compiler.parallel.ep import ExpertShard
 from ....errors import PipeplanError
 from ...state.materialize import sliced_parameter
-from .dispatch import (all_to_all, dispatch_slots, exchange_counts, static_combine,
-                       static_dispatch)
+from ....compiler.parallel.ep_dispatch import routed_call, static_call
 
 
 def expert_shard(num_experts: int, ep_size: int, ep_rank: int) -> ExpertShard:
@@ -106,41 +105,11 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        s = self.shard
         if self.static and self.group is not None:
-            return self._static_forward(hidden, top_k_index, top_k_weights)
-        routed = dispatch_slots(top_k_index, top_k_weights, s.num_experts,
-                                self.capacity_factor, self.drop_policy)
-        recv_per_expert = exchange_counts(routed.counts, self.group).view(s.ep_size, s.local)
-        # The one host read of the call: all_to_all_single takes its split sizes as host
-        # integers, and they depend on the routing (docs/runtime.md, host synchronisation).
-        send, recv = torch.stack([routed.counts.view(s.ep_size, s.local).sum(1),
-                                  recv_per_expert.sum(1)]).tolist()
-        slots = routed.kept(sum(send))
-
-        rows = all_to_all(hidden[slots.token], recv, send, self.group)
-        weights = all_to_all(slots.weight, recv, send, self.group)
-        # received rows come grouped by source rank, then by local expert
-        local_ids = torch.arange(s.local, device=hidden.device).repeat(s.ep_size)
-        index = local_ids.repeat_interleave(recv_per_expert.reshape(-1), output_size=sum(recv))
-        terms = self.local(rows, index.unsqueeze(-1), weights.unsqueeze(-1))
-        back = all_to_all(terms, send, recv, self.group)
-        return back.new_zeros(hidden.shape).index_add(0, slots.token, back)
-
-    def _static_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                        top_k_weights: torch.Tensor) -> torch.Tensor:
-        s = self.shard
-        tokens, k = top_k_index.shape
-        token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)
-        rows = static_dispatch(hidden[token], s.ep_size, self.group)
-        weights = static_dispatch(top_k_weights.reshape(-1), s.ep_size, self.group)
-        expert = static_dispatch(top_k_index.reshape(-1), s.ep_size, self.group)
-        mine = (expert >= s.first) & (expert < s.stop)
-        index = torch.where(mine, expert - s.first, 0)
-        weights = torch.where(mine, weights, torch.zeros_like(weights))
-        terms = self.local(rows, index.unsqueeze(-1), weights.unsqueeze(-1))
-        back = static_combine(terms, s.ep_size, self.group)
-        return back.new_zeros(hidden.shape).index_add(0, token, back)
+            return static_call(self.local, self.shard, self.group, hidden, top_k_index,
+                               top_k_weights)
+        return routed_call(self.local, self.shard, self.group, hidden, top_k_index,
+                           top_k_weights, self.capacity_factor, self.drop_policy)
 
 
 def gather_experts(layer: ExpertParallelExperts) -> dict[str, torch.Tensor]:

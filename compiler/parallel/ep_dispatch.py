@@ -1,4 +1,8 @@
-"""Token dispatch for expert parallelism: slots, capacity, and autograd-aware all-to-all.
+"""Token dispatch for expert parallelism: slots, capacity, autograd-aware all-to-all, and
+one rank's experts call with its tokens routed (`routed_call`; `static_call` for compiled
+stages). Run by the runtime (backends/parallel/ep/experts.py) and, on the measured CPU,
+timed by the probe (compiler/estimate/cpu_probe.measure_dispatch): what it costs the host
+beyond the experts' own ops is the dispatcher's measured time, not a formula.
 
 A *slot* is one (token, k) pair of the routing: the token's hidden row, the
 global expert index `top_k_index[t, j]` and the weight `top_k_weights[t, j]`.
@@ -26,7 +30,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ....errors import PipeplanError
+from ...errors import PipeplanError
+from .ep import ExpertShard
 
 DROP_POLICIES = ("probs", "position")
 
@@ -163,3 +168,53 @@ def dispatch_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_e
         key = torch.where(keep.reshape(-1), expert, num_experts)
     order = torch.sort(key, stable=True).indices
     return Slots(token[order], key[order], weight[order], expert_counts(key, num_experts))
+
+
+# ------------------------------------------------------------------- a call
+def routed_call(local, shard: ExpertShard, group, hidden: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                capacity_factor: Optional[float] = None,
+                drop_policy: str = "probs") -> torch.Tensor:
+    """One rank's experts call with its tokens routed (the dynamic dispatch): the slots
+    sorted by expert (over capacity dropped, if asked), the counts exchanged, the kept
+    slots' rows and weights sent to the ranks holding their experts, `local` (the model's
+    own experts module on `shard`'s experts) run on the received rows one slot per row,
+    and the terms sent back and summed per token. `group` None: this rank holds every
+    expert (a capacity without expert parallelism)."""
+    s = shard
+    routed = dispatch_slots(top_k_index, top_k_weights, s.num_experts, capacity_factor,
+                            drop_policy)
+    recv_per_expert = exchange_counts(routed.counts, group).view(s.ep_size, s.local)
+    # The one host read of the call: all_to_all_single takes its split sizes as host
+    # integers, and they depend on the routing (docs/runtime.md, host synchronisation).
+    send, recv = torch.stack([routed.counts.view(s.ep_size, s.local).sum(1),
+                              recv_per_expert.sum(1)]).tolist()
+    slots = routed.kept(sum(send))
+
+    rows = all_to_all(hidden[slots.token], recv, send, group)
+    weights = all_to_all(slots.weight, recv, send, group)
+    # received rows come grouped by source rank, then by local expert
+    local_ids = torch.arange(s.local, device=hidden.device).repeat(s.ep_size)
+    index = local_ids.repeat_interleave(recv_per_expert.reshape(-1), output_size=sum(recv))
+    terms = local(rows, index.unsqueeze(-1), weights.unsqueeze(-1))
+    back = all_to_all(terms, send, recv, group)
+    return back.new_zeros(hidden.shape).index_add(0, slots.token, back)
+
+
+def static_call(local, shard: ExpertShard, group, hidden: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The static dispatch (compiled stages: fixed shapes, no host read): every slot to
+    every rank of `group`, each computing the terms of its own experts' slots (weight 0
+    elsewhere), the terms back and summed over the ranks."""
+    s = shard
+    tokens, k = top_k_index.shape
+    token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)
+    rows = static_dispatch(hidden[token], s.ep_size, group)
+    weights = static_dispatch(top_k_weights.reshape(-1), s.ep_size, group)
+    expert = static_dispatch(top_k_index.reshape(-1), s.ep_size, group)
+    mine = (expert >= s.first) & (expert < s.stop)
+    index = torch.where(mine, expert - s.first, 0)
+    weights = torch.where(mine, weights, torch.zeros_like(weights))
+    terms = local(rows, index.unsqueeze(-1), weights.unsqueeze(-1))
+    back = static_combine(terms, s.ep_size, group)
+    return back.new_zeros(hidden.shape).index_add(0, token, back)
