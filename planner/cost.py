@@ -36,8 +36,8 @@ from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, 
     routing_prepass_s, state_bytes
 from ..compiler.estimate.optime import StageWork, dispatch_host, dtensor_host, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
-    add_step_end, in_w_without_input_grads, passes, regather_s, shared_floor, split_of, \
-    step_end_s, step_sync, tp_passes, waiting_of
+    add_step_end, in_w_without_input_grads, passes, regather_s, resumed, shared_floor, \
+    split_of, step_end_s, step_sync, tp_passes, waiting_of
 from ..compiler.parallel.zero import EXPERT, TENSOR_PARALLEL, group_shards
 from ..dsl.layout import ep_across_tp
 from ..schedules import generate
@@ -306,6 +306,9 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     if post:  # each transfer's posting, as predict.action_costs charges it (by adjacency)
         timed = [(t, (f + _posts(s, stages) * post, b + _posts(s, stages) * post, w), waits)
                  for s, (t, (f, b, w), waits) in enumerate(timed)]
+    timed = [(t, row, waits) for (row, t), (_, _, waits) in zip(
+        (resumed(device, table[a].work.input_grads, row, t)
+         for (t, row, _), a in zip(timed, bounds)), timed)]
     tp = c.tp if c.tp > 1 else 1
     act = tuple(sum(dict(u.activation_inner if i else u.activation_bytes)[tp]
                     for u, i in zip(table[a:b], _inner(table[a:b], c.sp and c.tp > 1)))

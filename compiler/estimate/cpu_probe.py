@@ -18,18 +18,21 @@ them a plan's own model or shapes:
   (`fit_host`; the backward's host time per op by least squares). The element rate comes
   from the difference of two measured times, so it is the probe's noisiest number;
 * links: the local launcher's ranks talk through gloo over 127.0.0.1: two processes
-  all-reduce 4 KiB and 1 MiB (best of 20 each) and the two times give a latency and a
-  bandwidth, which every collective and transfer of the plan is costed at. A 2-rank
-  all-reduce is two ring steps (reduce-scatter, then all-gather: `ring_steps`), so the
-  latency per message is half its intercept (measured here: a 2-rank gloo all-reduce of
-  4 KiB took 425 us median, an all-to-all of the same 206 us, a send-receive round trip
-  223 us); the CPU time of the pair's processes beside the calling threads is what gloo's
-  own threads (the process group's workers) spend, which ranks sharing the cores pay too:
-  the mean over 100 calls back to back, per ring step of the 4 KiB all-reduce (150-260 us
-  here, the main thread's ~25; single calls range from 0.1 to several ms) and per p2p
-  message (14-30 us); and, for N > 2 ranks, the median 4 KiB all-reduce of a pair while
-  N - 2 other processes compute (per message: over its two ring steps): with more busy
-  processes than cores a blocked peer waits for the scheduler;
+  all-reduce 4 KiB and 1 MiB (best of 20 each, back to back) and the slope of the two
+  times gives the bandwidth every collective and transfer of the plan is costed at. The
+  latency and the CPU are measured as a step meets its collectives and transfers: after
+  the group's threads idle (10 ms, an action's length; the two ranks late in turn, the
+  median of 16: `_after_idle`). A 2-rank all-reduce is two ring steps (reduce-scatter,
+  then all-gather: `ring_steps`), so the latency per message is half the late rank's
+  time of a 4 KiB all-reduce (measured here: 0.4-0.5 ms back to back, 0.9-1.5 ms after
+  2-20 ms idle: the threads' wake-up and cold caches; until probe v7 the back-to-back
+  best was taken); the CPU time of the pair's processes beside the calling threads is
+  what gloo's own threads (the process group's workers) spend, which ranks sharing the
+  cores pay too: per ring step of the 4 KiB all-reduce (180-190 us after idle, 120-260
+  back to back) and per p2p message (70-85 us after idle, 14-30 back to back); and, for
+  N > 2 ranks, a pair's 4 KiB all-reduce after idle while N - 2 other processes compute
+  (per message: over its two ring steps): with more busy processes than cores a blocked
+  peer waits for the scheduler;
 * host time per op on DTensors: eager tensor parallelism runs a stage's ops on DTensors
   (backends/parallel/tp/dtensor.py), and each op then also pays DTensor's dispatch
   (sharding propagation, wrapping) on the host. Two gloo processes run transformer blocks
@@ -50,19 +53,24 @@ them a plan's own model or shapes:
   beyond the experts' own, forward and backward (the experts' backward alone on the same
   rows subtracted), dropless, with a capacity, and a capacity on one rank; the slower
   process, the median of three pairs;
-* sharing (contention and posting): the local launcher starts every rank on this machine,
-  so a rank computes at the speed N processes get together, not at 1/N of one: N
+* sharing (posting and resuming): the local launcher starts every rank on this machine,
+  so a rank computes at the speed N processes get together, not at 1/N of one. N
   processes (one thread each) run a pipeline's pattern as the executor runs an action, a
   ring in which each posts the receive of the previous rank's tensor, computes a block
   (width 32) forward and backward, posts the send of a 32 KiB tensor to the next and
-  waits for both. The mean CPU time of a block on a rank's thread over one process's
-  alone is what caches and the switching at every blocking handoff cost (`extra`), and
-  the mean CPU time of posting one transfer there is the host work each send or receive
-  adds to the action around it (between computes it costs about twice what a post in a
-  tight loop does: 85-105 us against 45 here). Measured per N (nothing for one rank), the
-  median of three runs each beside one alone (`ring_slowdown`). The
-  fair share of the cores is waiting, not CPU time: the time model adds it from the
-  simulated timeline (device.Sharing).
+  waits for both: the mean CPU time of posting one transfer there is the host work each
+  send or receive adds to the action around it (between computes it costs about twice
+  what a post in a tight loop does: 85-105 us against 45 here); measured per N (nothing
+  for one rank), the median of five runs (`ring_slowdown`). What an action costs beyond
+  its own CPU time when its rank resumes on a core another process used meanwhile (caches
+  refilled after each blocking handoff) is `measure_resume`'s: two processes pinned to one
+  core hand it back and forth, a block right after the other process ran a block against
+  one right after its own, alternating (0.35-0.5 ms here, on a 1.8 ms host-bound block
+  and a 4 ms one alike; until probe v7 the ring's block CPU over alone was taken as a
+  factor on all compute: 1.0 to 1.4 from one probe to the next, where the example plans'
+  actions of 1 to 11 ms measured 0.4-1.1 ms above their CPU alone each). The fair share of
+  the cores is waiting, not CPU time: the time model adds it from the simulated timeline
+  (device.Sharing).
 
 Rounded to two significant digits and cached per machine and torch version in
 ~/.cache/pipeplan/cpu_flops.json (PIPEPLAN_CACHE moves it), so every compile on
@@ -100,7 +108,8 @@ HEAD_DIMS, ATTN_SEQ, ATTN_BH = (16, 32, 64, 128), 128, (2, 4)  # the attention p
 # action's length in the example plans: the shorter the compute between handoffs, the more
 # of it goes to refilling caches), 100 rounds; at most 32 ranks probed
 CONTENTION_WIDTH, CONTENTION_BLOCKS, CONTENTION_ITERS, MAX_PROCESSES = 32, 1, 100, 32
-RING_PAIRS = 3  # the sharing probe's runs (alone, then the n ranks), the median ratio
+RING_PAIRS = 5  # the sharing probe's runs (alone, then the n ranks), the median ratio (3 pairs
+# gave 1.0 to 1.24 at 4 ranks from one probe to the next here)
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,7 @@ class CpuModel:
     post_s: float = 0.0  # host seconds to post one transfer (send or receive), shared
     loaded_latency_s: float = 0.0  # a small collective's seconds with all the ranks busy
     attention: tuple = ()  # ((head dim, forward FLOP/s, backward/forward), ...)
-    contention: float = 1.0  # a rank's CPU time per op sharing the machine, over alone
+    resume_s: float = 0.0  # an action's CPU beyond its own on a core another process used
     dtensor_op_s: float = 0.0  # host seconds DTensor adds per op of a forward (eager tp) ...
     dtensor_op_backward_s: float = 0.0  # ... and to backward per op of the forward
     dtensor_wrap_s: float = 0.0  # ... per tensor wrapped as a DTensor, forward ...
@@ -139,7 +148,9 @@ PROBE_VERSION = 7  # 2: latencies per message (a 2-rank all-reduce is two ring s
 # 4: gloo's own threads' CPU per collective ring step and per p2p message; the ring's
 # block and post CPU as means; 5: DTensor's host time on transformer blocks in the TP
 # rewrite's pattern, its parts timed in place; 6: a separate W's autograd calls, the
-# optimizers' op counts; 7: the expert dispatcher's host time per experts call
+# optimizers' op counts; 7: the expert dispatcher's host time per experts call; the link's
+# latency and gloo's CPU after idle (as a step meets them), not back to back; an action's
+# resume on a shared core, per action (the ring's CPU ratio no longer a factor)
 
 
 def _key() -> str:
@@ -321,9 +332,30 @@ def ring_slowdown(n: int) -> tuple[float, float, float]:
 
 LINK_BYTES = (1 << 12, 1 << 20)  # the link probe's two message sizes
 LINK_REPEATS = 20
-BEHIND_CALLS, BEHIND_ROUNDS = 100, 5  # calls back to back for gloo's own threads' CPU per
-# message, in rounds
+IDLE_S, IDLE_CALLS = 0.01, 16  # the link probe's latency and gloo CPU: calls after 10 ms idle
 POST_BYTES = 1 << 15  # the ring probe's transfers (the runtime posts each as it goes)
+
+
+def _after_idle(rank: int, call, messages: int) -> tuple[float, float]:
+    """(the late rank's wall seconds, the CPU seconds the process's other threads (gloo's)
+    spend) per message of `call` in a 2-rank group, made as a step meets its collectives
+    and transfers: after IDLE_S with nothing to do (an action, a wait), the two ranks late
+    in turn; medians of IDLE_CALLS (back to back, warm, the same calls took a half to a
+    third of either here)."""
+    import torch.distributed as dist
+    walls, behind = [], []
+    for i in range(IDLE_CALLS):
+        dist.barrier()
+        late = i % 2 == rank
+        if late:
+            time.sleep(IDLE_S)
+        own, all_, t = time.thread_time(), time.process_time(), time.perf_counter()
+        call()
+        wall = time.perf_counter() - t
+        behind.append(((time.process_time() - all_) - (time.thread_time() - own)) / messages)
+        if late:
+            walls.append(wall / messages)
+    return statistics.median(walls), statistics.median(behind)
 
 
 def _link_worker(rank: int, port: int, results) -> None:
@@ -345,30 +377,14 @@ def _link_worker(rank: int, port: int, results) -> None:
             out.append(best)
         x = torch.zeros(LINK_BYTES[0] // 4)
 
-        def behind(calls: int, messages: int, call) -> float:
-            """CPU seconds the process's other threads (gloo's) spend per message, over
-            `calls` back to back in BEHIND_ROUNDS rounds: each round's mean (a few calls
-            cost milliseconds, most ~0.1), the median round (a burst of the process's other
-            work in one round moved a single mean 10-30x here)."""
-            rounds = []
-            for _ in range(BEHIND_ROUNDS):
-                dist.barrier()
-                own, all_ = time.thread_time(), time.process_time()
-                for _ in range(calls // BEHIND_ROUNDS):
-                    call()
-                rounds.append(((time.process_time() - all_) - (time.thread_time() - own))
-                              / (calls // BEHIND_ROUNDS * messages))
-            return statistics.median(rounds)
-
-        def round_trip():
+        def one_way():
             if rank == 0:
                 dist.send(x, 1)
-                dist.recv(x, 1)
             else:
                 dist.recv(x, 0)
-                dist.send(x, 0)
-        out.append(behind(BEHIND_CALLS, ring_steps("allreduce", 2), lambda: dist.all_reduce(x)))
-        out.append(behind(BEHIND_CALLS, 2, round_trip))
+        step_s, step_behind = _after_idle(rank, lambda: dist.all_reduce(x),
+                                          ring_steps("allreduce", 2))
+        out += [step_behind, _after_idle(rank, one_way, 1)[1], step_s]
         results.put(out)
     finally:
         dist.destroy_process_group()
@@ -376,18 +392,21 @@ def _link_worker(rank: int, port: int, results) -> None:
 
 def measure_link() -> tuple[float, float, float, float]:
     """(latency s per message, bytes/s) of this machine's gloo transport between two local
-    processes (127.0.0.1): a 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n) in
-    two ring steps, so its best time at two sizes is 2 latencies + n / bandwidth; and the CPU
-    seconds gloo's own threads spend (the process's CPU time beside the calling thread's,
-    mean over the pair's calls back to back): per ring step of a small all-reduce, and per
-    p2p message."""
+    processes (127.0.0.1), and the CPU seconds gloo's own threads spend (the process's CPU
+    time beside the calling thread's) per ring step of a small all-reduce and per p2p
+    message. A 2-rank all-reduce of n bytes sends n (the ring's 2(n-1)/n) in two ring steps:
+    the bandwidth is the slope of its best times at two sizes; the latency and the CPU are
+    what a call costs as a step meets it, after its threads idle (`after_idle`: a 4 KiB
+    all-reduce's late rank's wall over its two ring steps; back to back, warm, the same
+    all-reduce took 0.4-0.5 ms here, after 2 ms idle 0.9-1.3 ms, after 20 ms 0.9-1.5 ms, and
+    its process CPU 0.34, 0.42-0.50 and 0.73-0.83 ms)."""
     rows = _pair(_link_worker)
     small, large = (max(r[i] for r in rows) for i in range(2))
     per_byte = max(large - small, 1e-15) / (LINK_BYTES[1] - LINK_BYTES[0])
-    intercept = max(small - LINK_BYTES[0] * per_byte, 1e-7)
-    behind = statistics.mean(r[2] for r in rows) / ring_steps("allreduce", 2)
+    behind = statistics.mean(r[2] for r in rows)
     sent = statistics.mean(r[3] for r in rows)
-    return (_two_digits(intercept / ring_steps("allreduce", 2)), _two_digits(1 / per_byte),
+    latency = statistics.mean(r[4] for r in rows)
+    return (_two_digits(max(latency, 1e-7)), _two_digits(1 / per_byte),
             _two_digits(max(behind, 0.0)), _two_digits(max(sent, 0.0)))
 
 
@@ -775,21 +794,17 @@ def _loaded_pair(rank: int, port: int, results, ready) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        x, times = torch.zeros(LINK_BYTES[0] // 4), []
+        x = torch.zeros(LINK_BYTES[0] // 4)
         dist.all_reduce(x)
         ready.wait()
-        for _ in range(LINK_REPEATS):
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t)
-        results.put(sorted(times)[len(times) // 2])
+        results.put(_after_idle(rank, lambda: dist.all_reduce(x), 1)[0])
     finally:
         dist.destroy_process_group()
 
 
 def measure_loaded_latency(n: int) -> float:
-    """Seconds per message (of its two ring steps) a small (4 KiB) 2-rank gloo all-reduce takes,
-    the median of LINK_REPEATS, while n - 2 other processes compute: with more busy
+    """Seconds per message (of its two ring steps) a small (4 KiB) 2-rank gloo all-reduce takes
+    after its threads idle (`_after_idle`), while n - 2 other processes compute: with more busy
     processes than cores a blocked peer waits for the scheduler, and that wait, not the
     wire, is what a collective costs then."""
     port = _free_port()
@@ -811,17 +826,87 @@ def measure_loaded_latency(n: int) -> float:
     return _two_digits(seconds)
 
 
-def measure_sharing(n: int) -> tuple[float, float]:
-    """What `n` ranks sharing this machine in a pipeline's pattern (`ring_slowdown`) pay:
-    the CPU time of a rank's compute over its CPU time alone (>= 1: caches and the
-    switching at every blocking handoff, beyond the fair share of the cores, which is
-    waiting, not computing: Sharing.factor adds it from the timeline), and the CPU seconds
-    of posting one transfer between computes (the runtime's host work per send or receive;
-    a cache-warm post in a loop costs about half)."""
+# the resume probe: two processes on one core hand it back and forth; a block after the
+# other ran on the core against one right after its own, RESUME_ROUNDS rounds alternating
+# (drift hits both alike); RESUME_RUNS runs of each of two blocks (a host-bound one with a
+# small working set, one of the example GPT's stage shape: they cost alike here, 0.1-0.5 ms,
+# so no per-byte term is fitted), the median
+RESUME_PROBES = ((8, 16, 4), (64, 64, 2))
+RESUME_ROUNDS, RESUME_RUNS = 60, 3
+
+
+def _resume_worker(me: int, conn, core: int, shape: tuple, results) -> None:
+    """One of two processes on `core`: process 0 times a block right after its own block
+    (the other process blocked) and, in turn, right after the other process ran a block on
+    the core (a blocking handoff both ways, as a pipeline rank resumes after its wait)."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    model, x = _block(*shape)
+
+    def block() -> float:
+        return _cpu_of(lambda: model(x).sum().backward())
+    for _ in range(5):
+        block()
+    stay, resumed = [], []
+    for r in range(RESUME_ROUNDS):
+        handoff = r % 2 == 1
+        if me == 0:
+            block()
+            if handoff:
+                conn.send(True)
+                conn.recv()
+                resumed.append(block())
+            else:
+                stay.append(block())
+                conn.send(False)
+                conn.recv()
+        elif conn.recv():
+            block()
+            conn.send(True)
+        else:
+            conn.send(False)
+    if me == 0:
+        results.put(statistics.median(resumed) - statistics.median(stay))
+
+
+def _resume_run(shape: tuple) -> float:
+    ctx = _group_context()
+    results = ctx.Queue()
+    ends = ctx.Pipe()
+    core = min(os.sched_getaffinity(0))
+    procs = [ctx.Process(target=_resume_worker, args=(i, end, core, shape, results),
+                         daemon=True) for i, end in enumerate(ends)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def measure_resume() -> float:
+    """The CPU seconds an action costs beyond its own when its rank resumes on a core another
+    process used meanwhile (its caches refilled: the interpreter's and torch's code, the
+    weights, the activations), as each action of ranks sharing the cores does after a
+    blocking handoff: two processes pinned to one core (`_resume_worker`), the median over
+    RESUME_PROBES x RESUME_RUNS runs. 0 where a process cannot be pinned."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0.0
+    runs = [_resume_run(shape) for shape in RESUME_PROBES for _ in range(RESUME_RUNS)]
+    return _two_digits(max(statistics.median(runs), 1e-7))
+
+
+def measure_sharing(n: int) -> float:
+    """The CPU seconds of posting one transfer between computes when `n` ranks share this
+    machine in a pipeline's pattern (`ring_slowdown`): the runtime's host work per send or
+    receive (a cache-warm post in a loop costs about half). What the ranks' compute pays
+    beyond its fair share of the cores is `measure_resume`'s, per action."""
     if n <= 1:
-        return 1.0, 0.0
-    cpu, _, post = ring_slowdown(n)
-    return _two_digits(max(1.0, cpu)), _two_digits(post)
+        return 0.0
+    return _two_digits(ring_slowdown(n)[2])
 
 
 _FIELDS = ("flops_per_s", "op_s", "op_backward_s", "bytes_per_s", "link_latency_s",
@@ -833,7 +918,7 @@ def _load(path: str, key: str) -> dict:
         with open(path, encoding="utf-8") as f:
             c = json.load(f)
         if c.get("key") == key and min(float(c[k]) for k in _FIELDS) > 0 and c["attention"] \
-                and c["optimizer_ops"] and c["dispatch_s"]:
+                and c["optimizer_ops"] and c["dispatch_s"] and "resume_s" in c:
             return c
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -843,12 +928,9 @@ def _load(path: str, key: str) -> dict:
 def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
     if not c:
         return None
-    if n <= 1:
-        factor, post = 1.0, 0.0  # one rank: nothing shared, nothing sent
-    else:
-        factor, post = c.get("contention", {}).get(str(n)), c.get("posts", {}).get(str(n))
+    post = 0.0 if n <= 1 else c.get("posts", {}).get(str(n))  # one rank: nothing sent
     loaded = c["link_latency_s"] if n <= 2 else c.get("loaded", {}).get(str(n))
-    if factor is None or post is None or loaded is None:
+    if post is None or loaded is None:
         return None
     return CpuModel(float(c["flops_per_s"]), float(c["op_s"]), float(c["op_backward_s"]),
                     origin, bytes_per_s=float(c["bytes_per_s"]),
@@ -856,7 +938,7 @@ def _model(c: dict, n: int, origin: str) -> Optional[CpuModel]:
                     link_bytes_per_s=float(c["link_bytes_per_s"]), post_s=float(post),
                     loaded_latency_s=float(loaded),
                     attention=tuple(tuple(float(v) for v in row) for row in c["attention"]),
-                    contention=float(factor),
+                    resume_s=float(c["resume_s"]),
                     collective_cpu_s=float(c.get("collective_cpu_s", 0.0)),
                     transfer_cpu_s=float(c.get("transfer_cpu_s", 0.0)),
                     split_call_s=float(c["split_call_s"]),
@@ -894,9 +976,8 @@ def cpu_model(processes: int = 1) -> CpuModel:
         return cached
     with _exclusive(path):
         c = _load(path, key) or _measure(key)
-        if n > 1 and (str(n) not in c.setdefault("contention", {})
-                      or str(n) not in c.setdefault("posts", {})):
-            c["contention"][str(n)], c["posts"][str(n)] = measure_sharing(n)
+        if n > 1 and str(n) not in c.setdefault("posts", {}):
+            c["posts"][str(n)] = measure_sharing(n)
         if n > 2 and str(n) not in c.setdefault("loaded", {}):
             c["loaded"][str(n)] = measure_loaded_latency(n)
         _store(path, c)
@@ -905,7 +986,7 @@ def cpu_model(processes: int = 1) -> CpuModel:
 
 def _origin(key: str, how: str) -> str:
     return (f"measured CPU model ({key}, one thread; {N}x{N} matmul, fused attention, "
-            f"memory-bound kernel, width-{WIDTH} transformer block and contention probes; "
+            f"memory-bound kernel, width-{WIDTH} transformer block, sharing and resume probes; "
             f"{how})")
 
 
@@ -934,8 +1015,8 @@ def _measure(key: str) -> dict:
             "link_latency_s": latency, "link_bytes_per_s": link,
             "collective_cpu_s": collective_cpu, "transfer_cpu_s": transfer_cpu,
             "split_call_s": measure_split(), "optimizer_ops": count_optimizer_ops(),
-            "dispatch_s": measure_dispatch(),
-            "attention": [list(r) for r in attention], "contention": {}, "posts": {}}
+            "dispatch_s": measure_dispatch(), "resume_s": measure_resume(),
+            "attention": [list(r) for r in attention], "posts": {}}
 
 
 def _store(path: str, c: dict) -> None:

@@ -26,21 +26,18 @@ SHARING_ROUNDS = 5  # busy ranks and shared stage times depend on each other (a 
 @dataclass(frozen=True)
 class Sharing:
     """Ranks that share one machine's cores (the local launcher on the measured CPU): each runs
-    max(1, busy x replicas / cores) x `extra` slower than alone, where `extra` is what
-    `ranks` processes measured beyond that fair share (the CPU time of a block in a ring of
-    blocking handoffs over alone: caches, switching; cpu_probe.measure_sharing), `busy` is
+    max(1, busy x replicas / cores) slower than alone (the fair share; what each action pays
+    beyond it on resuming a core another process used is per action, `resume`), where `busy` is
     how many pipeline ranks compute at once while one does, on the simulated timeline
     (SimResult.concurrency: a rank waiting in a bubble leaves its core to the others), and
     `replicas` the copies of that pipeline (dp x cp x tp) running the same timeline. A
     message's latency goes from the idle pair's (`latency`) to what a pair measured with all
     `ranks` busy (`loaded_latency`: the scheduler's wait) as the busy ranks go from `cores`
-    to `ranks`. A rank never runs faster than alone (a sharing probe under 1 is the
-    probe's noise), so the speeds alone bound every shared step from below (what the
-    planner's bounds read)."""
+    to `ranks`. A rank never runs faster than alone, so the speeds alone bound every shared
+    step from below (what the planner's bounds read)."""
 
     ranks: int
     cores: int
-    extra: float
     replicas: int = 1
     latency: float = 0.0
     loaded_latency: float = 0.0
@@ -51,7 +48,13 @@ class Sharing:
         return max(1.0, busy * self.replicas / self.cores)
 
     def factor(self, busy: float) -> float:
-        return max(1.0, self.fair(busy) * self.extra)
+        return self.fair(busy)
+
+    @property
+    def resume(self) -> bool:
+        """Do the ranks outnumber the cores, so that each action resumes on a core another
+        process used while its rank waited (predict.resume_s)?"""
+        return self.ranks > self.cores
 
     def message_latency(self, busy: float) -> float:
         over = (busy * self.replicas - self.cores) / max(self.ranks - self.cores, 1)
@@ -104,13 +107,16 @@ class DeviceModel:
                          transfer_cpu_s=hw.transfer_cpu_s * k,
                          split_call_s=hw.split_call_s * k,
                          dispatch_s=tuple((c, f * k, b * k) for c, f, b in hw.dispatch_s),
+                         resume_s=hw.resume_s * k,
                          **{f: getattr(hw, f) * k for f in DTENSOR_FIELDS},
                          attention=tuple((d, r / k, b) for d, r, b in hw.attention))
         s = self.sharing
         at_once = busy * s.replicas
         origin = (f"{self.origin}; {s.ranks} ranks share {s.cores} cores, {at_once:.2f} of "
                   f"them computing at once: each runs {k:.3g}x slower than alone "
-                  f"(max(1, {at_once:.2f} / {s.cores}) x {s.extra:.3g} measured)")
+                  f"(max(1, {at_once:.2f} / {s.cores}))"
+                  + (f", each action {self.hardware.resume_s * 1e6:.0f} us more on resuming its "
+                     f"core (measured)" if s.resume and self.hardware.resume_s else ""))
         return replace(self, flops_per_s=self.flops_per_s / k,
                        link_bytes_per_s=self.link_bytes_per_s / k, latency_s=latency,
                        tp_link_bytes_per_s=self.tp_link_bytes_per_s / k, op_s=self.op_s * k,
@@ -189,14 +195,14 @@ def _this_cpu(plan: Plan) -> tuple[DeviceProfile, str]:
     # alone, and how many processes busy at once slow each other (DeviceModel.shared)
     local = plan.mesh.world_size
     cpu = cpu_model(local)
-    sharing = Sharing(local, cores(), cpu.contention,
+    sharing = Sharing(local, cores(),
                       local // plan.mesh.pp, cpu.link_latency_s, cpu.loaded_latency_s) \
         if local > 1 else None
     return cpu_profile(cpu.flops_per_s, cpu.op_s, cpu.op_backward_s, cpu.bytes_per_s,
                        cpu.attention, (cpu.link_latency_s, cpu.link_bytes_per_s),
                        cpu.post_s, {k: getattr(cpu, k) for k in DTENSOR_FIELDS},
                        (cpu.collective_cpu_s, cpu.transfer_cpu_s), cpu.split_call_s,
-                       cpu.optimizer_ops, cpu.dispatch_s), \
+                       cpu.optimizer_ops, cpu.dispatch_s, cpu.resume_s), \
         cpu.origin, sharing
 
 

@@ -98,6 +98,10 @@ class DeviceProfile:
     # ops, ((case, forward, backward), ...) for cpu_probe.DISPATCHES: the measured CPU's
     # (cpu_probe.measure_dispatch); empty on accelerators (as op_s)
     dispatch_s: tuple = ()
+    # CPU seconds an action costs beyond its own when its rank resumes on a core another
+    # process used meanwhile (ranks outnumbering the cores: each blocking handoff): the
+    # measured CPU's (cpu_probe.measure_resume); 0 on accelerators
+    resume_s: float = 0.0
 
 
 DTENSOR_FIELDS = ("dtensor_op_s", "dtensor_op_backward_s", "dtensor_wrap_s",
@@ -159,7 +163,8 @@ def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: fl
                 attention: tuple = (), link: tuple = (10e-6, 50 * _GB),
                 post_s: float = 0.0, dtensor: Optional[dict] = None,
                 behind: tuple = (0.0, 0.0), split_call_s: float = 0.0,
-                optimizer_ops: tuple = (), dispatch_s: tuple = ()) -> DeviceProfile:
+                optimizer_ops: tuple = (), dispatch_s: tuple = (),
+                resume_s: float = 0.0) -> DeviceProfile:
     """The measured CPU (cpu_probe.py): its matmul FLOP/s for every dtype, memory-bound
     kernels' bandwidth (0: bytes move for free), fused attention per head dimension, host
     time per op (plain, and `dtensor`: the DeviceProfile's dtensor_* fields), and `link`
@@ -167,7 +172,8 @@ def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: fl
     on it (one machine: no network); `behind`: gloo's own threads' CPU seconds per ring step
     of a collective and per p2p message; `split_call_s`: host seconds per autograd call of a
     separate W; `optimizer_ops`: the optimizers' ops a step and per tensor; `dispatch_s`:
-    the expert dispatcher's host seconds per experts call."""
+    the expert dispatcher's host seconds per experts call; `resume_s`: an action's CPU on
+    resuming a shared core."""
     latency, bandwidth = link
     return DeviceProfile("cpu", {k: flops for k in ("bf16", "fp16", "fp32", "fp64")},
                          bytes_per_s, 0.0, bandwidth, bandwidth, latency, ranks_per_node=None,
@@ -175,5 +181,5 @@ def cpu_profile(flops: float, op_s: float, op_backward_s: float, bytes_per_s: fl
                          efficiency=Efficiency(1.0, 1.0, 1.0, "measured (cpu_probe.py)"),
                          attention=attention, post_s=post_s, collective_cpu_s=behind[0],
                          transfer_cpu_s=behind[1], split_call_s=split_call_s,
-                         optimizer_ops=optimizer_ops, dispatch_s=dispatch_s,
+                         optimizer_ops=optimizer_ops, dispatch_s=dispatch_s, resume_s=resume_s,
                          **(dtensor or {}))

@@ -38,7 +38,7 @@ spends its step on (compute / exposed communication / bubble / optimizer).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ...dsl.ast import Plan
@@ -153,7 +153,7 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
     links = mesh_links(plan, device)
     tp = plan.mesh.tp
     float_scale = 0.5 if plan.train.precision == "bf16" else 1.0
-    table, waiting = [], []
+    table, waiting, resumed_ops = [], [], []
     for st, t in zip(stages, ops):
         calls = _tp_microbatch(plan, tp_traffic, {st.index}, float_scale) if tp > 1 else []
         tp_f, tp_b = tp_passes(calls, tp, links.tp, device.ring_step_s)
@@ -173,13 +173,42 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
             (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b
              + host_b, t.w),
             waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
-        table.append((row[0] + post, row[1] + post, row[2]))
+        row, t = resumed(device, takes_input_grads(st), (row[0] + post, row[1] + post, row[2]),
+                         t)
+        table.append(row)
+        resumed_ops.append(t)
         waiting.append(waits)
     msg = [sum(_nbytes(o) * (float_scale if "float" in o.dtype else 1) for o in st.outputs)
            for st in stages[:-1]]
     latency = device.latency_s + max(msg, default=0.0) / links.p2p
     return Costs(per_stage=tuple(table), latency=latency, waiting=tuple(waiting),
-                 split=split_of(ops))
+                 split=split_of(resumed_ops))
+
+
+def resume_s(device: DeviceModel) -> float:
+    """CPU seconds each action of a rank pays on resuming its core where the plan's ranks
+    outnumber the cores (after each blocking handoff another process used the core: its
+    caches refilled), at the shared speeds: the measured CPU's resume_s
+    (cpu_probe.measure_resume); 0 elsewhere."""
+    shared = device.shared_at
+    if shared is None or device.hardware is None or not shared[0].resume:
+        return 0.0
+    return device.hardware.resume_s
+
+
+def resumed(device: DeviceModel, input_grads: bool, row: tuple,
+            t: OpTimes) -> tuple[tuple, OpTimes]:
+    """A stage's (F, B, W) seconds and OpTimes with each action's resume (`resume_s`) added:
+    to F, to B (a fused BW pays it once) and to a separate W (OpTimes.split: what a separate
+    W adds); on a stage no gradient leaves, whose B does nothing, to W (so BW and W pay it
+    once). Check (action_costs) and the planner both call it."""
+    r = resume_s(device)
+    if not r:
+        return row, t
+    f, b, w = row
+    if input_grads:
+        return (f + r, b + r, w), replace(t, split=t.split + r)
+    return (f + r, b, w + r), t
 
 
 def split_of(ops: list[OpTimes]) -> Optional[tuple[float, ...]]:

@@ -12,10 +12,11 @@ move 10-15% from the next on a quiet 2-core machine) and compiled without a devi
 ratio (goal: within 15%), twice: the slots' wall time against the prediction with the ranks
 sharing the cores, and the slots' CPU time on each rank's thread (the profile's `cpu`: the
 action's compute and the posting of its transfers) against the prediction for a rank alone
-less its waits in collectives (Costs.waiting: gloo blocks, the thread spends no CPU there) times
-the sharing probe's `extra`, plus posting as the probe measured it among the ranks
-(caches and switching cost CPU time; the fair share of the cores is waiting, not computing):
-the per-op model without the scheduler's time slices. Then a line per plan: the predicted
+less its waits in collectives (Costs.waiting: gloo blocks, the thread spends no CPU there),
+plus each action's resume of its core where the ranks outnumber the cores (predict.resumed:
+caches refilled after each handoff) and posting as the probe measured it among the ranks
+(the fair share of the cores is waiting, not computing): the per-op model without the
+scheduler's time slices. Then a line per plan: the predicted
 step and, the ranks sharing the cores, the CPU seconds per step of all their processes that
 the floor counts (predict.shared_floor), beside the run's own (its "CPU on ..." line: the
 processes' CPU seconds per step, the step, the cores' busy share; median over the runs). On
@@ -224,6 +225,7 @@ def main(argv: list[str]) -> int:
         return 0
     from pipeplan.compiler import compile_plan
     from pipeplan.compiler.estimate.device import device_model
+    from pipeplan.compiler.estimate.optime import takes_input_grads
     from pipeplan.dsl import load_plan
     repeat = 3
     if argv[:1] == ["--repeat"]:
@@ -235,13 +237,21 @@ def main(argv: list[str]) -> int:
                                for k in range(repeat)])
         shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
         table = op_table(shared.estimates.simulation.costs)
-        alone_costs = compiled_alone(plan_path).estimates.simulation.costs
-        # a rank's CPU time: its actions less their waits in collectives (Costs.waiting)
-        own = op_table(alone_costs, less_waits=True)
-        sharing = device_model(load_plan(os.path.join(REPO, plan_path))).sharing
-        extra = sharing.extra if sharing is not None else 1.0
+        alone_compiled = compiled_alone(plan_path)
+        # a rank's CPU time: its actions less their waits in collectives (Costs.waiting),
+        # each action's resume of its core where the ranks outnumber the cores
+        own = op_table(alone_compiled.estimates.simulation.costs, less_waits=True)
+        model = device_model(load_plan(os.path.join(REPO, plan_path)))
+        r = model.hardware.resume_s if model.sharing is not None and model.sharing.resume \
+            else 0.0
+        for st, ops in zip(alone_compiled.stages, own):
+            ops["F"] += r
+            ops["B"] += r if takes_input_grads(st) else 0.0
+            ops["W"] += r
+            ops["BW"] += r
         print(f"{plan_path}  ({costs.get('device')}; median of {repeat} profiles; CPU time "
-              f"predicted: alone x {extra:.3g} + posting as measured shared)")
+              f"predicted: alone + each action's resume ({r * 1e3:.2f} ms) + posting as "
+              f"measured shared)")
         print("stage  op | slot: predicted (ms)  measured (ms)  ratio | CPU time: predicted "
               "(ms)  measured (ms)  ratio")
         for st, p_ops, a_ops in zip(costs["stages"], table, own):

@@ -233,12 +233,13 @@ def test_unknown_device_is_refused_at_its_line(make_plan):
         compile_plan(_one_stage(make_plan, DeviceSpec(name="h101")))
     assert "unknown device 'h101'" in str(info.value) and "did you mean 'h100'" in str(info.value)
 
-def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path, monkeypatch):
+def test_ranks_on_one_machine_run_at_their_fair_share_and_resume_each_action(
+        make_plan, tmp_path, monkeypatch):
     """The local launcher starts every rank on this machine: each rank runs at its speed
-    alone x max(1, busy ranks / cores) x what that many processes measured beyond their fair
-    share (measured once per rank count, cached), busy ranks being how many compute at once
-    on the simulated timeline while one does; the origin says so; a device section is taken
-    as written."""
+    alone x max(1, busy ranks / cores) (posting measured once per rank count, cached), busy
+    ranks being how many compute at once on the simulated timeline while one does; where
+    the ranks outnumber the cores each action pays the measured resume of its core (at the
+    shared speeds); the origin says so; a device section is taken as written."""
     import importlib
 
     import torch
@@ -251,16 +252,17 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
     monkeypatch.setenv("PIPEPLAN_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "cores", lambda: 1)
     asked = []
-    monkeypatch.setattr(cpu_probe, "measure_sharing",
-                        lambda n: asked.append(n) or (2.5, 1e-4))
+    monkeypatch.setattr(cpu_probe, "measure_sharing", lambda n: asked.append(n) or 1e-4)
     own = dm.device_model(_one_stage(make_plan, DeviceSpec()))  # 1 rank: nothing shared
     assert own.sharing is None and own.shared(1.0) is own and asked == []
     alone = dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
     assert asked == [2] and alone.flops_per_s == own.flops_per_s  # speeds alone ...
     assert (alone.sharing.ranks, alone.sharing.cores, alone.sharing.replicas) == (2, 1, 2)
-    assert alone.sharing.extra == pytest.approx(2.5)  # ... 2 processes: 2.5x the CPU time
+    assert alone.sharing.resume  # 2 ranks on 1 core
     assert alone.hardware.post_s == pytest.approx(1e-4)  # posting, as measured shared
-    for busy, k in ((1.0, 5.0), (0.75, 1.5 * 2.5), (0.4, 2.5)):  # x 2 replicas on 1 core
+    resume = alone.hardware.resume_s
+    assert resume > 0  # measured (the probe pins two processes to one core)
+    for busy, k in ((1.0, 2.0), (0.75, 1.5), (0.4, 1.0)):  # x 2 replicas on 1 core
         shared = alone.shared(busy)
         assert shared.flops_per_s == pytest.approx(own.flops_per_s / k)
         assert shared.hardware.memory_bandwidth == pytest.approx(
@@ -269,12 +271,14 @@ def test_ranks_on_one_machine_run_at_the_measured_contention(make_plan, tmp_path
         assert shared.link_bytes_per_s == pytest.approx(own.link_bytes_per_s / k)
         assert shared.latency_s == pytest.approx(own.latency_s * k)
         assert shared.hardware.post_s == pytest.approx(1e-4 * max(1.0, 2 * busy))  # waits
+        assert shared.hardware.resume_s == pytest.approx(resume * k)
         assert "2 ranks share 1 cores" in shared.origin and f"{k:.3g}x slower" in shared.origin
+        assert f"each action {resume * 1e6:.0f} us more" in shared.origin
     compiled = compile_plan(_one_stage(make_plan, DeviceSpec(), dp=2))
     busy = compiled.estimates.simulation.concurrency  # one pipeline rank: 1
     assert busy == pytest.approx(1.0)  # ... in each of 2 replicas: 2 on 1 core
     assert compiled.estimates.device_model["flops_per_s"] == pytest.approx(
-        own.flops_per_s / (2 * 2.5))
+        own.flops_per_s / 2)
     dm.device_model(_one_stage(make_plan, DeviceSpec(), dp=2))
     assert asked == [2]  # cached
     written = dm.device_model(_one_stage(make_plan, DeviceSpec(flops=1e12), dp=2))
@@ -291,7 +295,7 @@ def test_the_sharing_probe_sees_an_oversubscribed_machine():
     from pipeplan.compiler.estimate.cpu_probe import (measure_link, measure_loaded_latency,
                                                       measure_sharing, ring_slowdown)
     from pipeplan.compiler.estimate.device import cores
-    assert measure_sharing(1) == (1.0, 0.0)
+    assert measure_sharing(1) == 0.0
     cpu, wall, post = ring_slowdown(2 * cores())
     assert wall >= 1.4 and 0.8 < cpu < wall and 1e-6 < post < 1e-2, (cpu, wall, post)
     idle, _, behind, sent = measure_link()
@@ -321,7 +325,7 @@ def test_ranks_sharing_the_cores_take_no_less_than_their_cpu_seconds_over_the_co
     costs = Costs(per_stage=((1.0, 2.0, 0.0), (1.0, 2.0, 0.0)),
                   waiting=((0.5, 0.5, 0.0), (0.0, 0.0, 0.0)))
     hw = cpu_profile(1e9, 0.0, 0.0, behind=(0.01, 0.1))
-    shared = DeviceModel(hardware=hw, shared_at=(Sharing(4, 1, 1.0, replicas=2), 0.5))
+    shared = DeviceModel(hardware=hw, shared_at=(Sharing(4, 1, replicas=2), 0.5))
     floor = shared_floor(sched, costs, shared, [2, 3], [0, 0], [0.2, 0.3])
     assert floor == pytest.approx(5.95 * 2 / (1 * 1))
     assert shared_floor(sched, costs, dataclasses.replace(shared, shared_at=None), [2, 3],
@@ -452,11 +456,11 @@ def test_a_message_waits_for_the_scheduler_as_busy_ranks_outnumber_the_cores():
     2 busy the idle latency, with all 8 the loaded one, half-way at 5 busy; never less than
     the idle latency slowed like the compute."""
     from pipeplan.compiler.estimate.device import Sharing
-    s = Sharing(ranks=8, cores=2, extra=1.0, replicas=4, latency=1e-4, loaded_latency=4e-3)
+    s = Sharing(ranks=8, cores=2, replicas=4, latency=1e-4, loaded_latency=4e-3)
     assert s.message_latency(2 / 4) == pytest.approx(1e-4)
     assert s.message_latency(8 / 4) == pytest.approx(4e-3)
     assert s.message_latency(5 / 4) == pytest.approx(1e-4 + 0.5 * (4e-3 - 1e-4))
-    quiet = Sharing(ranks=8, cores=2, extra=1.0, replicas=4, latency=1e-4, loaded_latency=1e-4)
+    quiet = Sharing(ranks=8, cores=2, replicas=4, latency=1e-4, loaded_latency=1e-4)
     assert quiet.message_latency(2.0) == pytest.approx(4e-4)  # x the compute's factor 4
 
 

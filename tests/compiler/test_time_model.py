@@ -219,6 +219,36 @@ def test_a_separate_w_pays_its_calls_and_a_first_stage_runs_its_backward_in_w(ma
     assert op_times(graphs, later, hw).split == 0.0
 
 
+def test_each_action_pays_its_cores_resume_where_the_ranks_outnumber_the_cores(make_plan):
+    """predict.resumed: where the plan's ranks outnumber the cores each action resumes on a
+    core another process used (cpu_probe.measure_resume), once per action: F, B, a fused
+    BW and a separate W each pay it once, a first stage's (whose B does nothing) in W; no
+    ranks beyond the cores, or no sharing, nothing."""
+    from pipeplan.compiler.estimate.device import Sharing
+    from pipeplan.compiler.estimate.optime import takes_input_grads
+    plan = make_plan("examples/models/gpt.py:GPT", {"vocab": 64, "dim": 32, "layers": 2,
+                                                    "heads": 4, "seq_len": 16},
+                     pp=2, inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),),
+                     microbatches=2, mesh=MeshSpec(pp=2), train=TrainSpec(global_batch=4),
+                     device=DeviceSpec(name="a100"))
+    compiled = compile_plan(plan)
+    timing = compiled.estimates.timing
+    base = model_of(compiled.plan, dataclasses.replace(profile("a100"), resume_s=1e-3))
+    costs = {k: timing.costs(dataclasses.replace(base, shared_at=at))[1]
+             for k, at in (("alone", None), ("over", (Sharing(4, 2), 1.0)),
+                           ("fits", (Sharing(2, 2), 1.0)))}
+    assert costs["fits"] == costs["alone"]
+    stages = range(len(compiled.stages))
+    before, after = (costs[k].stage_table(tuple(stages)) for k in ("alone", "over"))
+    assert [takes_input_grads(st) for st in compiled.stages] == [False, True]
+    for st in compiled.stages:
+        s, grads = st.index, takes_input_grads(st)
+        assert after.time("F", s) - before.time("F", s) == pytest.approx(1e-3)
+        assert after.time("B", s) - before.time("B", s) == pytest.approx(1e-3 if grads else 0)
+        assert after.time("W", s) - before.time("W", s) == pytest.approx(1e-3)
+        assert after.time("BW", s) - before.time("BW", s) == pytest.approx(1e-3)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw(lr = 0.01, weight_decay = 0.1)", "sgd(lr = 0.1)",
                                        "sgd(lr = 0.1, momentum = 0.9)"])
 @pytest.mark.parametrize("zero", [0, 2])
@@ -471,15 +501,15 @@ def test_zero_1_2_all_gather_after_the_optimizer_is_exposed_whole(make_plan, zer
 
 
 def test_a_rank_sharing_the_cpu_never_runs_faster_than_alone():
-    """Sharing.factor: the fair share of the cores times the probe's extra, never under 1
-    (a probe's extra under 1 is its noise; the planner's bounds read the speeds alone)."""
+    """Sharing.factor: the fair share of the cores, never under 1 (the planner's bounds read
+    the speeds alone); each action resumes its core only where the ranks outnumber them."""
     from pipeplan.compiler.estimate.device import Sharing
 
-    s = Sharing(ranks=4, cores=2, extra=0.9, replicas=1)
+    s = Sharing(ranks=4, cores=2, replicas=1)
     assert s.factor(1.0) == 1.0 and s.factor(2.0) == 1.0
-    assert s.factor(4.0) == pytest.approx(1.8)
-    assert Sharing(ranks=4, cores=2, extra=0.9, replicas=4).factor(1.0) == pytest.approx(1.8)
-    assert Sharing(ranks=8, cores=2, extra=1.05).factor(1.0) == pytest.approx(1.05)
+    assert s.factor(4.0) == pytest.approx(2.0)
+    assert Sharing(ranks=4, cores=2, replicas=4).factor(1.0) == pytest.approx(2.0)
+    assert s.resume and not Sharing(ranks=2, cores=2).resume
 
 
 def test_tp_collectives_wait_in_the_pass_the_rewrite_places_them(make_plan):
