@@ -55,7 +55,10 @@ def summary(result: SearchResult) -> str:
             f"{result.auto_evaluated} of them auto), "
             f"{result.over_memory_evaluated} of those over memory"
             + (f", {result.twins} the same order as a listed plan under another kind "
-               "(listed once)" if result.twins else "") + f"; {closed}; "
+               "(listed once)" if result.twins else "")
+            + (f", {result.zero_ties} a listed plan's layout at another ZeRO stage predicted as "
+               "fast (listed once: the one holding less memory)" if result.zero_ties else "")
+            + f"; {closed}; "
             f"model captured {result.units.captures} times\n")
 
 

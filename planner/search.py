@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -80,6 +81,7 @@ class SearchResult:
     auto_capped: bool = False  # stopped at max_auto with auto candidates left under the bound
     refused: int = 0  # evaluated candidates `check` refuses (none expected)
     twins: int = 0  # evaluated, the same order as a listed plan's under another kind (_twin)
+    zero_ties: int = 0  # evaluated, a listed plan's layout at another ZeRO stage, as fast
     closed: bool = False  # the bound proved no unevaluated candidate enters the top K
     not_considered: dict = field(default_factory=dict)  # reason -> values
     capacity: float = 0.0
@@ -199,6 +201,12 @@ def _loop(plan: Plan, units: Units, heap: list, device: DeviceModel, result: Sea
         if _twin(units, top, c):
             result.twins += 1
             continue
+        tied = _zero_tie(units, top, c, p)
+        if tied is not None:
+            result.zero_ties += 1
+            if (p.peak_bytes, c.zero) >= (tied.prediction.peak_bytes, tied.candidate.zero):
+                continue
+            top.remove(tied)
         top.append(Ranked(dataclasses.replace(c, split=p.split), p))
         top.sort(key=lambda r: (r.prediction.step_time_s, r.candidate))
         del top[top_k:]
@@ -217,19 +225,34 @@ def _twin(units: Units, top: list, c: Candidate) -> bool:
     """Does the top list hold `c`'s layout under another fixed kind whose order is the same
     actions on the same ranks (ZB-H1 and ZB-H2, or 1F1B and GPipe, with too few
     microbatches to differ)? The same run then, listed once: as the kind reached first."""
-    if c.schedule == "auto":
-        return False
-    mine = None
+    return any(r.candidate.schedule != c.schedule and _same_run(units, r.candidate, c)
+               for r in top)
+
+
+def _zero_tie(units: Units, top: list, c: Candidate, p: Prediction) -> Optional[Ranked]:
+    """The listed plan that is `c`'s run (`_same_run`) at another ZeRO stage and predicted
+    exactly as fast (on shared CPU cores the step is often the cores' CPU floor, which the
+    stages' reduction pattern can leave equal), if any. Listed once: the one holding less
+    memory (then the lower stage), so the top K holds plans the prediction tells apart."""
     for r in top:
-        o = r.candidate
-        if o.schedule in ("auto", c.schedule) or \
-                dataclasses.replace(o, schedule=c.schedule, split=c.split) != c:
-            continue
-        mine = mine or order(units, c)
-        other = order(units, o)
-        if mine.order == other.order and mine.stage_to_rank == other.stage_to_rank:
-            return True
-    return False
+        if r.candidate.zero != c.zero and \
+                math.isclose(r.prediction.step_time_s, p.step_time_s, rel_tol=1e-9) and \
+                _same_run(units, dataclasses.replace(r.candidate, zero=c.zero), c):
+            return r
+    return None
+
+
+def _same_run(units: Units, o: Candidate, c: Candidate) -> bool:
+    """Are `o` and `c` the same layout (their splits aside), under one fixed kind or two
+    whose orders are the same actions on the same ranks?"""
+    if dataclasses.replace(o, schedule=c.schedule, split=c.split) != c:
+        return False
+    if o.schedule == c.schedule:
+        return True
+    if "auto" in (o.schedule, c.schedule):
+        return False
+    mine, other = order(units, c), order(units, o)
+    return mine.order == other.order and mine.stage_to_rank == other.stage_to_rank
 
 
 def recompute_where_it_pays(units: Units, cands: list, device: DeviceModel,

@@ -172,6 +172,28 @@ def test_one_pipeline_rank_searches_1f1b_not_gpipe_its_costlier_twin(plan, units
     assert a.step_time_s == b.step_time_s and a.peak_bytes < b.peak_bytes
 
 
+def test_zero_stages_predicted_as_fast_are_listed_once_holding_the_least_memory(plan, units):
+    """ZeRO 1, 2 and 3 of one layout predicted exactly as fast (here pp2 x dp4: each
+    stage's one reduction and gather pattern costs alike): listed once, the stage holding
+    the least memory, and the report says how many it folded; a faster or slower stage
+    stays listed (z0 here)."""
+    fixed = {"sp": False, "recompute": "none", "cp": 1, "pp": 2, "tp": 1, "mbs": 1}
+    device = device_model(plan)
+    alone = {z: search(plan, 8, device, 1e12, Constraints(fixed={**fixed, "zero": z},
+                                                           schedules=("1f1b",)),
+                       top_k=1, units=units).top[0].prediction for z in (0, 1, 2, 3)}
+    tied = (1, 2, 3)
+    assert all(alone[z].step_time_s == pytest.approx(alone[1].step_time_s, rel=1e-9)
+               for z in tied)
+    assert alone[0].step_time_s != pytest.approx(alone[1].step_time_s, rel=1e-6)
+    least = min(tied, key=lambda z: alone[z].peak_bytes)
+    res = search(plan, 8, device, 1e12, Constraints(fixed=fixed, schedules=("1f1b",)),
+                 top_k=6, units=units)
+    assert sorted(r.candidate.zero for r in res.top) == [0, least]
+    assert res.zero_ties == len(tied) - 1
+    assert f"{len(tied) - 1} a listed plan's layout at another ZeRO stage" in summary(res)
+
+
 def test_not_considered_names_each_reason_once(plan, units):
     res = search(plan, 8, device_model(plan), 1e9,
                  Constraints(tp_in_node=False, schedules=("1f1b",)), top_k=1, units=units)
