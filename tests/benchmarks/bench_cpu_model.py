@@ -61,6 +61,17 @@ def measured(plan: str, out: str) -> dict:
     return costs
 
 
+def host_speed() -> float:
+    """This machine's host time per op now (the CPU probe's op-time blocks and fit, three
+    runs, cpu_probe.probe_blocks) over the cached probe's: above 1 the VM runs slower than
+    when it was probed (its speed moved 30-50% within minutes here), and every prediction
+    with it. Printed beside the ratios, never applied to them."""
+    from pipeplan.compiler.estimate import cpu_probe
+    cached = cpu_probe.cpu_model(1)
+    op_s = cpu_probe.fit_host(cpu_probe.probe_blocks(), cached.flops_per_s, cached.attention)[0]
+    return op_s / cached.op_s
+
+
 def median_of(runs: list[dict]) -> dict:
     """The first run's cost file with each stage's slot and CPU times the median over the
     runs (per stage and op)."""
@@ -232,9 +243,11 @@ def main(argv: list[str]) -> int:
         repeat, argv = int(argv[1]), argv[2:]
     worst, worst_cpu = 0.0, 0.0
     for plan_path in argv or PLANS:
+        speeds = [host_speed()]
         with tempfile.TemporaryDirectory() as tmp:
             costs = median_of([measured(plan_path, os.path.join(tmp, f"costs{k}.json"))
                                for k in range(repeat)])
+        speeds.append(host_speed())
         shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
         table = op_table(shared.estimates.simulation.costs)
         alone_compiled = compiled_alone(plan_path)
@@ -267,6 +280,8 @@ def main(argv: list[str]) -> int:
                     line += f" {pa * 1e3:>20.3f} {c * 1e3:>14.3f} {pa / c:>6.3f}"
                 print(line)
         step(shared.estimates, costs.get("machine"))
+        print(f"host time per op now over the probe's: {speeds[0]:.2f} before the profiles, "
+              f"{speeds[1]:.2f} after (the machine's drift since it was probed)")
     print(f"largest deviation: slots (wall, shared cores) {worst:.1%}; CPU time (each rank's "
           f"own compute) {worst_cpu:.1%}")
     return 0
