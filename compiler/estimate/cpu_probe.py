@@ -65,8 +65,9 @@ them a plan's own model or shapes:
   its own CPU time when its rank resumes on a core another process used meanwhile (caches
   refilled after each blocking handoff) is `measure_resume`'s: two processes pinned to one
   core hand it back and forth, a block right after the other process ran a block against
-  one right after its own, alternating (0.35-0.5 ms here, on a 1.8 ms host-bound block
-  and a 4 ms one alike; until probe v7 the ring's block CPU over alone was taken as a
+  one right after its own, alternating, the median over a 1.8 ms host-bound block and a
+  4 ms one (0.19-0.42 ms here from probe to probe; until probe v7 the ring's block CPU
+  over alone was taken as a
   factor on all compute: 1.0 to 1.4 from one probe to the next, where the example plans'
   actions of 1 to 11 ms measured 0.4-1.1 ms above their CPU alone each). The fair share of
   the cores is waiting, not CPU time: the time model adds it from the simulated timeline
@@ -829,8 +830,8 @@ def measure_loaded_latency(n: int) -> float:
 # the resume probe: two processes on one core hand it back and forth; a block after the
 # other ran on the core against one right after its own, RESUME_ROUNDS rounds alternating
 # (drift hits both alike); RESUME_RUNS runs of each of two blocks (a host-bound one with a
-# small working set, one of the example GPT's stage shape: they cost alike here, 0.1-0.5 ms,
-# so no per-byte term is fitted), the median
+# small working set, one of the example GPT's stage shape: 0.08-0.34 and 0.24-0.58 ms from run
+# to run here, too noisy a pair to fit a per-byte term from), the median
 RESUME_PROBES = ((8, 16, 4), (64, 64, 2))
 RESUME_ROUNDS, RESUME_RUNS = 60, 3
 

@@ -141,7 +141,7 @@ def _count(rank, world, names):
 
 STEP = "backends/runtime/trainer.py:step"  # the loss, once
 NORM = "backends/runtime/grads.py:global_norm"  # the gradient norm, once when clipping
-DISPATCH = "backends/parallel/ep/experts.py:forward"  # split sizes, once per MoE layer call
+DISPATCH = "compiler/parallel/ep_dispatch.py:routed_call"  # split sizes, once per MoE call
 
 
 @pytest.mark.slow
