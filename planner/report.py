@@ -12,7 +12,7 @@ import re
 from ..dsl.ast import Plan
 from ..dsl.format import format_plan
 from .cost import Prediction
-from .search import Ranked, SearchResult
+from .search import ZERO_TIE, Ranked, SearchResult
 from .space import Candidate, plan_of
 
 GIB = 2 ** 30
@@ -56,8 +56,10 @@ def summary(result: SearchResult) -> str:
             f"{result.over_memory_evaluated} of those over memory"
             + (f", {result.twins} the same order as a listed plan under another kind "
                "(listed once)" if result.twins else "")
-            + (f", {result.zero_ties} a listed plan's layout at another ZeRO stage predicted as "
-               "fast (listed once: the one holding less memory)" if result.zero_ties else "")
+            + (f", {result.zero_ties} a listed plan's layout at another ZeRO stage predicted "
+               f"within {ZERO_TIE:.0%} (listed once: the faster, or as fast the one holding "
+               "less memory)"
+               if result.zero_ties else "")
             + f"; {closed}; "
             f"model captured {result.units.captures} times\n")
 

@@ -204,7 +204,7 @@ def _loop(plan: Plan, units: Units, heap: list, device: DeviceModel, result: Sea
         tied = _zero_tie(units, top, c, p)
         if tied is not None:
             result.zero_ties += 1
-            if (p.peak_bytes, c.zero) >= (tied.prediction.peak_bytes, tied.candidate.zero):
+            if not _better_of_tied(p, c, tied):
                 continue
             top.remove(tied)
         top.append(Ranked(dataclasses.replace(c, split=p.split), p))
@@ -229,17 +229,30 @@ def _twin(units: Units, top: list, c: Candidate) -> bool:
                for r in top)
 
 
+ZERO_TIE = 0.01  # ZeRO stages of one run predicted this close are listed once: below the
+# time model's resolution (Table 1 within 6%; the CPU's ranks sharing cores 10-15% run to run)
+
+
 def _zero_tie(units: Units, top: list, c: Candidate, p: Prediction) -> Optional[Ranked]:
-    """The listed plan that is `c`'s run (`_same_run`) at another ZeRO stage and predicted
-    exactly as fast (on shared CPU cores the step is often the cores' CPU floor, which the
-    stages' reduction pattern can leave equal), if any. Listed once: the one holding less
-    memory (then the lower stage), so the top K holds plans the prediction tells apart."""
+    """The listed plan that is `c`'s run (`_same_run`) at another ZeRO stage predicted
+    within ZERO_TIE of it, if any (on shared CPU cores the step is often the cores' CPU
+    floor, which the stages' reduction patterns leave equal or nearly). Listed once
+    (`_better_of_tied`), so the top K holds plans the prediction tells apart."""
     for r in top:
         if r.candidate.zero != c.zero and \
-                math.isclose(r.prediction.step_time_s, p.step_time_s, rel_tol=1e-9) and \
+                math.isclose(r.prediction.step_time_s, p.step_time_s, rel_tol=ZERO_TIE) and \
                 _same_run(units, dataclasses.replace(r.candidate, zero=c.zero), c):
             return r
     return None
+
+
+def _better_of_tied(p: Prediction, c: Candidate, tied: Ranked) -> bool:
+    """Of two ZeRO stages of one run within ZERO_TIE: the faster (never giving up predicted
+    time), and exactly as fast, the one holding less memory (then the lower stage)."""
+    q = tied.prediction
+    if not math.isclose(p.step_time_s, q.step_time_s, rel_tol=1e-9):
+        return p.step_time_s < q.step_time_s
+    return (p.peak_bytes, c.zero) < (q.peak_bytes, tied.candidate.zero)
 
 
 def _same_run(units: Units, o: Candidate, c: Candidate) -> bool:

@@ -133,7 +133,13 @@ def check_best(plan, result, gpus: int) -> tuple[float, float]:
 
 
 def excluded(res, pub: Candidate, pred) -> str:
-    """Why the published layout is not in the top 10 (a constraint, or slower)."""
+    """Why the published layout is not in the top 10 (a constraint, slower, or listed at
+    another ZeRO stage predicted within search.ZERO_TIE of it: the planner lists one)."""
+    from pipeplan.planner.search import ZERO_TIE
+    for i, r in enumerate(res.top):
+        if same_layout(dataclasses.replace(r.candidate, zero=pub.zero), pub):
+            return (f"#{i + 1} as z{r.candidate.zero} (ZeRO stages within {ZERO_TIE:.0%} "
+                    "listed once)")
     if pred.peak_bytes > res.capacity:
         return f"over memory ({pred.peak_bytes / 2**30:.1f} GiB)"
     if res.top and pred.step_time_s > res.top[-1].prediction.step_time_s:
