@@ -34,7 +34,7 @@ from ..compiler.estimate.collectives import _role_collectives, ring_bytes
 from ..compiler.estimate.device import SHARING_ROUNDS, DeviceModel, mesh_links
 from ..compiler.estimate.estimates import RankShards, _state_bytes, normalised, \
     routing_prepass_s, state_bytes
-from ..compiler.estimate.optime import StageWork, dispatch_host, dtensor_host, op_times
+from ..compiler.estimate.optime import StageWork, host_around, op_times
 from ..compiler.estimate.predict import _posts, breakdown, dp_ring_bytes, exchange_waits, \
     add_step_end, in_w_without_input_grads, passes, regather_s, resumed, shared_floor, \
     split_of, step_end_s, step_sync, tp_passes, waiting_of
@@ -138,11 +138,9 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     # wrapped tensors: the units' trainable parameters, the values they make (masks) and the
     # stage's input (buffers are not in the units: on the measured CPU the planner's stage
     # is a little cheaper here)
-    host_f, host_b = dtensor_host(plan, device.hardware,
-                                  sum(len(u.params) + u.made for u in run) + 1, passes(calls))
-    routed_f, routed_b = dispatch_host(plan, device.hardware,
-                                       sum(u.ep_roles.count("tokens") for u in run), c.ep)
-    host_f, host_b = host_f + routed_f, host_b + routed_b
+    host_f, host_b = host_around(plan, device.hardware,
+                                 sum(len(u.params) + u.made for u in run) + 1, passes(calls),
+                                 sum(u.ep_roles.count("tokens") for u in run), c.ep)
     row, waiting = in_w_without_input_grads(
         run[0].work.input_grads,
         (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b
@@ -303,12 +301,11 @@ def _shape(units: Units, c: Candidate, device: DeviceModel) -> Shape:
     post = device.hardware.post_s if device.hardware else 0.0  # the measured CPU's
     timed = [_stage_times(units, c, plan, device, links, table[a:b])
              for a, b in zip(bounds, bounds[1:])]
-    if post:  # each transfer's posting, as predict.action_costs charges it (by adjacency)
-        timed = [(t, (f + _posts(s, stages) * post, b + _posts(s, stages) * post, w), waits)
-                 for s, (t, (f, b, w), waits) in enumerate(timed)]
-    timed = [(t, row, waits) for (row, t), (_, _, waits) in zip(
-        (resumed(device, table[a].work.input_grads, row, t)
-         for (t, row, _), a in zip(timed, bounds)), timed)]
+    for s, ((t, (f, b, w), waits), a) in enumerate(zip(timed, bounds)):
+        # each transfer's posting and each action's resume, as predict.action_costs charges
+        posts = _posts(s, stages) * post
+        row, t = resumed(device, table[a].work.input_grads, (f + posts, b + posts, w), t)
+        timed[s] = (t, row, waits)
     tp = c.tp if c.tp > 1 else 1
     act = tuple(sum(dict(u.activation_inner if i else u.activation_bytes)[tp]
                     for u, i in zip(table[a:b], _inner(table[a:b], c.sp and c.tp > 1)))

@@ -836,12 +836,15 @@ RESUME_PROBES = ((8, 16, 4), (64, 64, 2))
 RESUME_ROUNDS, RESUME_RUNS = 60, 3
 
 
-def _resume_worker(me: int, conn, core: int, shape: tuple, results) -> None:
-    """One of two processes on `core`: process 0 times a block right after its own block
-    (the other process blocked) and, in turn, right after the other process ran a block on
-    the core (a blocking handoff both ways, as a pipeline rank resumes after its wait)."""
+def _resume_worker(me: int, port: int, results, ends, core: int, shape: tuple) -> None:
+    """One of two processes on `core` (a `_ranks` worker; its end of the pipe `ends`, no
+    group): process 0 times a block right after its own block (the other process blocked)
+    and, in turn, right after the other process ran a block on the core (a blocking handoff
+    both ways, as a pipeline rank resumes after its wait); puts the difference (process 1:
+    None)."""
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
+    conn = ends[me]
     model, x = _block(*shape)
 
     def block() -> float:
@@ -866,26 +869,13 @@ def _resume_worker(me: int, conn, core: int, shape: tuple, results) -> None:
             conn.send(True)
         else:
             conn.send(False)
-    if me == 0:
-        results.put(statistics.median(resumed) - statistics.median(stay))
+    results.put(statistics.median(resumed) - statistics.median(stay) if me == 0 else None)
 
 
 def _resume_run(shape: tuple) -> float:
-    ctx = _group_context()
-    results = ctx.Queue()
-    ends = ctx.Pipe()
-    core = min(os.sched_getaffinity(0))
-    procs = [ctx.Process(target=_resume_worker, args=(i, end, core, shape, results),
-                         daemon=True) for i, end in enumerate(ends)]
-    for p in procs:
-        p.start()
-    try:
-        return results.get(timeout=300)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    got = _ranks(_resume_worker, 2, _group_context().Pipe(), min(os.sched_getaffinity(0)),
+                 shape)
+    return next(g for g in got if g is not None)
 
 
 def measure_resume() -> float:

@@ -42,13 +42,11 @@ class Sharing:
     latency: float = 0.0
     loaded_latency: float = 0.0
 
-    def fair(self, busy: float) -> float:
-        """The fair share of the cores alone: waiting for one (what CPU times measured
-        under sharing, as the ring probe's posting, still wait for)."""
-        return max(1.0, busy * self.replicas / self.cores)
-
     def factor(self, busy: float) -> float:
-        return self.fair(busy)
+        """How much slower than alone a rank runs: the fair share of the cores, waiting for
+        one (what CPU times measured under sharing, as the ring probe's posting, still wait
+        for)."""
+        return max(1.0, busy * self.replicas / self.cores)
 
     @property
     def resume(self) -> bool:
@@ -102,7 +100,7 @@ class DeviceModel:
                          intra_node=hw.intra_node / k, inter_node=hw.inter_node / k,
                          latency=latency, op_s=hw.op_s * k,
                          op_backward_s=hw.op_backward_s * k,
-                         post_s=hw.post_s * self.sharing.fair(busy),  # measured shared
+                         post_s=hw.post_s * k,  # measured shared: the fair share's wait
                          collective_cpu_s=hw.collective_cpu_s * k,
                          transfer_cpu_s=hw.transfer_cpu_s * k,
                          split_call_s=hw.split_call_s * k,

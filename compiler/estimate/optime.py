@@ -44,6 +44,7 @@ from ...dsl.ast import Plan
 from ..capture.blocks import module_path
 from ..capture.work import Gemm
 from ..compiled import BATCH
+from ..parallel.ep import experts_dispatched
 from .costs import Cost
 from .devices import DeviceProfile, dtype_of
 
@@ -292,6 +293,17 @@ def dtensor_host(plan: Plan, dev: Optional[DeviceProfile], tensors: int,
     return tensors * dev.dtensor_wrap_s + f, tensors * dev.dtensor_wrap_backward_s + b
 
 
+def host_around(plan: Plan, dev: Optional[DeviceProfile], tensors: int,
+                collectives: tuple[int, int], experts_calls: int,
+                ep: int) -> tuple[float, float]:
+    """(F, B) host seconds per microbatch a stage's runtime adds around its ops: eager
+    tensor parallelism's DTensors (`dtensor_host`) and the expert dispatcher
+    (`dispatch_host`). Check (predict.action_costs) and the planner both call it."""
+    f, b = dtensor_host(plan, dev, tensors, collectives)
+    df, db = dispatch_host(plan, dev, experts_calls, ep)
+    return f + df, b + db
+
+
 def dispatch_host(plan: Plan, dev: Optional[DeviceProfile], calls: int,
                   ep: int) -> tuple[float, float]:
     """(F, B) host seconds per microbatch the expert dispatcher (compiler/parallel/
@@ -300,14 +312,13 @@ def dispatch_host(plan: Plan, dev: Optional[DeviceProfile], calls: int,
     expert parallel, with or without a capacity, or a capacity on one rank), beyond the
     experts' own ops (op_times) and the all-to-alls' bytes and latencies
     (predict.action_costs). Zero where nothing is dispatched (parallel.ep.
-    experts_dispatched's rule: ep > 1 or a capacity), for the static dispatch (compiled
+    experts_dispatched), for the static dispatch (compiled
     stages: the all-to-alls are inside one graph) and on devices without a measured host
     (accelerators); measured at 2 expert-parallel ranks and used at every ep."""
-    ex = plan.experts
-    if dev is None or not dev.dispatch_s or not calls or ex is None or \
-            (ep <= 1 and ex.dropless) or plan.compile.graphs:
+    if dev is None or not dev.dispatch_s or not calls or not experts_dispatched(plan, ep) or \
+            plan.compile.graphs:
         return 0.0, 0.0
-    case = "capacity" if ep <= 1 else "ep" if ex.dropless else "ep_capacity"
+    case = "capacity" if ep <= 1 else "ep" if plan.experts.dropless else "ep_capacity"
     f, b = next((f, b) for c, f, b in dev.dispatch_s if c == case)
     return calls * f, calls * b
 

@@ -45,8 +45,7 @@ from ...dsl.ast import Plan
 from ..compiled import StageSpec
 from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
-from .optime import OpTimes, StageWork, dispatch_host, dtensor_host, op_times, optimizer_ops, \
-    takes_input_grads
+from .optime import OpTimes, StageWork, host_around, op_times, optimizer_ops, takes_input_grads
 
 
 @dataclass(frozen=True)
@@ -164,17 +163,15 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
             st.cp_steps, device.ring_step_s)
         again = tp_f if st.recompute_ops or st.recompute_flops else 0.0
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
-        host_f, host_b = dtensor_host(plan, device.hardware, wrapped(st), passes(calls))
-        routed_f, routed_b = dispatch_host(plan, device.hardware, sum(
+        host_f, host_b = host_around(plan, device.hardware, wrapped(st), passes(calls), sum(
             1 for x in moe_traffic if x.stage == st.index and x.role == "tokens"), plan.mesh.ep)
-        host_f, host_b = host_f + routed_f, host_b + routed_b
+        grads = takes_input_grads(st)
         row, waits = in_w_without_input_grads(
-            takes_input_grads(st),
+            grads,
             (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b
              + host_b, t.w),
             waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
-        row, t = resumed(device, takes_input_grads(st), (row[0] + post, row[1] + post, row[2]),
-                         t)
+        row, t = resumed(device, grads, (row[0] + post, row[1] + post, row[2]), t)
         table.append(row)
         resumed_ops.append(t)
         waiting.append(waits)
@@ -333,7 +330,7 @@ def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
     (`gather_steps[s]`) each time its actions come to the stage (exposed_gathers' count),
     and per p2p transfer it posts (transfer_cpu_s), and of the loss all-reduce every
     process joins once a step (`step_steps`: its ring steps); its optimizer pass. The
-    speeds are alone x extra x fair: over the fair share, x the replicas, over the cores."""
+    speeds are alone x the fair share: over it, x the replicas, over the cores."""
     if device.shared_at is None:
         return 0.0
     sharing, busy = device.shared_at
@@ -351,7 +348,7 @@ def shared_floor(schedule, costs, device: DeviceModel, once_steps: list[float],
                 total += gather_steps[a.stage] * hw.collective_cpu_s
         total += (sum(once_steps[s] for s in {a.stage for a in actions}) + step_steps) \
             * hw.collective_cpu_s
-    return total * sharing.replicas / (sharing.fair(busy) * sharing.cores)
+    return total * sharing.replicas / (sharing.factor(busy) * sharing.cores)
 
 
 def _op_time(ops: list[OpTimes], a) -> float:

@@ -152,11 +152,12 @@ def experts_modules(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def experts_dispatched(plan: Plan) -> bool:
+def experts_dispatched(plan: Plan, ep: Optional[int] = None) -> bool:
     """Whether the runtime dispatches the experts' tokens itself (experts sharded over ep,
-    or slots over capacity dropped). Otherwise the experts module runs as captured."""
+    or slots over capacity dropped), at the plan's ep or `ep` (a candidate's). Otherwise the
+    experts module runs as captured."""
     ex = plan.experts
-    return ex is not None and (plan.mesh.ep > 1 or not ex.dropless)
+    return ex is not None and ((plan.mesh.ep if ep is None else ep) > 1 or not ex.dropless)
 
 
 def expert_weights(module: torch.nn.Module, num_experts: int) -> list[str]:
