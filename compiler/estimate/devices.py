@@ -6,9 +6,11 @@ latencies, GPUs per node. `device = h100` in a plan names one; the plan's other 
 override single values (device.py). The three efficiency constants (`Efficiency`: the
 fraction of peak GEMMs sustain, of the datasheet memory bandwidth memory-bound kernels get,
 of the NVLink bandwidth collectives get) are not datasheet facts: they are fitted by
-tests/benchmarks/calibration/fit.py on Narayanan et al. 2021 Table 1 (A100) only and stored
-in calibration.json next to this file (the fit's output, never edited by hand). The other
-GPUs use the A100 fit (no published calibration set of theirs is in the repo).
+tests/benchmarks/calibration/fit.py, per family on its calibration set only, and stored in
+calibration.json next to this file (the fit's output, never edited by hand): the A100 family
+on Narayanan et al. 2021 Table 1, the H100 family (H100 and H200, one GH100 die) on MosaicML's
+published H100 table's 2,048-token rows (calibration/mosaic.py). B200 uses the A100 fit (no
+published calibration set of its own is in the repo).
 
 Sources (vendor datasheets; "per direction" is half the bidirectional figure NVIDIA quotes):
   A100  NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s dense FP16/BF16 tensor,
@@ -117,10 +119,10 @@ PROFILES = {p.name: p for p in (
                   1555 * _GB, 40 * _GB, 300 * _GB, 25 * _GB, family="a100"),
     DeviceProfile("h100", {"bf16": 989 * _TB, "fp16": 989 * _TB, "fp32": 67 * _TB,
                            "fp64": 67 * _TB},
-                  3350 * _GB, 80 * _GB, 450 * _GB, 50 * _GB, family="a100"),
+                  3350 * _GB, 80 * _GB, 450 * _GB, 50 * _GB, family="h100"),
     DeviceProfile("h200", {"bf16": 989 * _TB, "fp16": 989 * _TB, "fp32": 67 * _TB,
                            "fp64": 67 * _TB},
-                  4800 * _GB, 141 * _GB, 450 * _GB, 50 * _GB, family="a100"),
+                  4800 * _GB, 141 * _GB, 450 * _GB, 50 * _GB, family="h100"),
     DeviceProfile("b200", {"bf16": 2250 * _TB, "fp16": 2250 * _TB, "fp32": 75 * _TB,
                            "fp64": 37 * _TB},
                   8000 * _GB, 180 * _GB, 900 * _GB, 50 * _GB, family="a100"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -42,6 +43,14 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
+def _died(processes) -> list[str]:
+    """A line per worker a signal ended (a native crash leaves no traceback: say which rank
+    and which signal, before the others' tracebacks of the broken connection)."""
+    return [f"rank {r} died of {signal.Signals(-p.exitcode).name}"
+            for r, p in enumerate(processes) if p.exitcode is not None and p.exitcode < 0
+            and -p.exitcode in signal.valid_signals() and p.exitcode != -signal.SIGTERM]
+
+
 def spawn(fn, world: int, *args, timeout: float = 120.0) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args),
@@ -54,8 +63,9 @@ def spawn(fn, world: int, *args, timeout: float = 120.0) -> list:
         except Exception:
             errors = [open(os.path.join(out_dir, n)).read()
                       for n in sorted(os.listdir(out_dir)) if n.endswith(".err")]
-            if errors:
-                raise AssertionError("worker failed:\n" + "\n=====\n".join(errors)) from None
+            if errors or _died(ctx.processes):
+                raise AssertionError("worker failed:\n" + "\n".join(_died(ctx.processes))
+                                     + "\n" + "\n=====\n".join(errors)) from None
             raise
         finally:
             for p in ctx.processes:

@@ -48,3 +48,50 @@ def test_check_of_the_1t_plan_is_fast_and_small():
     assert after.ru_maxrss < 1024 * 1024  # KiB on Linux
     assert "step per pp rank (s): compute / exposed comm / bubble / optimizer" in out.stdout
     assert "pp rank  63:" in out.stdout and "predicted MFU 0." in out.stdout
+
+
+# MosaicML's published MPT parameter counts (llm-foundry's benchmarking table, NumParams):
+# (size, sequence length) -> parameters
+MPT_PARAMS = {("70b", 2048): 64862437376, ("30b", 2048): 29975214080,
+              ("13b", 2048): 12853954560, ("7b", 2048): 6658859008, ("3b", 2048): 2651837440,
+              ("1b", 2048): 1315950592, ("760m", 2048): 760470528, ("350m", 2048): 355985408,
+              ("125m", 2048): 125311488, ("1b", 65536): 1445974016, ("7b", 65536): 6918905856,
+              ("125m", 512): 124131840}
+
+
+def test_the_mosaic_rows_model_is_mpt_as_published():
+    """calibration/mosaic.py rebuilds MPT as the example GPT at llm-foundry's sizes: its
+    parameters equal the table's NumParams at every size, and with the sequence length
+    (learned position embeddings), so the FLOPs and bytes the rows are predicted from are
+    the published model's."""
+    import torch
+
+    from pipeplan.examples.models.gpt import GPT
+    from pipeplan.tests.benchmarks.calibration.mosaic import SIZES, VOCAB
+    for (size, seq), published in MPT_PARAMS.items():
+        dim, heads, layers = SIZES[size]
+        with torch.device("meta"):
+            model = GPT(vocab=VOCAB, dim=dim, layers=layers, heads=heads, seq_len=seq)
+        assert sum(p.numel() for p in model.parameters()) == published, (size, seq)
+
+
+@pytest.mark.heavy
+def test_mosaic_rows_held_out_from_the_h100_fit_are_predicted():
+    """The H100 family's constants are fitted on MosaicML's H100 rows at 2,048 tokens only
+    (fit.py --family h100); on the table's other rows (512-65,536 tokens, held out): the
+    median ratio within 5%, at least 90% of the rows within 15%, Spearman >= 0.95. The A100
+    table (held out from both fits; the A100 constants are Table 1's): ranked, Spearman >=
+    0.95."""
+    import statistics
+
+    from pipeplan.tests.benchmarks.calibration import mosaic
+    from pipeplan.tests.benchmarks.calibration.table1 import spearman
+    held = [r for r in mosaic.H100 if r not in mosaic.CALIBRATION]
+    assert len(held) == 32
+    pred = [mosaic.predicted(r, "h100")[0] for r in held]
+    ratios = [q / r[5] for r, q in zip(held, pred)]
+    assert abs(statistics.median(ratios) - 1) <= 0.05
+    assert sum(abs(x - 1) <= 0.15 for x in ratios) >= 0.9 * len(ratios)
+    assert spearman([r[5] for r in held], pred) >= 0.95
+    a100 = [mosaic.predicted(r, "a100")[0] for r in mosaic.A100]
+    assert spearman([r[5] for r in mosaic.A100], a100) >= 0.95
