@@ -291,7 +291,11 @@ def test_the_sharing_probe_sees_an_oversubscribed_machine():
     alone (twice at least on a quiet machine: 2 x cores blocks on the cores; a loaded
     machine slows the one-process baseline too, so the bound is loose) while a block's CPU
     time stays near alone's (the fair share is waiting, not computing); posting a transfer
-    costs host time; and a pair's small all-reduce waits longer with the others busy."""
+    costs host time; and a pair's small all-reduce with the others busy is measured (a
+    wait of the scheduler's order). Not "longer than idle": since the idle latency is taken
+    after 10 ms of idle (measure_link), it includes waking an idle vCPU, which busy
+    processes spare the pair (0.27 ms loaded against 0.39 idle here); the model charges
+    the larger of the two (Sharing.message_latency)."""
     from pipeplan.compiler.estimate.cpu_probe import (measure_link, measure_loaded_latency,
                                                       measure_sharing, ring_slowdown)
     from pipeplan.compiler.estimate.device import cores
@@ -299,7 +303,7 @@ def test_the_sharing_probe_sees_an_oversubscribed_machine():
     cpu, wall, post = ring_slowdown(2 * cores())
     assert wall >= 1.4 and 0.8 < cpu < wall and 1e-6 < post < 1e-2, (cpu, wall, post)
     idle, _, behind, sent = measure_link()
-    assert measure_loaded_latency(2 * cores() + 2) > idle
+    assert 1e-6 < idle < 0.05 and 1e-6 < measure_loaded_latency(2 * cores() + 2) < 0.05
     assert 1e-6 < behind < 1e-2 and 0 <= sent < 1e-2, (behind, sent)  # gloo's threads' CPU
 
 
