@@ -63,9 +63,10 @@ def spawn(fn, world: int, *args, timeout: float = 120.0) -> list:
         except Exception:
             errors = [open(os.path.join(out_dir, n)).read()
                       for n in sorted(os.listdir(out_dir)) if n.endswith(".err")]
-            if errors or _died(ctx.processes):
-                raise AssertionError("worker failed:\n" + "\n".join(_died(ctx.processes))
-                                     + "\n" + "\n=====\n".join(errors)) from None
+            died = _died(ctx.processes)
+            if errors or died:
+                raise AssertionError("worker failed:\n" + "\n".join(died) + "\n"
+                                     + "\n=====\n".join(errors)) from None
             raise
         finally:
             for p in ctx.processes:

@@ -5,7 +5,7 @@ compiler/estimate/calibration.json:
 
 * a100: Narayanan et al. 2021 Table 1 (table1.py), TFLOP/s per GPU;
 * h100: MosaicML's H100 80GB BF16 table (mosaic.py), its rows at 2,048 tokens a sequence
-  only (mosaic.CALIBRATION: 17 rows, 760M-70B on 8-64 GPUs), tokens/s per GPU; its other
+  only (mosaic.CALIBRATION: 20 rows, 760M-70B on 8-64 GPUs), tokens/s per GPU; its other
   rows (512-65,536 tokens) are held out, as is the whole A100 table there.
 
     python tests/benchmarks/calibration/fit.py [--family a100|h100]   # ~1-2 min on 2 cores
