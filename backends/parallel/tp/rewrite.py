@@ -314,8 +314,13 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
             prefix = node.target + "."
             rep = ReplicatedParameter(mesh) if sp else ToDTensor(mesh)
             if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
-                _leaf_hooks(mod, lambda n, t, rep=rep: rep(t) if isinstance(t, nn.Parameter)
-                            else ToDTensor(mesh)(t))
+                # by name, not by type: under a joint trace (compile.mode = graphs) the
+                # module's parameters are the trace's plain tensors, and a plain Replicate
+                # conversion would hand back their gradients all-reduced every microbatch
+                # (then summed again once per step)
+                params_of = {n for n, _ in mod.named_parameters(remove_duplicate=False)}
+                _leaf_hooks(mod, lambda n, t, rep=rep, params_of=params_of: rep(t)
+                            if n in params_of else ToDTensor(mesh)(t))
                 if sp:
                     partial += [prefix + n for n, p in mod.named_parameters(remove_duplicate=False)
                                 if p.requires_grad]
