@@ -51,10 +51,12 @@ def is_attention(node: fx.Node) -> bool:
 def dropped(region: Region, node: fx.Node, flops: float) -> bool:
     """Whether a region's node drops what it saves and reruns in backward: under `full`
     every node, under `selective` those without matmul work (`flops`, forward, counted by
-    torch's FlopCounterMode) and attention. A collective the TP rewrite inserted is never
-    rerun (its output is kept instead: recompute adds no communication)."""
+    torch's FlopCounterMode) and attention. A collective the TP rewrite inserted reruns
+    under `full` only (as Megatron-LM's full recompute: the region keeps its inputs alone,
+    a sequence-parallel layer's input as its shard, and backward communicates again);
+    under `selective` its output is kept (no communication in backward)."""
     if node.meta.get(COLLECTIVE):
-        return False
+        return region.mode == "full"
     return region.mode == "full" or is_attention(node) or flops == 0
 
 

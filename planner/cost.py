@@ -111,7 +111,8 @@ def _content(units: Units, u: Unit) -> int:
     if id(u) not in ids:
         w = u.work
         key = (u.flops, u.recompute_flops, u.ops, u.recompute_ops, u.out_bytes, u.cp_bytes,
-               u.cp_steps, u.ep_roles, u.tp_traffic, u.tp_inner, u.ep_tokens, u.ep_weights,
+               u.cp_steps, u.ep_roles, u.tp_traffic, u.tp_inner, u.tp_rerun, u.tp_rerun_inner,
+               u.ep_tokens, u.ep_weights,
                len(u.params),
                tuple(w.gemms.items()),
                tuple((k, tuple(v)) for k, v in w.memory.items()), w.ops, w.recompute_ops,
@@ -134,7 +135,10 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     wait_f, wait_b = exchange_waits(plan, c.ep, [r for u in run for r in u.ep_roles],
                                     (sum(u.cp_steps[0] for u in run),
                                      sum(u.cp_steps[1] for u in run)), device.ring_step_s)
-    again = tp_f if any(u.recompute_ops or u.recompute_flops for u in run) else 0.0
+    again = tp_passes([call for u, i in zip(run, inner)
+                       for role, nbytes in (u.tp_rerun_inner if i else u.tp_rerun)
+                       for call in _role_collectives(role, nbytes, c.tp, c.sp)],
+                      c.tp, links.tp, device.ring_step_s)[0] if c.tp > 1 else 0.0
     # wrapped tensors: the units' trainable parameters, the values they make (masks) and the
     # stage's input (buffers are not in the units: on the measured CPU the planner's stage
     # is a little cheaper here)

@@ -53,6 +53,7 @@ from ..compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL
 from ..compiler.partition import compute_nodes, first_position, Split
 from ..compiler.stages import build_stages
 from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
+from ..compiler.recompute import recompute_mode
 from ..dsl.errors import PlanError
 from . import forked, repeats
 
@@ -78,6 +79,9 @@ class Unit:
     tp_traffic: tuple  # (role, bytes at the plan's precision) per TP traffic item (traffic.py),
     # the unit first in its stage (its inputs arrive from another stage)
     tp_inner: tuple  # ... the unit after another in the same stage (no stage edge before it)
+    tp_rerun: tuple  # of tp_traffic, the items a `full` recompute rule covers (their forward
+    # collectives run again in B: predict.rerun_collectives)
+    tp_rerun_inner: tuple  # ... of tp_inner
     ep_tokens: int  # experts call rows moved (traffic role "tokens")
     ep_weights: int
     ep_roles: tuple  # the traffic roles of its experts calls, one per item (their all-to-alls)
@@ -153,6 +157,8 @@ def _line(a: Unit, b: Unit, size: int) -> Unit:
         a, **{f: getattr(a, f) + k * (getattr(b, f) - getattr(a, f)) for f in _NUMBERS},
         tp_traffic=_pairs_line(a.tp_traffic, b.tp_traffic, k),
         tp_inner=_pairs_line(a.tp_inner, b.tp_inner, k),
+        tp_rerun=_pairs_line(a.tp_rerun, b.tp_rerun, k),
+        tp_rerun_inner=_pairs_line(a.tp_rerun_inner, b.tp_rerun_inner, k),
         activation_bytes=_pairs_line(a.activation_bytes, b.activation_bytes, k),
         activation_inner=_pairs_line(a.activation_inner, b.activation_inner, k),
         work=_work_line(a.work, b.work, k))
@@ -305,6 +311,8 @@ def _same_shape(t1: list[Unit], t2: list[Unit]) -> bool:
         a.name == b.name and a.params == b.params
         and [r for r, _ in a.tp_traffic] == [r for r, _ in b.tp_traffic]
         and [r for r, _ in a.tp_inner] == [r for r, _ in b.tp_inner]
+        and [r for r, _ in a.tp_rerun] == [r for r, _ in b.tp_rerun]
+        and [r for r, _ in a.tp_rerun_inner] == [r for r, _ in b.tp_rerun_inner]
         and _work_pairs(a.work, b.work) for a, b in zip(t1, t2))
 
 
@@ -402,6 +410,11 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                                          if t.stage == st.index) if tp_on else (),
                         tp_inner=tuple((t.role, int(t.nbytes * fs)) for t in tp_inner
                                        if t.stage == st.index) if tp_on else (),
+                        tp_rerun=tuple((t.role, int(t.nbytes * fs)) for t in tp_traffic
+                                       if t.stage == st.index and full(p, t)) if tp_on else (),
+                        tp_rerun_inner=tuple((t.role, int(t.nbytes * fs)) for t in tp_inner
+                                             if t.stage == st.index and full(p, t))
+                        if tp_on else (),
                         ep_tokens=sum(t.nbytes for t in moe_traffic
                                       if t.stage == st.index and t.role == "tokens"),
                         ep_weights=sum(t.nbytes for t in moe_traffic
@@ -411,6 +424,12 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                         work=works[st.index]))
                 units.tables[(mbs, tp_on, sp, mode, cp)] = table
     return traced
+
+
+def full(plan: Plan, traffic) -> bool:
+    """Does a `full` recompute rule cover the module of this TP traffic item (its forward
+    collectives rerun in B: predict.rerun_collectives)?"""
+    return recompute_mode(plan.recompute, traffic.module)[0] == "full"
 
 
 def _saved_bytes(records: dict, rules, sp: bool, kinds: dict, scale: dict,

@@ -14,8 +14,11 @@ a region a node is *dropped* or *kept*:
   attention core (SDPA) are dropped; matmul nodes (Linear, bmm...) keep what
   they save, and their outputs stay as recompute inputs where needed.
 * The nodes tensor parallelism inserts belong to the module of the node they
-  serve (a region stays whole); its collectives are never dropped (their
-  outputs are kept: a recompute never communicates).
+  serve (a region stays whole). Its collectives are dropped under `full` (the
+  region keeps its inputs alone, a sequence-parallel input as its shard, and
+  the rerun in backward all-gathers and reduces again, on every TP rank at the
+  same unpack: the ranks run one graph) and kept under `selective` (no
+  communication in backward).
 
 The rules are compiler/recompute.py's; compiler/estimate/activations.py
 counts what they keep, and tests compare it with `SavedBytes` byte for byte.

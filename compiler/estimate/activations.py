@@ -188,7 +188,8 @@ def stage_saved_bytes(module: fx.GraphModule, costs: dict, rules: Sequence = (),
 @dataclass(eq=False)
 class _Step:
     """One node of a region as the runtime runs it: a graph node, or a collective the TP
-    rewrite puts around one (kept: its output is a value a rerun starts from)."""
+    rewrite puts around one (kept under `selective`: its output is a value a rerun starts
+    from)."""
 
     inputs: list  # _Step, or an fx.Node outside the region
     value: list  # (storage, bytes) of its output, if one tensor
@@ -201,7 +202,8 @@ def _steps(region: Region, stage: _Stage) -> list:
     """The region's nodes, with the rewrite's collectives: under sequence parallel a column
     layer's input all-gathered (one per value, as Megatron's fused QKV; a no-op on a
     stage input, which arrives whole), a row layer's (and a split embedding's) output
-    summed."""
+    summed. A collective reruns under `full` only (recompute.dropped)."""
+    rerun = region.mode == "full"
     steps, step_of, entered = [], {}, {}
     split = stage.split
     for n in region.nodes:
@@ -213,7 +215,7 @@ def _steps(region: Region, stage: _Stage) -> list:
             if x not in entered:
                 value = stage.value(x) if n not in stage.gathered else \
                     [("gathered:" + k, nb) for k, nb in stage.outs(x)]
-                entered[x] = _Step([step_of.get(x, x)], value)
+                entered[x] = _Step([step_of.get(x, x)], value, dropped=rerun)
                 steps.append(entered[x])
             inputs = [entered[x] if a is x else i for a, i in zip(n.all_input_nodes, inputs)]
         core = _Step(inputs, stage.value(n), list(stage.saves(n)),
@@ -222,7 +224,7 @@ def _steps(region: Region, stage: _Stage) -> list:
         step_of[n] = core
         if role == "summed":
             core.value = [(k + ":partial", nb) for k, nb in stage.outs(n)]
-            step_of[n] = _Step([core], stage.value(n))
+            step_of[n] = _Step([core], stage.value(n), dropped=rerun)
             steps.append(step_of[n])
     return steps
 

@@ -6,7 +6,8 @@ spends its step on (compute / exposed communication / bubble / optimizer).
   (collectives.py), each call latency x ring steps + the bytes its ring sends / the tp
   group's link, exposed (the runtime does not overlap them), each in the pass the
   rewrite places it in (`tp_passes`: a row layer's all-reduce in F, a column layer's
-  input-gradient all-reduce in B), the forward's again in B where the stage recomputes;
+  input-gradient all-reduce in B), the forward's again in B for the layers a `full`
+  recompute rule covers (`rerun_collectives`: their rerun communicates; `selective` does not);
   expert all-to-alls and context-parallel exchanges by bytes / link, half in F and half
   in B, plus a latency per message
   (`exchange_waits`: an all-to-all over n ranks is n - 1 pairwise exchanges, a ring hop
@@ -45,6 +46,7 @@ from ...dsl.ast import Plan
 from ..compiled import StageSpec
 from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
+from ..recompute import recompute_mode
 from .optime import OpTimes, StageWork, host_around, op_times, optimizer_ops, takes_input_grads
 
 
@@ -97,6 +99,19 @@ def tp_passes(calls, tp: int, link: float, latency: float) -> tuple[float, float
         s = collective_s(op, n, tp, link, latency)
         f, b = (f + s, b) if phase == "F" else (f, b + s)
     return f, b
+
+
+def rerun_collectives(plan: Plan, tp_traffic, stage: int, float_scale: float, link: float,
+                      device: DeviceModel) -> float:
+    """Seconds a stage's B spends again in the forward's TP collectives: those of the layers
+    a `full` recompute rule covers, which the rerun communicates again
+    (compiler/recompute.dropped; `selective` keeps their outputs)."""
+    full = [t for t in tp_traffic if t.stage == stage
+            and recompute_mode(plan.recompute, t.module)[0] == "full"]
+    if not full or plan.mesh.tp <= 1:
+        return 0.0
+    calls = _tp_microbatch(plan, full, {stage}, float_scale)
+    return tp_passes(calls, plan.mesh.tp, link, device.ring_step_s)[0]
 
 
 def waiting_of(calls, tp: int, tp_s: tuple[float, float], exchange_s: tuple[float, float],
@@ -161,7 +176,7 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
         wait_f, wait_b = exchange_waits(
             plan, plan.mesh.ep, [x.role for x in moe_traffic if x.stage == st.index],
             st.cp_steps, device.ring_step_s)
-        again = tp_f if st.recompute_ops or st.recompute_flops else 0.0
+        again = rerun_collectives(plan, tp_traffic, st.index, float_scale, links.tp, device)
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
         host_f, host_b = host_around(plan, device.hardware, wrapped(st), passes(calls), sum(
             1 for x in moe_traffic if x.stage == st.index and x.role == "tokens"), plan.mesh.ep)

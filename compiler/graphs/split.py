@@ -18,9 +18,10 @@ recomputed where it is read, so nothing that aliases a parameter is held from
 F to W and only activations are saved. Random ops are never recomputed.
 Recompute rules (`recompute`): F nodes inside a matched module region (tagged
 with the region's mode when traced, joint.py) are not saved either -- under
-`full` every one, under `selective` those without matmul work (no entry in
-torch's FLOP counter) and attention, so matmul outputs stay saved; functional
-collectives and random ops are never rerun. B recomputes the ones it or W reads
+`full` every one (functional collectives too: backward communicates again),
+under `selective` those without matmul work (no entry in torch's FLOP counter)
+and attention, so matmul outputs stay saved, and no collective; random ops are
+never rerun. B recomputes the ones it or W reads
 from the region's inputs (which are saved), and hands W what W reads of them.
 
 Each graph is an `fx.GraphModule` with flat positional inputs and outputs,
@@ -142,8 +143,9 @@ def _attention_ops() -> set:
 def dropped(node: fx.Node) -> bool:
     """Whether a forward node of the joint graph is rerun in the backward rather than saved:
     in a recompute region (its tag), under `full` always, under `selective` unless it is
-    matmul work (an op torch's FLOP counter counts) other than attention; never a
-    functional collective (recompute adds no communication)."""
+    matmul work (an op torch's FLOP counter counts) other than attention; a functional
+    collective under `full` only (compiler/recompute.dropped's rule: backward communicates
+    again), never under `selective`."""
     from torch.utils.flop_counter import flop_registry
 
     mode = (node.meta.get("custom") or {}).get(RECOMPUTE_TAG)
@@ -151,7 +153,7 @@ def dropped(node: fx.Node) -> bool:
         return False
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and packet._qualified_op_name.startswith("_c10d_functional"):
-        return False
+        return mode == "full"
     return mode == "full" or packet in _attention_ops() or packet not in flop_registry
 
 

@@ -34,7 +34,7 @@ def parallel_plan(name: str):
         return dataclasses.replace(plan, mesh=MeshSpec(pp=1, dp=2, tp=2), tensor=TENSOR, zero=1)
     if name.startswith("tp2"):
         plan = make_plan("gpt", "1f1b", 2, 1)
-        tensor = dataclasses.replace(TENSOR, sequence_parallel=name.endswith("-sp"))
+        tensor = dataclasses.replace(TENSOR, sequence_parallel="-sp" in name)
         return dataclasses.replace(plan, mesh=MeshSpec(pp=2, tp=2), tensor=tensor)
     if name.startswith("zero"):
         stage, _, kind = name.partition("-")
@@ -48,8 +48,10 @@ def parallel_plan(name: str):
 CONFIGS = ("tp2", "tp2-sp", "zero1", "zero2", "zero3", "zero3-zbv", "zero1-tp2",
            "ep2-1f1b", "ep2-zbv")
 ADAM_ON = {"zero2": (ADAMW,), "ep2-zbv": (ADAMW,)}
-# activation recompute inside the rewritten stages (TP collectives kept, not rerun; EP's rerun)
-RECOMPUTE = {"tp2": "full", "tp2-sp": "selective", "zero3-zbv": "full", "ep2-zbv": "full"}
+# activation recompute inside the rewritten stages (TP collectives rerun under full, kept
+# under selective; EP's rerun)
+RECOMPUTE = {"tp2": "full", "tp2-sp": "selective", "tp2-sp-full": "full", "zero3-zbv": "full",
+             "ep2-zbv": "full"}
 
 
 def recompute_plan(name: str):

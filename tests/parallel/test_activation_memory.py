@@ -219,8 +219,8 @@ def test_a_megatron_layer_reproduces_korthikanti_2022():
     * LayerNorm keeps float32 mean and rstd per token: + 2 * 8sb;
     * under SP the runtime saves a column layer's all-gathered input, whole (Megatron
       saves its shard and gathers again in backward): + 2 * 2sbh (1 - 1/t);
-    * recompute never reruns a collective: under TP the two row outputs stay (+ 2 * 2sbh,
-      sequence shards under SP), under SP also the two all-gathered column inputs.
+    * full recompute reruns the region's collectives (as Megatron-LM's), so it keeps the
+      layer's input alone, as the paper's 2sbh (under SP its sequence shard, 2sbh/t).
     """
     s, b, h, a, t = 16, 2, 32, 4, 2
     sbh, attention = s * b * h, a * s * s * b
@@ -234,5 +234,5 @@ def test_a_megatron_layer_reproduces_korthikanti_2022():
     assert _per_layer(t) == sbh * (10 + 24 / t + 5 * a * s / (h * t)) + extras(t, False)
     assert _per_layer(t, sp=True) == sbh * (34 / t + 5 * a * s / (h * t)) + extras(t, True)
     assert _per_layer(1, mode="full") == 2 * sbh
-    assert _per_layer(t, mode="full") == 2 * sbh + 2 * 2 * sbh
-    assert _per_layer(t, sp=True, mode="full") == 2 * sbh / t + 2 * 2 * sbh / t + 2 * 2 * sbh
+    assert _per_layer(t, mode="full") == 2 * sbh
+    assert _per_layer(t, sp=True, mode="full") == 2 * sbh / t

@@ -52,7 +52,8 @@ def _measure(plan, compiled, topo) -> list[int]:
     for spec in compiled.stages:
         module = copy.deepcopy(spec.module)
         rewrite_stages(plan, topo, {spec.index: module}, compiled.experts, compiled.tp_rewrites)
-        runner = GraphStageRunner(spec, module, spec.index == len(compiled.stages) - 1, 1.0)
+        runner = GraphStageRunner(spec, module, spec.index == len(compiled.stages) - 1, 1.0,
+                                  recompute=plan.recompute)  # as the trainer makes it
         runner.measure_saved()
         inputs = [batch.field(r.name).clone() if r.source == BATCH else values[r.name]
                   for r in spec.inputs]
@@ -92,6 +93,9 @@ def test_cp_tp_and_ep_compiled_stages_keep_what_check_estimates(run_workers):
     cases = [_case("gpt tp2", "hybrid_pp2_dp2_tp2.plan", GPT),
              _case("gpt tp2 sp", "hybrid_pp2_dp2_tp2.plan",
                    GPT + ["tensor.sequence_parallel=true"]),
+             # full recompute reruns the collectives: B all-gathers the shards again
+             _case("gpt tp2 sp full", "hybrid_pp2_dp2_tp2.plan",
+                   GPT + ["tensor.sequence_parallel=true", "recompute.layers.*=full"]),
              _case("moe dp2 ep2", "moe_pp2_ep2_zbv.plan", MOE),
              _case("gpt cp2 ring", "gpt_pp4_1f1b.plan", CP + ["context.method=ring"]),
              _case("gpt cp2 ulysses", "gpt_pp4_1f1b.plan", CP + ["context.method=ulysses"])]
