@@ -1,4 +1,4 @@
-"""The time model against published runs (heavy: minutes on 2 cores; run with -m heavy).
+"""The time model against published runs (the long ones heavy: minutes on 2 cores; -m heavy).
 
 * Narayanan et al. 2021 Table 1 (calibration/table1.py), with the stored fit
   (compiler/estimate/calibration.json): every row within 10% of its published TFLOP/s per
@@ -95,3 +95,22 @@ def test_mosaic_rows_held_out_from_the_h100_fit_are_predicted():
     assert spearman([r[5] for r in held], pred) >= 0.95
     a100 = [mosaic.predicted(r, "a100")[0] for r in mosaic.A100]
     assert spearman([r[5] for r in mosaic.A100], a100) >= 0.95
+
+
+def test_the_llama3_rows_model_has_405b_parameters():
+    """calibration/llama3.py's model (tests/compiler/models.py's Llama at Llama 3 405B's
+    shape, untied embeddings) holds 405.8B parameters, the paper's "405B" (Dubey et al.
+    2024, Table 3's shape), and its plans keep Table 4's axes (tp x cp x pp x dp = GPUs;
+    16M tokens a batch)."""
+    import torch
+
+    from pipeplan.tests.benchmarks.calibration.llama3 import ROWS, SHAPE, TOKENS, plan_of
+    from pipeplan.tests.compiler.models import Llama
+    with torch.device("meta"):
+        model = Llama(**SHAPE)
+    assert 405e9 < sum(p.numel() for p in model.parameters()) < 406e9
+    for row in ROWS:
+        plan = plan_of(row, 2, "none")
+        m = plan.mesh
+        assert m.tp * m.cp * m.pp * m.dp == row[0] and (m.tp, m.cp, m.pp) == row[1:4]
+        assert plan.train.global_batch * row[4] == TOKENS
