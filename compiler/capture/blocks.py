@@ -64,7 +64,7 @@ def _outermost_containers(model: torch.nn.Module) -> list[str]:
 
 # node.meta keys a runtime rewrite sets on the nodes it inserts (backends' parallel/tp):
 TRACED_IN = "pipeplan_traced_in"  # the module path of the node it serves (module_path)
-COLLECTIVE = "pipeplan_collective"  # it communicates: a recompute never reruns it
+COLLECTIVE = "pipeplan_collective"  # it communicates: only `full` recompute reruns it
 ATTENTION = "pipeplan_attention"  # it is the model's attention op, on local heads
 
 
