@@ -135,10 +135,10 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     wait_f, wait_b = exchange_waits(plan, c.ep, [r for u in run for r in u.ep_roles],
                                     (sum(u.cp_steps[0] for u in run),
                                      sum(u.cp_steps[1] for u in run)), device.ring_step_s)
-    again = tp_passes([call for u, i in zip(run, inner)
-                       for role, nbytes in (u.tp_rerun_inner if i else u.tp_rerun)
-                       for call in _role_collectives(role, nbytes, c.tp, c.sp)],
-                      c.tp, links.tp, device.ring_step_s)[0] if c.tp > 1 else 0.0
+    rerun = [call for u, i in zip(run, inner)
+             for role, nbytes in (u.tp_rerun_inner if i else u.tp_rerun)
+             for call in _role_collectives(role, nbytes, c.tp, c.sp)] if c.tp > 1 else []
+    again = tp_passes(rerun, c.tp, links.tp, device.ring_step_s)[0]
     # wrapped tensors: the units' trainable parameters, the values they make (masks) and the
     # stage's input (buffers are not in the units: on the measured CPU the planner's stage
     # is a little cheaper here)
@@ -148,7 +148,8 @@ def _stage_times_of(c: Candidate, plan, device: DeviceModel, links, run: list[Un
     row, waiting = in_w_without_input_grads(
         run[0].work.input_grads,
         (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b
-         + host_b, t.w), waiting_of(calls, c.tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
+         + host_b, t.w), waiting_of(calls, c.tp, (tp_f, tp_b), (wait_f, wait_b), again, device,
+                                    rerun))
     return t, row, waiting
 
 

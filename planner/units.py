@@ -51,9 +51,9 @@ from ..compiler.parallel.ep_checks import check_experts
 from ..compiler.parallel.tp import check_pairing, tp_annotations
 from ..compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL
 from ..compiler.partition import compute_nodes, first_position, Split
+from ..compiler.recompute import recompute_mode
 from ..compiler.stages import build_stages
 from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
-from ..compiler.recompute import recompute_mode
 from ..dsl.errors import PlanError
 from . import forked, repeats
 
@@ -80,7 +80,7 @@ class Unit:
     # the unit first in its stage (its inputs arrive from another stage)
     tp_inner: tuple  # ... the unit after another in the same stage (no stage edge before it)
     tp_rerun: tuple  # of tp_traffic, the items a `full` recompute rule covers (their forward
-    # collectives run again in B: predict.rerun_collectives)
+    # collectives run again in B: predict.rerun_calls)
     tp_rerun_inner: tuple  # ... of tp_inner
     ep_tokens: int  # experts call rows moved (traffic role "tokens")
     ep_weights: int
@@ -428,7 +428,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
 
 def full(plan: Plan, traffic) -> bool:
     """Does a `full` recompute rule cover the module of this TP traffic item (its forward
-    collectives rerun in B: predict.rerun_collectives)?"""
+    collectives rerun in B: predict.rerun_calls)?"""
     return recompute_mode(plan.recompute, traffic.module)[0] == "full"
 
 

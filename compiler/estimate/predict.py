@@ -7,7 +7,7 @@ spends its step on (compute / exposed communication / bubble / optimizer).
   group's link, exposed (the runtime does not overlap them), each in the pass the
   rewrite places it in (`tp_passes`: a row layer's all-reduce in F, a column layer's
   input-gradient all-reduce in B), the forward's again in B for the layers a `full`
-  recompute rule covers (`rerun_collectives`: their rerun communicates; `selective` does not);
+  recompute rule covers (`rerun_calls`: their rerun communicates; `selective` does not);
   expert all-to-alls and context-parallel exchanges by bytes / link, half in F and half
   in B, plus a latency per message
   (`exchange_waits`: an all-to-all over n ranks is n - 1 pairwise exchanges, a ring hop
@@ -44,9 +44,9 @@ from typing import Optional
 
 from ...dsl.ast import Plan
 from ..compiled import StageSpec
+from ..recompute import recompute_mode
 from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
-from ..recompute import recompute_mode
 from .optime import OpTimes, StageWork, host_around, op_times, optimizer_ops, takes_input_grads
 
 
@@ -101,34 +101,32 @@ def tp_passes(calls, tp: int, link: float, latency: float) -> tuple[float, float
     return f, b
 
 
-def rerun_collectives(plan: Plan, tp_traffic, stage: int, float_scale: float, link: float,
-                      device: DeviceModel) -> float:
-    """Seconds a stage's B spends again in the forward's TP collectives: those of the layers
-    a `full` recompute rule covers, which the rerun communicates again
+def rerun_calls(plan: Plan, tp_traffic, stage: int, float_scale: float) -> list:
+    """The TP calls (tp_passes' form) of a stage's layers a `full` recompute rule covers:
+    their forward ("F") collectives run again in B, as the rerun communicates
     (compiler/recompute.dropped; `selective` keeps their outputs)."""
     full = [t for t in tp_traffic if t.stage == stage
             and recompute_mode(plan.recompute, t.module)[0] == "full"]
-    if not full or plan.mesh.tp <= 1:
-        return 0.0
-    calls = _tp_microbatch(plan, full, {stage}, float_scale)
-    return tp_passes(calls, plan.mesh.tp, link, device.ring_step_s)[0]
+    return _tp_microbatch(plan, full, {stage}, float_scale) if full and plan.mesh.tp > 1 \
+        else []
 
 
 def waiting_of(calls, tp: int, tp_s: tuple[float, float], exchange_s: tuple[float, float],
-               again: float, device: DeviceModel) -> tuple[float, float, float]:
+               again: float, device: DeviceModel, again_calls=()) -> tuple[float, float, float]:
     """Costs.waiting of a stage: of the seconds its F and B spend in collectives (`tp_s`:
     its TP calls', `calls` in tp_passes' form; `exchange_s`: EP's and CP's message
-    latencies; `again`: the forward's TP collectives recomputed in B), those its rank
-    leaves the cores to others: less what gloo's own threads compute meanwhile, per ring
-    step (the measured CPU's collective_cpu_s; 0 on an accelerator)."""
+    latencies; `again`: the forward's TP collectives a full recompute reruns in B, those
+    of `again_calls`), those its rank leaves the cores to others: less what gloo's own
+    threads compute meanwhile, per ring step (the measured CPU's collective_cpu_s; 0 on an
+    accelerator)."""
     f_steps = sum(ring_steps(op, tp) for op, _, phase in calls if phase == "F")
     b_steps = sum(ring_steps(op, tp) for op, _, phase in calls) - f_steps
+    b_steps += sum(ring_steps(op, tp) for op, _, phase in again_calls if phase == "F")
     step = device.ring_step_s
     exchanges = (exchange_s[0] / step, exchange_s[1] / step) if step > 0 else (0.0, 0.0)
     behind = device.hardware.collective_cpu_s if device.hardware else 0.0
     f = tp_s[0] + exchange_s[0] - (f_steps + exchanges[0]) * behind
-    b = tp_s[1] + again + exchange_s[1] - (b_steps + (f_steps if again else 0)
-                                           + exchanges[1]) * behind
+    b = tp_s[1] + again + exchange_s[1] - (b_steps + exchanges[1]) * behind
     return max(0.0, f), max(0.0, b), 0.0
 
 
@@ -176,7 +174,8 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
         wait_f, wait_b = exchange_waits(
             plan, plan.mesh.ep, [x.role for x in moe_traffic if x.stage == st.index],
             st.cp_steps, device.ring_step_s)
-        again = rerun_collectives(plan, tp_traffic, st.index, float_scale, links.tp, device)
+        rerun = rerun_calls(plan, tp_traffic, st.index, float_scale)
+        again = tp_passes(rerun, tp, links.tp, device.ring_step_s)[0]
         post = _posts(st.index, len(stages)) * (device.hardware.post_s if device.hardware else 0.0)
         host_f, host_b = host_around(plan, device.hardware, wrapped(st), passes(calls), sum(
             1 for x in moe_traffic if x.stage == st.index and x.role == "tokens"), plan.mesh.ep)
@@ -185,7 +184,7 @@ def action_costs(plan: Plan, stages: list[StageSpec], ops: list[OpTimes], tp_tra
             grads,
             (t.f + tp_f + other / 2 + wait_f + host_f, t.b + tp_b + other / 2 + again + wait_b
              + host_b, t.w),
-            waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device))
+            waiting_of(calls, tp, (tp_f, tp_b), (wait_f, wait_b), again, device, rerun))
         row, t = resumed(device, grads, (row[0] + post, row[1] + post, row[2]), t)
         table.append(row)
         resumed_ops.append(t)

@@ -349,8 +349,14 @@ def test_ranks_sharing_the_cores_take_no_less_than_their_cpu_seconds_over_the_co
     device = dataclasses.replace(shared, latency_s=0.5, hardware=dataclasses.replace(
         hw, collective_cpu_s=0.2))
     calls = [("allreduce", 8, "F"), ("allreduce", 8, "B")]
-    assert waiting_of(calls, 2, (1.5, 0.3), (1.0, 0.0), 0.2, device) == pytest.approx(
-        (2.5 - 4 * 0.2, 0.0, 0.0))
+    assert waiting_of(calls, 2, (1.5, 0.3), (1.0, 0.0), 0.2, device, calls[:1]) == \
+        pytest.approx((2.5 - 4 * 0.2, 0.0, 0.0))
+    # B of 0.6 s: its own all-reduce's 2 steps off; a full recompute's rerun of the F
+    # all-reduce (0.3 s, `again_calls`) adds its seconds and its 2 steps
+    assert waiting_of(calls, 2, (1.5, 0.6), (1.0, 0.0), 0.0, device) == pytest.approx(
+        (1.7, 0.6 - 2 * 0.2, 0.0))
+    assert waiting_of(calls, 2, (1.5, 0.6), (1.0, 0.0), 0.3, device, calls[:1]) == \
+        pytest.approx((1.7, 0.9 - 4 * 0.2, 0.0))
 
 
 def test_shared_speeds_settle_to_the_busy_count_of_their_own_timeline(monkeypatch):

@@ -32,7 +32,6 @@ not modelled; the published figure counts attention as Meta counts it (not state
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
