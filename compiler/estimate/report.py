@@ -102,7 +102,8 @@ def _estimates(c: CompiledPlan) -> str:
             + f" | {x.flops / 1e12:.4g} | "
             + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied", "cp"))
             + " |")
-    rows += ["", f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
+    rows += ["", *(f"- {line}" for line in capacity_lines(e, per_pp)),
+             f"- predicted bubble (whole iteration, idle/total): **{e.bubble:.3f}**",
              f"- predicted step time: **{e.step_time_s:.4g} s** (one simulated timeline: "
              "per-op times on the device, exposed collectives, the DP reduction's tail, "
              "the optimizer; docs/compiler.md)",
@@ -115,6 +116,29 @@ def _estimates(c: CompiledPlan) -> str:
              "- accounting: see docs/compiler.md (bytes per element by precision and ZeRO stage; "
              "activations held from F to W/BW under this schedule)", ""]
     return "\n".join(rows)
+
+
+def capacity_lines(e, rows: list) -> list[str]:
+    """Whether each pipeline rank's estimate (`rows`: one RankEstimate per pp rank) fits the
+    named accelerator's memory (its profile's capacity; none on the measured CPU, whose
+    ranks share the host's memory: `pipeplan run` checks that at launch)."""
+    hw = (e.device_model or {}).get("hardware") or {}
+    cap = hw.get("memory_bytes") or 0.0
+    if cap <= 0 or not rows:
+        return []
+    worst = max(range(len(rows)), key=lambda r: _total(rows[r]))
+    need = _total(rows[worst])
+    over = [r for r, x in enumerate(rows) if _total(x) > cap]
+    what = (f"the {hw.get('name') or 'device'}'s {cap / 1e9:g} GB "
+            f"({cap / 2**30:.1f} GiB; the estimate counts parameters, gradients, optimizer "
+            "states and activations, not the allocator's or kernels' workspace)")
+    if not over:
+        return [f"memory: fits {what}: the largest, pp rank {worst}, {need / 2**30:.2f} GiB "
+                f"({need / cap:.0%})"]
+    return [f"memory: DOES NOT FIT {what} on {len(over)} of {len(rows)} pp ranks: pp rank "
+            f"{worst} needs {need / 2**30:.2f} GiB ({need / cap:.1f}x); recompute, more "
+            "pipeline or tensor ranks, ZeRO or a smaller micro-batch lower it (`pipeplan "
+            "plan` searches them under the capacity)"]
 
 
 def breakdown_lines(p) -> list[str]:
@@ -257,6 +281,7 @@ def render_summary(compiled: CompiledPlan) -> str:
         parts = (x.param_bytes, x.grad_bytes, x.optimizer_bytes, x.activation_bytes)
         lines.append(f"{r:>7} " + " ".join(f"{v / size:>7.2f}" for v in parts)
                      + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
+    lines += capacity_lines(e, rows)
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
                  f"{e.step_time_s:.4g} s")
     lines += breakdown_lines(e.prediction)

@@ -571,3 +571,29 @@ def test_the_dispatcher_probe_times_the_runtimes_call_less_the_experts_own(monke
     slow = cpu_probe._dispatch_cost(costly, one, None, cpu_probe.DISPATCH_CAPACITY)
     assert 0 < cheap[0] < 0.02 and 0 < cheap[1] < 0.02
     assert slow[0] < cheap[0] + 0.01
+
+
+def test_check_says_whether_each_rank_fits_the_named_devices_memory():
+    """On a named accelerator `pipeplan check` (render_summary) and report.md say whether the
+    largest pipeline rank's estimate fits the profile's capacity: Llama 3 405B's published
+    layout on H100s (calibration/llama3.py) does not without recompute in pipeplan's runtime
+    (363 GiB a rank) and does with full recompute (38 GiB); the measured CPU has no line."""
+    from pathlib import Path
+
+    from pipeplan.compiler import render_summary
+    from pipeplan.compiler.estimate.report import render_report
+    from pipeplan.dsl.load import load_plan
+    from pipeplan.tests.benchmarks.calibration.llama3 import ROWS, plan_of
+    lines = {}
+    for rc in ("none", "full"):
+        c = compile_plan(plan_of(ROWS[0], 1, rc))
+        need = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
+                   for r in c.estimates.ranks)
+        lines[rc] = [x for x in render_summary(c).splitlines() if x.startswith("memory:")]
+        assert len(lines[rc]) == 1 and f"{need / 2**30:.2f} GiB" in lines[rc][0]
+        assert f"- {lines[rc][0]}" in render_report(c)
+    assert "DOES NOT FIT the h100's 80 GB" in lines["none"][0]
+    assert lines["full"][0].startswith("memory: fits the h100's 80 GB")
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    cpu = compile_plan(load_plan(str(examples / "gpt_pp4_1f1b.plan")))
+    assert "memory:" not in render_summary(cpu)
