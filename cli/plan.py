@@ -177,8 +177,7 @@ def _verify(path: str, predicted, gpus: int) -> str:
     from ..dsl.load import load_plan
     plan = load_plan(path, world_size=gpus)
     est = compile_checked(plan).estimates
-    peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
-               for r in est.ranks)
+    peak = est.peak_bytes
     return (f"checked {path}: the compiler estimates step {est.step_time_s:.6g} s, peak "
             f"{peak / 2**30:.3f} GiB (planner: {predicted.step_time_s:.6g} s, "
             f"{predicted.peak_bytes / 2**30:.3f} GiB)\n")

@@ -42,8 +42,7 @@ def plan_rows(compiled) -> dict[str, str]:
     if est is not None:
         rows["predicted bubble"] = f"{est.bubble:.3f}"
         for r in est.ranks:
-            total = r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
-            rows[f"rank {r.rank} estimate"] = (f"{total / MIB:.2f} MiB, "
+            rows[f"rank {r.rank} estimate"] = (f"{r.total_bytes / MIB:.2f} MiB, "
                                                f"{r.flops / 1e9:.3f} GFLOP/step")
     return rows
 

@@ -107,6 +107,12 @@ class RankEstimate:
     # How many calls of each tp / ep collective per step (the same keys' calls).
     collective_calls: dict = field(default_factory=dict)
 
+    @property
+    def total_bytes(self) -> int:
+        """What the rank holds at its peak: parameters, gradients, optimizer states and the
+        activations the schedule keeps."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
 
 @dataclass
 class Estimates:
@@ -123,6 +129,11 @@ class Estimates:
     # estimate/predict.py: the step per pipeline rank (compute / exposed comm / bubble /
     # optimizer), predicted MFU and TFLOP/s per GPU (None when a cost file times the plan)
     prediction: Any = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most any rank holds (RankEstimate.total_bytes)."""
+        return max(r.total_bytes for r in self.ranks)
     timing: Any = field(default=None, repr=False)  # predict.Timing: re-time on any device
     # per pipeline rank, (stage, bytes, holders) of each tied gradient it sums with the other
     # pipeline ranks holding it (estimates.tied_sums)

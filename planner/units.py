@@ -383,6 +383,13 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                 attach_context_costs(p, cp_stages, split, graph, nodes, run, tp_heads)
                 table = []
 
+                def items(traffic, stage: int, rerun: bool = False, p=p) -> tuple:
+                    """(role, bytes at the precision) of a stage's TP traffic items (those a
+                    `full` rule covers: `rerun`)."""
+                    return tuple((t.role, int(t.nbytes * fs)) for t in traffic
+                                 if t.stage == stage and (not rerun or under_full_recompute(p, t))
+                                 ) if tp_on else ()
+
                 saved = _saved_bytes(records, p.recompute, sp, kinds, scale, forms)
                 alone = [tuple((t, saved(st.module, st.index, t)) for t in tps)
                          for st in stages]
@@ -406,15 +413,10 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
                                       for o in st.outputs),
                         cp_bytes=cp_stages[st.index].cp_bytes,
                         cp_steps=cp_stages[st.index].cp_steps,
-                        tp_traffic=tuple((t.role, int(t.nbytes * fs)) for t in tp_traffic
-                                         if t.stage == st.index) if tp_on else (),
-                        tp_inner=tuple((t.role, int(t.nbytes * fs)) for t in tp_inner
-                                       if t.stage == st.index) if tp_on else (),
-                        tp_rerun=tuple((t.role, int(t.nbytes * fs)) for t in tp_traffic
-                                       if t.stage == st.index and full(p, t)) if tp_on else (),
-                        tp_rerun_inner=tuple((t.role, int(t.nbytes * fs)) for t in tp_inner
-                                             if t.stage == st.index and full(p, t))
-                        if tp_on else (),
+                        tp_traffic=items(tp_traffic, st.index),
+                        tp_inner=items(tp_inner, st.index),
+                        tp_rerun=items(tp_traffic, st.index, rerun=True),
+                        tp_rerun_inner=items(tp_inner, st.index, rerun=True),
                         ep_tokens=sum(t.nbytes for t in moe_traffic
                                       if t.stage == st.index and t.role == "tokens"),
                         ep_weights=sum(t.nbytes for t in moe_traffic
@@ -426,7 +428,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
     return traced
 
 
-def full(plan: Plan, traffic) -> bool:
+def under_full_recompute(plan: Plan, traffic) -> bool:
     """Does a `full` recompute rule cover the module of this TP traffic item (its forward
     collectives rerun in B: predict.rerun_calls)?"""
     return recompute_mode(plan.recompute, traffic.module)[0] == "full"

@@ -86,7 +86,7 @@ def _estimates(c: CompiledPlan) -> str:
         return ""
     m = c.plan.mesh
     per_pp = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
-    unit, size = _unit(max(_total(x) for x in per_pp))
+    unit, size = _unit(max(x.total_bytes for x in per_pp))
     cunit, csize = _unit(max(max(x.comm_bytes.values(), default=0) for x in per_pp))
     rows = ["## Estimates per rank (one step)", "",
             "Ranks of one pipeline rank (its dp × tp replicas) are alike; one row each.", "",
@@ -98,7 +98,7 @@ def _estimates(c: CompiledPlan) -> str:
         cb = x.comm_bytes
         rows.append(f"| {r} | " + " | ".join(
             f"{v / size:.3f}" for v in (x.param_bytes, x.grad_bytes, x.optimizer_bytes,
-                                         x.activation_bytes, _total(x)))
+                                         x.activation_bytes, x.total_bytes))
             + f" | {x.flops / 1e12:.4g} | "
             + " | ".join(f"{cb.get(k, 0) / csize:.2f}" for k in ("p2p", "dp", "tp", "ep", "tied", "cp"))
             + " |")
@@ -126,9 +126,9 @@ def capacity_lines(e, rows: list) -> list[str]:
     cap = hw.get("memory_bytes") or 0.0
     if cap <= 0 or not rows:
         return []
-    worst = max(range(len(rows)), key=lambda r: _total(rows[r]))
-    need = _total(rows[worst])
-    over = [r for r, x in enumerate(rows) if _total(x) > cap]
+    worst = max(range(len(rows)), key=lambda r: rows[r].total_bytes)
+    need = rows[worst].total_bytes
+    over = [r for r, x in enumerate(rows) if x.total_bytes > cap]
     what = (f"the {hw.get('name') or 'device'}'s {cap / 1e9:g} GB "
             f"({cap / 2**30:.1f} GiB; the estimate counts parameters, gradients, optimizer "
             "states and activations, not the allocator's or kernels' workspace)")
@@ -244,10 +244,6 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _total(x) -> int:
-    return x.param_bytes + x.grad_bytes + x.optimizer_bytes + x.activation_bytes
-
-
 def _unit(largest: float) -> tuple[str, int]:
     """GiB for big numbers, MiB otherwise, so a table reads without a column of zeros."""
     return ("GiB", GiB) if largest >= GiB else ("MiB", MiB)
@@ -275,12 +271,12 @@ def render_summary(compiled: CompiledPlan) -> str:
     if e is None:
         return "\n".join(lines) + "\n"
     rows = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]
-    unit, size = _unit(max(_total(x) for x in rows))
+    unit, size = _unit(max(x.total_bytes for x in rows))
     lines.append(f"pp rank   params   grads   optim   activ   total {unit}   TFLOP/step")
     for r, x in enumerate(rows):
         parts = (x.param_bytes, x.grad_bytes, x.optimizer_bytes, x.activation_bytes)
         lines.append(f"{r:>7} " + " ".join(f"{v / size:>7.2f}" for v in parts)
-                     + f" {_total(x) / size:>11.2f} {x.flops / 1e12:>12.4g}")
+                     + f" {x.total_bytes / size:>11.2f} {x.flops / 1e12:>12.4g}")
     lines += capacity_lines(e, rows)
     lines.append(f"predicted bubble {e.bubble:.3f} (whole iteration, idle/total), step "
                  f"{e.step_time_s:.4g} s")

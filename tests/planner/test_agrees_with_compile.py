@@ -72,8 +72,7 @@ def setup(tmp_path_factory):
 
 
 def _peak(est) -> int:
-    return max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
-               for r in est.ranks)
+    return est.peak_bytes
 
 
 @pytest.mark.parametrize("cand", CANDIDATES, ids=lambda c: c.label().replace(" ", "-"))

@@ -56,8 +56,7 @@ def units(plan):
 
 
 def _peak(est) -> int:
-    return max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
-               for r in est.ranks)
+    return est.peak_bytes
 
 
 def _reference(plan, layouts):

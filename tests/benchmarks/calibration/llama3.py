@@ -77,9 +77,7 @@ def predicted(row, virtual: int, recompute: str):
     compiled = compile_plan(plan_of(row, virtual, recompute))
     took = time.perf_counter() - start
     p = compiled.estimates.timing.time_on(device_model(compiled.plan))
-    peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
-               for r in compiled.estimates.ranks)
-    return p.mfu * p.peak / 1e12, p.mfu, peak, took
+    return p.mfu * p.peak / 1e12, p.mfu, compiled.estimates.peak_bytes, took
 
 
 def main(argv=None) -> int:

@@ -222,9 +222,7 @@ def predicted(row, gpu: str):
     compiled = compiled_row(row, gpu)
     took = time.perf_counter() - start
     p = compiled.estimates.timing.time_on(device_model(compiled.plan))
-    peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes
-               for r in compiled.estimates.ranks)
-    return tokens_per_gpu(row)(p), p.mfu, peak, took
+    return tokens_per_gpu(row)(p), p.mfu, compiled.estimates.peak_bytes, took
 
 
 def summary(label: str, pub: list, pred: list) -> str:
