@@ -106,7 +106,8 @@ class GraphStageRunner(StageRunner):
         g = self.graphs_for(inputs)
         first = g.first_input
         values = {("p", first + i): x for i, x in enumerate(inputs)}
-        produced = self._call(g.F, values)
+        with self.draws(mb):  # (traced above without them: the graph holds no generator)
+            produced = self._call(g.F, values)
         j = g.joint
         outputs = tuple(inputs[j.passthrough[k]] if k in j.passthrough
                         else produced[("o", j.outputs.index(k))]

@@ -16,9 +16,10 @@ other) W walks the retained graph again from the outputs instead: exact, only
 slower. Weight gradients go into `.grad` the way autograd accumulates them
 (the first taken, later ones added in place), without a copy.
 
-The forward runs under the plan's autocast (bf16) when given, and through a
-`StageProgram` when recompute rules match some of the stage's modules
-(recompute.py): B keeps what it recomputed for W, W and BW consume it.
+The forward runs under the plan's autocast (bf16) when given, with its random
+draws keyed by microbatch (draws.py), and through a `StageProgram` when
+recompute rules match some of the stage's modules (recompute.py): B keeps what
+it recomputed for W, W and BW consume it.
 """
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ class StageRunner:
         self.last_loss: Optional[torch.Tensor] = None  # the last F's unscaled loss (last stage)
         self.last_grad_norm: Optional[torch.Tensor] = None  # L2 norm of weight grads, last W/BW
         self.check_grads = True  # whether the next W/BW takes that norm (set by the executor)
+        # a microbatch's keyed random draws (draws.py; set by the trainer): mb -> context
+        self.draws: Callable[[int], ContextManager] = lambda mb: contextlib.nullcontext()
 
     # ---------------------------------------------------------------- forward
     def forward(self, mb: int, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -99,7 +102,8 @@ class StageRunner:
         meter = SavedBytes(self.params) if self.saved_bytes is not None else None
         if self.program is not None:
             self.program.meter = meter
-        with self.autocast(), meter.hooks() if meter else contextlib.nullcontext():
+        with self.autocast(), meter.hooks() if meter else contextlib.nullcontext(), \
+                self.draws(mb):
             outputs = self.module(*prepared)
         if meter is not None:
             self.saved_bytes[mb] = meter.bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -36,6 +37,7 @@ from ..state.materialize import fresh_meta
 from ..state.model import fill_stages
 from .nonfinite import NonFiniteError, locate_non_finite
 from .optim import build_lr_scheduler, build_optimizer
+from .draws import draw_offsets, microbatch as microbatch_draws
 from .precision import autocast_for, boundary_specs
 from .stage import StageRunner
 from .topology import Topology
@@ -147,6 +149,10 @@ class PipelineTrainer:
         scale = 1.0 / (schedule.microbatches * (1 if islands else plan.mesh.dp) * plan.mesh.cp)
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
+        # random ops draw keyed by (seed, step, chunk, k) (draws.py): each stage's first k,
+        # from every stage before the rewrites and the weights
+        offsets = draw_offsets(plan, compiled.stages)
+        self._draw_step = 0
         modules = {s.index: s.module for s in compiled.stages_of_rank(pp)}
         deferred = any(p.device.type == "meta" for m in modules.values() for p in m.parameters())
         if deferred:
@@ -170,6 +176,10 @@ class PipelineTrainer:
         self.grad_bytes = None  # set at the first optimizer step (memory report)
         self.runners = {s: make_runner(plan, specs[s], m, s == last, scale, rules,
                                        self.autocast, device.type) for s, m in modules.items()}
+        for s, runner in self.runners.items():
+            if offsets[s] is not None:
+                runner.draws = functools.partial(self._draws, offsets[s],
+                                                 topo.coords.dp * schedule.microbatches)
         # Keep the specs without the other ranks' modules so their weights can be freed.
         self.specs = [dataclasses.replace(s, module=None) for s in specs]
         planned = plan_rank(schedule, self.specs, pp)
@@ -207,6 +217,9 @@ class PipelineTrainer:
             self.island_group = island_groups(plan.mesh)[1]
             self.diloco = build_diloco(plan, self.runners, compiled.tied, topo)
 
+    def _draws(self, offset: int, first_chunk: int, mb: int):
+        return microbatch_draws(offset, self.plan.train.seed, self._draw_step, first_chunk + mb)
+
     def step(self, t: int) -> StepReport:
         """One optimizer step. The host waits on the device once for the loss (and once for
         the gradient norm when the plan clips). A rank whose weight gradients turned
@@ -214,6 +227,7 @@ class PipelineTrainer:
         all-reduce: then (or when the norm or the loss is not finite) the step stops before
         the optimizer, naming where the first non-finite value appeared (`NonFiniteError`)."""
         start, cpu = time.perf_counter(), time.process_time()
+        self._draw_step = t
         batches = data.dp_microbatches(self.plan, t, self.topo.coords.dp, self.topo.coords.cp)
         rng = _rng_state(self.device)  # a failed step is rerun from it (_rerun_checked)
         begun = time.time()

@@ -3,7 +3,8 @@
 What every pipelined run must equal. The model is built on CPU under
 `torch.manual_seed(plan.train.seed)`; each step consumes the global batch as
 the dp*m chunks the pipelined run uses (chunk d*m+i is DP rank d's
-microbatch i) and its loss is the mean of the chunk losses. For a dense model
+microbatch i) and its loss is the mean of the chunk losses. Random ops draw as the
+stages do, keyed by (seed, step, chunk, k) (backends/runtime/draws.py). For a dense model
 this is the full-batch mean; for a MoE model the aux loss is computed per
 chunk (per microbatch, as Megatron does), so the split matters and is the same
 on both sides; under `experts.balance = step` the model runs the whole global
@@ -25,6 +26,7 @@ import torch
 from ...compiler.estimate.precision import kernel_notes, to_precision
 from ...dsl.ast import Plan
 from ..runtime import data
+from ..runtime.draws import KeyedDraws
 from .compare import alias_map
 from ..state.model import build_model, model_loss
 from ..runtime.optim import build_lr_scheduler, build_optimizer
@@ -101,7 +103,7 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
         chunks = data.chunks(data.global_batch(plan, step), plan.mesh.dp * plan.microbatches)
         for group in groups:
             batch = data.concat([chunks[c] for c in group])
-            with autocast():
+            with autocast(), KeyedDraws((plan.train.seed, step, group[0])):  # as the stages
                 loss = model_loss(plan, model(**batch.inputs), batch.targets) / len(groups)
             loss.backward()
             total += float(loss.detach())

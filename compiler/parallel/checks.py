@@ -16,7 +16,11 @@ whose refusal it moves forward:
   `check_parallel_model`: tied weights split alike, sequence-parallel length,
   MoE layers the expert-parallel layer can shard);
 * recompute rules whose region writes its own input in place
-  (backends/runtime/recompute.py's check, run on the compiled stage graphs).
+  (backends/runtime/recompute.py's check, run on the compiled stage graphs);
+* random draws the keyed draws (backends/runtime/draws.py) cannot make as the
+  single-process run does: under inductor, tensor parallelism's compiled graphs,
+  context parallelism, expert parallelism's grouped reference, attention dropout
+  on heads tp splits.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from ...dsl.ast import Plan
 from ...dsl.errors import Diagnostic, PlanError
 from ...errors import PipeplanError
 from ..compiled import StageSpec
-from ..recompute import check_no_inplace_on_inputs, find_regions
+from ..capture.analysis import SDPA
+from ..recompute import check_no_inplace_on_inputs, draws_random, find_regions
 
 def check_plan_values(plan: Plan) -> None:
     """The checks that need only the plan (run first: they are cheap)."""
@@ -52,6 +57,7 @@ def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec]) ->
     rules = tuple(r for r in plan.recompute if r.mode != "none")
     if rules:
         _check_recompute(plan, rules, stages)
+    _check_random_draws(plan, stages)
 
 
 def rewrites_stages(plan: Plan) -> bool:
@@ -70,6 +76,58 @@ def _check_recompute(plan: Plan, rules, stages: Sequence[StageSpec]) -> None:
                 check_no_inplace_on_inputs(region)
             except PipeplanError as e:
                 raise PlanError.at(plan, "recompute", str(e)) from None
+
+
+def _random_node(stages: Sequence[StageSpec]):
+    """The first node of the stage graphs that draws random numbers (dropout, an attention
+    call with dropout_p > 0), or None."""
+    from .cp import sdpa_arguments
+    for st in stages:
+        if not isinstance(st.module, fx.GraphModule):
+            continue
+        for n in st.module.graph.nodes:
+            if draws_random(n):
+                return n
+            if n.op == "call_function" and n.target in SDPA:
+                p = sdpa_arguments(n.args, n.kwargs)["dropout_p"]
+                if isinstance(p, fx.Node) or p:
+                    return n
+    return None
+
+
+def _check_random_draws(plan: Plan, stages: Sequence[StageSpec]) -> None:
+    """Random ops draw keyed by (seed, step, chunk, k) (backends/runtime/draws.py), which
+    reproduces the single-process draws only where a rank computes them on whole tensors of
+    one microbatch, with the dispatcher seeing each draw."""
+    node = _random_node(stages)
+    if node is None:
+        return
+    what = f"the model draws random numbers (`{node.name}`)"
+    if plan.compile.mode == "inductor":
+        raise PlanError.at(plan, "compile.mode", f"{what}, which inductor's kernels draw from "
+                           "their own generator, not the keyed draws the reference makes",
+                           "use compile.mode = graphs or eager, or set the model's dropout to 0")
+    if plan.mesh.tp > 1 and plan.compile.graphs:
+        raise PlanError.at(plan, "compile.mode", f"{what}, and tensor parallelism's compiled "
+                           "graphs run on each rank's part of a value: its draws would not "
+                           "be its part of the single-process draws",
+                           "use compile.mode = eager for tensor parallelism, or set the "
+                           "model's dropout to 0")
+    if plan.mesh.cp > 1:
+        raise PlanError.at(plan, "mesh.cp", f"{what}; each cp rank holds a slice of the "
+                           "sequence and would draw its own numbers, not its part of the "
+                           "single-process draws", "set the model's dropout to 0 for context "
+                           "parallelism")
+    if plan.experts is not None and (plan.mesh.ep > 1 or plan.experts.balance == "step"):
+        key = "mesh.ep" if plan.mesh.ep > 1 else "experts.balance"
+        raise PlanError.at(plan, key, f"{what}; the reference runs several microbatches as "
+                           "one batch here (expert parallelism's statistics), so its draws "
+                           "are not the microbatches' own", "set the model's dropout to 0")
+    if plan.mesh.tp > 1 and node.op == "call_function" and node.target in SDPA:
+        raise PlanError.at(plan, "mesh.tp", f"attention `{node.name}` has dropout_p > 0 and "
+                           "tensor parallelism splits its heads: a rank's kernel would draw "
+                           "its own numbers, not its heads' part of the single-process draws",
+                           "set the model's attention dropout to 0, or tp = 1")
 
 
 def _parallel_problems(plan: Plan, model: nn.Module):

@@ -205,6 +205,18 @@ def llama(layers: int = 2):
     return _hf("LlamaConfig", "LlamaForCausalLM", layers)
 
 
+def opt(layers: int = 2):
+    """OPT at its default dropout (0.1 after attention and MLP): random draws in training,
+    keyed so that every layout draws the single-process masks (backends/runtime/draws.py)."""
+    import transformers
+
+    cfg = transformers.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64,
+                                 num_attention_heads=4, max_position_embeddings=64,
+                                 num_hidden_layers=layers, word_embed_proj_dim=32,
+                                 use_cache=False)
+    return transformers.OPTForCausalLM(cfg)
+
+
 def mistral(layers: int = 2):
     """Mistral: sdpa attention with a sliding window of 4."""
     return _hf("MistralConfig", "MistralForCausalLM", layers, sliding_window=4)
