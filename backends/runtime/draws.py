@@ -187,7 +187,10 @@ def draw_offsets(plan, stages: Sequence) -> list[Optional[int]]:
     """Per stage, how many random ops the stages before it run in one microbatch's forward,
     or None where the stage itself runs none. One forward of every stage on fake copies
     (shapes only; in training mode, under the plan's autocast), as every rank holds the
-    stage specs."""
+    stage specs. Under context parallelism, which `check` refuses for a model that draws
+    (compiler/parallel/checks.py), the stages hold cp's own collectives: none is keyed."""
+    if plan.mesh.cp > 1:
+        return [None] * len(stages)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ...compiler.compiled import BATCH

@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import io
 import logging
+import operator
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,15 +197,65 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
         elif node.op == "output":
             flat = [env[a] if isinstance(a, fx.Node) else a for a in node.args[0]]
             outputs = pytree.tree_unflatten(flat, ep.call_spec.out_spec)
-        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
-            continue  # export's own guards; they pin the capture device and say nothing new
         else:
-            env[node] = graph.node_copy(node, env.__getitem__)
+            _copy_node(node, graph, env, ep.graph_module)
     called = restore_experts_calls(graph)
     used = {n.target for n in graph.nodes if n.op == "get_attr"}
     root = {t: attrs[t] for t in used}
     root.update((name, model.get_submodule(name)) for name in called)
     return Captured(fx.GraphModule(root, graph), tuple(inputs), outputs, "export", reason)
+
+
+def _copy_node(node: fx.Node, graph: fx.Graph, env: dict, owner: nn.Module) -> None:
+    """One node of the exported graph into `graph`. A `torch.no_grad()` region of the
+    model's forward, which export keeps as `wrap_with_set_grad_enabled(False, body, *args)`
+    over a body graph of its own, is inlined: the body's ops, each output detached (what
+    the region's outputs are: values without a gradient; PhiMoE's router). Any other
+    higher-order region is refused, naming it."""
+    if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+        return  # export's own guards; they pin the capture device and say nothing new
+    if node.op == "get_attr" and isinstance(getattr(owner, node.target, None), fx.GraphModule):
+        env[node] = _Body(getattr(owner, node.target))  # a region's body: inlined where called
+        return
+    if node.op == "call_function" and node.target is _SET_GRAD and node.args[0] is False:
+        body, args = env[node.args[1]], [env[a] if isinstance(a, fx.Node) else a
+                                          for a in node.args[2:]]
+        inner, values = {}, iter(args)
+        for n in body.gm.graph.nodes:
+            if n.op == "placeholder":
+                inner[n] = next(values)
+            elif n.op == "output":
+                outs = pytree.tree_map(lambda v: inner[v] if isinstance(v, fx.Node) else v,
+                                       n.args[0])
+            else:
+                _copy_node(n, graph, inner, body.gm)
+        env[node] = _Outputs(tuple(graph.call_function(torch.ops.aten.detach.default, (v,))
+                                   if isinstance(v, fx.Node) else v for v in outs))
+        return
+    if node.op == "call_function" and node.target is operator.getitem and \
+            isinstance(env.get(node.args[0]), _Outputs):
+        env[node] = env[node.args[0]].values[node.args[1]]
+        return
+    bodies = [a for a in node.args if isinstance(env.get(a) if isinstance(a, fx.Node) else None,
+                                                 _Body)]
+    if bodies:
+        raise CaptureFailed("export", RuntimeError(
+            f"the forward holds a region export keeps as `{node.target}`"),
+            "only torch.no_grad() regions are inlined; run the region's code without it")
+    env[node] = graph.node_copy(node, env.__getitem__)
+
+
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+@dataclass(frozen=True)
+class _Body:
+    gm: fx.GraphModule
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    values: tuple
 
 
 @dataclass(frozen=True)
