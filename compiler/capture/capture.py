@@ -23,7 +23,6 @@ import contextlib
 import inspect
 import io
 import logging
-import operator
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +62,54 @@ def capture(plan: Plan, model: torch.nn.Module, example: dict[str, torch.Tensor]
     """Capture `model` called on `example` (batch field -> tensor) as the plan asks.
 
     The experts modules of the plan's MoE layers (compiler/parallel/ep.py) stay one opaque
-    call each under both front ends (compiler/capture/experts_call.py)."""
+    call each under both front ends (compiler/capture/experts_call.py). A forward that
+    calls a custom `torch.autograd.Function` is refused at the model line: both front ends
+    trace through its forward and drop its backward, so the stages would train with
+    autograd's gradient of the forward instead of the model's own."""
+    with _autograd_functions() as called:
+        captured = _capture(plan, model, example)
+    called = [fn for fn in called if fn.__module__ not in _EXACT]
+    if called:
+        fn = called[0]
+        try:
+            where = f"{fn.__qualname__} ({inspect.getsourcefile(fn)}:" \
+                    f"{inspect.getsourcelines(fn)[1]})"
+        except (OSError, TypeError):
+            where = f"{fn.__module__}.{fn.__qualname__}"
+        raise PlanError.at(plan, "model.source", f"the model's forward calls the autograd "
+                           f"Function `{where}`, whose own backward a captured graph would "
+                           "not run (fx and export trace through its forward): the stages "
+                           "would train with another gradient than the model's",
+                           "compute that part without a custom autograd.Function, or run "
+                           "the model in one process")
+    return captured
+
+
+# torch's own Functions whose backward the captured graph keeps: a reentrant activation
+# checkpoint's is autograd's gradient of its forward (it recomputes and differentiates
+# the same ops); a custom op's autograd wrapper stays with its op, which the graph keeps
+_EXACT = frozenset({"torch.utils.checkpoint", "torch._library.autograd"})
+
+
+@contextlib.contextmanager
+def _autograd_functions():
+    """Records each custom autograd.Function the block calls (every `Function.apply`)."""
+    called: list = []
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if cls not in called:
+            called.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield called
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def _capture(plan: Plan, model: torch.nn.Module, example: dict[str, torch.Tensor]) -> Captured:
     from ..parallel.ep import experts_modules
 
     experts = tuple(experts_modules(plan, model).values())
@@ -207,55 +253,18 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
 
 
 def _copy_node(node: fx.Node, graph: fx.Graph, env: dict, owner: nn.Module) -> None:
-    """One node of the exported graph into `graph`. A `torch.no_grad()` region of the
-    model's forward, which export keeps as `wrap_with_set_grad_enabled(False, body, *args)`
-    over a body graph of its own, is inlined: the body's ops, each output detached (what
-    the region's outputs are: values without a gradient; PhiMoE's router). Any other
-    higher-order region is refused, naming it."""
+    """One node of the exported graph into `graph`. A region export keeps as a higher-order
+    op over a graph of its own (`wrap_with_set_grad_enabled`, `wrap_with_autocast`) is
+    refused, naming it: its body is not one of the model's tensors."""
     if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
         return  # export's own guards; they pin the capture device and say nothing new
     if node.op == "get_attr" and isinstance(getattr(owner, node.target, None), fx.GraphModule):
-        env[node] = _Body(getattr(owner, node.target))  # a region's body: inlined where called
-        return
-    if node.op == "call_function" and node.target is _SET_GRAD and node.args[0] is False:
-        body, args = env[node.args[1]], [env[a] if isinstance(a, fx.Node) else a
-                                          for a in node.args[2:]]
-        inner, values = {}, iter(args)
-        for n in body.gm.graph.nodes:
-            if n.op == "placeholder":
-                inner[n] = next(values)
-            elif n.op == "output":
-                outs = pytree.tree_map(lambda v: inner[v] if isinstance(v, fx.Node) else v,
-                                       n.args[0])
-            else:
-                _copy_node(n, graph, inner, body.gm)
-        env[node] = _Outputs(tuple(graph.call_function(torch.ops.aten.detach.default, (v,))
-                                   if isinstance(v, fx.Node) else v for v in outs))
-        return
-    if node.op == "call_function" and node.target is operator.getitem and \
-            isinstance(env.get(node.args[0]), _Outputs):
-        env[node] = env[node.args[0]].values[node.args[1]]
-        return
-    bodies = [a for a in node.args if isinstance(env.get(a) if isinstance(a, fx.Node) else None,
-                                                 _Body)]
-    if bodies:
+        users = ", ".join(sorted({str(u.target) for u in node.users}))
         raise CaptureFailed("export", RuntimeError(
-            f"the forward holds a region export keeps as `{node.target}`"),
-            "only torch.no_grad() regions are inlined; run the region's code without it")
+            f"the forward holds a region export keeps as a higher-order op ({users})"),
+            "run that region's code without changing the grad or autocast mode inside "
+            "the forward")
     env[node] = graph.node_copy(node, env.__getitem__)
-
-
-_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
-
-
-@dataclass(frozen=True)
-class _Body:
-    gm: fx.GraphModule
-
-
-@dataclass(frozen=True)
-class _Outputs:
-    values: tuple
 
 
 @dataclass(frozen=True)

@@ -317,3 +317,29 @@ def hf_llama_70b(layers: int = 80):
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
         rope_theta=500000.0, use_cache=False, bos_token_id=0, eos_token_id=0))
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounds forward; passes the gradient through unchanged (a straight-through estimator):
+    autograd's gradient of round() is zero, this Function's is the identity."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class QuantizedLM(nn.Module):
+    """An embedding rounded to quarter steps by a straight-through autograd.Function."""
+
+    def __init__(self, vocab: int = 8, dim: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        return self.head(_StraightThrough.apply(self.embed(input_ids) * 4) / 4)
+

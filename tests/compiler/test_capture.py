@@ -197,3 +197,38 @@ def test_repeated_blocks_are_replayed_exactly(make_plan, monkeypatch, source, ar
         assert replayed[3] == 0
     else:
         assert replayed[3] >= args["layers"] - 2
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_custom_autograd_function_is_refused_at_the_model_line(make_plan, capture):
+    """Both front ends trace through an autograd.Function's forward and drop its backward:
+    the stages would train with round()'s zero gradient where the model's is the identity."""
+    plan = make_plan("tests/compiler/models.py:QuantizedLM", {}, pp=1,
+                     model_fields={"capture": capture})
+    with pytest.raises(PlanError) as e:
+        compile_plan(plan)
+    text = str(e.value)
+    assert "test.plan" in text and "_StraightThrough" in text and "models.py" in text
+    assert "backward" in text
+
+
+
+
+@pytest.mark.slow
+def test_phimoe_is_refused_at_a_plan_line_not_crashed(tmp_path):
+    """PhiMoE's router: export keeps its `torch.no_grad()` masks as higher-order ops over
+    graphs of their own, and its gradient is a custom autograd.Function's. `check` crashed
+    (KeyError: 'submod_7', a traceback); it refuses at the model's lines now."""
+    import re
+    import subprocess
+    import sys
+
+    from pipeplan.tests.parallel.test_family_matrix import plan_text
+
+    path = tmp_path / "phimoe.plan"
+    path.write_text(plan_text("phimoe", "pp2_1f1b"))
+    run = subprocess.run([sys.executable, "-m", "pipeplan", "check", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    said = run.stdout + run.stderr
+    assert run.returncode == 2 and "Traceback" not in said, said[-3000:]
+    assert re.search(r"phimoe\.plan:\d+:\d+: error: ", said), said[-3000:]

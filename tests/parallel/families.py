@@ -217,6 +217,13 @@ def opt(layers: int = 2):
     return transformers.OPTForCausalLM(cfg)
 
 
+def phimoe(layers: int = 2):
+    """PhiMoE: a stochastic router (sparsemixer: Gumbel sampling, `torch.no_grad()` masks, a
+    custom autograd.Function for its gradient) that `check` refuses at a plan line."""
+    return _hf("PhimoeConfig", "PhimoeForCausalLM", layers, num_local_experts=4,
+               num_experts_per_tok=2, pad_token_id=0)
+
+
 def mistral(layers: int = 2):
     """Mistral: sdpa attention with a sliding window of 4."""
     return _hf("MistralConfig", "MistralForCausalLM", layers, sliding_window=4)
