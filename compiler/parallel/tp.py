@@ -378,13 +378,16 @@ def _is_size_query(n: fx.Node) -> bool:
     return False
 
 
-def graph_made(gm: fx.GraphModule) -> list[fx.Node]:
+def graph_made_uses(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
     """Values a stage graph computes from no stage input or parameter (factories such as
     `arange`, masks built from sizes) where they meet values that are (a leaf call with
     parameters or buffers counts as one): the tensor-parallel rewrite
     (backends/parallel/tp/rewrite.py) wraps each there as a Replicate DTensor, every
     microbatch, where it is a tensor (sizes pass through: StageSpec.made counts the
-    tensors, what the time model charges, estimate/optime.dtensor_host)."""
+    tensors, what the time model charges, estimate/optime.dtensor_host); with the users
+    that meet them. Its other users stay on plain tensors: a value made for both (GPT-J's
+    positions, which index its rotary table and build its mask) is wrapped for those
+    only."""
     def holds_tensors(n: fx.Node) -> bool:
         mod = gm.get_submodule(n.target)
         return any(True for _ in mod.parameters()) or any(True for _ in mod.buffers())
@@ -400,4 +403,10 @@ def graph_made(gm: fx.GraphModule) -> list[fx.Node]:
                     tainted.add(n)
             elif not _is_size_query(n):
                 made.append(n)
-    return [n for n in made if any(u in tainted for u in n.users)]
+    uses = [(n, [u for u in n.users if u in tainted]) for n in made]
+    return [(n, users) for n, users in uses if users]
+
+
+def graph_made(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph-made values that meet stage values (graph_made_uses, without the uses)."""
+    return [n for n, _ in graph_made_uses(gm)]

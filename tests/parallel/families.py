@@ -217,6 +217,16 @@ def opt(layers: int = 2):
     return transformers.OPTForCausalLM(cfg)
 
 
+def gptj(layers: int = 2):
+    """GPT-J: parallel attention and MLP, rotary on 4 of 8 head dims from a sinusoid table
+    indexed by positions the model makes itself (which also build its mask)."""
+    import transformers
+
+    cfg = transformers.GPTJConfig(vocab_size=64, n_embd=32, n_head=4, n_positions=64,
+                                  n_layer=layers, rotary_dim=4, use_cache=False)
+    return transformers.GPTJForCausalLM(cfg)
+
+
 def phimoe(layers: int = 2):
     """PhiMoE: a stochastic router (sparsemixer: Gumbel sampling, `torch.no_grad()` masks, a
     custom autograd.Function for its gradient) that `check` refuses at a plan line."""

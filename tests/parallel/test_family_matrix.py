@@ -28,6 +28,7 @@ FAMILIES = {
     "phi3": ("phi3", None, 0, 0),
     "gpt_neox": ("gpt_neox", None, 0, 0),
     "opt": ("opt", None, 0, 0),
+    "gptj": ("gptj", None, 0, 0),
     "phimoe": ("phimoe", "model.layers.*.mlp", 4, 2),
     "mixtral": ("mixtral", "model.layers.*.mlp", 4, 2),
     "qwen3_moe": ("qwen3_moe", "model.layers.*.mlp", 4, 2),

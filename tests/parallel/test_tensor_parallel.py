@@ -47,7 +47,7 @@ SMALL = ["model.args.dim=32", "model.args.layers=4", "model.args.seq_len=16", "d
 
 
 def make_plan(name: str) -> Plan:
-    """name: "<model>-pp<P>-tp<T>[-sp][-<schedule>]" with model window | llama, or "hybrid":
+    """name: "<model>-pp<P>-tp<T>[-sp][-<schedule>]" with model window | llama | gptj, or "hybrid":
     the example plan (pp2 x dp2 x tp2, interleaved, ZeRO-1), smaller, constant LR."""
     if name == "hybrid":
         plan = load_plan(str(EXAMPLE), overrides=SMALL)
@@ -60,6 +60,9 @@ def make_plan(name: str) -> Plan:
     if model == "window":
         spec = ModelSpec("pipeplan.tests.parallel.tp_models:WindowLM", capture="fx")
         tensor = WINDOW
+    elif model == "gptj":  # split by its config's base_model_tp_plan
+        spec = ModelSpec("pipeplan.tests.parallel.families:gptj", capture="export")
+        tensor = TensorSpec()
     else:
         spec = ModelSpec("pipeplan.tests.compiler.models:tiny_llama", capture="export")
         tensor = LLAMA
@@ -79,6 +82,17 @@ def _worker(rank, world, names):
 
 def test_non_causal_window_attention_tp2_equals_reference(run_workers):
     run_workers(_worker, 2, ["window-pp1-tp2", "window-pp1-tp2-sp"], timeout=280)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gptj_positions_made_for_its_rotary_table_and_its_mask_tp2(run_workers):
+    """GPT-J makes its positions itself and uses them twice: to index its rotary table (a
+    buffer: Replicate under tp) and to build its causal mask (plain tensors). The rewrite
+    wrapped the positions for every user, so the mask's index met a DTensor and a plain
+    tensor (RuntimeError: aten.index.Tensor got mixed torch.Tensor and DTensor); it wraps
+    them for the uses that meet stage values only."""
+    run_workers(_worker, 2, ["gptj-pp1-tp2"], timeout=580)
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ....compiler.capture.blocks import ATTENTION, COLLECTIVE, TRACED_IN, module_path
 from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight,
-                                      graph_made, loss_of_logits, shard_dim)
+                                      graph_made_uses, loss_of_logits, shard_dim)
 from ....errors import PipeplanError
 from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
                       VocabParallelLoss)
@@ -87,11 +87,13 @@ class _Builder:
             self._modules[key] = name
         return self._modules[key]
 
-    def after(self, node: fx.Node, key: str, make) -> fx.Node:
-        """Insert `module(node)` right after node and route node's other users to it."""
+    def after(self, node: fx.Node, key: str, make, only=None) -> fx.Node:
+        """Insert `module(node)` right after node and route node's other users (those in
+        `only`, if given) to it."""
         with self.gm.graph.inserting_after(node):
             new = self.gm.graph.call_module(self.module(key, make), (node,))
-        node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and (
+            only is None or u in only))
         return self.served(new, node)
 
     def before(self, user: fx.Node, value: fx.Node, key: str, make) -> fx.Node:
@@ -297,9 +299,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
                 partial.append(node.target)
             else:
                 b.after(node, "replicate", b.to_dtensor("replicate"))
-    for node in graph_made(gm):
-        if node.users:
-            b.after(node, "replicate", b.to_dtensor("replicate"))
+    for node, users in graph_made_uses(gm):  # (its uses on plain values stay plain)
+        b.after(node, "replicate", b.to_dtensor("replicate"), only=set(users))
 
     # 5. leaf calls see their own parameters as DTensors
     for node in list(g.nodes):
