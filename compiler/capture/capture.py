@@ -35,6 +35,7 @@ from torch import nn
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
+from . import functions
 from .experts_call import opaque_experts, restore_experts_calls
 from ..patterns import matches
 
@@ -62,51 +63,26 @@ def capture(plan: Plan, model: torch.nn.Module, example: dict[str, torch.Tensor]
     """Capture `model` called on `example` (batch field -> tensor) as the plan asks.
 
     The experts modules of the plan's MoE layers (compiler/parallel/ep.py) stay one opaque
-    call each under both front ends (compiler/capture/experts_call.py). A forward that
-    calls a custom `torch.autograd.Function` is refused at the model line: both front ends
-    trace through its forward and drop its backward, so the stages would train with
-    autograd's gradient of the forward instead of the model's own."""
-    with _autograd_functions() as called:
+    call each under both front ends (compiler/capture/experts_call.py). A custom
+    `torch.autograd.Function` the forward calls loses its backward in either front end:
+    refused at the model line unless its backward is proven to be autograd's gradient of
+    its forward (compiler/capture/functions.py)."""
+    with functions.recording() as calls:
         captured = _capture(plan, model, example)
-    called = [fn for fn in called if fn.__module__ not in _EXACT]
-    if called:
-        fn = called[0]
-        try:
-            where = f"{fn.__qualname__} ({inspect.getsourcefile(fn)}:" \
-                    f"{inspect.getsourcelines(fn)[1]})"
-        except (OSError, TypeError):
-            where = f"{fn.__module__}.{fn.__qualname__}"
-        raise PlanError.at(plan, "model.source", f"the model's forward calls the autograd "
-                           f"Function `{where}`, whose own backward a captured graph would "
-                           "not run (fx and export trace through its forward): the stages "
-                           "would train with another gradient than the model's",
-                           "compute that part without a custom autograd.Function, or run "
-                           "the model in one process")
+    if calls:  # (fx: its proxies have no shapes; one more forward records them)
+        functions.record_shapes(calls, lambda: model(**example, **_training_kwargs(model,
+                                                                                   example)))
+        wrong = functions.check(calls)
+        if wrong is not None:
+            fn, why = wrong
+            raise PlanError.at(plan, "model.source", f"the model's forward calls the autograd "
+                               f"Function `{functions.describe(fn)}`, whose backward a "
+                               f"captured graph does not run (fx and export trace through its "
+                               f"forward), and {why}: the stages would train with another "
+                               "gradient than the model's",
+                               "compute that part without a custom autograd.Function, or "
+                               "with one whose backward is its forward's gradient")
     return captured
-
-
-# torch's own Functions whose backward the captured graph keeps: a reentrant activation
-# checkpoint's is autograd's gradient of its forward (it recomputes and differentiates
-# the same ops); a custom op's autograd wrapper stays with its op, which the graph keeps
-_EXACT = frozenset({"torch.utils.checkpoint", "torch._library.autograd"})
-
-
-@contextlib.contextmanager
-def _autograd_functions():
-    """Records each custom autograd.Function the block calls (every `Function.apply`)."""
-    called: list = []
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        if cls not in called:
-            called.append(cls)
-        return original.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield called
-    finally:
-        torch.autograd.Function.apply = original
 
 
 def _capture(plan: Plan, model: torch.nn.Module, example: dict[str, torch.Tensor]) -> Captured:

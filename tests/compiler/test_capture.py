@@ -202,14 +202,34 @@ def test_repeated_blocks_are_replayed_exactly(make_plan, monkeypatch, source, ar
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_a_custom_autograd_function_is_refused_at_the_model_line(make_plan, capture):
     """Both front ends trace through an autograd.Function's forward and drop its backward:
-    the stages would train with round()'s zero gradient where the model's is the identity."""
+    the stages would train with round()'s zero gradient where the model's is the identity
+    (a straight-through estimator)."""
     plan = make_plan("tests/compiler/models.py:QuantizedLM", {}, pp=1,
                      model_fields={"capture": capture})
     with pytest.raises(PlanError) as e:
         compile_plan(plan)
     text = str(e.value)
     assert "test.plan" in text and "_StraightThrough" in text and "models.py" in text
-    assert "backward" in text
+    assert "differs from autograd's gradient of its forward" in text
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_function_whose_backward_is_its_forwards_gradient_is_kept(make_plan, chain, capture):
+    """A Function whose backward writes out its forward's derivative (BLOOM's GeLUFunction)
+    trains the same model through the captured graph: proven on random float64 inputs,
+    then accepted; the stages' loss and gradients are the model's."""
+    plan = make_plan("tests/compiler/models.py:SquaredLM", {}, pp=2,
+                     model_fields={"capture": capture})
+    torch.manual_seed(0)
+    model = load_model(plan, "cpu").double()
+    compiled = compile_plan(plan, model)
+    batch = _batch(8, plan.microbatch_size, 16)
+    got = chain(compiled, batch)
+    want = reference_loss("cross_entropy", model(input_ids=batch["input_ids"]), batch["targets"])
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    params = list(model.parameters())
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
 
 
 
