@@ -45,15 +45,26 @@ def _seed(key: tuple, k: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+_SCHEMA: dict = {}  # op -> (seeded, position of dropout_p or None, takes a generator)
+
+
+def _schema(func) -> tuple:
+    if func not in _SCHEMA:
+        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        names = [a.name for a in func._schema.arguments] if seeded else []
+        _SCHEMA[func] = (seeded, names.index("dropout_p") if "dropout_p" in names else None,
+                         "generator" in names)
+    return _SCHEMA[func]
+
+
 def _is_random(func, args, kwargs) -> bool:
     """Whether this call draws: an op torch tags `nondeterministic_seeded`, unless it takes
     a `dropout_p` that is 0 (attention kernels draw only for their dropout)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+    seeded, at, _ = _schema(func)
+    if not seeded:
         return False
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            p = kwargs.get("dropout_p", args[i] if i < len(args) else a.default_value)
-            return bool(p)
+    if at is not None:
+        return bool(kwargs.get("dropout_p", args[at] if at < len(args) else 0.0))
     return True
 
 
@@ -91,11 +102,16 @@ class KeyedDraws(TorchDispatchMode):
         return _draw(func, args, kwargs, seed)
 
 
+_GENERATORS: dict = {}  # device -> one generator, reseeded for each draw (this thread's)
+
+
 def _draw(func, args, kwargs, seed: int):
     """`func` run with its draws from a generator seeded by `seed`."""
     device = _device(args, kwargs)
-    if any(a.name == "generator" for a in func._schema.arguments):
-        gen = torch.Generator(device=device)
+    if _schema(func)[2]:
+        gen = _GENERATORS.get(device)
+        if gen is None:
+            gen = _GENERATORS[device] = torch.Generator(device=device)
         gen.manual_seed(seed)
         return func(*args, **{**kwargs, "generator": gen})
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],

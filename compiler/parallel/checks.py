@@ -79,20 +79,36 @@ def _check_recompute(plan: Plan, rules, stages: Sequence[StageSpec]) -> None:
 
 
 def _random_node(stages: Sequence[StageSpec]):
-    """The first node of the stage graphs that draws random numbers (dropout, an attention
-    call with dropout_p > 0), or None."""
+    """The first node of the stage graphs that draws random numbers (dropout with p > 0, an
+    attention call with dropout_p > 0, any other random op), or None."""
     from .cp import sdpa_arguments
     for st in stages:
         if not isinstance(st.module, fx.GraphModule):
             continue
         for n in st.module.graph.nodes:
-            if draws_random(n):
+            if draws_random(n) and _dropout_p(st.module, n) != 0:
                 return n
             if n.op == "call_function" and n.target in SDPA:
                 p = sdpa_arguments(n.args, n.kwargs)["dropout_p"]
                 if isinstance(p, fx.Node) or p:
                     return n
     return None
+
+
+def _dropout_p(module: nn.Module, n: fx.Node):
+    """A dropout node's probability when the graph fixes it (0 draws nothing: torch returns
+    the input), else None (another random op, or a probability computed at run time)."""
+    if n.op == "call_module":
+        p = getattr(module.get_submodule(n.target), "p", None)
+        return p if isinstance(p, (int, float)) else None
+    if "dropout" not in str(n.target).lower():
+        return None
+    p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else None)
+    train = n.kwargs.get("train", n.kwargs.get("training", n.args[2] if len(n.args) > 2
+                                               else True))
+    if train is False:
+        return 0.0
+    return p if isinstance(p, (int, float)) else None
 
 
 def _check_random_draws(plan: Plan, stages: Sequence[StageSpec]) -> None:

@@ -82,6 +82,9 @@ def test_check_refuses_random_draws_that_cannot_be_the_references():
     text = str(e.value)
     assert "dropout.plan:10:18:" in text and "mode = inductor" in text, text
     assert "draws random numbers" in text
+    # dropout with p = 0 draws nothing (torch returns its input): accepted
+    compile_plan(_plan(BASE.replace("layers = 2", "layers = 2, p = 0.0")
+                       + "mesh { pp = 2 }\ncompile { mode = inductor }\n"))
     with pytest.raises(PlanError) as e:  # tp's compiled graphs draw on each rank's part
         compile_plan(_plan(PLAN + "compile { mode = graphs }\n"))
     assert "dropout.plan:16:18:" in str(e.value) and "each rank's part" in str(e.value)

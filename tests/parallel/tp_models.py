@@ -120,10 +120,11 @@ class MegatronLayer(nn.Module):
 
 
 class MegatronGPT(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 1):
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 1,
+                 p: float = 0.1):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(MegatronLayer(dim, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(MegatronLayer(dim, heads, p) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
