@@ -28,8 +28,8 @@ is replaced by a placeholder, unless it is a parameter, a region input or a
 kept node's output (holding those costs nothing extra). The first unpack of
 a placeholder in backward reruns, once, the dropped nodes that saved
 something (and the dropped nodes they depend on) from the kept values, with
-the forward's RNG state, keyed draws (draws.py) and autocast, and caches what
-they save, in the same order as the forward.
+the forward's RNG state (its stage's seeded draws, draws.py) and autocast, and
+caches what they save, in the same order as the forward.
 
 Split backward (B then W): B's unpacks keep the cache, W's and BW's take
 entries out of it. So W after B never recomputes a second time and never
@@ -40,6 +40,7 @@ DTensor's local one; parameters excluded: the compiler's rule).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -183,7 +184,7 @@ class StageProgram:
         if region.mode != "selective" or all(n in self._flops for n in region.nodes):
             return
         scratch = dict(env)
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), self.autocast(), draws.aside():
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), self.autocast():
             for node in region.nodes:
                 if node.meta.get(COLLECTIVE):  # never rerun: a stand-in, no communication
                     scratch[node] = self.module.get_submodule(node.target).stand_in(
@@ -207,7 +208,7 @@ class _RegionCall:
         self.cache: dict[tuple[fx.Node, int], torch.Tensor] = {}
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-        self.draws = draws.where()  # keyed draws (draws.py): the rerun's start
+        self.whole = draws.whole_draws_active()  # tp's whole draws (draws.py), rerun alike
 
     # ----------------------------------------------------------- forward
     def forward(self, env: dict) -> None:
@@ -298,7 +299,8 @@ class _RegionCall:
             torch.set_rng_state(self.rng)
             if self.cuda_rng is not None:
                 torch.cuda.set_rng_state(self.cuda_rng)
-            with torch.enable_grad(), program.autocast(), draws.resumed(self.draws):
+            with torch.enable_grad(), program.autocast(), \
+                    draws.WholeDraws() if self.whole else contextlib.nullcontext():
                 for node in self.rerun:
                     packs: list = []
 

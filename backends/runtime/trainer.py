@@ -149,10 +149,10 @@ class PipelineTrainer:
         scale = 1.0 / (schedule.microbatches * (1 if islands else plan.mesh.dp) * plan.mesh.cp)
         self.autocast = autocast_for(plan.train.precision, device)
         specs = _boundary_specs(plan, compiled.stages)
-        # random ops draw keyed by (seed, step, chunk, k) (draws.py): each stage's first k,
-        # from every stage before the rewrites and the weights
+        # each stage's draws seeded by (seed, step, chunk, k) (draws.py): its first k, from
+        # every stage before the rewrites and the weights
         offsets = draw_offsets(plan, compiled.stages)
-        self._draw_step = 0
+        self._draw_step = 0  # the step whose draws the stages make
         modules = {s.index: s.module for s in compiled.stages_of_rank(pp)}
         deferred = any(p.device.type == "meta" for m in modules.values() for p in m.parameters())
         if deferred:
@@ -218,7 +218,8 @@ class PipelineTrainer:
             self.diloco = build_diloco(plan, self.runners, compiled.tied, topo)
 
     def _draws(self, offset: int, first_chunk: int, mb: int):
-        return microbatch_draws(offset, self.plan.train.seed, self._draw_step, first_chunk + mb)
+        return microbatch_draws(offset, self.plan.train.seed, self._draw_step, first_chunk + mb,
+                                self.device, split=self.plan.mesh.tp > 1)
 
     def step(self, t: int) -> StepReport:
         """One optimizer step. The host waits on the device once for the loss (and once for

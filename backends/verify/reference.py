@@ -4,7 +4,8 @@ What every pipelined run must equal. The model is built on CPU under
 `torch.manual_seed(plan.train.seed)`; each step consumes the global batch as
 the dp*m chunks the pipelined run uses (chunk d*m+i is DP rank d's
 microbatch i) and its loss is the mean of the chunk losses. Random ops draw as the
-stages do, keyed by (seed, step, chunk, k) (backends/runtime/draws.py). For a dense model
+stages do: the generator reseeded by (seed, step, chunk, k) where a stage that draws
+begins (backends/runtime/draws.py). For a dense model
 this is the full-batch mean; for a MoE model the aux loss is computed per
 chunk (per microbatch, as Megatron does), so the split matters and is the same
 on both sides; under `experts.balance = step` the model runs the whole global
@@ -26,7 +27,7 @@ import torch
 from ...compiler.estimate.precision import kernel_notes, to_precision
 from ...dsl.ast import Plan
 from ..runtime import data
-from ..runtime.draws import KeyedDraws
+from ..runtime.draws import ReferenceDraws, reference_starts
 from .compare import alias_map
 from ..state.model import build_model, model_loss
 from ..runtime.optim import build_lr_scheduler, build_optimizer
@@ -98,12 +99,17 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
     reach = _Reach(optimizer, plan.train, dict(model.named_parameters()))
     first_grads: dict[str, torch.Tensor] = {}
     grad_scale = 0.0
+    first = data.concat([data.chunks(data.global_batch(plan, 0), plan.mesh.dp
+                                     * plan.microbatches)[c] for c in groups[0]])
+    with autocast():
+        starts = reference_starts(plan, model, lambda: model(**first.inputs))
     for step in range(steps):
         total = 0.0
         chunks = data.chunks(data.global_batch(plan, step), plan.mesh.dp * plan.microbatches)
         for group in groups:
             batch = data.concat([chunks[c] for c in group])
-            with autocast(), KeyedDraws((plan.train.seed, step, group[0])):  # as the stages
+            with autocast(), torch.random.fork_rng(devices=[]), \
+                    ReferenceDraws((plan.train.seed, step, group[0]), starts):  # as the stages
                 loss = model_loss(plan, model(**batch.inputs), batch.targets) / len(groups)
             loss.backward()
             total += float(loss.detach())

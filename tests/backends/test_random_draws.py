@@ -1,6 +1,7 @@
 """A model that draws random numbers (dropout) trains as the single-process run does, under
-any layout: each random op draws from a generator keyed by (seed, step, chunk, k)
-(backends/runtime/draws.py), a stage starting k where the stages before it stopped.
+any layout: each stage's forward of a microbatch draws from the generator seeded by (seed,
+step, chunk, k), k the random ops of the stages before it (backends/runtime/draws.py); the
+reference reseeds where those stages begin.
 
 Before the keyed draws every rank drew from its own generator in its schedule's order, and
 `pipeplan verify` said DIFFERENT for every model with active dropout (transformers' OPT at
@@ -43,8 +44,9 @@ def _plan(text: str = PLAN, **over):
 
 
 def test_chained_stages_draw_what_the_whole_model_draws():
-    """Stage 0 then stage 1, each under its microbatch's keyed draws from its offset, give
-    the whole model's output under the same key, exactly; another chunk draws other masks."""
+    """Stage 0 then stage 1, each with its microbatch's generator seeded at its offset, give
+    the single-process forward's loss (reseeded where each stage begins), exactly; another
+    chunk draws other masks."""
     from pipeplan.backends.runtime import draws
     from pipeplan.backends.state.model import model_loss
     from pipeplan.compiler import compile_plan
@@ -58,20 +60,26 @@ def test_chained_stages_draw_what_the_whole_model_draws():
     assert offsets[0] == 0 and offsets[1] == 3  # three dropouts a layer, one layer a stage
     ids, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     values = {"input_ids": ids, "targets": targets}
+    cpu = torch.device("cpu")
 
     def chained(chunk):
         for st, off in zip(compiled.stages, offsets):
             st.module.train()
-            with draws.microbatch(off, 11, 5, chunk):
+            with draws.microbatch(off, 11, 5, chunk, cpu):
                 out = st.module(*[values[r.name] for r in st.inputs])
             out = out if isinstance(out, (tuple, list)) else (out,)
             values.update({v.name: x for v, x in zip(st.outputs, out)})
         return out[0]
 
-    with draws.KeyedDraws((11, 5, 3)):
+    before = torch.get_rng_state()
+    got = chained(3)
+    assert torch.equal(torch.get_rng_state(), before)  # the stages' draws are put back
+    with torch.random.fork_rng(devices=[]), draws.ReferenceDraws((11, 5, 3), frozenset({0, 3})):
         whole = model_loss(plan, model(ids), targets)
-    assert torch.equal(chained(3), whole)
+    assert torch.equal(got, whole)
     assert not torch.equal(chained(4), whole)  # the draws happen, and follow the chunk
+    starts = draws.reference_starts(plan, model, lambda: model(ids))
+    assert starts == frozenset({0, 3})
 
 
 def test_check_refuses_random_draws_that_cannot_be_the_references():
