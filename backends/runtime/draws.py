@@ -200,30 +200,20 @@ def draw_offsets(plan, stages: Sequence) -> list[Optional[int]]:
         return [None] * len(stages)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ...compiler.compiled import BATCH
     from ..state.materialize import fake_copy
-    from . import data
-    from .precision import autocast_for
+    from .precision import autocast_for, chained
 
+    def counted(spec, inputs):
+        with counter:
+            return fake_copy(spec.module)(*inputs)
+
+    counter = _Counter()
+    offsets, before = [], 0
     autocast = autocast_for(plan.train.precision, torch.device("cpu"))
-    batch = data.dp_microbatches(plan, 0, 0)[0]
-    values: dict = {}
-    counts = []
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), autocast():
-        for spec in stages:
-            module = fake_copy(spec.module)
-            inputs = [batch.field(r.name) if r.source == BATCH else values[r.name]
-                      for r in spec.inputs]
-            counter = _Counter()
-            with counter:
-                out = module(*inputs)
-            out = out if isinstance(out, (tuple, list)) else (out,)
-            values.update({v.name: x for v, x in zip(spec.outputs, out)})
-            counts.append(counter.count)
-    offsets, total = [], 0
-    for c in counts:
-        offsets.append(total if c else None)
-        total += c
+        for _ in chained(plan, stages, counted):
+            offsets.append(before if counter.count > before else None)
+            before = counter.count
     return offsets
 
 

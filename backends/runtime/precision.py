@@ -51,21 +51,35 @@ def boundary_specs(plan: Plan, stages: Sequence[StageSpec]) -> list[StageSpec]:
     if plan.train.precision != "bf16":
         return list(stages)
     autocast = autocast_for(plan.train.precision, torch.device("cpu"))
-    batch = data.dp_microbatches(plan, 0, 0)[0]
-    values: dict[str, torch.Tensor] = {}
     out = []
     with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast():
-        for spec in stages:
-            buffers = {k: b.clone() for k, b in spec.module.named_buffers()}
-            inputs = [batch.field(r.name) if r.source == BATCH else values[r.name]
-                      for r in spec.inputs]
-            produced = spec.module(*inputs)
-            produced = produced if isinstance(produced, (tuple, list)) else (produced,)
-            for k, b in spec.module.named_buffers():
-                b.copy_(buffers[k])
+        for spec, produced in chained(plan, stages, _with_buffers_back):
             outputs = tuple(dataclasses.replace(v, dtype=str(x.dtype).removeprefix("torch."))
                             if isinstance(x, torch.Tensor) else v
                             for v, x in zip(spec.outputs, produced))
-            values.update({v.name: x for v, x in zip(spec.outputs, produced)})
             out.append(dataclasses.replace(spec, outputs=outputs))
     return out
+
+
+def chained(plan: Plan, stages: Sequence[StageSpec], call):
+    """Every stage run in order on step 0's first microbatch, each fed what the stages before
+    it produced: yields (spec, its outputs as a tuple). `call(spec, inputs)` runs one (under
+    the caller's contexts: autocast, fake tensors, a counting mode)."""
+    batch = data.dp_microbatches(plan, 0, 0)[0]
+    values: dict[str, torch.Tensor] = {}
+    for spec in stages:
+        inputs = [batch.field(r.name) if r.source == BATCH else values[r.name]
+                  for r in spec.inputs]
+        produced = call(spec, inputs)
+        produced = tuple(produced) if isinstance(produced, (tuple, list)) else (produced,)
+        values.update({v.name: x for v, x in zip(spec.outputs, produced)})
+        yield spec, produced
+
+
+def _with_buffers_back(spec: StageSpec, inputs: list):
+    """The stage's forward, its buffers put back after it."""
+    buffers = {k: b.clone() for k, b in spec.module.named_buffers()}
+    produced = spec.module(*inputs)
+    for k, b in spec.module.named_buffers():
+        b.copy_(buffers[k])
+    return produced

@@ -35,6 +35,7 @@ from ...errors import PipeplanError
 from ..compiled import StageSpec
 from ..capture.analysis import SDPA
 from ..recompute import check_no_inplace_on_inputs, draws_random, find_regions
+from .cp import sdpa_arguments
 
 def check_plan_values(plan: Plan) -> None:
     """The checks that need only the plan (run first: they are cheap)."""
@@ -81,7 +82,6 @@ def _check_recompute(plan: Plan, rules, stages: Sequence[StageSpec]) -> None:
 def _random_node(stages: Sequence[StageSpec]):
     """The first node of the stage graphs that draws random numbers (dropout with p > 0, an
     attention call with dropout_p > 0, any other random op), or None."""
-    from .cp import sdpa_arguments
     for st in stages:
         if not isinstance(st.module, fx.GraphModule):
             continue

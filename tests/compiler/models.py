@@ -332,19 +332,6 @@ class _StraightThrough(torch.autograd.Function):
         return grad
 
 
-class QuantizedLM(nn.Module):
-    """An embedding rounded to quarter steps by a straight-through autograd.Function."""
-
-    def __init__(self, vocab: int = 8, dim: int = 8):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, input_ids):
-        return self.head(_StraightThrough.apply(self.embed(input_ids) * 4) / 4)
-
-
-
 class _Square(torch.autograd.Function):
     """x * x, with its derivative written out (as BLOOM's GeLUFunction writes its own)."""
 
@@ -359,11 +346,18 @@ class _Square(torch.autograd.Function):
         return 2.0 * x * grad
 
 
-class SquaredLM(nn.Module):
-    def __init__(self, vocab: int = 8, dim: int = 8):
+class FunctionLM(nn.Module):
+    """An embedding through a custom autograd.Function, then a head: `fn` is "round" (a
+    straight-through estimator, its embedding scaled to quarter steps) or "square"."""
+
+    def __init__(self, vocab: int = 8, dim: int = 8, fn: str = "round"):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.head = nn.Linear(dim, vocab)
+        self.fn = fn
 
     def forward(self, input_ids):
-        return self.head(_Square.apply(self.embed(input_ids)))
+        x = self.embed(input_ids)
+        if self.fn == "round":
+            return self.head(_StraightThrough.apply(x * 4) / 4)
+        return self.head(_Square.apply(x))

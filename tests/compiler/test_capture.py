@@ -204,7 +204,7 @@ def test_a_custom_autograd_function_is_refused_at_the_model_line(make_plan, capt
     """Both front ends trace through an autograd.Function's forward and drop its backward:
     the stages would train with round()'s zero gradient where the model's is the identity
     (a straight-through estimator)."""
-    plan = make_plan("tests/compiler/models.py:QuantizedLM", {}, pp=1,
+    plan = make_plan("tests/compiler/models.py:FunctionLM", {"fn": "round"}, pp=1,
                      model_fields={"capture": capture})
     with pytest.raises(PlanError) as e:
         compile_plan(plan)
@@ -218,7 +218,7 @@ def test_a_function_whose_backward_is_its_forwards_gradient_is_kept(make_plan, c
     """A Function whose backward writes out its forward's derivative (BLOOM's GeLUFunction)
     trains the same model through the captured graph: proven on random float64 inputs,
     then accepted; the stages' loss and gradients are the model's."""
-    plan = make_plan("tests/compiler/models.py:SquaredLM", {}, pp=2,
+    plan = make_plan("tests/compiler/models.py:FunctionLM", {"fn": "square"}, pp=2,
                      model_fields={"capture": capture})
     torch.manual_seed(0)
     model = load_model(plan, "cpu").double()
