@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -92,8 +93,13 @@ def embedding_weight(node: fx.Node):
 
 
 def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:
-    """The `cross_entropy(node.flatten(0, -2), t)` that is node's only use, if it is."""
+    """The `cross_entropy(node.flatten(0, -2), t)` that is node's only use, if it is, through
+    ops that act on each logit alone (`per_logit`: Cohere's logit scale, Granite's
+    division, Gemma 2's soft-capping, a float cast), which keep vocab-split logits split."""
     users = list(node.users)
+    while len(users) == 1 and per_logit(users[0], node):
+        node = users[0]
+        users = list(node.users)
     if len(users) != 1:
         return None
     flat = users[0]
@@ -110,6 +116,29 @@ def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:
     if ce.kwargs.get("weight") is not None or ce.kwargs.get("label_smoothing", 0.0) != 0.0:
         return None
     return ce
+
+
+_PER_LOGIT_FNS = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul,
+                  torch.div, torch.add, torch.sub, torch.tanh}
+_PER_LOGIT_METHODS = {"mul", "div", "add", "sub", "tanh", "float", "to"}
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
+
+
+def per_logit(node: fx.Node, value: fx.Node) -> bool:
+    """Does `node` apply one function to each element of `value` alone: a pointwise op whose
+    other arguments are numbers, or a dtype cast? (On vocab-split logits it runs on each
+    rank's share; a reduction over the vocabulary would not.)"""
+    if node.op == "call_method":
+        known = node.target in _PER_LOGIT_METHODS
+    elif node.op == "call_function":
+        t = node.target
+        known = t in _PER_LOGIT_FNS or t in _CASTS or (
+            isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags)
+    else:
+        return False
+    rest = [a for a in node.args if a is not value] + list(node.kwargs.values())
+    return known and value in node.args and \
+        all(a is None or isinstance(a, (bool, int, float, torch.dtype)) for a in rest)
 
 
 # ------------------------------------------------------------ compile-time checks

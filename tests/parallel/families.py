@@ -227,6 +227,12 @@ def gptj(layers: int = 2):
     return transformers.GPTJForCausalLM(cfg)
 
 
+def cohere(layers: int = 2):
+    """Cohere: parallel attention and MLP, LayerNorm without bias, logits scaled (0.5)
+    between the head its tp plan splits and the loss."""
+    return _hf("CohereConfig", "CohereForCausalLM", layers, logit_scale=0.5)
+
+
 def phimoe(layers: int = 2):
     """PhiMoE: a stochastic router (sparsemixer: Gumbel sampling, `torch.no_grad()` masks, a
     custom autograd.Function for its gradient) that `check` refuses at a plan line."""

@@ -29,6 +29,7 @@ FAMILIES = {
     "gpt_neox": ("gpt_neox", None, 0, 0),
     "opt": ("opt", None, 0, 0),
     "gptj": ("gptj", None, 0, 0),
+    "cohere": ("cohere", None, 0, 0),
     "phimoe": ("phimoe", "model.layers.*.mlp", 4, 2),
     "mixtral": ("mixtral", "model.layers.*.mlp", 4, 2),
     "qwen3_moe": ("qwen3_moe", "model.layers.*.mlp", 4, 2),

@@ -364,6 +364,25 @@ def test_tied_weights_must_be_split_alike():
                    model)
 
 
+def test_only_per_logit_ops_keep_logits_vocab_split():
+    """Between a vocab-split head and the loss, the logits may pass through ops that act on
+    each logit alone (pointwise with numbers, casts), never through one that reads the
+    whole vocabulary or another tensor."""
+    from pipeplan.compiler.parallel.tp import per_logit
+
+    class Logits(torch.nn.Module):
+        def forward(self, x, y):
+            a = (torch.tanh(x / 8.0) * 8.0).float()
+            return a - a.logsumexp(-1, keepdim=True), a * y, a.softmax(-1)
+
+    nodes = {n.name: n for n in fx.symbolic_trace(Logits()).graph.nodes}
+    chain = ["x", "truediv", "tanh", "mul", "float_1"]
+    for value, node in zip(chain, chain[1:]):
+        assert per_logit(nodes[node], nodes[value]), node
+    for node in ("logsumexp", "sub", "mul_1", "softmax"):
+        assert not per_logit(nodes[node], nodes["float_1"]), node
+
+
 def _partial_grads_worker(rank, world):
     from pipeplan.backends.parallel import PartialGrads
 

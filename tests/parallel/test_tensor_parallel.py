@@ -57,9 +57,11 @@ def make_plan(name: str) -> Plan:
     model, pp, tp = parts[0], int(parts[1][2:]), int(parts[2][2:])
     sp = "sp" in parts
     kind = parts[-1] if parts[-1] not in ("sp",) and not parts[-1].startswith("tp") else "1f1b"
-    if model == "window":
-        spec = ModelSpec("pipeplan.tests.parallel.tp_models:WindowLM", capture="fx")
-        tensor = WINDOW
+    if model in ("window", "softcap"):  # softcap: logits soft-capped and scaled
+        spec = ModelSpec("pipeplan.tests.parallel.tp_models:WindowLM", capture="fx",
+                         args={"softcap": 8.0} if model == "softcap" else {})
+        tensor = WINDOW if model == "window" else dataclasses.replace(  # the head column
+            WINDOW, column=WINDOW.column + ("head",), vocab=("embed",))
     elif model == "gptj":  # split by its config's base_model_tp_plan
         spec = ModelSpec("pipeplan.tests.parallel.families:gptj", capture="export")
         tensor = TensorSpec()
@@ -82,6 +84,13 @@ def _worker(rank, world, names):
 
 def test_non_causal_window_attention_tp2_equals_reference(run_workers):
     run_workers(_worker, 2, ["window-pp1-tp2", "window-pp1-tp2-sp"], timeout=280)
+
+
+def test_vocab_parallel_loss_through_per_logit_ops_tp2(run_workers):
+    """Logits soft-capped and scaled between the vocab-split head and the loss (Gemma 2's
+    tanh(x / c) * c, Cohere's logit scale): the ops act on each logit alone, so the logits
+    stay split into the vocab-parallel loss (they were refused: "feeds the loss")."""
+    run_workers(_worker, 2, ["softcap-pp1-tp2-sp"], timeout=280)
 
 
 @pytest.mark.slow

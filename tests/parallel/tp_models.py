@@ -76,9 +76,10 @@ class Block(nn.Module):
 
 class WindowLM(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2,
-                 window: int = 2):
+                 window: int = 2, softcap: float = 0.0):
         super().__init__()
         torch.manual_seed(0)
+        self.softcap = softcap  # > 0: logits soft-capped (Gemma 2's), then scaled (Cohere's)
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, heads, window, use_sdpa=i % 2 == 1)
                                     for i in range(layers))
@@ -90,7 +91,10 @@ class WindowLM(nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap * 0.5
+        return logits
 
 
 class MegatronLayer(nn.Module):
@@ -132,4 +136,7 @@ class MegatronGPT(nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap * 0.5
+        return logits
