@@ -233,6 +233,17 @@ def cohere(layers: int = 2):
     return _hf("CohereConfig", "CohereForCausalLM", layers, logit_scale=0.5)
 
 
+def olmoe(layers: int = 2):
+    """OLMoE: 4 experts top-2 in transformers' experts module (3-d weights indexed by
+    expert), q/k RMSNorm; its own tp plan leaves the experts whole. Kernel batched_mm (what
+    pipeplan's float64 runs switch grouped_mm to: compiler/estimate/precision.py), so the
+    float64 reference of tests/parallel/tp_reference.py runs it too."""
+    model = _hf("OlmoeConfig", "OlmoeForCausalLM", layers, num_experts=4,
+                num_experts_per_tok=2)
+    model.set_experts_implementation("batched_mm")
+    return model
+
+
 def phimoe(layers: int = 2):
     """PhiMoE: a stochastic router (sparsemixer: Gumbel sampling, `torch.no_grad()` masks, a
     custom autograd.Function for its gradient) that `check` refuses at a plan line."""

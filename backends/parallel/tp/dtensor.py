@@ -70,7 +70,9 @@ class ToDTensor(_Placed):
 class _PartialGradReplicate(torch.autograd.Function):
     """Forward: a Replicate DTensor of `p`. Backward: this rank's share of the gradient as
     a partial sum (Partial: its local value; Replicate: the value on rank 0, zeros
-    elsewhere), so one all-reduce per step completes it."""
+    elsewhere; Shard(d): its slice in place, zeros elsewhere -- OLMoE's experts' weights,
+    indexed by expert on sequence shards, get theirs split by expert), so one all-reduce
+    per step completes it."""
 
     @staticmethod
     def forward(ctx, p, mesh):
@@ -85,7 +87,20 @@ class _PartialGradReplicate(torch.autograd.Function):
             return local, None
         if isinstance(placement_, Replicate):
             return (local if ctx.mesh.get_local_rank() == 0 else torch.zeros_like(local)), None
+        if isinstance(placement_, Shard):
+            return _in_place(grad, placement_.dim, ctx.mesh), None
         raise RuntimeError(f"a replicated parameter got a {placement_} gradient")
+
+
+def _in_place(grad: DTensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+    """A Shard(dim) DTensor as a partial sum: this rank's shard where DTensor puts it
+    (torch.chunk's rule), zeros elsewhere."""
+    local = grad._local_tensor
+    full = torch.zeros(grad.shape, dtype=local.dtype, device=local.device)
+    n = grad.shape[dim]
+    start = min(mesh.get_local_rank() * -(-n // mesh.size()), n)
+    full.narrow(dim, start, local.shape[dim]).copy_(local)
+    return full
 
 
 class ReplicatedParameter(nn.Module):
