@@ -165,3 +165,78 @@ def test_inplace_write_into_a_region_input_is_refused():
     with pytest.raises(PipeplanError, match="modifies its input .* in place"):
         recompute.StageProgram(gm, (RecomputeRule("block", "full"),), contextlib.nullcontext,
                                recompute.Phase())
+
+
+class _Residual(torch.nn.Module):
+    """Falcon's block end, as export writes it: the MLP's output summed into in place with
+    the attention's (`aten.add_`); `reread`: the overwritten value is also read elsewhere."""
+
+    def __init__(self, reread: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn, self.up, self.down = (torch.nn.Linear(8, 8), torch.nn.Linear(8, 16),
+                                         torch.nn.Linear(16, 8))
+        self.reread = reread
+
+    def forward(self, x):
+        a = self.attn(x)
+        y = self.down(torch.relu(self.up(x)))
+        other = y * 3 if self.reread else 0
+        y = torch.ops.aten.add_.Tensor(y, a)  # (export's later uses read the write's node)
+        return torch.tanh(y) + other  # (a rerun node that reads the write)
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, reread: bool = False):
+        super().__init__()
+        self.block = _Residual(reread)
+
+    def forward(self, x):
+        return self.block(x * 1).sum()
+
+
+def test_an_aten_write_in_place_under_selective_recompute_is_kept():
+    """A write in place (an ATen op whose schema marks the argument written) reruns under
+    neither rule as a second write: `full` reruns it on a recomputed input, `selective`
+    keeps it (it has no matmul work, so it was rerun on its kept input and failed:
+    "a leaf Variable that requires grad is being used in an in-place operation")."""
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model = _Wrapped().double()
+    model(x).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for mode in ("selective", "full"):
+        model.zero_grad()
+        gm = torch.fx.symbolic_trace(model)
+        program = recompute.StageProgram(gm, (RecomputeRule("block", mode),),
+                                         contextlib.nullcontext, recompute.Phase())
+        program(x).backward()
+        for n, p in gm.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=0, atol=0, msg=f"{mode} {n}")
+
+
+def test_an_aten_write_into_a_value_read_elsewhere_is_refused_under_selective():
+    gm = torch.fx.symbolic_trace(_Wrapped(reread=True))
+    with pytest.raises(PipeplanError, match="overwrites .* in place, which .* also reads"):
+        recompute.StageProgram(gm, (RecomputeRule("block", "selective"),),
+                               contextlib.nullcontext, recompute.Phase())
+    recompute.StageProgram(gm, (RecomputeRule("block", "full"),), contextlib.nullcontext,
+                           recompute.Phase())
+
+
+def test_an_aten_write_into_a_region_input_is_refused():
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.mul_.Tensor(x, 2) + 1
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x * 1)
+
+    gm = torch.fx.symbolic_trace(Model())
+    with pytest.raises(PipeplanError, match="modifies its input .* in place"):
+        recompute.StageProgram(gm, (RecomputeRule("block", "full"),), contextlib.nullcontext,
+                               recompute.Phase())

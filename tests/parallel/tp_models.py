@@ -136,7 +136,4 @@ class MegatronGPT(nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
-        logits = self.head(self.norm(x))
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap * 0.5
-        return logits
+        return self.head(self.norm(x))
