@@ -79,20 +79,19 @@ def _check_recompute(plan: Plan, rules, stages: Sequence[StageSpec]) -> None:
                 raise PlanError.at(plan, "recompute", str(e)) from None
 
 
-def _random_node(stages: Sequence[StageSpec]):
-    """The first node of the stage graphs that draws random numbers (dropout with p > 0, an
-    attention call with dropout_p > 0, any other random op), or None."""
+def _random_nodes(stages: Sequence[StageSpec]):
+    """The nodes of the stage graphs that draw random numbers (dropout with p > 0, an
+    attention call with dropout_p > 0, any other random op), in order."""
     for st in stages:
         if not isinstance(st.module, fx.GraphModule):
             continue
         for n in st.module.graph.nodes:
             if draws_random(n) and _dropout_p(st.module, n) != 0:
-                return n
-            if n.op == "call_function" and n.target in SDPA:
+                yield n
+            elif n.op == "call_function" and n.target in SDPA:
                 p = sdpa_arguments(n.args, n.kwargs)["dropout_p"]
                 if isinstance(p, fx.Node) or p:
-                    return n
-    return None
+                    yield n
 
 
 def _dropout_p(module: nn.Module, n: fx.Node):
@@ -115,9 +114,10 @@ def _check_random_draws(plan: Plan, stages: Sequence[StageSpec]) -> None:
     """Random ops draw keyed by (seed, step, chunk, k) (backends/runtime/draws.py), which
     reproduces the single-process draws only where a rank computes them on whole tensors of
     one microbatch, with the dispatcher seeing each draw."""
-    node = _random_node(stages)
-    if node is None:
+    drawing = list(_random_nodes(stages))
+    if not drawing:
         return
+    node = drawing[0]
     what = f"the model draws random numbers (`{node.name}`)"
     if plan.compile.mode == "inductor":
         raise PlanError.at(plan, "compile.mode", f"{what}, which inductor's kernels draw from "
@@ -139,7 +139,9 @@ def _check_random_draws(plan: Plan, stages: Sequence[StageSpec]) -> None:
         raise PlanError.at(plan, key, f"{what}; the reference runs several microbatches as "
                            "one batch here (expert parallelism's statistics), so its draws "
                            "are not the microbatches' own", "set the model's dropout to 0")
-    if plan.mesh.tp > 1 and node.op == "call_function" and node.target in SDPA:
+    attention = [n for n in drawing if n.op == "call_function" and n.target in SDPA]
+    if plan.mesh.tp > 1 and attention:  # (each one, not only the first draw: GPT-2's
+        node = attention[0]  # embedding dropout comes before its attention's)
         raise PlanError.at(plan, "mesh.tp", f"attention `{node.name}` has dropout_p > 0 and "
                            "tensor parallelism splits its heads: a rank's kernel would draw "
                            "its own numbers, not its heads' part of the single-process draws",

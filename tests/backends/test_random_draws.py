@@ -98,6 +98,45 @@ def test_check_refuses_random_draws_that_cannot_be_the_references():
     assert "dropout.plan:16:18:" in str(e.value) and "each rank's part" in str(e.value)
 
 
+class SdpaDropoutLM(torch.nn.Module):
+    """GPT-2's order of draws: dropout on the embeddings, then attention with dropout_p."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.q, self.k, self.v, self.proj = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x = torch.nn.functional.dropout(self.embed(input_ids), 0.1, self.training)
+        b, s, d = x.shape
+        q, k, v = (f(x).view(b, s, self.heads, -1).transpose(1, 2) for f in (self.q, self.k,
+                                                                             self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1,
+                                                             is_causal=True)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, s, d)))
+
+
+def test_attention_dropout_under_tp_is_refused_after_an_earlier_draw():
+    """The attention check read the first random op only, so an embedding dropout before
+    it (GPT-2) let tp2 through: verify said DIFFERENT (loss 9e-4 off at step 1)."""
+    from pipeplan.compiler import compile_plan
+
+    text = BASE.replace("tp_models:MegatronGPT", "test_random_draws:SdpaDropoutLM").replace(
+        "pipeplan.tests.parallel", "pipeplan.tests.backends").replace(
+        "  args = { layers = 2 }\n", "") + """\
+mesh { tp = 2 }
+tensor {
+  column = ["q", "k", "v"]
+  row = ["proj"]
+}
+"""
+    with pytest.raises(PlanError) as e:
+        compile_plan(_plan(text))
+    assert "dropout.plan:8:13:" in str(e.value) and "dropout_p > 0" in str(e.value), str(e.value)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dropout_model_pp2_tp2_sp_recompute_verifies_equal():
