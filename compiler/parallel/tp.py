@@ -10,7 +10,10 @@ is that module's own parameters as the captured graph uses them:
 
 A parameter counts as used "Linear-like" where the graph applies it as
 `linear(x, weight, bias)` (an fx `call_module` of a Linear, `F.linear`,
-`aten.linear`) or as an embedding table (`F.embedding`, `aten.embedding`).
+`aten.linear`, or `x @ weight.T`: Falcon) or as an embedding table (`F.embedding`,
+`aten.embedding`). A weight the graph applies stored [in, out] -- `addmm(b, x, W)`,
+`x @ W`: GPT-2's Conv1D -- has its dims swapped (column: dim 1, row: dim 0); its
+tokens are flattened to rows, so sequence parallel is refused on it (`LinearUse`).
 Everything is checked at compile time against the real shapes and the graph,
 so a plan that cannot be split fails at its plan line: tp not dividing the
 features, the heads (where the graph views a column output as [..., heads,
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..patterns import matches, matches_any
-from .tp_fused import find_segments, parts_of
+from .tp_fused import ROWS_RESTORED, find_segments, parts_of
 from .tp_model import HF_STYLES, declared_plan
 
 KINDS = ("column", "row", "vocab")
@@ -79,10 +82,11 @@ class TensorParallelRules:
         return None
 
 
-def shard_dim(kind: str, leaf: str) -> Optional[int]:
-    """The dim a module's parameter `leaf` is split on (None: kept whole)."""
+def shard_dim(kind: str, leaf: str, in_out: bool = False) -> Optional[int]:
+    """The dim a module's parameter `leaf` is split on (None: kept whole); `in_out`: its
+    weight is stored [in, out] (LinearUse.in_out), so the feature dims are swapped."""
     if leaf == "weight":
-        return 1 if kind == "row" else 0
+        return (1 if kind == "row" else 0) ^ int(in_out)
     if leaf == "bias" and kind != "row":
         return 0
     return None
@@ -218,7 +222,12 @@ def _check_shape(plan: Plan, key: str, kind: str, name: str, module: torch.nn.Mo
     if getattr(module, "max_norm", None) is not None:
         raise PlanError.at(plan, key, f"{name} renormalises its rows (max_norm); a split "
                            "embedding table cannot", "drop max_norm or leave it unsplit")
-    dim = shard_dim(kind, "weight")
+    if kind != "vocab" and not isinstance(module, torch.nn.Linear):
+        return  # the layout its graph uses decides the dim (check_pairing: _check_layouts)
+    _check_divides(plan, key, kind, name, w, shard_dim(kind, "weight"), tp)
+
+
+def _check_divides(plan: Plan, key: str, kind: str, name: str, w, dim: int, tp: int) -> None:
     size = w.shape[dim]
     what = {"column": "output features", "row": "input features",
             "vocab": "vocabulary"}[kind]
@@ -255,8 +264,10 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
     Only tensor values carry features (`run.is_tensor(node)`); sizes read off a tensor do not."""
     if not kinds:
         return
-    linear = linear_calls(graph, model)
+    uses = linear_uses(graph, model)
+    linear = {n: use.module for n, use in uses.items()}
     used = set(linear.values()) | set(embedding_calls(graph, model).values())
+    _check_layouts(plan, model, kinds, uses)
     for name, kind in kinds.items():
         if name not in used:
             raise PlanError.at(plan, _key_of(plan, kind, name),
@@ -282,7 +293,9 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
             continue  # vocab-parallel cross-entropy on the split logits
         if kind == "column":
             key = _key_of(plan, "column", name)
-            for part in parts_of(node) if find_segments(plan, key, name, node, run) else [node]:
+            out = features_out(node, run)
+            for part in parts_of(out) if find_segments(plan, key, name, node, run, out) \
+                    else [out]:
                 _check_heads(plan, part, name, run)
             for hit in first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
@@ -304,6 +317,50 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                        "features a column-parallel layer computed")
 
 
+def features_out(node: fx.Node, run) -> fx.Node:
+    """Where a Linear use's output has the model's own leading dims: the use itself, or the
+    one view back from the rows its tokens were flattened to (Conv1D: addmm on [tokens,
+    in], viewed to [..., out]), marked ROWS_RESTORED for the rewrite's recut (fused.py)."""
+    users = list(node.users)
+    if len(users) != 1 or not _is_view(users[0]) or not run.is_tensor(users[0]):
+        return node
+    before, after = run.value(node).shape, run.value(users[0]).shape
+    if len(before) == 2 and len(after) > 2 and after[-1] == before[-1]:
+        users[0].meta[ROWS_RESTORED] = True
+        return users[0]
+    return node
+
+
+def _is_view(n: fx.Node) -> bool:
+    return n.op == "call_method" and n.target in _VIEWS or \
+        n.op == "call_function" and n.target in _VIEW_FNS
+
+
+def _check_layouts(plan: Plan, model: torch.nn.Module, kinds: dict[str, str],
+                   uses: dict[fx.Node, LinearUse]) -> None:
+    """Each split module's weight used in one layout, which tp divides on its split dim;
+    a weight stored [in, out] (Conv1D) not under sequence parallel (its op multiplies the
+    tokens flattened to rows, whose split is no sequence split)."""
+    layouts: dict[str, set] = {}
+    for use in uses.values():
+        if use.module in kinds:
+            layouts.setdefault(use.module, set()).add(use.in_out)
+    for name, found in layouts.items():
+        kind, key = kinds[name], _key_of(plan, kinds[name], name)
+        if len(found) > 1:
+            raise PlanError.at(plan, key, f"{name}'s weight is used both as [out, in] "
+                               "(x @ W.T) and as [in, out] (x @ W), so no one dim of it "
+                               "holds its output features", "leave it out of the patterns")
+        in_out = found.pop()
+        w = model.get_submodule(name)._parameters["weight"]
+        _check_divides(plan, key, kind, name, w, shard_dim(kind, "weight", in_out), plan.mesh.tp)
+        if in_out and plan.tensor.sequence_parallel:
+            raise PlanError.at(plan, "tensor.sequence_parallel", f"{name} multiplies the tokens "
+                               "flattened to rows by a weight stored [in, out] (x @ W: "
+                               "GPT-2's Conv1D), whose rows are no sequence shards; sequence "
+                               "parallel is not run on it", "set sequence_parallel = false")
+
+
 _VIEWS = {"view", "reshape", "unflatten"}
 _VIEW_FNS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
              torch.ops.aten._unsafe_view.default, torch.reshape)
@@ -314,9 +371,7 @@ def _check_heads(plan: Plan, node: fx.Node, name: str, run) -> None:
     divide heads (each rank then holds whole heads: DTensor keeps the split)."""
     tp = plan.mesh.tp
     for user in node.users:
-        is_view = (user.op == "call_method" and user.target in _VIEWS
-                   or user.op == "call_function" and user.target in _VIEW_FNS)
-        if not (is_view and run.is_tensor(user)):
+        if not (_is_view(user) and run.is_tensor(user)):
             continue
         before, after = tuple(run.value(node).shape), tuple(run.value(user).shape)
         if len(after) == len(before) + 1 and after[:-2] == before[:-1] \
@@ -328,19 +383,96 @@ def _check_heads(plan: Plan, node: fx.Node, name: str, run) -> None:
                                "(GQA: tp must divide the key/value heads too)")
 
 
-def linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
-    """Graph nodes applying a module's weight as a Linear -> the module's qualified name
-    (fx `call_module` of a Linear; `linear(x, <m>.weight)` in fx and export graphs)."""
+@dataclass(frozen=True)
+class LinearUse:
+    """One application of a module's weight as a Linear: `x @ W^T (+ b)` with W stored
+    [out, in] (`linear`, a Linear's call, `x @ W.T` as Falcon writes it), or `x @ W (+ b)`
+    with W stored [in, out] (`in_out`: GPT-2's Conv1D, `addmm(b, x, W)` on the tokens
+    flattened to rows). Either way the output's last dim is the module's output features."""
+
+    module: str
+    x: fx.Node  # the activation operand
+    weight: Optional[fx.Node] = None  # its get_attr (None: an fx call of the Linear module)
+    bias: Optional[fx.Node] = None  # a bias the same op adds (linear's, addmm's)
+    in_out: bool = False
+
+
+_ADDMMS = (torch.ops.aten.addmm.default, torch.addmm)
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.matmul.default, torch.mm, torch.matmul,
+            operator.matmul)
+_TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.numpy_T.default, torch.t)
+
+
+def _weight(n) -> Optional[fx.Node]:
+    """`n` if it reads a module's `.weight` parameter (a get_attr), else None."""
+    ok = isinstance(n, fx.Node) and n.op == "get_attr" and n.target.endswith(".weight")
+    return n if ok else None
+
+
+def _transposed_weight(n) -> Optional[fx.Node]:
+    """The weight get_attr `n` transposes (W.T, W.t(), t(W), transpose(W, 0, 1),
+    permute(W, [1, 0])), else None."""
+    if not isinstance(n, fx.Node) or not n.args:
+        return None
+    w = _weight(n.args[0])
+    rest = tuple(n.args[1:])
+    if n.op == "call_function" and n.target in _TRANSPOSES and not rest \
+            or n.op == "call_method" and n.target == "t" and not rest \
+            or n.op == "call_function" and n.target is getattr and rest == ("T",):
+        return w
+    if n.op == "call_function" and n.target == torch.ops.aten.transpose.int \
+            or n.op == "call_method" and n.target == "transpose":
+        return w if {d % 2 for d in rest if isinstance(d, int)} == {0, 1} and len(rest) == 2 \
+            else None
+    if n.op == "call_function" and n.target == torch.ops.aten.permute.default \
+            or n.op == "call_method" and n.target == "permute":
+        dims = rest[0] if len(rest) == 1 else rest
+        return w if [d % 2 for d in dims] == [1, 0] else None
+    return None
+
+
+def linear_use(n: fx.Node, modules: dict) -> Optional[LinearUse]:
+    """How `n` applies a module's weight as a Linear (None: it does not)."""
+    if n.op == "call_module":
+        if isinstance(modules.get(n.target), torch.nn.Linear):
+            return LinearUse(n.target, n.args[0])
+        return None
+    if n.op != "call_function" or len(n.args) < 2:
+        return None
+    if n.target in LINEARS:
+        w, bias = _weight(n.args[1]), n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        x, in_out = n.args[0], False
+    elif n.target in _ADDMMS and len(n.args) == 3 and not n.kwargs:
+        bias, x, operand = n.args
+        w, in_out = _weight(operand), True
+        if w is None:
+            w, in_out = _transposed_weight(operand), False
+    elif n.target in _MATMULS and not n.kwargs:
+        x, operand = n.args
+        bias, w, in_out = None, _weight(operand), True
+        if w is None:
+            w, in_out = _transposed_weight(operand), False
+    else:
+        return None
+    if w is None or not isinstance(x, fx.Node):
+        return None
+    return LinearUse(w.target.rpartition(".")[0], x, w, bias, in_out)
+
+
+def linear_uses(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, LinearUse]:
+    """Every node of the graph that applies a module's weight as a Linear (`linear_use`)."""
     modules = dict(model.named_modules())
     out = {}
     for n in graph.nodes:
-        if n.op == "call_module" and isinstance(modules.get(n.target), torch.nn.Linear):
-            out[n] = n.target
-        elif n.op == "call_function" and n.target in LINEARS and len(n.args) > 1 \
-                and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr" \
-                and n.args[1].target.endswith(".weight"):
-            out[n] = n.args[1].target.rpartition(".")[0]
+        use = linear_use(n, modules)
+        if use is not None:
+            out[n] = use
     return out
+
+
+def linear_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:
+    """Graph nodes applying a module's weight as a Linear -> the module's qualified name."""
+    return {n: use.module for n, use in linear_uses(graph, model).items()}
 
 
 def embedding_calls(graph: fx.Graph, model: torch.nn.Module) -> dict[fx.Node, str]:

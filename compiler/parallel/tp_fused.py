@@ -37,6 +37,7 @@ from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 
 FUSED = "pipeplan_fused_segments"  # on a column Linear: ((start, length), ...) of its features
+ROWS_RESTORED = "pipeplan_rows_restored"  # on the view back from a Linear use's token rows
 CUTS = "pipeplan_fused_cuts"  # on a cut of it: ((start, end), ...), one per part it returns
 
 _SLICES = (torch.ops.aten.slice.Tensor,)
@@ -102,12 +103,15 @@ def _slice_range(start, end, features: int) -> Optional[tuple[tuple[int, int], .
     return ((s, e),) if s < e else None
 
 
-def find_segments(plan: Plan, key: str, name: str, node: fx.Node, run) -> tuple:
+def find_segments(plan: Plan, key: str, name: str, node: fx.Node, run,
+                  out: Optional[fx.Node] = None) -> tuple:
     """The segments of column Linear `node`'s output features its cuts reveal (recorded on
-    the nodes; () when nothing cuts it), refused at `key` where they cannot be split."""
-    value = run.value(node)
+    the nodes; () when nothing cuts it), refused at `key` where they cannot be split.
+    `out`: where its output has the model's leading dims (tp.features_out), the value cut."""
+    out = node if out is None else out
+    value = run.value(out)
     features, ndim = value.shape[-1], value.dim()
-    cuts = {u: cut_of(u, features, ndim) for u in node.users}
+    cuts = {u: cut_of(u, features, ndim) for u in out.users}
     if not any(c is not None for c in cuts.values()):
         return ()
     whole = [u for u, c in cuts.items() if c is None]

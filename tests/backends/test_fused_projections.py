@@ -49,13 +49,21 @@ def plan_for(model: str, tensor: str = "plan = model", tp: int = 2, layers: int 
     return parse_plan(text, "plan.plan")
 
 
+GPT2 = ("column = [transformer.h.*.attn.c_attn, transformer.h.*.mlp.c_fc]  "
+        "row = [transformer.h.*.attn.c_proj, transformer.h.*.mlp.c_proj]")
+FALCON = ("column = [transformer.h.*.self_attention.query_key_value, "
+          "transformer.h.*.mlp.dense_h_to_4h]  row = [transformer.h.*.self_attention.dense, "
+          "transformer.h.*.mlp.dense_4h_to_h]  sequence_parallel = true")
+TENSOR = {"gpt2": GPT2, "falcon": FALCON}  # (the others: their own tp plan)
+
+
 def _segments(model_name: str) -> tuple[dict, dict]:
     from pipeplan.compiler.capture.loading import load_model
     from pipeplan.compiler.capture.traced import trace_with_loss
     from pipeplan.compiler.parallel.tp import check_pairing, linear_calls, tp_annotations
     from pipeplan.compiler.parallel.tp_fused import FUSED
 
-    plan = plan_for(model_name, layers=1)
+    plan = plan_for(model_name, TENSOR.get(model_name, "plan = model"), layers=1)
     model = load_model(plan, "meta")
     kinds = tp_annotations(plan, model)
     traced = trace_with_loss(plan, model)
@@ -91,6 +99,72 @@ def test_phi3_parts_are_found_in_the_graph_and_split_part_by_part():
     for a, b in ((0, 32), (32, 48), (48, 64)):
         assert torch.equal(take_part(out, tp, a, b), full[..., a:b])
     assert torch.equal(ungroup(regrouped, segments, tp), w)
+
+
+def test_gpt2_conv1d_parts_are_found_after_the_view_back_from_its_rows():
+    """GPT-2's c_attn is a Conv1D: `addmm(b, x, W)` with W stored [in, out] on the tokens
+    flattened to rows, viewed back to [..., 3 * 32], then split into q, k, v. Its output
+    features are W's dim 1, so a rank's shard is its 1/tp of each part along dim 1."""
+    from pipeplan.backends.parallel.tp.fused import pieces, take_part, ungroup
+    from pipeplan.tests.parallel.families import gpt2
+
+    kinds, found = _segments("gpt2")
+    assert kinds["transformer.h.0.attn.c_attn"] == "column"
+    assert found == {"transformer.h.0.attn.c_attn": ((0, 32), (32, 32), (64, 32))}
+    torch.manual_seed(0)
+    attn = gpt2(layers=1).double().transformer.h[0].attn.c_attn
+    w, b = attn.weight.detach(), attn.bias.detach()
+    x = torch.randn(10, 32, dtype=torch.float64)
+    segments, tp = found["transformer.h.0.attn.c_attn"], 2
+    shards = [pieces(segments, 1, r, tp).take(w) for r in range(tp)]
+    assert torch.equal(shards[1], torch.cat([w[:, 16:32], w[:, 48:64], w[:, 80:96]], dim=1))
+    regrouped = torch.cat(shards, dim=1)
+    bias = torch.cat([pieces(segments, 0, r, tp).take(b) for r in range(tp)])
+    full, out = torch.addmm(b, x, w), torch.addmm(bias, x, regrouped)
+    for lo, hi in ((0, 32), (32, 64), (64, 96)):
+        assert torch.equal(take_part(out, tp, lo, hi), full[..., lo:hi])
+    assert torch.equal(ungroup(regrouped, segments, tp, dim=1), w)
+
+
+def test_linear_uses_read_the_weights_layout_off_the_graph():
+    """A weight applied as a Linear in any of the forms models write: `linear`, `x @ W.T`
+    (Falcon), `addmm(b, x, W)` and `x @ W` (GPT-2's Conv1D, [in, out]); a weight on the left
+    of a product is no Linear use."""
+    from pipeplan.compiler.parallel.tp import linear_uses
+
+    class Forms(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d, self.e = (torch.nn.Linear(4, 4) for _ in range(5))
+
+        def forward(self, x):
+            y = F.linear(x, self.a.weight, self.a.bias) + x @ self.b.weight.T
+            y = y + torch.addmm(self.c.bias, x, self.c.weight) + torch.matmul(x, self.d.weight)
+            return y + self.e.weight @ x
+
+    gm = torch.fx.symbolic_trace(Forms())
+    got = {u.module: (u.in_out, u.bias is not None, u.x.name)
+           for u in linear_uses(gm.graph, gm).values()}
+    assert got == {"a": (False, True, "x"), "b": (False, False, "x"),
+                   "c": (True, True, "x"), "d": (True, False, "x")}
+
+
+def test_sequence_parallel_on_a_conv1d_is_refused_at_its_line():
+    from pipeplan.compiler import compile_plan
+
+    with pytest.raises(PlanError, match="Conv1D") as err:
+        compile_plan(plan_for("gpt2", GPT2 + "  sequence_parallel = true"))
+    assert "plan.plan:8:" in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpt2_and_falcon_tp2_by_patterns_equal_reference(spawn, tmp_path):
+    """GPT-2 (Conv1D weights split on their dim 1, fused c_attn part by part) and Falcon
+    (`x @ W.T`, multi-query attention, with sequence parallel) under tp2: trained as the
+    single-process reference in float64, and the tp2 checkpoint holds the model's own
+    layout. Both were refused ("the graph never applies its weight as a Linear")."""
+    _trained_equal_reference(spawn, tmp_path, ["gpt2", "falcon"])
 
 
 def test_gpt_neox_interleaved_heads_need_no_regrouping():
@@ -230,7 +304,7 @@ def _worker(rank, world, models, folder):
 
     out = []
     for m in models:
-        plan = plan_for(m)
+        plan = plan_for(m, TENSOR.get(m, "plan = model"))
         plan = dataclasses.replace(plan, train=dataclasses.replace(
             plan.train, checkpoint=CheckpointSpec(every=STEPS, dir=f"{folder}/{m}")))
         trainer = PipelineTrainer.for_plan(plan)
@@ -244,16 +318,19 @@ def _worker(rank, world, models, folder):
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_phi3_and_gpt_neox_tp2_with_their_own_plan_equal_reference(spawn, tmp_path):
+    _trained_equal_reference(spawn, tmp_path, ["phi3", "gpt_neox"])
+
+
+def _trained_equal_reference(spawn, tmp_path, models: list) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from pipeplan.backends.verify.reference import train_reference
     from pipeplan.backends.verify.run import judge
 
-    models = ["phi3", "gpt_neox"]
     results = spawn(_worker, 2, models, str(tmp_path), timeout=580)
     failures = []
     for k, m in enumerate(models):
-        ref = train_reference(plan_for(m), STEPS)
+        ref = train_reference(plan_for(m, TENSOR.get(m, "plan = model")), STEPS)
         verdict = judge(ref, [r[k] for r in results])
         assert len(set(ref.losses)) == STEPS and min(ref.grad_norms) > 0
         if not verdict.within:

@@ -244,6 +244,32 @@ def olmoe(layers: int = 2):
     return model
 
 
+def gpt2(layers: int = 2, dropout: float = 0.0):
+    """GPT-2: Conv1D projections (weights stored [in, out], `addmm(b, x, W)` on the tokens
+    flattened to rows), fused c_attn split into q/k/v after the view back, tied head."""
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_head=4, n_positions=64,
+                                  n_layer=layers, use_cache=False, resid_pdrop=dropout,
+                                  embd_pdrop=dropout, attn_pdrop=dropout)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def falcon(layers: int = 2, new_decoder_architecture: bool = False):
+    """Falcon: FalconLinear (`x @ W.T + b`), parallel attention and MLP summed in place
+    (`aten.add_`), multi-query attention (one k/v head) from a fused query_key_value,
+    or (new_decoder_architecture) grouped k/v heads interleaved with their queries."""
+    import transformers
+
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_attention_heads=4,
+                                    num_hidden_layers=layers, use_cache=False,
+                                    new_decoder_architecture=new_decoder_architecture,
+                                    num_kv_heads=2 if new_decoder_architecture else None,
+                                    multi_query=not new_decoder_architecture,
+                                    parallel_attn=True)
+    return transformers.FalconForCausalLM(cfg)
+
+
 def phimoe(layers: int = 2):
     """PhiMoE: a stochastic router (sparsemixer: Gumbel sampling, `torch.no_grad()` masks, a
     custom autograd.Function for its gradient) that `check` refuses at a plan line."""

@@ -182,7 +182,8 @@ def test_llama_tp2_estimate_equals_what_the_runtime_keeps(run_workers):
              ("llama tp2 full", *_llama("llama-pp2-tp2", "fp32", layers_full))]
     plan, own = _llama("llama-pp2-tp2-sp", "bf16", own_plan=True)
     kinds = set(own.tp_rewrites.values())
-    assert kinds == {"column", "row"} and len(own.tp_rewrites) == 4 * 7  # q k v o gate up down
+    assert kinds == {"column", "row", "vocab"} and len(own.tp_rewrites) == 4 * 7 + 2, \
+        own.tp_rewrites  # q k v o gate up down a layer; embed_tokens (vocab), lm_head (column)
     cases.append(("llama tp2 sp bf16, the model's own plan", plan, own))
     run_workers(_worker, 2, cases, timeout=380)
 

@@ -180,12 +180,17 @@ class VocabParallelLoss(nn.Module):
 
 class HeadLocal(nn.Module):
     """Attention (`scaled_dot_product_attention`) on this rank's heads: the model's own op,
-    called on the local blocks when q, k and v are split on the heads dim (1).
+    called on the local blocks when q is split on the heads dim (1) and k and v are too, or
+    are one head that every query head reads (multi-query: whole on every rank, their
+    gradient a partial sum); on the whole tensors when q, k and v are all whole (a fused
+    projection DTensor had to gather: Falcon's multi-query slices), each rank computing
+    the same attention.
 
     SDPA treats every (batch, head) independently, so on head shards it is exactly
     the op on the local heads; a mask with a heads dim is sliced to the same heads.
     (DTensor would reach the same by propagating through the op's decomposition,
-    which is far slower on CPU.) Any other placement runs the op on the DTensors.
+    which is far slower on CPU, and its fused CPU kernel's backward has no sharding
+    strategy.) Any other placement runs the op on the DTensors.
     """
 
     def __init__(self, op):
@@ -193,25 +198,35 @@ class HeadLocal(nn.Module):
         self.op = op
 
     def forward(self, q, k, v, *args, **kwargs):
-        heads = [isinstance(t, DTensor) and t.placements[0] == Shard(1) for t in (q, k, v)]
-        if not all(heads):
+        if not all(isinstance(t, DTensor) for t in (q, k, v)):
+            return self.op(q, k, v, *args, **kwargs)
+        place = [t.placements[0] for t in (q, k, v)]
+        whole = all(p.is_replicate() for p in place)
+        split = place[0] == Shard(1) and all(
+            p == Shard(1) or p.is_replicate() and t.shape[1] == 1
+            for p, t in zip(place[1:], (k, v)))
+        if not (whole or split):
             return self.op(q, k, v, *args, **kwargs)
         mesh = q.device_mesh
         size, rank = mesh.size(), mesh.get_local_rank()
 
-        def local(t):
+        def local(t, operand: bool = False):
             if not isinstance(t, DTensor):
                 return t
             if t.placements[0] == Shard(1):
                 return t.to_local()
+            if operand and split:  # one k/v head for this rank's query heads: partial grad
+                return t.to_local(grad_placements=[Partial()])
             full = t.redistribute(mesh, [Replicate()]).to_local()
-            if full.dim() == 4 and full.shape[1] == q.shape[1]:  # a per-head mask
+            if split and full.dim() == 4 and full.shape[1] == q.shape[1]:  # a per-head mask
                 return full.chunk(size, dim=1)[rank]
             return full
 
         args = [local(a) for a in args]
         kwargs = {n: local(a) for n, a in kwargs.items()}
-        out = self.op(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)
+        out = self.op(local(q, True), local(k, True), local(v, True), *args, **kwargs)
+        if whole:
+            return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
         shape = torch.Size((out.shape[0], q.shape[1]) + tuple(out.shape[2:]))
         return DTensor.from_local(out, mesh, [Shard(1)], run_check=False, shape=shape,
                                   stride=_stride_like(out, shape))

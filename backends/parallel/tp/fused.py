@@ -6,7 +6,8 @@ features. Here:
 
 * rank r's shard of the weight (and bias) is its 1/tp of every segment, stacked:
   [q_r; k_r; v_r] (`pieces`), so the DTensor this rank holds as Shard(0) is the
-  *regrouped* weight W' = [q_0; k_0; v_0; q_1; k_1; v_1 ...];
+  *regrouped* weight W' = [q_0; k_0; v_0; q_1; k_1; v_1 ...] (stacked on dim 1, held
+  as Shard(1), for a weight stored [in, out]: GPT-2's Conv1D);
 * the Linear's output is then in W''s order, and each cut of it is redone on
   that order (`take_part`): viewed as [..., tp, features / tp], a part [a, b) is
   [..., a / tp : b / tp] of the last dim, flattened back -- exactly the model's
@@ -23,20 +24,19 @@ import torch
 import torch.fx as fx
 
 from ....compiler.capture.blocks import TRACED_IN, module_path
-from ....compiler.parallel.tp import LINEARS
-from ....compiler.parallel.tp_fused import CUTS, FUSED
+from ....compiler.parallel.tp_fused import CUTS, FUSED, ROWS_RESTORED
 from ...state.materialize import Pieces, Slice
 
 SEGMENTS = "_tp_fused_segments"  # on a rewritten stage: parameter name -> its segments
 
 
-def fused_parameters(graph: fx.Graph) -> dict[str, tuple]:
-    """Parameter (get_attr) name -> segments, for the weight and bias of every cut Linear."""
+def fused_parameters(uses: dict) -> dict[str, tuple]:
+    """Parameter (get_attr) name -> segments, for the weight and bias of every cut Linear
+    (`uses`: the stage's tp.linear_uses)."""
     out = {}
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target in LINEARS and n.meta.get(FUSED):
-            bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-            for p in (n.args[1], bias):
+    for n, use in uses.items():
+        if n.meta.get(FUSED):
+            for p in (use.weight, use.bias):
                 if isinstance(p, fx.Node) and p.op == "get_attr":
                     out[p.target] = n.meta[FUSED]
     return out
@@ -59,8 +59,11 @@ def take_parts(out: torch.Tensor, tp: int, ranges) -> list[torch.Tensor]:
 
 
 def recut(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
-    """Redo every cut of cut Linear `node`'s output on the regrouped order."""
+    """Redo every cut of cut Linear `node`'s output on the regrouped order (cut after the
+    view back from its token rows, where there is one: ROWS_RESTORED)."""
     g = gm.graph
+    back = [u for u in node.users if u.meta.get(ROWS_RESTORED)]
+    node = back[0] if back else node
     for user in list(node.users):
         ranges = user.meta[CUTS]
         single = user.target in (torch.ops.aten.slice.Tensor, operator.getitem)
@@ -73,11 +76,11 @@ def recut(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
         g.erase_node(user)
 
 
-def ungroup(full: torch.Tensor, segments, tp: int) -> torch.Tensor:
-    """The model's layout of an all-gathered regrouped tensor (split on dim 0)."""
-    ranks = full.chunk(tp, dim=0)
+def ungroup(full: torch.Tensor, segments, tp: int, dim: int = 0) -> torch.Tensor:
+    """The model's layout of an all-gathered regrouped tensor (split on `dim`)."""
+    ranks = full.chunk(tp, dim=dim)
     parts, at = [], 0
     for _, length in segments:
-        parts += [r.narrow(0, at, length // tp) for r in ranks]
+        parts += [r.narrow(dim, at, length // tp) for r in ranks]
         at += length // tp
-    return torch.cat(parts, dim=0)
+    return torch.cat(parts, dim=dim)

@@ -84,7 +84,7 @@ def gather_full_state(module: nn.Module, group) -> dict[str, torch.Tensor]:
     full = {key: gather_full(value, dims.get(key), group)
             for key, value in module.state_dict().items()}
     size = dist.get_world_size(group)
-    return {key: ungroup(value, fused[key], size) if key in fused else value
+    return {key: ungroup(value, fused[key], size, dims[key]) if key in fused else value
             for key, value in full.items()}
 
 

@@ -8,16 +8,20 @@ that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
   masks) enter as Replicate; replicated parameters as Replicate (under
   sequence parallel with a partial gradient, summed over tp once per step);
 * a column (or vocab) parameter enters as Shard(0) -- Linear weights are
-  [out, in], so the output features split -- and a row parameter as Shard(1);
-* at a column-parallel use (`linear(x, W)`), x is redistributed to Replicate
+  [out, in], so the output features split -- and a row parameter as Shard(1)
+  (swapped for a weight the graph applies stored [in, out]: GPT-2's Conv1D,
+  compiler/parallel/tp.LinearUse);
+* at a column-parallel use (`linear(x, W)`, `x @ W.T`, `addmm(b, x, W)`), x is
+  redistributed to Replicate
   first: nothing forward (all-gather of the sequence under sequence parallel),
   and backward the partial input gradients all-reduced (reduce-scattered);
   column uses reading one value share one redistribution (Megatron's fused QKV);
   a column Linear whose output the graph cuts into parts (Phi-3's qkv_proj) holds
   its 1/tp of every part and its cuts are redone on that order (fused.py);
-* a row-parallel use computes `linear(x, W)` on the split features (a Partial
-  sum), redistributes it to Replicate -- all-reduce -- or to Shard(seq) under
-  sequence parallel -- reduce-scatter -- and only then adds the bias;
+* a row-parallel use computes `linear(x, W)` (`mm(x, W)` for `addmm(b, x, W)`) on
+  the split features (a Partial sum), redistributes it to Replicate -- all-reduce --
+  or to Shard(seq) under sequence parallel -- reduce-scatter -- and only then adds
+  the bias;
 * a vocab-parallel embedding's output is redistributed as a row output;
 * a column/vocab Linear whose logits go only to `cross_entropy(logits.flatten(0, -2), t)`
   keeps them sharded: the loss runs under torch's loss_parallel; a vocab Linear
@@ -47,8 +51,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ....compiler.capture.blocks import ATTENTION, COLLECTIVE, TRACED_IN, module_path
-from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, TensorParallelRules, embedding_weight,
-                                      graph_made_uses, loss_of_logits, shard_dim)
+from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, LinearUse, TensorParallelRules,
+                                      embedding_weight, graph_made_uses, linear_uses,
+                                      loss_of_logits, shard_dim)
 from ....errors import PipeplanError
 from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
                       VocabParallelLoss)
@@ -241,11 +246,13 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     # 2. shard the parameters the patterns name (one shard per tied parameter and dim); a
     #    fused Linear's (its output cut into parts) holds its 1/tp of every part (fused.py)
     dims: dict[str, int] = {}
-    fused = fused_parameters(g)
+    uses = linear_uses(g, gm)
+    fused = fused_parameters(uses)
+    in_out = {use.module for use in uses.values() if use.in_out}  # weights stored [in, out]
     for name, p in list(gm.named_parameters(remove_duplicate=False)):
         owner, _, leaf = name.rpartition(".")
         kind = rules.kind_of(owner)
-        dim = shard_dim(kind, leaf) if kind else None
+        dim = shard_dim(kind, leaf, owner in in_out) if kind else None
         if dim is None:
             continue
         set_parameter(gm, name, sliced(p, dim, fused.get(name)))
@@ -258,13 +265,14 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
-        if node.target in LINEARS and _attr(node.args[1]) in dims:
-            w = _attr(node.args[1])
-            kind = rules.kind_of(w.rpartition(".")[0])
+        use = uses.get(node)
+        if use is not None and _attr(use.weight) in dims:
+            w = _attr(use.weight)
+            kind = rules.kind_of(use.module)
             if kind == "row":
-                _row(b, node, out_spec)
+                _row(b, node, use, out_spec)
                 continue
-            x = node.args[0]
+            x = use.x
             if x not in entered:
                 entered[x] = b.before(node, x, "replicate_in", b.redistribute("replicate"))
                 entered[x].meta[COLLECTIVE] = sp  # all-gathers the sequence (else a no-op)
@@ -343,13 +351,16 @@ def _attr(node) -> Optional[str]:
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
-def _row(b: _Builder, node: fx.Node, out_spec: str) -> None:
-    """linear(x, W, bias) -> redistribute(linear(x, W)) + bias: sum the partial products
-    (all-reduce, or reduce-scatter to sequence shards), then add the replicated bias."""
+def _row(b: _Builder, node: fx.Node, use: LinearUse, out_spec: str) -> None:
+    """linear(x, W, bias) -> redistribute(linear(x, W)) + bias (addmm(bias, x, W) ->
+    redistribute(mm(x, W)) + bias): sum the partial products (all-reduce, or
+    reduce-scatter to sequence shards), then add the replicated bias."""
     g = b.gm.graph
-    args = list(node.args) + [None] * (3 - len(node.args))
-    bias = node.kwargs.get("bias", args[2])
-    node.args, node.kwargs = (args[0], args[1]), {}
+    bias = use.bias
+    if node.target in LINEARS:
+        node.args, node.kwargs = (node.args[0], node.args[1]), {}
+    elif bias is not None:  # addmm
+        node.target, node.args = torch.ops.aten.mm.default, node.args[1:]
     end = b.after(node, "out_" + out_spec, b.redistribute(out_spec))
     end.meta[COLLECTIVE] = True
     if bias is not None:

@@ -60,7 +60,8 @@ class Placed:
     shape: tuple[int, ...]
     offset: tuple[int, ...]
     written: list[str]  # the names this rank writes (it holds their first stage)
-    rows: tuple = ()  # a fused TP shard: (local row, global row, rows) per part, dim 0
+    rows: tuple = ()  # a fused TP shard: (local row, global row, rows) per part, on `dim`
+    dim: int = 0  # the dim a fused shard's parts are cut on (1: a weight stored [in, out])
 
     def place(self, local_offsets, view: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """(global offsets, view) of `view`, which sits at `local_offsets` of the local tensor
@@ -68,11 +69,13 @@ class Placed:
         at = tuple(o + l for o, l in zip(self.offset, local_offsets))
         if not self.rows:
             return [(at, view)]
-        lo, n, out = local_offsets[0], view.shape[0], []
+        d = self.dim
+        lo, n, out = local_offsets[d], view.shape[d], []
         for local, glob, rows in self.rows:
             a, b = max(lo, local), min(lo + n, local + rows)
             if a < b:
-                out.append(((glob + a - local,) + at[1:], view.narrow(0, a - lo, b - a)))
+                where = at[:d] + (glob + a - local,) + at[d + 1:]
+                out.append((where, view.narrow(d, a - lo, b - a)))
         return out
 
 
@@ -96,15 +99,14 @@ def placed_parameters(trainer) -> list[Placed]:
         for name, p in module.named_parameters(remove_duplicate=False):
             shape = trainer.global_shapes[name]
             offset = [0] * len(shape)
-            rows = ()
+            rows, d = (), dims[name] % len(shape) if name in dims else 0
             if name in fused:
                 rows = _fused_rows(fused[name], st.groups.tp)
             elif name in dims:
-                d = dims[name] % len(shape)
                 offset[d] = shard_offset(shape[d], st.groups.tp)
             if name in experts:
                 offset[0] = experts[name]
-            entry = out.setdefault(id(p), Placed(p, [], shape, tuple(offset), [], rows))
+            entry = out.setdefault(id(p), Placed(p, [], shape, tuple(offset), [], rows, d))
             if name not in entry.names:
                 entry.names.append(name)
                 if trainer.first_stage[name] == s:
