@@ -146,7 +146,8 @@ def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, s
                     continue  # (sizes and integer values carry no gradient)
                 reach.add(u)
                 todo += [v for v in u.users if stage_of.get(v) == s]
-            if reach & sharded:
+            if reach & sharded and run.spec(a).requires_grad:  # (RoPE's cos and sin made
+                # from buffers have no gradient to sum: the runtime sends none back)
                 out.append(Traffic(a.name, s, _nbytes(value), "partial_input"))
             if any(u.name in seq_sharded and u not in sharded for u in reach):
                 out.append(Traffic(a.name, s, _nbytes(value), "seq_input"))
