@@ -179,7 +179,8 @@ def test_llama_tp2_estimate_equals_what_the_runtime_keeps(run_workers):
     cases = [("llama tp2", *_llama("llama-pp2-tp2")),
              ("llama tp2 sp bf16 selective", *_llama("llama-pp2-tp2-sp", "bf16",
                                                      layers_selective)),
-             ("llama tp2 full", *_llama("llama-pp2-tp2", "fp32", layers_full))]
+             ("llama tp2 full", *_llama("llama-pp2-tp2", "fp32", layers_full)),
+             ("gpt2 tp2 (Conv1D)", *_llama("gpt2-pp2-tp2"))]
     plan, own = _llama("llama-pp2-tp2-sp", "bf16", own_plan=True)
     kinds = set(own.tp_rewrites.values())
     assert kinds == {"column", "row", "vocab"} and len(own.tp_rewrites) == 4 * 7 + 2, \

@@ -260,12 +260,13 @@ def test_memory_and_collectives_equal_the_estimates(run_workers):
 @pytest.mark.timeout(300)
 def test_llama_stage_collectives_equal_the_meter(run_workers):
     """transformers' Llama captured by export (RoPE, GQA, SwiGLU, vocab-parallel embedding
-    and head) at pp2 x dp2 x tp2, with and without sequence parallel: per stage, the tp
+    and head) at pp2 x dp2 x tp2, with and without sequence parallel, and GPT-2 (Conv1D
+    weights stored [in, out], its fused c_attn split part by part): per stage, the tp
     collectives `pipeplan check` prints (calls and bytes) are those that run."""
     from .test_tensor_parallel import make_plan
 
     cases = []
-    for name in ("llama-pp2-tp2", "llama-pp2-tp2-sp"):
+    for name in ("llama-pp2-tp2", "llama-pp2-tp2-sp", "gpt2-pp2-tp2"):
         plan = make_plan(name)
         plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, dp=2))
         compiled = compile_plan(plan, load_model(plan, "cpu"))

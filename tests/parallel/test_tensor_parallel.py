@@ -62,6 +62,10 @@ def make_plan(name: str) -> Plan:
                          args={"softcap": 8.0} if model == "softcap" else {})
         tensor = WINDOW if model == "window" else dataclasses.replace(  # the head column
             WINDOW, column=WINDOW.column + ("head",), vocab=("embed",))
+    elif model == "gpt2":  # Conv1D weights stored [in, out], split by patterns
+        spec = ModelSpec("pipeplan.tests.parallel.families:gpt2", capture="export")
+        tensor = TensorSpec(column=("transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"),
+                            row=("transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"))
     elif model == "gptj":  # split by its config's base_model_tp_plan
         spec = ModelSpec("pipeplan.tests.parallel.families:gptj", capture="export")
         tensor = TensorSpec()
