@@ -154,7 +154,7 @@ def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
             out = functional_call(module, values, tuple(args[count:]), tie_weights=True)
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         kept[:] = [k for k in range(len(out)) if k not in passthrough]
-        return tuple(out[k] for k in kept)
+        return tuple(_own(out[k]) for k in kept)
 
     mode = contextlib.nullcontext()
     if on is not None:
@@ -195,6 +195,13 @@ def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
                       [i for i, (x, g) in enumerate(zip(inputs, needs_grad))
                        if g and x.is_floating_point()],
                       list(kept), passthrough, tangent_outputs)
+
+
+def _own(value):
+    """A stage output as a tensor of its own: a view (of an input, as OPT's stage 0 hands on
+    its mask's slice) copied, since a joint graph cannot return what aliases its inputs;
+    the same values either way."""
+    return value.clone() if isinstance(value, torch.Tensor) and value._is_view() else value
 
 
 def _fake_forward(module, params, buffers, inputs, needs_grad) -> list[bool]:

@@ -92,6 +92,31 @@ def _weight_sized(stages) -> set[int]:
     return {p.numel() for s in stages for p in s.module.parameters()}
 
 
+class _HandsOnAView(torch.nn.Module):
+    """A stage that hands on a slice of its input next to its own result (OPT's stage 0
+    passes its mask's view on), both needing gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x):
+        return x @ self.w, x[:, :2]
+
+
+def test_a_stage_output_that_views_its_input_is_traced_as_its_own_copy():
+    """A joint graph cannot return what aliases its inputs ("stage returns a view of an
+    input": OPT under graphs mode was refused); the output is traced as a copy of the view
+    (its gradient flows back into the input's slice as the view's would: OPT pp2 under
+    graphs mode verifies EQUAL, docs/models.md)."""
+    gm = torch.fx.symbolic_trace(_HandsOnAView())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    joint = trace_joint(gm, [x], [True])
+    copies = [n for n in joint.gm.graph.nodes if n.op == "call_function"
+              and "clone" in str(n.target)]
+    assert copies and joint.tangent_outputs == [0, 1]
+
+
 @pytest.mark.parametrize("model", ["gpt", "moe"])
 def test_b_has_no_weight_matmuls_w_no_input_matmuls_and_nothing_runs_twice(model):
     plan = _plan(model)
