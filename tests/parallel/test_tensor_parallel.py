@@ -210,3 +210,46 @@ def test_the_time_model_counts_the_tensors_the_rewrite_wraps(run_workers):
     rules = dataclasses.replace(TensorParallelRules.from_plan(plan.tensor),
                                 kinds=tuple(sorted(compiled.tp_rewrites.items())))
     run_workers(_count_wraps_worker, 2, compiled.stages[0], rules, plan.data.vocab)
+
+
+def _head_local_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from pipeplan.backends.parallel.tp.dtensor import HeadLocal
+
+    torch.manual_seed(0)  # the same full tensors on every rank
+    q, k, v = (torch.randn(2, h, 6, 8, dtype=torch.float64) for h in (4, 1, 1))
+    mask = torch.rand(6, 6, dtype=torch.float64)
+    want = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*want, attn_mask=mask)
+    (ref * ref).sum().backward()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    attention = HeadLocal(F.scaled_dot_product_attention)
+    for placements in ([Shard(1), Replicate(), Replicate()], [Replicate()] * 3):
+        # multi-query on split query heads (k, v: one head each rank reads whole), or all
+        # whole (Falcon's slices of a split fused projection, which DTensor gathered)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ins = [DTensor.from_local(x.chunk(world, 1)[rank] if p == Shard(1) else x, mesh, [p])
+               for x, p in zip(leaves, placements)]
+        out = attention(*ins, attn_mask=DTensor.from_local(mask, mesh, [Replicate()]))
+        assert out.placements[0] == placements[0]
+        full = out.full_tensor()
+        torch.testing.assert_close(full, ref, rtol=1e-12, atol=1e-12)
+        (full * full).sum().backward()
+        for name, leaf, w, p in zip("qkv", leaves, want, placements):
+            g = leaf.grad.clone()
+            if p == Shard(1):  # each rank's leaf gets its own heads' share
+                dist.all_reduce(g)
+            torch.testing.assert_close(g, w.grad, rtol=1e-10, atol=1e-12,
+                                       msg=f"{placements} d{name}")
+
+
+def test_attention_on_split_queries_with_one_kv_head_and_on_whole_heads(run_workers):
+    """HeadLocal runs SDPA locally (DTensor's CPU SDPA backward has no sharding strategy):
+    on a rank's query heads with the one k/v head every query head reads (its gradient a
+    partial sum), and on whole q, k, v; the values and gradients are single-process SDPA's."""
+    run_workers(_head_local_worker, 2)

@@ -213,7 +213,7 @@ class HeadLocal(nn.Module):
         def local(t, operand: bool = False):
             if not isinstance(t, DTensor):
                 return t
-            if t.placements[0] == Shard(1):
+            if t.placements[0] == Shard(1) and split:
                 return t.to_local()
             if operand and split:  # one k/v head for this rank's query heads: partial grad
                 return t.to_local(grad_placements=[Partial()])
