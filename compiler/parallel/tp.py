@@ -427,8 +427,16 @@ def _transposed_weight(n) -> Optional[fx.Node]:
     if n.op == "call_function" and n.target == torch.ops.aten.permute.default \
             or n.op == "call_method" and n.target == "permute":
         dims = rest[0] if len(rest) == 1 else rest
-        return w if [d % 2 for d in dims] == [1, 0] else None
+        ok = all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0]
+        return w if ok else None
     return None
+
+
+def _right_operand(operand) -> tuple[Optional[fx.Node], bool]:
+    """(the weight, stored [in, out]?) of a product's right operand: W itself (x @ W) or W
+    transposed (x @ W.T); (None, False) when it is neither."""
+    w = _weight(operand)
+    return (w, True) if w is not None else (_transposed_weight(operand), False)
 
 
 def linear_use(n: fx.Node, modules: dict) -> Optional[LinearUse]:
@@ -444,14 +452,10 @@ def linear_use(n: fx.Node, modules: dict) -> Optional[LinearUse]:
         x, in_out = n.args[0], False
     elif n.target in _ADDMMS and len(n.args) == 3 and not n.kwargs:
         bias, x, operand = n.args
-        w, in_out = _weight(operand), True
-        if w is None:
-            w, in_out = _transposed_weight(operand), False
-    elif n.target in _MATMULS and not n.kwargs:
-        x, operand = n.args
-        bias, w, in_out = None, _weight(operand), True
-        if w is None:
-            w, in_out = _transposed_weight(operand), False
+        w, in_out = _right_operand(operand)
+    elif n.target in _MATMULS and len(n.args) == 2 and not n.kwargs:
+        (x, operand), bias = n.args, None
+        w, in_out = _right_operand(operand)
     else:
         return None
     if w is None or not isinstance(x, fx.Node):

@@ -28,6 +28,7 @@ from torch.distributed.tensor import empty as distributed_empty
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ....compiler.graphs.joint import traceable_function
+from .params import shard_offset
 
 
 def placement(spec: str):
@@ -98,8 +99,7 @@ def _in_place(grad: DTensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
     local = grad._local_tensor
     full = torch.zeros(grad.shape, dtype=local.dtype, device=local.device)
     n = grad.shape[dim]
-    start = min(mesh.get_local_rank() * -(-n // mesh.size()), n)
-    full.narrow(dim, start, local.shape[dim]).copy_(local)
+    full.narrow(dim, min(shard_offset(n, mesh.get_group()), n), local.shape[dim]).copy_(local)
     return full
 
 
