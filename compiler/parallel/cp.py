@@ -25,7 +25,10 @@ after (the output: back to sequence shards).
   feed position_ids from the data's `positions` field, which each cp rank receives with
   its global offsets (backends/runtime/data.py). An `arange(x.shape[seq])` (fx captures)
   is marked by compiler/parallel/cp_locality.py and renumbered to the rank's global
-  positions at run time (backends/parallel/cp/positions.py).
+  positions at run time (backends/parallel/cp/positions.py); so is an arange with a literal
+  length whose twin in the whole-length capture is arange(S), and a slice of a constant
+  (BERT's `position_ids[:, :seq]` buffer) taking its first S/cp rows there and S here
+  (compiler/parallel/cp_masks.py:mark_positions);
 
 Ring attention (`context { method = ring }`, backends/parallel/cp/ring.py) keeps each
 rank's queries and passes K/V blocks around the cp ring: heads do not limit cp (only tp,
@@ -54,6 +57,10 @@ from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA, MetaRun
 
 POSITIONS = "pipeplan_cp_positions"  # node.meta: an arange cp_locality.py ties to the sequence
+# node.meta: (dim, start) of a slice taking S/cp rows of a constant from `start` (a position
+# table or buffer, `position_ids[:, :seq]`): taken at start + the rank's positions at run time
+POSITION_SLICE = "pipeplan_cp_position_slice"
+LITERAL = "literal"  # node.meta[POSITIONS] of an arange with a literal length (cp_masks)
 SORTED_ROWS = "pipeplan_cp_sorted_rows"  # node.meta: an arange numbering sorted rows (cp_rows)
 WHOLE_MASK = "pipeplan_cp_whole_mask"  # node.meta: a mask rebuilt whole (cp_masks.py)
 REGION = "pipeplan_cp_region"  # node.meta: an attention region run whole (cp_regions.py)

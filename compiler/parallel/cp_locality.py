@@ -37,7 +37,7 @@ from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..capture.analysis import SDPA
 from ..capture.blocks import module_path
-from .cp import POSITIONS, sdpa_arguments
+from .cp import LITERAL, POSITION_SLICE, POSITIONS, sdpa_arguments
 from .cp_rows import Tag, on_sorted, sorted_by
 from .cp_rules import (MODULE_RULES, RULES, Dims, Mixing, NoRule, Op, attention, pointwise,
                        same_as_first)
@@ -109,6 +109,12 @@ def sequence_locality(gm: fx.GraphModule, run, inputs: dict[str, Dims], end: fx.
             continue
         if node.op in ("get_attr", "output"):
             continue
+        if POSITION_SLICE in node.meta:  # cp_masks.mark_positions: a constant's rows
+            seq[node] = Dims({node.meta[POSITION_SLICE][0]})
+            yield node, "positions", ""
+            continue
+        if node.meta.get(POSITIONS) == LITERAL:
+            continue  # renumbered at run time; its uses are not followed (masks read it)
         sized = _sequence_size(node, seq)
         if sized is not None:  # a shape or length of the sequence, or arange over it
             seq[node] = sized

@@ -12,7 +12,9 @@ whole sequence:
    model whose code branches on the length is refused). An `arange(0, n)` whose length is
    S/cp in one and S in the other numbers the sequence: it is marked POSITIONS and
    renumbered to each rank's global positions at run time (backends/parallel/cp/positions.py)
-   -- the positions torch.export bakes as a literal length, which fx ties by its `x.shape`.
+   -- the positions torch.export bakes as a literal length, which fx ties by its `x.shape`;
+   a constant sliced to S/cp rows from a start (S in the twin) is marked POSITION_SLICE and
+   taken at the rank's positions (`mark_positions`, run before the locality walk).
 2. For each SDPA call taking a mask, the mask's backward slice (everything it is computed
    from) must reach only the model's inputs (token ids, positions, a padding mask: values
    every rank can gather) and constants. A slice reaching a parameter, a buffer or a module
@@ -40,7 +42,8 @@ from torch.utils._pytree import tree_map_only
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
-from .cp import ARANGE, POSITIONS, WHOLE_MASK, attention_nodes, attn_mask, sdpa_arguments
+from .cp import (ARANGE, LITERAL, POSITION_SLICE, POSITIONS, WHOLE_MASK, attention_nodes,
+                 attn_mask, sdpa_arguments)
 
 
 
@@ -104,21 +107,87 @@ def _arange_range(node: fx.Node):
     return kw.get("start", 0), a[0] if a else kw.get("end"), kw.get("step", 1)
 
 
-def _mark_literal_positions(graph: fx.Graph, whole: dict[str, fx.Node], local: int,
-                            full: int) -> int:
-    """Mark each arange(0, S/cp) whose whole-length twin is arange(0, S)."""
+SLICE = torch.ops.aten.slice.Tensor
+
+
+def mark_positions(plan: Plan, gm: fx.GraphModule, run, whole: "Whole",
+                   seq_inputs: dict) -> int:
+    """Mark what numbers this rank's slice of the sequence from 0 where the model's code
+    reads only the length, as torch.export bakes it (a literal S/cp, S in the whole-length
+    twin): each `arange(0, S/cp)` (POSITIONS) and each slice of a constant -- a parameter,
+    a buffer, a table whose shape does not follow the sequence -- to S/cp rows from a start
+    along a dim (POSITION_SLICE: dim and start; BERT's `position_ids[:, :seq]`). The runtime
+    takes both at the rank's own positions (backends/parallel/cp/positions.py). The
+    locality walk (cp_locality.py) follows a slice's rows as laid along the sequence; an
+    arange (LITERAL) it leaves unfollowed, as the masks built from it are rebuilt whole
+    (whole_sequence_masks, cp_regions.py). Returns how many; captures the whole length
+    only where there is a candidate."""
+    if plan.mesh.cp == 1:
+        return 0
+    local, full = plan.data.seq_len // plan.mesh.cp, plan.data.seq_len
+    aranges = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ARANGE
+               and not n.meta.get(POSITIONS) and _arange_range(n)[1] == local]
+    slices = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SLICE
+              and POSITION_SLICE not in n.meta
+              and _constant_slice(n, gm, run, seq_inputs, local)]
+    if not (aranges or slices):
+        return 0
+    twins = {n.name: n for n in whole.module.graph.nodes}
     marked = 0
-    for n in graph.nodes:
-        if n.op != "call_function" or n.target not in ARANGE or n.meta.get(POSITIONS):
-            continue
-        twin = whole.get(n.name)
+    for n in aranges:
+        twin = twins.get(n.name)
         if twin is None or twin.target != n.target:
             continue
-        (s0, e0, st0), (s1, e1, st1) = _arange_range(n), _arange_range(twin)
-        if s0 == s1 == 0 and st0 == st1 == 1 and e0 == local and e1 == full:
-            n.meta[POSITIONS] = True
+        (s0, _, st0), (s1, e1, st1) = _arange_range(n), _arange_range(twin)
+        if s0 == s1 == 0 and st0 == st1 == 1 and e1 == full:
+            n.meta[POSITIONS] = LITERAL
             marked += 1
+    for n in slices:
+        twin = twins.get(n.name)
+        dim, start, _, _ = _slice_range(n)
+        if twin is None or twin.target is not SLICE \
+                or _slice_range(twin) != (dim, start, start + full, 1) \
+                or _shape(twin.args[0], whole.module) != tuple(run.value(n.args[0]).shape):
+            continue
+        n.meta[POSITION_SLICE] = (dim % run.value(n.args[0]).dim(), start)
+        marked += 1
     return marked
+
+
+def _slice_range(node: fx.Node):
+    """(dim, start, end, step) of an aten slice call; a start of None is 0."""
+    a = list(node.args) + [None] * (5 - len(node.args))
+    dim = a[1] if a[1] is not None else node.kwargs.get("dim", 0)
+    start = a[2] if a[2] is not None else node.kwargs.get("start", 0)
+    end = a[3] if a[3] is not None else node.kwargs.get("end")
+    step = a[4] if a[4] is not None else node.kwargs.get("step", 1)
+    return dim, 0 if start is None else start, end, step
+
+
+def _constant_slice(node: fx.Node, gm: fx.GraphModule, run, seq_inputs: dict,
+                    local: int) -> bool:
+    """`node` slices a parameter, buffer or constant (no model input) to `local` rows from
+    a start along a dim longer than that."""
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or src.op not in ("placeholder", "get_attr") \
+            or src.target in model_inputs(gm, seq_inputs):
+        return False
+    dim, start, end, step = _slice_range(node)
+    value = run.value(src)
+    return isinstance(value, torch.Tensor) and isinstance(dim, int) and isinstance(start, int) \
+        and step == 1 and end == start + local and value.shape[dim] > local
+
+
+def _shape(node: fx.Node, gm: fx.GraphModule):
+    """The shape of a placeholder's or get_attr's value in `gm` (None if unknown): the
+    sliced constant must be the same shape in both captures (not follow the sequence)."""
+    if node.op == "get_attr":
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part, None)
+    else:
+        value = node.meta.get("val")
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def _slice(mask: fx.Node) -> list[fx.Node]:
@@ -268,23 +337,18 @@ def _free(gm: fx.GraphModule, prefix: str) -> str:
 
 def whole_sequence_masks(plan: Plan, gm: fx.GraphModule, run, whole: Whole,
                          seq_inputs: dict) -> int:
-    """Rewrite `gm` in place (module docstring): mark literal position aranges, replace every
-    SDPA mask by the model's mask code on the whole sequence. Returns the masks rewritten.
+    """Rewrite `gm` in place (module docstring): replace every SDPA mask by the model's mask
+    code on the whole sequence. Returns the masks rewritten.
     `seq_inputs`: each model input's sequence dims (cp_locality.sequence_inputs)."""
-    cp = plan.mesh.cp
-    if cp == 1:
+    if plan.mesh.cp == 1:
         return 0
     masked = [n for n in attention_nodes(gm.graph) if isinstance(attn_mask(n), fx.Node)
               and not attn_mask(n).meta.get(WHOLE_MASK)]
-    literal = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ARANGE
-               and not n.meta.get(POSITIONS)]
-    if not masked and not literal:
+    if not masked:
         return 0
     inputs = model_inputs(gm, seq_inputs)
     for node in masked:  # before capturing again: refuse what cannot run whatever it shows
         _check_slice(plan, node, _slice(attn_mask(node)), gm, inputs)
-    twins = {n.name: n for n in whole.module.graph.nodes}
-    _mark_literal_positions(gm.graph, twins, plan.data.seq_len // cp, plan.data.seq_len)
     for node in masked:
         if attn_mask(node).meta.get(WHOLE_MASK):
             continue  # the mask another attention call shares, rebuilt already

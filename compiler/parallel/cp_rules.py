@@ -11,13 +11,14 @@ table; compiler/parallel/cp_locality.py walks the graph with it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from . import cp_rows
+from .cp import POSITIONS
 from .cp_ops import (Dims, Mixing, NoRule, Op, SeqDims, _dim_list, _joined,
                      _norm, span, widest)
 
@@ -37,7 +38,70 @@ def pointwise(op: Op) -> Dims:
             dims.add(d + shift)
             spans[d + shift] = widest(spans.get(d + shift),
                                       span(op.dims(a), d, out.shape[d + shift]))
+    if not any(getattr(op.dims(a), "perm", None) for a in op.tensor_inputs()):
+        for a in op.plain_tensor_inputs():  # rows a sort permutes: cp_rows._not_along's
+            _not_laid_along(op, a, dims)
     return SeqDims(dims, spans)
+
+
+def _not_laid_along(op: Op, a: fx.Node, dims) -> None:
+    """A tensor without the sequence, broadcast against it, must hold one value along it
+    (size 1 there, or made of one fill value): one holding a row per local position that
+    no input gives -- a table or buffer cut to the local length, a literal arange -- holds
+    rank 0's rows on every cp rank."""
+    t, out = op.value(a), op.out
+    shift = out.dim() - t.dim()
+    for d in dims:
+        j = d - shift
+        if 0 <= j < t.dim() and t.shape[j] != 1 and not _uniform(a) and not _numbered(a):
+            raise Mixing(f"combines the sequence with `{a.name}`, which holds {t.shape[j]} "
+                         "rows along it that no input gives (a parameter, buffer or "
+                         "numbering cut to the local length): every cp rank would use the "
+                         "first positions' rows")
+
+
+UNIFORM = {"ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new_ones",
+           "new_zeros", "new_full", "scalar_tensor", "fill"}  # one value everywhere
+KEEPS_UNIFORM = {"expand", "expand_as", "broadcast_to", "view", "reshape", "_unsafe_view",
+                 "unsqueeze", "squeeze", "to", "_to_copy", "type_as", "float", "double",
+                 "clone", "contiguous", "detach", "alias", "slice", "select", "permute",
+                 "transpose", "t", "lift_fresh_copy", "getitem"}
+
+
+def _numbered(node: fx.Node) -> bool:
+    """`node` is computed from an arange the runtime renumbers to the rank's positions
+    (cp.POSITIONS, a literal length: cp_masks.mark_positions), as rotary tables are."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n.meta.get(POSITIONS):
+            return True
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _uniform(node: fx.Node, seen: Optional[dict] = None) -> bool:
+    """`node` is made of one fill value (a factory of one value, then views, casts and
+    element-wise ops of such values and scalars)."""
+    seen = {} if seen is None else seen
+    if node in seen:
+        return seen[node]
+    target = node.target
+    pointwise_tag = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    name = target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) \
+        else target if isinstance(target, str) else getattr(target, "__name__", "")
+    if node.op not in ("call_function", "call_method"):
+        ok = False
+    elif name in UNIFORM:
+        ok = True
+    else:
+        ok = (name in KEEPS_UNIFORM or pointwise_tag) and all(
+            _uniform(a, seen) for a in node.all_input_nodes)
+    seen[node] = ok
+    return ok
 
 
 def view(op: Op) -> Dims:

@@ -123,3 +123,43 @@ def causal_llama(vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 4
                       num_key_value_heads=kv_heads, max_position_embeddings=64, use_cache=False,
                       attn_implementation=CAUSAL_SDPA)
     return LlamaForCausalLM(cfg)
+
+
+class TableLM(nn.Module):
+    """An encoder in BERT's form: learned positions read from a buffer of position ids cut
+    to the input's length from `start` (`position_ids[:, start:start + t]`; `start =
+    "last"`: the buffer's last t ids, `[:, -t:]`, whose start moves with t), bidirectional
+    SDPA (no mask, not causal), then a head per token."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2,
+                 max_len: int = 64, start=0):
+        super().__init__()
+        self.heads, self.start = heads, start
+        self.embed = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(max_len, dim)
+        self.register_buffer("position_ids", torch.arange(max_len)[None], persistent=False)
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        b, t = input_ids.shape
+        ids = self.position_ids[:, -t:] if self.start == "last" \
+            else self.position_ids[:, self.start:self.start + t]
+        x = self.embed(input_ids) + self.positions(ids)
+        for qkv, out in zip(self.qkv, self.out):
+            q, k, v = qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v)
+            x = x + out(y.transpose(1, 2).reshape(b, t, -1))
+        return self.head(x)
+
+
+def bert(layers: int = 2):
+    """transformers' BertForMaskedLM from a tiny config (no dropout): bidirectional SDPA,
+    its position ids and token type ids read from buffers cut to the input's length."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_hidden_layers=layers, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))

@@ -136,3 +136,85 @@ def test_example_gpt_with_its_own_positions_trains_under_cp_like_the_whole_seque
     """The GPT's learned position embedding reads `arange(t)`: renumbered per rank (the
     ring's load-balanced chunks included), both methods equal the whole-sequence model."""
     run_workers(_gpt_worker, 2, ["ulysses", "ring"], timeout=400)
+
+
+# ------------------------------------------- a constant cut to the local length (BERT)
+TABLE = PLAN.replace("parallel.families:MODEL", "parallel.cp_models:MODEL")
+
+
+def table_plan(model: str = "TableLM", args: str = "{}", capture: str = "export",
+               method: str = "ring", steps: int = 2) -> str:
+    return (TABLE.replace("MODEL", model).replace("ARGS", args).replace("CAPTURE", capture)
+            .replace("METHOD", method).replace("steps = 2", f"steps = {steps}"))
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_a_position_table_cut_to_the_length_is_taken_at_the_ranks_positions(start):
+    """`position_ids[:, start:start + t]` of a buffer: export bakes t = S/cp, which the
+    whole-length twin shows as S; the slice is marked to be taken at start + the rank's
+    positions along dim 1, as the positions an arange makes."""
+    from pipeplan.compiler.parallel.cp import POSITION_SLICE
+
+    compiled = compile_plan(parse_plan(table_plan(args=f"{{ start = {start} }}"), "cp.plan"))
+    marked = [n.meta[POSITION_SLICE] for s in compiled.stages for n in s.module.graph.nodes
+              if POSITION_SLICE in n.meta]
+    assert marked == [(1, start)], marked
+
+
+def _table_cut(holder):
+    """A graph cutting `holder.table` to its first 8 rows along dim 1 (aten's slice, as
+    export gives it), marked as compiler/parallel/cp_masks.mark_positions marks it."""
+    import torch
+    import torch.fx as fx
+
+    from pipeplan.compiler.parallel.cp import POSITION_SLICE
+
+    g = fx.Graph()
+    cut = g.call_function(torch.ops.aten.slice.Tensor, (g.get_attr("table"), 1, 0, 8))
+    cut.meta[POSITION_SLICE] = (1, 0)
+    g.output((cut,))
+    return fx.GraphModule(holder, g)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_renumbered_rows_of_a_constant_are_the_ranks_positions(rank):
+    """The runtime's rewrite of a marked slice: the constant's rows at the rank's columns
+    (ring attention's chunks r and 2cp-1-r), the same as indexing the whole table."""
+    import torch
+
+    from pipeplan.backends.parallel.cp.positions import renumber_positions
+    from pipeplan.backends.parallel.cp.ring import ring_columns
+
+    holder = torch.nn.Module()
+    holder.register_buffer("table", torch.arange(64).view(1, 64) * 10)
+    gm, columns = _table_cut(holder), ring_columns(16, 2, rank)
+    assert renumber_positions(gm, columns) == 1
+    assert torch.equal(gm()[0], holder.table[:, columns]), gm()[0]
+
+
+def test_a_cut_the_compiler_does_not_renumber_is_refused():
+    """The table's last t ids (`[:, -t:]`: rows 56.. at S/cp, 48.. at S): not rows of the
+    whole sequence's cut, so nothing renumbers them, and the add that meets the sequence is
+    refused (every rank would read the same rows), never run."""
+    message = refusal(table_plan(args='{ start = "last" }'))
+    assert "rows along it that no input gives" in message, message
+    assert "every cp rank would use the first positions' rows" in message, message
+
+
+def _table_worker(rank, world, cases):
+    from .pipelined_vs_reference import assert_trains_like_reference
+
+    for model, capture, method in cases:
+        plan = parse_plan(table_plan(model, capture=capture, method=method, steps=3), "cp.plan")
+        assert_trains_like_reference(plan, f"{model} ({capture}), cp2 {method}", 3)
+
+
+@pytest.mark.slow
+def test_position_tables_cut_to_the_length_train_under_cp_like_the_whole_sequence(run_workers):
+    """Bidirectional attention (ring: every K/V block visible) with positions read from a
+    buffer cut to the length: the hand-written encoder under both methods, and
+    transformers' BERT (export: position and token type ids from buffers) under ring.
+    Before, every rank read rows 0..S/cp-1: BERT cp2 verified DIFFERENT (loss 9e-3 off)."""
+    run_workers(_table_worker, 2, [("TableLM", "export", "ring"),
+                                   ("TableLM", "export", "ulysses"), ("bert", "export", "ring")],
+                timeout=600)

@@ -1,12 +1,15 @@
 """Positions a context-parallel stage numbers itself: each rank's global positions.
 
 compiler/parallel/cp_locality.py marks (node.meta["pipeplan_cp_positions"]) every
-`arange(length)` of the graph whose length is the sequence's (read from an input's shape):
-on a cp rank it would number the rank's slice 0..S/cp-1. `renumber_positions` replaces
-each with the positions the rank holds (`cp_columns`, which the data's slices follow too: a
-contiguous block under Ulysses, chunks r and 2cp-1-r under ring attention's load-balanced
-layout): one `arange(start, stop)` per contiguous run of them, concatenated, keeping the
-call's own dtype and device arguments.
+`arange(length)` of the graph whose length is the sequence's (read from an input's shape, or
+a literal by the whole-length twin: cp_masks.mark_positions): on a cp rank it would number
+the rank's slice 0..S/cp-1; and every slice of a constant to S/cp rows from a start
+(node.meta["pipeplan_cp_position_slice"], BERT's `position_ids[:, :seq]`): rank 0's rows.
+`renumber_positions` replaces each with the positions (the rows) the rank holds
+(`cp_columns`, which the data's slices follow too: a contiguous block under Ulysses, chunks
+r and 2cp-1-r under ring attention's load-balanced layout): one `arange(start, stop)` (one
+`narrow`) per contiguous run of them, concatenated, keeping the call's own dtype and device
+arguments.
 
 `gather_masks` gives each whole-sequence mask of the stage (compiler/parallel/cp_masks.py:
 the model's own mask code) its inputs over the whole sequence: each rank's slice gathered
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ....compiler.parallel.cp import POSITIONS
+from ....compiler.parallel.cp import POSITION_SLICE, POSITIONS
 from ....dsl.ast import Plan
 
 
@@ -45,20 +48,37 @@ def runs(columns: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def renumber_positions(gm: fx.GraphModule, columns: torch.Tensor) -> int:
-    """Replace every marked arange of `gm` by this rank's global positions `columns`, in
-    place; returns how many."""
-    marked = [n for n in gm.graph.nodes if n.meta.get(POSITIONS)]
+    """Replace every marked arange of `gm` by this rank's global positions `columns`, and
+    every marked slice of a constant's first rows by its rows at `columns`, in place;
+    returns how many."""
+    marked = [n for n in gm.graph.nodes if n.meta.get(POSITIONS) or POSITION_SLICE in n.meta]
     for node in marked:
-        kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
         with gm.graph.inserting_before(node):
-            parts = [gm.graph.call_function(torch.arange, (a, b), kwargs)
-                     for a, b in runs(columns)]
-            new = parts[0] if len(parts) == 1 else gm.graph.call_function(torch.cat, (parts,))
+            new = _positions(gm.graph, node, runs(columns)) if node.meta.get(POSITIONS) \
+                else _rows(gm.graph, node, runs(columns))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     if marked:
         gm.recompile()
     return len(marked)
+
+
+def _positions(graph: fx.Graph, node: fx.Node, spans: list[tuple[int, int]]) -> fx.Node:
+    """The arange `node` as this rank's positions: one arange per run, concatenated, with
+    the call's own dtype and device."""
+    kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
+    parts = [graph.call_function(torch.arange, (a, b), kwargs) for a, b in spans]
+    return parts[0] if len(parts) == 1 else graph.call_function(torch.cat, (parts,))
+
+
+def _rows(graph: fx.Graph, node: fx.Node, spans: list[tuple[int, int]]) -> fx.Node:
+    """The slice `node` of a constant's rows from `start` along its marked dim as the
+    constant's rows at start + this rank's positions: one narrow per run, concatenated
+    along that dim."""
+    dim, start = node.meta[POSITION_SLICE]
+    parts = [graph.call_function(torch.narrow, (node.args[0], dim, start + a, b - a))
+             for a, b in spans]
+    return parts[0] if len(parts) == 1 else graph.call_function(torch.cat, (parts, dim))
 
 
 def gather_sequence(t: torch.Tensor, dim: int, group, layout: torch.Tensor) -> torch.Tensor:
