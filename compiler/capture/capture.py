@@ -229,11 +229,18 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
 
 
 def _copy_node(node: fx.Node, graph: fx.Graph, env: dict, owner: nn.Module) -> None:
-    """One node of the exported graph into `graph`. A region export keeps as a higher-order
-    op over a graph of its own (`wrap_with_set_grad_enabled`, `wrap_with_autocast`) is
+    """One node of the exported graph into `graph` (`lift_fresh_copy` as the clone it is).
+    A region export keeps as a higher-order op over a graph of its own (`wrap_with_set_grad_enabled`, `wrap_with_autocast`) is
     refused, naming it: its body is not one of the model's tensors."""
     if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
         return  # export's own guards; they pin the capture device and say nothing new
+    if node.op == "call_function" and node.target is torch.ops.aten.lift_fresh_copy.default:
+        # `torch.tensor(literal)` in the forward (T5's, BART's and GPT-Neo's mask values):
+        # a fresh copy of a constant, which is what clone computes; DTensor (tensor
+        # parallel stages) has a sharding strategy for clone and none for lift_fresh_copy
+        env[node] = graph.call_function(torch.ops.aten.clone.default, (env[node.args[0]],))
+        env[node].meta = dict(node.meta)
+        return
     if node.op == "get_attr" and isinstance(getattr(owner, node.target, None), fx.GraphModule):
         users = ", ".join(sorted({str(u.target) for u in node.users}))
         raise CaptureFailed("export", RuntimeError(

@@ -26,9 +26,11 @@ class RMSNorm(nn.Module):
 
 
 class WindowAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool):
+    def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool,
+                 literal_fill: bool = False):
         super().__init__()
         self.heads, self.window, self.use_sdpa = heads, window, use_sdpa
+        self.literal_fill = literal_fill  # masked scores from torch.tensor(min), as GPT-Neo
         # the attribute names the old substitute attention keyed on (heads, q, k, v, proj)
         self.q = nn.Linear(dim, dim, bias=False)
         self.k = nn.Linear(dim, dim, bias=False)
@@ -47,7 +49,11 @@ class WindowAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             scores = (q @ k.transpose(-2, -1)) / (d // h) ** 0.5
-            y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+            if self.literal_fill:  # export: lift_fresh_copy of a constant tensor
+                fill = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype)
+                y = torch.where(mask, scores, fill).softmax(-1) @ v
+            else:
+                y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -63,10 +69,11 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool):
+    def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool,
+                 literal_fill: bool = False):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-        self.attn = WindowAttention(dim, heads, window, use_sdpa)
+        self.attn = WindowAttention(dim, heads, window, use_sdpa, literal_fill)
         self.mlp = SwiGLU(dim, 2 * dim)
 
     def forward(self, x):
@@ -76,13 +83,13 @@ class Block(nn.Module):
 
 class WindowLM(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2,
-                 window: int = 2, softcap: float = 0.0):
+                 window: int = 2, softcap: float = 0.0, literal_fill: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.softcap = softcap  # > 0: logits soft-capped (Gemma 2's), then scaled (Cohere's)
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, window, use_sdpa=i % 2 == 1)
-                                    for i in range(layers))
+        self.layers = nn.ModuleList(Block(dim, heads, window, use_sdpa=i % 2 == 1,
+                                          literal_fill=literal_fill) for i in range(layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
