@@ -26,7 +26,8 @@ from typing import Any, Optional, Union
 
 from ..dsl.ast import Plan
 
-BATCH = "batch"
+BATCH = "batch"  # ValueRef.source of a batch field; node.meta[BATCH] on its stage placeholder
+CONSTANT = "pipeplan_constant"  # node.meta: a get_attr of a tensor export lifted from the forward
 
 
 @dataclass(frozen=True)

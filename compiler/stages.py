@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from .capture.analysis import MetaRun
 from .capture.blocks import block_of, module_path
-from .compiled import BATCH, StageSpec, ValueRef
+from .compiled import BATCH, CONSTANT, StageSpec, ValueRef
 from .parallel.tp import graph_made
 from .partition import Split, compute_nodes
 
@@ -93,11 +93,13 @@ def _stage(gm: fx.GraphModule, k: int, layout: _Layout, sends: tuple, run: MetaR
                    key=order.__getitem__)
     for node in batch:
         env[node] = g.placeholder(node.target)
+        env[node].meta[BATCH] = True  # made from the data, not received (tp.graph_made_uses)
         inputs.append(ValueRef(node.target, BATCH))
 
     def arg(a: fx.Node) -> fx.Node:
         if a not in env and a.op == "get_attr":
             env[a] = g.get_attr(a.target)
+            env[a].meta.update({k: v for k, v in a.meta.items() if k == CONSTANT})
         return env[a]
 
     for node in mine:

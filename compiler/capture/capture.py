@@ -37,6 +37,7 @@ from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from . import functions
 from .experts_call import opaque_experts, restore_experts_calls
+from ..compiled import CONSTANT
 from ..patterns import matches
 
 CAPTURE_METHODS = ("auto", "fx", "export")
@@ -216,6 +217,8 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
                 inputs.append(name)
             else:
                 env[node] = graph.get_attr(spec.target)
+                if spec.kind == InputKind.CONSTANT_TENSOR:  # `torch.tensor(literal)`
+                    env[node].meta[CONSTANT] = True
         elif node.op == "output":
             flat = [env[a] if isinstance(a, fx.Node) else a for a in node.args[0]]
             outputs = pytree.tree_unflatten(flat, ep.call_spec.out_spec)

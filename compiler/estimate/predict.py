@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ...dsl.ast import Plan
-from ..compiled import StageSpec
+from ..compiled import BATCH, StageSpec
 from ..recompute import recompute_mode
 from .collectives import _tp_microbatch, ep_bytes, ep_calls, ring_bytes, ring_steps
 from .device import DeviceModel, mesh_links
@@ -132,8 +132,10 @@ def waiting_of(calls, tp: int, tp_s: tuple[float, float], exchange_s: tuple[floa
 
 def wrapped(st: StageSpec) -> int:
     """Tensors eager tensor parallelism wraps as DTensors per microbatch of a stage: its
-    parameters, buffers, inputs and the values its graph makes (StageSpec.made)."""
-    return len(st.param_names) + len(st.buffer_names) + len(st.inputs) + st.made
+    parameters, buffers, received inputs and the values its graph makes (StageSpec.made:
+    batch fields among them, where they meet the others)."""
+    received = sum(1 for ref in st.inputs if ref.source != BATCH)
+    return len(st.param_names) + len(st.buffer_names) + received + st.made
 
 
 def passes(calls) -> tuple[int, int]:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
+from ..compiled import BATCH, CONSTANT
 from ..patterns import matches, matches_any
 from .tp_fused import ROWS_RESTORED, find_segments, parts_of
 from .tp_model import HF_STYLES, declared_plan
@@ -544,8 +545,9 @@ def _is_size_query(n: fx.Node) -> bool:
 
 
 def graph_made_uses(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
-    """Values a stage graph computes from no stage input or parameter (factories such as
-    `arange`, masks built from sizes) where they meet values that are (a leaf call with
+    """Values a stage graph computes from no received input, parameter or buffer (batch
+    fields, constants and what is made from them alone -- T5's labels shifted into decoder
+    ids --, factories such as `arange`, masks built from sizes) where they meet values that are (a leaf call with
     parameters or buffers counts as one): the tensor-parallel rewrite
     (backends/parallel/tp/rewrite.py) wraps each there as a Replicate DTensor, every
     microbatch, where it is a tensor (sizes pass through: StageSpec.made counts the
@@ -560,7 +562,9 @@ def graph_made_uses(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
     tainted: set[fx.Node] = set()
     made = []
     for n in gm.graph.nodes:
-        if n.op in ("placeholder", "get_attr") or n.op == "call_module" and holds_tensors(n):
+        if n.meta.get(BATCH) or n.meta.get(CONSTANT):
+            made.append(n)  # a batch field or a constant: plain until it meets a stage value
+        elif n.op in ("placeholder", "get_attr") or n.op == "call_module" and holds_tensors(n):
             tainted.add(n)  # (a leaf call with parameters computes with DTensors)
         elif n.op in ("call_function", "call_method", "call_module"):
             if any(a in tainted for a in n.all_input_nodes):

@@ -303,7 +303,7 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     measured them, and not at all in graphs mode."""
     from pipeplan.compiler.estimate.device import DeviceModel
     from pipeplan.compiler.estimate.optime import dtensor_host, op_times
-    from pipeplan.compiler.estimate.predict import action_costs
+    from pipeplan.compiler.estimate.predict import action_costs, wrapped
     from pipeplan.dsl.ast import CompileSpec
     compiled = compile_plan(_gpt(make_plan, 2))
     plan, timing = compiled.plan, compiled.estimates.timing
@@ -311,7 +311,7 @@ def test_dtensor_wraps_and_redistributions_in_eager_tp_actions(make_plan):
     hw = profile("a100")
     priced = dataclasses.replace(hw, dtensor_wrap_s=1e-3, dtensor_wrap_backward_s=3e-3,
                                  dtensor_redistribute_s=5e-3)
-    tensors = len(st.param_names) + len(st.buffer_names) + len(st.inputs) + st.made
+    tensors = wrapped(st)  # (test_tensor_parallel.py: equals the rewrite's own wraps)
     calls = compiled.estimates.stage_collectives[0]  # the report's per-step calls
     n = sum(c for (group, _), (c, _) in calls.items() if group == "tp") / plan.microbatches
     assert n > 0 and tensors > len(st.param_names)

@@ -27,10 +27,12 @@ class RMSNorm(nn.Module):
 
 class WindowAttention(nn.Module):
     def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool,
-                 literal_fill: bool = False):
+                 literal_fill: bool = False, learned_bias: bool = False):
         super().__init__()
         self.heads, self.window, self.use_sdpa = heads, window, use_sdpa
         self.literal_fill = literal_fill  # masked scores from torch.tensor(min), as GPT-Neo
+        # a learned bias per head and relative position, added to the scores (T5's)
+        self.rel = nn.Embedding(2 * 64 - 1, heads) if learned_bias else None
         # the attribute names the old substitute attention keyed on (heads, q, k, v, proj)
         self.q = nn.Linear(dim, dim, bias=False)
         self.k = nn.Linear(dim, dim, bias=False)
@@ -45,7 +47,11 @@ class WindowAttention(nn.Module):
         v = self.v(x).view(b, t, h, d // h).transpose(1, 2)
         pos = torch.arange(t, device=x.device)
         mask = (pos[:, None] - pos[None, :]).abs() <= self.window  # sees both sides
-        if self.use_sdpa:
+        if self.use_sdpa and self.rel is not None:  # the bias as SDPA's float mask
+            bias = self.rel(pos[:, None] - pos[None, :] + 63).permute(2, 0, 1)[None]
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias.masked_fill(~mask, float("-inf")))
+        elif self.use_sdpa:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             scores = (q @ k.transpose(-2, -1)) / (d // h) ** 0.5
@@ -70,10 +76,10 @@ class SwiGLU(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, window: int, use_sdpa: bool,
-                 literal_fill: bool = False):
+                 literal_fill: bool = False, learned_bias: bool = False):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-        self.attn = WindowAttention(dim, heads, window, use_sdpa, literal_fill)
+        self.attn = WindowAttention(dim, heads, window, use_sdpa, literal_fill, learned_bias)
         self.mlp = SwiGLU(dim, 2 * dim)
 
     def forward(self, x):
@@ -83,18 +89,26 @@ class Block(nn.Module):
 
 class WindowLM(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2,
-                 window: int = 2, softcap: float = 0.0, literal_fill: bool = False):
+                 window: int = 2, softcap: float = 0.0, literal_fill: bool = False,
+                 learned_bias: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.softcap = softcap  # > 0: logits soft-capped (Gemma 2's), then scaled (Cohere's)
+        self.literal_fill = literal_fill
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, heads, window, use_sdpa=i % 2 == 1,
-                                          literal_fill=literal_fill) for i in range(layers))
+                                          literal_fill=literal_fill, learned_bias=learned_bias)
+                                    for i in range(layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, input_ids):
+        if self.literal_fill:  # the ids shifted right in place, as T5 makes decoder ids
+            shifted = input_ids.new_zeros(input_ids.shape)
+            shifted[..., 1:] = input_ids[..., :-1].clone()
+            shifted[..., 0] = 1
+            input_ids = shifted
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)

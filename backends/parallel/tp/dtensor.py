@@ -187,7 +187,8 @@ class HeadLocal(nn.Module):
     the same attention.
 
     SDPA treats every (batch, head) independently, so on head shards it is exactly
-    the op on the local heads; a mask with a heads dim is sliced to the same heads.
+    the op on the local heads; a mask with a heads dim is sliced to the same heads, and
+    its gradient (a learned bias's) is each rank's heads' part, summed over the ranks.
     (DTensor would reach the same by propagating through the op's decomposition,
     which is far slower on CPU, and its fused CPU kernel's backward has no sharding
     strategy.) Any other placement runs the op on the DTensors.
@@ -217,7 +218,10 @@ class HeadLocal(nn.Module):
                 return t.to_local()
             if operand and split:  # one k/v head for this rank's query heads: partial grad
                 return t.to_local(grad_placements=[Partial()])
-            full = t.redistribute(mesh, [Replicate()]).to_local()
+            # split: this rank's heads give the whole mask a part of its gradient (a learned
+            # bias: T5's relative positions), summed over the ranks
+            full = t.redistribute(mesh, [Replicate()]).to_local(
+                grad_placements=[Partial()] if split else None)
             if split and full.dim() == 4 and full.shape[1] == q.shape[1]:  # a per-head mask
                 return full.chunk(size, dim=1)[rank]
             return full

@@ -4,8 +4,9 @@
 patterns name (`<module>.weight`, `<module>.bias`), then edits the graph so
 that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
 
-* stage inputs, buffers, constants and values the graph creates (`arange`,
-  masks) enter as Replicate; replicated parameters as Replicate (under
+* received stage inputs, buffers and constants enter as Replicate; batch fields and
+  the values the graph makes from them alone (`arange`, masks, T5's shifted labels)
+  stay plain tensors until they meet those, and enter there as Replicate; replicated parameters as Replicate (under
   sequence parallel with a partial gradient, summed over tp once per step);
 * a column (or vocab) parameter enters as Shard(0) -- Linear weights are
   [out, in], so the output features split -- and a row parameter as Shard(1)
@@ -51,6 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ....compiler.capture.blocks import ATTENTION, COLLECTIVE, TRACED_IN, module_path
+from ....compiler.compiled import BATCH, CONSTANT
 from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, LinearUse, TensorParallelRules,
                                       embedding_weight, graph_made_uses, linear_uses,
                                       loss_of_logits, shard_dim)
@@ -296,7 +298,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     partial = []
     params = dict(gm.named_parameters(remove_duplicate=False))
     for node in list(g.nodes):
-        if node.op == "placeholder":
+        if node.op == "placeholder" and not node.meta.get(BATCH):  # (batch: graph_made_uses)
             b.after(node, "replicate", b.to_dtensor("replicate"))
         elif node.op == "get_attr":
             if node.target in dims:
@@ -305,7 +307,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
             elif sp and node.target in params and params[node.target].requires_grad:
                 b.after(node, "partial_grad", lambda: ReplicatedParameter(mesh))
                 partial.append(node.target)
-            else:
+            elif not node.meta.get(CONSTANT):  # (a constant: graph_made_uses)
                 b.after(node, "replicate", b.to_dtensor("replicate"))
     for node, users in graph_made_uses(gm):  # (its uses on plain values stay plain)
         b.after(node, "replicate", b.to_dtensor("replicate"), only=set(users))
