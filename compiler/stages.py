@@ -99,7 +99,8 @@ def _stage(gm: fx.GraphModule, k: int, layout: _Layout, sends: tuple, run: MetaR
     def arg(a: fx.Node) -> fx.Node:
         if a not in env and a.op == "get_attr":
             env[a] = g.get_attr(a.target)
-            env[a].meta.update({k: v for k, v in a.meta.items() if k == CONSTANT})
+            if a.meta.get(CONSTANT):  # (tp.graph_made_uses)
+                env[a].meta[CONSTANT] = True
         return env[a]
 
     for node in mine:

@@ -257,7 +257,7 @@ class MetaRun:
         args, kwargs = torch.utils._pytree.tree_map_only(torch.device, lambda d: self._device,
                                                          (args, kwargs))
         if node.op == "get_attr":
-            return self._to_meta(_fetch_attr(self.gm, node.target), name=node.target)
+            return self._to_meta(fetch_attr(self.gm, node.target), name=node.target)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
@@ -448,7 +448,8 @@ def _grouped_mm_flops(out: Any, args: tuple, values: dict) -> float:
     return 2.0 * out.numel() * first.shape[-1]
 
 
-def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+def fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    """What a get_attr node's dotted `target` names on `gm`."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)

@@ -233,8 +233,9 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
 
 def _copy_node(node: fx.Node, graph: fx.Graph, env: dict, owner: nn.Module) -> None:
     """One node of the exported graph into `graph` (`lift_fresh_copy` as the clone it is).
-    A region export keeps as a higher-order op over a graph of its own (`wrap_with_set_grad_enabled`, `wrap_with_autocast`) is
-    refused, naming it: its body is not one of the model's tensors."""
+    A region export keeps as a higher-order op over a graph of its own
+    (`wrap_with_set_grad_enabled`, `wrap_with_autocast`) is refused, naming it: its body is
+    not one of the model's tensors."""
     if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
         return  # export's own guards; they pin the capture device and say nothing new
     if node.op == "call_function" and node.target is torch.ops.aten.lift_fresh_copy.default:

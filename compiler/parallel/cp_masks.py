@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map_only
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
+from ..capture.analysis import fetch_attr
 from .cp import (ARANGE, LITERAL, POSITION_SLICE, POSITIONS, WHOLE_MASK, attention_nodes,
                  attn_mask, sdpa_arguments)
 
@@ -127,9 +128,9 @@ def mark_positions(plan: Plan, gm: fx.GraphModule, run, whole: "Whole",
     local, full = plan.data.seq_len // plan.mesh.cp, plan.data.seq_len
     aranges = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ARANGE
                and not n.meta.get(POSITIONS) and _arange_range(n)[1] == local]
+    inputs = model_inputs(gm, seq_inputs)
     slices = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SLICE
-              and POSITION_SLICE not in n.meta
-              and _constant_slice(n, gm, run, seq_inputs, local)]
+              and POSITION_SLICE not in n.meta and _constant_slice(n, run, inputs, local)]
     if not (aranges or slices):
         return 0
     twins = {n.name: n for n in whole.module.graph.nodes}
@@ -164,13 +165,12 @@ def _slice_range(node: fx.Node):
     return dim, 0 if start is None else start, end, step
 
 
-def _constant_slice(node: fx.Node, gm: fx.GraphModule, run, seq_inputs: dict,
-                    local: int) -> bool:
-    """`node` slices a parameter, buffer or constant (no model input) to `local` rows from
-    a start along a dim longer than that."""
+def _constant_slice(node: fx.Node, run, inputs: set[str], local: int) -> bool:
+    """`node` slices a parameter, buffer or constant (none of the model's `inputs`) to
+    `local` rows from a start along a dim longer than that."""
     src = node.args[0]
     if not isinstance(src, fx.Node) or src.op not in ("placeholder", "get_attr") \
-            or src.target in model_inputs(gm, seq_inputs):
+            or src.target in inputs:
         return False
     dim, start, end, step = _slice_range(node)
     value = run.value(src)
@@ -181,12 +181,7 @@ def _constant_slice(node: fx.Node, gm: fx.GraphModule, run, seq_inputs: dict,
 def _shape(node: fx.Node, gm: fx.GraphModule):
     """The shape of a placeholder's or get_attr's value in `gm` (None if unknown): the
     sliced constant must be the same shape in both captures (not follow the sequence)."""
-    if node.op == "get_attr":
-        value = gm
-        for part in node.target.split("."):
-            value = getattr(value, part, None)
-    else:
-        value = node.meta.get("val")
+    value = fetch_attr(gm, node.target) if node.op == "get_attr" else node.meta.get("val")
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 

@@ -65,7 +65,7 @@ UNIFORM = {"ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new
 KEEPS_UNIFORM = {"expand", "expand_as", "broadcast_to", "view", "reshape", "_unsafe_view",
                  "unsqueeze", "squeeze", "to", "_to_copy", "type_as", "float", "double",
                  "clone", "contiguous", "detach", "alias", "slice", "select", "permute",
-                 "transpose", "t", "lift_fresh_copy", "getitem"}
+                 "transpose", "t", "getitem"}
 
 
 def _numbered(node: fx.Node) -> bool:

@@ -547,8 +547,8 @@ def _is_size_query(n: fx.Node) -> bool:
 def graph_made_uses(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
     """Values a stage graph computes from no received input, parameter or buffer (batch
     fields, constants and what is made from them alone -- T5's labels shifted into decoder
-    ids --, factories such as `arange`, masks built from sizes) where they meet values that are (a leaf call with
-    parameters or buffers counts as one): the tensor-parallel rewrite
+    ids --, factories such as `arange`, masks built from sizes) where they meet values that
+    are (a leaf call with parameters or buffers counts as one): the tensor-parallel rewrite
     (backends/parallel/tp/rewrite.py) wraps each there as a Replicate DTensor, every
     microbatch, where it is a tensor (sizes pass through: StageSpec.made counts the
     tensors, what the time model charges, estimate/optime.dtensor_host); with the users

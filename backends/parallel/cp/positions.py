@@ -49,8 +49,8 @@ def runs(columns: torch.Tensor) -> list[tuple[int, int]]:
 
 def renumber_positions(gm: fx.GraphModule, columns: torch.Tensor) -> int:
     """Replace every marked arange of `gm` by this rank's global positions `columns`, and
-    every marked slice of a constant's first rows by its rows at `columns`, in place;
-    returns how many."""
+    every marked slice of a constant by its rows at `columns` (from the slice's start), in
+    place; returns how many."""
     marked = [n for n in gm.graph.nodes if n.meta.get(POSITIONS) or POSITION_SLICE in n.meta]
     for node in marked:
         with gm.graph.inserting_before(node):

@@ -4,10 +4,11 @@
 patterns name (`<module>.weight`, `<module>.bias`), then edits the graph so
 that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
 
-* received stage inputs, buffers and constants enter as Replicate; batch fields and
-  the values the graph makes from them alone (`arange`, masks, T5's shifted labels)
-  stay plain tensors until they meet those, and enter there as Replicate; replicated parameters as Replicate (under
-  sequence parallel with a partial gradient, summed over tp once per step);
+* received stage inputs and buffers enter as Replicate; batch fields, export's lifted
+  constants and the values the graph makes from them alone (`arange`, masks, T5's
+  shifted labels) stay plain tensors until they meet those, and enter there as
+  Replicate (compiler/parallel/tp.graph_made_uses); replicated parameters as Replicate
+  (under sequence parallel with a partial gradient, summed over tp once per step);
 * a column (or vocab) parameter enters as Shard(0) -- Linear weights are
   [out, in], so the output features split -- and a row parameter as Shard(1)
   (swapped for a weight the graph applies stored [in, out]: GPT-2's Conv1D,
