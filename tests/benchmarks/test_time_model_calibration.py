@@ -4,7 +4,9 @@
   (compiler/estimate/calibration.json): every row within 10% of its published TFLOP/s per
   GPU and Spearman >= 0.8 across the rows;
 * `pipeplan check` on the 1T row (128 layers, hidden 25600, PP 64, 3072 ranks) in under 30 s
-  of CPU time and 1 GiB, printing the per-rank breakdown and the predicted MFU.
+  of CPU time and 1 GiB, printing the per-rank breakdown and the predicted MFU;
+* held out from every fit: MosaicML's MPT tables, Llama 3 405B's model, and BLOOM-176B as
+  BigScience trained it (calibration/open_models.py, on transformers' own class).
 """
 from __future__ import annotations
 
@@ -114,3 +116,37 @@ def test_the_llama3_rows_model_has_405b_parameters():
         m = plan.mesh
         assert m.tp * m.cp * m.pp * m.dp == row[0] and (m.tp, m.cp, m.pp) == row[1:4]
         assert plan.train.global_batch * row[4] == TOKENS
+
+
+def test_the_open_models_are_the_published_shapes():
+    """calibration/open_models.py builds transformers' own BLOOM and GPT-NeoX classes at the
+    published shapes: 176.2B parameters (BLOOM-176B's 176,247M with the vocabulary padded to
+    250,880) and 20.55B (GPT-NeoX-20B), and its plans keep the published axes (tp x pp x dp =
+    GPUs, the global batch, the micro-batch)."""
+    import torch
+
+    from pipeplan.tests.benchmarks.calibration import open_models
+    counts = {"bloom": (176.2e9, 176.3e9), "neox": (20.5e9, 20.6e9)}
+    for run in open_models.RUNS:
+        with torch.device("meta"):
+            model = getattr(open_models, run.factory)()
+        low, high = counts[run.factory]
+        assert low < sum(p.numel() for p in model.parameters()) < high, run.name
+        plan = open_models.plan_of(run, published_split=bool(run.split))
+        m = plan.mesh
+        assert m.tp * m.pp * m.dp == run.gpus and (m.tp, m.pp) == (run.tp, run.pp)
+        assert (plan.train.global_batch, plan.pipeline.microbatch_size) == \
+            (run.batch, run.micro)
+
+
+def test_bloom_176b_is_predicted_as_published():
+    """Held out from every fit: BLOOM-176B as BigScience trained it (transformers' BLOOM at
+    its shape, tp 4 x pp 12 x dp 8 on 384 A100 80 GB, 50 Gb/s a GPU between nodes, its
+    published stage boundaries), predicted within 10% of the published ~150 TFLOP/s a GPU
+    and its peak memory a rank within 15% of the published 60 GB (the estimate leaves out
+    the allocator's and the kernels' workspace)."""
+    from pipeplan.tests.benchmarks.calibration import open_models
+    run = next(r for r in open_models.RUNS if r.factory == "bloom")
+    tflops, _, peak, _ = open_models.predicted(run, published_split=True)
+    assert abs(tflops / run.published_tflops - 1) <= 0.10, tflops
+    assert abs(peak / run.published_bytes - 1) <= 0.15, peak / 1e9
