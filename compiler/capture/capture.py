@@ -286,9 +286,13 @@ def _on_cpu_if_meta(model: torch.nn.Module, device: torch.device):
                 if t is not None and t.is_meta:
                     fake = convert(mode, t.data, cpu)
                     swapped.append((slots, k, t))
-                    original[id(fake)] = t  # a buffer export lifts to a constant
-                    slots[k] = nn.Parameter(fake, t.requires_grad) \
-                        if isinstance(t, nn.Parameter) else fake
+                    if isinstance(t, nn.Parameter):
+                        slots[k] = nn.Parameter(fake, t.requires_grad)
+                    else:  # a buffer export may lift to a constant: known by the id of the
+                        # fake, alive in its slot while export runs (a parameter's fake is
+                        # dropped once wrapped, and its id may come back as another tensor)
+                        slots[k] = fake
+                        original[id(fake)] = t
     try:
         yield _Placing(lambda v: convert(mode, v, cpu), original)
     finally:

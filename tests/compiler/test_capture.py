@@ -252,3 +252,23 @@ def test_phimoe_is_refused_at_a_plan_line_not_crashed(tmp_path):
     said = run.stdout + run.stderr
     assert run.returncode == 2 and "Traceback" not in said, said[-3000:]
     assert re.search(r"phimoe\.plan:\d+:\d+: error: ", said), said[-3000:]
+
+
+def test_a_constant_export_lifts_is_never_taken_for_a_parameter():
+    """A meta model is exported on fake CPU tensors; the constants export lifts are mapped
+    back to the model's buffers by the id of each buffer's fake (`_on_cpu_if_meta`). Only
+    live tensors may be in that map: a parameter's fake, dropped once wrapped in its
+    Parameter, freed its id for another tensor, so `torch.tensor(2)` in BART's forward was
+    at times taken for a [32] parameter ("fill_ only supports 0-dimension value tensor",
+    one `pipeplan check` in several)."""
+    import gc
+
+    from pipeplan.compiler.capture.capture import _on_cpu_if_meta
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    meta = dict(model.named_buffers())
+    with _on_cpu_if_meta(model, torch.device("meta")) as place:
+        gc.collect()
+        fakes = dict(model.named_buffers())
+        assert {id(t) for t in fakes.values()} == set(place.original)  # live: the slots'
+        assert all(place.original[id(fakes[k])] is meta[k] for k in meta)
