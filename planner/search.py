@@ -51,7 +51,7 @@ from ..dsl.checks import find_problems
 from . import forked
 from .cost import Prediction, auto_memory_limit, held_bytes, held_states_key, order, \
     order_held_states, predict, quick_bound, quick_held, step_bound, time_bound
-from .space import Candidate, Constraints, divisors, enumerate_space, plan_of, \
+from .space import Candidate, Constraints, divisors, enumerate_space, note, plan_of, \
     recompute_pattern
 from .units import Units, measure
 
@@ -155,8 +155,9 @@ def _loop(plan: Plan, units: Units, heap: list, device: DeviceModel, result: Sea
         if level < _BOUNDED:  # its cp value captured and checked first (once per value)
             reason = units.refusal(c.tp, c.cp)
             if reason:
-                _skip(result, reason, f"cp={c.cp}" if reason == units.refused.get(
-                    ("cp", c.cp)) else f"tp={c.tp} cp={c.cp}")
+                alone = reason == units.refused.get(("cp", c.cp))
+                note(result.not_considered, reason,
+                     f"cp={c.cp}" if alone else f"tp={c.tp} cp={c.cp}")
                 continue
         if level == _WHERE:  # recompute on the first ranks only, where it pays
             for r in recompute_where_it_pays(units, [dataclasses.replace(c, rc_ranks=0)],
@@ -187,7 +188,7 @@ def _loop(plan: Plan, units: Units, heap: list, device: DeviceModel, result: Sea
         problems = _refusal(plan, units, c, gpus)
         if problems:
             result.refused += 1
-            result.not_considered.setdefault(problems, []).append(c.label())
+            note(result.not_considered, problems, c.label())
             continue
         mine = ahead.pop(c, None)  # this candidate's prediction, made ahead in a child
         if is_auto:  # the next auto candidate in a forked child meanwhile (two cores)
@@ -388,12 +389,6 @@ def _ahead(units: Units, heap: list, worst: Optional[float], device: DeviceModel
         again = _refined(units, entry, device, capacity)
         if again is not None:
             heapq.heappush(queue, again)
-
-
-def _skip(result: SearchResult, reason: str, what: str) -> None:
-    values = result.not_considered.setdefault(reason, [])
-    if what not in values:
-        values.append(what)
 
 
 def _refusal(plan: Plan, units: Units, c: Candidate, gpus: int) -> Optional[str]:

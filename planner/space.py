@@ -11,6 +11,7 @@ says once per reason what it left out. `plan_of` turns a candidate into the Plan
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -77,6 +78,18 @@ def recompute_pattern(blocks: tuple[str, ...]) -> Optional[str]:
     return f"{best}.*"
 
 
+def note(not_considered: dict, reason: str, what: str) -> None:
+    """List `what` (a value such as "cp=4") under `reason` in "not considered". A reason that
+    differs from a listed one only in its numbers (the local length a refusal names: "holds 8
+    rows" at cp = 2, 4 at cp = 4) is that reason: the value joins it, so each reason is
+    listed once."""
+    shape = re.sub(r"\d+", "#", reason)
+    key = next((r for r in not_considered if re.sub(r"\d+", "#", r) == shape), reason)
+    values = not_considered.setdefault(key, [])
+    if what not in values:
+        values.append(what)
+
+
 def enumerate_space(plan: Plan, gpus: int, units: int, cons: Constraints,
                     ranks_per_node: int, refused: dict, has_pattern: bool,
                     not_considered: dict, measured: frozenset = frozenset()) -> list[Candidate]:
@@ -85,9 +98,7 @@ def enumerate_space(plan: Plan, gpus: int, units: int, cons: Constraints,
     pairs the compiler's checks ran on; reasons for what is left out are
     added to `not_considered` (reason -> values)."""
     def skip(reason: str, what: str) -> None:
-        not_considered.setdefault(reason, [])
-        if what not in not_considered[reason]:
-            not_considered[reason].append(what)
+        note(not_considered, reason, what)
 
     fx = cons.fixed
     gb, seq = plan.train.global_batch, plan.data.seq_len

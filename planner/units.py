@@ -29,6 +29,7 @@ no child runs, one captures sizes 2 and 3 of the next cp value the search may re
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -278,7 +279,7 @@ def measure(plan: Plan, tp_values: tuple[int, ...], cp_values: tuple[int, ...],
             try:
                 tp_annotations(unit_plan(plan, units.blocks, 1, tp, False, "none", None), model)
             except PlanError as e:
-                units.refused[("tp", tp)] = e.diagnostics[0].message
+                units.refused[("tp", tp)] = _reason(e, tp=tp)
     tp_values = tuple(t for t in tp_values if ("tp", t) not in units.refused)
     units.capture = capture
 
@@ -507,7 +508,19 @@ def _tp_refusals(units: Units, model, plan: Plan, traced, tp_values) -> None:
             kinds = tp_annotations(p, model)
             check_pairing(p, traced.module.graph, model, kinds, traced.run)
         except PlanError as e:
-            units.refused[("tp", tp)] = e.diagnostics[0].message
+            units.refused[("tp", tp)] = _reason(e, tp=tp)
+
+
+def _reason(e: PlanError, tp: int = 1, cp: int = 1) -> str:
+    """The compiler's reason for refusing a tp or cp value, the value itself written as its
+    axis ("cp = 4 does not divide ..." -> "cp does not divide ..."), so one reason lists
+    every value it refuses (the values are listed beside it)."""
+    said = e.diagnostics[0].message
+    if tp > 1 and cp > 1:
+        said = said.replace(f"tp * cp = {tp} * {cp}", "tp * cp")
+    if cp > 1:
+        said = re.sub(rf"\bcp = {cp}\b", "cp", said)
+    return re.sub(rf"\btp = {tp}\b", "tp", said) if tp > 1 else said
 
 
 def _cp_refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp: int) -> None:
@@ -521,7 +534,7 @@ def _cp_refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp
             units.capture(1, cp)
         at = traced_at[(1, cp)]
     except PlanError as e:
-        units.refused[("cp", cp)] = e.diagnostics[0].message
+        units.refused[("cp", cp)] = _reason(e, cp=cp)
         return
     for tp in tp_values:  # heads tp splits, split again by cp (Ulysses)
         if tp == 1 or ("tp", tp) in units.refused:
@@ -533,4 +546,4 @@ def _cp_refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp
             check_context(pt, at.module.graph, at.run,
                           heads_split_by_tp(pt, at.module.graph, model, kinds, at.run))
         except PlanError as e:
-            units.refused[("tp x cp", tp, cp)] = e.diagnostics[0].message
+            units.refused[("tp x cp", tp, cp)] = _reason(e, tp=tp, cp=cp)

@@ -198,12 +198,15 @@ def test_not_considered_names_each_reason_once(plan, units):
     res = search(plan, 8, device_model(plan), 1e9,
                  Constraints(tp_in_node=False, schedules=("1f1b",)), top_k=1, units=units)
     reasons = res.not_considered
-    assert any("tp = 8 does not divide the 4 heads" in r for r in reasons)
-    # cp: check's own reasons, Ulysses over 4 heads (cp alone, and tp x cp together); the
-    # model's `arange` positions are renumbered per cp rank (cp_locality), never a reason
-    assert any(r.startswith("cp = 8 does not divide the 4 heads") for r in reasons)
-    assert reasons.get("tp * cp = 2 * 4 does not divide the 4 heads of attention "
-                       "`scaled_dot_product_attention`") == ["tp=2 cp=4"]
+    assert [v for r, v in reasons.items() if "tp does not divide the 4 heads" in r] == \
+        [["tp=8"]]
+    # cp: check's own reasons, Ulysses over 4 heads (cp alone, and tp x cp together), the
+    # values beside them; the model's `arange` positions are renumbered per cp rank
+    # (cp_locality), never a reason
+    assert [v for r, v in reasons.items() if r.startswith("cp does not divide the 4 heads")] \
+        == [["cp=8"]]
+    assert sorted(reasons.get("tp * cp does not divide the 4 heads of attention "
+                              "`scaled_dot_product_attention`")) == ["tp=2 cp=4", "tp=4 cp=2"]
     assert not any("positions" in r for r in reasons)
     assert len(reasons) == len(set(reasons))
 
@@ -217,7 +220,8 @@ def test_a_cp_value_is_captured_and_checked_only_when_the_search_reaches_it(plan
     res = search(plan, 8, device_model(plan), 1e9,
                  Constraints(fixed={"cp": 8, "tp": 1}, schedules=("1f1b",)), units=lazy)
     assert not res.top and lazy.checked == {("cp", 8)}
-    assert any(r.startswith("cp = 8 does not divide the 4 heads") for r in res.not_considered)
+    assert res.not_considered.get(next(r for r in res.not_considered if r.startswith(
+        "cp does not divide the 4 heads"))) == ["cp=8"]
     res = search(plan, 8, device_model(plan), 1e9,
                  Constraints(fixed={"cp": 1, "tp": 1}, schedules=("1f1b",)), units=lazy)
     assert res.top and lazy.checked == {("cp", 8)} and lazy.captures == 4
@@ -498,6 +502,27 @@ def test_a_cp_value_the_model_cannot_be_captured_at_is_listed_not_raised(tmp_pat
     assert not res.top
     assert res.not_considered and all(v == ["cp=2"] for v in res.not_considered.values())
     assert any("shape propagation failed" in r for r in res.not_considered)
+
+
+def test_a_reason_every_cp_value_meets_is_listed_once_with_the_values(tmp_path):
+    """OPT's positions (a cumulative sum over a mask the model makes, added to the tokens)
+    refuse context parallel at every cp value, for the same reason but for the counts in it
+    (cp, the rows of a rank): "not considered" lists
+    the reason once, with the cp values beside it, not once per value."""
+    path = tmp_path / "opt.plan"
+    path.write_text('model {\n  source = "pipeplan.tests.parallel.families:opt"\n'
+                    '  capture = export\n}\n'
+                    "data = synthetic(seed = 0, vocab = 64, seq_len = 16)\n"
+                    "train { global_batch = 8 }\n" + PLAN[PLAN.index("device {"):])
+    opt = load_plan(str(path))
+    units = measure(opt, (1,), (1, 2, 4), "model.decoder.layers.*", check_all_cp=True)
+    res = search(opt, 4, device_model(opt), 1e12,
+                 Constraints(fixed={"tp": 1}, schedules=("1f1b",)), units=units)
+    cp = {r: v for r, v in res.not_considered.items() if any("cp=" in x for x in v)}
+    assert len(cp) == 1, cp
+    (reason, values), = cp.items()
+    assert sorted(values) == ["cp=2", "cp=4"] and "mixes positions" in reason
+    assert "cp = " not in reason and res.top
 
 
 def test_a_cp_rank_runs_every_attention_block_in_the_time_model(plan, units):
