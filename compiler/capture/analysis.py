@@ -148,12 +148,14 @@ class MetaRun:
         self.gm = gm
         self.blocks = tuple(blocks)
         self._replays = Replays(self.blocks) if self.blocks else None
-        self._held: list = []  # replayed storages with keys, kept alive (replay.py)
+        # replayed storages with keys (replay.py) and tensors with stand-ins (_meta), kept
+        # alive so their ids stay theirs
+        self._held: list = []
         self.autocast = autocast
         self._device = _META if autocast is None else torch.device("cpu")
         self.values: dict[fx.Node, Any] = {}
         self.costs: dict[fx.Node, NodeCost] = {}
-        self._meta: dict[int, torch.Tensor] = {}  # id(real tensor) -> meta stand-in
+        self._meta: dict[int, torch.Tensor] = {}  # id(real tensor) -> meta stand-in (_held)
         self._param_ids: set[int] = set()
         self._saved: dict[int, torch.Tensor] = {}  # id(base) -> base, counted once
         self._saved_now = 0
@@ -304,6 +306,7 @@ class MetaRun:
                         cached = torch.nn.Parameter(cached, requires_grad=t.requires_grad)
             self._meta[id(t)] = cached
             self._meta[id(cached)] = cached
+            self._held.append(t)  # its id stays its own while the stand-in is cached
             if isinstance(t, torch.nn.Parameter):
                 self._param_ids.add(id(cached))
         if name and id(cached) in self._param_ids:

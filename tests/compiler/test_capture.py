@@ -272,3 +272,20 @@ def test_a_constant_export_lifts_is_never_taken_for_a_parameter():
         fakes = dict(model.named_buffers())
         assert {id(t) for t in fakes.values()} == set(place.original)  # live: the slots'
         assert all(place.original[id(fakes[k])] is meta[k] for k in meta)
+
+
+def test_a_meta_stand_in_is_never_found_for_another_tensor():
+    """The meta run caches each tensor's stand-in by the tensor's id (parameters, constants,
+    inputs under autocast); the tensor is held while its stand-in is cached, so a tensor
+    made after another was freed never gets the freed one's stand-in (another shape)."""
+    import gc
+
+    from pipeplan.compiler.capture.analysis import MetaRun
+    run = MetaRun(torch.fx.symbolic_trace(torch.nn.Identity()), autocast=torch.bfloat16)
+    for n in range(1, 50):
+        first = torch.empty(n)
+        assert run._to_meta(first, parameter=False).shape == (n,)
+        del first
+        gc.collect()
+        second = torch.empty(n + 1)
+        assert run._to_meta(second, parameter=False).shape == (n + 1,)
