@@ -103,14 +103,9 @@ def enumerate_space(plan: Plan, gpus: int, units: int, cons: Constraints,
     fx = cons.fixed
     gb, seq = plan.train.global_batch, plan.data.seq_len
     ex = plan.experts
-    has_tp = bool(plan.tensor.column or plan.tensor.row or plan.tensor.vocab)
     out = []
     for tp in divisors(gpus):
         if not _ok(fx, "tp", tp):
-            continue
-        if tp > 1 and not has_tp:
-            skip("tp > 1: the plan names no tensor-parallel patterns (a `tensor` section)",
-                 f"tp={tp}")
             continue
         if cons.tp_in_node and tp > ranks_per_node:
             skip(f"tp larger than the {ranks_per_node} ranks of a node", f"tp={tp}")
@@ -217,8 +212,11 @@ def plan_of(plan: Plan, c: Candidate, blocks: tuple[str, ...],
     rules = () if c.recompute == "none" or pattern is None else \
         (RecomputeRule(pattern, c.recompute),) if not c.rc_ranks else \
         tuple(RecomputeRule(blocks[i], c.recompute) for i in recomputed_units(c, blocks, split))
-    tensor = plan.tensor if c.tp > 1 else dataclasses.replace(
-        plan.tensor, column=(), row=(), vocab=())
+    t = plan.tensor
+    named = bool(t.column or t.row or t.vocab)
+    # tp > 1 and no patterns: the model's own plan, as the compiler takes it, written out
+    tensor = dataclasses.replace(t, plan="model" if not named and t.plan is None else t.plan) \
+        if c.tp > 1 else dataclasses.replace(t, column=(), row=(), vocab=(), plan=None)
     tensor = dataclasses.replace(tensor, sequence_parallel=c.sp and c.tp > 1)
     spec = SplitSpec("points", points=tuple(blocks[i] for i in split)) if split else \
         SplitSpec("points", points=()) if c.pp * c.virtual == 1 else SplitSpec()

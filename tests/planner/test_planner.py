@@ -485,6 +485,37 @@ def test_cp_is_searched_on_a_library_model_with_its_own_mask(tmp_path):
     assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
 
 
+def test_tp_is_searched_by_the_models_own_plan_where_the_plan_names_no_patterns(tmp_path):
+    """A plan with no `tensor` section: `check` splits a transformers Llama by the plan the
+    model declares (config.base_model_tp_plan), so the planner searches tp on it and writes
+    `tensor.plan = model`; the written plan compiles to the planner's estimate. A model that
+    declares none (the example GPT) gets tp refused with the compiler's own reason."""
+    path = tmp_path / "llama.plan"
+    path.write_text('model {\n  source = "pipeplan.tests.compiler.models:tiny_llama"\n'
+                    '  capture = export\n}\n'
+                    "data = synthetic(seed = 0, vocab = 64, seq_len = 16)\n"
+                    "train { global_batch = 8 }\n" + PLAN[PLAN.index("device {"):])
+    hf = load_plan(str(path))
+    units = measure(hf, (1, 2), (1,), None)
+    assert ("tp", 2) not in units.refused, units.refused
+    res = search(hf, 4, device_model(hf), 1e12,
+                 Constraints(fixed={"tp": 2, "pp": 1, "recompute": "none"}), top_k=2,
+                 units=units)
+    best = res.top[0]
+    written = plan_of(hf, best.candidate, res.units.blocks)
+    assert best.candidate.tp == 2 and written.tensor.plan == "model"
+    est = compile_plan(written).estimates
+    assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
+    bare = load_plan(str(tmp_path / "llama.plan"))
+    gpt = dataclasses.replace(bare, model=dataclasses.replace(
+        bare.model, source=os.path.abspath(GPT) + ":GPT", capture="fx",
+        args={"vocab": 64, "dim": 32, "layers": 4, "heads": 4, "seq_len": 16}))
+    res = search(gpt, 4, device_model(gpt), 1e12,
+                 Constraints(fixed={"pp": 1, "cp": 1, "recompute": "none"}), top_k=1)
+    (reason,) = [r for r, v in res.not_considered.items() if "tp=2" in v]
+    assert "declares no tensor-parallel plan" in reason and res.top[0].candidate.tp == 1
+
+
 def test_a_cp_value_the_model_cannot_be_captured_at_is_listed_not_raised(tmp_path):
     """Megatron 2021's attention adds a causal buffer made at the whole sequence: at cp = 2
     its capture fails (one cp rank's sequence is half). Reached first by a stand-in for
