@@ -227,6 +227,12 @@ def gptj(layers: int = 2):
     return transformers.GPTJForCausalLM(cfg)
 
 
+def exaone4(layers: int = 2):
+    """EXAONE 4: norms after attention and MLP only, so the vocab-split embedding's output
+    feeds the first layer's q, k and v projections directly (its tp plan splits both)."""
+    return _hf("Exaone4Config", "Exaone4ForCausalLM", layers)
+
+
 def cohere(layers: int = 2):
     """Cohere: parallel attention and MLP, LayerNorm without bias, logits scaled (0.5)
     between the head its tp plan splits and the loss."""

@@ -47,8 +47,9 @@ SMALL = ["model.args.dim=32", "model.args.layers=4", "model.args.seq_len=16", "d
 
 
 def make_plan(name: str) -> Plan:
-    """name: "<model>-pp<P>-tp<T>[-sp][-<schedule>]" with model window | llama | gptj, or "hybrid":
-    the example plan (pp2 x dp2 x tp2, interleaved, ZeRO-1), smaller, constant LR."""
+    """name: "<model>-pp<P>-tp<T>[-sp][-<schedule>]" with model window | llama | gptj | auto |
+    exaone4, or "hybrid": the example plan (pp2 x dp2 x tp2, interleaved, ZeRO-1), smaller,
+    constant LR."""
     if name == "hybrid":
         plan = load_plan(str(EXAMPLE), overrides=SMALL)
         return dataclasses.replace(plan, train=dataclasses.replace(
@@ -71,8 +72,11 @@ def make_plan(name: str) -> Plan:
         spec = ModelSpec("pipeplan.tests.parallel.families:gpt2", capture="export")
         tensor = TensorSpec(column=("transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"),
                             row=("transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"))
-    elif model == "gptj":  # split by its config's base_model_tp_plan
-        spec = ModelSpec("pipeplan.tests.parallel.families:gptj", capture="export")
+    elif model == "auto":  # GPT-2 split by the pairs its graph shows (tensor.plan = auto)
+        spec = ModelSpec("pipeplan.tests.parallel.families:gpt2", capture="export")
+        tensor = TensorSpec(plan="auto")
+    elif model in ("gptj", "exaone4"):  # split by its config's base_model_tp_plan
+        spec = ModelSpec(f"pipeplan.tests.parallel.families:{model}", capture="export")
         tensor = TensorSpec()
     else:
         spec = ModelSpec("pipeplan.tests.compiler.models:tiny_llama", capture="export")
@@ -81,7 +85,8 @@ def make_plan(name: str) -> Plan:
                 mesh=MeshSpec(pp=pp, tp=tp),
                 pipeline=PipelineSpec(schedule=kind, microbatches=2 * pp,
                                       virtual=2 if kind == "zbv" else 1),
-                tensor=TensorSpec(tensor.column, tensor.row, tensor.vocab, sequence_parallel=sp),
+                tensor=TensorSpec(tensor.column, tensor.row, tensor.vocab, sequence_parallel=sp,
+                                  plan=tensor.plan),
                 train=TrainSpec(steps=STEPS, global_batch=8, grad_clip=0.5, seed=11,
                                 optimizer=ADAMW))
 
@@ -93,6 +98,22 @@ def _worker(rank, world, names):
 
 def test_non_causal_window_attention_tp2_equals_reference(run_workers):
     run_workers(_worker, 2, ["window-pp1-tp2", "window-pp1-tp2-sp"], timeout=280)
+
+
+def test_megatron_pairs_found_in_the_graph_train_like_the_model_pp2_tp2(run_workers):
+    """`tensor.plan = auto` on transformers' GPT-2, which declares no split of its own (Conv1D
+    weights stored [in, out], q, k, v fused in c_attn): the pairs its graph shows train
+    like the single-process model under pp2 x tp2."""
+    run_workers(_worker, 4, ["auto-pp2-tp2"], timeout=280)
+
+
+def test_a_vocab_split_embedding_read_by_a_linear_directly_tp2(run_workers):
+    """EXAONE 4 by its own tp plan: no norm before its first attention, so the vocab-split
+    embedding's output (a partial sum DTensor reduces once, with the mask of the rows each
+    rank holds) is read directly by q, k and v. The rewrite took it once for the layer's
+    residual and again, unused, for the projections, and that second reduction crashed the
+    first forward ("AssertionError" in DTensor's masked partial) after `check` passed."""
+    run_workers(_worker, 2, ["exaone4-pp1-tp2", "exaone4-pp1-tp2-sp"], timeout=280)
 
 
 def test_vocab_parallel_loss_through_per_logit_ops_tp2(run_workers):

@@ -265,6 +265,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     # 3. the collectives each style implies, around the uses of split parameters
     out_spec = SEQ if sp else "replicate"
     entered: dict[fx.Node, fx.Node] = {}
+    moved: dict[fx.Node, fx.Node] = {}  # a node whose users now read its redistribution
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
@@ -275,7 +276,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
             if kind == "row":
                 _row(b, node, use, out_spec)
                 continue
-            x = use.x
+            x = moved.get(use.x, use.x)  # (an embedding's output read by a Linear directly)
             if x not in entered:
                 entered[x] = b.before(node, x, "replicate_in", b.redistribute("replicate"))
                 entered[x].meta[COLLECTIVE] = sp  # all-gathers the sequence (else a no-op)
@@ -289,7 +290,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
             elif kind == "vocab":
                 b.after(node, "gather", b.redistribute("replicate")).meta[COLLECTIVE] = True
         elif node.target in EMBEDDINGS and _attr(embedding_weight(node)) in dims:
-            b.after(node, "out_" + out_spec, b.redistribute(out_spec)).meta[COLLECTIVE] = True
+            moved[node] = b.after(node, "out_" + out_spec, b.redistribute(out_spec))
+            moved[node].meta[COLLECTIVE] = True
         elif node.target in SDPA:
             name = b.module(f"heads_{SDPA.index(node.target)}", lambda: HeadLocal(node.target))
             node.meta[TRACED_IN], node.meta[ATTENTION] = module_path(node), True
