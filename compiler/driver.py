@@ -41,6 +41,7 @@ from .partition import Split, choose_split, compute_nodes
 from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
 from .parallel.tp import check_pairing, tp_annotations
+from .parallel.tp_auto import tp_split
 from .capture.tied import find_tied
 from .capture.traced import trace_with_loss
 from .parallel.cp import attach_context_costs, heads_split_by_tp
@@ -70,9 +71,11 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     check_weights(plan, model)  # model.weights: headers only, before anything is traced
     to_precision(model, plan.train.precision)
     experts = place_experts(plan, model)
-    tp_kinds = tp_annotations(plan, model) if plan.mesh.tp > 1 else {}
+    if plan.mesh.tp > 1:  # the plan's patterns against the model, before anything is traced
+        tp_annotations(plan, model)
     traced = trace_with_loss(plan, model)
     graph = traced.module.graph
+    tp_kinds = tp_split(plan, model, graph, traced.run) if plan.mesh.tp > 1 else {}
     moe = experts_modules(plan, model)
     check_experts(plan, graph, traced.run, moe)
     mark_step_statistics(plan, traced.module, traced.run, traced.loss, traced.prediction, moe)

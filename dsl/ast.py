@@ -195,6 +195,7 @@ class TensorSpec:
     vocab: tuple[str, ...] = ()  # ... vocab-parallel (embedding, LM head)
     sequence_parallel: bool = False
     # "model": the Hugging Face model's own plan (tp_plan / config.base_model_tp_plan);
+    # "auto": Megatron's column/row pairs found in the captured graph (tp_auto.py);
     # "patterns": the lists above only; None: the lists, else the model's own
     plan: Optional[str] = None
 

@@ -197,14 +197,16 @@ def _tensor(plan: Plan) -> Iterator[Problem]:
             yield Problem("tensor.sequence_parallel",
                           "sequence_parallel does nothing with mesh.tp = 1",
                           "set mesh.tp > 1, or remove sequence_parallel")
-        if t.plan == "model":
-            yield Problem("tensor.plan", "tensor.plan = model does nothing with mesh.tp = 1",
-                          "set mesh.tp > 1 to split the model as it declares, or remove it")
-    if t.plan == "model":
+        if t.plan in ("model", "auto"):
+            yield Problem("tensor.plan", f"tensor.plan = {t.plan} does nothing with mesh.tp = 1",
+                          "set mesh.tp > 1 to split the model, or remove it")
+    if t.plan in ("model", "auto"):
+        how = "as it declares itself" if t.plan == "model" else \
+            "by the column/row pairs its graph shows"
         for key in ("column", "row", "vocab"):
             if getattr(t, key):
-                yield Problem(f"tensor.{key}", f"tensor.{key} is ignored: tensor.plan = model "
-                              "splits the model as it declares itself",
+                yield Problem(f"tensor.{key}", f"tensor.{key} is ignored: tensor.plan = "
+                              f"{t.plan} splits the model {how}",
                               "remove the list, or set tensor.plan = patterns")
     for i, pat in enumerate(t.row):
         if pat in t.column:

@@ -341,7 +341,7 @@ TENSOR = Section("tensor", A.TensorSpec, (
     Field("row", patterns, write_patterns),
     Field("vocab", patterns, write_patterns),
     Field("sequence_parallel", boolean),
-    Field("plan", choice("model", "patterns")),
+    Field("plan", choice("model", "patterns", "auto")),
 ))
 
 # ------------------------------------------------------------- recompute

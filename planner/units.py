@@ -50,6 +50,7 @@ from ..compiler.parallel.ep import experts_modules, expert_weights, \
 from ..compiler.parallel.ep_balance import mark_step_statistics
 from ..compiler.parallel.ep_checks import check_experts
 from ..compiler.parallel.tp import check_pairing, tp_annotations
+from ..compiler.parallel.tp_auto import tp_split
 from ..compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL
 from ..compiler.partition import compute_nodes, first_position, Split
 from ..compiler.recompute import recompute_mode
@@ -361,7 +362,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
     costs_of: dict = {}  # recompute mode -> node_costs
     for tp_on in ((False, True) if tp_probe > 1 else (False,)):
         p_tp = unit_plan(plan, blocks, mbs, tp_probe if tp_on else 1, False, "none", pattern, cp)
-        kinds = tp_annotations(p_tp, model) if tp_on else {}
+        kinds = tp_split(p_tp, model, graph, run) if tp_on else {}
         tp_heads = heads_split_by_tp(p_tp, graph, model, kinds, run)
         tp_traffic, moe_traffic = collective_traffic(model, graph, run, split, kinds, experts)
         tp_inner = _inner_traffic(model, graph, run, kinds, experts, tp_traffic)
@@ -505,7 +506,7 @@ def _tp_refusals(units: Units, model, plan: Plan, traced, tp_values) -> None:
             continue
         p = unit_plan(plan, units.blocks, 1, tp, False, "none", None)
         try:
-            kinds = tp_annotations(p, model)
+            kinds = tp_split(p, model, traced.module.graph, traced.run)
             check_pairing(p, traced.module.graph, model, kinds, traced.run)
         except PlanError as e:
             units.refused[("tp", tp)] = _reason(e, tp=tp)
@@ -542,7 +543,7 @@ def _cp_refusals(units: Units, model, plan: Plan, traced_at: dict, tp_values, cp
         pt = dataclasses.replace(unit_plan(plan, units.blocks, 1, tp, False, "none", None,
                                            cp), context=p.context)
         try:
-            kinds = tp_annotations(pt, model)
+            kinds = tp_split(pt, model, at.module.graph, at.run)
             check_context(pt, at.module.graph, at.run,
                           heads_split_by_tp(pt, at.module.graph, model, kinds, at.run))
         except PlanError as e:

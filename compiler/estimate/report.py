@@ -1,6 +1,8 @@
 """report.md: what will run and what it should cost, for a person to read before launch."""
 from __future__ import annotations
 
+import re
+
 from ..compiled import CompiledPlan
 
 GiB, MiB = 1024 ** 3, 1024 ** 2
@@ -261,6 +263,22 @@ def _timeline(c: CompiledPlan, width: int = 100) -> str:
                       ""])
 
 
+def split_lines(compiled: CompiledPlan) -> list[str]:
+    """The modules tensor parallelism splits where the plan did not name them
+    (`tensor.plan = model` or `auto`), a block index written as * where every block is
+    split alike."""
+    how = compiled.plan.tensor.plan
+    if compiled.plan.mesh.tp == 1 or how not in ("model", "auto"):
+        return []
+    out = []
+    for kind in ("column", "row", "vocab"):
+        names = [n for n, k in compiled.tp_rewrites.items() if k == kind]
+        if names:
+            shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in names})
+            out.append(f"  {kind}: {', '.join(shown)}")
+    return [f"tensor.plan = {how}: {len(compiled.tp_rewrites)} layers split"] + out
+
+
 def render_summary(compiled: CompiledPlan) -> str:
     """A few terminal lines: the split, per-pipeline-rank memory and the predicted step."""
     e = compiled.estimates
@@ -268,6 +286,7 @@ def render_summary(compiled: CompiledPlan) -> str:
     lines = [f"capture: {compiled.capture} ({compiled.capture_reason})",
              f"split:   {compiled.split_text or 'one stage'}",
              f"stages on pipeline ranks: {[st.rank for st in compiled.stages]}"]
+    lines += split_lines(compiled)
     if e is None:
         return "\n".join(lines) + "\n"
     rows = [e.ranks[r * m.dp * m.cp * m.tp] for r in range(m.pp)]

@@ -150,7 +150,10 @@ def per_logit(node: fx.Node, value: fx.Node) -> bool:
 def tp_annotations(plan: Plan, model: torch.nn.Module) -> dict[str, str]:
     """qualified module -> "column" | "row" | "vocab", checked against the parameters' shapes.
     `tensor.plan = model`, or no `tensor` patterns (unless `plan = patterns`): the model's
-    own plan (`model_tp_plan`) or a refusal."""
+    own plan (`model_tp_plan`) or a refusal. `tensor.plan = auto`: none yet (the pairs are
+    found in the captured graph: tp_auto.auto_tp_plan)."""
+    if plan.tensor.plan == "auto":
+        return {}
     if plan.tensor.plan == "model":
         return model_tp_plan(plan, model, "tensor.plan")
     if not any(getattr(plan.tensor, kind) for kind in KINDS):
@@ -523,7 +526,7 @@ def _key_of(plan: Plan, kind: str, name: str) -> str:
     for i, pattern in enumerate(getattr(plan.tensor, kind)):
         if matches(name, pattern):
             return f"tensor.{kind}.{i}"
-    if plan.tensor.plan == "model":
+    if plan.tensor.plan in ("model", "auto"):
         return "tensor.plan"
     return f"tensor.{kind}" if any(getattr(plan.tensor, k) for k in KINDS) else "mesh.tp"
 

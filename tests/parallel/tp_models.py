@@ -158,3 +158,28 @@ class MegatronGPT(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
+
+
+class NormBetweenLM(nn.Module):
+    """Blocks of two Linear chains: `up -> GELU -> down` (Megatron's pair) and `a -> LayerNorm
+    -> b` (a norm over a's features between them: no pair), each added to the residual; or,
+    `single`, one Linear a block (nothing to pair)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, single: bool = False):
+        super().__init__()
+        self.single = single
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            up=nn.Linear(dim, 2 * dim), down=nn.Linear(2 * dim, dim), a=nn.Linear(dim, dim),
+            norm=nn.LayerNorm(dim), b=nn.Linear(dim, dim))) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            if self.single:
+                x = x + layer["a"](x)
+                continue
+            x = x + layer["down"](F.gelu(layer["up"](x)))
+            x = x + layer["b"](layer["norm"](layer["a"](x)))
+        return self.head(x)

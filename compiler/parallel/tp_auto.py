@@ -1,0 +1,152 @@
+"""`tensor { plan = auto }`: Megatron's column/row pairs found in the captured graph, for a
+model that declares no split of its own and a plan that names none.
+
+Within each of the model's blocks (capture/blocks.py), a Linear (in any form
+`tp.linear_use` reads: a Linear's call, `x @ W.T`, GPT-2's Conv1D) is a column layer when
+every Linear its output reaches first is a row layer of the same block, and a row layer
+when every Linear its input comes from first is in its block: q, k, v -> o and gate, up ->
+down in a transformer block (the projections that read the residual stream, and those
+that write it back), BLOOM's and GPT-NeoX's fused QKV -> dense, GPT-2's c_attn -> c_proj.
+A path to the model's inputs (a mask, positions) is not a Linear and does not count. Modules
+are chosen by the graph's dataflow, never by their names; a module applied in several places
+must be the same kind at each. The embeddings and the LM head stay whole (name them as
+`vocab` patterns to split them). The pairs are then checked as a written split is (shapes,
+tied weights, then `check_pairing` on the graph), and `pipeplan verify` proves the run.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ...dsl.ast import Plan
+from ...dsl.errors import PlanError
+from ..capture.blocks import block_of, blocks_of
+from ..patterns import matches_any
+from .tp import _check_shape, _check_tied, first_linears, linear_uses, tp_annotations
+
+KEY = "tensor.plan"
+
+
+def tp_split(plan: Plan, model: torch.nn.Module, graph: fx.Graph, run) -> dict[str, str]:
+    """What tp splits, on the captured graph: the pairs it shows (`tensor.plan = auto`), else
+    the plan's patterns or the model's own plan (tp.tp_annotations). The driver and the
+    planner both ask here."""
+    if plan.tensor.plan == "auto":
+        return auto_tp_plan(plan, graph, model, run)
+    return tp_annotations(plan, model)
+
+
+def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> dict[str, str]:
+    """qualified module -> "column" | "row": the pairs the graph shows, checked like a
+    written split; refused at `tensor.plan` where there are none."""
+    blocks = set(blocks_of(model))
+    uses = linear_uses(graph, model)
+    linear = {n: u.module for n, u in uses.items()}
+    experts = _experts(plan, model)
+    home = {n: block_of(m, blocks) for n, m in linear.items()
+            if not any(m == e or m.startswith(e + ".") for e in experts)}
+
+    def is_tensor(n: fx.Node) -> bool:  # (a split's list of tensors carries features too)
+        value = run.values.get(n)
+        return n.op != "placeholder" and (run.is_tensor(n) or isinstance(
+            value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value))
+
+    def firsts(node: fx.Node, forward: bool) -> set:
+        start = node if forward else uses[node].x
+        found = set(first_linears(start, linear, forward, is_tensor))
+        if not forward and start in linear:
+            found = {start}
+        return found
+
+    ahead = {n: firsts(n, True) for n in home}
+    behind = {n: firsts(n, False) for n in home}
+
+    def local(n: fx.Node, others: set) -> bool:
+        return bool(others) and None not in others and all(
+            m in home and m is not n and home[m] == home[n] is not None for m in others)
+
+    rows = {n for n in home if local(n, behind[n])}
+    columns = {n for n in home if local(n, ahead[n]) and ahead[n] <= rows
+               and not _mixes_features(n, linear, is_tensor, run, graph)}
+    rows = {n for n in rows if behind[n] <= columns}
+    kinds: dict[str, str] = {}
+    for nodes, kind in ((columns, "column"), (rows, "row")):
+        for n in nodes:
+            kinds.setdefault(linear[n], kind)
+    # a module applied in several places (a layer shared by every layer: ALBERT) is one
+    # kind at every use, else it stays whole
+    for n, name in linear.items():
+        if name in kinds and kinds[name] != _kind_at(n, columns, rows):
+            kinds.pop(name)
+    if not kinds:
+        raise PlanError.at(plan, KEY, f"tensor.plan = auto found no column/row pairs to split "
+                           f"over tp = {plan.mesh.tp}: no Linear in a block of the model feeds "
+                           "only Linears of its block that read nothing else",
+                           "name the modules to split in column / row lists")
+    modules = dict(model.named_modules())
+    for name, kind in kinds.items():
+        _check_shape(plan, KEY, kind, name, modules[name], plan.mesh.tp)
+    _check_tied(plan, model, kinds)
+    return dict(sorted(kinds.items()))
+
+
+# ops that combine the features of a position (a split one would need them all)
+_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
+          "native_group_norm", "batch_norm", "native_batch_norm", "instance_norm",
+          "normalize"}
+_REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "std_mean", "amax", "amin", "max", "min",
+               "norm", "linalg_vector_norm", "logsumexp", "prod", "all", "any"}
+_NORM_MODULES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm,
+                 torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+
+
+def _mixes_features(column: fx.Node, linear: dict, is_tensor, run, graph: fx.Graph) -> bool:
+    """Whether the ops between a column candidate's output and the Linears it reaches first
+    combine features of one position: a norm, or a reduction over the last dim. Megatron's
+    pair runs head-local ops only (activations, attention within each head)."""
+    gm = graph.owning_module
+    seen, frontier = {column}, [u for u in column.users if is_tensor(u)]
+    while frontier:
+        n = frontier.pop()
+        if n in seen or n in linear or n.op == "output":
+            continue
+        seen.add(n)
+        if _combines_features(n, run, gm):
+            return True
+        frontier.extend(u for u in n.users if is_tensor(u) or u.op == "output")
+    return False
+
+
+def _combines_features(n: fx.Node, run, gm) -> bool:
+    if n.op == "call_module":
+        return isinstance(gm.get_submodule(n.target), _NORM_MODULES)
+    if n.op not in ("call_function", "call_method"):
+        return False
+    target = n.target
+    name = target if isinstance(target, str) else \
+        target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else \
+        getattr(target, "__name__", "")
+    if name in _NORMS:
+        return True
+    if name not in _REDUCTIONS:
+        return False
+    value = run.values.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return True
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    if dims is None or isinstance(dims, (list, tuple)) and not dims:
+        return True  # over every dim
+    dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+    return any(isinstance(d, int) and d % value.dim() == value.dim() - 1 for d in dims)
+
+
+def _kind_at(n: fx.Node, columns: set, rows: set):
+    return "column" if n in columns else "row" if n in rows else None
+
+
+def _experts(plan: Plan, model: torch.nn.Module) -> tuple[str, ...]:
+    """Modules the plan distributes as experts: expert parallelism's, not tp's."""
+    if plan.experts is None:
+        return ()
+    return tuple(n for n, _ in model.named_modules()
+                 if n and matches_any(n, plan.experts.modules))

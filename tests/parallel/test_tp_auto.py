@@ -1,0 +1,63 @@
+"""`tensor { plan = auto }`: Megatron's column/row pairs found in the captured graph
+(compiler/parallel/tp_auto.py), judged against the pairs Megatron-LM names for the example
+GPT, and against models where a norm sits between two Linears or nothing pairs. (Training
+equal to the single-process model: tests/parallel/test_tensor_parallel.py, "auto-pp2-tp2".)
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeplan.compiler import compile_plan
+from pipeplan.dsl.errors import PlanError
+from pipeplan.dsl.load import parse_plan
+
+GPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "models", "gpt.py")
+PLAN = """model {{
+  source = "{source}"
+  args = {{ {args} }}
+}}
+data = synthetic(seed = 0, vocab = 64, seq_len = 16)
+mesh {{ tp = 2 }}
+tensor {{ plan = auto }}
+train {{ global_batch = 4 }}
+"""
+
+
+def _compiled(source: str, args: str, tmp_path):
+    return compile_plan(parse_plan(PLAN.format(source=source, args=args),
+                                   str(tmp_path / "auto.plan")))
+
+
+def test_the_example_gpt_is_split_as_megatron_splits_it(tmp_path):
+    """q, k, v and the MLP's up projection column-parallel, the attention's output and the
+    MLP's down projection row-parallel, in every layer; the embedding and the LM head whole
+    (not a block pair); `check` lists them."""
+    from pipeplan.compiler.estimate.report import split_lines
+    c = _compiled(os.path.abspath(GPT) + ":GPT",
+                  "vocab = 64, dim = 32, layers = 3, heads = 4, seq_len = 16", tmp_path)
+    want = {f"layers.{i}.{m}": kind for i in range(3) for m, kind in (
+        ("attn.q", "column"), ("attn.k", "column"), ("attn.v", "column"),
+        ("mlp.up", "column"), ("attn.proj", "row"), ("mlp.down", "row"))}
+    assert c.tp_rewrites == want
+    assert split_lines(c) == ["tensor.plan = auto: 18 layers split",
+                              "  column: layers.*.attn.k, layers.*.attn.q, layers.*.attn.v, "
+                              "layers.*.mlp.up",
+                              "  row: layers.*.attn.proj, layers.*.mlp.down"]
+
+
+def test_a_norm_between_two_linears_is_no_pair(tmp_path):
+    """`a -> LayerNorm -> b`: the norm combines a's features, which a column split would cut;
+    only `up -> GELU -> down` is paired."""
+    c = _compiled("pipeplan.tests.parallel.tp_models:NormBetweenLM", "layers = 2", tmp_path)
+    assert c.tp_rewrites == {f"layers.{i}.{m}": k for i in range(2)
+                             for m, k in (("up", "column"), ("down", "row"))}
+
+
+def test_a_model_with_nothing_to_pair_is_refused_at_the_line(tmp_path):
+    with pytest.raises(PlanError) as e:
+        _compiled("pipeplan.tests.parallel.tp_models:NormBetweenLM",
+                  "layers = 2, single = true", tmp_path)
+    said = str(e.value)
+    assert "auto.plan:7:" in said and "found no column/row pairs" in said and "^" in said
