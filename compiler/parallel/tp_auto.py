@@ -66,9 +66,13 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
             m in home and m is not n and home[m] == home[n] is not None for m in others)
 
     rows = {n for n in home if local(n, behind[n])}
-    columns = {n for n in home if local(n, ahead[n]) and ahead[n] <= rows
+    columns = {n for n in home if local(n, ahead[n])
                and not _mixes_features(n, linear, is_tensor, run, graph)}
-    rows = {n for n in rows if behind[n] <= columns}
+    while True:  # a pair needs both sides: drop either until none is left without its other
+        kept = ({n for n in columns if ahead[n] <= rows}, {n for n in rows if behind[n] <= columns})
+        if kept == (columns, rows):
+            break
+        columns, rows = kept
     kinds: dict[str, str] = {}
     for nodes, kind in ((columns, "column"), (rows, "row")):
         for n in nodes:

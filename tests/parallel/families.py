@@ -233,6 +233,12 @@ def exaone4(layers: int = 2):
     return _hf("Exaone4Config", "Exaone4ForCausalLM", layers)
 
 
+def olmo2(layers: int = 2):
+    """OLMo 2: q and k normalised over all heads' features (q_norm, k_norm on the whole
+    projection), norms after attention and MLP only."""
+    return _hf("Olmo2Config", "Olmo2ForCausalLM", layers)
+
+
 def cohere(layers: int = 2):
     """Cohere: parallel attention and MLP, LayerNorm without bias, logits scaled (0.5)
     between the head its tp plan splits and the loss."""

@@ -61,3 +61,13 @@ def test_a_model_with_nothing_to_pair_is_refused_at_the_line(tmp_path):
                   "layers = 2, single = true", tmp_path)
     said = str(e.value)
     assert "auto.plan:7:" in said and "found no column/row pairs" in said and "^" in said
+
+
+def test_attention_whose_queries_are_normalised_over_every_head_stays_whole(tmp_path):
+    """OLMo 2 normalises q and k over all heads' features before attention: q and k are no
+    column layers, so o_proj is no row layer, and without them v_proj has no pair either;
+    the MLP's gate/up -> down is split. (Before, v_proj stayed column with o_proj whole, and
+    `check` refused the plan it had made.)"""
+    c = _compiled("pipeplan.tests.parallel.families:olmo2", "layers = 2", tmp_path)
+    assert c.tp_rewrites == {f"model.layers.{i}.mlp.{m}": k for i in range(2) for m, k in (
+        ("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row"))}
