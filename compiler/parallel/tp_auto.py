@@ -3,15 +3,18 @@ model that declares no split of its own and a plan that names none.
 
 Within each of the model's blocks (capture/blocks.py), a Linear (in any form
 `tp.linear_use` reads: a Linear's call, `x @ W.T`, GPT-2's Conv1D) is a column layer when
-every Linear its output reaches first is a row layer of the same block, and a row layer
-when every Linear its input comes from first is in its block: q, k, v -> o and gate, up ->
-down in a transformer block (the projections that read the residual stream, and those
-that write it back), BLOOM's and GPT-NeoX's fused QKV -> dense, GPT-2's c_attn -> c_proj.
-A path to the model's inputs (a mask, positions) is not a Linear and does not count. Modules
-are chosen by the graph's dataflow, never by their names; a module applied in several places
-must be the same kind at each. The embeddings and the LM head stay whole (name them as
-`vocab` patterns to split them). The pairs are then checked as a written split is (shapes,
-tied weights, then `check_pairing` on the graph), and `pipeplan verify` proves the run.
+every Linear its output reaches first is a row layer of its block, through ops that keep
+each feature apart (no norm, no reduction over the last dim: activations and attention
+within heads), and a row layer when every Linear its input comes from first is a column
+layer of its block; a side without its other is dropped, to a fixed point. So q, k, v -> o
+and gate, up -> down in a transformer block (the projections that read the residual stream,
+and those that write it back), BLOOM's and GPT-NeoX's fused QKV -> dense, GPT-2's c_attn ->
+c_proj; attention whose q is normalised over every head (OLMo 2) stays whole. A path to the
+model's inputs (a mask, positions) is not a Linear and does not count. Modules are chosen
+by the graph's dataflow, never by their names; a module applied in several places must be
+the same kind at each. The embeddings and the LM head stay whole (a written split names
+them). The pairs are then checked as a written split is (shapes, tied weights, then
+`check_pairing` on the graph), and `pipeplan verify` proves the run.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from torch import fx
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
-from ..capture.blocks import block_of, blocks_of
+from ..capture.blocks import block_of, blocks_of, within
 from ..patterns import matches_any
 from .tp import _check_shape, _check_tied, first_linears, linear_uses, tp_annotations
 
@@ -44,7 +47,7 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
     linear = {n: u.module for n, u in uses.items()}
     experts = _experts(plan, model)
     home = {n: block_of(m, blocks) for n, m in linear.items()
-            if not any(m == e or m.startswith(e + ".") for e in experts)}
+            if not any(within(m, e) for e in experts)}
 
     def is_tensor(n: fx.Node) -> bool:  # (a split's list of tensors carries features too)
         value = run.values.get(n)
@@ -53,10 +56,9 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
 
     def firsts(node: fx.Node, forward: bool) -> set:
         start = node if forward else uses[node].x
-        found = set(first_linears(start, linear, forward, is_tensor))
-        if not forward and start in linear:
-            found = {start}
-        return found
+        if not forward and start in linear:  # the input is a Linear's output itself
+            return {start}
+        return set(first_linears(start, linear, forward, is_tensor))
 
     ahead = {n: firsts(n, True) for n in home}
     behind = {n: firsts(n, False) for n in home}
@@ -69,7 +71,8 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
     columns = {n for n in home if local(n, ahead[n])
                and not _mixes_features(n, linear, is_tensor, run, graph)}
     while True:  # a pair needs both sides: drop either until none is left without its other
-        kept = ({n for n in columns if ahead[n] <= rows}, {n for n in rows if behind[n] <= columns})
+        kept = ({n for n in columns if ahead[n] <= rows},
+                {n for n in rows if behind[n] <= columns})
         if kept == (columns, rows):
             break
         columns, rows = kept
