@@ -94,7 +94,8 @@ def enumerate_space(plan: Plan, gpus: int, units: int, cons: Constraints,
                     ranks_per_node: int, refused: dict, has_pattern: bool,
                     not_considered: dict, measured: frozenset = frozenset()) -> list[Candidate]:
     """Every candidate in a fixed order. `units`: blocks of the model (stages ≤ units);
-    `refused`: ("tp"|"cp", value) -> the compiler's reason; `measured`: the ("cp", value)
+    `refused`: ("tp"|"cp"|"sp", value) -> the compiler's reason ("sp": sequence parallel at
+    that tp); `measured`: the ("cp", value)
     pairs the compiler's checks ran on; reasons for what is left out are
     added to `not_considered` (reason -> values)."""
     def skip(reason: str, what: str) -> None:
@@ -140,11 +141,13 @@ def enumerate_space(plan: Plan, gpus: int, units: int, cons: Constraints,
                 if gb % dp:
                     skip(f"global_batch {gb} not divisible by dp", f"dp={dp}")
                     continue
-                out.extend(_inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip))
+                out.extend(_inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip,
+                                  refused.get(("sp", tp))))
     return out
 
 
-def _inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip):
+def _inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip, no_sp=None):
+    """`no_sp`: the compiler's reason for refusing sequence parallel at this tp (None: none)."""
     ex = plan.experts
     eps = [e for e in divisors(dp) if ex is not None and ex.num_experts % e == 0] or [1]
     for ep in eps:
@@ -169,6 +172,9 @@ def _inner(plan, fx, cons, tp, cp, pp, dp, units, has_pattern, skip):
                          "tries itself, at seconds per run", f"pp={pp} v{virtual} m={m}")
                     continue
                 for sp in ((False, True) if tp > 1 and ex is None else (False,)):
+                    if sp and no_sp:
+                        skip(no_sp, f"tp={tp} sp")
+                        continue
                     if not _ok(fx, "sp", sp):
                         continue
                     modes = ("none",) if cons.no_recompute or not has_pattern else \

@@ -510,6 +510,12 @@ def _tp_refusals(units: Units, model, plan: Plan, traced, tp_values) -> None:
             check_pairing(p, traced.module.graph, model, kinds, traced.run)
         except PlanError as e:
             units.refused[("tp", tp)] = _reason(e, tp=tp)
+            continue
+        try:  # sequence parallel's own check (attention inside the pairs)
+            check_pairing(unit_plan(plan, units.blocks, 1, tp, True, "none", None),
+                          traced.module.graph, model, kinds, traced.run)
+        except PlanError as e:
+            units.refused[("sp", tp)] = _reason(e, tp=tp)
 
 
 def _reason(e: PlanError, tp: int = 1, cp: int = 1) -> str:

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
+from ..capture.analysis import SDPA
+from ..capture.blocks import module_path
 from ..compiled import BATCH, CONSTANT
 from ..patterns import matches, matches_any
 from .tp_fused import ROWS_RESTORED, find_segments, parts_of
@@ -319,6 +321,30 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                        f"row-parallel {name} reads {what}",
                                        "Megatron pairing: a row-parallel layer reads the split "
                                        "features a column-parallel layer computed")
+    if plan.tensor.sequence_parallel:
+        _check_attention_inside_pairs(plan, graph, linear, kinds, is_tensor)
+
+
+def _check_attention_inside_pairs(plan: Plan, graph: fx.Graph, linear: dict, kinds: dict,
+                                  is_tensor) -> None:
+    """Under sequence parallel the stream between tp pairs holds 1/tp of the positions; an
+    attention op whose queries no column layer computes reads it there, and attention mixes
+    positions: refused (splitting only the MLP left attention on sequence shards, which
+    crashed in the first forward or, with a mask of the whole length, in its shapes)."""
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in SDPA:
+            continue
+        if any(hit is not None and kinds.get(linear[hit]) == "column"
+               for hit in first_linears(node.args[0], linear, False, is_tensor)):
+            continue
+        where = module_path(node)
+        raise PlanError.at(plan, "tensor.sequence_parallel",
+                           f"attention (node `{node.name}`"
+                           + (f" in module `{where}`" if where else "") + ") is not inside a "
+                           "tensor-parallel pair: under sequence parallel its input would hold "
+                           f"1/{plan.mesh.tp} of the positions, which attention mixes",
+                           "split its q, k, v and output projections (column / row), or set "
+                           "sequence_parallel = false")
 
 
 def features_out(node: fx.Node, run) -> fx.Node:

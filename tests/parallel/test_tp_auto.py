@@ -71,3 +71,43 @@ def test_attention_whose_queries_are_normalised_over_every_head_stays_whole(tmp_
     c = _compiled("pipeplan.tests.parallel.families:olmo2", "layers = 2", tmp_path)
     assert c.tp_rewrites == {f"model.layers.{i}.mlp.{m}": k for i in range(2) for m, k in (
         ("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row"))}
+
+
+def test_sequence_parallel_with_attention_outside_the_pairs_is_refused(tmp_path):
+    """Sequence parallel holds 1/tp of the positions between the pairs; attention no column
+    layer feeds would read them there (the example GPT with only its MLP split: the first
+    forward crashed after `check` passed). Refused at the line; with q, k, v and proj split
+    too it passes."""
+    text = PLAN.format(source=os.path.abspath(GPT) + ":GPT",
+                       args="vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16")
+    mlp = text.replace("tensor { plan = auto }", "tensor {\n  column = [layers.*.mlp.up]\n"
+                       "  row = [layers.*.mlp.down]\n  sequence_parallel = true\n}")
+    with pytest.raises(PlanError) as e:
+        compile_plan(parse_plan(mlp, str(tmp_path / "mlp.plan")))
+    said = str(e.value)
+    assert "mlp.plan:10:" in said and "is not inside a tensor-parallel pair" in said
+    both = mlp.replace("column = [layers.*.mlp.up]",
+                       "column = [layers.*.mlp.up, layers.*.attn.q, layers.*.attn.k, "
+                       "layers.*.attn.v]").replace("row = [layers.*.mlp.down]",
+                                                   "row = [layers.*.mlp.down, layers.*.attn.proj]")
+    assert compile_plan(parse_plan(both, str(tmp_path / "both.plan"))).tp_rewrites
+
+
+def test_the_planner_never_proposes_sequence_parallel_the_compiler_refuses(tmp_path):
+    """OLMo 2 by `tensor.plan = auto`: its attention stays whole, so sequence parallel is
+    refused; the planner lists that reason for tp = 2 with SP and proposes tp = 2 without."""
+    from pipeplan.compiler.estimate.device import device_model
+    from pipeplan.dsl.load import load_plan
+    from pipeplan.planner.search import search
+    from pipeplan.planner.space import Constraints
+    path = tmp_path / "olmo2.plan"
+    path.write_text(PLAN.format(source="pipeplan.tests.parallel.families:olmo2",
+                                args="layers = 2").replace(
+        "train { global_batch = 4 }", "train { global_batch = 8 }\ndevice { name = h100 }"))
+    plan = load_plan(str(path))
+    res = search(plan, 2, device_model(plan), 1e12,
+                 Constraints(fixed={"tp": 2, "pp": 1, "recompute": "none", "zero": 0},
+                             schedules=("1f1b",)), top_k=3)
+    assert res.top and all(not r.candidate.sp for r in res.top)
+    assert [v for r, v in res.not_considered.items()
+            if "not inside a tensor-parallel pair" in r] == [["tp=2 sp"]]
