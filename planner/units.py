@@ -49,7 +49,7 @@ from ..compiler.parallel.ep import experts_modules, expert_weights, \
     place_experts
 from ..compiler.parallel.ep_balance import mark_step_statistics
 from ..compiler.parallel.ep_checks import check_experts
-from ..compiler.parallel.tp import check_pairing, tp_annotations
+from ..compiler.parallel.tp import check_pairing, check_sequence_parallel, tp_annotations
 from ..compiler.parallel.tp_auto import tp_split
 from ..compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL
 from ..compiler.partition import compute_nodes, first_position, Split
@@ -512,8 +512,8 @@ def _tp_refusals(units: Units, model, plan: Plan, traced, tp_values) -> None:
             units.refused[("tp", tp)] = _reason(e, tp=tp)
             continue
         try:  # sequence parallel's own check (attention inside the pairs)
-            check_pairing(unit_plan(plan, units.blocks, 1, tp, True, "none", None),
-                          traced.module.graph, model, kinds, traced.run)
+            check_sequence_parallel(unit_plan(plan, units.blocks, 1, tp, True, "none", None),
+                                    traced.module.graph, model, kinds, traced.run)
         except PlanError as e:
             units.refused[("sp", tp)] = _reason(e, tp=tp)
 

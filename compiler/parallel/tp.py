@@ -281,18 +281,7 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                f"its weight as a Linear or an embedding table",
                                "tensor patterns name modules whose weight the model uses in "
                                "linear(x, weight) or embedding(ids, weight)")
-    # inputs the plan feeds from the data's `positions` carry positions (RoPE angles), not
-    # features: a path from them is no "model input" a row layer reads
-    positions = {name for name, source in plan.data.inputs
-                 if source in ("positions", "document_positions")}
-
-    def is_tensor(n: fx.Node) -> bool:  # (a split's list of tensors carries features too)
-        if n.op == "placeholder":
-            return n.target not in positions
-        value = run.values.get(n)
-        return run.is_tensor(n) or isinstance(value, (tuple, list)) and \
-            any(isinstance(v, torch.Tensor) for v in value)
-
+    is_tensor = carries_features(plan, run)
     for node, name in linear.items():
         kind = kinds.get(name)
         if kind in ("column", "vocab") and loss_of_logits(node) is not None:
@@ -321,16 +310,36 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
                                        f"row-parallel {name} reads {what}",
                                        "Megatron pairing: a row-parallel layer reads the split "
                                        "features a column-parallel layer computed")
-    if plan.tensor.sequence_parallel:
-        _check_attention_inside_pairs(plan, graph, linear, kinds, is_tensor)
+    check_sequence_parallel(plan, graph, model, kinds, run, linear)
 
 
-def _check_attention_inside_pairs(plan: Plan, graph: fx.Graph, linear: dict, kinds: dict,
-                                  is_tensor) -> None:
+def carries_features(plan: Plan, run, inputs: bool = True):
+    """Whether a node's value carries features along a path between Linears: a tensor, or a
+    split's list of tensors; of the placeholders, the model's inputs but those the data's
+    `positions` feed (RoPE angles, not features), or none (`inputs=False`)."""
+    positions = {name for name, source in plan.data.inputs
+                 if source in ("positions", "document_positions")}
+
+    def is_tensor(n: fx.Node) -> bool:
+        if n.op == "placeholder":
+            return inputs and n.target not in positions
+        value = run.values.get(n)
+        return run.is_tensor(n) or isinstance(value, (tuple, list)) and \
+            any(isinstance(v, torch.Tensor) for v in value)
+    return is_tensor
+
+
+def check_sequence_parallel(plan: Plan, graph: fx.Graph, model: torch.nn.Module,
+                            kinds: dict[str, str], run, linear: Optional[dict] = None) -> None:
     """Under sequence parallel the stream between tp pairs holds 1/tp of the positions; an
     attention op whose queries no column layer computes reads it there, and attention mixes
     positions: refused (splitting only the MLP left attention on sequence shards, which
-    crashed in the first forward or, with a mask of the whole length, in its shapes)."""
+    crashed in the first forward or, with a mask of the whole length, in its shapes).
+    `linear`: linear_calls(graph, model), where the caller has it."""
+    if not plan.tensor.sequence_parallel:
+        return
+    linear = linear_calls(graph, model) if linear is None else linear
+    is_tensor = carries_features(plan, run)
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in SDPA:
             continue

@@ -24,8 +24,9 @@ from torch import fx
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..capture.blocks import block_of, blocks_of, within
-from ..patterns import matches_any
-from .tp import _check_shape, _check_tied, first_linears, linear_uses, tp_annotations
+from .ep import moe_modules
+from .tp import _check_shape, _check_tied, carries_features, first_linears, linear_uses, \
+    tp_annotations
 
 KEY = "tensor.plan"
 
@@ -45,15 +46,11 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
     blocks = set(blocks_of(model))
     uses = linear_uses(graph, model)
     linear = {n: u.module for n, u in uses.items()}
-    experts = _experts(plan, model)
+    experts = moe_modules(plan, model)  # expert parallelism's, not tp's
     home = {n: block_of(m, blocks) for n, m in linear.items()
             if not any(within(m, e) for e in experts)}
 
-    def is_tensor(n: fx.Node) -> bool:  # (a split's list of tensors carries features too)
-        value = run.values.get(n)
-        return n.op != "placeholder" and (run.is_tensor(n) or isinstance(
-            value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value))
-
+    is_tensor = carries_features(plan, run, inputs=False)  # (masks, positions: no path)
     def firsts(node: fx.Node, forward: bool) -> set:
         start = node if forward else uses[node].x
         if not forward and start in linear:  # the input is a Linear's output itself
@@ -149,11 +146,3 @@ def _combines_features(n: fx.Node, run, gm) -> bool:
 
 def _kind_at(n: fx.Node, columns: set, rows: set):
     return "column" if n in columns else "row" if n in rows else None
-
-
-def _experts(plan: Plan, model: torch.nn.Module) -> tuple[str, ...]:
-    """Modules the plan distributes as experts: expert parallelism's, not tp's."""
-    if plan.experts is None:
-        return ()
-    return tuple(n for n, _ in model.named_modules()
-                 if n and matches_any(n, plan.experts.modules))

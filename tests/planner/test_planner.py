@@ -485,17 +485,21 @@ def test_cp_is_searched_on_a_library_model_with_its_own_mask(tmp_path):
     assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
 
 
+def _library_plan(tmp_path, source: str):
+    """A plan for a transformers model by export (no `tensor` section), this file's device."""
+    path = tmp_path / "library.plan"
+    path.write_text(f'model {{\n  source = "{source}"\n  capture = export\n}}\n'
+                    "data = synthetic(seed = 0, vocab = 64, seq_len = 16)\n"
+                    "train { global_batch = 8 }\n" + PLAN[PLAN.index("device {"):])
+    return load_plan(str(path))
+
+
 def test_tp_is_searched_by_the_models_own_plan_where_the_plan_names_no_patterns(tmp_path):
     """A plan with no `tensor` section: `check` splits a transformers Llama by the plan the
     model declares (config.base_model_tp_plan), so the planner searches tp on it and writes
     `tensor.plan = model`; the written plan compiles to the planner's estimate. A model that
     declares none (the example GPT) gets tp refused with the compiler's own reason."""
-    path = tmp_path / "llama.plan"
-    path.write_text('model {\n  source = "pipeplan.tests.compiler.models:tiny_llama"\n'
-                    '  capture = export\n}\n'
-                    "data = synthetic(seed = 0, vocab = 64, seq_len = 16)\n"
-                    "train { global_batch = 8 }\n" + PLAN[PLAN.index("device {"):])
-    hf = load_plan(str(path))
+    hf = _library_plan(tmp_path, "pipeplan.tests.compiler.models:tiny_llama")
     units = measure(hf, (1, 2), (1,), None)
     assert ("tp", 2) not in units.refused, units.refused
     res = search(hf, 4, device_model(hf), 1e12,
@@ -506,9 +510,8 @@ def test_tp_is_searched_by_the_models_own_plan_where_the_plan_names_no_patterns(
     assert best.candidate.tp == 2 and written.tensor.plan == "model"
     est = compile_plan(written).estimates
     assert est.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-9)
-    bare = load_plan(str(tmp_path / "llama.plan"))
-    gpt = dataclasses.replace(bare, model=dataclasses.replace(
-        bare.model, source=os.path.abspath(GPT) + ":GPT", capture="fx",
+    gpt = dataclasses.replace(hf, model=dataclasses.replace(
+        hf.model, source=os.path.abspath(GPT) + ":GPT", capture="fx",
         args={"vocab": 64, "dim": 32, "layers": 4, "heads": 4, "seq_len": 16}))
     res = search(gpt, 4, device_model(gpt), 1e12,
                  Constraints(fixed={"pp": 1, "cp": 1, "recompute": "none"}), top_k=1)
@@ -538,14 +541,9 @@ def test_a_cp_value_the_model_cannot_be_captured_at_is_listed_not_raised(tmp_pat
 def test_a_reason_every_cp_value_meets_is_listed_once_with_the_values(tmp_path):
     """OPT's positions (a cumulative sum over a mask the model makes, added to the tokens)
     refuse context parallel at every cp value, for the same reason but for the counts in it
-    (cp, the rows of a rank): "not considered" lists
-    the reason once, with the cp values beside it, not once per value."""
-    path = tmp_path / "opt.plan"
-    path.write_text('model {\n  source = "pipeplan.tests.parallel.families:opt"\n'
-                    '  capture = export\n}\n'
-                    "data = synthetic(seed = 0, vocab = 64, seq_len = 16)\n"
-                    "train { global_batch = 8 }\n" + PLAN[PLAN.index("device {"):])
-    opt = load_plan(str(path))
+    (cp, the rows of a rank): "not considered" lists the reason once, with the cp values
+    beside it, not once per value."""
+    opt = _library_plan(tmp_path, "pipeplan.tests.parallel.families:opt")
     units = measure(opt, (1,), (1, 2, 4), "model.decoder.layers.*", check_all_cp=True)
     res = search(opt, 4, device_model(opt), 1e12,
                  Constraints(fixed={"tp": 1}, schedules=("1f1b",)), units=units)

@@ -53,6 +53,7 @@ from pipeplan.dsl.ast import (DataSpec, DeviceSpec, MeshSpec, ModelSpec, Pipelin
                               RecomputeRule, SplitSpec, TensorSpec, TrainSpec)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+MODULE = "pipeplan.tests.benchmarks.calibration.open_models"  # its factories, run as a script too
 GB = 1e9
 
 
@@ -119,7 +120,7 @@ RUNS = (
 def plan_of(run: Run, published_split: bool = False) -> Plan:
     split = SplitSpec(kind="points", points=run.split) if published_split else SplitSpec()
     return Plan(
-        model=ModelSpec(source=f"{__name__}:{run.factory}", capture="export"),
+        model=ModelSpec(source=f"{MODULE}:{run.factory}", capture="export"),
         data=DataSpec(seq_len=2048, vocab=run.vocab),
         mesh=MeshSpec(pp=run.pp, dp=run.gpus // (run.tp * run.pp), tp=run.tp),
         pipeline=PipelineSpec(schedule="1f1b", microbatch_size=run.micro, split=split),
