@@ -14,8 +14,9 @@ CPU tensors under autocast instead (meta tensors have no autocast): the
 records a bf16 run saves.
 
 Attention is costed as a fused kernel would run it (torch's CPU flash kernel:
-q, k, v, a mask, the output laid out [batch, seq, heads, dim], one float32 per
-row), not as the meta math path runs it.
+q, k, v, a mask, the output laid out as the kernel lays it, one float32 per
+row), not as the meta math path runs it -- but for a mask that takes a gradient,
+where the kernel itself runs the math path.
 Ops whose output shape depends on data (`nonzero` in a leaf MoE's dispatch)
 run as if everything were selected: shapes stay computable, costs are upper
 bounds (costs.py scales a leaf MoE back to top-k).
@@ -224,6 +225,8 @@ class MetaRun:
         before, self._saved_now = counter.get_total_flops(), 0
         ops_before = self._ops.count
         self._node, self._saves = node, {}
+        fused = node.op == "call_function" and node.target in SDPA and \
+            not _mask_requires_grad(node, self.values)
         if node.op == "placeholder":
             value = inputs[node.target if node.target in inputs else node.name]
             if self.autocast is not None:
@@ -233,19 +236,19 @@ class MetaRun:
                 value = self._execute(node)
             except Exception as e:
                 raise MetaRunError(node, e) from e
-            if node.op == "call_function" and node.target in SDPA:
-                value = _fused_layout(value)
+            if fused:
+                value = _fused_layout(value, self.values.get(node.args[0]))
         saved = self._saved_now
         outs = self._register(node, value)
         saves = tuple(self._saves.values())
-        if node.op == "call_function" and node.target in SDPA:
+        if fused:
             saved = _fused_attention_saved_bytes(value, node.args, self.values)
             saves = self._fused_attention_saves(node, value, outs)
         flops = float(counter.get_total_flops() - before)
         if flops == 0 and _is_grouped_mm(node):
             flops = _grouped_mm_flops(value, node.args, self.values)
         ops, work = self._ops.count - ops_before, self._ops.log.take()
-        if node.op == "call_function" and node.target in SDPA:
+        if fused:
             ops = 1  # one fused kernel on a device (its meta run is the math path)
             work = attention_work(value, self.values[node.args[0]],
                                   self.values[node.args[1]], flops)
@@ -405,12 +408,30 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in _NORM_STATISTICS:
+            out = _statistics_as_the_cpu_kernel_keeps(func, args, out)
         if not self._paused:
             self.count += 1
             self.log.record(func, args, kwargs, out, self._is_param)
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
             self.copies[id(out)] = (out, args[0])
         return out
+
+
+# A norm's statistics (mean, rstd) as torch's CPU kernels keep them: float32 when the input
+# is 16-bit and the weight float32 (the "mixed type" an autocast run makes: a norm after a
+# bf16 Linear), the input's dtype otherwise. Fake tensors give the input's dtype always.
+# op -> the index of its weight argument
+_NORM_STATISTICS = {torch.ops.aten.native_layer_norm.default: 2,
+                    torch.ops.aten.native_group_norm.default: 1}
+
+
+def _statistics_as_the_cpu_kernel_keeps(func, args: tuple, out):
+    x, weight = args[0], args[_NORM_STATISTICS[func]]
+    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(weight, torch.Tensor)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32):
+        return out
+    return (out[0],) + tuple(t if t.dtype == torch.float32 else t.float() for t in out[1:])
 
 
 def _nonzero_selects_all():
@@ -422,13 +443,29 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _fused_layout(out: Any) -> Any:
-    """A fused attention kernel's output: [batch, heads, seq, dim] viewed from a
-    [batch, seq, heads, dim] buffer (so the usual transpose back to [batch, seq, features]
-    is a view, not a copy; the meta math path returns it contiguous)."""
+def _fused_layout(out: Any, q: Any) -> Any:
+    """A fused attention kernel's output laid out as torch's CPU flash kernel lays it: where
+    q's heads are strided inside its positions (q viewed [batch, heads, seq, dim] from a
+    [batch, seq, heads, dim] projection: Llama's, a fused QKV's slices), [batch, heads, seq,
+    dim] viewed from a [batch, seq, heads, dim] buffer, so the usual transpose back to
+    [batch, seq, features] is a view; else (q made contiguous [batch, heads, seq, dim]:
+    partial rotary's concatenation, GPT-NeoX's, Phi's) contiguous, and that transpose is a
+    copy, a storage of its own the next Linear saves. The meta math path returns it
+    contiguous either way."""
     if not isinstance(out, torch.Tensor) or out.dim() != 4:
         return out
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.stride(1) < q.stride(2)):
+        return out.contiguous()
     return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _mask_requires_grad(node: fx.Node, values: dict) -> bool:
+    """Does attention's mask take a gradient (T5's learned position bias)? torch's CPU
+    flash kernel has none for it: the op runs its math path (matmuls, softmax), and the
+    meta run's records of that path stand."""
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    t = values.get(mask) if isinstance(mask, fx.Node) else None
+    return isinstance(t, torch.Tensor) and t.requires_grad
 
 
 def _fused_attention_saved_bytes(out: torch.Tensor, args: tuple, values: dict) -> int:

@@ -262,6 +262,19 @@ def _check_tied(plan: Plan, model: torch.nn.Module, kinds: dict[str, str]) -> No
                                f"{listed}", "list them all in the same pattern kind")
 
 
+def _tied_owners(model: torch.nn.Module, used: set[str]) -> set[str]:
+    """`used` with every module holding the same weight as one in it: a tied weight is
+    named after one of its owners in a captured graph, and which one depends on how it was
+    captured (export names BLOOM's tied table after the head on a CPU model, after the
+    embedding on meta), so the modules holding it apply it alike (_check_tied splits them
+    alike)."""
+    owners: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name.endswith(".weight"):
+            owners.setdefault(id(p), set()).add(name.rpartition(".")[0])
+    return used.union(*(o for o in owners.values() if o & used))
+
+
 def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: dict[str, str],
                   run) -> None:
     """On the captured graph: every split module has a Linear-like use; tp divides the heads
@@ -272,7 +285,7 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
         return
     uses = linear_uses(graph, model)
     linear = {n: use.module for n, use in uses.items()}
-    used = set(linear.values()) | set(embedding_calls(graph, model).values())
+    used = _tied_owners(model, set(linear.values()) | set(embedding_calls(graph, model).values()))
     _check_layouts(plan, model, kinds, uses)
     for name, kind in kinds.items():
         if name not in used:

@@ -152,6 +152,34 @@ def gpt_neox(layers: int = 2):
     return GPTNeoXForCausalLM(cfg)
 
 
+def bloom(layers: int = 2):
+    """BLOOM: ALiBi added by `baddbmm` over [batch * heads, seq, dim] (the heads folded into
+    the batch), a fused query_key_value viewed per head, biased Linears."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=layers,
+                                        n_head=4, hidden_dropout=0.0, attention_dropout=0.0,
+                                        use_cache=False))
+
+
+def bert(layers: int = 2):
+    """BERT's masked LM: its head's transform normalises a GELU of a Linear's output."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    small = {k: v for k, v in SMALL.items() if k not in ("num_key_value_heads", "use_cache")}
+    return BertForMaskedLM(BertConfig(**small, num_hidden_layers=layers,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def t5(layers: int = 2):
+    """T5: a learned relative-position bias as attention's mask (it takes a gradient)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64,
+                                               num_layers=layers, num_heads=4, dropout_rate=0.0,
+                                               decoder_start_token_id=0, pad_token_id=0))
+
+
 def deepseek_v3(layers: int = 2):
     """DeepSeek-V3: multi-head latent attention, a dense first layer then MoE with a sigmoid
     router that casts to float32 on purpose (`hidden.type(torch.float32)`), RMSNorms that

@@ -238,3 +238,51 @@ def test_a_megatron_layer_reproduces_korthikanti_2022():
     assert _per_layer(1, mode="full") == 2 * sbh
     assert _per_layer(t, mode="full") == 2 * sbh
     assert _per_layer(t, sp=True, mode="full") == 2 * sbh / t
+
+
+# --------------------------------------------------- library families (tp = 2)
+_BLOOM = "transformer.h.*."
+FAMILY_TENSOR = {  # the tensor section per family: Megatron's pairs, or found by `auto`
+    "bloom": f"""tensor {{
+  column = [{_BLOOM}self_attention.query_key_value, {_BLOOM}mlp.dense_h_to_4h]
+  row = [{_BLOOM}self_attention.dense, {_BLOOM}mlp.dense_4h_to_h]
+  vocab = [transformer.word_embeddings, lm_head]
+}}""",
+}
+
+
+def _family(name: str, precision: str, tmp_path):
+    """A library family's plan at tp = 2 (one stage), compiled on the CPU model."""
+    seq2seq = name == "t5"  # its own loss, from labels it is given
+    text = (f'model {{\n  source = "pipeplan.tests.parallel.families:{name}"\n'
+            f'  inputs = {{ input_ids = int64[batch, seq]'
+            f'{", labels = int64[batch, seq]" if seq2seq else ""} }}\n  capture = export\n'
+            f'{"  loss = model" if seq2seq else ""}\n}}\n'
+            f'data = synthetic(seed = 7, vocab = 64, seq_len = 16'
+            f'{", inputs = { labels = tokens }" if seq2seq else ""})\n'
+            f'mesh {{ tp = 2 }}\npipeline {{ schedule = 1f1b, microbatches = 2 }}\n'
+            f'{FAMILY_TENSOR.get(name, "tensor { plan = auto }")}\n'
+            f'train {{ global_batch = 4, precision = {precision} }}\n')
+    path = tmp_path / f"{name}_{precision}.plan"
+    path.write_text(text)
+    plan = load_plan(str(path))
+    return f"{name} {precision}", plan, compile_plan(plan, load_model(plan, "cpu"))
+
+
+def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers, tmp_path):
+    """What each family's forward keeps under tp = 2 equals the estimate, per family the
+    op that once made them differ:
+
+    * BLOOM: `baddbmm` over [batch * heads, ...] with ALiBi (DTensor gathered every head on
+      every rank; the rewrite's BatchLocal keeps them split), float32 row biases added to a
+      bf16 sum (the layer's output was float32), its vocabulary split by patterns on the
+      CPU model (export names the tied table after the head there);
+    * GPT-NeoX: partial rotary concatenates q contiguous, so the CPU kernel's attention
+      output is too, and the transpose back to features is a copy the next Linear keeps;
+    * BERT (bf16): a LayerNorm of a bf16 value keeps float32 statistics (fake tensors: bf16);
+    * T5: a mask that takes a gradient runs attention's math path, not the flash kernel.
+    """
+    cases = [_family(*c, tmp_path) for c in (("bloom", "fp32"), ("bloom", "bf16"),
+                                              ("gpt_neox", "fp32"), ("bert", "bf16"),
+                                              ("t5", "fp32"))]
+    run_workers(_worker, 2, cases, timeout=300)

@@ -236,6 +236,52 @@ class HeadLocal(nn.Module):
                                   stride=_stride_like(out, shape))
 
 
+class BatchLocal(nn.Module):
+    """`baddbmm(input, batch1, batch2)` on this rank's batch entries: the model's own op on
+    the local blocks when batch1 and batch2 are split alike on the batch dim (0), as heads
+    folded into it leave them (BLOOM's [batch * heads, seq, dim] with the heads split:
+    DTensor's strided shard of dim 0); `input` (ALiBi's bias) is cut to the same entries
+    where it has them, else broadcast whole, its gradient then each rank's part, summed.
+
+    A batched matmul treats every batch entry independently, so on the local entries it is
+    exactly the op. DTensor has no such strategy for baddbmm (a replicated `input` with
+    strided batches): it all-gathers the batches and computes every head on every rank, the
+    attention then neither divided in time nor in memory, unlike its estimate. Any other
+    placement runs the op on the DTensors.
+    """
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, *args, **kwargs):
+        names = ("input", "batch1", "batch2")
+        given = list(args[:3]) + [kwargs.pop(n, None) for n in names[len(args[:3]):]]
+        if given[0] is None:  # aten's and a method call's name for it
+            given[0] = kwargs.pop("self", None)
+        inp, b1, b2 = given
+        rest = args[3:]
+        place = [t.placements[0] if isinstance(t, DTensor) else None for t in (b1, b2)]
+        if place[0] is None or type(place[0]) is not type(place[1]) or \
+                place[0] != place[1] or getattr(place[0], "dim", None) != 0 or \
+                b1.device_mesh.ndim != 1:  # (a Shard's dim, or DTensor's strided shard's)
+            return self.op(inp, b1, b2, *rest, **kwargs)
+        mesh, p = b1.device_mesh, place[0]
+        if isinstance(inp, DTensor):
+            if inp.placements[0] == p and type(inp.placements[0]) is type(p):
+                inp = inp.to_local()
+            elif not inp.placements[0].is_replicate():
+                return self.op(inp, b1, b2, *rest, **kwargs)
+            elif inp.dim() == 3 and inp.shape[0] == b1.shape[0]:  # its own entry a batch
+                inp = inp.redistribute(mesh, [p]).to_local()
+            else:  # broadcast over the batch: every rank reads it whole
+                inp = inp.to_local(grad_placements=[Partial()])
+        out = self.op(inp, b1.to_local(), b2.to_local(), *rest, **kwargs)
+        shape = torch.Size((b1.shape[0], b1.shape[1], b2.shape[2]))
+        return DTensor.from_local(out, mesh, [p], run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
+
+
 def _stride_like(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     """Global strides for attention's output: a fused kernel's [batch, seq, heads, dim]
     buffer viewed as [batch, heads, seq, dim] where the local output is laid out so (DTensor

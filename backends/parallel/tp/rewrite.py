@@ -39,7 +39,6 @@ is chosen by attribute names: only the plan's patterns and the graph's uses.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -58,13 +57,14 @@ from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, LinearUse, TensorPara
                                       embedding_weight, graph_made_uses, linear_uses,
                                       loss_of_logits, shard_dim)
 from ....errors import PipeplanError
-from .dtensor import (HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
+from .dtensor import (BatchLocal, HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
                       VocabParallelLoss)
 from .fused import SEGMENTS, fused_parameters, recut
 from .params import SHARD_DIMS, ParameterSlicer, set_parameter
 
 SEQ = "shard:-2"
 SDPA = [F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default]  # sequence parallel splits dim -2 ([..., seq, features])
+BADDBMM = [torch.baddbmm, torch.ops.aten.baddbmm.default, "baddbmm"]  # (a method call's name)
 
 
 @dataclass(frozen=True)
@@ -267,6 +267,12 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     entered: dict[fx.Node, fx.Node] = {}
     moved: dict[fx.Node, fx.Node] = {}  # a node whose users now read its redistribution
     for node in list(g.nodes):
+        if node.op == "call_method" and node.target in BADDBMM or \
+                node.op == "call_function" and node.target in BADDBMM:  # heads in the batch
+            name = b.module("batch_local", lambda: BatchLocal(torch.baddbmm))
+            node.meta[TRACED_IN] = module_path(node)
+            node.op, node.target = "call_module", name
+            continue
         if node.op != "call_function":
             continue
         use = uses.get(node)
@@ -356,6 +362,14 @@ def _attr(node) -> Optional[str]:
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
+def add_bias(summed, bias):
+    """A row layer's bias added to its summed product, in the product's dtype: the Linear's
+    own (under autocast the model's `linear(x, W, b)` is bf16 with its bias; a float32
+    bias added after the sum would promote the layer's output, and all it feeds, to
+    float32)."""
+    return summed + bias.to(summed.dtype)
+
+
 def _row(b: _Builder, node: fx.Node, use: LinearUse, out_spec: str) -> None:
     """linear(x, W, bias) -> redistribute(linear(x, W)) + bias (addmm(bias, x, W) ->
     redistribute(mm(x, W)) + bias): sum the partial products (all-reduce, or
@@ -370,7 +384,7 @@ def _row(b: _Builder, node: fx.Node, use: LinearUse, out_spec: str) -> None:
     end.meta[COLLECTIVE] = True
     if bias is not None:
         with g.inserting_after(end):
-            add = b.served(g.call_function(operator.add, (end, bias)), node)
+            add = b.served(g.call_function(add_bias, (end, bias)), node)
         end.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
 
 
