@@ -33,6 +33,7 @@ same model (`Propagation.replay`): the runtime's ranks replay rank 0's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -316,6 +317,17 @@ class MetaRun:
             self._param_names.setdefault(id(cached), name)
         return cached
 
+    def renamed(self, old: str, new: str) -> None:
+        """A node run as `old` is named `new` now (the model's own loss, renamed "loss"
+        after the run): the storages it made are owned by `new` in the records (what
+        activations.py looks the owner up by)."""
+        self._owners = {k: (new if o == old else o, src) for k, (o, src) in self._owners.items()}
+        for node, c in self.costs.items():
+            if any(s.owner == old for s in c.saves):
+                self.costs[node] = dataclasses.replace(c, saves=tuple(
+                    dataclasses.replace(s, owner=new) if s.owner == old else s
+                    for s in c.saves))
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
         if id(base) not in self._param_ids and id(base) not in self._saved:
@@ -370,9 +382,12 @@ class MetaRun:
             owner, source = self._owners[key]
             if t.dtype == out.dtype:
                 saves[key] = Saved(key, _nbytes(base), owner, t.dim(), source)
-            else:  # a copy of its own, holding what it was made from
+            else:  # a copy of its own, holding what it was made from; a mask with a
+                # dim per head is cast on the heads the op runs (split by tp with them)
                 copy = f"{node.name}#cast{i}"
-                saves[copy] = Saved(copy, t.numel() * out.element_size(), owner, t.dim(), key)
+                heads = i == 3 and t.dim() == 4 and t.shape[1] == out.shape[1] > 1
+                saves[copy] = Saved(copy, t.numel() * out.element_size(),
+                                    node.name if heads else owner, t.dim(), key)
         for key, nbytes in outs:
             saves[key] = Saved(key, nbytes, node.name, out.dim())
         rows = out.numel() // out.shape[-1]

@@ -42,10 +42,13 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
     first, rest = split_outputs(captured.outputs)
     _check_aux_first(plan, run, first, rest)
     _check_prediction(plan, run.values.get(first))
-    before = set(gm.graph.nodes)
+    before = {n: n.name for n in gm.graph.nodes}
     loss = append_loss(gm.graph, plan.model.loss, captured.outputs,
                        lambda n: run.is_tensor(n) and run.value(n).dim() == 0)
     new = [n for n in gm.graph.nodes if n not in before]
+    for n in gm.graph.nodes:  # (the model's own loss, renamed "loss")
+        if n in before and n.name != before[n]:
+            run.renamed(before[n], n.name)
     _propagate(plan, run, new, {TARGETS: _targets_example(plan, run.value(first))})
     gm.recompile()
     if run.value(loss).dim() != 0:

@@ -180,6 +180,17 @@ def t5(layers: int = 2):
                                                decoder_start_token_id=0, pad_token_id=0))
 
 
+def bart(layers: int = 2):
+    """BART: an encoder-decoder whose loss is its own (`loss = model`)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2))
+
+
 def deepseek_v3(layers: int = 2):
     """DeepSeek-V3: multi-head latent attention, a dense first layer then MoE with a sigmoid
     router that casts to float32 on purpose (`hidden.type(torch.float32)`), RMSNorms that

@@ -251,9 +251,12 @@ FAMILY_TENSOR = {  # the tensor section per family: Megatron's pairs, or found b
 }
 
 
-def _family(name: str, precision: str, tmp_path):
+def _family(name: str, precision: str, tmp_path, sp: bool = False):
     """A library family's plan at tp = 2 (one stage), compiled on the CPU model."""
-    seq2seq = name == "t5"  # its own loss, from labels it is given
+    seq2seq = name in ("t5", "bart")  # its own loss, from labels it is given
+    tensor = FAMILY_TENSOR.get(name, "tensor { plan = auto }")
+    if sp:
+        tensor = tensor.replace(" }", ", sequence_parallel = true }")
     text = (f'model {{\n  source = "pipeplan.tests.parallel.families:{name}"\n'
             f'  inputs = {{ input_ids = int64[batch, seq]'
             f'{", labels = int64[batch, seq]" if seq2seq else ""} }}\n  capture = export\n'
@@ -261,12 +264,12 @@ def _family(name: str, precision: str, tmp_path):
             f'data = synthetic(seed = 7, vocab = 64, seq_len = 16'
             f'{", inputs = { labels = tokens }" if seq2seq else ""})\n'
             f'mesh {{ tp = 2 }}\npipeline {{ schedule = 1f1b, microbatches = 2 }}\n'
-            f'{FAMILY_TENSOR.get(name, "tensor { plan = auto }")}\n'
+            f'{tensor}\n'
             f'train {{ global_batch = 4, precision = {precision} }}\n')
-    path = tmp_path / f"{name}_{precision}.plan"
+    path = tmp_path / f"{name}_{precision}{'_sp' if sp else ''}.plan"
     path.write_text(text)
     plan = load_plan(str(path))
-    return f"{name} {precision}", plan, compile_plan(plan, load_model(plan, "cpu"))
+    return f"{name} {precision}{' sp' if sp else ''}", plan, compile_plan(plan, load_model(plan, "cpu"))
 
 
 def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers, tmp_path):
@@ -280,9 +283,13 @@ def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers
     * GPT-NeoX: partial rotary concatenates q contiguous, so the CPU kernel's attention
       output is too, and the transpose back to features is a copy the next Linear keeps;
     * BERT (bf16): a LayerNorm of a bf16 value keeps float32 statistics (fake tensors: bf16);
-    * T5: a mask that takes a gradient runs attention's math path, not the flash kernel.
+    * T5: a mask that takes a gradient runs attention's math path, not the flash kernel;
+      under bf16 a mask with a dim per head is cast on the rank's heads alone;
+    * BART under sequence parallel: the model's own loss (renamed "loss" after the meta
+      run) keeps its logits' sequence shard.
     """
     cases = [_family(*c, tmp_path) for c in (("bloom", "fp32"), ("bloom", "bf16"),
                                               ("gpt_neox", "fp32"), ("bert", "bf16"),
-                                              ("t5", "fp32"))]
+                                              ("t5", "fp32"), ("t5", "bf16"))]
+    cases.append(_family("bart", "fp32", tmp_path, sp=True))
     run_workers(_worker, 2, cases, timeout=300)
