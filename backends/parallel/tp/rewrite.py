@@ -33,7 +33,9 @@ that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
 Between those points the model's own ops run unchanged (views to heads,
 RoPE, GQA's repeat, masks, SiLU ...): DTensor keeps global shapes, so the
 captured literal shapes stay right, and its sharding propagation keeps heads
-and features split. A leaf call (fx `call_module` of an unsplit module with
+and features split -- but for two ops it would gather, run on the local blocks
+instead (dtensor.py): attention (`HeadLocal`) and `baddbmm` over heads folded
+into the batch (`BatchLocal`: BLOOM's ALiBi scores). A leaf call (fx `call_module` of an unsplit module with
 parameters) sees its parameters as Replicate DTensors for the call. Nothing
 is chosen by attribute names: only the plan's patterns and the graph's uses.
 """
