@@ -254,9 +254,9 @@ FAMILY_TENSOR = {  # the tensor section per family: Megatron's pairs, or found b
 def _family(name: str, precision: str, tmp_path, sp: bool = False):
     """A library family's plan at tp = 2 (one stage), compiled on the CPU model."""
     seq2seq = name in ("t5", "bart")  # its own loss, from labels it is given
-    tensor = FAMILY_TENSOR.get(name, "tensor { plan = auto }")
+    tensor = FAMILY_TENSOR.get(name, "tensor {\n  plan = auto\n}")
     if sp:
-        tensor = tensor.replace(" }", ", sequence_parallel = true }")
+        tensor = tensor[:-1] + "  sequence_parallel = true\n}"
     text = (f'model {{\n  source = "pipeplan.tests.parallel.families:{name}"\n'
             f'  inputs = {{ input_ids = int64[batch, seq]'
             f'{", labels = int64[batch, seq]" if seq2seq else ""} }}\n  capture = export\n'
@@ -269,7 +269,8 @@ def _family(name: str, precision: str, tmp_path, sp: bool = False):
     path = tmp_path / f"{name}_{precision}{'_sp' if sp else ''}.plan"
     path.write_text(text)
     plan = load_plan(str(path))
-    return f"{name} {precision}{' sp' if sp else ''}", plan, compile_plan(plan, load_model(plan, "cpu"))
+    compiled = compile_plan(plan, load_model(plan, "cpu"))
+    return f"{name} {precision}{' sp' if sp else ''}", plan, compiled
 
 
 def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers, tmp_path):

@@ -35,8 +35,9 @@ RoPE, GQA's repeat, masks, SiLU ...): DTensor keeps global shapes, so the
 captured literal shapes stay right, and its sharding propagation keeps heads
 and features split -- but for two ops it would gather, run on the local blocks
 instead (dtensor.py): attention (`HeadLocal`) and `baddbmm` over heads folded
-into the batch (`BatchLocal`: BLOOM's ALiBi scores). A leaf call (fx `call_module` of an unsplit module with
-parameters) sees its parameters as Replicate DTensors for the call. Nothing
+into the batch (`BatchLocal`: BLOOM's ALiBi scores). A leaf call (fx
+`call_module` of an unsplit module with parameters) sees its parameters as
+Replicate DTensors for the call. Nothing
 is chosen by attribute names: only the plan's patterns and the graph's uses.
 """
 from __future__ import annotations
@@ -59,8 +60,8 @@ from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, LinearUse, TensorPara
                                       embedding_weight, graph_made_uses, linear_uses,
                                       loss_of_logits, shard_dim)
 from ....errors import PipeplanError
-from .dtensor import (BatchLocal, HeadLocal, Redistribute, ReplicatedParameter, ToDTensor, ToLocal,
-                      VocabParallelLoss)
+from .dtensor import (BatchLocal, HeadLocal, Redistribute, ReplicatedParameter, ToDTensor,
+                      ToLocal, VocabParallelLoss)
 from .fused import SEGMENTS, fused_parameters, recut
 from .params import SHARD_DIMS, ParameterSlicer, set_parameter
 
@@ -269,8 +270,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     entered: dict[fx.Node, fx.Node] = {}
     moved: dict[fx.Node, fx.Node] = {}  # a node whose users now read its redistribution
     for node in list(g.nodes):
-        if node.op == "call_method" and node.target in BADDBMM or \
-                node.op == "call_function" and node.target in BADDBMM:  # heads in the batch
+        if node.op in ("call_method", "call_function") and node.target in BADDBMM:
             name = b.module("batch_local", lambda: BatchLocal(torch.baddbmm))
             node.meta[TRACED_IN] = module_path(node)
             node.op, node.target = "call_module", name
