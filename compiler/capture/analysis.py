@@ -372,7 +372,7 @@ class MetaRun:
         they are of another: autocast's cast, a boolean mask made float), the output and
         one float32 per row (torch's CPU flash kernel; CUDA's keep the same)."""
         saves = {}
-        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        mask = _attention_mask(node)
         for i, a in enumerate((*node.args[:3], mask)):
             if not (isinstance(a, fx.Node) and isinstance(self.values.get(a), torch.Tensor)):
                 continue
@@ -474,11 +474,16 @@ def _fused_layout(out: Any, q: Any) -> Any:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _attention_mask(node: fx.Node) -> Any:
+    """The attn_mask argument of a scaled_dot_product_attention node (None if not given)."""
+    return node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+
+
 def _mask_requires_grad(node: fx.Node, values: dict) -> bool:
     """Does attention's mask take a gradient (T5's learned position bias)? torch's CPU
     flash kernel has none for it: the op runs its math path (matmuls, softmax), and the
     meta run's records of that path stand."""
-    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    mask = _attention_mask(node)
     t = values.get(mask) if isinstance(mask, fx.Node) else None
     return isinstance(t, torch.Tensor) and t.requires_grad
 

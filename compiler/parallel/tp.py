@@ -245,14 +245,20 @@ def _check_divides(plan: Plan, key: str, kind: str, name: str, w, dim: int, tp: 
                            "pick tp among the divisors of the layer width")
 
 
-def _check_tied(plan: Plan, model: torch.nn.Module, kinds: dict[str, str]) -> None:
-    """A weight tied between modules must be split alike in all of them, or not at all."""
-    holders: dict[int, dict[str, Optional[int]]] = {}
+def _holders(model: torch.nn.Module) -> list[list[tuple[str, str]]]:
+    """Per parameter (a tied one once), the (module, leaf name) of every holder."""
+    out: dict[int, list[tuple[str, str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")
-        kind = kinds.get(owner)
-        holders.setdefault(id(p), {})[owner] = shard_dim(kind, leaf) if kind else None
-    for owners in holders.values():
+        out.setdefault(id(p), []).append((owner, leaf))
+    return list(out.values())
+
+
+def _check_tied(plan: Plan, model: torch.nn.Module, kinds: dict[str, str]) -> None:
+    """A weight tied between modules must be split alike in all of them, or not at all."""
+    holders = [{owner: shard_dim(kinds[owner], leaf) if kinds.get(owner) else None
+                for owner, leaf in held} for held in _holders(model)]
+    for owners in holders:
         if len(set(owners.values())) > 1:
             listed = ", ".join(f"{n} ({'dim %d' % d if d is not None else 'not split'})"
                                for n, d in owners.items())
@@ -268,11 +274,8 @@ def _tied_owners(model: torch.nn.Module, used: set[str]) -> set[str]:
     captured (export names BLOOM's tied table after the head on a CPU model, after the
     embedding on meta), so the modules holding it apply it alike (_check_tied splits them
     alike)."""
-    owners: dict[int, set[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name.endswith(".weight"):
-            owners.setdefault(id(p), set()).add(name.rpartition(".")[0])
-    return used.union(*(o for o in owners.values() if o & used))
+    owners = [{owner for owner, leaf in held if leaf == "weight"} for held in _holders(model)]
+    return used.union(*(o for o in owners if o & used))
 
 
 def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: dict[str, str],
