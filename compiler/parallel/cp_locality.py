@@ -26,7 +26,7 @@ order at the prediction are refused.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx

@@ -41,7 +41,8 @@ from ..capture.analysis import SDPA
 from ..capture.blocks import module_path
 from ..compiled import BATCH, CONSTANT
 from ..patterns import matches, matches_any
-from .tp_fused import ROWS_RESTORED, find_segments, parts_of
+from .tp_fused import ROWS_RESTORED, find_segments
+from .tp_heads import gathered_at, is_view
 from .tp_model import HF_STYLES, declared_plan
 
 KINDS = ("column", "row", "vocab")
@@ -305,9 +306,8 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
         if kind == "column":
             key = _key_of(plan, "column", name)
             out = features_out(node, run)
-            for part in parts_of(out) if find_segments(plan, key, name, node, run, out) \
-                    else [out]:
-                _check_heads(plan, part, name, run)
+            find_segments(plan, key, name, node, run, out)
+            _check_kept(plan, key, name, out, run)
             for hit in first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
                     what = "the loss" if hit is None else \
@@ -377,18 +377,13 @@ def features_out(node: fx.Node, run) -> fx.Node:
     one view back from the rows its tokens were flattened to (Conv1D: addmm on [tokens,
     in], viewed to [..., out]), marked ROWS_RESTORED for the rewrite's recut (fused.py)."""
     users = list(node.users)
-    if len(users) != 1 or not _is_view(users[0]) or not run.is_tensor(users[0]):
+    if len(users) != 1 or not is_view(users[0]) or not run.is_tensor(users[0]):
         return node
     before, after = run.value(node).shape, run.value(users[0]).shape
     if len(before) == 2 and len(after) > 2 and after[-1] == before[-1]:
         users[0].meta[ROWS_RESTORED] = True
         return users[0]
     return node
-
-
-def _is_view(n: fx.Node) -> bool:
-    return n.op == "call_method" and n.target in _VIEWS or \
-        n.op == "call_function" and n.target in _VIEW_FNS
 
 
 def _check_layouts(plan: Plan, model: torch.nn.Module, kinds: dict[str, str],
@@ -416,26 +411,16 @@ def _check_layouts(plan: Plan, model: torch.nn.Module, kinds: dict[str, str],
                                "parallel is not run on it", "set sequence_parallel = false")
 
 
-_VIEWS = {"view", "reshape", "unflatten"}
-_VIEW_FNS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-             torch.ops.aten._unsafe_view.default, torch.reshape)
-
-
-def _check_heads(plan: Plan, node: fx.Node, name: str, run) -> None:
-    """Where the graph views a column output's features as [..., heads, head_dim], tp must
-    divide heads (each rank then holds whole heads: DTensor keeps the split)."""
-    tp = plan.mesh.tp
-    for user in node.users:
-        if not (_is_view(user) and run.is_tensor(user)):
-            continue
-        before, after = tuple(run.value(node).shape), tuple(run.value(user).shape)
-        if len(after) == len(before) + 1 and after[:-2] == before[:-1] \
-                and after[-2] * after[-1] == before[-1] and after[-2] % tp:
-            raise PlanError.at(plan, _key_of(plan, "column", name),
-                               f"tp = {tp} does not divide the {after[-2]} heads of {name} "
-                               f"(the graph views its output as {list(after)} at {user.name})",
-                               "each tensor-parallel rank must hold whole attention heads "
-                               "(GQA: tp must divide the key/value heads too)")
+def _check_kept(plan: Plan, key: str, name: str, out: fx.Node, run) -> None:
+    """Column output `out` keeps its split (whole heads, whole parts on each rank) up to
+    the ops that compute with it (tp_heads.py); else refused at `key`."""
+    found = gathered_at(out, run, plan.mesh.tp, name)
+    if found is not None:
+        raise PlanError.at(plan, key, found,
+                           "each tensor-parallel rank must hold whole attention heads (GQA: "
+                           "tp must divide the key/value heads too; multi-query attention "
+                           "keeps its fused projection whole: leave it and its row partner "
+                           "out of the patterns)")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
-from .tp import _check_shape, _check_tied, carries_features, first_linears, linear_uses, \
-    tp_annotations
+from .tp import _check_shape, _check_tied, carries_features, features_out, first_linears, \
+    linear_uses, tp_annotations
+from .tp_heads import gathered_at
 
 KEY = "tensor.plan"
 
@@ -66,7 +67,8 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
 
     rows = {n for n in home if local(n, behind[n])}
     columns = {n for n in home if local(n, ahead[n])
-               and not _mixes_features(n, linear, is_tensor, run, graph)}
+               and not _mixes_features(n, linear, is_tensor, run, graph)
+               and gathered_at(features_out(n, run), run, plan.mesh.tp) is None}
     while True:  # a pair needs both sides: drop either until none is left without its other
         kept = ({n for n in columns if ahead[n] <= rows},
                 {n for n in rows if behind[n] <= columns})

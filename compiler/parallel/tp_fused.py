@@ -136,17 +136,3 @@ def find_segments(plan: Plan, key: str, name: str, node: fx.Node, run,
         u.meta[CUTS] = c
     return segments
 
-
-def parts_of(node: fx.Node) -> list[fx.Node]:
-    """The nodes holding the parts a cut Linear's output is divided into (a split's items)."""
-    out = []
-    for u in node.users:
-        if len(u.meta.get(CUTS, ())) == 1 and not _returns_list(u):
-            out.append(u)
-        else:
-            out += [g for g in u.users if g.op == "call_function" and g.target is operator.getitem]
-    return out
-
-
-def _returns_list(u: fx.Node) -> bool:
-    return u.target in _SPLITS or u.target in _CHUNKS or u.target in ("split", "chunk")

@@ -54,7 +54,7 @@ GPT2 = ("column = [transformer.h.*.attn.c_attn, transformer.h.*.mlp.c_fc]  "
 FALCON = ("column = [transformer.h.*.self_attention.query_key_value, "
           "transformer.h.*.mlp.dense_h_to_4h]  row = [transformer.h.*.self_attention.dense, "
           "transformer.h.*.mlp.dense_4h_to_h]  sequence_parallel = true")
-TENSOR = {"gpt2": GPT2, "falcon": FALCON}  # (the others: their own tp plan)
+TENSOR = {"gpt2": GPT2, "falcon_grouped": FALCON}  # (the others: their own tp plan)
 
 
 def _segments(model_name: str) -> tuple[dict, dict]:
@@ -161,10 +161,38 @@ def test_sequence_parallel_on_a_conv1d_is_refused_at_its_line():
 @pytest.mark.timeout(600)
 def test_gpt2_and_falcon_tp2_by_patterns_equal_reference(spawn, tmp_path):
     """GPT-2 (Conv1D weights split on their dim 1, fused c_attn part by part) and Falcon
-    (`x @ W.T`, multi-query attention, with sequence parallel) under tp2: trained as the
-    single-process reference in float64, and the tp2 checkpoint holds the model's own
-    layout. Both were refused ("the graph never applies its weight as a Linear")."""
-    _trained_equal_reference(spawn, tmp_path, ["gpt2", "falcon"])
+    (`x @ W.T`, its fused query_key_value grouped per k/v head, with sequence parallel)
+    under tp2: trained as the single-process reference in float64, and the tp2 checkpoint
+    holds the model's own layout. Both were refused ("the graph never applies its weight
+    as a Linear")."""
+    _trained_equal_reference(spawn, tmp_path, ["gpt2", "falcon_grouped"])
+
+
+@pytest.mark.parametrize("model, column, row", [
+    ("falcon", "transformer.h.*.self_attention.query_key_value",
+     "transformer.h.*.self_attention.dense"),
+    ("gpt_bigcode", "transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj")])
+def test_multi_query_attention_is_refused_at_its_line_and_kept_whole_by_auto(model, column,
+                                                                             row):
+    """One k/v head in a fused projection (Falcon: cut off the heads dim of its view;
+    GPTBigCode: off its features after an unsqueeze): no tp > 1 holds whole parts on each
+    rank, and DTensor gathered the output, running attention whole on every rank while
+    the estimates divided it. A written split is refused at its line; `plan = auto`
+    leaves the attention whole and splits the MLP. Falcon's grouped layout (2 k/v heads)
+    splits under both."""
+    from fnmatch import fnmatch
+
+    from pipeplan.compiler import compile_plan
+
+    with pytest.raises(PlanError, match="output on the dim tp splits") as err:
+        compile_plan(plan_for(model, f"column = [{column}]  row = [{row}]"))
+    assert "plan.plan:8:" in str(err.value), str(err.value)
+    kinds = compile_plan(plan_for(model, "plan = auto")).tp_rewrites
+    assert not [k for k in kinds if fnmatch(k, column) or fnmatch(k, row)], kinds
+    assert sorted(set(kinds.values())) == ["column", "row"]  # the MLP's pair
+    grouped = compile_plan(plan_for("falcon_grouped", "plan = auto")).tp_rewrites
+    assert grouped["transformer.h.0.self_attention.query_key_value"] == "column"
+    assert grouped["transformer.h.0.self_attention.dense"] == "row"
 
 
 def test_gpt_neox_interleaved_heads_need_no_regrouping():

@@ -321,6 +321,23 @@ def falcon(layers: int = 2, new_decoder_architecture: bool = False):
     return transformers.FalconForCausalLM(cfg)
 
 
+def falcon_grouped(layers: int = 2):
+    """Falcon's new decoder architecture: 2 k/v heads, each grouped with its 2 queries in
+    the fused query_key_value ([..., kv_heads, 2 + 2, head_dim]): tp 2 splits whole groups."""
+    return falcon(layers, new_decoder_architecture=True)
+
+
+def gpt_bigcode(layers: int = 2):
+    """GPTBigCode (StarCoder): multi-query attention, one k/v head, its fused c_attn output
+    unsqueezed then split into [embed, head_dim, head_dim]."""
+    import transformers
+
+    cfg = transformers.GPTBigCodeConfig(vocab_size=64, n_embd=32, n_layer=layers, n_head=4,
+                                        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                        attn_pdrop=0.0, use_cache=False, multi_query=True)
+    return transformers.GPTBigCodeForCausalLM(cfg)
+
+
 def phimoe(layers: int = 2):
     """PhiMoE: a stochastic router (sparsemixer: Gumbel sampling, `torch.no_grad()` masks, a
     custom autograd.Function for its gradient) that `check` refuses at a plan line."""

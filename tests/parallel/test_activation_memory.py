@@ -287,21 +287,25 @@ def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers
     * T5: a mask that takes a gradient runs attention's math path, not the flash kernel;
       under bf16 a mask with a dim per head is cast on the rank's heads alone;
     * BART under sequence parallel: the model's own loss (renamed "loss" after the meta
-      run) keeps its logits' sequence shard.
+      run) keeps its logits' sequence shard;
+    * Falcon: multi-query attention, its one k/v head cut off the fused projection's heads
+      dim; split, DTensor gathered it and ran attention whole on every rank (`plan = auto`
+      now leaves that projection whole: tp_heads.py).
     """
     cases = [_family(*c, tmp_path) for c in (("bloom", "fp32"), ("bloom", "bf16"),
                                               ("gpt_neox", "fp32"), ("bert", "bf16"),
-                                              ("t5", "fp32"), ("t5", "bf16"))]
+                                              ("t5", "fp32"), ("t5", "bf16"),
+                                              ("falcon", "fp32"))]
     cases.append(_family("bart", "fp32", tmp_path, sp=True))
     run_workers(_worker, 2, cases, timeout=300)
 
 
 # the dense families of tests/parallel/families.py, tp = 2 by `plan = auto` (heavy)
 SURVEY = ("llama", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "opt", "gptj",
-          "cohere", "gpt2", "bloom", "bert", "t5", "bart", "falcon")
+          "cohere", "gpt2", "bloom", "bert", "t5", "bart", "falcon", "falcon_grouped",
+          "gpt_bigcode")
 # where the run keeps more than the estimate, and why (each must still differ: strict)
-KNOWN = {"falcon": "multi-query: DTensor gathers the fused projection's uneven parts and "
-                   "attention runs whole on every rank; the estimate splits it"}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.heavy
