@@ -69,6 +69,9 @@ class StageSpec:
     made: int = 0  # values its forward makes from no input or parameter (masks, positions)
     # that meet ones that are: eager tp wraps each per microbatch (parallel/tp.graph_made)
     joint: Any = None  # compile.mode = graphs: the stage's joint graph (compiler/graphs/joint.py; not serialised)
+    # compile.mode = graphs under tp / ep / cp, the stage rewritten in a fake world: the
+    # collectives its own graph issues per microbatch, {op: (calls, bytes)} (DTensor's own)
+    traced_collectives: Any = None
 
 
 @dataclass(frozen=True)

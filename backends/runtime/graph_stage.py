@@ -78,7 +78,7 @@ class GraphStageRunner(StageRunner):
         key = tuple((tuple(x.shape), x.dtype) for x in inputs)
         if key not in self._by_shape:
             start = time.perf_counter()
-            needs = [i in self.upstream_inputs and x.is_floating_point()
+            needs = [i in self.grad_inputs and x.is_floating_point()
                      for i, x in enumerate(inputs)]
             with self.autocast():
                 joint = trace_joint(self.module, inputs, needs, recompute=self.recompute)

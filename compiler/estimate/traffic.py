@@ -39,7 +39,7 @@ from ..capture.analysis import MetaRun
 from ..capture.blocks import module_path, within
 from ..compiled import ExpertPlacement
 from ..partition import Split, compute_nodes
-from ..parallel.tp import loss_of_logits
+from ..parallel.tp import linear_uses, loss_of_logits
 
 
 ROLES = ("output", "input", "whole_input", "partial_input", "seq_input", "seq_output",
@@ -54,6 +54,7 @@ class Traffic:
     stage: int
     nbytes: int
     role: str = "output"  # one of ROLES
+    read: Optional[str] = None  # "input": the value the module reads (its node's name)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, sp
                        ) -> tuple[list[Traffic], list[Traffic]]:
     """(tensor-parallel traffic, MoE traffic: each experts call's hidden rows ("tokens") and
     top-k weights ("weights"), what its all-to-alls move)."""
-    calls = module_calls(graph, run, split, set(tp_kinds))
+    calls = module_calls(graph, run, split, set(tp_kinds), model)
     moe = []
     for i, node in enumerate(compute_nodes(graph)):
         if node.op == "call_module" and len(node.args) >= 3 and any(
@@ -85,8 +86,8 @@ def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, sp
                         Traffic(node.target, split.stage_of(i), _nbytes(weights), "weights")]
     traffic = tensor_parallel_traffic(model, tp_kinds, calls)
     sharded = _sequence_sharded(graph, split, model, tp_kinds, calls)
-    traffic = [Traffic(t.module, t.stage, t.nbytes, "whole_input")
-               if t.role == "input" and calls[t.module].input_node not in sharded else t
+    traffic = [Traffic(t.module, t.stage, t.nbytes, "whole_input", t.read)
+               if t.role == "input" and t.read not in sharded else t
                for t in traffic]
     traffic += _stage_edges(graph, run, split, tp_kinds, sharded)
     return traffic, moe
@@ -166,7 +167,7 @@ def _sequence_sharded(graph: fx.Graph, split: Split, model, kinds: dict[str, str
     a stage from a row output or a vocab embedding of that stage (inputs arrive whole)."""
     nodes = compute_nodes(graph)
     stage_of = {n: split.stage_of(i) for i, n in enumerate(nodes)}
-    seeds = {c.output_node for n, c in calls.items()
+    seeds = {c.output_node for n, cs in calls.items() for c in cs
              if n in kinds and _all_reduces_output(model, n, kinds[n])}
     sharded: set[str] = set()
     for n in nodes:
@@ -177,34 +178,40 @@ def _sequence_sharded(graph: fx.Graph, split: Split, model, kinds: dict[str, str
 
 
 def tensor_parallel_traffic(model: torch.nn.Module, kinds: dict[str, str],
-                            calls: dict[str, ModuleCall]) -> list[Traffic]:
+                            calls: dict[str, list[ModuleCall]]) -> list[Traffic]:
     """The tensors TP collectives move (see the module docstring), per microbatch."""
     out, seen_inputs = [], set()
     for name, kind in kinds.items():
-        call = calls.get(name)
-        if call is None:
-            continue
-        if _all_reduces_output(model, name, kind):
-            out.append(Traffic(name, call.stage, call.out_bytes))
-            continue
-        if call.input_node not in seen_inputs:
-            seen_inputs.add(call.input_node)
-            out.append(Traffic(name, call.stage, call.in_bytes, "input"))
-        if kind == "vocab":  # the LM head's logits: a split loss, or gathered
-            if call.loss_rows:
-                out.append(Traffic(name, call.stage, 3 * call.loss_itemsize * call.loss_rows,
-                                   "loss"))
-            else:
-                out.append(Traffic(name, call.stage, call.out_bytes, "logits"))
+        for call in calls.get(name, ()):
+            out += _call_traffic(model, name, kind, call, seen_inputs)
     return out
 
 
-def module_calls(graph: fx.Graph, run: MetaRun, split: Split, names: set[str]
-                 ) -> dict[str, ModuleCall]:
-    """For each named module: the stage of its first node, its first tensor input's bytes
-    (from outside the module) and its last node's output bytes."""
-    first: dict[str, tuple[int, fx.Node]] = {}
-    last: dict[str, fx.Node] = {}
+def _call_traffic(model: torch.nn.Module, name: str, kind: str, call: ModuleCall,
+                  seen_inputs: set) -> list[Traffic]:
+    out = []
+    if _all_reduces_output(model, name, kind):
+        return [Traffic(name, call.stage, call.out_bytes)]
+    if call.input_node not in seen_inputs:
+        seen_inputs.add(call.input_node)
+        out.append(Traffic(name, call.stage, call.in_bytes, "input", call.input_node))
+    if kind == "vocab":  # the LM head's logits: a split loss, or gathered
+        if call.loss_rows:
+            out.append(Traffic(name, call.stage, 3 * call.loss_itemsize * call.loss_rows,
+                               "loss"))
+        else:
+            out.append(Traffic(name, call.stage, call.out_bytes, "logits"))
+    return out
+
+
+def module_calls(graph: fx.Graph, run: MetaRun, split: Split, names: set[str],
+                 model: torch.nn.Module) -> dict[str, list[ModuleCall]]:
+    """For each named module, its calls: the stage of a call's first node, its first tensor
+    input's bytes (from outside the module: the first of its nodes reading one -- Falcon's
+    `x @ W.T` transposes its weight first) and its last node's output bytes. One call, but
+    for a module whose weight the graph applies as a Linear more than once (ALBERT's one
+    layer, run as every layer): one per application, each a run of its nodes."""
+    runs: dict[str, list[list[tuple[int, fx.Node]]]] = {}
     below: dict[str, list[str]] = {}  # module -> the named modules inside it
     for name in names:
         parent = name.rpartition(".")[0]
@@ -219,20 +226,38 @@ def module_calls(graph: fx.Graph, run: MetaRun, split: Split, names: set[str]
                 inside.append(path)
             path = path.rpartition(".")[0]
         for name in inside:
-            first.setdefault(name, (i, node))
-            last[name] = node
+            mine = runs.setdefault(name, [])
+            if mine and mine[-1][-1][0] == i - 1:
+                mine[-1].append((i, node))
+            else:
+                mine.append([(i, node)])
+    uses: dict[str, int] = {}
+    for use in linear_uses(graph, model).values():
+        uses[use.module] = uses.get(use.module, 0) + 1
     out = {}
-    for name, (i, node) in first.items():
-        leaf = node.op == "call_module" and within(name, node.target)  # a leaf holding it
-        scope = node.target if leaf else name
-        inputs = [a for a in node.all_input_nodes if a.op != "get_attr" and run.is_tensor(a)
-                  and not within(module_path(a), scope)]
-        end = last[name]
-        out[name] = ModuleCall(split.stage_of(i), _nbytes(run.value(inputs[0])) if inputs else 0,
-                               _nbytes(run.value(end)) if run.is_tensor(end) else 0,
-                               inputs[0].name if inputs else None,
-                               *_loss_rows(end, run), end.name)
+    for name, found in runs.items():
+        if uses.get(name, 0) < 2:
+            found = [[n for r in found for n in r]]
+        out[name] = [_call(run, split, name, nodes) for nodes in found]
     return out
+
+
+def _call(run: MetaRun, split: Split, name: str, nodes: list[tuple[int, fx.Node]]
+          ) -> ModuleCall:
+    read = next((a for _, n in nodes for a in _outside_inputs(n, name, run)), None)
+    end = nodes[-1][1]
+    return ModuleCall(split.stage_of(nodes[0][0]), _nbytes(run.value(read)) if read else 0,
+                      _nbytes(run.value(end)) if run.is_tensor(end) else 0,
+                      read.name if read else None, *_loss_rows(end, run), end.name)
+
+
+def _outside_inputs(node: fx.Node, name: str, run: MetaRun) -> list[fx.Node]:
+    """The tensor values `node` (a node of module `name`, or a leaf call holding it) reads
+    from outside that module (or leaf), parameters aside."""
+    leaf = node.op == "call_module" and within(name, node.target)  # a leaf holding it
+    scope = node.target if leaf else name
+    return [a for a in node.all_input_nodes if a.op != "get_attr" and run.is_tensor(a)
+            and not within(module_path(a), scope)]
 
 
 def _loss_rows(node: fx.Node, run: MetaRun) -> tuple[int, int]:

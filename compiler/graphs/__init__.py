@@ -11,7 +11,7 @@ import torch.fx as fx
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..compiled import BATCH, StageSpec
-from .joint import TRACE_DEVICE, JointTraceError, trace_joint
+from .joint import TRACE_DEVICE, JointTraceError, trace_joint, traced_collectives
 from .split import saved_bytes, split_joint
 
 
@@ -34,7 +34,9 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
     launch: the compiler does not import the runtime) rewrites each stage as a rank's
     runtime will, in a world of fake process groups, so the activation bytes are those of
     the rewritten stage's own joint graph (the most any cp rank keeps). Without `rewrite`
-    the activation estimate stays the eager one."""
+    the activation estimate stays the eager one. The rewritten stage's collectives per
+    microbatch, DTensor's own (joint.traced_collectives), are kept on the stage
+    (`StageSpec.traced_collectives`, cp rank 0's) beside the estimate's."""
     if not plan.compile.graphs:
         return
     rewritten = plan.mesh.tp > 1 or plan.mesh.ep > 1 or plan.mesh.cp > 1
@@ -43,7 +45,7 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
                for n in graph.nodes}
     for st in stages:
         inputs = [by_name[r.name] for r in st.inputs]
-        needs = [r.source != BATCH for r in st.inputs]
+        needs = [r.source != BATCH and r.requires_grad for r in st.inputs]  # as the runtime's
         try:
             joint = trace_joint(st.module, inputs, needs, on=TRACE_DEVICE, recompute=rules)
         except JointTraceError as e:
@@ -54,22 +56,27 @@ def check_joint_graphs(plan: Plan, stages: Sequence[StageSpec], graph: fx.Graph,
             # exact by construction: what F hands to B and W is what the runtime keeps
             st.activation_bytes = saved_bytes(split_joint(joint))
     if rewritten and rewrite is not None:
-        kept = _rewritten_bytes(plan, stages, by_name, rules, experts, tp_kinds or {}, rewrite)
+        kept, traced = _rewritten(plan, stages, by_name, rules, experts, tp_kinds or {},
+                                  rewrite)
         for st in stages:  # none inside a running world: its ranks trace their own
             st.activation_bytes = kept.get(st.index, st.activation_bytes)
+            st.traced_collectives = traced.get(st.index)
 
 
-def _rewritten_bytes(plan: Plan, stages: Sequence[StageSpec], by_name: dict, rules: tuple,
-                     experts: tuple, tp_kinds: dict, rewrite: Callable) -> dict[int, int]:
+def _rewritten(plan: Plan, stages: Sequence[StageSpec], by_name: dict, rules: tuple,
+               experts: tuple, tp_kinds: dict, rewrite: Callable) -> tuple[dict, dict]:
     """Stage index -> the most bytes F of its rewritten copy hands to B and W, over the
     ranks `rewrite` stands up one after another (each yields every stage's rewritten copy,
-    valid until the next is asked for)."""
+    valid until the next is asked for); stage index -> the first rank's collectives."""
     kept: dict[int, int] = {}
+    traced: dict[int, dict] = {}
     with contextlib.closing(rewrite(plan, experts, tp_kinds, stages)) as worlds:
         for modules in worlds:
             for st in stages:
                 joint = trace_joint(modules[st.index], [by_name[r.name] for r in st.inputs],
-                                    [r.source != BATCH for r in st.inputs], on=TRACE_DEVICE,
+                                    [r.source != BATCH and r.requires_grad for r in st.inputs],
+                                    on=TRACE_DEVICE,
                                     recompute=rules)
                 kept[st.index] = max(kept.get(st.index, 0), saved_bytes(split_joint(joint)))
-    return kept
+                traced.setdefault(st.index, traced_collectives(joint))
+    return kept, traced

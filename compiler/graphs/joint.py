@@ -264,3 +264,25 @@ def _custom_function(outputs) -> Optional[str]:
 TRACE_DEVICE = "cpu"  # the compiler traces for this device type (fake tensors, nothing allocated)
 
 
+
+
+# torch's functional collectives (what DTensor and the rewrites issue) -> the estimates' names
+_COLLECTIVES = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
+                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "alltoall"}
+
+
+def traced_collectives(joint: JointGraph) -> dict[str, tuple[int, int]]:
+    """The collectives a joint graph issues per microbatch, forward and backward: op ->
+    (calls, bytes handed in), as the estimates name them. On a stage the runtime rewrote
+    (backends/parallel/pretrace.py) these are DTensor's own, planned or not: a gather
+    DTensor inserts to redistribute a split value shows here as it runs."""
+    found: dict[str, tuple[int, int]] = {}
+    for n in joint.gm.graph.nodes:
+        packet = getattr(n.target, "_overloadpacket", None)
+        op = _COLLECTIVES.get(getattr(packet, "__name__", "")) \
+            if "_c10d_functional" in str(n.target) else None
+        value = n.args[0].meta.get("val") if op and isinstance(n.args[0], fx.Node) else None
+        if isinstance(value, torch.Tensor):
+            calls, nbytes = found.get(op, (0, 0))
+            found[op] = (calls + 1, nbytes + value.numel() * value.element_size())
+    return found

@@ -42,7 +42,7 @@ from ..capture.blocks import module_path
 from ..compiled import BATCH, CONSTANT
 from ..patterns import matches, matches_any
 from .tp_fused import ROWS_RESTORED, find_segments
-from .tp_heads import gathered_at, is_view
+from .tp_follow import gathered_at, is_view
 from .tp_model import HF_STYLES, declared_plan
 
 KINDS = ("column", "row", "vocab")
@@ -413,7 +413,7 @@ def _check_layouts(plan: Plan, model: torch.nn.Module, kinds: dict[str, str],
 
 def _check_kept(plan: Plan, key: str, name: str, out: fx.Node, run) -> None:
     """Column output `out` keeps its split (whole heads, whole parts on each rank) up to
-    the ops that compute with it (tp_heads.py); else refused at `key`."""
+    the ops that compute with it (tp_follow.py); else refused at `key`."""
     found = gathered_at(out, run, plan.mesh.tp, name)
     if found is not None:
         raise PlanError.at(plan, key, found,

@@ -27,7 +27,7 @@ from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
 from .tp import _check_shape, _check_tied, carries_features, features_out, first_linears, \
     linear_uses, tp_annotations
-from .tp_heads import gathered_at
+from .tp_follow import gathered_at
 
 KEY = "tensor.plan"
 

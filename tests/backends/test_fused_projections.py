@@ -243,6 +243,29 @@ class M(nn.Module):
 """
 
 
+MULTI_QUERY = """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 48)
+        self.qkv = nn.Linear(48, 64, bias=False)
+        self.out = nn.Linear(48, 48, bias=False)
+        self.head = nn.Linear(48, 64, bias=False)
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        b, t, _ = x.shape
+        h = self.qkv(x).view(b, t, 8, 8)
+        q, k, v = h[:, :, :6], h[:, :, 6:7], h[:, :, 7:]
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k.expand(b, 6, t, 8), v.expand(b, 6, t, 8),
+                                           is_causal=True)
+        return self.head(x + self.out(y.transpose(1, 2).reshape(b, t, 48)))
+"""
+
+
 def _file_plan(tmp_path, source: str, tp: int, tensor: str):
     (tmp_path / "m.py").write_text(source)
     return parse_plan(PLAN.format(model="M", tp=tp, tensor=tensor).replace(
@@ -250,7 +273,8 @@ def _file_plan(tmp_path, source: str, tp: int, tensor: str):
         "capture = export", "capture = fx"), "plan.plan")
 
 
-@pytest.mark.parametrize("source, tp, tensor, message", ids=["whole", "heads", "part"], argvalues=[
+@pytest.mark.parametrize("source, tp, tensor, message", ids=["whole", "heads", "part", "mqa"],
+                         argvalues=[
     (CUT_AND_WHOLE.replace("WHOLE", "h.mean(-1, keepdim=True)"), 2, "column = [qkv]  row = [out]",
      r"qkv's output is cut into parts \(at getitem\) and also used otherwise \(at mean\)"),
     # q, k and v are 48 features each, viewed as 6 heads: tp 4 divides the parts, not heads
@@ -258,6 +282,9 @@ def _file_plan(tmp_path, source: str, tp: int, tensor: str):
      r"tp = 4 does not divide the 6 heads of qkv"),
     (SPLIT_MLP, 4, "column = [up]  row = [down]",
      r"tp = 4 does not divide the part \[0, 30\) of up's 64 output features"),
+    # 8 "heads" viewed (tp 2 divides them), then one k and one v head cut off that dim
+    (MULTI_QUERY, 2, "column = [qkv]  row = [out]",
+     r"the graph cuts qkv's output on the dim tp splits \(at getitem_\d\)"),
 ])
 def test_what_a_fused_split_cannot_hold_is_refused_at_the_tensor_line(tmp_path, source, tp,
                                                                         tensor, message):

@@ -327,6 +327,27 @@ def falcon_grouped(layers: int = 2):
     return falcon(layers, new_decoder_architecture=True)
 
 
+def albert(layers: int = 2):
+    """ALBERT: one layer's weights applied as every layer (a module the graph runs several
+    times), factorised embeddings, the masked-LM head."""
+    import transformers
+
+    cfg = transformers.AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32,
+                                    intermediate_size=64, num_attention_heads=4,
+                                    num_hidden_layers=layers, max_position_embeddings=64,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.AlbertForMaskedLM(cfg)
+
+
+def mpt(layers: int = 2):
+    """MPT: ALiBi (a bias per head added to the attention scores), fused Wqkv chunked."""
+    import transformers
+
+    cfg = transformers.MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=layers,
+                                 max_seq_len=64, expansion_ratio=2)
+    return transformers.MptForCausalLM(cfg)
+
+
 def gpt_bigcode(layers: int = 2):
     """GPTBigCode (StarCoder): multi-query attention, one k/v head, its fused c_attn output
     unsqueezed then split into [embed, head_dim, head_dim]."""

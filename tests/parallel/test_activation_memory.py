@@ -290,7 +290,7 @@ def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers
       run) keeps its logits' sequence shard;
     * Falcon: multi-query attention, its one k/v head cut off the fused projection's heads
       dim; split, DTensor gathered it and ran attention whole on every rank (`plan = auto`
-      now leaves that projection whole: tp_heads.py).
+      now leaves that projection whole: tp_follow.py).
     """
     cases = [_family(*c, tmp_path) for c in (("bloom", "fp32"), ("bloom", "bf16"),
                                               ("gpt_neox", "fp32"), ("bert", "bf16"),
