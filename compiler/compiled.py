@@ -152,6 +152,8 @@ class CompiledPlan:
     tied: tuple[TiedParam, ...] = ()
     experts: tuple[ExpertPlacement, ...] = ()
     tp_rewrites: dict = field(default_factory=dict)  # qualified module -> "column"|"row"|"vocab"
+    # tensor.plan = auto: the Linears left whole as tp could not keep them split -> why
+    tp_whole: dict = field(default_factory=dict)
     capture: str = "fx"  # how the graph was captured, and why when auto
     capture_reason: str = ""
     split_text: str = ""  # the chosen split in plan syntax, to pin it

@@ -41,7 +41,7 @@ from .partition import Split, choose_split, compute_nodes
 from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
 from .parallel.tp import check_pairing, tp_annotations
-from .parallel.tp_auto import tp_split
+from .parallel.tp_auto import left_whole, tp_split
 from .capture.tied import find_tied
 from .capture.traced import trace_with_loss
 from .parallel.cp import attach_context_costs, heads_split_by_tp
@@ -76,6 +76,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     traced = trace_with_loss(plan, model)
     graph = traced.module.graph
     tp_kinds = tp_split(plan, model, graph, traced.run) if plan.mesh.tp > 1 else {}
+    tp_whole = left_whole(plan, graph, model, traced.run, tp_kinds) \
+        if plan.mesh.tp > 1 and plan.tensor.plan == "auto" else {}
     moe = experts_modules(plan, model)
     check_experts(plan, graph, traced.run, moe)
     mark_step_statistics(plan, traced.module, traced.run, traced.loss, traced.prediction, moe)
@@ -133,7 +135,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                 estimates.sync, step_time_s=estimates.step_time_s,
                 every_step_time_s=every.step_s + estimates.prepass_s)
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
-                        tp_rewrites=tp_kinds, capture=traced.method, capture_reason=traced.reason,
+                        tp_rewrites=tp_kinds, tp_whole=tp_whole, capture=traced.method,
+                        capture_reason=traced.reason,
                         split_text=split.text if split.starts else "", split_points=split.starts,
                         estimates=estimates)
 

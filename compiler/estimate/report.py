@@ -276,6 +276,10 @@ def split_lines(compiled: CompiledPlan) -> list[str]:
         if names:
             shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in names})
             out.append(f"  {kind}: {', '.join(shown)}")
+    whole: dict[str, str] = {}  # pattern -> the first reason (tp_auto.left_whole)
+    for name, why in compiled.tp_whole.items():
+        whole.setdefault(re.sub(r"\.\d+\.", ".*.", name), why)
+    out += [f"  left whole: {pattern} ({why})" for pattern, why in sorted(whole.items())]
     return [f"tensor.plan = {how}: {len(compiled.tp_rewrites)} layers split"] + out
 
 

@@ -96,6 +96,23 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
     return dict(sorted(kinds.items()))
 
 
+def left_whole(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run,
+               kinds: dict[str, str]) -> dict[str, str]:
+    """The Linears of the model's blocks that `plan = auto` leaves whole because tp could not
+    keep their output split (tp_follow.py: heads tp does not divide, multi-query's one k/v
+    head cut off a fused projection), each with why; `check` lists them beside the split.
+    (Their pair partners stay whole with them: a pair needs both sides.)"""
+    blocks = set(blocks_of(model))
+    out: dict[str, str] = {}
+    for node, use in linear_uses(graph, model).items():
+        if use.module in kinds or use.module in out or block_of(use.module, blocks) is None:
+            continue
+        why = gathered_at(features_out(node, run), run, plan.mesh.tp, use.module)
+        if why is not None:
+            out[use.module] = why
+    return dict(sorted(out.items()))
+
+
 # ops that combine the features of a position (a split one would need them all)
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
           "native_group_norm", "batch_norm", "native_batch_norm", "instance_norm",

@@ -111,3 +111,26 @@ def test_the_planner_never_proposes_sequence_parallel_the_compiler_refuses(tmp_p
     assert res.top and all(not r.candidate.sp for r in res.top)
     assert [v for r, v in res.not_considered.items()
             if "not inside a tensor-parallel pair" in r] == [["tp=2 sp"]]
+
+
+def test_attention_tp_cannot_keep_split_is_left_whole_and_listed(tmp_path):
+    """Llama with 2 k/v heads at tp = 4: no rank would hold a whole k/v head, so DTensor
+    would gather k and v (running attention whole on every rank while the estimates
+    divided it). `auto` leaves the attention whole -- k and v, and q and o with them, a
+    pair needing both sides -- splits the MLP, and `check` says which and why (at tp = 2
+    everything splits)."""
+    from pipeplan.compiler.estimate.report import split_lines
+
+    text = PLAN.format(source="pipeplan.tests.parallel.families:llama", args="layers = 2")
+    c = compile_plan(parse_plan(text.replace("tp = 2", "tp = 4"), str(tmp_path / "a.plan")))
+    assert c.tp_rewrites == {f"model.layers.{i}.mlp.{m}": k for i in range(2) for m, k in (
+        ("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row"))}
+    assert sorted(c.tp_whole) == [f"model.layers.{i}.self_attn.{m}" for i in range(2)
+                                  for m in ("k_proj", "v_proj")]
+    lines = split_lines(c)
+    assert [line.split(" (")[0] for line in lines if "left whole" in line] == [
+        "  left whole: model.layers.*.self_attn.k_proj",
+        "  left whole: model.layers.*.self_attn.v_proj"]
+    assert "tp = 4 does not divide the 2 heads of model.layers.0.self_attn.k_proj" in lines[3]
+    at2 = compile_plan(parse_plan(text, str(tmp_path / "b.plan")))
+    assert len(at2.tp_rewrites) == 14 and at2.tp_whole == {}
