@@ -570,3 +570,21 @@ class EagerLM(nn.Module):
             p = s.softmax(dim=-1)
         y = p @ v
         return self.head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
+def family_plan_text(name: str, tensor: str = "tensor {\n  plan = auto\n}", *, pp: int = 1,
+                     layers: int = 0, precision: str = "fp32", extra: str = "") -> str:
+    """A plan over one of these families at tp = 2 (pp stages; `layers`: 0 keeps the
+    family's default), batch 4 of 16 tokens in 2 microbatches; T5 and BART train on their
+    own loss from labels they are given. `extra`: sections added (compile, ...)."""
+    seq2seq = name in ("t5", "bart")
+    args = f"  args = {{ layers = {layers} }}\n" if layers else ""
+    return (f'model {{\n  source = "pipeplan.tests.parallel.families:{name}"\n{args}'
+            f'  inputs = {{ input_ids = int64[batch, seq]'
+            f'{", labels = int64[batch, seq]" if seq2seq else ""} }}\n  capture = export\n'
+            f'{"  loss = model" if seq2seq else ""}\n}}\n'
+            f'data = synthetic(seed = 7, vocab = 64, seq_len = 16'
+            f'{", inputs = { labels = tokens }" if seq2seq else ""})\n'
+            f'mesh {{ pp = {pp}, tp = 2 }}\npipeline {{ schedule = 1f1b, microbatches = 2 }}\n'
+            f'{tensor}\n{extra}'
+            f'train {{ global_batch = 4, precision = {precision} }}\n')

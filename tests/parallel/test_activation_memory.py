@@ -39,6 +39,7 @@ from pipeplan.compiler.driver import compile_plan
 from pipeplan.dsl.ast import RecomputeRule, TensorSpec
 from pipeplan.dsl.errors import PlanError
 from pipeplan.dsl.load import load_plan
+from pipeplan.tests.parallel.families import family_plan_text
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hybrid_pp2_dp2_tp2.plan"
 SMALL = ["model.args.seq_len=8", "data.seq_len=8", "model.args.vocab=32", "data.vocab=32",
@@ -253,19 +254,10 @@ FAMILY_TENSOR = {  # the tensor section per family: Megatron's pairs, or found b
 
 def _family(name: str, precision: str, tmp_path, sp: bool = False):
     """A library family's plan at tp = 2 (one stage), compiled on the CPU model."""
-    seq2seq = name in ("t5", "bart")  # its own loss, from labels it is given
     tensor = FAMILY_TENSOR.get(name, "tensor {\n  plan = auto\n}")
     if sp:
         tensor = tensor[:-1] + "  sequence_parallel = true\n}"
-    text = (f'model {{\n  source = "pipeplan.tests.parallel.families:{name}"\n'
-            f'  inputs = {{ input_ids = int64[batch, seq]'
-            f'{", labels = int64[batch, seq]" if seq2seq else ""} }}\n  capture = export\n'
-            f'{"  loss = model" if seq2seq else ""}\n}}\n'
-            f'data = synthetic(seed = 7, vocab = 64, seq_len = 16'
-            f'{", inputs = { labels = tokens }" if seq2seq else ""})\n'
-            f'mesh {{ tp = 2 }}\npipeline {{ schedule = 1f1b, microbatches = 2 }}\n'
-            f'{tensor}\n'
-            f'train {{ global_batch = 4, precision = {precision} }}\n')
+    text = family_plan_text(name, tensor, precision=precision)
     path = tmp_path / f"{name}_{precision}{'_sp' if sp else ''}.plan"
     path.write_text(text)
     plan = load_plan(str(path))

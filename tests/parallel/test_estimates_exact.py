@@ -360,13 +360,9 @@ def _traced_against_estimate(tmp_path, name: str, pp: int) -> list[str]:
     gathers included; compiler/graphs/joint.traced_collectives), over the step's
     microbatches, against `estimates.stage_collectives`. The differences, as text."""
     from pipeplan.backends.parallel.pretrace import rewrite_in_fake_world
+    from .families import family_plan_text
 
-    text = (f'model {{\n  source = "pipeplan.tests.parallel.families:{name}"\n'
-            f'  args = {{ layers = {2 * pp} }}\n  inputs = {{ input_ids = int64[batch, seq] }}\n'
-            f'  capture = export\n}}\ndata = synthetic(seed = 7, vocab = 64, seq_len = 16)\n'
-            f'mesh {{ pp = {pp}, tp = 2 }}\npipeline {{ schedule = 1f1b, microbatches = 2 }}\n'
-            f'tensor {{ plan = auto }}\ncompile {{ mode = graphs }}\n'
-            f'train {{ global_batch = 4 }}\n')
+    text = family_plan_text(name, pp=pp, layers=2 * pp, extra="compile { mode = graphs }\n")
     path = tmp_path / f"{name}_pp{pp}.plan"
     path.write_text(text)
     plan = load_plan(str(path))
