@@ -365,7 +365,8 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
         kinds = tp_split(p_tp, model, graph, run) if tp_on else {}
         tp_heads = heads_split_by_tp(p_tp, graph, model, kinds, run)
         tp_traffic, moe_traffic = collective_traffic(model, graph, run, split, kinds, experts)
-        tp_inner = _inner_traffic(model, graph, run, kinds, experts, tp_traffic)
+        tp_inner = _inner_traffic(model, graph, run, kinds, experts, tp_traffic,
+                                  len(stages) - 1)
         shards = _sequence_inputs(graph, traced.module, stages, kinds, records) if tp_on \
             else None
         forms = repeats.Forms(records, kinds, blocks)
@@ -460,14 +461,17 @@ def _sequence_inputs(graph, module, stages, kinds: dict, records: dict) -> list:
                       if n.op == "placeholder" and n.name in seq) for st in stages]
 
 
-def _inner_traffic(model, graph, run, kinds: dict, experts, per_block: list) -> list:
+def _inner_traffic(model, graph, run, kinds: dict, experts, per_block: list,
+                   last: int) -> list:
     """Each unit's TP traffic when an earlier unit of the same stage precedes it: the roles
     traffic.py reads with the whole model as one stage (a column input after a row output
     is a sequence shard, "input", not "whole_input"; no stage edge, so no "partial_input"
-    or "seq_*"), each item given the unit its module is in."""
+    or "seq_*"), each item given the unit its module is in; the loss's ("counted_loss": a
+    mean of sequence shards, all-reduced as it leaves) the `last` unit, which holds it."""
     unit = {t.module: t.stage for t in per_block}
     whole, _ = collective_traffic(model, graph, run, Split((), ()), kinds, experts)
-    return [dataclasses.replace(t, stage=unit[t.module]) for t in whole if t.module in unit]
+    return [dataclasses.replace(t, stage=unit[t.module] if t.module in unit else last)
+            for t in whole if t.module in unit or t.role == "counted_loss"]
 
 
 def _params(st, tp_kinds: dict, expert_params: set, plan: Plan) -> tuple:

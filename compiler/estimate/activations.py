@@ -11,7 +11,10 @@ One walker over a stage graph, node by node, from what each node saves
   shards from a row output (or a split embedding) to the next column input.
   A column layer's input is replicated: under sequence parallel the
   all-gathered copy is what the layer saves (a storage of its own, whole).
-  Stage inputs arrive whole. A 0-d scalar is never split.
+  Stage inputs arrive whole. A 0-d scalar is never split. A mean loss on sequence
+  shards (a whole LM head's logits) is its sum over the weight its targets count
+  (backends' tp/dtensor.CountedMean): the division keeps that scalar besides the op's
+  own saves.
 * Recompute regions (compiler/recompute.py, the runtime's too): `full` drops every
   node, `selective` the nodes without matmul work (zero FLOPs) and attention.
   A dropped node's save stays held when its storage is alive anyway (a region
@@ -32,7 +35,8 @@ import torch
 import torch.fx as fx
 
 from ..capture.analysis import MetaRun, NodeCost
-from ..parallel.tp import embedding_calls, linear_calls, loss_of_logits, shard_dim
+from ..parallel.tp import (counted_mean, embedding_calls, linear_calls, loss_of_logits,
+                           shard_dim)
 from ..recompute import Region, draws_random, dropped, find_regions
 
 REPLICATED, SHARDED, SEQUENCE = "replicated", "sharded", "sequence"
@@ -153,6 +157,10 @@ class _Stage:
                 yield "gathered:" + s.key, s.nbytes * scale
             else:
                 yield s.key, s.nbytes * scale / self.divisor(s.owner, s.dims)
+        counted = counted_mean(n) if self.split is not None else None
+        if counted is not None and self.place.get(counted[0]) == SEQUENCE:
+            for key, nb in c.outs:  # the counted weight: a scalar of the loss's dtype
+                yield "counted:" + key, nb
 
     def value(self, n: fx.Node):
         """(storage, bytes on this rank) of n's output, if it is one tensor (what a

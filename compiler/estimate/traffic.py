@@ -15,7 +15,8 @@ tp/rewrite.py places, with or without sequence parallel):
   from whole values only (the stage's inputs arrive whole; no row output or
   vocab embedding before it in the stage): nothing to gather, its grad all-reduced;
 * "partial_input", "seq_input", "seq_output": values crossing a stage edge
-  that meet split values (`_stage_edges`);
+  that meet split values (`_stage_edges`); "counted_loss": the model's own mean loss
+  of sequence shards (a whole LM head's logits), a partial sum all-reduced as it leaves;
 * "loss": a vocab-parallel head feeding `cross_entropy(head(x).flatten(0, -2),
   t)` directly (tensor_parallel.loss_of_logits, the rewrite's own test): the
   vocab-parallel cross-entropy all-reduces 3 values per token in the logits' dtype;
@@ -39,11 +40,11 @@ from ..capture.analysis import MetaRun
 from ..capture.blocks import module_path, within
 from ..compiled import ExpertPlacement
 from ..partition import Split, compute_nodes
-from ..parallel.tp import linear_uses, loss_of_logits
+from ..parallel.tp import counted_mean, linear_uses, loss_of_logits
 
 
 ROLES = ("output", "input", "whole_input", "partial_input", "seq_input", "seq_output",
-         "loss", "logits", "tokens", "weights")
+         "counted_loss", "loss", "logits", "tokens", "weights")
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,10 @@ def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, s
       shards (not feature-sharded values, which hold the whole sequence): split on
       entry, its gradient all-gathered;
     * "seq_output" (sequence parallel): a value sent on that is a sequence shard:
-      all-gathered on exit.
+      all-gathered on exit;
+    * "counted_loss" (sequence parallel): a mean loss of the model's own whose input is
+      a sequence shard (backends' tp CountedMean): its summed loss, a partial sum,
+      all-reduced on exit.
 
     Feature-sharded values: what column modules output, forward through their stage up
     to the row modules (which sum them). A received value's reach: its users forward
@@ -158,6 +162,13 @@ def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, s
                 and value.is_floating_point() and any(
                 stage_of.get(u, stage_of[n]) > stage_of[n] or u.op == "output" for u in n.users):
             out.append(Traffic(n.name, stage_of[n], _nbytes(value), "seq_output"))
+    split_losses = {loss_of_logits(n) for n in nodes if kind_at(n) in ("column", "vocab")}
+    for n in nodes:  # (a split head's own loss is loss_parallel's: "loss")
+        counted = counted_mean(n)
+        if counted is not None and n not in split_losses and counted[0] not in sharded \
+                and getattr(counted[0], "name", None) in seq_sharded:
+            out.append(Traffic(module_path(n), stage_of[n], _nbytes(run.values.get(n)),
+                               "counted_loss"))  # (the module it is traced in: recompute's)
     return out
 
 

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
@@ -98,6 +99,32 @@ def shard_dim(kind: str, leaf: str, in_out: bool = False) -> Optional[int]:
 
 def embedding_weight(node: fx.Node):
     return node.args[1] if node.target is F.embedding else node.args[0]
+
+
+# the graph's mean-reduced losses over class targets -> their reduction values (mean, sum)
+MEAN_LOSSES = {F.cross_entropy: ("mean", "sum"), F.nll_loss: ("mean", "sum"),
+               **{op: (1, 2) for op in (torch.ops.aten.cross_entropy_loss.default,
+                                        torch.ops.aten.nll_loss.default,
+                                        torch.ops.aten.nll_loss_nd.default)}}
+
+
+def counted_mean(node: fx.Node) -> Optional[tuple]:
+    """(input, target, the other arguments by keyword) of a call of a MEAN_LOSSES op that
+    reduces by the mean: the rewrite runs it on row-sharded logits as its summed loss over
+    the weight its targets count (backends' tp/dtensor.CountedMean); None otherwise (a
+    call with the legacy `size_average` / `reduce` too)."""
+    if node.op != "call_function" or node.target not in MEAN_LOSSES:
+        return None
+    found = normalize_function(node.target, node.args, node.kwargs,
+                               normalize_to_only_use_kwargs=True)
+    if found is None:
+        return None
+    kwargs = dict(found.kwargs)
+    if kwargs.pop("size_average", None) is not None or kwargs.pop("reduce", None) is not None:
+        return None
+    if kwargs["reduction"] != MEAN_LOSSES[node.target][0]:
+        return None
+    return kwargs.pop("input", kwargs.pop("self", None)), kwargs.pop("target"), kwargs
 
 
 def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:

@@ -69,6 +69,12 @@ CASES = [
      ["model.args.dim=18", "model.args.layers=4", "tensor.sequence_parallel=true"] + TENSOR
      + ["tensor.column=[layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, layers.*.mlp.up]",
         "tensor.row=[layers.*.attn.proj, layers.*.mlp.down]"], (0, 3)),
+    # the LM head left whole: its logits are sequence shards, the loss their counted mean
+    # (backends' tp CountedMean), its summed loss all-reduced as it leaves the last stage
+    ("gpt dp2 tp2 sp whole head", "hybrid_pp2_dp2_tp2.plan",
+     ["model.args.dim=18", "model.args.layers=4", "tensor.sequence_parallel=true"] + TENSOR
+     + ["tensor.column=[layers.*.attn.q, layers.*.attn.k, layers.*.attn.v, layers.*.mlp.up]",
+        "tensor.row=[layers.*.attn.proj, layers.*.mlp.down]", "tensor.vocab=[]"], (0,)),
     ("moe dp4 ep2", "moe_pp2_ep2_zbv.plan", ["model.args.dim=18", "mesh.dp=4"], (0, 1, 2, 3)),
     # compiled stages dispatch statically (every slot to every EP rank): other bytes
     ("moe dp4 ep2 graphs", "moe_pp2_ep2_zbv.plan",

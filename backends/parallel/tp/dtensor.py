@@ -17,6 +17,9 @@ DeviceMesh; everything between them is the model's own ops on DTensors.
                            all-reduce only if it is not replicated already)
     VocabParallelLoss      cross-entropy on vocab-sharded logits under torch's
                            loss_parallel, forward and backward
+    CountedMean            the model's mean cross-entropy / nll_loss on row-sharded
+                           inputs as the op defines its mean: summed losses over the
+                           counted targets' total weight (not the shards' mean of means)
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import empty as distributed_empty
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ....compiler.graphs.joint import traceable_function
 from .params import shard_offset
@@ -176,6 +180,59 @@ class VocabParallelLoss(nn.Module):
         if isinstance(targets, DTensor):
             targets = targets.to_local()
         return _VocabParallelCrossEntropy.apply(logits, targets, self.kwargs)
+
+
+class CountedMean(nn.Module):
+    """The model's own mean-reduced `cross_entropy` / `nll_loss` (`op`, called with its
+    normalized keyword arguments) where its input is a DTensor sharded along its rows --
+    under sequence parallel, the logits of an LM head left whole hold this rank's positions.
+
+    The op's mean is its summed loss over the total weight of the targets it counts (the
+    class weight of each, 1 without weights; none for `ignore_index`). DTensor's strategy
+    averages the shards' means instead ("avg"), which is that only while every shard counts
+    the same weight: transformers' causal-LM loss ignores each sequence's last position
+    (its labels padded with -100), so the shard holding the ends counts fewer, and the loss
+    a run reports is not the model's. Here: the op with `reduction = sum` on the shards (a
+    partial sum) divided by the weight counted on the whole target, which every tp rank
+    holds (the stage's batch) -- the op's own formula, its gradient DTensor's. Any other
+    input (replicated, vocab-split, soft targets) runs the op as the graph calls it.
+    """
+
+    def __init__(self, op, total):
+        super().__init__()
+        self.op, self.total = op, total  # total: the op's reduction value for a sum
+
+    def forward(self, input, target, **kwargs):
+        if not _rows_sharded(input) or target.is_floating_point():
+            return self.op(input, target, **kwargs)
+        summed = self.op(input, target, **{**kwargs, "reduction": self.total})
+        return summed / _counted_weight(input, target, kwargs.get("weight"),
+                                        kwargs.get("ignore_index", -100))
+
+
+def _rows_sharded(x) -> bool:
+    """A DTensor split on a dim other than the classes' (dim 1; a 1-d input has no rows),
+    in blocks or strided (DTensor's `_StridedShard`: [batch, seq] flattened to rows with
+    the sequence split)."""
+    return isinstance(x, DTensor) and x.dim() >= 2 and any(
+        (p.is_shard() or isinstance(p, _StridedShard)) and p.dim % x.dim() != 1
+        for p in x.placements)
+
+
+def _counted_weight(like: DTensor, target, weight, ignore_index: int) -> DTensor:
+    """The total weight of the targets the op counts, replicated over like's mesh."""
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    with torch.no_grad():
+        t = whole(target)
+        kept = t != ignore_index
+        if weight is None:
+            total = kept.sum().to(like.dtype)
+        else:
+            total = (whole(weight)[t.masked_fill(~kept, 0)] * kept).sum().to(like.dtype)
+    return DTensor.from_local(total, like.device_mesh, [Replicate()] * like.device_mesh.ndim,
+                              run_check=False)
 
 
 class HeadLocal(nn.Module):

@@ -28,6 +28,9 @@ that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
 * a column/vocab Linear whose logits go only to `cross_entropy(logits.flatten(0, -2), t)`
   keeps them sharded: the loss runs under torch's loss_parallel; a vocab Linear
   used otherwise gathers its logits;
+* any other mean-reduced `cross_entropy` / `nll_loss` (the model's own loss) runs as
+  `CountedMean`: on logits sharded along their rows (a whole LM head under sequence
+  parallel), its summed loss over the weight its targets count, as the op defines its mean;
 * stage outputs leave as full local tensors (sequence shards all-gathered).
 
 Between those points the model's own ops run unchanged (views to heads,
@@ -56,12 +59,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ....compiler.capture.blocks import ATTENTION, COLLECTIVE, TRACED_IN, module_path
 from ....compiler.compiled import BATCH, CONSTANT
-from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, LinearUse, TensorParallelRules,
-                                      embedding_weight, graph_made_uses, linear_uses,
-                                      loss_of_logits, shard_dim)
+from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, MEAN_LOSSES, LinearUse,
+                                      TensorParallelRules, counted_mean, embedding_weight,
+                                      graph_made_uses, linear_uses, loss_of_logits, shard_dim)
 from ....errors import PipeplanError
-from .dtensor import (BatchLocal, HeadLocal, Redistribute, ReplicatedParameter, ToDTensor,
-                      ToLocal, VocabParallelLoss)
+from .dtensor import (BatchLocal, CountedMean, HeadLocal, Redistribute, ReplicatedParameter,
+                      ToDTensor, ToLocal, VocabParallelLoss)
 from .fused import SEGMENTS, fused_parameters, recut
 from .params import SHARD_DIMS, ParameterSlicer, set_parameter
 
@@ -305,6 +308,12 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
             node.meta[TRACED_IN], node.meta[ATTENTION] = module_path(node), True
             node.op, node.target = "call_module", name
 
+    # 3b. the model's own mean losses count their targets across row shards (CountedMean)
+    for node in list(g.nodes):
+        found = counted_mean(node)
+        if found is not None:
+            _counted_mean(b, node, *found)
+
     # 4. every tensor the graph reads becomes a DTensor
     partial = []
     params = dict(gm.named_parameters(remove_duplicate=False))
@@ -388,6 +397,15 @@ def _row(b: _Builder, node: fx.Node, use: LinearUse, out_spec: str) -> None:
         with g.inserting_after(end):
             add = b.served(g.call_function(add_bias, (end, bias)), node)
         end.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+
+
+def _counted_mean(b: _Builder, node: fx.Node, x, t, kwargs: dict) -> None:
+    """loss(x, t, ...) -> CountedMean(loss)(x, t, **its other arguments by keyword)."""
+    op, total = node.target, MEAN_LOSSES[node.target][1]
+    key = f"counted_mean_{getattr(op, '__name__', op)}".replace(".", "_")
+    node.meta[TRACED_IN] = module_path(node)
+    node.op, node.target = "call_module", b.module(key, lambda: CountedMean(op, total))
+    node.args, node.kwargs = (x, t), kwargs
 
 
 def _vocab_loss(b: _Builder, ce: fx.Node) -> None:
