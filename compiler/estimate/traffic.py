@@ -17,8 +17,8 @@ tp/rewrite.py places, with or without sequence parallel):
 * "partial_input", "seq_input", "seq_output": values crossing a stage edge
   that meet split values (`_stage_edges`); "counted_loss": the model's own mean loss
   of sequence shards (a whole LM head's logits), a partial sum all-reduced as it leaves;
-* "loss": a vocab-parallel head feeding `cross_entropy(head(x).flatten(0, -2),
-  t)` directly (tensor_parallel.loss_of_logits, the rewrite's own test): the
+* "loss": a vocab-parallel head feeding the cross-entropy of its logits as rows
+  directly (tp.loss_of_logits, the rewrite's own test): the
   vocab-parallel cross-entropy all-reduces 3 values per token in the logits' dtype;
 * "logits": otherwise the head all-gathers its logits (nbytes: all of them);
 * "tokens": an experts call's hidden rows, which its all-to-alls move (top_k
@@ -40,7 +40,7 @@ from ..capture.analysis import MetaRun
 from ..capture.blocks import module_path, within
 from ..compiled import ExpertPlacement
 from ..partition import Split, compute_nodes
-from ..parallel.tp import counted_mean, linear_uses, loss_of_logits
+from ..parallel.tp import counted_mean, cross_entropy_call, linear_uses, loss_of_logits
 
 
 ROLES = ("output", "input", "whole_input", "partial_input", "seq_input", "seq_output",
@@ -272,12 +272,12 @@ def _outside_inputs(node: fx.Node, name: str, run: MetaRun) -> list[fx.Node]:
 
 
 def _loss_rows(node: fx.Node, run: MetaRun) -> tuple[int, int]:
-    """(rows, bytes per element) of `cross_entropy(node.flatten(0, -2), t)` if that is
-    node's only use (the rewrite's test: tensor_parallel.loss_of_logits), else (0, 0)."""
+    """(rows, bytes per element) of the cross-entropy of node's logits as rows if that is
+    node's only use (the rewrite's test: tp.loss_of_logits), else (0, 0)."""
     ce = loss_of_logits(node)
     if ce is None:
         return 0, 0
-    logits = run.value(ce.args[0])
+    logits = run.value(cross_entropy_call(ce)[0])
     return logits.shape[0], logits.element_size()
 
 

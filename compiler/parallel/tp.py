@@ -128,29 +128,68 @@ def counted_mean(node: fx.Node) -> Optional[tuple]:
 
 
 def loss_of_logits(node: fx.Node) -> Optional[fx.Node]:
-    """The `cross_entropy(node.flatten(0, -2), t)` that is node's only use, if it is, through
-    ops that act on each logit alone (`per_logit`: Cohere's logit scale, Granite's
-    division, Gemma 2's soft-capping, a float cast), which keep vocab-split logits split."""
+    """The cross-entropy of node's logits flattened to rows that is node's only use, if it
+    is, through ops that act on each logit alone (`per_logit`: Cohere's logit scale,
+    Granite's division, Gemma 2's soft-capping, a float cast), which keep vocab-split
+    logits split: `cross_entropy(logits.flatten(0, -2), t)` (pipeplan's loss), or
+    transformers' own (`loss = model`: `logits.float().view(-1, vocab)`, export's
+    `cross_entropy_loss`), without class weights or label smoothing."""
     users = list(node.users)
     while len(users) == 1 and per_logit(users[0], node):
         node = users[0]
         users = list(node.users)
-    if len(users) != 1:
+    if len(users) != 1 or not _to_rows(users[0], node):
         return None
     flat = users[0]
-    is_flat = (flat.op == "call_method" and flat.target == "flatten"
-               or flat.op == "call_function" and flat.target in _FLATTENS)
-    if not is_flat or tuple(flat.args[1:]) != (0, -2):
-        return None
     losses = list(flat.users)
-    if len(losses) != 1:
+    found = cross_entropy_call(losses[0]) if len(losses) == 1 else None
+    if found is None or found[0] is not flat or found[2]["weight"] is not None or \
+            found[2]["label_smoothing"] != 0.0:
         return None
-    ce = losses[0]
-    if ce.op != "call_function" or ce.target is not F.cross_entropy or ce.args[0] is not flat:
+    return losses[0]
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten._unsafe_view.default, torch.reshape)
+_CROSS_ENTROPY = (F.cross_entropy, torch.ops.aten.cross_entropy_loss.default)
+
+
+def _to_rows(flat: fx.Node, logits: fx.Node) -> bool:
+    """Is `flat` the logits [..., vocab] flattened to rows [N, vocab]: `flatten(0, -2)`, or a
+    view / reshape to (-1 or N, vocab) where the graph's meta value gives vocab?"""
+    if flat.op == "call_method" and flat.target == "flatten" or \
+            flat.op == "call_function" and flat.target in _FLATTENS:
+        return tuple(flat.args[1:]) == (0, -2)
+    if not (flat.op == "call_method" and flat.target in ("view", "reshape")
+            or flat.op == "call_function" and flat.target in _VIEWS):
+        return False
+    shape = flat.args[1] if len(flat.args) == 2 and isinstance(flat.args[1], (list, tuple)) \
+        else flat.args[1:]
+    value = logits.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or len(shape) != 2:
+        return False
+    vocab = value.shape[-1]
+    return shape[1] == vocab and shape[0] in (-1, value.numel() // max(vocab, 1))
+
+
+def cross_entropy_call(node: fx.Node) -> Optional[tuple]:
+    """(input, target, the other arguments by keyword, reduction as F names it) of a
+    `cross_entropy` call reducing by the mean or the sum (F's or export's aten form); None
+    otherwise. What the vocab-parallel loss hands torch's `F.cross_entropy`."""
+    if node.op != "call_function" or node.target not in _CROSS_ENTROPY:
         return None
-    if ce.kwargs.get("weight") is not None or ce.kwargs.get("label_smoothing", 0.0) != 0.0:
+    found = normalize_function(node.target, node.args, node.kwargs,
+                               normalize_to_only_use_kwargs=True)
+    if found is None:
         return None
-    return ce
+    kwargs = dict(found.kwargs)
+    if kwargs.pop("size_average", None) is not None or kwargs.pop("reduce", None) is not None:
+        return None
+    reduction = {1: "mean", 2: "sum"}.get(kwargs["reduction"], kwargs["reduction"])
+    if reduction not in ("mean", "sum"):
+        return None
+    kwargs["reduction"] = reduction
+    return kwargs.pop("input", kwargs.pop("self", None)), kwargs.pop("target"), kwargs
 
 
 _PER_LOGIT_FNS = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul,

@@ -573,11 +573,13 @@ class EagerLM(nn.Module):
 
 
 def family_plan_text(name: str, tensor: str = "tensor {\n  plan = auto\n}", *, pp: int = 1,
-                     layers: int = 0, precision: str = "fp32", extra: str = "") -> str:
+                     layers: int = 0, precision: str = "fp32", extra: str = "",
+                     own_loss: bool = False) -> str:
     """A plan over one of these families at tp = 2 (pp stages; `layers`: 0 keeps the
-    family's default), batch 4 of 16 tokens in 2 microbatches; T5 and BART train on their
-    own loss from labels they are given. `extra`: sections added (compile, ...)."""
-    seq2seq = name in ("t5", "bart")
+    family's default), batch 4 of 16 tokens in 2 microbatches; T5 and BART (any family with
+    `own_loss`) train on their own loss from labels they are given. `extra`: sections
+    added (compile, ...)."""
+    seq2seq = own_loss or name in ("t5", "bart")
     args = f"  args = {{ layers = {layers} }}\n" if layers else ""
     return (f'model {{\n  source = "pipeplan.tests.parallel.families:{name}"\n{args}'
             f'  inputs = {{ input_ids = int64[batch, seq]'

@@ -252,17 +252,30 @@ FAMILY_TENSOR = {  # the tensor section per family: Megatron's pairs, or found b
 }
 
 
-def _family(name: str, precision: str, tmp_path, sp: bool = False):
-    """A library family's plan at tp = 2 (one stage), compiled on the CPU model."""
-    tensor = FAMILY_TENSOR.get(name, "tensor {\n  plan = auto\n}")
+LLAMA_VOCAB = """tensor {
+  column = [model.layers.*.self_attn.q_proj, model.layers.*.self_attn.k_proj,
+            model.layers.*.self_attn.v_proj, model.layers.*.mlp.gate_proj,
+            model.layers.*.mlp.up_proj]
+  row = [model.layers.*.self_attn.o_proj, model.layers.*.mlp.down_proj]
+  vocab = [model.embed_tokens, lm_head]
+}"""
+
+
+def _family(name: str, precision: str, tmp_path, sp: bool = False, tensor: str = "",
+            own_loss: bool = False):
+    """A library family's plan at tp = 2 (one stage), compiled on the CPU model; `tensor`:
+    its tensor section (else FAMILY_TENSOR's, else `auto`), `own_loss`: the model's loss
+    from labels."""
+    tensor = tensor or FAMILY_TENSOR.get(name, "tensor {\n  plan = auto\n}")
     if sp:
         tensor = tensor[:-1] + "  sequence_parallel = true\n}"
-    text = family_plan_text(name, tensor, precision=precision)
-    path = tmp_path / f"{name}_{precision}{'_sp' if sp else ''}.plan"
+    text = family_plan_text(name, tensor, precision=precision, own_loss=own_loss)
+    label = f"{name} {precision}{' sp' if sp else ''}{' own loss' if own_loss else ''}"
+    path = tmp_path / f"{label.replace(' ', '_')}.plan"
     path.write_text(text)
     plan = load_plan(str(path))
     compiled = compile_plan(plan, load_model(plan, "cpu"))
-    return f"{name} {precision}{' sp' if sp else ''}", plan, compiled
+    return label, plan, compiled
 
 
 def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers, tmp_path):
@@ -282,13 +295,17 @@ def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers
       run) keeps its logits' sequence shard;
     * Falcon: multi-query attention, its one k/v head cut off the fused projection's heads
       dim; split, DTensor gathered it and ran attention whole on every rank (`plan = auto`
-      now leaves that projection whole: tp_follow.py).
+      now leaves that projection whole: tp_follow.py);
+    * Llama given labels (its own loss), the LM head split over the vocabulary, under bf16:
+      transformers' `logits.float().view(-1, vocab)` stays split (loss_parallel), as its
+      estimate says; before, the run gathered every logit.
     """
     cases = [_family(*c, tmp_path) for c in (("bloom", "fp32"), ("bloom", "bf16"),
                                               ("gpt_neox", "fp32"), ("bert", "bf16"),
                                               ("t5", "fp32"), ("t5", "bf16"),
                                               ("falcon", "fp32"))]
     cases.append(_family("bart", "fp32", tmp_path, sp=True))
+    cases.append(_family("llama", "bf16", tmp_path, tensor=LLAMA_VOCAB, own_loss=True))
     run_workers(_worker, 2, cases, timeout=300)
 
 

@@ -25,9 +25,10 @@ that every tensor in it is a DTensor over the tp group (dtensor.py's nodes):
   or to Shard(seq) under sequence parallel -- reduce-scatter -- and only then adds
   the bias;
 * a vocab-parallel embedding's output is redistributed as a row output;
-* a column/vocab Linear whose logits go only to `cross_entropy(logits.flatten(0, -2), t)`
-  keeps them sharded: the loss runs under torch's loss_parallel; a vocab Linear
-  used otherwise gathers its logits;
+* a column/vocab Linear whose logits go only to their cross-entropy as rows
+  (`cross_entropy(logits.flatten(0, -2), t)`, or transformers' own loss:
+  compiler/parallel/tp.loss_of_logits) keeps them sharded: the loss runs under torch's
+  loss_parallel; a vocab Linear used otherwise gathers its logits;
 * any other mean-reduced `cross_entropy` / `nll_loss` (the model's own loss) runs as
   `CountedMean`: on logits sharded along their rows (a whole LM head under sequence
   parallel), its summed loss over the weight its targets count, as the op defines its mean;
@@ -60,8 +61,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ....compiler.capture.blocks import ATTENTION, COLLECTIVE, TRACED_IN, module_path
 from ....compiler.compiled import BATCH, CONSTANT
 from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, MEAN_LOSSES, LinearUse,
-                                      TensorParallelRules, counted_mean, embedding_weight,
-                                      graph_made_uses, linear_uses, loss_of_logits, shard_dim)
+                                      TensorParallelRules, counted_mean, cross_entropy_call,
+                                      embedding_weight, graph_made_uses, linear_uses,
+                                      loss_of_logits, shard_dim)
 from ....errors import PipeplanError
 from .dtensor import (BatchLocal, CountedMean, HeadLocal, Redistribute, ReplicatedParameter,
                       ToDTensor, ToLocal, VocabParallelLoss)
@@ -410,10 +412,10 @@ def _counted_mean(b: _Builder, node: fx.Node, x, t, kwargs: dict) -> None:
 
 def _vocab_loss(b: _Builder, ce: fx.Node) -> None:
     g = b.gm.graph
-    kwargs = dict(ce.kwargs)
+    logits, targets, kwargs = cross_entropy_call(ce)  # (F's keywords, for either form)
     name = b.module(f"vocab_loss_{b.count}", lambda: VocabParallelLoss(**kwargs))
     b.count += 1
     with g.inserting_before(ce):
-        new = g.call_module(name, ce.args[:2])
+        new = g.call_module(name, (logits, targets))
     ce.replace_all_uses_with(new)
     g.erase_node(ce)
