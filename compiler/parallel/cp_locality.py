@@ -218,6 +218,17 @@ def check_locality(plan: Plan, gm: fx.GraphModule, run, end: fx.Node,
         where = module_path(node)
         module = f" in module `{where}`" if where else ""
         name, _ = op_name(node, gm)
+        labels = _labels_only(plan, node)
+        if plan.model.loss == "model" and labels:
+            raise PlanError.at(
+                plan, key, f"`{name}` (node `{node.name}`){module} computes on "
+                f"`{labels}` alone ({detail}): the model's own loss (loss = model) shifts "
+                "the labels the data feeds it along the sequence (transformers: pad, then a "
+                f"slice), which split over cp = {plan.mesh.cp} ranks would pair each rank's "
+                "last position with no label",
+                "let pipeplan compute the loss: loss = cross_entropy (its targets come "
+                "shifted by the data) where the model returns its logits first; or train "
+                "without mesh.cp")
         if kind == "mixing":
             raise PlanError.at(
                 plan, key, f"`{name}` (node `{node.name}`){module} {detail}: it mixes "
@@ -234,3 +245,22 @@ def check_locality(plan: Plan, gm: fx.GraphModule, run, end: fx.Node,
             "known to be per-position outside attention",
             "train this model without mesh.cp, or report the op so its rule can be added "
             "(compiler/parallel/cp_locality.py, RULES)")
+
+
+def _labels_only(plan: Plan, node: fx.Node) -> Optional[str]:
+    """The input `node` is computed from alone, transitively (no parameter, buffer or
+    constant, no other input), if the data feeds it the tokens (`labels = tokens`): the
+    labels a model's own loss shifts; else None."""
+    fed = {name for name, source in plan.data.inputs if source == "tokens"}
+    seen, todo, read = set(), [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            return None
+        if n.op == "placeholder":
+            read.add(n.target)
+        todo += n.all_input_nodes
+    return next(iter(read)) if len(read) == 1 and read <= fed else None

@@ -52,6 +52,20 @@ def test_jamba_mamba_layer_is_refused_at_its_conv1d():
     assert "convolves over the sequence (kernel (4,))" in message, message
 
 
+def test_the_models_own_loss_shifting_its_labels_is_refused_with_pipeplans_loss_as_hint():
+    """transformers' Llama given labels (`loss = model`) pads and slices them along the
+    sequence: refused at the context line naming the labels, the hint `loss = cross_entropy`
+    (whose targets the data shifts), which check then accepts."""
+    text = plan_text("llama", "{ layers = 2 }", "export").replace(
+        "inputs = { input_ids = int64[batch, seq] }",
+        "inputs = { input_ids = int64[batch, seq], labels = int64[batch, seq] }  loss = model"
+    ).replace("seq_len = 16)", "seq_len = 16, inputs = { labels = tokens })")
+    message = refusal(text)
+    assert "computes on `labels` alone" in message and "loss = cross_entropy" in message, \
+        message
+    compile_plan(parse_plan(plan_text("llama", "{ layers = 2 }", "export"), "cp.plan"))
+
+
 @pytest.mark.parametrize("capture, node", [("fx", "conv"), ("export", "conv1d")])
 def test_causal_convolution_over_the_sequence_is_refused(capture, node):
     message = refusal(plan_text("CausalConvLM", capture=capture))
