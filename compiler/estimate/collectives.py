@@ -132,6 +132,8 @@ def _role_collectives(role: str, nbytes: int, tp: int, sp: bool) -> list[tuple[s
     if role == "input":  # column-parallel entry: its input's gradient summed
         return [("allgather", nbytes // tp, "F"), ("reduce_scatter", nbytes, "B")] if sp \
             else [("allreduce", nbytes, "B")]
+    if role == "partial_param":  # a replicated weight on split heads: its grad summed
+        return [] if sp else [("allreduce", nbytes, "B")]  # (sp: once per step, as others)
     if role == "counted_loss":  # the summed loss of sequence shards, leaving its stage
         return [("allreduce", nbytes, "F")] if sp else []
     if role == "loss":  # loss_parallel: the max, the sum of exponentials, the target logit

@@ -15,7 +15,8 @@ tp/rewrite.py places, with or without sequence parallel):
   from whole values only (the stage's inputs arrive whole; no row output or
   vocab embedding before it in the stage): nothing to gather, its grad all-reduced;
 * "partial_input", "seq_input", "seq_output": values crossing a stage edge
-  that meet split values (`_stage_edges`); "counted_loss": the model's own mean loss
+  that meet split values (`_stage_edges`); "partial_param": a replicated parameter
+  applied to feature-sharded values (a norm within each head); "counted_loss": the model's own mean loss
   of sequence shards (a whole LM head's logits), a partial sum all-reduced as it leaves;
 * "loss": a vocab-parallel head feeding the cross-entropy of its logits as rows
   directly (tp.loss_of_logits, the rewrite's own test): the
@@ -44,7 +45,7 @@ from ..parallel.tp import counted_mean, cross_entropy_call, linear_uses, loss_of
 
 
 ROLES = ("output", "input", "whole_input", "partial_input", "seq_input", "seq_output",
-         "counted_loss", "loss", "logits", "tokens", "weights")
+         "partial_param", "counted_loss", "loss", "logits", "tokens", "weights")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, s
                 and value.is_floating_point() and any(
                 stage_of.get(u, stage_of[n]) > stage_of[n] or u.op == "output" for u in n.users):
             out.append(Traffic(n.name, stage_of[n], _nbytes(value), "seq_output"))
+    out += _partial_params([n for n in nodes if kind_at(n) is None], stage_of, sharded, run,
+                           graph)
     split_losses = {loss_of_logits(n) for n in nodes if kind_at(n) in ("column", "vocab")}
     for n in nodes:  # (a split head's own loss is loss_parallel's: "loss")
         counted = counted_mean(n)
@@ -170,6 +173,57 @@ def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, s
             out.append(Traffic(module_path(n), stage_of[n], _nbytes(run.values.get(n)),
                                "counted_loss"))  # (the module it is traced in: recompute's)
     return out
+
+
+def _partial_params(nodes: list, stage_of: dict, sharded: set, run: MetaRun,
+                    graph: fx.Graph) -> list[Traffic]:
+    """"partial_param": a replicated parameter whose value meets feature-sharded values
+    outside the split modules, directly or through ops on replicated values (a norm within
+    each head: Qwen 3's q_norm weight, Gemma 3's `1 + weight`, on the rank's heads); each
+    rank's gradient is its heads' part, a partial sum the runtime all-reduces in backward
+    (under sequence parallel: summed once per step with the other replicated parameters).
+    One per parameter read (a leaf call: each of its parameters)."""
+    out, seen = [], set()
+    gm = graph.owning_module
+    for n in nodes:
+        if n not in sharded:
+            continue
+        if n.op == "call_module":
+            found = [(f"{n.target}.{k}", p) for k, p in gm.get_submodule(n.target)
+                     .named_parameters()]
+        else:
+            found = [(a.target, run.value(a)) for a in _params_behind(n, sharded)]
+        for name, p in found:
+            key = name if n.op != "call_module" else (name, n)
+            if key in seen or not isinstance(p, torch.Tensor) or not p.requires_grad:
+                continue
+            seen.add(key)
+            out.append(Traffic(name, stage_of[n], _nbytes(p), "partial_param"))
+    return out
+
+
+def _params_behind(n: fx.Node, sharded: set) -> list[fx.Node]:
+    """The parameter reads (get_attr) of n's inputs that are computed from parameters and
+    constants alone (a weight, its cast, `1 + weight`); an input that also reads the
+    stage's inputs (an activation) is not followed."""
+    found = []
+    for a in n.all_input_nodes:
+        if a in sharded:
+            continue
+        reads, todo, seen = [], [a], set()
+        while todo:
+            b = todo.pop()
+            if b in seen:
+                continue
+            seen.add(b)
+            if b.op == "placeholder" or b in sharded:
+                reads = None
+                break
+            if b.op == "get_attr":
+                reads.append(b)
+            todo += b.all_input_nodes
+        found += reads or []
+    return found
 
 
 def _sequence_sharded(graph: fx.Graph, split: Split, model, kinds: dict[str, str],

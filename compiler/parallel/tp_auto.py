@@ -4,12 +4,14 @@ model that declares no split of its own and a plan that names none.
 Within each of the model's blocks (capture/blocks.py), a Linear (in any form
 `tp.linear_use` reads: a Linear's call, `x @ W.T`, GPT-2's Conv1D) is a column layer when
 every Linear its output reaches first is a row layer of its block, through ops that keep
-each feature apart (no norm, no reduction over the last dim: activations and attention
-within heads), and a row layer when every Linear its input comes from first is a column
+each feature apart (activations and attention within heads; no norm and no reduction over
+the dim that carries the split: a norm within each head after the view to heads is
+head-local), and a row layer when every Linear its input comes from first is a column
 layer of its block; a side without its other is dropped, to a fixed point. So q, k, v -> o
 and gate, up -> down in a transformer block (the projections that read the residual stream,
 and those that write it back), BLOOM's and GPT-NeoX's fused QKV -> dense, GPT-2's c_attn ->
-c_proj; attention whose q is normalised over every head (OLMo 2) stays whole. A path to the
+c_proj; attention whose q is normalised over every head (OLMo 2) stays whole, over each
+head's own dims (Qwen 3, Gemma 3) is split. A path to the
 model's inputs (a mask, positions) is not a Linear and does not count. Modules are chosen
 by the graph's dataflow, never by their names; a module applied in several places must be
 the same kind at each. The embeddings and the LM head stay whole (a written split names
@@ -27,7 +29,7 @@ from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
 from .tp import _check_shape, _check_tied, carries_features, features_out, first_linears, \
     linear_uses, tp_annotations
-from .tp_follow import gathered_at
+from .tp_follow import gathered_at, reduced_dims, split_dims
 
 KEY = "tensor.plan"
 
@@ -67,7 +69,7 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
 
     rows = {n for n in home if local(n, behind[n])}
     columns = {n for n in home if local(n, ahead[n])
-               and not _mixes_features(n, linear, is_tensor, run, graph)
+               and not _mixes_features(n, linear, is_tensor, run, graph, plan.mesh.tp)
                and gathered_at(features_out(n, run), run, plan.mesh.tp) is None}
     while True:  # a pair needs both sides: drop either until none is left without its other
         kept = ({n for n in columns if ahead[n] <= rows},
@@ -119,48 +121,65 @@ _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "gro
           "normalize"}
 _REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "std_mean", "amax", "amin", "max", "min",
                "norm", "linalg_vector_norm", "logsumexp", "prod", "all", "any"}
+_SHAPED_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}  # (x, shape)
 _NORM_MODULES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm,
                  torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
 
 
-def _mixes_features(column: fx.Node, linear: dict, is_tensor, run, graph: fx.Graph) -> bool:
+def _mixes_features(column: fx.Node, linear: dict, is_tensor, run, graph: fx.Graph,
+                    tp: int) -> bool:
     """Whether the ops between a column candidate's output and the Linears it reaches first
-    combine features of one position: a norm, or a reduction over the last dim. Megatron's
-    pair runs head-local ops only (activations, attention within each head)."""
+    combine the features tp splits: a norm or a reduction over the dim that carries the
+    split (tp_follow.split_dims: after a view to heads, a norm over each head's dims keeps
+    the heads apart, as Qwen 3's and Gemma 3's q_norm / k_norm; OLMo 2's over every head
+    does not); where the split's place is not followed, a norm, or a reduction over the
+    last dim. Megatron's pair runs head-local ops only (activations, attention within each
+    head, a norm within each head)."""
     gm = graph.owning_module
+    split = split_dims(column, run, tp, lambda n: n in linear or n.op == "output")
     seen, frontier = {column}, [u for u in column.users if is_tensor(u)]
     while frontier:
         n = frontier.pop()
         if n in seen or n in linear or n.op == "output":
             continue
         seen.add(n)
-        if _combines_features(n, run, gm):
+        if _combines_features(n, run, gm, split):
             return True
         frontier.extend(u for u in n.users if is_tensor(u) or u.op == "output")
     return False
 
 
-def _combines_features(n: fx.Node, run, gm) -> bool:
+def _combines_features(n: fx.Node, run, gm, split: dict) -> bool:
+    """Does n combine features of the split: over the dim that carries it where
+    `split` follows it into n, else (conservatively) any norm, or a reduction over the
+    last dim."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    at = split.get(x)
     if n.op == "call_module":
-        return isinstance(gm.get_submodule(n.target), _NORM_MODULES)
+        mod = gm.get_submodule(n.target)
+        if not isinstance(mod, _NORM_MODULES):
+            return False
+        shape = getattr(mod, "normalized_shape", None)
+        return at is None or shape is None or at >= run.value(x).dim() - len(shape)
     if n.op not in ("call_function", "call_method"):
         return False
     target = n.target
     name = target if isinstance(target, str) else \
         target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else \
         getattr(target, "__name__", "")
+    value = run.values.get(x) if x is not None else None
     if name in _NORMS:
-        return True
+        shape = n.args[1] if len(n.args) > 1 and name in _SHAPED_NORMS else None
+        return at is None or not isinstance(shape, (list, tuple)) or \
+            at >= value.dim() - len(shape)
     if name not in _REDUCTIONS:
         return False
-    value = run.values.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return True
-    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-    if dims is None or isinstance(dims, (list, tuple)) and not dims:
+    dims = reduced_dims(n, value.dim())
+    if dims is None:
         return True  # over every dim
-    dims = dims if isinstance(dims, (list, tuple)) else (dims,)
-    return any(isinstance(d, int) and d % value.dim() == value.dim() - 1 for d in dims)
+    return (at if at is not None else value.dim() - 1) in dims
 
 
 def _kind_at(n: fx.Node, columns: set, rows: set):

@@ -229,3 +229,68 @@ def _through_index(user: fx.Node, before: tuple, dim: int):
             return [(user, out)]
         at, out = at + 1, out + (0 if isinstance(i, int) else 1)
     return [(user, out + dim - at)]
+
+
+# ------------------------------------------------------- the split through computation
+_REDUCING = {"mean", "sum", "var", "std", "amax", "amin", "logsumexp", "prod", "norm",
+             "linalg_vector_norm"}
+
+
+def split_dims(out: fx.Node, run, tp: int, stop) -> dict[fx.Node, int]:
+    """Each value reached from column output `out` (split on its last dim) without passing
+    a node `stop(node)` names, and the dim that carries the split in it: through the walk
+    above's views, transposes and cuts, elementwise ops (broadcast right-aligned: the
+    split dim keeps its size) and reductions over other dims. A value reached otherwise,
+    or where the split's place is unclear, is left out (callers take the worst there)."""
+    dims = {out: run.value(out).dim() - 1}
+    todo = [out]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in dims or stop(user) or not run.is_tensor(user):
+                continue
+            found = _carried(node, user, dims[node], run, tp)
+            if found is not None:
+                dims[user] = found
+                todo.append(user)
+    return dims
+
+
+def _carried(node: fx.Node, user: fx.Node, dim: int, run, tp: int) -> Optional[int]:
+    before, after = run.value(node), run.value(user)
+    if not isinstance(after, torch.Tensor):
+        return None
+    name = _op_name(user)
+    if name in _REDUCING:
+        at = reduced_dims(user, before.dim())
+        if at is None or dim in at:
+            return None
+        keep = bool(_arg(user, 2, "keepdim", False))
+        return dim if keep else dim - sum(1 for a in at if a < dim)
+    if _pointwise(user):
+        moved = dim + after.dim() - before.dim()
+        return moved if 0 <= moved < after.dim() and after.shape[moved] == before.shape[dim] \
+            else None
+    found = _step(node, user, dim, False, run, tp)
+    return found[0][1] if isinstance(found, list) and len(found) == 1 and \
+        found[0][0] is user else None
+
+
+def reduced_dims(n: fx.Node, ndim: int) -> Optional[set]:
+    """The dims a reduction call reduces over (normalized); None: every dim, or unknown."""
+    dims = _arg(n, 1, "dim", None)
+    if dims is None or isinstance(dims, (list, tuple)) and not dims:
+        return None
+    dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+    out = {_norm(d, ndim) for d in dims}
+    return None if None in out else out
+
+
+def _pointwise(n: fx.Node) -> bool:
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return torch.Tag.pointwise in n.target.tags
+    return n.op in ("call_function", "call_method") and _op_name(n) in _ELEMENTWISE
+
+
+_ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "pow", "rsqrt", "sqrt", "exp", "tanh",
+                "sigmoid", "neg", "abs", "silu", "gelu", "relu", "where", "clamp"}

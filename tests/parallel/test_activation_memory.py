@@ -298,7 +298,10 @@ def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers
       now leaves that projection whole: tp_follow.py);
     * Llama given labels (its own loss), the LM head split over the vocabulary, under bf16:
       transformers' `logits.float().view(-1, vocab)` stays split (loss_parallel), as its
-      estimate says; before, the run gathered every logit.
+      estimate says; before, the run gathered every logit;
+    * Qwen 3 under bf16 and sequence parallel: its q_norm / k_norm on the rank's heads
+      (`auto` splits its attention), the loss of the whole head's sequence shards over a
+      float32 count (CountedMean; a bf16 one was 2 bytes, and inexact past 256 targets).
     """
     cases = [_family(*c, tmp_path) for c in (("bloom", "fp32"), ("bloom", "bf16"),
                                               ("gpt_neox", "fp32"), ("bert", "bf16"),
@@ -306,6 +309,7 @@ def test_library_families_tp2_estimate_equals_what_the_runtime_keeps(run_workers
                                               ("falcon", "fp32"))]
     cases.append(_family("bart", "fp32", tmp_path, sp=True))
     cases.append(_family("llama", "bf16", tmp_path, tensor=LLAMA_VOCAB, own_loss=True))
+    cases.append(_family("qwen3", "bf16", tmp_path, sp=True))
     run_workers(_worker, 2, cases, timeout=300)
 
 

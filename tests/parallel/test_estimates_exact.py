@@ -391,10 +391,12 @@ def test_the_collectives_dtensor_issues_equal_the_estimate(tmp_path):
     equals what `check` prints, per stage, on the families where it once did not:
     Falcon (`x @ W.T`: its input was read off the weight's transpose, so one layer's
     all-reduce went missing; before that, multi-query attention's gathers), ALBERT (one
-    layer applied as every layer: its collectives counted once), and Llama at pp2 (RoPE's
-    received tables traced with a gradient the runtime never sends, and all-reduced)."""
+    layer applied as every layer: its collectives counted once), Llama at pp2 (RoPE's
+    received tables traced with a gradient the runtime never sends, and all-reduced), and
+    Qwen 3 (its q_norm / k_norm weights on the rank's heads: their partial gradients
+    all-reduced every microbatch)."""
     wrong = []
-    for name, pp in (("falcon", 1), ("albert", 1), ("llama", 2), ("bloom", 1)):
+    for name, pp in (("falcon", 1), ("albert", 1), ("llama", 2), ("bloom", 1), ("qwen3", 1)):
         wrong += _traced_against_estimate(tmp_path, name, pp)
     assert not wrong, "\n".join(wrong)
 

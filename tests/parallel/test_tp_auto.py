@@ -73,6 +73,26 @@ def test_attention_whose_queries_are_normalised_over_every_head_stays_whole(tmp_
         ("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row"))}
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_attention_whose_queries_are_normalised_within_each_head_is_split(family, tmp_path):
+    """Qwen 3 and Gemma 3 normalise q and k over each head's own dims (q_norm / k_norm
+    after the view to heads): the split dim is the heads, which that norm keeps apart, so
+    q, k, v -> o is a pair (as the models' own tp plans say; before, `auto` left their
+    attention whole as OLMo 2's). The norm's weight meets the rank's heads only: its
+    gradient is a partial sum, all-reduced in backward -- one more per norm and microbatch
+    in the estimate (traffic.py "partial_param"; test_estimates_exact holds it to what
+    DTensor issues)."""
+    c = _compiled(f"pipeplan.tests.parallel.families:{family}", "layers = 2", tmp_path)
+    attn = {f"model.layers.{i}.self_attn.{m}": k for i in range(2) for m, k in (
+        ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"),
+        ("o_proj", "row"))}
+    assert attn.items() <= c.tp_rewrites.items(), c.tp_rewrites
+    (calls,) = c.estimates.stage_collectives
+    # per microbatch: in each of the 2 layers, q, k, v's input gradient and the MLP's, o's
+    # and down's outputs, and the q_norm and k_norm weights' gradients
+    assert calls[("tp", "allreduce")][0] == c.plan.microbatches * 2 * (4 + 2), calls
+
+
 def test_sequence_parallel_with_attention_outside_the_pairs_is_refused(tmp_path):
     """Sequence parallel holds 1/tp of the positions between the pairs; attention no column
     layer feeds would read them there (the example GPT with only its MLP split: the first

@@ -206,7 +206,7 @@ class CountedMean(nn.Module):
         if not _rows_sharded(input) or target.is_floating_point():
             return self.op(input, target, **kwargs)
         summed = self.op(input, target, **{**kwargs, "reduction": self.total})
-        return summed / _counted_weight(input, target, kwargs.get("weight"),
+        return summed / _counted_weight(summed, target, kwargs.get("weight"),
                                         kwargs.get("ignore_index", -100))
 
 
@@ -220,7 +220,8 @@ def _rows_sharded(x) -> bool:
 
 
 def _counted_weight(like: DTensor, target, weight, ignore_index: int) -> DTensor:
-    """The total weight of the targets the op counts, replicated over like's mesh."""
+    """The total weight of the targets the op counts, replicated over like's mesh, in the
+    summed loss's dtype (float32 under autocast: a bf16 count is exact only up to 256)."""
     def whole(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
 
