@@ -185,6 +185,7 @@ def _partial_params(nodes: list, stage_of: dict, sharded: set, run: MetaRun,
     One per parameter read (a leaf call: each of its parameters)."""
     out, seen = [], set()
     gm = graph.owning_module
+    param_only = _parameters_only(graph, sharded)
     for n in nodes:
         if n not in sharded:
             continue
@@ -192,7 +193,7 @@ def _partial_params(nodes: list, stage_of: dict, sharded: set, run: MetaRun,
             found = [(f"{n.target}.{k}", p) for k, p in gm.get_submodule(n.target)
                      .named_parameters()]
         else:
-            found = [(a.target, run.value(a)) for a in _params_behind(n, sharded)]
+            found = [(a.target, run.value(a)) for a in _params_behind(n, param_only)]
         for name, p in found:
             key = name if n.op != "call_module" else (name, n)
             if key in seen or not isinstance(p, torch.Tensor) or not p.requires_grad:
@@ -202,28 +203,31 @@ def _partial_params(nodes: list, stage_of: dict, sharded: set, run: MetaRun,
     return out
 
 
-def _params_behind(n: fx.Node, sharded: set) -> list[fx.Node]:
+def _params_behind(n: fx.Node, param_only: set) -> list[fx.Node]:
     """The parameter reads (get_attr) of n's inputs that are computed from parameters and
-    constants alone (a weight, its cast, `1 + weight`); an input that also reads the
-    stage's inputs (an activation) is not followed."""
-    found = []
-    for a in n.all_input_nodes:
-        if a in sharded:
+    constants alone (`param_only`: a weight, its cast, `1 + weight`); an input that also
+    reads the stage's inputs (an activation) is not followed."""
+    found, todo, seen = [], [a for a in n.all_input_nodes if a in param_only], set()
+    while todo:
+        a = todo.pop()
+        if a in seen:
             continue
-        reads, todo, seen = [], [a], set()
-        while todo:
-            b = todo.pop()
-            if b in seen:
-                continue
-            seen.add(b)
-            if b.op == "placeholder" or b in sharded:
-                reads = None
-                break
-            if b.op == "get_attr":
-                reads.append(b)
-            todo += b.all_input_nodes
-        found += reads or []
+        seen.add(a)
+        if a.op == "get_attr":
+            found.append(a)
+        todo += a.all_input_nodes
     return found
+
+
+def _parameters_only(graph: fx.Graph, sharded: set) -> set:
+    """The nodes computed from parameters and constants alone (no graph input, no split
+    value), in one pass in graph order."""
+    out: set = set()
+    for n in graph.nodes:
+        if n.op == "get_attr" or n.op in ("call_function", "call_method", "call_module") \
+                and n not in sharded and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
 
 
 def _sequence_sharded(graph: fx.Graph, split: Split, model, kinds: dict[str, str],

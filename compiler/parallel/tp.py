@@ -113,7 +113,17 @@ def counted_mean(node: fx.Node) -> Optional[tuple]:
     reduces by the mean: the rewrite runs it on row-sharded logits as its summed loss over
     the weight its targets count (backends' tp/dtensor.CountedMean); None otherwise (a
     call with the legacy `size_average` / `reduce` too)."""
-    if node.op != "call_function" or node.target not in MEAN_LOSSES:
+    found = _loss_call(node, MEAN_LOSSES)
+    if found is None or found[2]["reduction"] != MEAN_LOSSES[node.target][0]:
+        return None
+    return found
+
+
+def _loss_call(node: fx.Node, ops) -> Optional[tuple]:
+    """(input, target, the other arguments by keyword) of a call of one of `ops`, its
+    arguments normalized by the op's signature; None for other nodes, or a call with the
+    legacy `size_average` / `reduce`."""
+    if node.op != "call_function" or node.target not in ops:
         return None
     found = normalize_function(node.target, node.args, node.kwargs,
                                normalize_to_only_use_kwargs=True)
@@ -121,8 +131,6 @@ def counted_mean(node: fx.Node) -> Optional[tuple]:
         return None
     kwargs = dict(found.kwargs)
     if kwargs.pop("size_average", None) is not None or kwargs.pop("reduce", None) is not None:
-        return None
-    if kwargs["reduction"] != MEAN_LOSSES[node.target][0]:
         return None
     return kwargs.pop("input", kwargs.pop("self", None)), kwargs.pop("target"), kwargs
 
@@ -176,20 +184,12 @@ def cross_entropy_call(node: fx.Node) -> Optional[tuple]:
     """(input, target, the other arguments by keyword, reduction as F names it) of a
     `cross_entropy` call reducing by the mean or the sum (F's or export's aten form); None
     otherwise. What the vocab-parallel loss hands torch's `F.cross_entropy`."""
-    if node.op != "call_function" or node.target not in _CROSS_ENTROPY:
-        return None
-    found = normalize_function(node.target, node.args, node.kwargs,
-                               normalize_to_only_use_kwargs=True)
+    found = _loss_call(node, _CROSS_ENTROPY)
     if found is None:
         return None
-    kwargs = dict(found.kwargs)
-    if kwargs.pop("size_average", None) is not None or kwargs.pop("reduce", None) is not None:
-        return None
-    reduction = {1: "mean", 2: "sum"}.get(kwargs["reduction"], kwargs["reduction"])
-    if reduction not in ("mean", "sum"):
-        return None
-    kwargs["reduction"] = reduction
-    return kwargs.pop("input", kwargs.pop("self", None)), kwargs.pop("target"), kwargs
+    kwargs = found[2]
+    kwargs["reduction"] = {1: "mean", 2: "sum"}.get(kwargs["reduction"], kwargs["reduction"])
+    return found if kwargs["reduction"] in ("mean", "sum") else None
 
 
 _PER_LOGIT_FNS = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul,

@@ -29,7 +29,7 @@ from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
 from .tp import _check_shape, _check_tied, carries_features, features_out, first_linears, \
     linear_uses, tp_annotations
-from .tp_follow import gathered_at, reduced_dims, split_dims
+from .tp_follow import REDUCTIONS, gathered_at, reduced_dims, split_dims
 
 KEY = "tensor.plan"
 
@@ -119,8 +119,6 @@ def left_whole(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run,
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
           "native_group_norm", "batch_norm", "native_batch_norm", "instance_norm",
           "normalize"}
-_REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "std_mean", "amax", "amin", "max", "min",
-               "norm", "linalg_vector_norm", "logsumexp", "prod", "all", "any"}
 _SHAPED_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}  # (x, shape)
 _NORM_MODULES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm,
                  torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
@@ -172,7 +170,7 @@ def _combines_features(n: fx.Node, run, gm, split: dict) -> bool:
         shape = n.args[1] if len(n.args) > 1 and name in _SHAPED_NORMS else None
         return at is None or not isinstance(shape, (list, tuple)) or \
             at >= value.dim() - len(shape)
-    if name not in _REDUCTIONS:
+    if name not in REDUCTIONS:
         return False
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return True

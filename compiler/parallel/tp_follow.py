@@ -232,8 +232,9 @@ def _through_index(user: fx.Node, before: tuple, dim: int):
 
 
 # ------------------------------------------------------- the split through computation
-_REDUCING = {"mean", "sum", "var", "std", "amax", "amin", "logsumexp", "prod", "norm",
-             "linalg_vector_norm"}
+# reductions by name (over `dim`, else every dim): tp_auto asks whether one mixes the split
+REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "std_mean", "amax", "amin", "max",
+              "min", "norm", "linalg_vector_norm", "logsumexp", "prod", "all", "any"}
 
 
 def split_dims(out: fx.Node, run, tp: int, stop) -> dict[fx.Node, int]:
@@ -261,11 +262,11 @@ def _carried(node: fx.Node, user: fx.Node, dim: int, run, tp: int) -> Optional[i
     if not isinstance(after, torch.Tensor):
         return None
     name = _op_name(user)
-    if name in _REDUCING:
+    if name in REDUCTIONS:
         at = reduced_dims(user, before.dim())
         if at is None or dim in at:
             return None
-        keep = bool(_arg(user, 2, "keepdim", False))
+        keep = bool(_arg(user, _dim_at(user) + 1, "keepdim", False))
         return dim if keep else dim - sum(1 for a in at if a < dim)
     if _pointwise(user):
         moved = dim + after.dim() - before.dim()
@@ -278,12 +279,17 @@ def _carried(node: fx.Node, user: fx.Node, dim: int, run, tp: int) -> Optional[i
 
 def reduced_dims(n: fx.Node, ndim: int) -> Optional[set]:
     """The dims a reduction call reduces over (normalized); None: every dim, or unknown."""
-    dims = _arg(n, 1, "dim", None)
+    dims = _arg(n, _dim_at(n), "dim", None)
     if dims is None or isinstance(dims, (list, tuple)) and not dims:
         return None
     dims = dims if isinstance(dims, (list, tuple)) else (dims,)
     out = {_norm(d, ndim) for d in dims}
     return None if None in out else out
+
+
+def _dim_at(n: fx.Node) -> int:
+    """The position of a reduction's `dim` argument (a norm's order comes first)."""
+    return 2 if _op_name(n) in ("norm", "linalg_vector_norm") else 1
 
 
 def _pointwise(n: fx.Node) -> bool:

@@ -4,6 +4,11 @@
 with a free port, runs `fn(rank, world, *args)` in each and returns the list
 of their return values (ranks in order). The first worker exception fails
 the test with its traceback; a hang is killed after `timeout` seconds.
+`fresh=True` starts them as new interpreters instead (`fn` importable by name): a
+run that must not inherit this process's state -- after a `compile.mode = graphs`
+compile of a transformers model in a fake world, forked tensor-parallel runs under
+sequence parallel compute other gradients (cause not found; every command's ranks are
+new processes).
 """
 from __future__ import annotations
 
@@ -51,10 +56,11 @@ def _died(processes) -> list[str]:
             and -p.exitcode in signal.valid_signals() and p.exitcode != -signal.SIGTERM]
 
 
-def spawn(fn, world: int, *args, timeout: float = 120.0) -> list:
+def spawn(fn, world: int, *args, timeout: float = 120.0, fresh: bool = False) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args),
-                                 nprocs=world, join=False, start_method="fork")
+                                 nprocs=world, join=False,
+                                 start_method="spawn" if fresh else "fork")
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -37,6 +37,6 @@ def test_attention_split_on_heads_with_a_norm_within_each_trains_like_the_model(
 
     plan = _plan(family, sp)
     assert compile_plan(plan).tp_rewrites["model.layers.0.self_attn.q_proj"] == "column"
-    results = spawn(_worker, 2, family, sp, timeout=240)
+    results = spawn(_worker, 2, family, sp, timeout=240, fresh=True)
     verdict = judge(train_reference(plan, 2), results, "fp64", plan)
     assert verdict.within, verdict.render()

@@ -145,7 +145,7 @@ def test_the_models_own_loss_under_sequence_parallel_is_the_models(spawn):
     from pipeplan.backends.verify.reference import train_reference
     from pipeplan.backends.verify.run import judge
 
-    results = spawn(_train_worker, 2, timeout=240)
+    results = spawn(_train_worker, 2, timeout=240, fresh=True)
     ref = train_reference(_plan(), 2)
     verdict = judge(ref, results, "fp64", _plan())
     assert verdict.within, verdict.render()
@@ -167,7 +167,7 @@ def test_the_models_own_loss_keeps_a_vocab_split_head_split(spawn):
     plan = _plan(VOCAB)
     (calls,) = compile_plan(plan).estimates.stage_collectives
     assert ("tp", "allgather") not in calls and ("tp", "allreduce") in calls, calls
-    results = spawn(_train_worker, 2, VOCAB, timeout=240)
+    results = spawn(_train_worker, 2, VOCAB, timeout=240, fresh=True)
     assert all(r["kinds"].get("lm_head") == "vocab+loss" for r in results), results[0]["kinds"]
     ref = train_reference(plan, 2)
     verdict = judge(ref, results, "fp64", plan)
