@@ -72,6 +72,9 @@ class StageSpec:
     # compile.mode = graphs under tp / ep / cp, the stage rewritten in a fake world: the
     # collectives its own graph issues per microbatch, {op: (calls, bytes)} (DTensor's own)
     traced_collectives: Any = None
+    # under tp, the stage's run at check (compiler/parallel/tp_dry_run.py): "" when its
+    # forward and backward ran through, else where it stopped unjudged; None: not run
+    tp_run: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,10 @@ class Estimates:
     # Per stage, the tp / ep collectives its rewrite implies per step on each of its ranks:
     # {(group, op): (calls, bytes handed in)} (estimates.stage_collectives).
     stage_collectives: list = field(default_factory=list)
+    # Per stage, the same as the stage's rewrite issued them when `check` ran it (the tp dry
+    # run or the compiled graphs' trace: StageSpec.traced_collectives, over a step, with
+    # sequence parallel's once-a-step gradient sums as above); None where it did not run
+    issued_collectives: list = field(default_factory=list)
     prepass_s: float = 0.0  # experts.balance = step: the routing pre-pass, in step_time_s
     # estimate/predict.py: the step per pipeline rank (compute / exposed comm / bubble /
     # optimizer), predicted MFU and TFLOP/s per GPU (None when a cost file times the plan)

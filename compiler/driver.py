@@ -6,7 +6,9 @@
     graph, step-wide load-balancing statistics marked (balance.py) -> measured costs (profile.py,
     when the plan names a cost file) -> split
     -> stage graphs -> runtime checks (checks.py: what the runtime would refuse after
-    launch, refused here at the plan line) -> joint graphs (compile.mode = graphs |
+    launch, refused here at the plan line) -> tp stages run once on meta as the runtime
+    rewrites them (tp_dry_run.py: what DTensor refuses, refused at the tensor line) -> joint
+    graphs (compile.mode = graphs |
     inductor: each stage traced forward + backward, refused at the plan line if it cannot
     be) -> schedule -> placement -> tied parameters
     -> estimates
@@ -42,6 +44,7 @@ from .schedule import decided_schedule, make_schedule, stage_costs
 from .stages import build_stages
 from .parallel.tp import check_pairing, tp_annotations
 from .parallel.tp_auto import left_whole, tp_split
+from .parallel.tp_dry_run import check_tp_runs
 from .capture.tied import find_tied
 from .capture.traced import trace_with_loss
 from .parallel.cp import attach_context_costs, heads_split_by_tp
@@ -95,6 +98,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     check_runnable(plan, model, stages)
     _attach_costs(stages, split, costs, graph)
     _attach_activations(plan, stages, traced.run, costs, tp_kinds)
+    check_tp_runs(plan, stages, graph, traced.run.values, experts, tp_kinds, rewrite)
     check_joint_graphs(plan, stages, graph, traced.run.values, experts, tp_kinds,
                        rewrite)  # graphs mode: exact bytes
     attach_context_costs(plan, stages, split, graph, nodes, traced.run, tp_heads)

@@ -53,6 +53,7 @@ def rewrite_in_fake_world(plan: Plan, experts: tuple, tp_kinds: dict, stages: Se
     mesh = dataclasses.replace(plan.mesh, pp=1)  # one pipeline rank's groups: all alike
     one = dataclasses.replace(plan, mesh=mesh)
     for cp in range(mesh.cp):  # ring attention's causal blocks differ by cp rank
+        _forget_sharding_decisions()  # (none made on another world's meshes reach this one)
         dist.init_process_group("fake", store=dist.HashStore(),
                                 rank=global_rank(mesh, 0, 0, 0, cp),
                                 world_size=mesh.dp * mesh.cp * mesh.tp)
@@ -62,6 +63,23 @@ def rewrite_in_fake_world(plan: Plan, experts: tuple, tp_kinds: dict, stages: Se
             yield modules
         finally:
             dist.destroy_process_group()
+            _forget_sharding_decisions()
+
+
+def _forget_sharding_decisions() -> None:
+    """Empty DTensor's caches of sharding decisions (its Python and native ones). Their
+    keys compare device meshes by ranks and layout, not process groups, so a decision made
+    in a fake world -- its output spec holding that world's mesh -- would be handed to a
+    real world's mesh of the same shape later in the process (torch 2.13), and that run's
+    collectives would go to the destroyed fake groups: silently other gradients (forked
+    sequence-parallel training after a check in the same process: 41% off). And the other
+    way round."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

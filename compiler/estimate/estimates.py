@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -184,7 +184,9 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
                      step_time_s=makespan + prepass + dp_time, prepass_s=prepass,
                      device_model=asdict(device), simulation=sim, sync=sync,
                      stage_collectives=stage_collectives(plan, stages, tp_kinds, expert_params,
-                                                         tp_traffic, moe_traffic), tied=sums)
+                                                         tp_traffic, moe_traffic), tied=sums,
+                     issued_collectives=issued_collectives(plan, stages, tp_kinds,
+                                                           expert_params))
 
 
 def _state_bytes(plan: Plan, layout: RankShards, order: Sequence[int]) -> RankEstimate:
@@ -280,6 +282,31 @@ def stage_collectives(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, s
                                 _partial_grads(plan, rank_shards(plan, [st], tp_kinds,
                                                                  expert_params)))
             for st in stages]
+
+
+def issued_collectives(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
+                       expert_params: set[str]) -> list[Optional[dict]]:
+    """Per stage, the collectives its rewritten run issued at check time (StageSpec.
+    traced_collectives, per microbatch: DTensor's own, gathers it chose included) over a
+    step, keyed as `stage_collectives`, with sequence parallel's once-a-step sums of partial
+    gradients (outside the stage's run) added as that counts them; None where the stage
+    did not run at check."""
+    out = []
+    for st in stages:
+        if st.traced_collectives is None:
+            out.append(None)
+            continue
+        m = plan.microbatches
+        found = {("ep" if op == "alltoall" else "tp", op): (calls * m, nbytes * m)
+                 for op, (calls, nbytes) in st.traced_collectives.items()}
+        if plan.tensor.sequence_parallel and plan.mesh.tp > 1:
+            calls, nbytes = _partial_grads(plan, rank_shards(plan, [st], tp_kinds,
+                                                             expert_params))
+            c, b = found.get(("tp", "allreduce"), (0, 0))
+            if calls:
+                found[("tp", "allreduce")] = (c + calls, b + nbytes)
+        out.append(found)
+    return out
 
 
 def _partial_grads(plan: Plan, layout: RankShards) -> tuple[int, int]:

@@ -233,6 +233,15 @@ def stage_collective_lines(c: CompiledPlan) -> list[str]:
         cells = ", ".join(f"{g} {op} {calls}x {human_bytes(n)}"
                           for (g, op), (calls, n) in sorted(found.items()))
         lines.append(f"  stage {st.index} (pp rank {st.rank}): {cells or 'none'}")
+        issued = e.issued_collectives[st.index] if e.issued_collectives else None
+        if issued is not None and issued != found:
+            cells = ", ".join(f"{g} {op} {calls}x {human_bytes(n)}"
+                              for (g, op), (calls, n) in sorted(issued.items()))
+            lines.append(f"    but its run at check issued {cells or 'none'}: DTensor's own "
+                         "redistributions; the time estimate counts the line above")
+        if st.tp_run:
+            lines.append(f"    its run at check stopped at {st.tp_run} (meta tensors cannot "
+                         "run it): what DTensor does from there on is not judged")
     return lines
 
 

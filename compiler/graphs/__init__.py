@@ -73,10 +73,15 @@ def _rewritten(plan: Plan, stages: Sequence[StageSpec], by_name: dict, rules: tu
     with contextlib.closing(rewrite(plan, experts, tp_kinds, stages)) as worlds:
         for modules in worlds:
             for st in stages:
-                joint = trace_joint(modules[st.index], [by_name[r.name] for r in st.inputs],
-                                    [r.source != BATCH and r.requires_grad for r in st.inputs],
-                                    on=TRACE_DEVICE,
-                                    recompute=rules)
+                try:
+                    joint = trace_joint(modules[st.index],
+                                        [by_name[r.name] for r in st.inputs],
+                                        [r.source != BATCH and r.requires_grad
+                                         for r in st.inputs], on=TRACE_DEVICE, recompute=rules)
+                except JointTraceError as e:
+                    raise PlanError.at(plan, "compile.mode", f"stage {st.index} cannot run as "
+                                       "compiled graphs as its ranks rewrite it (cp, tp or "
+                                       f"ep): {e}", "use compile { mode = eager }") from None
                 kept[st.index] = max(kept.get(st.index, 0), saved_bytes(split_joint(joint)))
                 traced.setdefault(st.index, traced_collectives(joint))
     return kept, traced

@@ -267,7 +267,7 @@ TRACE_DEVICE = "cpu"  # the compiler traces for this device type (fake tensors, 
 
 
 # torch's functional collectives (what DTensor and the rewrites issue) -> the estimates' names
-_COLLECTIVES = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
+COLLECTIVES = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
                 "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "alltoall"}
 
 
@@ -279,7 +279,7 @@ def traced_collectives(joint: JointGraph) -> dict[str, tuple[int, int]]:
     found: dict[str, tuple[int, int]] = {}
     for n in joint.gm.graph.nodes:
         packet = getattr(n.target, "_overloadpacket", None)
-        op = _COLLECTIVES.get(getattr(packet, "__name__", "")) \
+        op = COLLECTIVES.get(getattr(packet, "__name__", "")) \
             if "_c10d_functional" in str(n.target) else None
         value = n.args[0].meta.get("val") if op and isinstance(n.args[0], fx.Node) else None
         if isinstance(value, torch.Tensor):

@@ -5,10 +5,9 @@ with a free port, runs `fn(rank, world, *args)` in each and returns the list
 of their return values (ranks in order). The first worker exception fails
 the test with its traceback; a hang is killed after `timeout` seconds.
 `fresh=True` starts them as new interpreters instead (`fn` importable by name): a
-run that must not inherit this process's state -- after a `compile.mode = graphs`
-compile of a transformers model in a fake world, forked tensor-parallel runs under
-sequence parallel compute other gradients (cause not found; every command's ranks are
-new processes).
+run that must not inherit this process's state, as every command's ranks are new
+processes. (Forked runs once inherited DTensor's cached sharding decisions from a check's
+fake world, with its groups: backends/parallel/pretrace.py now empties those caches.)
 """
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ class _Rank:
         specs = compiled.stages_of_rank(pp)
         modules = copy.deepcopy([s.module for s in specs])  # keeps the rank's ties
         self.pp, self.plan = pp, plan
-        self.stages = {s.index: parallelize_stage(m, plan, groups, compiled.experts)
+        self.stages = {s.index: parallelize_stage(m, plan, groups, compiled.experts,
+                                                  dict(compiled.tp_rewrites))
                        for s, m in zip(specs, modules)}
         scale = 1.0 / (plan.microbatches * plan.mesh.dp)
         last = len(compiled.stages) - 1

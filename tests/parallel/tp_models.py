@@ -5,6 +5,9 @@
 softmax) in one block and through SDPA with a boolean `attn_mask` in the
 other; RMSNorm, a SwiGLU MLP, a per-head learned temperature, and an LM head
 tied to the embedding. Traceable by fx.
+
+`RoutedLM`: ops DTensor may refuse on split values (in-place writes, an op of a library
+of its own), for the dry run of tp stages at check time.
 """
 from __future__ import annotations
 
@@ -183,3 +186,60 @@ class NormBetweenLM(nn.Module):
             x = x + layer["down"](F.gelu(layer["up"](x)))
             x = x + layer["b"](layer["norm"](layer["a"](x)))
         return self.head(x)
+
+
+class RoutedLM(nn.Module):
+    """An MLP (up / down: a tensor-parallel pair), then a top-k router on its residual written
+    in place, as Llama 4's: the router's top-k values scattered into zeros
+    (`zeros_like(logits).scatter_(...)`), their sum gating the rows, which are then added to
+    in place (`out.add_(rows)`). Under sequence parallel the router reads sequence shards.
+    `kept = True` also takes a view of the scores before the write and reads it after (the
+    write then cannot run out of place); `written = True` writes into the MLP's hidden
+    values in place along their features, a view of them taken before read after;
+    `custom = True` runs the hidden values through an op of a library of its own
+    (`pipeplan_tests::doubled`: no sharding strategy anywhere)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64, experts: int = 4,
+                 top: int = 2, kept: bool = False, written: bool = False,
+                 custom: bool = False):
+        super().__init__()
+        self.top, self.kept, self.written, self.custom = top, kept, written, custom
+        self.embed = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, t, d = x.shape
+        hidden = F.silu(self.up(x))
+        if self.written:
+            first = hidden[..., :1]
+            hidden.scatter_(-1, torch.zeros_like(first, dtype=torch.long), first * 0.5)
+            hidden = hidden + first
+        h = x + self.down(_doubled(hidden) if self.custom else hidden)
+        rows = h.reshape(-1, d)
+        logits = self.router(rows)
+        value, index = torch.topk(logits, self.top, dim=1)
+        scores = torch.zeros_like(logits)
+        before = scores[:, :1] if self.kept else None
+        scores.scatter_(1, index, value)
+        out = rows * torch.sigmoid(scores.sum(dim=1, keepdim=True))
+        out.add_(rows)
+        if before is not None:
+            out = out + before
+        return self.head(out.view(b, t, d))
+
+
+@torch.library.custom_op("pipeplan_tests::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_doubled.register_fake
+def _doubled_fake(x):
+    return torch.empty_like(x)
+
+
+_doubled.register_autograd(lambda ctx, grad: grad * 2)

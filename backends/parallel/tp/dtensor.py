@@ -17,6 +17,8 @@ DeviceMesh; everything between them is the model's own ops on DTensors.
                            all-reduce only if it is not replicated already)
     VocabParallelLoss      cross-entropy on vocab-sharded logits under torch's
                            loss_parallel, forward and backward
+    WholeValues(op)        an op DTensor has no sharding strategy for, on the whole
+                           values (gathered), each rank computing it
     CountedMean            the model's mean cross-entropy / nll_loss on row-sharded
                            inputs as the op defines its mean: summed losses over the
                            counted targets' total weight (not the shards' mean of means)
@@ -30,6 +32,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Sh
 from torch.distributed.tensor import empty as distributed_empty
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ....compiler.graphs.joint import traceable_function
 from .params import shard_offset
@@ -294,6 +297,46 @@ class HeadLocal(nn.Module):
                                   stride=_stride_like(out, shape))
 
 
+class WholeValues(nn.Module):
+    """An op DTensor has no sharding strategy for (an op of a library of its own, as
+    transformers' `grouped_mm_fallback` for experts stacked in one weight), run on the whole
+    values on every rank: its DTensor operands gathered (redistributed to Replicate), the
+    op called on their local tensors, its tensors handed on as Replicate -- each rank
+    computes what the model computes. Gradients flow back through DTensor's own
+    conversions (a partial one is summed over tp where it enters the op's output; a
+    sharded operand's is sliced back). Without DTensor operands it is the op."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, *args, **kwargs):
+        found = [t for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
+        if not found:
+            return self.op(*args, **kwargs)
+        mesh = found[0].device_mesh
+
+        def whole(t):
+            return t.redistribute(mesh, [Replicate()]).to_local() \
+                if isinstance(t, DTensor) else t
+
+        out = self.op(*tree_map(whole, args), **tree_map(whole, kwargs))
+        return tree_map(lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                        if isinstance(t, torch.Tensor) else t, out)
+
+
+def has_sharding_strategy(op) -> bool:
+    """DTensor can propagate `op` (an OpOverload): a strategy, a rule, a handler of its own,
+    or a decomposition it propagates through."""
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    dispatcher = DTensor._op_dispatcher
+    prop = dispatcher.sharding_propagator
+    return (op in prop.op_strategy_funcs or op in prop.op_to_rules
+            or op in getattr(prop, "op_single_dim_strategy_funcs", {})
+            or op in dispatcher._custom_op_handlers or DecompShardingStrategy.has_decomp(op))
+
+
 class BatchLocal(nn.Module):
     """`baddbmm(input, batch1, batch2)` on this rank's batch entries: the model's own op on
     the local blocks when batch1 and batch2 are split alike on the batch dim (0), as heads
@@ -357,3 +400,24 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(stride))
+
+def decompose_outside_fake() -> None:
+    """DTensor's sharding propagation through an op's decomposition (ops with no strategy of
+    their own: aten.polar in Llama 4's RoPE) runs on meta tensors it makes itself; under a
+    FakeTensorMode (a joint trace: compile.mode = graphs, the compiler's fake world) those
+    become fake and the propagation fails, so a trace refuses what an eager run computes.
+    Run it with the fake mode set aside (torch 2.13: torch.distributed.tensor's
+    DecompShardingStrategy._propagate_through_decomp); idempotent."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    method = DecompShardingStrategy._propagate_through_decomp
+    if getattr(method, "_outside_fake", False):
+        return
+
+    def outside(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return method(self, *args, **kwargs)
+
+    outside._outside_fake = True
+    DecompShardingStrategy._propagate_through_decomp = outside

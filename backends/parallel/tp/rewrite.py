@@ -46,6 +46,7 @@ is chosen by attribute names: only the plan's patterns and the graph's uses.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -66,7 +67,8 @@ from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, MEAN_LOSSES, LinearUs
                                       loss_of_logits, shard_dim)
 from ....errors import PipeplanError
 from .dtensor import (BatchLocal, CountedMean, HeadLocal, Redistribute, ReplicatedParameter,
-                      ToDTensor, ToLocal, VocabParallelLoss)
+                      ToDTensor, ToLocal, VocabParallelLoss, WholeValues,
+                      decompose_outside_fake, has_sharding_strategy)
 from .fused import SEGMENTS, fused_parameters, recut
 from .params import SHARD_DIMS, ParameterSlicer, set_parameter
 
@@ -242,12 +244,17 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     if not isinstance(gm, fx.GraphModule):
         raise PipeplanError("tensor parallel rewrites a captured stage graph (fx.GraphModule); "
                             f"got {type(gm).__name__}")
+    decompose_outside_fake()  # (a joint trace of the rewritten stage: graphs mode)
     sp = rules.sequence_parallel
     sliced = slicer if slicer is not None else ParameterSlicer(group)
     mesh = _mesh(group, gm)
     b = _Builder(gm, mesh)
     g = gm.graph
     rewrites: dict[str, str] = {}
+
+    # 0. in-place ops on values the graph makes, none of their aliases read after, run out
+    #    of place: DTensor refuses an in-place op whose operand's placement it must change
+    out_of_place(g)
 
     # 1. split Linear/Embedding leaf calls become functional ops on get_attr nodes
     for node in list(g.nodes):
@@ -316,6 +323,15 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
         if found is not None:
             _counted_mean(b, node, *found)
 
+    # 3c. an op DTensor has no sharding strategy for runs on the whole values (WholeValues)
+    for node in list(g.nodes):
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and not has_sharding_strategy(node.target):
+            op = node.target
+            node.meta[TRACED_IN] = module_path(node)
+            node.op, node.target = "call_module", b.module(
+                "whole_" + str(op).replace(".", "_"), lambda: WholeValues(op))
+
     # 4. every tensor the graph reads becomes a DTensor
     partial = []
     params = dict(gm.named_parameters(remove_duplicate=False))
@@ -369,6 +385,100 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
     g.lint()
     gm.recompile()
     return TensorParallelResult(rewrites, tuple(dict.fromkeys(partial)))
+
+
+def out_of_place(g: fx.Graph) -> list[fx.Node]:
+    """Each ATen in-place op (`x.scatter_(...)`, `out.add_(...)`) whose operand the graph made
+    itself, and none of whose aliases (the operand's views and what it is a view of) is read
+    after it, becomes its out-of-place form, and the operand's later readers read the result:
+    the same values, since nothing else could see the write. DTensor refuses an in-place op
+    whose operand's placement it would have to change (Llama 4's router scatters its top-k
+    into a `full_like` of its sequence-sharded logits); out of place it redistributes the
+    operand as for any op. Operands that may alias an input, a parameter or a buffer, and
+    ops with no out-of-place form, are left as they are. Returns the ops changed."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    changed = []
+    for node in list(g.nodes):
+        functional = _functional_overload(node)
+        if functional is None:
+            continue
+        x = node.args[0]
+        aliases = _aliases(x)
+        if aliases is None or any(order[u] > order[node] for a in aliases - {x}
+                                  if order[a] < order[node] for u in a.users):
+            continue  # (an alias made before the write and read after it)
+        later = [u for u in x.users if order[u] > order[node]]
+        node.target = functional
+        for u in later:
+            u.replace_input_with(x, node)
+        changed.append(node)
+    return changed
+
+
+def _functional_overload(node: fx.Node):
+    """The out-of-place OpOverload of an in-place ATen call on a node (`aten.scatter_.src` ->
+    `aten.scatter.src`: same overload, same arguments, the first not written), or None."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) \
+            or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    first = t._schema.arguments[0] if t._schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write \
+            or not t._schema.name.endswith("_") or t._schema.name.endswith("__"):
+        return None
+    packet = getattr(torch.ops.aten, t._schema.name.split("::")[-1][:-1], None)
+    other = getattr(packet, t._overloadname, None) if packet is not None else None
+    if other is None or [a.name for a in other._schema.arguments] != \
+            [a.name for a in t._schema.arguments] or other._schema.arguments[0].alias_info:
+        return None
+    return other
+
+
+def _aliases(x: fx.Node) -> Optional[set]:
+    """The nodes that may share x's storage (x, what it views, their views, in-place results
+    on them), or None when that reaches a value the graph did not make (placeholder,
+    get_attr) or a reader whose aliasing no schema states (a module or method call)."""
+    root = x
+    while True:
+        up = _viewed(root)
+        if up is False:
+            return None
+        if up is None:
+            break
+        root = up
+    if root.op != "call_function":
+        return None
+    found, todo = {root}, [root]
+    while todo:
+        for u in todo.pop().users:
+            up = _viewed(u)
+            if up is False:  # (a module or method call might keep a view of it)
+                return None
+            if u not in found and up in found:
+                found.add(u)
+                todo.append(u)
+    return found
+
+
+def _viewed(node: fx.Node):
+    """The node `node`'s value aliases (a view or an in-place op's first operand; getitem of
+    a view-returning op), None for a fresh value, False when unknown."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return None
+    if node.op == "call_function" and node.target is operator.getitem:
+        src = node.args[0]
+        if not isinstance(src, fx.Node):
+            return False
+        rets = getattr(src.target, "_schema", None)
+        if rets is None:
+            return False
+        return src.args[0] if any(r.alias_info is not None for r in rets.returns) else None
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    rets = node.target._schema.returns
+    if len(rets) == 1 and rets[0].alias_info is not None:
+        return node.args[0] if node.args and isinstance(node.args[0], fx.Node) else False
+    return None
 
 
 def _attr(node) -> Optional[str]:
