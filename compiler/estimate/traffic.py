@@ -88,8 +88,12 @@ def collective_traffic(model: torch.nn.Module, graph: fx.Graph, run: MetaRun, sp
                         Traffic(node.target, split.stage_of(i), _nbytes(weights), "weights")]
     traffic = tensor_parallel_traffic(model, tp_kinds, calls)
     sharded = _sequence_sharded(graph, split, model, tp_kinds, calls)
+    made_in = {n.name: split.stage_of(i) for i, n in enumerate(compute_nodes(graph))}
+    # a value another stage made arrives whole (BERT's post-norm: the next stage's q, k, v
+    # read the received norm directly)
     traffic = [Traffic(t.module, t.stage, t.nbytes, "whole_input", t.read)
-               if t.role == "input" and t.read not in sharded else t
+               if t.role == "input" and (t.read not in sharded
+                                         or made_in.get(t.read, t.stage) != t.stage) else t
                for t in traffic]
     traffic += _stage_edges(graph, run, split, tp_kinds, sharded)
     return traffic, moe

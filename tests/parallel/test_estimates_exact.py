@@ -47,7 +47,7 @@ from pipeplan.backends.runtime.stage import StageRunner
 from pipeplan.compiler.compiled import BATCH
 from pipeplan.compiler.driver import compile_plan
 from pipeplan.compiler.capture.loading import load_model
-from pipeplan.dsl.load import load_plan
+from pipeplan.dsl.load import load_plan, parse_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL = ["model.args.seq_len=8", "data.seq_len=8", "model.args.vocab=32", "data.vocab=32",
@@ -417,3 +417,48 @@ def test_every_family_at_tp2_issues_the_collectives_its_estimate_says(tmp_path, 
         if name not in ("t5", "bart", "opt"):
             wrong += _traced_against_estimate(tmp_path, name, pp)
     assert not wrong, "\n".join(wrong)
+
+
+# Where DTensor issues other collectives than the estimate under sequence parallel, and why
+# (each must still differ: strict). Its run at check prints them under the estimate's line.
+SP_KNOWN = {
+    ("albert", 1): "one more all-gather a microbatch, in backward, of a [hidden, embedding] "
+                   "(32 x 16) gradient: the factorised embedding's mapping weight",
+    ("albert", 2): "as at pp1",
+    ("llama4_text", 1): "the router's top-k and scatter on strided sequence shards, gathered",
+    ("llama4_text", 2): "the router's top-k and scatter on strided sequence shards, gathered",
+    ("mixtral", 1): "the router on strided sequence shards, gathered",
+    ("mixtral", 2): "the router on strided sequence shards, gathered",
+}
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sp", [False, True])
+def test_every_family_at_tp2_runs_at_check_the_collectives_its_estimate_says(sp):
+    """Eager, each family by `plan = auto` at tp = 2 (one stage and pp2), with or without
+    sequence parallel: the collectives each stage's run at check issued (DTensor's own, the
+    once-a-step partial gradient sums added: Estimates.issued_collectives) against the
+    estimate's, per stage. Measured at this stop: equal on all 21 without sequence
+    parallel; with it, on every dense family but those in SP_KNOWN."""
+    from pipeplan.backends.runtime.source import compile_checked
+    from .families import family_plan_text
+    from .test_activation_memory import SURVEY
+
+    tensor = "tensor {\n  plan = auto\n" + ("  sequence_parallel = true\n" if sp else "") + "}"
+    wrong, still = [], []
+    for pp in (1, 2):
+        for name in SURVEY + ("albert", "mpt", "llama4_text", "mixtral"):
+            if name in ("t5", "bart", "opt") or sp and name in (
+                    "gpt2", "falcon", "gpt_bigcode"):  # (own loss; refused under SP)
+                continue
+            plan = parse_plan(family_plan_text(name, tensor, pp=pp, layers=2 * pp), "f.plan")
+            e = compile_checked(plan).estimates
+            assert all(x is not None for x in e.issued_collectives), name
+            differs = e.issued_collectives != e.stage_collectives
+            if sp and (name, pp) in SP_KNOWN:
+                still += [] if differs else [f"{name} pp{pp} now equal: drop it from SP_KNOWN"]
+            elif differs:
+                wrong.append(f"{name} pp{pp}: issued {e.issued_collectives}, "
+                             f"estimated {e.stage_collectives}")
+    assert not wrong and not still, "\n".join(wrong + still)
