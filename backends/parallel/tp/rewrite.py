@@ -424,7 +424,8 @@ def _functional_overload(node: fx.Node):
         return None
     first = t._schema.arguments[0] if t._schema.arguments else None
     if first is None or first.alias_info is None or not first.alias_info.is_write \
-            or not t._schema.name.endswith("_") or t._schema.name.endswith("__"):
+            or not t._schema.name.endswith("_") or t._schema.name.endswith("__") \
+            or torch.Tag.nondeterministic_seeded in t.tags:  # (a random fill: as written)
         return None
     packet = getattr(torch.ops.aten, t._schema.name.split("::")[-1][:-1], None)
     other = getattr(packet, t._overloadname, None) if packet is not None else None
