@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+import weakref
 from typing import Any, Iterable, Optional
 
 import torch
@@ -205,8 +206,17 @@ class MetaRun:
         counter = FlopCounterMode(display=False) if self.autocast is None else _NoFlops()
         # data-dependent shapes (nonzero in a leaf MoE's dispatch) are taken at their largest:
         # every element selected, so costs are upper bounds and shapes stay computable
+        # the pack hook reaches this run through a weak reference: the autograd graph's saved
+        # variables hold the hook, and this run holds their tensors -- a cycle through C++
+        # that Python's collector cannot free (every compile's run and graph were kept)
+        me = weakref.ref(self)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            run = me()
+            return run._pack(t) if run is not None else t
+
         with self._mode(), counter, self._ops, torch.enable_grad(), _nonzero_selects_all(), \
-                torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             replays = self._replays
             for block, seg in replays.segments(nodes) if replays else [(None, nodes)]:
                 if block is None:

@@ -173,7 +173,15 @@ class _Running(fx.Interpreter):
     def __init__(self, module: fx.GraphModule):
         super().__init__(module)
         self.current: Optional[fx.Node] = None
-        self.backward: Optional[fx.Node] = None
+        # the backward's last started node, by name: a hook holding the interpreter (its
+        # values, whose grad_fns hold the hook) would be a cycle through C++ that Python's
+        # collector cannot free
+        self.started: list[Optional[str]] = [None]
+
+    @property
+    def backward(self) -> Optional[fx.Node]:
+        name = self.started[0]
+        return next((n for n in self.graph.nodes if n.name == name), None)
 
     def run_node(self, n: fx.Node):
         self.current = n
@@ -181,9 +189,11 @@ class _Running(fx.Interpreter):
             args, kwargs = tree_map(lambda x: _META if isinstance(x, torch.device) else x,
                                     self.fetch_args_kwargs_from_env(n))
             out = getattr(self, n.op)(n.target, args, kwargs)
+        started, name = self.started, n.name
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.register_prehook(lambda grads, n=n: setattr(self, "backward", n))
+                t.grad_fn.register_prehook(
+                    lambda grads, name=name: started.__setitem__(0, name))
         return out
 
 
@@ -206,6 +216,7 @@ def _run_on_meta(index: int, module: torch.nn.Module, inputs: Sequence,
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     except Exception as e:  # noqa: BLE001 -- only DTensor's own refusals are judged
         node = running.current if forward else running.backward
+        running.env.clear()
         reason = _dtensor_refusal(e)
         if reason is None:  # meta cannot run it
             first = str(e).strip().split("\n")[0][:200]
@@ -213,6 +224,7 @@ def _run_on_meta(index: int, module: torch.nn.Module, inputs: Sequence,
                           f"{node.name if node is not None else '?'}: {type(e).__name__}: "
                           f"{first}")
         return DryRun(index, Refused(index, node, not forward, reason))
+    running.env.clear()
     return DryRun(index, collectives=counted.found)
 
 
