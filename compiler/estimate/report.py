@@ -229,11 +229,11 @@ def stage_collective_lines(c: CompiledPlan) -> list[str]:
     if e is None or not any(e.stage_collectives):
         return []
     lines = ["tp/ep collectives per step on each rank of a stage (calls, bytes handed in):"]
-    for st, found in zip(c.stages, e.stage_collectives):
+    issued_by_stage = e.issued_collectives or [None] * len(c.stages)
+    for st, found, issued in zip(c.stages, e.stage_collectives, issued_by_stage):
         cells = ", ".join(f"{g} {op} {calls}x {human_bytes(n)}"
                           for (g, op), (calls, n) in sorted(found.items()))
         lines.append(f"  stage {st.index} (pp rank {st.rank}): {cells or 'none'}")
-        issued = e.issued_collectives[st.index] if e.issued_collectives else None
         if issued is not None and issued != found:
             cells = ", ".join(f"{g} {op} {calls}x {human_bytes(n)}"
                               for (g, op), (calls, n) in sorted(issued.items()))
