@@ -30,8 +30,25 @@ from .model_checks import check_model_against_plan
 def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
     """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
     model = _construct(plan, _on_meta if device == "meta" else (lambda: torch.device(device)))
+    if device == "meta":
+        _parameters_to_meta(model)
     check_model_against_plan(plan, model)
     return model
+
+
+def _parameters_to_meta(model: torch.nn.Module) -> None:
+    """Every parameter on meta (a tied one stays one). Not every factory obeys the meta
+    device's context: `torch.normal(mean, std, size=...)` and `torch.from_numpy` make CPU
+    tensors, so DiffLlama's constructor-drawn lambdas were real values in the stages the
+    ranks compile, which kept them instead of drawing them by the model's init rule as the
+    reference does (backends/state/model.fill_stages fills only meta parameters): every
+    rank trained from other initial lambdas."""
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                module._parameters[name] = moved.setdefault(id(p), torch.nn.Parameter(
+                    p.detach().to("meta"), requires_grad=p.requires_grad))
 
 
 # In-place initialisers: shape, dtype and device preserved, only values written.
