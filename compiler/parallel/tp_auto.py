@@ -14,21 +14,23 @@ c_proj; attention whose q is normalised over every head (OLMo 2) stays whole, ov
 head's own dims (Qwen 3, Gemma 3) is split. A path to the
 model's inputs (a mask, positions) is not a Linear and does not count. Modules are chosen
 by the graph's dataflow, never by their names; a module applied in several places must be
-the same kind at each. The embeddings and the LM head stay whole (a written split names
-them). The pairs are then checked as a written split is (shapes, tied weights, then
+the same kind at each. The vocabulary is split as Megatron splits it (`vocab_split`: the
+LM head whose logits go only to the loss, the embedding tables the token inputs index).
+The pairs are then checked as a written split is (shapes, tied weights, then
 `check_pairing` on the graph), and `pipeplan verify` proves the run.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
-from .tp import _check_shape, _check_tied, carries_features, features_out, first_linears, \
-    linear_uses, tp_annotations
+from .tp import _check_shape, _check_tied, _holders, carries_features, embedding_calls, \
+    features_out, first_linears, linear_uses, loss_of_logits, tp_annotations
 from .tp_follow import REDUCTIONS, gathered_at, reduced_dims, split_dims
 
 KEY = "tensor.plan"
@@ -91,6 +93,8 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
                            f"over tp = {plan.mesh.tp}: no Linear in a block of the model feeds "
                            "only Linears of its block that read nothing else",
                            "name the modules to split in column / row lists")
+    for name in vocab_split(plan, graph, model, run)[0]:
+        kinds.setdefault(name, "vocab")
     modules = dict(model.named_modules())
     for name, kind in kinds.items():
         _check_shape(plan, KEY, kind, name, modules[name], plan.mesh.tp)
@@ -112,7 +116,70 @@ def left_whole(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run,
         why = gathered_at(features_out(node, run), run, plan.mesh.tp, use.module)
         if why is not None:
             out[use.module] = why
+    out.update(vocab_split(plan, graph, model, run)[1])  # a head: why its vocabulary stays whole
     return dict(sorted(out.items()))
+
+
+def vocab_split(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) \
+        -> tuple[list[str], dict[str, str]]:
+    """Megatron's split of the vocabulary, found in the graph: each LM head whose logits go
+    only to the cross-entropy (tp.loss_of_logits: the loss then runs vocab-parallel on each
+    rank's share of the logits), and each embedding table the model's token inputs index
+    (along tensor values from an input, not positions made by `arange`) with as many rows
+    as those logits have classes (the data's vocabulary where no head feeds the loss).
+    Returns (the modules split, module -> why one stays whole: tp does not divide its
+    vocabulary, it renormalises its rows, or its weight is tied to a module not split so)."""
+    modules = dict(model.named_modules())
+    uses, embeddings = linear_uses(graph, model), embedding_calls(graph, model)
+    heads = {use.module: node for node, use in uses.items() if loss_of_logits(node) is not None}
+    classes = {int(run.value(n).shape[-1]) for n in heads.values()} or {plan.data.vocab}
+    is_input = carries_features(plan, run)
+    tables = {name for node, name in embeddings.items() if _indexed_by_inputs(node, is_input)}
+    found = {n for n in set(heads) | tables if _table_rows(modules.get(n)) in classes}
+    whole = {n: f"tp = {plan.mesh.tp} does not divide its vocabulary ({_table_rows(modules[n])})"
+             for n in found if _table_rows(modules[n]) % plan.mesh.tp}
+    whole.update({n: "it renormalises its rows (max_norm)" for n in found
+                  if getattr(modules[n], "max_norm", None) is not None})
+    applied = {use.module for use in uses.values()} | set(embeddings.values())
+    # per parameter, its holders; one the graph never applies can follow the split only as
+    # a table of its own (its `weight`: BART's and T5's `shared`), not as ALBERT's MLM head
+    # holding its decoder's bias
+    tied = [({owner for owner, _ in held},
+             all(leaf == "weight" for owner, leaf in held if owner not in applied))
+            for held in _holders(model)]
+    while True:  # a tied parameter is split in every holder or in none
+        split = found - set(whole)
+        cut = [(owners, owners & split) for owners, follows in tied
+               if owners & split and not (owners & applied <= split and follows)]
+        if not cut:
+            break
+        for owners, mine in cut:
+            others = ", ".join(sorted(owners - split))
+            for owner in sorted(mine):
+                whole.setdefault(owner, f"a parameter of it is tied to {others}, not split so")
+    return sorted(split.union(*(owners for owners, _ in tied if owners & split))), whole
+
+
+def _table_rows(module) -> int:
+    w = getattr(module, "_parameters", {}).get("weight")
+    return int(w.shape[0]) if w is not None and w.dim() == 2 else -1
+
+
+def _indexed_by_inputs(node: fx.Node, is_input) -> bool:
+    """Do an embedding's indices come from the model's inputs along tensor values (token
+    ids; not positions made by `arange`, nor buckets computed from them)?"""
+    ids = node.args[1] if node.op == "call_function" and node.target is not F.embedding \
+        else node.args[0]
+    seen, frontier = set(), [ids] if isinstance(ids, fx.Node) else []
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and is_input(n):
+            return True
+        frontier.extend(m for m in n.all_input_nodes if is_input(m))
+    return False
 
 
 # ops that combine the features of a position (a split one would need them all)

@@ -136,18 +136,28 @@ def _train_worker(rank, world, text: str = PLAN):
     return dict(rank_result(losses, trainer, grads), kinds=kinds)
 
 
+# the pairs `plan = auto` finds, written out, the embedding and LM head left whole
+PAIRS = VOCAB.replace("  vocab = [model.embed_tokens, lm_head]\n",
+                      "  sequence_parallel = true\n")
+
+
 @pytest.mark.timeout(300)
-def test_the_models_own_loss_under_sequence_parallel_is_the_models(spawn):
-    """transformers' Llama given labels (`loss = model`) at tp2 with sequence parallel, its LM
-    head left whole by `plan = auto`: every step's loss is the single-process reference's
-    (before: 2.7e-4 off; the model's float32 loss allows 5e-7), and so are the gradients
-    and parameters (verify's judge, by the rule the model's float32 nodes set)."""
+@pytest.mark.parametrize("text", [PLAN, PAIRS], ids=["auto", "head-whole"])
+def test_the_models_own_loss_under_sequence_parallel_is_the_models(spawn, text):
+    """transformers' Llama given labels (`loss = model`) at tp2 with sequence parallel, by
+    `plan = auto` (its embedding and LM head split over the vocabulary, the model's own
+    loss vocab-parallel) and with the head left whole (its input gathered from the
+    sequence shards): every step's loss is the single-process reference's (before, whole:
+    2.7e-4 off; the model's float32 loss allows 5e-7), and so are the gradients and
+    parameters (verify's judge, by the rule the model's float32 nodes set)."""
     from pipeplan.backends.verify.reference import train_reference
     from pipeplan.backends.verify.run import judge
 
-    results = spawn(_train_worker, 2, timeout=240, fresh=True)
-    ref = train_reference(_plan(), 2)
-    verdict = judge(ref, results, "fp64", _plan())
+    results = spawn(_train_worker, 2, text, timeout=240, fresh=True)
+    want = "vocab+loss" if text == PLAN else None
+    assert all(r["kinds"].get("lm_head") == want for r in results), results[0]["kinds"]
+    ref = train_reference(_plan(text), 2)
+    verdict = judge(ref, results, "fp64", _plan(text))
     assert verdict.within, verdict.render()
     for r in results:
         for got, want in zip(r["losses"], ref.losses):

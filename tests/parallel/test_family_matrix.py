@@ -126,7 +126,7 @@ def test_family_under_plan_is_equal_or_refused_at_a_plan_line(family, plan, tmp_
         assert re.search(r"^\s*\|?\s*\^", said, re.M), said  # the caret under the plan text
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a minute on 2 cores (the default suite keeps under ~20 minutes)
 @pytest.mark.timeout(900)
 def test_olmoe_experts_gradients_split_by_expert_under_sequence_parallel(tmp_path):
     """OLMoE's experts (3-d weights indexed by expert, on sequence shards under SP; its own

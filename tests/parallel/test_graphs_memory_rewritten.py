@@ -17,6 +17,7 @@ import copy
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeplan.backends.parallel import rewrite_stages
@@ -89,17 +90,23 @@ def _case(name: str, example: str, overrides: list[str]):
     return name, plan, compiled, want
 
 
-def test_cp_tp_and_ep_compiled_stages_keep_what_check_estimates(run_workers):
-    cases = [_case("gpt tp2", "hybrid_pp2_dp2_tp2.plan", GPT),
-             _case("gpt tp2 sp", "hybrid_pp2_dp2_tp2.plan",
-                   GPT + ["tensor.sequence_parallel=true"]),
-             # full recompute reruns the collectives: B all-gathers the shards again
-             _case("gpt tp2 sp full", "hybrid_pp2_dp2_tp2.plan",
-                   GPT + ["tensor.sequence_parallel=true", "recompute.layers.*=full"]),
-             _case("moe dp2 ep2", "moe_pp2_ep2_zbv.plan", MOE),
-             _case("gpt cp2 ring", "gpt_pp4_1f1b.plan", CP + ["context.method=ring"]),
-             _case("gpt cp2 ulysses", "gpt_pp4_1f1b.plan", CP + ["context.method=ulysses"])]
-    run_workers(_worker, 2, cases, timeout=300)
+CASES = {"gpt tp2": ("hybrid_pp2_dp2_tp2.plan", GPT),
+         "gpt tp2 sp": ("hybrid_pp2_dp2_tp2.plan", GPT + ["tensor.sequence_parallel=true"]),
+         # full recompute reruns the collectives: B all-gathers the shards again
+         "gpt tp2 sp full": ("hybrid_pp2_dp2_tp2.plan",
+                             GPT + ["tensor.sequence_parallel=true", "recompute.layers.*=full"]),
+         "moe dp2 ep2": ("moe_pp2_ep2_zbv.plan", MOE),
+         "gpt cp2 ring": ("gpt_pp4_1f1b.plan", CP + ["context.method=ring"]),
+         "gpt cp2 ulysses": ("gpt_pp4_1f1b.plan", CP + ["context.method=ulysses"])}
+
+
+@pytest.mark.parametrize("names", [
+    ("gpt tp2 sp full", "moe dp2 ep2", "gpt cp2 ring"),
+    pytest.param(("gpt tp2", "gpt tp2 sp", "gpt cp2 ulysses"), marks=pytest.mark.heavy)],
+    ids=["sp-full-ep-ring", "tp-sp-ulysses"])
+def test_cp_tp_and_ep_compiled_stages_keep_what_check_estimates(run_workers, names):
+    """(Three layouts in the default suite, one of each axis; the other three heavy.)"""
+    run_workers(_worker, 2, [_case(n, *CASES[n]) for n in names], timeout=300)
 
 
 def test_check_prints_the_rewritten_stages_estimate(capsys):

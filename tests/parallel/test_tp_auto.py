@@ -32,27 +32,31 @@ def _compiled(source: str, args: str, tmp_path):
 
 def test_the_example_gpt_is_split_as_megatron_splits_it(tmp_path):
     """q, k, v and the MLP's up projection column-parallel, the attention's output and the
-    MLP's down projection row-parallel, in every layer; the embedding and the LM head whole
-    (not a block pair); `check` lists them."""
+    MLP's down projection row-parallel, in every layer; the token embedding and the LM head
+    over the vocabulary, the position table (indexed by `arange`) whole: the split
+    Megatron-LM makes (and tests/benchmarks/calibration/gpt_1t.plan writes out); `check`
+    lists them."""
     from pipeplan.compiler.estimate.report import split_lines
     c = _compiled(os.path.abspath(GPT) + ":GPT",
-                  "vocab = 64, dim = 32, layers = 3, heads = 4, seq_len = 16", tmp_path)
+                  "vocab = 64, dim = 32, layers = 3, heads = 4, seq_len = 64", tmp_path)
     want = {f"layers.{i}.{m}": kind for i in range(3) for m, kind in (
         ("attn.q", "column"), ("attn.k", "column"), ("attn.v", "column"),
         ("mlp.up", "column"), ("attn.proj", "row"), ("mlp.down", "row"))}
-    assert c.tp_rewrites == want
-    assert split_lines(c) == ["tensor.plan = auto: 18 layers split",
+    assert c.tp_rewrites == {**want, "tok_emb": "vocab", "lm_head": "vocab"}
+    assert split_lines(c) == ["tensor.plan = auto: 20 layers split",
                               "  column: layers.*.attn.k, layers.*.attn.q, layers.*.attn.v, "
                               "layers.*.mlp.up",
-                              "  row: layers.*.attn.proj, layers.*.mlp.down"]
+                              "  row: layers.*.attn.proj, layers.*.mlp.down",
+                              "  vocab: lm_head, tok_emb"]
 
 
 def test_a_norm_between_two_linears_is_no_pair(tmp_path):
     """`a -> LayerNorm -> b`: the norm combines a's features, which a column split would cut;
-    only `up -> GELU -> down` is paired."""
+    only `up -> GELU -> down` is paired (and the vocabulary: embedding and head)."""
     c = _compiled("pipeplan.tests.parallel.tp_models:NormBetweenLM", "layers = 2", tmp_path)
-    assert c.tp_rewrites == {f"layers.{i}.{m}": k for i in range(2)
-                             for m, k in (("up", "column"), ("down", "row"))}
+    assert c.tp_rewrites == {"embed": "vocab", "head": "vocab",
+                             **{f"layers.{i}.{m}": k for i in range(2)
+                                for m, k in (("up", "column"), ("down", "row"))}}
 
 
 def test_a_model_with_nothing_to_pair_is_refused_at_the_line(tmp_path):
@@ -69,8 +73,10 @@ def test_attention_whose_queries_are_normalised_over_every_head_stays_whole(tmp_
     the MLP's gate/up -> down is split. (Before, v_proj stayed column with o_proj whole, and
     `check` refused the plan it had made.)"""
     c = _compiled("pipeplan.tests.parallel.families:olmo2", "layers = 2", tmp_path)
-    assert c.tp_rewrites == {f"model.layers.{i}.mlp.{m}": k for i in range(2) for m, k in (
-        ("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row"))}
+    assert c.tp_rewrites == {"model.embed_tokens": "vocab", "lm_head": "vocab",
+                             **{f"model.layers.{i}.mlp.{m}": k for i in range(2)
+                                for m, k in (("gate_proj", "column"), ("up_proj", "column"),
+                                             ("down_proj", "row"))}}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
@@ -89,8 +95,10 @@ def test_attention_whose_queries_are_normalised_within_each_head_is_split(family
     assert attn.items() <= c.tp_rewrites.items(), c.tp_rewrites
     (calls,) = c.estimates.stage_collectives
     # per microbatch: in each of the 2 layers, q, k, v's input gradient and the MLP's, o's
-    # and down's outputs, and the q_norm and k_norm weights' gradients
-    assert calls[("tp", "allreduce")][0] == c.plan.microbatches * 2 * (4 + 2), calls
+    # and down's outputs, and the q_norm and k_norm weights' gradients; the vocabulary's:
+    # the embedding's output, the loss's max, sum of exponentials and target logit, the
+    # head's input gradient
+    assert calls[("tp", "allreduce")][0] == c.plan.microbatches * (2 * (4 + 2) + 5), calls
 
 
 def test_sequence_parallel_with_attention_outside_the_pairs_is_refused(tmp_path):
@@ -143,14 +151,49 @@ def test_attention_tp_cannot_keep_split_is_left_whole_and_listed(tmp_path):
 
     text = PLAN.format(source="pipeplan.tests.parallel.families:llama", args="layers = 2")
     c = compile_plan(parse_plan(text.replace("tp = 2", "tp = 4"), str(tmp_path / "a.plan")))
-    assert c.tp_rewrites == {f"model.layers.{i}.mlp.{m}": k for i in range(2) for m, k in (
-        ("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row"))}
+    assert c.tp_rewrites == {"model.embed_tokens": "vocab", "lm_head": "vocab",
+                             **{f"model.layers.{i}.mlp.{m}": k for i in range(2)
+                                for m, k in (("gate_proj", "column"), ("up_proj", "column"),
+                                             ("down_proj", "row"))}}
     assert sorted(c.tp_whole) == [f"model.layers.{i}.self_attn.{m}" for i in range(2)
                                   for m in ("k_proj", "v_proj")]
     lines = split_lines(c)
     assert [line.split(" (")[0] for line in lines if "left whole" in line] == [
         "  left whole: model.layers.*.self_attn.k_proj",
         "  left whole: model.layers.*.self_attn.v_proj"]
-    assert "tp = 4 does not divide the 2 heads of model.layers.0.self_attn.k_proj" in lines[3]
+    assert "tp = 4 does not divide the 2 heads of model.layers.0.self_attn.k_proj" in lines[4]
     at2 = compile_plan(parse_plan(text, str(tmp_path / "b.plan")))
-    assert len(at2.tp_rewrites) == 14 and at2.tp_whole == {}
+    assert len(at2.tp_rewrites) == 16 and at2.tp_whole == {}
+
+
+def test_a_vocabulary_tp_cannot_split_stays_whole_and_is_listed(tmp_path):
+    """The vocabulary is split only where every holder of the weight can be: a vocabulary
+    tp does not divide (66 at tp 4) leaves the embedding and the head whole; BART's head
+    adds a bias tensor to its logits (so it does not feed the loss as logits alone) and
+    shares its weight with the embeddings, which stay whole with it. `check` says why."""
+    text = PLAN.format(source=os.path.abspath(GPT) + ":GPT",
+                       args="vocab = 66, dim = 32, layers = 2, heads = 4, seq_len = 16")
+    c = compile_plan(parse_plan(text.replace("tp = 2", "tp = 4").replace("vocab = 64",
+                                                                         "vocab = 66"),
+                                str(tmp_path / "v.plan")))
+    assert "vocab" not in c.tp_rewrites.values() and len(c.tp_rewrites) == 12
+    assert c.tp_whole == {n: "tp = 4 does not divide its vocabulary (66)"
+                          for n in ("lm_head", "tok_emb")}
+
+    from pipeplan.tests.parallel.families import family_plan_text
+    bart = compile_plan(parse_plan(family_plan_text("bart"), str(tmp_path / "bart.plan")))
+    assert "vocab" not in bart.tp_rewrites.values()
+    assert bart.tp_whole == {n: "a parameter of it is tied to lm_head, model.shared, not split so"
+                             for n in ("model.encoder.embed_tokens",
+                                       "model.decoder.embed_tokens")}, bart.tp_whole
+    # ALBERT's MLM head holds its decoder's bias: the decoder, so the embedding, stay whole
+    albert = compile_plan(parse_plan(family_plan_text("albert"), str(tmp_path / "al.plan")))
+    assert albert.tp_whole == {
+        "albert.embeddings.word_embeddings": "a parameter of it is tied to predictions.decoder, "
+                                             "not split so",
+        "predictions.decoder": "a parameter of it is tied to predictions, not split so"}
+    # T5 shares the same table between its encoder, decoder and `shared` (which the graph
+    # never applies): split in all of them
+    t5 = compile_plan(parse_plan(family_plan_text("t5"), str(tmp_path / "t5.plan")))
+    assert {n for n, k in t5.tp_rewrites.items() if k == "vocab"} == {
+        "shared", "encoder.embed_tokens", "decoder.embed_tokens", "lm_head"}, t5.tp_rewrites
