@@ -419,6 +419,18 @@ def dbrx(layers: int = 2):
 
 
 # ---------------------------------- MoE families with mask-free attention (cp locality tests)
+def doge(layers: int = 2):
+    """Doge: v's output also feeds `dt_proj`, whose output is added to the attention scores
+    (a Linear reading a column's split and writing into one a row reads)."""
+    return _hf("DogeConfig", "DogeForCausalLM", layers)
+
+
+def diffllama(layers: int = 2):
+    """DiffLlama: its lambdas drawn in its constructor by `torch.normal(mean, std, size=...)`
+    (a CPU tensor even on meta) and again by its `_init_weights`."""
+    return _hf("DiffLlamaConfig", "DiffLlamaForCausalLM", layers)
+
+
 def mixtral_causal(layers: int = 2):
     """Mixtral (default experts kernel) with attention through CAUSAL_SDPA (no mask tensor):
     only its experts stand between it and context parallel."""

@@ -32,6 +32,8 @@ FAMILIES = {
     "cohere": ("cohere", None, 0, 0),
     "gpt2": ("gpt2", None, 0, 0),
     "falcon": ("falcon", None, 0, 0),
+    "diffllama": ("diffllama", None, 0, 0),
+    "doge": ("doge", None, 0, 0),
     "phimoe": ("phimoe", "model.layers.*.mlp", 4, 2),
     "mixtral": ("mixtral", "model.layers.*.mlp", 4, 2),
     "qwen3_moe": ("qwen3_moe", "model.layers.*.mlp", 4, 2),

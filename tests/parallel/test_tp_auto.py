@@ -197,3 +197,13 @@ def test_a_vocabulary_tp_cannot_split_stays_whole_and_is_listed(tmp_path):
     t5 = compile_plan(parse_plan(family_plan_text("t5"), str(tmp_path / "t5.plan")))
     assert {n for n, k in t5.tp_rewrites.items() if k == "vocab"} == {
         "shared", "encoder.embed_tokens", "decoder.embed_tokens", "lm_head"}, t5.tp_rewrites
+
+
+def test_a_linear_both_reading_and_writing_a_split_is_no_pair(tmp_path):
+    """Doge's dt_proj reads v's output and adds its own to the attention scores: as a row it
+    would take v's split, as a column give o_proj one; it is neither, so v, and the
+    attention with it, stays whole (before, `auto` made it a column and `check` refused
+    the split `auto` had made: "v_proj feeds dt_proj, which is not row-parallel")."""
+    c = _compiled("pipeplan.tests.parallel.families:doge", "layers = 2", tmp_path)
+    assert not [n for n in c.tp_rewrites if "self_attn" in n], c.tp_rewrites
+    assert "row" in c.tp_rewrites.values(), c.tp_rewrites
