@@ -73,14 +73,15 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
     columns = {n for n in home if local(n, ahead[n])
                and not _mixes_features(n, linear, is_tensor, run, graph, plan.mesh.tp)
                and gathered_at(features_out(n, run), run, plan.mesh.tp) is None}
-    # a Linear that would be both reads a column's split and writes one a row reads (Doge's
-    # dt_proj, from v's output into the attention scores): neither split runs it
-    columns, rows = columns - rows, rows - columns
     while True:  # a pair needs both sides: drop either until none is left without its other
         kept = ({n for n in columns if ahead[n] <= rows},
                 {n for n in rows if behind[n] <= columns})
         if kept == (columns, rows):
-            break
+            # a Linear left both reads a column's split and writes one a row reads (Doge's
+            # dt_proj, from v's output into the attention scores): neither split runs it
+            if not columns & rows:
+                break
+            kept = (columns - rows, rows - columns)
         columns, rows = kept
     kinds: dict[str, str] = {}
     for nodes, kind in ((columns, "column"), (rows, "row")):
