@@ -101,6 +101,12 @@ def embedding_weight(node: fx.Node):
     return node.args[1] if node.target is F.embedding else node.args[0]
 
 
+def embedding_ids(node: fx.Node):
+    """The indices an embedding call (F's, aten's, or an Embedding module's) looks up."""
+    return node.args[1] if node.op == "call_function" and node.target is not F.embedding \
+        else node.args[0]
+
+
 # the graph's mean-reduced losses over class targets -> their reduction values (mean, sum)
 MEAN_LOSSES = {F.cross_entropy: ("mean", "sum"), F.nll_loss: ("mean", "sum"),
                **{op: (1, 2) for op in (torch.ops.aten.cross_entropy_loss.default,

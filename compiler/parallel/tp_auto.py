@@ -22,7 +22,6 @@ The pairs are then checked as a written split is (shapes, tied weights, then
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from ...dsl.ast import Plan
@@ -30,7 +29,7 @@ from ...dsl.errors import PlanError
 from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
 from .tp import _check_shape, _check_tied, _holders, carries_features, embedding_calls, \
-    features_out, first_linears, linear_uses, loss_of_logits, tp_annotations
+    embedding_ids, features_out, first_linears, linear_uses, loss_of_logits, tp_annotations
 from .tp_follow import REDUCTIONS, gathered_at, reduced_dims, split_dims
 
 KEY = "tensor.plan"
@@ -172,8 +171,7 @@ def _table_rows(module) -> int:
 def _indexed_by_inputs(node: fx.Node, is_input) -> bool:
     """Do an embedding's indices come from the model's inputs along tensor values (token
     ids; not positions made by `arange`, nor buckets computed from them)?"""
-    ids = node.args[1] if node.op == "call_function" and node.target is not F.embedding \
-        else node.args[0]
+    ids = embedding_ids(node)
     seen, frontier = set(), [ids] if isinstance(ids, fx.Node) else []
     while frontier:
         n = frontier.pop()
