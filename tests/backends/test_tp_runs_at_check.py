@@ -185,6 +185,47 @@ def test_dtensor_decomposes_an_op_under_fake_tensors():
         dist.destroy_process_group()
 
 
+
+def test_a_view_of_a_dtensor_laid_out_otherwise_than_it_says_copies_as_reshape_would():
+    """DTensor takes output strides from meta functions; softplus_backward's meta lays out
+    contiguously where the CPU kernel follows a transposed gradient, and the linear's
+    backward view of that gradient then failed (Doge's backward at any tp > 1)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from pipeplan.backends.parallel.tp.dtensor import (_said_layout_view,
+                                                       views_follow_the_local_layout)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        local = torch.arange(24.0).reshape(2, 4, 3).transpose(1, 2)  # strides (12, 1, 3)
+        said = DTensor.from_local(local, mesh, [Replicate()], run_check=False,
+                                  shape=local.shape, stride=(12, 4, 1))
+        handlers = DTensor._op_dispatcher._custom_op_handlers  # as torch has it, without
+        for op in [op for op, f in handlers.items() if f is _said_layout_view]:
+            del handlers[op]  # (installed here by an earlier test's rewrite)
+        with pytest.raises(RuntimeError, match="view size is not compatible"):
+            said.view(6, 4)
+        torch.manual_seed(0)
+        x, m = torch.randn(2, 16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+        w = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+
+        def loss(x, w, m):
+            return (F.softplus(F.linear(x, w)).transpose(-1, -2) @ m).sum()
+
+        expected = torch.autograd.grad(loss(x, w, m), w)[0]
+        wd = distribute_tensor(w.detach(), mesh, [Replicate()]).requires_grad_()
+        put = [distribute_tensor(t, mesh, [Replicate()]) for t in (x, m)]
+        views_follow_the_local_layout()
+        assert torch.equal(said.view(6, 4).to_local(), local.reshape(6, 4))
+        got = torch.autograd.grad(loss(put[0], wd, put[1]), wd)[0].to_local()
+        assert torch.equal(got, expected)
+    finally:
+        dist.destroy_process_group()
+
 def _meter_worker(rank, world, text):
     from pipeplan.backends.runtime.trainer import PipelineTrainer
     from pipeplan.tests.parallel.comm_meter import CommMeter

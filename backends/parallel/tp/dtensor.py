@@ -421,3 +421,47 @@ def decompose_outside_fake() -> None:
 
     outside._outside_fake = True
     DecompShardingStrategy._propagate_through_decomp = outside
+
+
+_VIEWS = ("view.default", "_unsafe_view.default")
+
+
+def views_follow_the_local_layout() -> None:
+    """A DTensor view whose local tensor is laid out otherwise than the DTensor says copies
+    the local tensor into the said layout first, instead of failing.
+
+    DTensor takes an op's output strides from the op's meta function, and some meta
+    functions lay out their output otherwise than the CPU/CUDA kernel does (torch 2.13:
+    `softplus_backward` with a transposed gradient -- meta contiguous, the kernel following
+    the gradient). Values are right either way, but `reshape` decides view-or-copy by the
+    DTensor's strides, so a later view of such a tensor fails on the local one ("view size
+    is not compatible"): Doge's backward at any tp > 1 (`dt_proj`'s output through softplus
+    and a transpose into the scores). Copying into the said dim order is what `reshape`
+    would have done on one device; stage graphs are functional (export), so no alias is
+    lost. The handler steps aside while it calls the op again (DTensor's own dispatch is in
+    C++; a rank runs its compute on one thread). Idempotent."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for name in _VIEWS:
+        op = getattr(torch.ops.aten, name.split(".")[0]).default
+        if op not in handlers:
+            handlers[op] = _said_layout_view
+
+
+def _dim_order(shape, stride) -> list[int]:
+    return sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -stride[d])
+
+
+def _said_layout_view(op, args, kwargs):
+    x = args[0]
+    local = x._local_tensor
+    order = _dim_order(x.shape, x.stride())
+    if _dim_order(local.shape, local.stride()) != order:
+        full = order + [d for d in range(x.ndim) if d not in order]
+        fixed = local.permute(full).contiguous().permute([full.index(d) for d in range(x.ndim)])
+        x = DTensor(fixed, x._spec, requires_grad=x.requires_grad)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    del handlers[op]
+    try:
+        return op(x, *args[1:], **kwargs)
+    finally:
+        handlers[op] = _said_layout_view

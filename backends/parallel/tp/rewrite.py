@@ -68,7 +68,8 @@ from ....compiler.parallel.tp import (EMBEDDINGS, LINEARS, MEAN_LOSSES, LinearUs
 from ....errors import PipeplanError
 from .dtensor import (BatchLocal, CountedMean, HeadLocal, Redistribute, ReplicatedParameter,
                       ToDTensor, ToLocal, VocabParallelLoss, WholeValues,
-                      decompose_outside_fake, has_sharding_strategy)
+                      decompose_outside_fake, has_sharding_strategy,
+                      views_follow_the_local_layout)
 from .fused import SEGMENTS, fused_parameters, recut
 from .params import SHARD_DIMS, ParameterSlicer, set_parameter
 
@@ -245,6 +246,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, rules: TensorParallelRules, group,
         raise PipeplanError("tensor parallel rewrites a captured stage graph (fx.GraphModule); "
                             f"got {type(gm).__name__}")
     decompose_outside_fake()  # (a joint trace of the rewritten stage: graphs mode)
+    views_follow_the_local_layout()  # (meta strides a kernel does not keep)
     sp = rules.sequence_parallel
     sliced = slicer if slicer is not None else ParameterSlicer(group)
     mesh = _mesh(group, gm)
