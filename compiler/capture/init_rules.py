@@ -7,6 +7,9 @@ has one (`init_owner`) -- Hugging Face's convention, applied as its `post_init` 
 each nested PreTrainedModel initialises its own submodules, so a user module wrapping
 `LlamaForCausalLM` (which has no rule of its own) initialises the Llama by Llama's rule;
 on a plain model the hook is the user's, on the model itself.
+A parameter that rule leaves unwritten is drawn by the rule applied to the modules around
+it, nearest first, as `post_init` (children first) would write it, each writing only into
+what is still unwritten.
 
 `check_init` proves, at `pipeplan check` (the model line), that every parameter is
 covered: each module's rule runs on fresh meta parameters (no storage, nothing computed)
@@ -45,7 +48,27 @@ def init_rule(model: torch.nn.Module, module: torch.nn.Module, path: str) -> lis
     constructor's order: the module's `reset_parameters()` (what torch layers run in their
     __init__), then the nearest enclosing `_init_weights(module)` (`init_owner`: what a
     model applies to every module after construction, e.g. Hugging Face's `post_init`).
-    Empty: no rule."""
+
+    A parameter those leave unwritten may be written by the rule applied to a module around
+    it: Qwen3-Next's `_init_weights(sparse_moe_block)` draws `block.gate.weight` (its router
+    has no rule of its own). Hugging Face applies the rule children first, so an
+    enclosing module's call comes after the module's own: here each enclosing module's
+    rule, nearest first, follows, letting through only writes into the parameters still
+    unwritten (`_into_only`) -- every other parameter keeps what its own module draws,
+    whichever modules a process holds. Empty: no rule."""
+    steps = _own_steps(model, module, path)
+    missing = _unwritten(module, steps) or []
+    parts = path.split(".") if path else []
+    for i in range(len(parts) - 1, -1, -1) if missing else ():
+        around = ".".join(parts[:i])
+        owner = init_owner(model, around)
+        if owner is not None:
+            hook, outer = getattr(owner, INIT_HOOK), model.get_submodule(around)
+            steps.append(_into_only(model, module, missing, lambda h=hook, m=outer: h(m)))
+    return steps
+
+
+def _own_steps(model: torch.nn.Module, module: torch.nn.Module, path: str) -> list:
     steps = []
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
@@ -57,13 +80,50 @@ def init_rule(model: torch.nn.Module, module: torch.nn.Module, path: str) -> lis
     return steps
 
 
+class _IntoOnly(TorchDispatchMode):
+    """Lets an in-place write through unless it targets a tensor of `closed` (storages)."""
+
+    def __init__(self, closed: set):
+        super().__init__()
+        self.closed = closed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = _written(func, args, kwargs)
+        if t is not None and t.untyped_storage()._cdata in self.closed:
+            return t
+        return func(*args, **kwargs)
+
+
+def _into_only(model, module, names: list, step):
+    """`step`, writing into no tensor of `model` but `module`'s parameters `names`."""
+    def run():
+        own = {module._parameters[n].untyped_storage()._cdata for n in names}
+        closed = {t.untyped_storage()._cdata
+                  for t in list(model.parameters()) + list(model.buffers())} - own
+        with _IntoOnly(closed):
+            step()
+    return run
+
+
+def _written(func, args, kwargs) -> Optional[torch.Tensor]:
+    """The tensor an in-place op writes (its first argument, marked written), or None."""
+    first = func._schema.arguments[0] if func._schema.arguments else None
+    if first is not None and first.alias_info is not None and first.alias_info.is_write:
+        t = args[0] if args else kwargs.get(first.name)
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
 def _rule_text(model, module, path) -> str:
     parts = []
     if callable(getattr(module, "reset_parameters", None)):
         parts.append(f"{type(module).__name__}.reset_parameters()")
     owner = init_owner(model, path)
     if owner is not None:
-        parts.append(f"{type(owner).__name__}.{INIT_HOOK}(module)")
+        parts.append(f"{type(owner).__name__}.{INIT_HOOK}(module), then on each module "
+                     "around it")
     return " then ".join(parts)
 
 
@@ -76,14 +136,12 @@ class _Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = func._schema.arguments[0] if func._schema.arguments else None
-        if first is not None and first.alias_info is not None and first.alias_info.is_write:
-            t = args[0] if args else kwargs.get(first.name)
-            if isinstance(t, torch.Tensor):
-                if t.storage_offset() == 0 and t.numel() * t.element_size() == \
-                        t.untyped_storage().nbytes():
-                    self.whole.add(t.untyped_storage()._cdata)
-                return t  # a write on meta: nothing to compute
+        t = _written(func, args, kwargs)
+        if t is not None:
+            if t.storage_offset() == 0 and t.numel() * t.element_size() == \
+                    t.untyped_storage().nbytes():
+                self.whole.add(t.untyped_storage()._cdata)
+            return t  # a write on meta: nothing to compute
         return func(*args, **kwargs)
 
 
@@ -92,6 +150,12 @@ def uncovered(model: torch.nn.Module, module: torch.nn.Module, path: str) -> lis
     rule on fresh meta parameters (no storage) and recording the in-place writes. A rule
     that cannot run on meta (it reads values) is not judged here: materialisation still
     refuses a parameter it leaves NaN (backends/state/materialize.py)."""
+    return _unwritten(module, init_rule(model, module, path)) or []
+
+
+def _unwritten(module: torch.nn.Module, steps: list) -> Optional[list[str]]:
+    """`module`'s own parameters `steps` leave unwritten (a run on fresh meta parameters);
+    None where the steps cannot run on meta."""
     saved = dict(module._parameters)
     fresh = {k: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                    requires_grad=p.requires_grad)
@@ -100,10 +164,10 @@ def uncovered(model: torch.nn.Module, module: torch.nn.Module, path: str) -> lis
     try:
         module._parameters.update(fresh)
         with writes, torch.no_grad():
-            for step in init_rule(model, module, path):
+            for step in steps:
                 step()
     except Exception:
-        return []
+        return None
     finally:
         module._parameters.update(saved)
     return [k for k, p in fresh.items() if p.untyped_storage()._cdata not in writes.whole]

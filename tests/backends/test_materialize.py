@@ -131,6 +131,62 @@ def test_parameters_a_constructor_makes_off_meta_are_drawn_by_the_init_rule(tmp_
     _check_ranks(plan, build_model(plan), [0])
 
 
+AROUND = """
+import torch
+from torch import nn
+from torch.nn import init
+
+
+class Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.lin = Router(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + self.router(x).sum(-1, keepdim=True)
+
+
+class Around(nn.Module):
+    \"\"\"Qwen3-Next's pattern: the router's weight is drawn by the rule applied to the block
+    around it (no rule of its own); that call also writes the block's Linear.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block, self.head = nn.Embedding(64, 8), Block(), nn.Linear(8, 64)
+
+    def _init_weights(self, module):
+        if isinstance(module, Block):
+            init.constant_(module.router.weight, 3.0)
+            init.constant_(module.lin.weight, 7.0)
+
+    def forward(self, input_ids):
+        return self.head(self.block(self.emb(input_ids)))
+"""
+
+
+def test_a_parameter_drawn_by_the_rule_of_a_module_around_it_is_drawn_so(tmp_path):
+    """A parameter its own module's rule leaves unwritten is drawn by the rule applied to
+    the modules around it (Qwen3-Next's router, drawn by `_init_weights(sparse_moe_block)`;
+    check refused the model before), writing nothing else: the Linear beside it keeps its
+    own rule's draw. The rank's tensors are the reference's."""
+    (tmp_path / "around.py").write_text(AROUND)
+    plan = plan_for(str(tmp_path / "around.py") + ":Around", pp=1, args={})
+    plan = dataclasses.replace(plan, pipeline=PipelineSpec(microbatches=1))
+    estimates_summary(plan)  # check: every parameter covered
+    ref = build_model(plan)
+    assert torch.equal(ref.block.router.weight, torch.full((4, 8), 3.0))
+    assert not torch.equal(ref.block.lin.weight, torch.full((8, 8), 7.0))
+    _check_ranks(plan, ref, [0])
+
 def test_check_refuses_a_module_without_a_per_module_init(tmp_path):
     (tmp_path / "m.py").write_text(
         "import torch\nfrom torch import nn\n"
