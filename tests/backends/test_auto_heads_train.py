@@ -28,7 +28,8 @@ def _worker(rank, world, family, sp):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family, sp", [("qwen3", True), ("gemma3", False)])
+@pytest.mark.parametrize("family, sp", [("qwen3", True),
+                                        pytest.param("gemma3", False, marks=pytest.mark.heavy)])
 def test_attention_split_on_heads_with_a_norm_within_each_trains_like_the_model(
         spawn, family, sp):
     from pipeplan.backends.verify.reference import train_reference

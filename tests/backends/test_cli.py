@@ -234,6 +234,7 @@ def test_bad_plan_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # (37 s; CI runs the example as the README writes it, with --trace)
 def test_moe_example_trains(tmp_path):
     """The MoE example as written (pp=2 x dp=2, expert parallel ep=2, zbv): its loss falls."""
     metrics = tmp_path / "moe.jsonl"

@@ -142,7 +142,8 @@ PAIRS = VOCAB.replace("  vocab = [model.embed_tokens, lm_head]\n",
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("text", [PLAN, PAIRS], ids=["auto", "head-whole"])
+@pytest.mark.parametrize("text", [PLAN, pytest.param(PAIRS, marks=pytest.mark.heavy)],
+                         ids=["auto", "head-whole"])  # (the whole head's gather: heavy)
 def test_the_models_own_loss_under_sequence_parallel_is_the_models(spawn, text):
     """transformers' Llama given labels (`loss = model`) at tp2 with sequence parallel, by
     `plan = auto` (its embedding and LM head split over the vocabulary, the model's own
