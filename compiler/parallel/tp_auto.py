@@ -91,12 +91,15 @@ def auto_tp_plan(plan: Plan, graph: fx.Graph, model: torch.nn.Module, run) -> di
     for n, name in linear.items():
         if name in kinds and kinds[name] != _kind_at(n, columns, rows):
             kinds.pop(name)
-    if not kinds:
+    vocab = vocab_split(plan, graph, model, run)[0]
+    if not kinds:  # (the vocabulary alone: every block's compute repeated on each tp rank)
+        alone = (f"; only the vocabulary could split: `vocab = [{', '.join(vocab)}]` splits "
+                 "just it, every block then whole on each rank" if vocab else "")
         raise PlanError.at(plan, KEY, f"tensor.plan = auto found no column/row pairs to split "
                            f"over tp = {plan.mesh.tp}: no Linear in a block of the model feeds "
-                           "only Linears of its block that read nothing else",
+                           "only Linears of its block that read nothing else" + alone,
                            "name the modules to split in column / row lists")
-    for name in vocab_split(plan, graph, model, run)[0]:
+    for name in vocab:
         kinds.setdefault(name, "vocab")
     modules = dict(model.named_modules())
     for name, kind in kinds.items():

@@ -65,6 +65,7 @@ def test_a_model_with_nothing_to_pair_is_refused_at_the_line(tmp_path):
                   "layers = 2, single = true", tmp_path)
     said = str(e.value)
     assert "auto.plan:7:" in said and "found no column/row pairs" in said and "^" in said
+    assert "only the vocabulary could split: `vocab = [embed, head]`" in said
 
 
 def test_attention_whose_queries_are_normalised_over_every_head_stays_whole(tmp_path):
