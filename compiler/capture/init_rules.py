@@ -154,8 +154,9 @@ def uncovered(model: torch.nn.Module, module: torch.nn.Module, path: str) -> lis
 
 
 def _unwritten(module: torch.nn.Module, steps: list) -> Optional[list[str]]:
-    """`module`'s own parameters `steps` leave unwritten (a run on fresh meta parameters);
-    None where the steps cannot run on meta."""
+    """`module`'s own parameters `steps` leave unwritten (a run on fresh meta parameters;
+    a CPU draw the rule makes there leaves the caller's random state as it was); None
+    where the steps cannot run on meta."""
     saved = dict(module._parameters)
     fresh = {k: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                    requires_grad=p.requires_grad)
@@ -163,7 +164,7 @@ def _unwritten(module: torch.nn.Module, steps: list) -> Optional[list[str]]:
     writes = _Writes()
     try:
         module._parameters.update(fresh)
-        with writes, torch.no_grad():
+        with writes, torch.no_grad(), torch.random.fork_rng(devices=[]):
             for step in steps:
                 step()
     except Exception:
