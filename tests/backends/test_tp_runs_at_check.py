@@ -189,7 +189,8 @@ def test_dtensor_decomposes_an_op_under_fake_tensors():
 def test_a_view_of_a_dtensor_laid_out_otherwise_than_it_says_copies_as_reshape_would():
     """DTensor takes output strides from meta functions; softplus_backward's meta lays out
     contiguously where the CPU kernel follows a transposed gradient, and the linear's
-    backward view of that gradient then failed (Doge's backward at any tp > 1)."""
+    backward view of that gradient then failed (Doge's backward at any tp > 1); a view
+    DTensor's own strides do not allow (AFMoE's attention output) was refused at check."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import DeviceMesh
@@ -209,6 +210,11 @@ def test_a_view_of_a_dtensor_laid_out_otherwise_than_it_says_copies_as_reshape_w
             del handlers[op]  # (installed here by an earlier test's rewrite)
         with pytest.raises(RuntimeError, match="view size is not compatible"):
             said.view(6, 4)
+        # strides that allow no view (a fused attention's output as DTensor lays it out,
+        # transposed: on one device the kernel's layout made AFMoE's `.view` one)
+        moved = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+        with pytest.raises(Exception, match="[Vv]iew"):
+            moved.view(6, 4)
         torch.manual_seed(0)
         x, m = torch.randn(2, 16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
         w = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
@@ -221,6 +227,7 @@ def test_a_view_of_a_dtensor_laid_out_otherwise_than_it_says_copies_as_reshape_w
         put = [distribute_tensor(t, mesh, [Replicate()]) for t in (x, m)]
         views_follow_the_local_layout()
         assert torch.equal(said.view(6, 4).to_local(), local.reshape(6, 4))
+        assert torch.equal(moved.view(6, 4).to_local(), local.reshape(6, 4))
         got = torch.autograd.grad(loss(put[0], wd, put[1]), wd)[0].to_local()
         assert torch.equal(got, expected)
     finally:

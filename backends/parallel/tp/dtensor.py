@@ -427,19 +427,22 @@ _VIEWS = ("view.default", "_unsafe_view.default")
 
 
 def views_follow_the_local_layout() -> None:
-    """A DTensor view whose local tensor is laid out otherwise than the DTensor says copies
-    the local tensor into the said layout first, instead of failing.
-
-    DTensor takes an op's output strides from the op's meta function, and some meta
-    functions lay out their output otherwise than the CPU/CUDA kernel does (torch 2.13:
-    `softplus_backward` with a transposed gradient -- meta contiguous, the kernel following
-    the gradient). Values are right either way, but `reshape` decides view-or-copy by the
-    DTensor's strides, so a later view of such a tensor fails on the local one ("view size
-    is not compatible"): Doge's backward at any tp > 1 (`dt_proj`'s output through softplus
-    and a transpose into the scores). Copying into the said dim order is what `reshape`
-    would have done on one device; stage graphs are functional (export), so no alias is
-    lost. The handler steps aside while it calls the op again (DTensor's own dispatch is in
-    C++; a rank runs its compute on one thread). Idempotent."""
+    """A view of a DTensor that fails where the model's view on one device succeeded copies
+    first, as `reshape` would on one device. Two ways it fails, both because DTensor takes
+    an op's output strides from the op's meta function, which may lay out the output
+    otherwise than the CPU/CUDA kernel:
+    * The DTensor's strides do not allow the view: DTensor says a fused attention output
+      is [batch, heads, seq, dim] contiguous where the CPU kernel lays it out [batch, seq,
+      heads, dim], so AFMoE's `output.transpose(1, 2).view(batch, seq, -1)` (a view on one
+      device; the export records no copy) was refused at check. Copied contiguous first.
+    * The strides allow it, the local tensor's do not: torch 2.13's meta
+      `softplus_backward` is contiguous where the kernel follows a transposed gradient,
+      and the linear's backward `reshape` of it chose a view on the DTensor's strides,
+      which failed on the local tensor ("view size is not compatible"): Doge's backward
+      at any tp > 1. The local tensor is copied into the said dim order first.
+    The values are the view's; stage graphs are functional (export), so no alias is lost.
+    The handler steps aside while it calls the op again (DTensor's own dispatch is in C++;
+    a rank runs its compute on one thread). Idempotent."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for name in _VIEWS:
         op = getattr(torch.ops.aten, name.split(".")[0]).default
@@ -451,11 +454,21 @@ def _dim_order(shape, stride) -> list[int]:
     return sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -stride[d])
 
 
+def _viewable(x, shape) -> bool:
+    try:
+        torch.empty_strided(x.shape, x.stride(), device="meta").view(shape)
+        return True
+    except Exception:  # (not a view of these strides)
+        return False
+
+
 def _said_layout_view(op, args, kwargs):
     x = args[0]
     local = x._local_tensor
     order = _dim_order(x.shape, x.stride())
-    if _dim_order(local.shape, local.stride()) != order:
+    if not _viewable(x, args[1]):
+        x = x.contiguous()  # (DTensor's clone: the local tensor contiguous too)
+    elif _dim_order(local.shape, local.stride()) != order:
         full = order + [d for d in range(x.ndim) if d not in order]
         fixed = local.permute(full).contiguous().permute([full.index(d) for d in range(x.ndim)])
         x = DTensor(fixed, x._spec, requires_grad=x.requires_grad)
