@@ -462,19 +462,30 @@ def _viewable(x, shape) -> bool:
         return False
 
 
-def _said_layout_view(op, args, kwargs):
-    x = args[0]
-    local = x._local_tensor
+def _in_said_order(x):
+    """`x` with its local tensor copied into the dim order its DTensor strides say."""
     order = _dim_order(x.shape, x.stride())
+    full = order + [d for d in range(x.ndim) if d not in order]
+    local = x._local_tensor.permute(full).contiguous()
+    return DTensor(local.permute([full.index(d) for d in range(x.ndim)]), x._spec,
+                   requires_grad=x.requires_grad)
+
+
+def _said_layout_view(op, args, kwargs):
+    """Only where the view would fail: a view that runs is left as it is."""
+    x = args[0]
     if not _viewable(x, args[1]):
         x = x.contiguous()  # (DTensor's clone: the local tensor contiguous too)
-    elif _dim_order(local.shape, local.stride()) != order:
-        full = order + [d for d in range(x.ndim) if d not in order]
-        fixed = local.permute(full).contiguous().permute([full.index(d) for d in range(x.ndim)])
-        x = DTensor(fixed, x._spec, requires_grad=x.requires_grad)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     del handlers[op]
     try:
-        return op(x, *args[1:], **kwargs)
+        try:
+            return op(x, *args[1:], **kwargs)
+        except RuntimeError as e:
+            local = x._local_tensor
+            if "view size is not compatible" not in str(e) or \
+                    _dim_order(local.shape, local.stride()) == _dim_order(x.shape, x.stride()):
+                raise
+            return op(_in_said_order(x), *args[1:], **kwargs)
     finally:
         handlers[op] = _said_layout_view
