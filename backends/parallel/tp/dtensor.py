@@ -472,20 +472,22 @@ def _in_said_order(x):
 
 
 def _said_layout_view(op, args, kwargs):
-    """Only where the view would fail: a view that runs is left as it is."""
-    x = args[0]
-    if not _viewable(x, args[1]):
-        x = x.contiguous()  # (DTensor's clone: the local tensor contiguous too)
+    """The view as DTensor runs it; only where that fails, copied first and run again (a
+    view that runs pays nothing but this call)."""
+    x, rest = args[0], args[1:]
     handlers = DTensor._op_dispatcher._custom_op_handlers
     del handlers[op]
     try:
         try:
-            return op(x, *args[1:], **kwargs)
-        except RuntimeError as e:
+            return op(x, *rest, **kwargs)
+        except Exception:
             local = x._local_tensor
-            if "view size is not compatible" not in str(e) or \
-                    _dim_order(local.shape, local.stride()) == _dim_order(x.shape, x.stride()):
+            if not _viewable(x, rest[0]):
+                x = x.contiguous()  # (DTensor's clone: the local tensor contiguous too)
+            elif _dim_order(local.shape, local.stride()) != _dim_order(x.shape, x.stride()):
+                x = _in_said_order(x)
+            else:
                 raise
-            return op(_in_said_order(x), *args[1:], **kwargs)
+            return op(x, *rest, **kwargs)
     finally:
         handlers[op] = _said_layout_view
