@@ -171,7 +171,7 @@ def _resume_argv(plan, chosen: dict | None) -> list[str]:
 
 
 def _cmd_run(args) -> int:
-    from ..backends.runtime.launcher import launch_local
+    from ..backends.runtime.launcher import launch_local, rank_server
     from ..backends.runtime.outputs import check_outputs, run_outputs
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
@@ -184,7 +184,9 @@ def _cmd_run(args) -> int:
     steps = _steps(args, source)
     check_outputs(run_outputs(source.plan, args.trace, args.metrics, args.profile_out))
     if env is None:
-        with _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
+        # the ranks' fork server imports torch while this process compiles
+        with rank_server(source.plan.mesh.world_size, source.plan.train.seed), \
+                _folder_lock(source.plan):  # one run per checkpoint folder, until it ends
             chosen = choose_resume(source.plan, getattr(args, "resume_from", None))
             import torch
 
@@ -270,7 +272,7 @@ def _islands(plan):
 
 
 def _cmd_verify(args) -> int:
-    from ..backends.runtime.launcher import launch_local
+    from ..backends.runtime.launcher import launch_local, rank_server
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv
     from ..backends.verify.run import judged_plan, verify_plan
@@ -289,12 +291,12 @@ def _cmd_verify(args) -> int:
         raise PipeplanError("pipeplan verify judges synchronous DiLoCo (its islands sync in "
                             "lockstep); a decoupled run's syncs follow arrival order, which no "
                             "single-process reference reproduces")
-    precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
-    check_data(source.plan, steps)
-    world = source.plan.mesh.world_size
-    print(f"pipeplan: verify {args.plan} in {args.precision}: launching {world} local "
-          f"processes (gloo), {steps} steps", flush=True)
-    return verify_plan(source.plan, steps, args.precision,
-                       lambda dump: launch_local(_rank_argv(args, steps, dump, args.precision),
-                                                 world, seed=source.plan.train.seed,
-                                                 heartbeat_s=_heartbeat(args)))
+    world, seed = source.plan.mesh.world_size, source.plan.train.seed
+    with rank_server(world, seed):  # it imports torch while this process compiles
+        precompile(judged_plan(source.plan, args.precision), source)  # fail before spawning
+        check_data(source.plan, steps)
+        print(f"pipeplan: verify {args.plan} in {args.precision}: launching {world} local "
+              f"processes (gloo), {steps} steps", flush=True)
+        return verify_plan(source.plan, steps, args.precision, lambda dump: launch_local(
+            _rank_argv(args, steps, dump, args.precision), world, seed=seed,
+            heartbeat_s=_heartbeat(args)))

@@ -1,6 +1,7 @@
-"""Local launch: start one `python -m pipeplan ...` process per rank on this machine.
+"""Local launch: start one process per rank on this machine, each running `pipeplan ...`.
 
-Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+The ranks are forked from a fork server that imported torch once (forkserver.py:
+each is still a fresh process, with none of the launcher's state). Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so the worker path is the same
 as under torchrun, and one PYTHONHASHSEED (`hash_seed`: the user's when set, else
 the plan's train.seed): a model whose Python code iterates over a set (Gemma 3's
@@ -14,7 +15,7 @@ finished, or stops beating (its heartbeat, failure.py, stands still for
 else the earliest error report; see failure.explain) with its last action,
 and what the others reported as a consequence, kills the rest and returns 1.
 SIGTERM to the launcher stops every rank, says which, and returns 143.
-Children die with the launcher (PR_SET_PDEATHSIG on Linux) and are killed in
+Children die with the launcher (even a SIGKILLed one: `_die_with_launcher`) and are killed in
 a `finally`, so no process outlives a run; the temporary folder goes with it.
 
 A decoupled DiLoCo run (`islands` given: the ranks of each dp replica) survives the
@@ -29,12 +30,12 @@ import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
+from . import forkserver
 from .failure import (ERROR_DIR_ENV, HEARTBEAT_S, explain, read_beacon, read_failures,
                       read_heartbeat, reported_done)
 
@@ -47,12 +48,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _prctl(option: int, arg) -> None:
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
     except OSError:
         pass
+
+
+RANK_NAME = "pipeplan r{rank}"  # what `ps -o comm`, `top` and /proc/PID/comm show for a rank
 
 
 def _threads_per_rank(world: int) -> int:
@@ -60,6 +63,7 @@ def _threads_per_rank(world: int) -> int:
 
 
 HASH_SEED_ENV = "PYTHONHASHSEED"
+THREADS_ENV = "OMP_NUM_THREADS"
 
 
 def hash_seed(seed: int) -> str:
@@ -78,8 +82,10 @@ def launch_local(argv: Sequence[str], world: int,
     launcher: it stops every rank at once (see `_kill_all`) and the KeyboardInterrupt
     goes on to the CLI, which prints one "interrupted" line."""
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors:
-        procs: list[subprocess.Popen] = []
+    fixed = _fixed_at_start(world, seed)
+    with tempfile.TemporaryDirectory(prefix="pipeplan-errors-") as errors, \
+            forkserver.serving(*fixed):
+        procs: list[_Rank] = []
         previous = _on_sigterm()
         try:
             for rank in range(world):
@@ -89,12 +95,9 @@ def launch_local(argv: Sequence[str], world: int,
                 env[ERROR_DIR_ENV] = errors
                 env[LOCAL_STORE_ENV] = "1"
                 env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
-                env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(world)))
-                if seed is not None:
-                    env[HASH_SEED_ENV] = hash_seed(seed)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "pipeplan", *argv], env=env, start_new_session=True,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
+                _put(env, HASH_SEED_ENV, fixed[0])
+                _put(env, THREADS_ENV, fixed[1])
+                procs.append(_Rank(forkserver.start(_as_rank, (_rank, list(argv)), env)))
             return _watch(procs, errors, _Islands(islands, port) if islands else None,
                           heartbeat_s)
         except _Terminated:
@@ -109,6 +112,80 @@ def launch_local(argv: Sequence[str], world: int,
             _kill_all(procs)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+
+
+def rank_server(world: int, seed: Optional[int]):
+    """The fork server `launch_local(..., world, seed=seed)` will fork its ranks from,
+    started now (a command starts it before compiling, so its imports overlap that)."""
+    return forkserver.serving(*_fixed_at_start(world, seed))
+
+
+def _fixed_at_start(world: int, seed: Optional[int]) -> tuple:
+    """The ranks' PYTHONHASHSEED and OMP_NUM_THREADS: fixed as their interpreter starts."""
+    return (hash_seed(seed) if seed is not None else os.environ.get(HASH_SEED_ENV),
+            os.environ.get(THREADS_ENV) or str(_threads_per_rank(world)))
+
+
+def _put(env: dict, key: str, value: Optional[str]) -> None:
+    if value is None:
+        env.pop(key, None)
+    else:
+        env[key] = value
+
+
+def _as_rank(main, argv: list) -> None:
+    """A forked process becomes a rank: a session of its own (a Ctrl-C in the terminal
+    reaches only the launcher), dying with the launcher (`_die_with_launcher`), named
+    RANK_NAME (its command line is the fork server's), then `main(argv)`."""
+    os.setsid()
+    _die_with_launcher()
+    if sys.platform.startswith("linux"):
+        _prctl(15, RANK_NAME.format(rank=os.environ["RANK"]).encode())  # PR_SET_NAME
+    sys.exit(main(argv))
+
+
+def _die_with_launcher() -> None:
+    """Kill this rank when the launcher dies, even by SIGKILL: the launcher is not its
+    parent (the fork server is), so the kernel's parent-death signal cannot say it; the
+    pipe multiprocessing keeps from the process that started this one (parent_process's
+    sentinel) ends when that process does."""
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait
+
+    launcher = multiprocessing.parent_process()
+
+    def watch() -> None:
+        wait([launcher.sentinel])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="pipeplan-launcher-watch", daemon=True).start()
+
+
+def _rank(argv: list) -> int:
+    """What each rank runs: `pipeplan *argv`."""
+    sys.argv = ["pipeplan", *argv]
+    from ...cli import main
+
+    return main(argv)
+
+
+class _Rank:
+    """A started rank as the watch loop sees it: subprocess.Popen's poll, send_signal and
+    wait over a multiprocessing process (its exit code: negative for a signal, as Popen's)."""
+
+    def __init__(self, process):
+        self.process = process
+
+    def poll(self) -> Optional[int]:
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
+
+    def wait(self) -> int:
+        self.process.join()
+        return self.process.exitcode
 
 
 LOCAL_STORE_ENV = "PIPEPLAN_LOCAL_STORE"  # worker.local_store: rank 0's store on loopback
@@ -132,7 +209,7 @@ def _on_sigterm():
     return signal.signal(signal.SIGTERM, stop)
 
 
-def _watch(procs: list[subprocess.Popen], errors: str, islands: "Optional[_Islands]" = None,
+def _watch(procs: list[_Rank], errors: str, islands: "Optional[_Islands]" = None,
            heartbeat_s: float = HEARTBEAT_S) -> int:
     beats = _Heartbeats(len(procs), errors, heartbeat_s)
     while True:
@@ -190,13 +267,13 @@ class _Heartbeats:
         return None
 
 
-def _settled(procs: list[subprocess.Popen], errors: str) -> bool:
+def _settled(procs: list[_Rank], errors: str) -> bool:
     """Every rank has exited, or one has reported an error: the cause's own report, or
     (after a signal death) a neighbour's, which says what the death did to the others."""
     return all(p.poll() is not None for p in procs) or bool(read_failures(errors))
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
+def _kill_all(procs: list[_Rank]) -> None:
     """Stop every live rank at once: SIGSTOP them all first (a stopped rank keeps its
     sockets open, so none sees a peer vanish and prints gloo's C++ errors), then SIGKILL.
     Ctrl-C is held off meanwhile so a second one cannot leave ranks behind."""
@@ -214,7 +291,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
             signal.signal(signal.SIGINT, previous)
 
 
-def _signal(p: subprocess.Popen, sig: int) -> None:
+def _signal(p: _Rank, sig: int) -> None:
     try:
         p.send_signal(sig)
     except ProcessLookupError:
@@ -237,7 +314,7 @@ class _Islands:
         self.port = port
         self.dropped: set[int] = set()  # ranks of lost islands
 
-    def drop_dead(self, procs: list[subprocess.Popen], codes: list, errors: str) -> None:
+    def drop_dead(self, procs: list[_Rank], codes: list, errors: str) -> None:
         """Drop every island (but island 0) in which a rank died by a signal."""
         for i, ranks in enumerate(self.islands):
             if i == 0 or ranks[0] in self.dropped:

@@ -162,15 +162,14 @@ def _print_losses(ref, dump: dict) -> None:
 def reference_like_the_ranks(plan: Plan, steps: int, kind: str = "reference"):
     """`train_reference` (kind "islands": DiLoCo's `train_islands`) under the PYTHONHASHSEED
     the launcher gives the ranks (runtime/launcher.hash_seed): here when this process
-    already runs under it, else in a fresh interpreter started with it (a process cannot
-    change its own hash seed)."""
+    already runs under it, else in a fresh process forked from a server started with it
+    (a process cannot change its own hash seed; runtime/forkserver.py)."""
+    from ..runtime import forkserver
     from ..runtime.launcher import HASH_SEED_ENV, hash_seed
 
     want = hash_seed(plan.train.seed)
     if os.environ.get(HASH_SEED_ENV) == want:
         return _REFERENCES[kind]()(plan, steps)
-    import multiprocessing
-
     from multiprocessing.reduction import ForkingPickler
     from types import MappingProxyType
 
@@ -178,19 +177,12 @@ def reference_like_the_ranks(plan: Plan, steps: int, kind: str = "reference"):
 
     # the plan's frozen mappings travel as what they wrap
     ForkingPickler.register(MappingProxyType, lambda m: (_frozen_map, (dict(m),)))
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pipeplan-reference-") as out:
+    with tempfile.TemporaryDirectory(prefix="pipeplan-reference-") as out, \
+            forkserver.serving(want):
         path = os.path.join(out, "reference.pt")
-        before = os.environ.get(HASH_SEED_ENV)
-        os.environ[HASH_SEED_ENV] = want  # the spawned interpreter starts with this env
-        try:
-            child = ctx.Process(target=_reference_child, args=(plan, steps, path, kind))
-            child.start()
-        finally:
-            if before is None:
-                os.environ.pop(HASH_SEED_ENV)
-            else:
-                os.environ[HASH_SEED_ENV] = before
+        child = forkserver.start(_reference_child,
+                                 (plan, steps, path, kind, torch.get_num_threads()),
+                                 dict(os.environ, **{HASH_SEED_ENV: want}))
         child.join()
         if child.exitcode != 0 or not os.path.exists(path):
             said = open(path + ".err").read() if os.path.exists(path + ".err") else \
@@ -199,7 +191,8 @@ def reference_like_the_ranks(plan: Plan, steps: int, kind: str = "reference"):
         return torch.load(path, weights_only=False)
 
 
-def _reference_child(plan: Plan, steps: int, path: str, kind: str) -> None:
+def _reference_child(plan: Plan, steps: int, path: str, kind: str, threads: int) -> None:
+    torch.set_num_threads(threads)  # as this process's own (the server's is the ranks')
     try:
         torch.save(_REFERENCES[kind]()(plan, steps), path)
     except Exception as e:  # said by the parent, as one line

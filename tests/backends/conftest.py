@@ -4,13 +4,14 @@
 with a free port, runs `fn(rank, world, *args)` in each and returns the list
 of their return values (ranks in order). The first worker exception fails
 the test with its traceback; a hang is killed after `timeout` seconds.
-`fresh=True` starts them as new interpreters instead (`fn` importable by name): a
-run that must not inherit this process's state, as every command's ranks are new
-processes. (Forked runs once inherited DTensor's cached sharding decisions from a check's
+`fresh=True` forks them from a fork server instead (`fn` importable by name), as a command
+starts its ranks (backends/runtime/forkserver.py): a run that must not inherit this
+process's state. (Forked runs once inherited DTensor's cached sharding decisions from a check's
 fake world, with its groups: backends/parallel/pretrace.py now empties those caches.)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -56,10 +57,14 @@ def _died(processes) -> list[str]:
 
 
 def spawn(fn, world: int, *args, timeout: float = 120.0, fresh: bool = False) -> list:
-    with tempfile.TemporaryDirectory() as out_dir:
+    from pipeplan.backends.runtime import forkserver
+
+    with tempfile.TemporaryDirectory() as out_dir, \
+            forkserver.serving(os.environ.get("PYTHONHASHSEED")) if fresh else \
+            contextlib.nullcontext():
         ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args),
                                  nprocs=world, join=False,
-                                 start_method="spawn" if fresh else "fork")
+                                 start_method="forkserver" if fresh else "fork")
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -35,26 +35,59 @@ train {{ steps = 2, global_batch = 4, optimizer = adamw(lr = 0.01), seed = {seed
 """
 
 
-def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeypatch):
-    envs = []
+_SEEN_HERE: list = []  # set by the test: a rank that inherited this process would see it
 
-    class Started:
-        def __init__(self, argv, env, **kwargs):
-            envs.append(env)
-            # a rank that finished says so (failure.report_done), or the launcher fails it
-            open(os.path.join(env[ERROR_DIR_ENV], f"rank{env['RANK']}.done"), "w").close()
 
-        def poll(self):
-            return 0
+def _rank_reports(argv: list) -> None:
+    """Stands in for a rank (launcher._rank): writes what it runs under, says it finished."""
+    import json
+    import sys as _sys
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", Started)
+    rank = os.environ["RANK"]
+    with open(os.path.join(os.environ["HASH_TEST_OUT"], f"{rank}.json"), "w") as f:
+        json.dump({"seed": os.environ.get("PYTHONHASHSEED"), "hash": hash("pipeplan"),
+                   "threads": os.environ.get("OMP_NUM_THREADS"), "argv": argv,
+                   "inherited": list(_SEEN_HERE), "torch": "torch" in _sys.modules,
+                   "session": os.getsid(0) == os.getpid(), "pid": os.getpid()}, f)
+    open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{rank}.done"), "w").close()
+
+
+def _fresh_hash(seed: str) -> int:
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    return int(subprocess.run([sys.executable, "-c", "print(hash('pipeplan'))"], env=env,
+                              capture_output=True, text=True, check=True).stdout)
+
+
+def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeypatch,
+                                                                           tmp_path):
+    """Real forked ranks (runtime/forkserver.py): each hashes as a new interpreter started
+    with the seed would, in a session of its own, with torch already imported and none of
+    this process's state."""
+    import json
+
+    monkeypatch.setattr(launcher, "_rank", _rank_reports)
+    monkeypatch.setenv("HASH_TEST_OUT", str(tmp_path))
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _SEEN_HERE.append("the launcher's state")
+
+    def ranks(world: int) -> list:
+        said = [json.load(open(tmp_path / f"{r}.json")) for r in range(world)]
+        for f in tmp_path.iterdir():
+            f.unlink()
+        return said
+
     assert launcher.launch_local(["run", "x.plan"], 3, seed=11) == 0
-    assert [e["PYTHONHASHSEED"] for e in envs] == ["12"] * 3  # 1..2**32-1: never 0 (off)
-    envs.clear()
+    said = ranks(3)
+    assert [r["seed"] for r in said] == ["12"] * 3  # 1..2**32-1: never 0 (off)
+    assert [r["hash"] for r in said] == [_fresh_hash("12")] * 3
+    assert len({r["pid"] for r in said}) == 3 and all(r["session"] for r in said)
+    assert all(r["torch"] and r["inherited"] == [] and r["argv"] == ["run", "x.plan"]
+               for r in said), said
+    assert [r["threads"] for r in said] == [str(max(1, os.cpu_count() // 3))] * 3
     monkeypatch.setenv("PYTHONHASHSEED", "77")
     assert launcher.launch_local(["run", "x.plan"], 2, seed=11) == 0
-    assert [e["PYTHONHASHSEED"] for e in envs] == ["77"] * 2
+    assert [(r["seed"], r["hash"]) for r in ranks(2)] == [("77", _fresh_hash("77"))] * 2
 
 
 def test_stage_mismatch_names_the_first_differing_node():

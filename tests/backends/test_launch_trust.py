@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeplan.tests.backends.local_ranks import ranks_of
+
 REPO = Path(__file__).resolve().parents[2]
 GPT = f"{REPO / 'examples/models/gpt.py'}:GPT"
 
@@ -39,21 +41,6 @@ def _plan(tmp_path: Path, steps: int = 2, source: str = GPT) -> Path:
 def _start(plan: Path, *args, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pipeplan", "run", str(plan), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def _children(parent: int) -> dict[int, int]:
-    """rank -> pid of the processes `parent` started (from /proc)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != parent:
-                continue
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        out.update({int(kv[5:]): int(pid) for kv in env if kv.startswith(b"RANK=")})
-    return out
 
 
 def _wait_for_step(proc: subprocess.Popen, text: str, within: float = 200) -> str:
@@ -101,7 +88,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
         _wait_for_step(proc, " 2/100000")
         seen = set()
         for _ in range(10):
-            ranks = _children(proc.pid)
+            ranks = ranks_of(proc.pid)
             seen |= _listening([proc.pid, *ranks.values()])
             time.sleep(0.1)
     finally:
@@ -145,7 +132,7 @@ def test_sigterm_to_the_launcher_says_what_it_stopped_and_cleans_up(tmp_path):
     proc = _start(_plan(tmp_path, steps=100000), env=dict(os.environ, TMPDIR=str(tmp)))
     try:
         _wait_for_step(proc, " 2/100000")
-        ranks = _children(proc.pid)
+        ranks = ranks_of(proc.pid)
         assert sorted(ranks) == [0, 1] and list(tmp.glob("pipeplan-errors-*"))  # its beacons
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
@@ -160,12 +147,44 @@ def test_sigterm_to_the_launcher_says_what_it_stopped_and_cleans_up(tmp_path):
                for pid in ranks.values())
 
 
+def _alive(pid: int) -> bool:
+    try:  # a zombie has ended (whoever adopted it may not reap it at once)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path):
+    """The ranks are forked from a fork server, not from the launcher (runtime/forkserver.py):
+    no parent-death signal reaches them from it; each watches the launcher itself."""
+    proc = _start(_plan(tmp_path, steps=100000))
+    ranks: dict = {}
+    try:
+        _wait_for_step(proc, " 2/100000")
+        ranks = ranks_of(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, ranks.values())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, ranks.values())), "a rank outlived its launcher"
+    finally:
+        for pid in ranks.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_by_its_heartbeat(tmp_path):
     proc = _start(_plan(tmp_path, steps=100000), "--heartbeat", 4)
     try:
         _wait_for_step(proc, " 2/100000")
-        victim = _children(proc.pid)[1]
+        victim = ranks_of(proc.pid)[1]
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
         out, err = proc.communicate(timeout=120)

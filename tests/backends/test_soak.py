@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeplan.tests.backends.local_ranks import ranks_of
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS, EVERY, KILLS = 200, 20, 3
 
@@ -55,23 +57,6 @@ def _launch(plan: Path, dump: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pipeplan", "run", str(plan),
                              "--dump-dir", str(dump)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _ranks(launcher: int) -> dict[int, int]:
-    """rank -> pid of the launcher's rank processes (from /proc)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != launcher:
-                continue
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        for kv in env:
-            if kv.startswith(b"RANK="):
-                out[int(kv[5:])] = int(pid)
-    return out
 
 
 def _newest(folder: Path) -> int:
@@ -110,7 +95,7 @@ def test_soak_three_random_kills_resume_bitwise(tmp_path):
             while run.poll() is None and _newest(ckpt) <= since:
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 1.5))
-            ranks = _ranks(run.pid)
+            ranks = ranks_of(run.pid)
             if run.poll() is None and ranks:
                 victim = rng.choice(sorted(ranks))
                 os.kill(ranks[victim], signal.SIGKILL)

@@ -1,0 +1,110 @@
+"""Where a command's processes come from: forked from one server that imported torch once.
+
+Every rank of a local run (launcher.py) and verify's single-process reference
+(verify/run.py) is a fresh process: it inherits nothing of the command that starts it
+(its compiled plan, DTensor's caches, its threads). Started as a new interpreter each,
+they would each import torch and torch's export stack again (2.3 + 2.4 s here per
+process, FIELD-NOTES "start-up"), on a machine with fewer cores than ranks one after
+the other. Instead, multiprocessing's fork server imports those modules once, in a
+new interpreter started with the run's environment, and forks every process from it:
+each still starts with none of the command's state.
+
+What the server's interpreter fixes at its start, and so keys it (`ensure`): the
+PYTHONHASHSEED every rank must share (launcher.hash_seed: set iteration order in a
+model's code), and OMP_NUM_THREADS (read by the BLAS and OpenMP runtimes as they load;
+each rank still sets torch's thread count itself, worker.py). Each process gets its
+own environment (RANK, ports, ...) before it runs anything. A command starts the server
+(`serving`) before compiling its plan, so the imports overlap that work; the server
+stops when the command's launch ends (it holds the terminal's streams of its start).
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver as _mp_forkserver
+import os
+import signal
+from typing import Optional
+
+PRELOAD = ("torch", "torch._dynamo", "torch.export", "torch.distributed",
+           "pipeplan.cli", "pipeplan.backends.runtime.worker")
+HASH_SEED, THREADS = "PYTHONHASHSEED", "OMP_NUM_THREADS"  # read as an interpreter starts
+
+_running: Optional[tuple] = None  # (hash seed, threads) of the server started here
+
+
+def _server():
+    return _mp_forkserver._forkserver  # the one multiprocessing keeps per process
+
+
+def ensure(hash_seed: Optional[str], threads: Optional[str] = None) -> bool:
+    """A fork server started with PYTHONHASHSEED = `hash_seed` and OMP_NUM_THREADS =
+    `threads` (None: any running one's, else this process's own); True when this call
+    started it (the caller then stops it)."""
+    global _running
+    if _running is not None and _running[0] == hash_seed and threads in (None, _running[1]):
+        return False
+    stop()
+    threads = threads if threads is not None else os.environ.get(THREADS)
+    before = {k: os.environ.get(k) for k in (HASH_SEED, THREADS)}
+    _set(HASH_SEED, hash_seed)  # the server's interpreter starts with these
+    _set(THREADS, threads)
+    try:
+        _server().set_forkserver_preload(list(PRELOAD))
+        _server().ensure_running()
+    finally:
+        for k, v in before.items():
+            _set(k, v)
+    _running = (hash_seed, threads)
+    return True
+
+
+def stop() -> None:
+    """Kill the server (it may still be importing: a command that fails before launching
+    does not wait for that) and reap it, as multiprocessing's own tests stop it."""
+    global _running
+    server = _server()
+    if server._forkserver_pid is not None:
+        try:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server._stop()
+    _running = None
+
+
+@contextlib.contextmanager
+def serving(hash_seed: Optional[str], threads: Optional[str] = None):
+    """A server (`ensure`) for the processes the block starts; stopped after it."""
+    started = ensure(hash_seed, threads)
+    try:
+        yield
+    finally:
+        if started:
+            stop()
+
+
+def start(target, args: tuple, environ: dict) -> multiprocessing.Process:
+    """Fork `target(*args)` from the server `serving` runs for `environ`'s PYTHONHASHSEED
+    (and OMP_NUM_THREADS where it names one); `environ` becomes the process's whole
+    environment before `target` runs."""
+    wanted = (environ.get(HASH_SEED), environ.get(THREADS))
+    if _running is None or _running[0] != wanted[0] or wanted[1] not in (None, _running[1]):
+        raise RuntimeError(f"no fork server runs for {wanted} (started: {_running})")
+    process = multiprocessing.get_context("forkserver").Process(
+        target=_run, args=(target, args, environ))
+    process.start()
+    return process
+
+
+def _run(target, args: tuple, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+def _set(key: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
