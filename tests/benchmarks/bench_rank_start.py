@@ -1,7 +1,7 @@
 """How a local run's ranks start: a new interpreter each vs forked from one fork server,
 measured side by side in one run (no timed assertions).
 
-    python tests/benchmarks/bench_startup.py [--ranks 4] [--rounds 3]
+    python tests/benchmarks/bench_rank_start.py [--ranks 4] [--rounds 3]
 
 A: what each rank paid before runtime/forkserver.py: `--ranks` new interpreters at once,
    each importing what a rank imports before its first line of work (forkserver.PRELOAD).
