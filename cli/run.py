@@ -172,6 +172,7 @@ def _resume_argv(plan, chosen: dict | None) -> list[str]:
 
 def _cmd_run(args) -> int:
     from ..backends.runtime.launcher import launch_local, rank_server
+    from . import main  # what each rank runs
     from ..backends.runtime.outputs import check_outputs, run_outputs
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
@@ -201,7 +202,7 @@ def _cmd_run(args) -> int:
             print(f"pipeplan: {source.plan.pipeline.schedule} on pp={m.pp} dp={m.dp} cp={m.cp} "
                   f"tp={m.tp}: launching {m.world_size} local processes (gloo)", flush=True)
             argv = _rank_argv(args, steps, args.dump_dir) + _resume_argv(source.plan, chosen)
-            return launch_local(argv, m.world_size, islands=_islands(source.plan),
+            return launch_local(main, argv, m.world_size, islands=_islands(source.plan),
                                 seed=source.plan.train.seed, heartbeat_s=_heartbeat(args))
     opts = RunOptions(steps=steps, trace=args.trace, metrics=args.metrics,
                       timeout_s=args.timeout, dump_dir=args.dump_dir,
@@ -273,6 +274,7 @@ def _islands(plan):
 
 def _cmd_verify(args) -> int:
     from ..backends.runtime.launcher import launch_local, rank_server
+    from . import main  # what each rank runs
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv
     from ..backends.verify.run import judged_plan, verify_plan
@@ -298,5 +300,5 @@ def _cmd_verify(args) -> int:
         print(f"pipeplan: verify {args.plan} in {args.precision}: launching {world} local "
               f"processes (gloo), {steps} steps", flush=True)
         return verify_plan(source.plan, steps, args.precision, lambda dump: launch_local(
-            _rank_argv(args, steps, dump, args.precision), world, seed=seed,
+            main, _rank_argv(args, steps, dump, args.precision), world, seed=seed,
             heartbeat_s=_heartbeat(args)))

@@ -4,8 +4,8 @@ Every rank of a local run (launcher.py) and verify's single-process reference
 (verify/run.py) is a fresh process: it inherits nothing of the command that starts it
 (its compiled plan, DTensor's caches, its threads). Started as a new interpreter each,
 they would each import torch and torch's export stack again (2.3 + 2.4 s here per
-process, FIELD-NOTES "start-up"), on a machine with fewer cores than ranks one after
-the other. Instead, multiprocessing's fork server imports those modules once, in a
+process; BENCHMARKS.md, "Where a local run's ranks come from"), on a machine with
+fewer cores than ranks one after the other. Instead, multiprocessing's fork server imports those modules once, in a
 new interpreter started with the run's environment, and forks every process from it:
 each still starts with none of the command's state.
 
@@ -27,7 +27,7 @@ import signal
 from typing import Optional
 
 PRELOAD = ("torch", "torch._dynamo", "torch.export", "torch.distributed",
-           "pipeplan.cli", "pipeplan.backends.runtime.worker")
+           "pipeplan.backends.runtime.worker")  # what every rank imports before it works
 HASH_SEED, THREADS = "PYTHONHASHSEED", "OMP_NUM_THREADS"  # read as an interpreter starts
 
 _running: Optional[tuple] = None  # (hash seed, threads) of the server started here

@@ -1,7 +1,8 @@
 """Local launch: start one process per rank on this machine, each running `pipeplan ...`.
 
 The ranks are forked from a fork server that imported torch once (forkserver.py:
-each is still a fresh process, with none of the launcher's state). Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+each is still a fresh process, with none of the launcher's state). Each gets the
+torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so the worker path is the same
 as under torchrun, and one PYTHONHASHSEED (`hash_seed`: the user's when set, else
 the plan's train.seed): a model whose Python code iterates over a set (Gemma 3's
@@ -15,8 +16,8 @@ finished, or stops beating (its heartbeat, failure.py, stands still for
 else the earliest error report; see failure.explain) with its last action,
 and what the others reported as a consequence, kills the rest and returns 1.
 SIGTERM to the launcher stops every rank, says which, and returns 143.
-Children die with the launcher (even a SIGKILLed one: `_die_with_launcher`) and are killed in
-a `finally`, so no process outlives a run; the temporary folder goes with it.
+Ranks die with the launcher (even a SIGKILLed one: `_die_with_launcher`) and are
+killed in a `finally`, so no process outlives a run; the temporary folder goes with it.
 
 A decoupled DiLoCo run (`islands` given: the ranks of each dp replica) survives the
 death of a whole island other than island 0: when one of its ranks dies by a signal,
@@ -72,10 +73,11 @@ def hash_seed(seed: int) -> str:
     return os.environ.get(HASH_SEED_ENV) or str(seed % (2 ** 32 - 1) + 1)
 
 
-def launch_local(argv: Sequence[str], world: int,
+def launch_local(main, argv: Sequence[str], world: int,
                  islands: Optional[Sequence[Sequence[int]]] = None,
                  seed: Optional[int] = None, heartbeat_s: float = HEARTBEAT_S) -> int:
-    """Run `python -m pipeplan *argv` as `world` ranks; 0 when every rank succeeded.
+    """Run `main(argv)` (the CLI's: `pipeplan *argv`) as `world` ranks, each in a process
+    of its own; 0 when every rank succeeded, `main` returning 0 or None.
     `seed`: the plan's train.seed, giving every rank the same PYTHONHASHSEED (`hash_seed`).
 
     The ranks run in their own session, so a Ctrl-C in the terminal reaches only the
@@ -97,7 +99,7 @@ def launch_local(argv: Sequence[str], world: int,
                 env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
                 _put(env, HASH_SEED_ENV, fixed[0])
                 _put(env, THREADS_ENV, fixed[1])
-                procs.append(_Rank(forkserver.start(_as_rank, (_rank, list(argv)), env)))
+                procs.append(_Rank(forkserver.start(_as_rank, (main, list(argv)), env)))
             return _watch(procs, errors, _Islands(islands, port) if islands else None,
                           heartbeat_s)
         except _Terminated:
@@ -115,7 +117,7 @@ def launch_local(argv: Sequence[str], world: int,
 
 
 def rank_server(world: int, seed: Optional[int]):
-    """The fork server `launch_local(..., world, seed=seed)` will fork its ranks from,
+    """The fork server `launch_local(main, argv, world, seed=seed)` forks its ranks from,
     started now (a command starts it before compiling, so its imports overlap that)."""
     return forkserver.serving(*_fixed_at_start(world, seed))
 
@@ -137,6 +139,7 @@ def _as_rank(main, argv: list) -> None:
     """A forked process becomes a rank: a session of its own (a Ctrl-C in the terminal
     reaches only the launcher), dying with the launcher (`_die_with_launcher`), named
     RANK_NAME (its command line is the fork server's), then `main(argv)`."""
+    sys.argv = [sys.argv[0], *argv]
     os.setsid()
     _die_with_launcher()
     if sys.platform.startswith("linux"):
@@ -160,14 +163,6 @@ def _die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="pipeplan-launcher-watch", daemon=True).start()
-
-
-def _rank(argv: list) -> int:
-    """What each rank runs: `pipeplan *argv`."""
-    sys.argv = ["pipeplan", *argv]
-    from ...cli import main
-
-    return main(argv)
 
 
 class _Rank:

@@ -39,7 +39,7 @@ _SEEN_HERE: list = []  # set by the test: a rank that inherited this process wou
 
 
 def _rank_reports(argv: list) -> None:
-    """Stands in for a rank (launcher._rank): writes what it runs under, says it finished."""
+    """Stands in for a rank's `pipeplan *argv`: writes what it runs under, says it finished."""
     import json
     import sys as _sys
 
@@ -65,7 +65,6 @@ def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeyp
     this process's state."""
     import json
 
-    monkeypatch.setattr(launcher, "_rank", _rank_reports)
     monkeypatch.setenv("HASH_TEST_OUT", str(tmp_path))
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -77,7 +76,7 @@ def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeyp
             f.unlink()
         return said
 
-    assert launcher.launch_local(["run", "x.plan"], 3, seed=11) == 0
+    assert launcher.launch_local(_rank_reports, ["run", "x.plan"], 3, seed=11) == 0
     said = ranks(3)
     assert [r["seed"] for r in said] == ["12"] * 3  # 1..2**32-1: never 0 (off)
     assert [r["hash"] for r in said] == [_fresh_hash("12")] * 3
@@ -86,7 +85,7 @@ def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeyp
                for r in said), said
     assert [r["threads"] for r in said] == [str(max(1, os.cpu_count() // 3))] * 3
     monkeypatch.setenv("PYTHONHASHSEED", "77")
-    assert launcher.launch_local(["run", "x.plan"], 2, seed=11) == 0
+    assert launcher.launch_local(_rank_reports, ["run", "x.plan"], 2, seed=11) == 0
     assert [(r["seed"], r["hash"]) for r in ranks(2)] == [("77", _fresh_hash("77"))] * 2
 
 
