@@ -138,13 +138,21 @@ def _put(env: dict, key: str, value: Optional[str]) -> None:
 def _as_rank(main, argv: list) -> None:
     """A forked process becomes a rank: a session of its own (a Ctrl-C in the terminal
     reaches only the launcher), dying with the launcher (`_die_with_launcher`), named
-    RANK_NAME (its command line is the fork server's), then `main(argv)`."""
+    RANK_NAME (its command line is the fork server's), then `main(argv)`, ending as an
+    interpreter would: its atexit functions run (trackers' and torch's, temporary folders'
+    finalizers), which multiprocessing skips in the processes it starts."""
+    import atexit
+
     sys.argv = [sys.argv[0], *argv]
     os.setsid()
     _die_with_launcher()
     if sys.platform.startswith("linux"):
         _prctl(15, RANK_NAME.format(rank=os.environ["RANK"]).encode())  # PR_SET_NAME
-    sys.exit(main(argv))
+    try:
+        code = main(argv)
+    finally:
+        atexit._run_exitfuncs()
+    sys.exit(code)
 
 
 def _die_with_launcher() -> None:

@@ -39,12 +39,16 @@ _SEEN_HERE: list = []  # set by the test: a rank that inherited this process wou
 
 
 def _rank_reports(argv: list) -> None:
-    """Stands in for a rank's `pipeplan *argv`: writes what it runs under, says it finished."""
+    """Stands in for a rank's `pipeplan *argv`: writes what it runs under, says it finished,
+    and, at exit, that it exited as an interpreter does."""
+    import atexit
     import json
     import sys as _sys
 
     rank = os.environ["RANK"]
-    with open(os.path.join(os.environ["HASH_TEST_OUT"], f"{rank}.json"), "w") as f:
+    out = os.environ["HASH_TEST_OUT"]
+    atexit.register(lambda: open(os.path.join(out, f"{rank}.exited"), "w").close())
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump({"seed": os.environ.get("PYTHONHASHSEED"), "hash": hash("pipeplan"),
                    "threads": os.environ.get("OMP_NUM_THREADS"), "argv": argv,
                    "inherited": list(_SEEN_HERE), "torch": "torch" in _sys.modules,
@@ -71,10 +75,7 @@ def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeyp
     _SEEN_HERE.append("the launcher's state")
 
     def ranks(world: int) -> list:
-        said = [json.load(open(tmp_path / f"{r}.json")) for r in range(world)]
-        for f in tmp_path.iterdir():
-            f.unlink()
-        return said
+        return [json.load(open(tmp_path / f"{r}.json")) for r in range(world)]
 
     assert launcher.launch_local(_rank_reports, ["run", "x.plan"], 3, seed=11) == 0
     said = ranks(3)
@@ -84,6 +85,10 @@ def test_launcher_gives_every_rank_the_plan_seed_unless_the_user_set_one(monkeyp
     assert all(r["torch"] and r["inherited"] == [] and r["argv"] == ["run", "x.plan"]
                for r in said), said
     assert [r["threads"] for r in said] == [str(max(1, os.cpu_count() // 3))] * 3
+    assert sorted(f.name for f in tmp_path.glob("*.exited")) == ["0.exited", "1.exited",
+                                                                 "2.exited"]  # as at exit
+    for f in tmp_path.iterdir():
+        f.unlink()
     monkeypatch.setenv("PYTHONHASHSEED", "77")
     assert launcher.launch_local(_rank_reports, ["run", "x.plan"], 2, seed=11) == 0
     assert [(r["seed"], r["hash"]) for r in ranks(2)] == [("77", _fresh_hash("77"))] * 2
