@@ -172,13 +172,13 @@ def _resume_argv(plan, chosen: dict | None) -> list[str]:
 
 def _cmd_run(args) -> int:
     from ..backends.runtime.launcher import launch_local, rank_server
-    from . import main  # what each rank runs
     from ..backends.runtime.outputs import check_outputs, run_outputs
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv, RunOptions, run_worker
     from ..backends.runtime.memory import check_local_memory
     from ..compiler.capture.budget import local_run_budget
     from ..compiler.data import check_data
+    from . import main  # what each rank runs
 
     env = RankEnv.from_environ()
     source = load_source(args.plan, args.set, env.world_size if env else None)
@@ -274,11 +274,11 @@ def _islands(plan):
 
 def _cmd_verify(args) -> int:
     from ..backends.runtime.launcher import launch_local, rank_server
-    from . import main  # what each rank runs
     from ..backends.runtime.source import load_source
     from ..backends.runtime.worker import RankEnv
     from ..backends.verify.run import judged_plan, verify_plan
     from ..compiler.data import check_data
+    from . import main  # what each rank runs
 
     if RankEnv.from_environ() is not None:
         raise PipeplanError("pipeplan verify launches its own local processes; "
