@@ -16,6 +16,9 @@ each rank still sets torch's thread count itself, worker.py). Each process gets 
 own environment (RANK, ports, ...) before it runs anything. A command starts the server
 (`serving`) before compiling its plan, so the imports overlap that work; the server
 stops when the command's launch ends (it holds the terminal's streams of its start).
+Nothing it imports may touch a device: a CUDA driver initialised before a fork cannot
+be used after it (tests/backends/test_launch_trust.py checks PRELOAD calls none of
+torch.cuda's device functions).
 """
 from __future__ import annotations
 

@@ -214,3 +214,40 @@ def test_a_model_larger_than_the_machine_is_refused_at_model_args(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "p.plan:4:" in r.stderr and "args = {" in r.stderr, r.stderr  # the line, echoed
     assert "more than this machine's" in r.stderr and "launching" not in r.stdout, r.stderr
+
+
+_PRELOAD_TOUCHES_NO_DEVICE = """
+import sys
+DEVICE = {"is_available", "device_count", "_lazy_init", "init", "current_device",
+          "get_device_properties", "get_device_capability", "get_device_name", "set_device",
+          "mem_get_info", "synchronize", "_cuda_getDeviceCount", "_cuda_init"}
+seen = []
+def hook(frame, event, arg):
+    name = getattr(arg, "__name__", "") if event == "c_call" else frame.f_code.co_name
+    where = frame.f_globals.get("__name__", "")
+    if event in ("call", "c_call") and name in DEVICE and (
+            where.startswith("torch.cuda") or name.startswith("_cuda")):
+        seen.append(f"{where}.{name}")
+sys.setprofile(hook)
+for name in sys.argv[1:]:
+    __import__(name)
+sys.setprofile(None)
+import torch
+n = len(seen)
+torch.cuda.is_available()  # the hook sees a device call where one happens
+sys.setprofile(hook); torch.cuda.is_available(); sys.setprofile(None)
+print(seen[:n], len(seen) > n)
+"""
+
+
+def test_the_fork_servers_imports_touch_no_device():
+    """The ranks fork from a process that ran forkserver.PRELOAD's imports: a CUDA driver
+    initialised there (torch.cuda.is_available() calls cuInit) cannot be used in a forked
+    child, so no NCCL rank could start. The imports call none of torch.cuda's device
+    functions (checked by a profile hook that does see a call made after them)."""
+    from pipeplan.backends.runtime.forkserver import PRELOAD
+
+    out = subprocess.run([sys.executable, "-c", _PRELOAD_TOUCHES_NO_DEVICE, *PRELOAD],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "True"], out.stdout
