@@ -49,17 +49,25 @@ def ensure(hash_seed: Optional[str], threads: Optional[str] = None) -> bool:
         return False
     stop()
     threads = threads if threads is not None else os.environ.get(THREADS)
-    before = {k: os.environ.get(k) for k in (HASH_SEED, THREADS)}
-    _set(HASH_SEED, hash_seed)  # the server's interpreter starts with these
-    _set(THREADS, threads)
-    try:
+    with _starting_with(hash_seed, threads):
         _server().set_forkserver_preload(list(PRELOAD))
         _server().ensure_running()
+    _running = (hash_seed, threads)
+    return True
+
+
+@contextlib.contextmanager
+def _starting_with(hash_seed: Optional[str], threads: Optional[str]):
+    """This process's environment as a server's interpreter starts with it (multiprocessing
+    starts the server with this process's environment)."""
+    before = {k: os.environ.get(k) for k in (HASH_SEED, THREADS)}
+    _set(HASH_SEED, hash_seed)
+    _set(THREADS, threads)
+    try:
+        yield
     finally:
         for k, v in before.items():
             _set(k, v)
-    _running = (hash_seed, threads)
-    return True
 
 
 def stop() -> None:
@@ -96,7 +104,8 @@ def start(target, args: tuple, environ: dict) -> multiprocessing.Process:
         raise RuntimeError(f"no fork server runs for {wanted} (started: {_running})")
     process = multiprocessing.get_context("forkserver").Process(
         target=_run, args=(target, args, environ))
-    process.start()
+    with _starting_with(*_running):  # a server that died is started again, as it was
+        process.start()
     return process
 
 

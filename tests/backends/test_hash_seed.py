@@ -135,3 +135,32 @@ def test_gemma3_verifies_equal_under_a_random_hash_seed(tmp_path, schedule):
 def test_gemma3_verifies_equal_ten_times_in_a_row(tmp_path, schedule):
     for _ in range(10):
         _equal(_verify(tmp_path, schedule, random.choice([None, random.randrange(1, 2 ** 32 - 1)])))
+
+
+def _hash_into(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(str(hash("pipeplan")))
+
+
+def test_a_fork_server_that_died_is_started_again_with_the_ranks_seed(monkeypatch, tmp_path):
+    """multiprocessing starts a fork server that died again, from this process's
+    environment: forkserver.start gives it the ranks' PYTHONHASHSEED, not this process's
+    (none here, so a random one)."""
+    import signal
+    import time
+
+    from pipeplan.backends.runtime import forkserver
+
+    monkeypatch.setattr(forkserver, "PRELOAD", ())  # (quick to start; nothing else changes)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    path = str(tmp_path / "hash")
+    with forkserver.serving("12", "1"):
+        pid = forkserver._server()._forkserver_pid
+        os.kill(pid, signal.SIGKILL)
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        child = forkserver.start(_hash_into, (path,),
+                                 dict(os.environ, PYTHONHASHSEED="12", OMP_NUM_THREADS="1"))
+        child.join()
+        assert forkserver._server()._forkserver_pid != pid  # started again
+    assert child.exitcode == 0 and int(open(path).read()) == _fresh_hash("12")
