@@ -5,9 +5,9 @@ Every rank of a local run (launcher.py) and verify's single-process reference
 (its compiled plan, DTensor's caches, its threads). Started as a new interpreter each,
 they would each import torch and torch's export stack again (2.3 + 2.4 s here per
 process; BENCHMARKS.md, "Where a local run's ranks come from"), on a machine with
-fewer cores than ranks one after the other. Instead, multiprocessing's fork server imports those modules once, in a
-new interpreter started with the run's environment, and forks every process from it:
-each still starts with none of the command's state.
+fewer cores than ranks one after the other. Instead, multiprocessing's fork server
+imports those modules once, in a new interpreter started with the run's environment,
+and forks every process from it: each still starts with none of the command's state.
 
 What the server's interpreter fixes at its start, and so keys it (`ensure`): the
 PYTHONHASHSEED every rank must share (launcher.hash_seed: set iteration order in a
@@ -45,7 +45,7 @@ def ensure(hash_seed: Optional[str], threads: Optional[str] = None) -> bool:
     `threads` (None: any running one's, else this process's own); True when this call
     started it (the caller then stops it)."""
     global _running
-    if _running is not None and _running[0] == hash_seed and threads in (None, _running[1]):
+    if _serves(hash_seed, threads):
         return False
     stop()
     threads = threads if threads is not None else os.environ.get(THREADS)
@@ -60,14 +60,28 @@ def ensure(hash_seed: Optional[str], threads: Optional[str] = None) -> bool:
 def _starting_with(hash_seed: Optional[str], threads: Optional[str]):
     """This process's environment as a server's interpreter starts with it (multiprocessing
     starts the server with this process's environment)."""
-    before = {k: os.environ.get(k) for k in (HASH_SEED, THREADS)}
-    _set(HASH_SEED, hash_seed)
-    _set(THREADS, threads)
+    before = (os.environ.get(HASH_SEED), os.environ.get(THREADS))
+    put(os.environ, hash_seed, threads)
     try:
         yield
     finally:
-        for k, v in before.items():
-            _set(k, v)
+        put(os.environ, *before)
+
+
+def put(env, hash_seed: Optional[str], threads: Optional[str]):
+    """`env` (a dict, or os.environ) with its PYTHONHASHSEED and OMP_NUM_THREADS set to
+    these (None: removed)."""
+    for key, value in ((HASH_SEED, hash_seed), (THREADS, threads)):
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _serves(hash_seed: Optional[str], threads: Optional[str]) -> bool:
+    """A server started here runs with `hash_seed` and `threads` (None: any)."""
+    return _running is not None and _running[0] == hash_seed and threads in (None, _running[1])
 
 
 def stop() -> None:
@@ -100,7 +114,7 @@ def start(target, args: tuple, environ: dict) -> multiprocessing.Process:
     (and OMP_NUM_THREADS where it names one); `environ` becomes the process's whole
     environment before `target` runs."""
     wanted = (environ.get(HASH_SEED), environ.get(THREADS))
-    if _running is None or _running[0] != wanted[0] or wanted[1] not in (None, _running[1]):
+    if not _serves(*wanted):
         raise RuntimeError(f"no fork server runs for {wanted} (started: {_running})")
     process = multiprocessing.get_context("forkserver").Process(
         target=_run, args=(target, args, environ))
@@ -113,10 +127,3 @@ def _run(target, args: tuple, environ: dict) -> None:
     os.environ.clear()
     os.environ.update(environ)
     target(*args)
-
-
-def _set(key: str, value: Optional[str]) -> None:
-    if value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value

@@ -63,8 +63,7 @@ def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-HASH_SEED_ENV = "PYTHONHASHSEED"
-THREADS_ENV = "OMP_NUM_THREADS"
+HASH_SEED_ENV = forkserver.HASH_SEED
 
 
 def hash_seed(seed: int) -> str:
@@ -97,8 +96,7 @@ def launch_local(main, argv: Sequence[str], world: int,
                 env[ERROR_DIR_ENV] = errors
                 env[LOCAL_STORE_ENV] = "1"
                 env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
-                _put(env, HASH_SEED_ENV, fixed[0])
-                _put(env, THREADS_ENV, fixed[1])
+                forkserver.put(env, *fixed)
                 procs.append(_Rank(forkserver.start(_as_rank, (main, list(argv)), env)))
             return _watch(procs, errors, _Islands(islands, port) if islands else None,
                           heartbeat_s)
@@ -125,14 +123,7 @@ def rank_server(world: int, seed: Optional[int]):
 def _fixed_at_start(world: int, seed: Optional[int]) -> tuple:
     """The ranks' PYTHONHASHSEED and OMP_NUM_THREADS: fixed as their interpreter starts."""
     return (hash_seed(seed) if seed is not None else os.environ.get(HASH_SEED_ENV),
-            os.environ.get(THREADS_ENV) or str(_threads_per_rank(world)))
-
-
-def _put(env: dict, key: str, value: Optional[str]) -> None:
-    if value is None:
-        env.pop(key, None)
-    else:
-        env[key] = value
+            os.environ.get(forkserver.THREADS) or str(_threads_per_rank(world)))
 
 
 def _as_rank(main, argv: list) -> None:
