@@ -68,7 +68,7 @@ def choose_split(plan: Plan, model: torch.nn.Module, graph: fx.Graph,
         raise PlanError.at(plan, key, f"split names {len(names)} start points, but "
                            f"pp × virtual = {stages} stages need {stages - 1}",
                            f"give {stages - 1} module names where stages 1..{stages - 1} begin")
-    positions = tuple(first_position(plan, model, nodes, n, key) for n in names)
+    positions = first_positions(plan, model, nodes, names, key)
     for a, b, na, nb in zip(positions, positions[1:], names, names[1:]):
         if b <= a:
             raise PlanError.at(plan, key, f"split point {nb!r} runs before {na!r}",
@@ -93,6 +93,19 @@ def _weights(plan: Plan, nodes: list[fx.Node], costs: dict[fx.Node, Cost],
                            '`pipeplan profile PLAN -o costs.json`)')
     raise PlanError.at(plan, "pipeline.split", f"split basis {basis!r} is not supported",
                        'use basis "flops", "params" or "profile"')
+
+
+def first_positions(plan: Plan, model, nodes: list[fx.Node], names, key: str) -> tuple:
+    """The index of the first node run inside each module of `names` (one pass over the
+    nodes: a split of an 80-layer model asks for 79)."""
+    first: dict = {}  # module path -> its first node's index (every enclosing path too)
+    for i, node in enumerate(nodes):
+        path = module_path(node)
+        while path and path not in first:
+            first[path] = i
+            path = path.rpartition(".")[0]
+    return tuple(first[n] if n in first else first_position(plan, model, nodes, n, key)
+                 for n in names)
 
 
 def first_position(plan: Plan, model, nodes: list[fx.Node], name: str, key: str) -> int:

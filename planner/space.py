@@ -11,6 +11,7 @@ says once per reason what it left out. `plan_of` turns a candidate into the Plan
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -78,13 +79,18 @@ def recompute_pattern(blocks: tuple[str, ...]) -> Optional[str]:
     return f"{best}.*"
 
 
+@functools.lru_cache(maxsize=1024)
+def _numbers_masked(reason: str) -> str:
+    return re.sub(r"\d+", "#", reason)
+
+
 def note(not_considered: dict, reason: str, what: str) -> None:
     """List `what` (a value such as "cp=4") under `reason` in "not considered". A reason that
     differs from a listed one only in its numbers (the local length a refusal names: "holds 8
     rows" at cp = 2, 4 at cp = 4) is that reason: the value joins it, so each reason is
     listed once."""
-    shape = re.sub(r"\d+", "#", reason)
-    key = next((r for r in not_considered if re.sub(r"\d+", "#", r) == shape), reason)
+    shape = _numbers_masked(reason)
+    key = next((r for r in not_considered if _numbers_masked(r) == shape), reason)
     values = not_considered.setdefault(key, [])
     if what not in values:
         values.append(what)

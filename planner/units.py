@@ -52,7 +52,7 @@ from ..compiler.parallel.ep_checks import check_experts
 from ..compiler.parallel.tp import check_pairing, check_sequence_parallel, tp_annotations
 from ..compiler.parallel.tp_auto import tp_split
 from ..compiler.parallel.zero import EXPERT, REPLICATED, TENSOR_PARALLEL
-from ..compiler.partition import compute_nodes, first_position, Split
+from ..compiler.partition import compute_nodes, first_positions, Split
 from ..compiler.recompute import recompute_mode
 from ..compiler.stages import build_stages
 from ..dsl.ast import ContextSpec, MeshSpec, Plan, RecomputeRule, SplitSpec
@@ -351,7 +351,7 @@ def _capture(units: Units, model, plan: Plan, mbs: int, cp: int, tp_values, patt
         context_checks(unit_plan(plan, blocks, mbs, 1, False, "none", pattern, cp), model,
                        traced, frozenset(moe.values()), {})
     nodes = compute_nodes(graph)
-    positions = tuple(first_position(probe, model, nodes, n, "pipeline.split") for n in blocks[1:])
+    positions = first_positions(probe, model, nodes, blocks[1:], "pipeline.split")
     split = Split(blocks[1:], positions)
     stages = build_stages(traced.module, split, run, traced.loss, set(blocks))
     expert_params = {f"{e.module}.{w}" for e in experts

@@ -228,10 +228,10 @@ def node_times(plan: Plan, model, nodes: list[fx.Node], costs: dict[fx.Node, Cos
                profile: Profile) -> list[tuple[float, float, float]]:
     """(F, B, W) seconds per compute node: each profiled stage's measured times spread over
     the nodes it held, by FLOPs (B by FLOPs + recompute)."""
-    from ..partition import first_position
+    from ..partition import first_positions
 
-    starts = [0] + [first_position(plan, model, nodes, name, "pipeline.profile")
-                    for name in profile.split_points] + [len(nodes)]
+    starts = [0, *first_positions(plan, model, nodes, profile.split_points,
+                                  "pipeline.profile"), len(nodes)]
     out: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * len(nodes)
     for st, a, b in zip(profile.stages, starts, starts[1:]):
         fl = [costs[n].flops if n in costs else 0.0 for n in nodes[a:b]]

@@ -123,11 +123,17 @@ def _stage_edges(graph: fx.Graph, run: MetaRun, split: Split, kinds: dict[str, s
     stage_of = {n: split.stage_of(i) for i, n in enumerate(nodes)}
 
     by_path: dict = {}  # module path -> its kind (the first named module holding it)
+    order = {name: i for i, name in enumerate(kinds)}
 
     def kind_at(n: fx.Node) -> Optional[str]:
         path = module_path(n)
-        if path not in by_path:
-            by_path[path] = next((k for name, k in kinds.items() if within(path, name)), None)
+        if path not in by_path:  # the path's own module and those around it, first named
+            holders, p = [], path
+            while p:
+                if p in order:
+                    holders.append(p)
+                p = p.rpartition(".")[0]
+            by_path[path] = kinds[min(holders, key=order.__getitem__)] if holders else None
         return by_path[path]
 
     sharded: set[fx.Node] = set()

@@ -23,11 +23,15 @@ processes' CPU seconds per step, the step, the cores' busy share; median over th
 a loaded shared machine the measurement moves with the load: report what you get.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and its backward as the plan's
-schedule runs it (BW, or B then W) in this one process, one thread (under tensor parallelism in its tp group's processes, the stage rewritten as the
-runtime rewrites it), on random weights (the runtime's StageRunner), timed in thread CPU time
-(median of 25 after 5), beside the model's prediction for one rank alone (no sharing) less
-its waits in collectives: the per-op model checked without the machine's scheduling. Plans
-without ep/cp (a stage here runs with its tp split only; dp does not change a stage).
+schedule runs it (BW, or B then W) in this one process, one thread (under tensor or expert
+parallelism in its tp or ep group's processes, the stage rewritten as the runtime rewrites
+it), on random weights (the runtime's StageRunner), timed in thread CPU time (median of 25
+after 5), beside the model's prediction for one rank alone (no sharing) less its waits in
+collectives: the per-op model checked without the machine's scheduling. Plans without cp
+and not both tp and ep (dp does not change a stage). The stages are timed one after another
+in the same processes: this VM's speed moves 10-20% within a minute (the MoE example's
+stage 1 timed first, then again after stage 0: F 3.90 then 4.45 ms), so a stage timed later
+may read slower for that alone.
 """
 from __future__ import annotations
 
@@ -122,10 +126,13 @@ def alone(plan_path: str) -> None:
     """Each stage by itself (`--alone`), in one process, or under tensor parallelism in its
     tp group's processes (gloo on 127.0.0.1, the stage rewritten as the runtime does)."""
     compiled = compiled_alone(plan_path, ranks_alone=True)
-    plan = compiled.plan
-    print(f"{plan_path}: {'one process' if plan.mesh.tp == 1 else f'{plan.mesh.tp} processes'}"
+    mesh = compiled.plan.mesh
+    if mesh.cp > 1 or (mesh.tp > 1 and mesh.ep > 1):
+        raise SystemExit(f"{plan_path}: --alone runs a stage under tp or ep, not cp or both")
+    world = max(mesh.tp, mesh.ep)
+    print(f"{plan_path}: {'one process' if world == 1 else f'{world} processes'}"
           ", one thread each (CPU time predicted: the actions less their waits in collectives)")
-    if plan.mesh.tp == 1:
+    if world == 1:
         time_stages(compiled, 0, None)
         return
     import socket
@@ -134,11 +141,11 @@ def alone(plan_path: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_tp_alone, args=(plan.mesh.tp, port, compiled), nprocs=plan.mesh.tp,
+    mp.start_processes(_group_alone, args=(world, port, compiled), nprocs=world,
                        start_method="fork")
 
 
-def _tp_alone(rank: int, world: int, port: int, compiled) -> None:
+def _group_alone(rank: int, world: int, port: int, compiled) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -159,6 +166,7 @@ def time_stages(compiled, rank: int, group) -> None:
 
     import torch
 
+    from pipeplan.backends.parallel import ParallelGroups, parallelize_stage
     from pipeplan.backends.parallel.tp import TensorParallelRules, apply_tensor_parallel
     from pipeplan.backends.runtime.stage import StageRunner
 
@@ -175,8 +183,11 @@ def time_stages(compiled, rank: int, group) -> None:
         with torch.no_grad():
             for p in module.parameters():
                 p.normal_(0, 0.02)
-        if group is not None:
+        if group is not None and plan.mesh.tp > 1:
             apply_tensor_parallel(module, rules, group)
+        elif group is not None:  # the experts over the ep group, as the runtime's rewrite
+            parallelize_stage(module, plan, ParallelGroups(plan.mesh, ep=group),
+                              compiled.experts)
         last = spec.index == len(compiled.stages) - 1
         runner = StageRunner(spec, module, last)
         runner.check_grads = False  # the hot path: the executor asks once per step
