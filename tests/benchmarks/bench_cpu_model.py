@@ -2,8 +2,14 @@
 (compiler/estimate/optime.py on the CPU profile of cpu_probe.py) next to what the plan's own
 processes measured on this machine.
 
-    python tests/benchmarks/bench_cpu_model.py [--repeat 3] [PLAN ...]   (default: the examples)
-    python tests/benchmarks/bench_cpu_model.py --alone [PLAN ...]
+    python tests/benchmarks/bench_cpu_model.py [--cached] [--repeat 3] [PLAN ...]
+    python tests/benchmarks/bench_cpu_model.py [--cached] --alone [PLAN ...]
+
+(default: the three example plans). The CPU profile is probed afresh as the run starts, into
+a temporary cache its profiles share (`--cached`: the one ~/.cache/pipeplan holds, probed
+whenever it was): this VM's speed moves with its host over hours, and a profile probed
+hours before measures another machine (the example GPT's CPU times at 1.16-1.33 of the
+prediction on a probe 8.5 hours old, 0.89-0.97 on one probed a minute before, stop 58).
 
 Each plan is profiled `--repeat` times (`pipeplan profile`, 2 warm-up + 4 measured steps,
 its ranks as local gloo processes; per stage and op the median of the runs: one run's slots
@@ -43,7 +49,8 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PLANS = ("examples/gpt_pp4_1f1b.plan", "examples/hybrid_pp2_dp2_tp2.plan")
+PLANS = ("examples/gpt_pp4_1f1b.plan", "examples/hybrid_pp2_dp2_tp2.plan",
+         "examples/moe_pp2_ep2_zbv.plan")
 
 
 CPU_LINE = re.compile(r"^CPU on .*: the ranks' processes ([0-9.]+) ms per step .* the step "
@@ -241,6 +248,10 @@ def op_table(costs, less_waits: bool = False) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--cached"]:
+        argv = argv[1:]
+    else:  # probed afresh by the first compile or host_speed, the profiles reading it too
+        os.environ["PIPEPLAN_CACHE"] = tempfile.mkdtemp(prefix="bench_cpu_probe_")
     if argv[:1] == ["--alone"]:
         for plan_path in argv[1:] or PLANS[:1]:
             alone(plan_path)
