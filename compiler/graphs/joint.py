@@ -177,10 +177,11 @@ def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
                                          num_params_buffers=count)
     except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
         raise JointTraceError(f"{e.args[0] if e.args else e}: its output shape depends on the "
-                              "values (data-dependent), so no fixed graph computes it") from None
+                              "values (data-dependent), so no fixed graph computes it"
+                              + _site(e)) from None
     except torch._subclasses.fake_tensor.DataDependentOutputException as e:
         raise JointTraceError(f"{e.args[0] if e.args else e}: its result is read as a Python "
-                              "value (data-dependent control flow)") from None
+                              "value" + (_site(e) or " (data-dependent control flow)")) from None
     except RuntimeError as e:
         if "alias inputs" in str(e) or "mutat" in str(e):
             raise JointTraceError("the stage returns a view of an input or writes an input or "
@@ -195,6 +196,37 @@ def trace_joint(module: fx.GraphModule, inputs: Sequence[torch.Tensor],
                       [i for i, (x, g) in enumerate(zip(inputs, needs_grad))
                        if g and x.is_floating_point()],
                       list(kept), passthrough, tangent_outputs)
+
+
+# Frames of the tracing machinery itself, never where a stage's value is read.
+_MACHINERY = ("torch/_subclasses/", "torch/_ops.py", "torch/utils/", "torch/_prims",
+              "torch/_refs", "torch/_decomp", "torch/fx/", "torch/_tensor.py",
+              "torch/_functorch/", "torch/_library/", "torch/_higher_order_ops/",
+              "torch/_dynamo/", "torch/overrides.py", "torch/_compile.py")
+
+
+def _site(error: BaseException) -> str:
+    """Where a refused op was reached, from the trace's traceback: the stage graph's line
+    that ran it and the innermost frame outside the tracing machinery (the code that read
+    the value: the model's, or DTensor's redistribution of that line's operands, e.g. a
+    strided shard's offsets read with `.tolist()`); '' when neither is found."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    graph = [f for f in frames if f.filename.startswith("<eval_with_key>") and f.line]
+    reader = [f for f in frames if not f.filename.startswith("<")
+              and not any(m in f.filename.replace("\\", "/") for m in _MACHINERY)
+              and "compiler/graphs/joint.py" not in f.filename.replace("\\", "/")]
+    parts = []
+    if reader:
+        f = reader[-1]
+        where = f.filename.replace("\\", "/").split("site-packages/")[-1]
+        owner = " (DTensor redistributing that line's operands)" if \
+            "torch/distributed/tensor/" in where else ""
+        parts.append(f"by {where}:{f.lineno} {f.name} (`{(f.line or '').strip()}`){owner}")
+    if graph:
+        parts.append(f"in the stage's `{graph[-1].line.strip()}`")
+    return (" " + ", ".join(parts)) if parts else ""
 
 
 def _own(value):

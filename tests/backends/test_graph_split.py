@@ -166,6 +166,18 @@ def _calls_function() -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
+def _scaled_by_its_sum(x):
+    return x * float(x.sum().item())  # a value read on the host
+
+
+torch.fx.wrap("_scaled_by_its_sum")
+
+
+class _ReadsAValue(torch.nn.Module):
+    def forward(self, x):
+        return _scaled_by_its_sum(torch.relu(x)).sum()
+
+
 class _DataDependent(torch.nn.Module):
     def forward(self, x):
         return x[x > 0].sum()
@@ -178,6 +190,19 @@ def test_untraceable_stages_are_refused_naming_the_op():
     gm = torch.fx.symbolic_trace(_DataDependent())
     with pytest.raises(JointTraceError, match="nonzero|masked_select|index"):
         trace_joint(gm, [x], [True])
+
+
+def test_a_value_read_on_the_host_is_refused_naming_the_reader_and_the_stage_line():
+    """The refusal says which code read the value (here a function the graph calls; under
+    tp, DTensor's redistribution of a line's operands) and which line of the stage graph
+    ran it, not only the op."""
+    gm = torch.fx.symbolic_trace(_ReadsAValue())
+    with pytest.raises(JointTraceError) as e:
+        trace_joint(gm, [torch.randn(4, 4)], [True])
+    msg = str(e.value)
+    assert "_local_scalar_dense" in msg and "read as a Python value" in msg
+    assert "test_graph_split.py" in msg and "_scaled_by_its_sum (`return x * float(" in msg
+    assert "in the stage's `_scaled_by_its_sum = " in msg
 
 
 @pytest.mark.parametrize("model", ["gpt", "moe"])
