@@ -20,10 +20,12 @@ export a custom-op placeholder while tracing, turned back into the module call
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import io
 import logging
 import traceback
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,14 +142,37 @@ class _LeafTracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
+# Each model's fx graphs, by what a trace reads besides the model's code (leaf patterns,
+# experts modules, the inputs given, every module's training flag): no shape enters a
+# symbolic trace, so the planner's captures of one model at other microbatch sizes and cp
+# values copy the graph (fx's Graph.__deepcopy__) instead of tracing it again. Kept only for
+# traces that called no custom autograd Function (capture() records those calls as the
+# trace makes them), and dropped with the model.
+_TRACES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _trace_fx(model: torch.nn.Module, example: dict, leaf_modules: tuple[str, ...],
+              experts: tuple[str, ...]) -> fx.Graph:
+    key = (tuple(leaf_modules), tuple(experts), tuple(example),
+           tuple(m.training for m in model.modules()))
+    traced = _TRACES.get(model, {}).get(key)
+    if traced is None:
+        tracer = _LeafTracer(tuple(leaf_modules), experts)
+        with functions.recording() as calls:
+            try:
+                traced = tracer.trace(model, concrete_args=_defaults_not_given(model, example))
+            except Exception as e:
+                raise CaptureFailed("fx", e, _where(model, e, tracer)) from e
+        if calls:
+            return traced
+        _TRACES.setdefault(model, {})[key] = traced
+    return copy.deepcopy(traced)
+
+
 def capture_fx(model: torch.nn.Module, example: dict, leaf_modules: tuple[str, ...],
                reason: str, experts: tuple[str, ...] = ()) -> Captured:
     """`experts`: qualified names of experts modules, traced as leaf calls."""
-    tracer = _LeafTracer(tuple(leaf_modules), experts)
-    try:
-        graph = tracer.trace(model, concrete_args=_defaults_not_given(model, example))
-    except Exception as e:
-        raise CaptureFailed("fx", e, _where(model, e, tracer)) from e
+    graph = _trace_fx(model, example, leaf_modules, experts)
     _drop_specialised_arguments(graph, example)
     names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     missing = [n for n in names if n.lstrip("*") not in example]

@@ -289,3 +289,73 @@ def test_a_meta_stand_in_is_never_found_for_another_tensor():
         gc.collect()
         second = torch.empty(n + 1)
         assert run._to_meta(second, parameter=False).shape == (n + 1,)
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, function: bool = False):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.function = function
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(torch.relu(self.a(x)), 0.5, self.training)
+        return self.b(_Doubled.apply(h) if self.function else h)
+
+
+def _traces(monkeypatch):
+    from pipeplan.compiler.capture import capture as cap
+    count = []
+    trace = cap._LeafTracer.trace
+
+    def counted(self, *args, **kwargs):
+        count.append(1)
+        return trace(self, *args, **kwargs)
+    monkeypatch.setattr(cap._LeafTracer, "trace", counted)
+    return cap, count
+
+
+def test_an_fx_capture_at_another_shape_copies_the_models_graph(monkeypatch):
+    """The planner captures one model at several microbatch sizes and cp values: the second
+    capture copies the first's graph (no shape enters a symbolic trace) instead of tracing
+    again, as an independent graph (what one capture's later passes add to its graph is not
+    in the next), the same code; a change a trace reads (a module's training flag) traces
+    again."""
+    cap, count = _traces(monkeypatch)
+    model = _Net()
+    first = cap.capture_fx(model, {"x": torch.empty(2, 8, device="meta")}, (), "test")
+    second = cap.capture_fx(model, {"x": torch.empty(5, 8, device="meta")}, (), "test")
+    assert len(count) == 1 and second.module.code == first.module.code
+    assert "training = True" in first.module.code
+    assert second.module.graph is not first.module.graph
+    names = [n.name for n in second.module.graph.nodes]
+    node = next(n for n in first.module.graph.nodes if n.op == "call_function")
+    with first.module.graph.inserting_after(node):
+        first.module.graph.call_function(torch.neg, (node,))
+    assert [n.name for n in second.module.graph.nodes] == names
+    third = cap.capture_fx(model, {"x": torch.empty(2, 8, device="meta")}, (), "test")
+    assert len(count) == 1 and [n.name for n in third.module.graph.nodes] == names
+    model.eval()  # dropout's training flag is a constant of the trace
+    evaluated = cap.capture_fx(model, {"x": torch.empty(2, 8, device="meta")}, (), "test")
+    assert len(count) == 2 and "training = False" in evaluated.module.code
+
+
+def test_a_trace_that_calls_an_autograd_function_is_traced_at_every_capture(monkeypatch):
+    """capture() checks each custom Function's backward from the calls its trace records: a
+    model calling one is traced again each time, so no capture skips that check."""
+    from pipeplan.dsl.ast import ModelSpec, Plan
+    cap, count = _traces(monkeypatch)
+    model = _Net(function=True)
+    plan = Plan(model=ModelSpec(source="x.py:Net", capture="fx"))
+    for rows in (2, 3):
+        cap.capture(plan, model, {"x": torch.randn(rows, 8)})
+    assert len(count) == 2
