@@ -29,6 +29,7 @@ maps it to the input, and its gradient is added to that input's.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -210,8 +211,6 @@ def _site(error: BaseException) -> str:
     that ran it and the innermost frame outside the tracing machinery (the code that read
     the value: the model's, or DTensor's redistribution of that line's operands, e.g. a
     strided shard's offsets read with `.tolist()`); '' when neither is found."""
-    import traceback
-
     frames = traceback.extract_tb(error.__traceback__)
     graph = [f for f in frames if f.filename.startswith("<eval_with_key>") and f.line]
     reader = [f for f in frames if not f.filename.startswith("<")
