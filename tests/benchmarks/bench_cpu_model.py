@@ -130,8 +130,9 @@ def compiled_alone(plan_path: str, ranks_alone: bool = False):
 
 
 def alone(plan_path: str) -> None:
-    """Each stage by itself (`--alone`), in one process, or under tensor parallelism in its
-    tp group's processes (gloo on 127.0.0.1, the stage rewritten as the runtime does)."""
+    """Each stage by itself (`--alone`), in one process, or under tensor or expert
+    parallelism in its tp or ep group's processes (gloo on 127.0.0.1, the stage rewritten
+    as the runtime does)."""
     compiled = compiled_alone(plan_path, ranks_alone=True)
     mesh = compiled.plan.mesh
     if mesh.cp > 1 or (mesh.tp > 1 and mesh.ep > 1):
@@ -167,14 +168,12 @@ def time_stages(compiled, rank: int, group) -> None:
     random weights (the runtime's StageRunner; `group`: its tensor-parallel rewrite over that
     group), in thread CPU time (median of 25 after 5), beside the model's prediction for a
     rank alone less its waits; rank 0 prints."""
-    import dataclasses
     import statistics
     import time
 
     import torch
 
     from pipeplan.backends.parallel import ParallelGroups, parallelize_stage
-    from pipeplan.backends.parallel.tp import TensorParallelRules, apply_tensor_parallel
     from pipeplan.backends.runtime.stage import StageRunner
 
     torch.set_num_threads(1)
@@ -182,19 +181,16 @@ def time_stages(compiled, rank: int, group) -> None:
     split = any(a.op == "W" for row in compiled.schedule.order for a in row)
     outputs = {v.name: v for st in compiled.stages for v in st.outputs}
     plan = compiled.plan
-    rules = dataclasses.replace(TensorParallelRules.from_plan(plan.tensor),
-                                kinds=tuple(sorted(compiled.tp_rewrites.items())))
+    groups = None if group is None else ParallelGroups(
+        plan.mesh, tp=group if plan.mesh.tp > 1 else None, ep=group if plan.mesh.ep > 1 else None)
     for spec, ops in zip(compiled.stages, predicted):
         module = spec.module.to_empty(device="cpu")
         torch.manual_seed(0)
         with torch.no_grad():
             for p in module.parameters():
                 p.normal_(0, 0.02)
-        if group is not None and plan.mesh.tp > 1:
-            apply_tensor_parallel(module, rules, group)
-        elif group is not None:  # the experts over the ep group, as the runtime's rewrite
-            parallelize_stage(module, plan, ParallelGroups(plan.mesh, ep=group),
-                              compiled.experts)
+        if groups is not None:  # the runtime's own rewrite of the stage for its group
+            parallelize_stage(module, plan, groups, compiled.experts, compiled.tp_rewrites)
         last = spec.index == len(compiled.stages) - 1
         runner = StageRunner(spec, module, last)
         runner.check_grads = False  # the hot path: the executor asks once per step

@@ -7,6 +7,7 @@ import torch
 from pipeplan.compiler import compile_plan, load_model, reference_loss
 from pipeplan.dsl.ast import ExpertsSpec
 from pipeplan.dsl.errors import PlanError
+from pipeplan.tests.backends.test_graph_split import _Custom  # x * 2, backward its gradient
 
 
 def _batch(vocab, b, t, seed=0):
@@ -291,16 +292,6 @@ def test_a_meta_stand_in_is_never_found_for_another_tensor():
         assert run._to_meta(second, parameter=False).shape == (n + 1,)
 
 
-class _Doubled(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 class _Net(torch.nn.Module):
     def __init__(self, function: bool = False):
         super().__init__()
@@ -309,7 +300,7 @@ class _Net(torch.nn.Module):
 
     def forward(self, x):
         h = torch.nn.functional.dropout(torch.relu(self.a(x)), 0.5, self.training)
-        return self.b(_Doubled.apply(h) if self.function else h)
+        return self.b(_Custom.apply(h) if self.function else h)
 
 
 def _traces(monkeypatch):
