@@ -32,6 +32,10 @@ Two separable steps, so a weights file can replace the first and keep the second
 * Before the rules run, new storage is filled with NaN; a wanted tensor still NaN
   afterwards was not covered by the model's init and is refused by name.
 * Buffers keep the constructor's values (rotary inv_freq, masks).
+* What the constructor did beyond the rule (compiler/capture/constructor.py): a
+  parameter no rule writes keeps the constant the constructor made (nanoGPT's
+  LayerNorm ones); writes the constructor made after the rule's are replayed after it
+  (nanoGPT's c_proj drawn again at a smaller std).
 """
 from __future__ import annotations
 
@@ -148,8 +152,12 @@ def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool
     drawn module by module in model order (see the module docstring). With `keep` the
     values stay in `model`; without, each module's storage goes back to meta once its
     parameters are handed out. `source` supplies named tensors instead of the init."""
+    from ...compiler.capture.constructor import Writes, constructor_constants, \
+        constructor_writes
     from ...compiler.capture.init_rules import init_rule
 
+    constants, made = constructor_constants(model), constructor_writes(model)
+    ruled: dict[int, list] = {}  # id(parameter) -> the writes its rule made, every holder
     params = dict(model.named_parameters(remove_duplicate=False))
     wanted = set(names)
     unknown = sorted(wanted - set(params))
@@ -184,11 +192,20 @@ def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool
                     key[id(new)] = key.pop(id(p))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, path))
-            for step in init_rule(model, mod, path):
-                step()
+            with Writes() as rule:
+                for step in init_rule(model, mod, path):
+                    step()
+            for p in mod._parameters.values():
+                if p is not None:
+                    ruled.setdefault(id(p), []).extend(
+                        rule.log.get(p.untyped_storage()._cdata, ()))
+            _keep_constants(mod, path, constants)
+            _replay_the_rest(mod, path, made, ruled, [leaf for leaf, p in mod._parameters.items()
+                                                      if p is not None and last.get(id(p)) == i])
         for leaf, p in list(mod._parameters.items()):
             if p is None or last.get(id(p)) != i:
                 continue  # a later holder still runs its rule on it
+            ruled.pop(id(p), None)  # its id may be reused once it is released
             if id(p) in names_of:
                 value = p.detach()
                 if source is not None:
@@ -199,6 +216,33 @@ def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool
                     continue
             if p.device.type != "meta":
                 _replace(owners[id(p)], _to_meta(p), True)
+
+
+def _keep_constants(mod: nn.Module, path: str, constants: Mapping[str, torch.Tensor]) -> None:
+    """A parameter the rule left unwritten (all NaN still) takes its constructor's constant,
+    where it has one (compiler/capture/constructor.py)."""
+    for leaf, p in mod._parameters.items():
+        name = f"{path}.{leaf}" if path else leaf
+        if p is not None and name in constants and p.is_floating_point() \
+                and bool(torch.isnan(p).all()):
+            p.copy_(constants[name])
+
+
+def _replay_the_rest(mod: nn.Module, path: str, made: Mapping[str, list],
+                     ruled: Mapping[int, list], leaves) -> None:
+    """Where the constructor wrote a parameter as its rule does and then more (nanoGPT's
+    `c_proj.weight`, drawn again at a smaller std), the rest is replayed after the rule, on
+    the module's random stream (compiler/capture/constructor.py). `leaves`: the module's
+    parameters whose last holder it is (a tied one: after every holder's rule)."""
+    from ...compiler.capture.constructor import replay, replayable
+
+    for leaf in leaves:
+        p = mod._parameters[leaf]
+        wrote, done = made.get(f"{path}.{leaf}" if path else leaf, ()), ruled.get(id(p), [])
+        rest = wrote[len(done):]
+        if rest and list(wrote[:len(done)]) == done and all(map(replayable, rest)):
+            for entry in rest:
+                replay(entry, p)
 
 
 def _from_source(source: Mapping[str, torch.Tensor], names, value: torch.Tensor):

@@ -14,7 +14,8 @@ what is still unwritten.
 `check_init` proves, at `pipeplan check` (the model line), that every parameter is
 covered: each module's rule runs on fresh meta parameters (no storage, nothing computed)
 under a dispatch mode that records the in-place writes, and a parameter no rule writes
-whole is refused by name, before any process starts.
+whole is refused by name, before any process starts -- unless no rule writes into it at
+all and its constructor made it a constant of the code (constructor.py), which it keeps.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
+from .constructor import written as _written
 
 INIT_HOOK = "_init_weights"  # `_init_weights(module)` (Hugging Face's convention; also the user's hook)
 
@@ -106,16 +108,6 @@ def _into_only(model, module, names: list, step):
     return run
 
 
-def _written(func, args, kwargs) -> Optional[torch.Tensor]:
-    """The tensor an in-place op writes (its first argument, marked written), or None."""
-    first = func._schema.arguments[0] if func._schema.arguments else None
-    if first is not None and first.alias_info is not None and first.alias_info.is_write:
-        t = args[0] if args else kwargs.get(first.name)
-        if isinstance(t, torch.Tensor):
-            return t
-    return None
-
-
 def _rule_text(model, module, path) -> str:
     parts = []
     if callable(getattr(module, "reset_parameters", None)):
@@ -133,11 +125,13 @@ class _Writes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.whole: set[int] = set()
+        self.any: set[int] = set()  # written at all
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         t = _written(func, args, kwargs)
         if t is not None:
+            self.any.add(t.untyped_storage()._cdata)
             if t.storage_offset() == 0 and t.numel() * t.element_size() == \
                     t.untyped_storage().nbytes():
                 self.whole.add(t.untyped_storage()._cdata)
@@ -153,10 +147,12 @@ def uncovered(model: torch.nn.Module, module: torch.nn.Module, path: str) -> lis
     return _unwritten(module, init_rule(model, module, path)) or []
 
 
-def _unwritten(module: torch.nn.Module, steps: list) -> Optional[list[str]]:
+def _unwritten(module: torch.nn.Module, steps: list, whole: bool = True
+               ) -> Optional[list[str]]:
     """`module`'s own parameters `steps` leave unwritten (a run on fresh meta parameters;
-    a CPU draw the rule makes there leaves the caller's random state as it was); None
-    where the steps cannot run on meta."""
+    a CPU draw the rule makes there leaves the caller's random state as it was): not
+    written whole, or (`whole=False`) not written at all; None where the steps cannot run
+    on meta."""
     saved = dict(module._parameters)
     fresh = {k: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                    requires_grad=p.requires_grad)
@@ -171,14 +167,16 @@ def _unwritten(module: torch.nn.Module, steps: list) -> Optional[list[str]]:
         return None
     finally:
         module._parameters.update(saved)
-    return [k for k, p in fresh.items() if p.untyped_storage()._cdata not in writes.whole]
+    done = writes.whole if whole else writes.any
+    return [k for k, p in fresh.items() if p.untyped_storage()._cdata not in done]
 
 
 def check_init(plan: Plan, model: torch.nn.Module) -> None:
     """Refuse (at the plan's model line) a model whose initial weights cannot be drawn per
     module: a module owning parameters directly that no rule covers (none, or one that
-    does not write them)."""
-    seen = set()
+    does not write them), unless its constructor made them constants of the code that no
+    rule writes into (constructor.py: they keep the constructor's value)."""
+    seen, constants = set(), None
     for path, module in model.named_modules():
         own = [n for n, p in module.named_parameters(recurse=False)]
         if not own or id(module) in seen:
@@ -188,6 +186,11 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
         where = f"module `{path}`" if path else f"the model ({kind}) itself"
         steps = init_rule(model, module, path)
         missing = own if not steps else uncovered(model, module, path)
+        if missing:
+            constants = _agreed_constants(plan) if constants is None else constants
+            untouched = own if not steps else (_unwritten(module, steps, whole=False) or [])
+            missing = [n for n in missing
+                       if n not in untouched or _joined(path, n) not in constants]
         if not missing:
             continue
         said = (f"{where} ({kind}) owns parameters {', '.join(own)} but has no "
@@ -196,7 +199,27 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
                 f"{where} ({kind}): its init rule ({_rule_text(model, module, path)}) does "
                 f"not set {', '.join(missing)}")
         raise PlanError.at(
-            plan, "model.source", said + ": pipeplan cannot initialise them per module",
+            plan, "model.source", said + ": pipeplan cannot initialise them per module "
+            "(nor keep the constructor's value: it is drawn, uninitialised, or rewritten)",
             f"give {kind} a reset_parameters() that initialises {', '.join(missing)}, or "
             f"an enclosing module (the model) an {INIT_HOOK}(self, module) method that "
             "does (see docs/runtime.md, Initial weights)")
+
+
+def _joined(path: str, leaf: str) -> str:
+    return f"{path}.{leaf}" if path else leaf
+
+
+def _agreed_constants(plan: Plan) -> set[str]:
+    """The parameters two skeletons, built under different seeds, both hold as the same
+    constructor constant (constructor.py; the second build sees what its dispatch mode cannot,
+    such as numpy's random generator)."""
+    import dataclasses
+
+    from .constructor import constructor_constants
+    from .loading import load_skeleton
+
+    other = dataclasses.replace(plan, train=dataclasses.replace(
+        plan.train, seed=plan.train.seed + 1))
+    a, b = (constructor_constants(load_skeleton(p)) for p in (plan, other))
+    return {n for n, v in a.items() if n in b and torch.equal(v, b[n])}

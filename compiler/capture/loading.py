@@ -24,6 +24,7 @@ import torch
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from .budget import Budget, OverBudget
+from .constructor import Watch
 from .model_checks import check_model_against_plan
 
 
@@ -363,27 +364,35 @@ def _fmt_args(args: dict) -> str:
 
 def load_skeleton(plan: Plan) -> torch.nn.Module:
     """The plan's model with its parameters on the meta device (nothing allocated) and its
-    buffers computed on CPU by the constructor (rotary inv_freq, causal masks)."""
-    return _construct(plan, _parameters_on_meta)
+    buffers computed on CPU by the constructor (rotary inv_freq, causal masks); what the
+    constructor did to each parameter is read back by constructor.py."""
+    build = _parameters_on_meta()
+    model = _construct(plan, lambda: build)
+    build.watch.found(model)
+    return model
 
 
 class _parameters_on_meta:
     """While active, every parameter a module registers is moved to the meta device at
     once, so the init the constructor runs on it afterwards costs nothing (the trick of
-    accelerate's `init_empty_weights(include_buffers=False)`)."""
+    accelerate's `init_empty_weights(include_buffers=False)`), under constructor.Watch."""
 
     def __enter__(self):
         self._orig = orig = torch.nn.Module.register_parameter
+        self.watch = watch = Watch()
 
         def register_parameter(module, name, param):
             orig(module, name, param)
             if param is not None and param.device.type != "meta":
-                module._parameters[name] = torch.nn.Parameter(
+                moved = module._parameters[name] = torch.nn.Parameter(
                     param.to("meta"), requires_grad=param.requires_grad)
+                watch.register(param, moved)
 
         torch.nn.Module.register_parameter = register_parameter
+        watch.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self.watch.__exit__(*exc)
         torch.nn.Module.register_parameter = self._orig
         return False

@@ -111,7 +111,7 @@ class Affine(nn.Module):
     def __init__(self, d):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
-        self.bias = nn.Parameter(torch.zeros(d))
+        self.bias = nn.Parameter(torch.empty(d))
     def reset_parameters(self):
         nn.init.ones_(self.weight)  # the bias is left as it is
     def forward(self, x):
@@ -128,6 +128,7 @@ class M(nn.Module):
 
 
 def test_check_refuses_a_rule_that_does_not_write_a_parameter(tmp_path):
+    """A bias its constructor leaves uninitialised (`torch.empty`) and its rule skips."""
     from pipeplan.compiler import estimates_summary
     from pipeplan.compiler.capture.init_rules import check_init
     from pipeplan.compiler.capture.loading import load_model

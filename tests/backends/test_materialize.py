@@ -187,25 +187,180 @@ def test_a_parameter_drawn_by_the_rule_of_a_module_around_it_is_drawn_so(tmp_pat
     assert not torch.equal(ref.block.lin.weight, torch.full((8, 8), 7.0))
     _check_ranks(plan, ref, [0])
 
-def test_check_refuses_a_module_without_a_per_module_init(tmp_path):
-    (tmp_path / "m.py").write_text(
-        "import torch\nfrom torch import nn\n"
-        "class Scale(nn.Module):\n"
-        "    def __init__(self, d):\n        super().__init__()\n"
-        "        self.g = nn.Parameter(torch.ones(d))\n"
-        "    def forward(self, x):\n        return x * self.g\n"
-        "class M(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__()\n"
-        "        self.emb = nn.Embedding(64, 8)\n        self.scale = Scale(8)\n"
-        "        self.head = nn.Linear(8, 64)\n"
-        "    def forward(self, input_ids):\n"
-        "        return self.head(self.scale(self.emb(input_ids)))\n")
-    plan = plan_for(str(tmp_path / "m.py") + ":M", pp=1, args={})
-    plan = dataclasses.replace(plan, pipeline=PipelineSpec(microbatches=1))
+SCALED = """\
+import numpy as np
+import torch
+from torch import nn
+
+
+class Scale(nn.Module):
+    \"\"\"No rule of its own, none around it: its parameters keep what the constructor made.\"\"\"
+
+    def __init__(self, d, make):
+        super().__init__()
+        self.g = nn.Parameter(eval(make))  # the test's expressions, in the constructor
+        # xIELU's (Apertus): a constant computed from a constant
+        self.alpha = nn.Parameter(torch.log(torch.expm1(torch.tensor(0.8))).unsqueeze(0))
+
+    def forward(self, x):
+        return x * self.g + self.alpha
+
+
+class M(nn.Module):
+    def __init__(self, make="torch.ones(d)"):
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+        self.scale = Scale(8, make)
+        self.head = nn.Linear(8, 64)
+
+    def forward(self, input_ids):
+        return self.head(self.scale(self.emb(input_ids)))
+"""
+
+
+def _scaled(tmp_path, make):
+    (tmp_path / "m.py").write_text(SCALED)
+    plan = plan_for(str(tmp_path / "m.py") + ":M", pp=2, args={"make": make})
+    return dataclasses.replace(plan, pipeline=PipelineSpec(microbatches=2))
+
+
+@pytest.mark.parametrize("make", ["torch.ones(d)", "torch.full((d,), 0.5) * 2 + torch.arange(d)",
+                                  "torch.empty(d).fill_(0.25)"])
+def test_a_parameter_no_rule_writes_keeps_its_constructors_constant(tmp_path, make):
+    """nanoGPT's LayerNorm (`nn.Parameter(torch.ones(n))`, no rule) and Apertus's xIELU
+    (`log(expm1(tensor(0.8)))`) were refused at check: their constructors make constants of
+    the code, which the ranks and the reference now keep. Compared with the user's own
+    constructor run on CPU (no pipeplan code): the same values; the ranks' tensors are the
+    reference's."""
+    import importlib.util
+
+    plan = _scaled(tmp_path, make)
+    estimates_summary(plan)  # check: accepted
+    spec = importlib.util.spec_from_file_location("m_user", tmp_path / "m.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    own = user.M(make)
+    ref = build_model(plan)
+    for name in ("scale.g", "scale.alpha"):
+        assert torch.equal(ref.get_parameter(name), own.get_parameter(name)), name
+    _check_ranks(plan, ref, [0, 1])
+
+
+def test_apertus_xielu_keeps_the_constants_transformers_gives_it():
+    """Apertus was refused at check (its xIELU's alpha_p, alpha_n: no rule sets them); its
+    skeleton now keeps the constructor's values, the ones transformers' own CPU construction
+    gives them, and every other parameter is drawn by the rule as before."""
+    from pipeplan.compiler.capture.constructor import constructor_constants
+    from pipeplan.compiler.capture.loading import load_skeleton
+    from pipeplan.tests.parallel import families
+
+    plan = plan_for("pipeplan.tests.parallel.families:apertus", pp=2, args={},
+                    capture="export")
+    estimates_summary(plan)  # check: accepted
+    ref, own = build_model(plan), families.apertus()
+    kept = constructor_constants(load_skeleton(plan))
+    assert kept and {n.rpartition(".")[2] for n in kept} == {"alpha_p", "alpha_n"}
+    for name in kept:
+        assert torch.equal(ref.get_parameter(name), own.get_parameter(name)), name
+    _check_ranks(plan, ref, [0, 1])
+
+
+NANOGPT = """\
+import math
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class LayerNorm(nn.Module):  # nanoGPT's: ones and zeros, no rule
+    def __init__(self, ndim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim))
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = LayerNorm(d)
+        self.c_fc, self.c_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln(x))))
+
+
+class GPT(nn.Module):
+    \"\"\"nanoGPT's init: `apply(_init_weights)` draws every Linear and Embedding at std 0.02,
+    then the constructor draws each c_proj.weight again at 0.02 / sqrt(2 x layers).\"\"\"
+
+    def __init__(self, layers=2, d=64):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(64, d), nn.Embedding(16, d)
+        self.h = nn.ModuleList([Block(d) for _ in range(layers)])
+        self.ln_f, self.lm_head = LayerNorm(d), nn.Linear(d, 64, bias=False)
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+"""
+
+
+def test_nanogpt_starts_from_its_constructors_distribution(tmp_path):
+    """nanoGPT was refused at check (its LayerNorm has no rule), and its constructor's second
+    draw of each c_proj.weight (std 0.02 / sqrt(2 x layers), after `apply(_init_weights)`)
+    was lost: the rule alone drew it at 0.02. The writes the constructor makes after the
+    rule's are now replayed after it. Against the user's own constructor on CPU: every
+    parameter's std within 10% (4k-16k samples each), the constants equal; the ranks'
+    tensors are the reference's."""
+    import importlib.util
+
+    (tmp_path / "nanogpt.py").write_text(NANOGPT)
+    plan = plan_for(str(tmp_path / "nanogpt.py") + ":GPT", pp=2, args={})
+    estimates_summary(plan)  # check: accepted
+    spec = importlib.util.spec_from_file_location("nanogpt_user", tmp_path / "nanogpt.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    ref, own = build_model(plan), user.GPT()
+    for name, p in own.named_parameters():
+        got, p = ref.get_parameter(name).detach(), p.detach()
+        if p.std() == 0:
+            assert torch.equal(got, p), name  # LayerNorm's ones, zeros; the zero biases
+        else:
+            assert float(got.std() / p.std()) == pytest.approx(1.0, abs=0.1), name
+    assert float(ref.h[0].c_proj.weight.detach().std()) == pytest.approx(0.01, rel=0.1)  # not 0.02
+    _check_ranks(plan, ref, [0, 1])
+
+
+@pytest.mark.parametrize("make, why", [
+    ("torch.randn(d)", "drawn"), ("torch.empty(d)", "uninitialised"),
+    ("torch.ones(d) + torch.rand(1)", "drawn"),
+    ("torch.from_numpy(np.random.default_rng().random(d))", "numpy's generator")])
+def test_check_refuses_a_parameter_no_rule_writes_whose_value_is_not_a_constant(
+        tmp_path, make, why):
+    """A parameter no rule writes, its constructor's value drawn ({why}): refused by name at
+    check, before any process starts."""
     with pytest.raises(PlanError) as e:
-        estimates_summary(plan)
-    assert "module `scale` (Scale) owns parameters g" in str(e.value)
-    assert "reset_parameters" in str(e.value)
+        estimates_summary(_scaled(tmp_path, make))
+    assert "module `scale` (Scale) owns parameters g, alpha" in str(e.value)
+    assert "does not set g" not in str(e.value)  # no rule at all, said so
+    assert "reset_parameters" in str(e.value) and "drawn, uninitialised" in str(e.value)
 
 
 def _tp_plan():

@@ -244,6 +244,12 @@ def llama(layers: int = 2):
     return _hf("LlamaConfig", "LlamaForCausalLM", layers)
 
 
+def apertus(layers: int = 2):
+    """Apertus: its xIELU activation's alpha_p, alpha_n are constants its constructor
+    computes (`log(expm1(tensor(0.8)))`), which no init rule writes."""
+    return _hf("ApertusConfig", "ApertusForCausalLM", layers)
+
+
 def opt(layers: int = 2):
     """OPT at its default dropout (0.1 after attention and MLP): random draws in training,
     keyed so that every layout draws the single-process masks (backends/runtime/draws.py)."""

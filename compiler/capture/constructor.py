@@ -1,0 +1,166 @@
+"""What the model's constructor did to its parameters, watched while the skeleton is built.
+
+The skeleton (loading.load_skeleton: the constructor run on CPU, each parameter moved to
+meta as it is registered) is built under `Watch`, a dispatch mode that keeps two records,
+read back by parameter name:
+
+* **Constants** (`constructor_constants`). A parameter no init rule writes (init_rules.py)
+  keeps the value its constructor computed when that value is a constant of the code:
+  nanoGPT's `LayerNorm` holds `nn.Parameter(torch.ones(n))` and has no rule, Apertus's
+  xIELU holds `log(expm1(tensor(0.8)))`. Every construction gives such a parameter the same
+  value, so the ranks and the single-process reference each take it from their own
+  skeleton. `Watch` marks every storage an op fills from the random generator (the ops torch
+  tags `nondeterministic_seeded`) or leaves uninitialised (`empty` and its kin), and every
+  storage an op computes or writes from a marked one; an op overwriting a storage whole from
+  unmarked values (`fill_`, `zero_`, `copy_`) unmarks it. A mark lives as long as its
+  storage (a weak reference: torch keeps one Python object per live storage), so a new
+  storage never inherits one. A parameter registered with an unmarked CPU value is kept,
+  with that value, until an op writes it. What torch does not dispatch (numpy's random
+  generator behind `torch.tensor(array)`) this mode cannot see: `init_rules.check_init`
+  takes a constant only where two skeletons built under different seeds agree on it.
+* **Writes** (`constructor_writes`): every in-place op on a parameter after it was
+  registered, in order (op and its other arguments). materialize.py compares them with what
+  the parameter's init rule writes: where the constructor wrote the rule's writes and then
+  more -- nanoGPT re-draws each `c_proj.weight` at std 0.02/sqrt(2 x layers) after
+  `apply(_init_weights)` drew it at 0.02 -- the rest is replayed after the rule, so the
+  parameter is drawn from the constructor's distribution.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_aten = torch.ops.aten
+_UNINITIALISED = frozenset({_aten.empty.memory_format, _aten.empty_strided.default,
+                            _aten.new_empty.default, _aten.new_empty_strided.default,
+                            _aten.empty_like.default, _aten.resize_.default})
+_OVERWRITES = frozenset({_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default,
+                         _aten.copy_.default})
+
+_FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _storage(t) -> Optional[torch.UntypedStorage]:
+    """`t`'s storage object (one per storage while it lives: a weak reference to it dies
+    with the storage), or None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None
+
+
+def _key(t) -> Optional[int]:
+    s = _storage(t)
+    return None if s is None else s._cdata
+
+
+def written(func, args, kwargs) -> Optional[torch.Tensor]:
+    """The tensor an in-place op writes (its first argument, marked written), or None."""
+    first = func._schema.arguments[0] if func._schema.arguments else None
+    if first is not None and first.alias_info is not None and first.alias_info.is_write:
+        t = args[0] if args else kwargs.get(first.name)
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
+def write_entry(func, args, kwargs) -> tuple:
+    """One in-place write as (op, its other arguments, keyword arguments); an argument that
+    is a tensor (a copy from another value) is recorded as None: such a write cannot be
+    replayed from the record (`replayable`)."""
+    def plain(v):
+        return None if isinstance(v, torch.Tensor) else v
+    return (func, tuple(plain(a) for a in args[1:]),
+            tuple(sorted((k, plain(v)) for k, v in kwargs.items())))
+
+
+def replayable(entry: tuple) -> bool:
+    _, args, kwargs = entry
+    return None not in args and all(v is not None for _, v in kwargs)
+
+
+def replay(entry: tuple, p: torch.Tensor) -> None:
+    """Run a recorded write on `p` (the caller seeds the random generator)."""
+    func, args, kwargs = entry
+    func(p, *args, **dict(kwargs))
+
+
+def _whole(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and \
+        t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+class Writes(TorchDispatchMode):
+    """Records every in-place write, by the written storage (`log`: key -> entries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: dict[int, list] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = written(func, args, kwargs)
+        if target is not None:
+            self.log.setdefault(_key(target), []).append(write_entry(func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+class Watch(TorchDispatchMode):
+    """Marks what the random generator or uninitialised memory reached; keeps parameters
+    registered with unmarked values until something writes them; records every write on a
+    registered (meta) parameter (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.marked = weakref.WeakSet()  # storages: a mark dies with its storage
+        self.kept: dict[int, tuple] = {}  # meta parameter's storage -> (it, its value)
+        self.writes: dict[int, tuple] = {}  # meta storage -> (a tensor holding it, entries)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        target = written(func, args, kwargs)
+        if target is not None and target.is_meta:
+            self.kept.pop(_key(target), None)
+            self.writes.setdefault(_key(target), (target, []))[1].append(
+                write_entry(func, args, kwargs))  # the tensor held: no reuse of its key
+        inputs = [_storage(t) for t in tree_leaves((args, kwargs)) if t is not target]
+        tainted = func in _UNINITIALISED or torch.Tag.nondeterministic_seeded in func.tags \
+            or any(k is not None and k in self.marked for k in inputs)
+        changed = [target] if target is not None else tree_leaves(out)
+        for k in filter(None, map(_storage, changed)):
+            if tainted:
+                self.marked.add(k)
+            elif target is not None and func in _OVERWRITES and _whole(target):
+                self.marked.discard(k)  # overwritten whole from unmarked values
+        return out
+
+    def register(self, value: torch.Tensor, moved: torch.Tensor) -> None:
+        """`value` (the constructor's) was registered as a parameter, now `moved` to meta."""
+        if value.device.type == "cpu" and _storage(value) not in self.marked:
+            self.kept[_key(moved)] = (moved, value.detach())  # held: no reuse of its key
+
+    def found(self, model: torch.nn.Module) -> None:
+        """Records `model`'s kept constants and parameter writes, by every name they have."""
+        named = list(model.named_parameters(remove_duplicate=False))
+        _FOUND[model] = ({n: self.kept[_key(p)][1] for n, p in named if _key(p) in self.kept},
+                         {n: self.writes[_key(p)][1] for n, p in named
+                          if _key(p) in self.writes})
+
+
+def constructor_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> the constant value the constructor gave that parameter and nothing rewrote,
+    for a skeleton (loading.load_skeleton); empty for any other model."""
+    return _FOUND.get(model, ({}, {}))[0]
+
+
+def constructor_writes(model: torch.nn.Module) -> dict[str, list]:
+    """name -> the in-place writes the constructor made on that parameter once registered
+    (write_entry's), for a skeleton; empty for any other model."""
+    return _FOUND.get(model, ({}, {}))[1]
