@@ -17,6 +17,8 @@ whose refusal it moves forward:
   MoE layers the expert-parallel layer can shard);
 * recompute rules whose region writes its own input in place
   (backends/runtime/recompute.py's check, run on the compiled stage graphs);
+* parameters the captured forward never reads: no stage holds them, so no rank would
+  train, keep or save them (verify calls such a run DIFFERENT: "parameters no rank holds");
 * random draws the keyed draws (backends/runtime/draws.py) cannot make as the
   single-process run does: under inductor, tensor parallelism's compiled graphs,
   context parallelism, expert parallelism's grouped reference, attention dropout
@@ -55,10 +57,29 @@ def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec]) ->
     """Every runtime refusal that needs the model or the stage graphs."""
     if rewrites_stages(plan):
         check_parallel_model(plan, model)
+    _check_every_parameter_read(plan, model, stages)
     rules = tuple(r for r in plan.recompute if r.mode != "none")
     if rules:
         _check_recompute(plan, rules, stages)
     _check_random_draws(plan, stages)
+
+
+def _check_every_parameter_read(plan: Plan, model: nn.Module, stages: Sequence[StageSpec]
+                                ) -> None:
+    """Refuse a model whose captured forward leaves parameters unread (at the plan's shapes:
+    DeepseekV4's compressor reads its gate_proj only once a sequence fills its window): the
+    stages hold only what the graph reads, so those would be lost from every checkpoint and
+    export -- as DistributedDataParallel refuses unused parameters by default."""
+    held = {id(p) for st in stages for p in st.module.parameters()}
+    unread = [n for n, p in model.named_parameters() if id(p) not in held]
+    if unread:
+        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+        raise PlanError.at(
+            plan, "model.source", f"the model's forward (captured at this plan's input shapes) "
+            f"never reads {len(unread)} of its parameters: {shown}; no stage would hold them, "
+            "so they would be neither trained nor saved",
+            "remove them from the model, or train on inputs the forward reads them for (e.g. "
+            "a longer data.seq_len where a layer acts only on long sequences)")
 
 
 def rewrites_stages(plan: Plan) -> bool:

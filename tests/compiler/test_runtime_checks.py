@@ -129,3 +129,41 @@ class Inplace(torch.nn.Module):
 class _AddInPlace(torch.nn.Module):
     def forward(self, x):
         return x.add_(1.0) * 2
+
+
+class LongOnly(torch.nn.Module):
+    """A layer that acts only on sequences of `window` tokens or more (DeepseekV4's
+    compressor reads its gate_proj only once a sequence fills its window)."""
+
+    def __init__(self, vocab: int = 64, window: int = 32):
+        super().__init__()
+        self.window = window
+        self.emb = torch.nn.Embedding(vocab, 8)
+        self.pool = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, vocab)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        if input_ids.shape[1] >= self.window:
+            x = x + self.pool(x[:, :self.window]).mean(1, keepdim=True)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("seq_len", [16, 32])
+def test_parameters_the_forward_never_reads_are_refused_at_the_model_line(tmp_path, seq_len):
+    """No stage holds a parameter the captured graph never reads, so no rank would train or
+    save it (verify called the run DIFFERENT: "parameters no rank holds"): refused at the
+    model line naming them, unless the plan's inputs reach it."""
+    text = DENSE.replace("pipeplan.examples.models.gpt:GPT",
+                         "pipeplan.tests.compiler.test_runtime_checks:LongOnly").replace(
+        "args = { vocab = 64, dim = 32, layers = 2, heads = 4, seq_len = 16 }",
+        "args = { vocab = 64 }").replace("seq_len = 16)", f"seq_len = {seq_len})")
+    plan = parse_plan(text, str(tmp_path / "t.plan"))
+    if seq_len == 32:
+        assert compile_plan(plan).stages
+        return
+    with pytest.raises(PlanError) as info:
+        compile_plan(plan)
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests')
+    assert "never reads 2 of its parameters: pool.weight, pool.bias" in d.message
