@@ -162,6 +162,7 @@ class CompiledPlan:
     # tensor.plan = auto: the Linears left whole as tp could not keep them split -> why
     tp_whole: dict = field(default_factory=dict)
     capture: str = "fx"  # how the graph was captured, and why when auto
+    gradless: tuple[str, ...] = ()  # parameters read only through detach: trained frozen
     capture_reason: str = ""
     split_text: str = ""  # the chosen split in plan syntax, to pin it
     split_points: tuple[str, ...] = ()  # the same: module names where stages 1..S-1 begin

@@ -24,6 +24,7 @@ import torch.fx as fx
 from ..dsl.ast import Plan
 from ..schedules.simulate import simulate
 from .capture.blocks import blocks_of
+from .capture.capture import gradless_parameters
 from .parallel.checks import check_plan_values, check_runnable
 from .compiled import CompiledPlan, StageSpec
 from .estimate.activations import TensorSplit, saved_records, stage_saved_bytes
@@ -141,6 +142,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, tp_whole=tp_whole, capture=traced.method,
                         capture_reason=traced.reason,
+                        gradless=gradless_parameters(graph, {n for n, _ in
+                                                             model.named_parameters()}),
                         split_text=split.text if split.starts else "", split_points=split.starts,
                         estimates=estimates)
 

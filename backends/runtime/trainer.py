@@ -159,6 +159,10 @@ class PipelineTrainer:
             fresh_meta(modules.values())  # fill_stages swaps storage into these objects
         else:  # stages compiled with weights (tests): moved whole, then sliced
             modules = {s: m.to(device) for s, m in modules.items()}
+        for m in modules.values():  # what the model gives no gradient is never stepped
+            for name, p in m.named_parameters():
+                if name in compiled.gradless:
+                    p.requires_grad_(False)
         # every parameter's name and global shape, before the rewrites shard them (checkpoints)
         self.global_shapes, self.first_stage = parameter_shapes(compiled)
         # cp, then ep and tp, then ZeRO, in place (backends/parallel: parallelize)

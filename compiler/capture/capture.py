@@ -24,6 +24,7 @@ import copy
 import inspect
 import io
 import logging
+import operator
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -256,11 +257,16 @@ def capture_export(model: torch.nn.Module, example: dict, reason: str,
     return Captured(fx.GraphModule(root, graph), tuple(inputs), outputs, "export", reason)
 
 
+_GRAD_MODE = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
 def _copy_node(node: fx.Node, graph: fx.Graph, env: dict, owner: nn.Module) -> None:
     """One node of the exported graph into `graph` (`lift_fresh_copy` as the clone it is).
-    A region export keeps as a higher-order op over a graph of its own
-    (`wrap_with_set_grad_enabled`, `wrap_with_autocast`) is refused, naming it: its body is
-    not one of the model's tensors."""
+    A region the forward runs under `torch.no_grad()` (export keeps it as a higher-order op,
+    `wrap_with_set_grad_enabled`, over a graph of its own: DeepSeek-V3.2's indexer picks its
+    top-k there) is inlined, its inputs detached (`_inline_grad_mode`). Any other such
+    region (`wrap_with_autocast`) is refused, naming it: its body is not one of the
+    model's tensors."""
     if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
         return  # export's own guards; they pin the capture device and say nothing new
     if node.op == "call_function" and node.target is torch.ops.aten.lift_fresh_copy.default:
@@ -270,6 +276,17 @@ def _copy_node(node: fx.Node, graph: fx.Graph, env: dict, owner: nn.Module) -> N
         env[node] = graph.call_function(torch.ops.aten.clone.default, (env[node.args[0]],))
         env[node].meta = dict(node.meta)
         return
+    if node.op == "get_attr" and isinstance(getattr(owner, node.target, None), fx.GraphModule) \
+            and node.users and all(u.target is _GRAD_MODE for u in node.users):
+        env[node] = getattr(owner, node.target)  # inlined where it is called
+        return
+    if node.op == "call_function" and node.target is _GRAD_MODE:
+        env[node] = _inline_grad_mode(node, graph, env)
+        return
+    if node.op == "call_function" and node.target is operator.getitem \
+            and isinstance(env.get(node.args[0]), tuple):  # an inlined region's output
+        env[node] = env[node.args[0]][node.args[1]]
+        return
     if node.op == "get_attr" and isinstance(getattr(owner, node.target, None), fx.GraphModule):
         users = ", ".join(sorted({str(u.target) for u in node.users}))
         raise CaptureFailed("export", RuntimeError(
@@ -277,6 +294,43 @@ def _copy_node(node: fx.Node, graph: fx.Graph, env: dict, owner: nn.Module) -> N
             "run that region's code without changing the grad or autocast mode inside "
             "the forward")
     env[node] = graph.node_copy(node, env.__getitem__)
+
+
+def _inline_grad_mode(node: fx.Node, graph: fx.Graph, env: dict) -> tuple:
+    """The body of `wrap_with_set_grad_enabled(enabled, body, *operands)` copied in place;
+    under `enabled=False` each tensor operand is read through `aten.detach` first, so no
+    gradient flows through the region (what running it under no_grad means: its outputs do
+    not require grad). Returns the body's outputs (the region's getitems read them)."""
+    enabled, body, *operands = node.args
+    values = []
+    for a in operands:
+        v = env[a] if isinstance(a, fx.Node) else a
+        if not enabled and isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            v = graph.call_function(torch.ops.aten.detach.default, (v,))
+            v.meta = {**node.meta, "val": a.meta["val"]}
+        values.append(v)
+    module, inner = env[body], {}
+    places = iter(values)
+    for n in module.graph.nodes:
+        if n.op == "placeholder":
+            inner[n] = next(places)
+        elif n.op == "output":
+            return tuple(inner[a] if isinstance(a, fx.Node) else a for a in n.args[0])
+        else:
+            _copy_node(n, graph, inner, module)
+    raise AssertionError("a graph without an output")
+
+
+def gradless_parameters(graph: fx.Graph, params: set) -> tuple[str, ...]:
+    """The parameters (of `params`, qualified names) the graph reads only through
+    `aten.detach`: a region run under no_grad (`_inline_grad_mode`) or the forward's own
+    `.detach()`. The model gives them no gradient, so single-process training never steps
+    them (an optimizer skips a parameter whose grad is None); the runtime trains them as
+    frozen (backends/runtime/trainer.py), so no dp reduction or ZeRO shard makes a zero
+    gradient for weight decay to act on."""
+    return tuple(sorted(n.target for n in graph.nodes if n.op == "get_attr"
+                        and n.target in params and n.users
+                        and all(u.target is torch.ops.aten.detach.default for u in n.users)))
 
 
 @dataclass(frozen=True)

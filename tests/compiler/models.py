@@ -361,3 +361,37 @@ class FunctionLM(nn.Module):
         if self.fn == "round":
             return self.head(_StraightThrough.apply(x * 4) / 4)
         return self.head(_Square.apply(x))
+
+
+class NoGradIndexer(nn.Module):
+    """DeepSeek-V3.2's indexer in miniature: under `torch.no_grad()` a scorer (its only
+    reader) picks each position's top-2 earlier positions; the layer then attends to those
+    with gradients, through two Linear blocks (a pipeline of 2 splits between them)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_Picked(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class _Picked(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scorer, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        t = x.shape[1]
+        with torch.no_grad():
+            s = self.scorer(x) @ x.transpose(1, 2)
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            idx = s.topk(2, dim=-1).indices  # [b, t, 2]
+        picked = torch.gather(self.value(x).unsqueeze(1).expand(-1, t, -1, -1), 2,
+                              idx.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+        return x + picked.mean(2)

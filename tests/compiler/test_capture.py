@@ -350,3 +350,31 @@ def test_a_trace_that_calls_an_autograd_function_is_traced_at_every_capture(monk
     for rows in (2, 3):
         cap.capture(plan, model, {"x": torch.randn(rows, 8)})
     assert len(count) == 2
+
+
+def test_a_no_grad_region_is_inlined_with_its_inputs_detached(make_plan, chain):
+    """export keeps a `torch.no_grad()` region as a higher-order op over a graph of its own;
+    check refused it (DeepSeek-V3.2, GLM-MoE-DSA, HunYuan V4, LongCat-Flash: their indexers
+    or routers pick under no_grad). It is inlined, its tensor inputs read through detach: the
+    stages' loss and every gradient are the eager model's in float64 (the scorer, read only
+    in the region, gets none in both)."""
+    plan = make_plan("tests/compiler/models.py:NoGradIndexer", {}, pp=2,
+                     model_fields={"capture": "export"})
+    torch.manual_seed(0)
+    model = load_model(plan, "cpu").double()
+    compiled = compile_plan(plan, model)
+    assert compiled.capture == "export"
+    graph_ops = {n.target for st in compiled.stages for n in st.module.graph.nodes}
+    assert torch.ops.aten.detach.default in graph_ops
+    assert not any("wrap_with" in str(t) for t in graph_ops)
+    batch = _batch(16, plan.microbatch_size, 16)
+    got = chain(compiled, batch)
+    want = reference_loss("cross_entropy", model(input_ids=batch["input_ids"]), batch["targets"])
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    params = list(model.parameters())
+    grads = zip(torch.autograd.grad(got, params, allow_unused=True),
+                torch.autograd.grad(want, params, allow_unused=True))
+    for (name, _), (a, b) in zip(model.named_parameters(), grads):
+        assert (a is None) == (b is None) == ("scorer" in name), name
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-14), name
