@@ -43,7 +43,7 @@ from ..capture.blocks import module_path
 from ..compiled import BATCH, CONSTANT
 from ..patterns import matches, matches_any
 from .tp_fused import ROWS_RESTORED, find_segments
-from .tp_follow import gathered_at, is_view
+from .tp_follow import convolution_between, gathered_at, is_view
 from .tp_model import HF_STYLES, declared_plan
 
 KINDS = ("column", "row", "vocab")
@@ -380,6 +380,13 @@ def check_pairing(plan: Plan, graph: fx.Graph, model: torch.nn.Module, kinds: di
             out = features_out(node, run)
             find_segments(plan, key, name, node, run, out)
             _check_kept(plan, key, name, out, run)
+            conv = convolution_between(node, linear, is_tensor)
+            if conv is not None:
+                raise PlanError.at(plan, key, f"column-parallel {name}'s split output passes "
+                                   f"through a convolution (`{conv.name}`) before a row "
+                                   "layer: its weight holds every channel, and tp splits "
+                                   "no convolution", "leave this projection whole (drop it "
+                                   "and its row from the tensor patterns)")
             for hit in first_linears(node, linear, True, is_tensor):
                 if hit is None or kinds.get(linear[hit]) != "row":
                     what = "the loss" if hit is None else \

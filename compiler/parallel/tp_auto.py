@@ -30,7 +30,7 @@ from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
 from .tp import _check_shape, _check_tied, _holders, carries_features, embedding_calls, \
     embedding_ids, features_out, first_linears, linear_uses, loss_of_logits, tp_annotations
-from .tp_follow import REDUCTIONS, gathered_at, reduced_dims, split_dims
+from .tp_follow import REDUCTIONS, gathered_at, is_convolution, reduced_dims, split_dims
 
 KEY = "tensor.plan"
 
@@ -223,6 +223,8 @@ def _combines_features(n: fx.Node, run, gm, split: dict) -> bool:
     """Does n combine features of the split: over the dim that carries it where
     `split` follows it into n, else (conservatively) any norm, or a reduction over the
     last dim."""
+    if is_convolution(n):  # its weight holds every channel: the split ones' too
+        return True
     x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     at = split.get(x)
     if n.op == "call_module":

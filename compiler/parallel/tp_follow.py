@@ -233,6 +233,35 @@ def _through_index(user: fx.Node, before: tuple, dim: int):
 
 # ------------------------------------------------------- the split through computation
 # reductions by name (over `dim`, else every dim): tp_auto asks whether one mixes the split
+# A convolution reads a weight over every channel (Inkling's depthwise short convolution of
+# k and v after their projections): tp splits no such weight, so a split cannot pass
+# through one (it crashed in the first forward after `check` passed).
+_CONVOLUTIONS = {"convolution", "_convolution", "conv1d", "conv2d", "conv3d",
+                 "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
+
+
+def is_convolution(n: fx.Node) -> bool:
+    if n.op == "call_module":
+        return isinstance(n.graph.owning_module.get_submodule(n.target),
+                          torch.nn.modules.conv._ConvNd)
+    return n.op in ("call_function", "call_method") and _op_name(n) in _CONVOLUTIONS
+
+
+def convolution_between(column: fx.Node, linear: dict, is_tensor) -> Optional[fx.Node]:
+    """A convolution on the way from a column layer's output to the Linears it reaches
+    first, or None."""
+    seen, frontier = {column}, [u for u in column.users if is_tensor(u)]
+    while frontier:
+        n = frontier.pop()
+        if n in seen or n in linear or n.op == "output":
+            continue
+        seen.add(n)
+        if is_convolution(n):
+            return n
+        frontier.extend(u for u in n.users if is_tensor(u))
+    return None
+
+
 REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "std_mean", "amax", "amin", "max",
               "min", "norm", "linalg_vector_norm", "logsumexp", "prod", "all", "any"}
 

@@ -200,6 +200,25 @@ def test_a_vocabulary_tp_cannot_split_stays_whole_and_is_listed(tmp_path):
         "shared", "encoder.embed_tokens", "decoder.embed_tokens", "lm_head"}, t5.tp_rewrites
 
 
+def test_a_convolution_between_two_linears_is_no_pair(tmp_path):
+    """`a -> depthwise Conv1d -> b`: the convolution's weight holds every channel and tp
+    splits no convolution; `auto` paired a with b and the run crashed in its first forward
+    after `check` passed (Inkling: "expected input ... to have 2048 channels, but got 1024").
+    `auto` pairs only up/down now; the pair written out is refused at its column line."""
+    src = "pipeplan.tests.parallel.tp_models:NormBetweenLM"
+    c = _compiled(src, "layers = 2, conv = true", tmp_path)
+    assert c.tp_rewrites == {"embed": "vocab", "head": "vocab",
+                             **{f"layers.{i}.{m}": k for i in range(2)
+                                for m, k in (("up", "column"), ("down", "row"))}}
+    text = PLAN.format(source=src, args="layers = 2, conv = true").replace(
+        "tensor { plan = auto }", "tensor {\n  column = [layers.*.a]\n  row = [layers.*.b]\n}")
+    with pytest.raises(PlanError) as e:
+        compile_plan(parse_plan(text, str(tmp_path / "written.plan")))
+    (d,) = e.value.diagnostics
+    assert "layers.0.a's split output passes through a convolution" in d.message
+    assert text.splitlines()[d.span.line - 1][d.span.col - 1:].startswith("layers.*.a")
+
+
 def test_a_linear_both_reading_and_writing_a_split_is_no_pair(tmp_path):
     """Doge's dt_proj reads v's output and adds its own to the attention scores: as a row it
     would take v's split, as a column give o_proj one; it is neither, so v, and the

@@ -166,15 +166,19 @@ class MegatronGPT(nn.Module):
 class NormBetweenLM(nn.Module):
     """Blocks of two Linear chains: `up -> GELU -> down` (Megatron's pair) and `a -> LayerNorm
     -> b` (a norm over a's features between them: no pair), each added to the residual; or,
-    `single`, one Linear a block (nothing to pair)."""
+    `single`, one Linear a block (nothing to pair); `conv`: a depthwise causal convolution
+    over the sequence in place of the norm (Inkling's short convolution of k and v: its
+    weight holds every channel)."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, single: bool = False):
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, single: bool = False,
+                 conv: bool = False):
         super().__init__()
-        self.single = single
+        self.single, self.conv = single, conv
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(nn.ModuleDict(dict(
             up=nn.Linear(dim, 2 * dim), down=nn.Linear(2 * dim, dim), a=nn.Linear(dim, dim),
-            norm=nn.LayerNorm(dim), b=nn.Linear(dim, dim))) for _ in range(layers))
+            norm=nn.Conv1d(dim, dim, 3, groups=dim, padding=2) if conv else nn.LayerNorm(dim),
+            b=nn.Linear(dim, dim))) for _ in range(layers))
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, input_ids):
@@ -184,6 +188,11 @@ class NormBetweenLM(nn.Module):
                 x = x + layer["a"](x)
                 continue
             x = x + layer["down"](F.gelu(layer["up"](x)))
+            if self.conv:
+                t = x.shape[1]
+                mixed = layer["norm"](layer["a"](x).transpose(1, 2))[..., :t].transpose(1, 2)
+                x = x + layer["b"](mixed)
+                continue
             x = x + layer["b"](layer["norm"](layer["a"](x)))
         return self.head(x)
 
