@@ -163,6 +163,25 @@ def test_llama4_text_checks_under_sequence_parallel_and_as_compiled_graphs(tmp_p
     assert compiled.stages[0].traced_collectives
 
 
+def test_a_redistribution_dtensor_cannot_make_is_refused_not_left_unjudged(tmp_path):
+    """HRM at tp2 by `plan = auto`: the backward of its vocab-split embedding's
+    redistribution gets a partial gradient DTensor cannot turn into the embedding's masked
+    partial. The run at check met exactly that, took it for an op meta tensors cannot run
+    ("not judged"), and check passed; every rank then failed in its first backward. Refused
+    at `tensor.plan`, naming the embedding."""
+    from pipeplan.backends.runtime.source import compile_checked
+    from pipeplan.tests.parallel.families import family_plan_text
+
+    path = tmp_path / "hrm.plan"
+    path.write_text(family_plan_text("hrm_text"))
+    with pytest.raises(PlanError) as e:
+        compile_checked(parse_plan(path.read_text(), str(path)))
+    (d,) = e.value.diagnostics
+    assert "DTensor refuses the backward of" in d.message and "model.embed_tokens" in d.message
+    assert "Redistribution from one partial type" in d.message
+    assert path.read_text().splitlines()[d.span.line - 1][d.span.col - 1:].startswith("auto")
+
+
 def test_dtensor_decomposes_an_op_under_fake_tensors():
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode

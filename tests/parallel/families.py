@@ -250,6 +250,12 @@ def apertus(layers: int = 2):
     return _hf("ApertusConfig", "ApertusForCausalLM", layers)
 
 
+def hrm_text(layers: int = 2):
+    """HRM: its early reasoning cycles run under `torch.no_grad()` (export keeps the region
+    as a higher-order op, which the capture inlines with its inputs detached)."""
+    return _hf("HrmTextConfig", "HrmTextForCausalLM", layers)
+
+
 def opt(layers: int = 2):
     """OPT at its default dropout (0.1 after attention and MLP): random draws in training,
     keyed so that every layout draws the single-process masks (backends/runtime/draws.py)."""
