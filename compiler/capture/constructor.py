@@ -24,6 +24,11 @@ read back by parameter name:
   more -- nanoGPT re-draws each `c_proj.weight` at std 0.02/sqrt(2 x layers) after
   `apply(_init_weights)` drew it at 0.02 -- the rest is replayed after the rule, so the
   parameter is drawn from the constructor's distribution.
+
+Both records are keyed by the parameter's meta storage and hold it, so no other storage can
+take its address: a constructor that swaps its parameters' storages at the end
+(`model.double()` sets each `.data`) leaves them with no record at all -- no constant (check
+refuses what no rule writes, as before) and nothing replayed.
 """
 from __future__ import annotations
 
@@ -119,8 +124,10 @@ class Watch(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.marked = weakref.WeakSet()  # storages: a mark dies with its storage
-        self.kept: dict[int, tuple] = {}  # meta parameter's storage -> (it, its value)
-        self.writes: dict[int, tuple] = {}  # meta storage -> (a tensor holding it, entries)
+        # keyed by a meta storage's address, the storage held so no other takes it (a
+        # parameter's `.data` swapped by `model.double()` frees its old one)
+        self.kept: dict[int, tuple] = {}  # -> (the storage, the parameter's value)
+        self.writes: dict[int, tuple] = {}  # -> (the storage, entries)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -128,8 +135,8 @@ class Watch(TorchDispatchMode):
         target = written(func, args, kwargs)
         if target is not None and target.is_meta:
             self.kept.pop(_key(target), None)
-            self.writes.setdefault(_key(target), (target, []))[1].append(
-                write_entry(func, args, kwargs))  # the tensor held: no reuse of its key
+            self.writes.setdefault(_key(target), (_storage(target), []))[1].append(
+                write_entry(func, args, kwargs))
         inputs = [_storage(t) for t in tree_leaves((args, kwargs)) if t is not target]
         tainted = func in _UNINITIALISED or torch.Tag.nondeterministic_seeded in func.tags \
             or any(k is not None and k in self.marked for k in inputs)
@@ -144,12 +151,14 @@ class Watch(TorchDispatchMode):
     def register(self, value: torch.Tensor, moved: torch.Tensor) -> None:
         """`value` (the constructor's) was registered as a parameter, now `moved` to meta."""
         if value.device.type == "cpu" and _storage(value) not in self.marked:
-            self.kept[_key(moved)] = (moved, value.detach())  # held: no reuse of its key
+            self.kept[_key(moved)] = (_storage(moved), value.detach())
 
     def found(self, model: torch.nn.Module) -> None:
         """Records `model`'s kept constants and parameter writes, by every name they have."""
-        named = list(model.named_parameters(remove_duplicate=False))
-        _FOUND[model] = ({n: self.kept[_key(p)][1] for n, p in named if _key(p) in self.kept},
+        named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+                 if p.is_meta]
+        _FOUND[model] = ({n: self.kept[_key(p)][1] for n, p in named if _key(p) in self.kept
+                          and self.kept[_key(p)][1].shape == p.shape},
                          {n: self.writes[_key(p)][1] for n, p in named
                           if _key(p) in self.writes})
 

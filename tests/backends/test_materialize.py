@@ -457,3 +457,18 @@ def test_initial_values_hold_one_module_at_a_time():
     assert peak <= largest + tied < total / 2
     assert all(p.device.type == "meta" for p in skeleton.parameters())
     assert set(got) == set(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_a_parameter_swapped_by_the_constructor_inherits_no_other_record():
+    """MoEGPT(...).double() swaps every parameter's storage at the end of its constructor; a
+    record keyed by a storage the swap freed passed to whichever parameter's new storage took
+    its address (pp2 dp2 ep2 verify of the SiLU MoE example: DIFFERENT, one run in two, an
+    extra draw replayed on `pos_emb`). The records hold their storages: a swapped parameter
+    has none, in every build."""
+    from pipeplan.compiler.capture.constructor import constructor_constants, constructor_writes
+    from pipeplan.compiler.capture.loading import load_skeleton
+
+    plan = plan_for("pipeplan.tests.parallel.moe_models:silu_moe_gpt", pp=2, args={})
+    for _ in range(8):
+        skeleton = load_skeleton(plan)
+        assert constructor_writes(skeleton) == {} and constructor_constants(skeleton) == {}
