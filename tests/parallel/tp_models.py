@@ -34,8 +34,9 @@ class WindowAttention(nn.Module):
         super().__init__()
         self.heads, self.window, self.use_sdpa = heads, window, use_sdpa
         self.literal_fill = literal_fill  # masked scores from torch.tensor(min), as GPT-Neo
-        # a learned bias per head and relative position, added to the scores (T5's)
-        self.rel = nn.Embedding(2 * 64 - 1, heads) if learned_bias else None
+        # a learned bias per head and relative position, added to the scores (T5's); only
+        # where SDPA takes it as its mask (the other path would leave it unread)
+        self.rel = nn.Embedding(2 * 64 - 1, heads) if learned_bias and use_sdpa else None
         # the attribute names the old substitute attention keyed on (heads, q, k, v, proj)
         self.q = nn.Linear(dim, dim, bias=False)
         self.k = nn.Linear(dim, dim, bias=False)
