@@ -30,7 +30,8 @@ from ..capture.blocks import block_of, blocks_of, within
 from .ep import moe_modules
 from .tp import _check_shape, _check_tied, _holders, carries_features, embedding_calls, \
     embedding_ids, features_out, first_linears, linear_uses, loss_of_logits, tp_annotations
-from .tp_follow import REDUCTIONS, gathered_at, is_convolution, reduced_dims, split_dims
+from .tp_follow import REDUCTIONS, between, gathered_at, is_convolution, reduced_dims, \
+    split_dims
 
 KEY = "tensor.plan"
 
@@ -207,16 +208,8 @@ def _mixes_features(column: fx.Node, linear: dict, is_tensor, run, graph: fx.Gra
     head, a norm within each head)."""
     gm = graph.owning_module
     split = split_dims(column, run, tp, lambda n: n in linear or n.op == "output")
-    seen, frontier = {column}, [u for u in column.users if is_tensor(u)]
-    while frontier:
-        n = frontier.pop()
-        if n in seen or n in linear or n.op == "output":
-            continue
-        seen.add(n)
-        if _combines_features(n, run, gm, split):
-            return True
-        frontier.extend(u for u in n.users if is_tensor(u) or u.op == "output")
-    return False
+    return any(_combines_features(n, run, gm, split)
+               for n in between(column, linear, is_tensor))
 
 
 def _combines_features(n: fx.Node, run, gm, split: dict) -> bool:

@@ -247,19 +247,22 @@ def is_convolution(n: fx.Node) -> bool:
     return n.op in ("call_function", "call_method") and _op_name(n) in _CONVOLUTIONS
 
 
-def convolution_between(column: fx.Node, linear: dict, is_tensor) -> Optional[fx.Node]:
-    """A convolution on the way from a column layer's output to the Linears it reaches
-    first, or None."""
+def between(column: fx.Node, linear: dict, is_tensor) -> Iterator[fx.Node]:
+    """The ops on the way from a column layer's output to the Linears it reaches first
+    (tensor values only; the Linears and the graph's output not included)."""
     seen, frontier = {column}, [u for u in column.users if is_tensor(u)]
     while frontier:
         n = frontier.pop()
         if n in seen or n in linear or n.op == "output":
             continue
         seen.add(n)
-        if is_convolution(n):
-            return n
+        yield n
         frontier.extend(u for u in n.users if is_tensor(u))
-    return None
+
+
+def convolution_between(column: fx.Node, linear: dict, is_tensor) -> Optional[fx.Node]:
+    """A convolution on the way from a column layer's output to its row layers, or None."""
+    return next((n for n in between(column, linear, is_tensor) if is_convolution(n)), None)
 
 
 REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "std_mean", "amax", "amin", "max",
