@@ -127,10 +127,11 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     replay = replayed(profile, schedule, times, split.starts) if profile else None
     if profile:
         device = dataclasses.replace(device, profile=profile_text(plan, profile, replay))
+    gradless = gradless_parameters(graph, {n for n, _ in model.named_parameters()})
     estimates = estimate(plan, stages, schedule, times, tied, tp_kinds, expert_params,
-                         tp_traffic, moe_traffic, device, replay)
+                         tp_traffic, moe_traffic, device, replay, frozenset(gradless))
     estimates.timing = timing_of(plan, stages, schedule, work, tp_traffic, moe_traffic, tp_kinds,
-                                 expert_params, estimates)
+                                 expert_params, estimates, frozenset(gradless))
     if not profile:  # the time model's step: the same simulation, its breakdown per rank
         estimates.prediction = estimates.timing.time_on(device, estimates.simulation, times)
         estimates.step_time_s = estimates.prediction.step_s + estimates.prepass_s
@@ -142,8 +143,7 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
     return CompiledPlan(plan=plan, stages=stages, schedule=schedule, tied=tied, experts=experts,
                         tp_rewrites=tp_kinds, tp_whole=tp_whole, capture=traced.method,
                         capture_reason=traced.reason,
-                        gradless=gradless_parameters(graph, {n for n, _ in
-                                                             model.named_parameters()}),
+                        gradless=gradless,
                         split_text=split.text if split.starts else "", split_points=split.starts,
                         estimates=estimates)
 

@@ -175,7 +175,10 @@ class PipelineTrainer:
         self.param_bytes = fill_stages(plan, modules.values(), device,
                                        self.zero.fill_targets() if self.zero else None)
         if self.zero is not None:  # the flat buffers hold every trainable parameter
-            self.param_bytes = self.zero.param_bytes()
+            frozen = {id(p): p for m in modules.values() for p in m.parameters()
+                      if not p.requires_grad}  # held whole beside them
+            self.param_bytes = self.zero.param_bytes() + sum(
+                p.numel() * p.element_size() for p in frozen.values())
         rules = tuple(r for r in plan.recompute if r.mode != "none")
         self.grad_bytes = None  # set at the first optimizer step (memory report)
         self.runners = {s: make_runner(plan, specs[s], m, s == last, scale, rules,

@@ -14,7 +14,9 @@ Accounting (stated in the report, so a reader can check it):
   ranks. ZeRO-0 is the runtime's plain optimizer (one counter per parameter).
   Bytes per element: 4 / 4 / AdamW 8 (SGD 4 with momentum), with bf16 too:
   the runtime's bf16 is autocast over fp32 master weights, so parameters,
-  gradients (and their reductions) and optimizer states stay fp32.
+  gradients (and their reductions) and optimizer states stay fp32. A parameter
+  no optimizer steps (requires_grad off, or the model gives it no gradient:
+  `CompiledPlan.gradless`) is held whole beside the shards, its weights alone.
 * Activations: the bytes each stage keeps for backward per microbatch on one
   rank (StageSpec.activation_bytes: estimate/activations.py, exact against the
   runtime under TP, sequence parallel, recompute and bf16), held from its F
@@ -80,32 +82,44 @@ class RankShards:
     uses: dict  # stage index -> indices into shards
     numel: dict  # id(parameter) -> elements this rank holds of it (after tp / ep)
     listed: tuple  # (stage index, [(key, kind)] in module order): ZeRO 0's buckets
+    frozen: int = 0  # elements this rank holds of parameters no optimizer steps (weights only)
 
 
 def rank_shards(plan: Plan, stages: list[StageSpec], tp_kinds: dict[str, str],
-                expert_params: set[str]) -> RankShards:
+                expert_params: set[str], gradless: frozenset = frozenset()) -> RankShards:
     """Each parameter's kind and local size, grouped as `build_zero_optimizer` groups the
-    rewritten stage modules' parameters (both call zero_layout.group_shards)."""
+    rewritten stage modules' parameters (both call zero_layout.group_shards). Parameters that
+    do not require grad, or that the model gives no gradient (`gradless`, the trainer freezes
+    them), are held whole outside ZeRO's flat buffers: weights, no gradient, no state."""
     mesh, dispatched = plan.mesh, experts_dispatched(plan)
-    listed, numel = [], {}
+    listed, numel, frozen, seen = [], {}, 0, set()
     for st in stages:
         params = []
         for name, p in st.module.named_parameters():
-            if not p.requires_grad:
+            kind = _kind_of(plan, name, tp_kinds, expert_params, dispatched)
+            n = p.numel() // {EXPERT: mesh.ep, TENSOR_PARALLEL: mesh.tp}.get(kind, 1)
+            if not p.requires_grad or name in gradless:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    frozen += n
                 continue
-            owner, _, leaf = name.rpartition(".")
-            tp_kind = tp_kinds.get(owner) if mesh.tp > 1 else None
-            if dispatched and name in expert_params:
-                kind, n = EXPERT, p.numel() // mesh.ep
-            elif tp_kind is not None and not (tp_kind == "row" and leaf == "bias"):
-                kind, n = TENSOR_PARALLEL, p.numel() // mesh.tp
-            else:
-                kind, n = REPLICATED, p.numel()
             numel[id(p)] = n
             params.append((id(p), kind))
         listed.append((st.index, params))
     shards, uses = group_shards(listed)
-    return RankShards(shards, uses, numel, tuple(listed))
+    return RankShards(shards, uses, numel, tuple(listed), frozen)
+
+
+def _kind_of(plan: Plan, name: str, tp_kinds: dict[str, str], expert_params: set[str],
+             dispatched: bool) -> str:
+    """How the tp and ep rewrites hold parameter `name`: an expert's, a tp shard, whole."""
+    owner, _, leaf = name.rpartition(".")
+    if dispatched and name in expert_params:
+        return EXPERT
+    tp_kind = tp_kinds.get(owner) if plan.mesh.tp > 1 else None
+    if tp_kind is not None and not (tp_kind == "row" and leaf == "bias"):
+        return TENSOR_PARALLEL
+    return REPLICATED
 
 
 def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
@@ -117,7 +131,8 @@ def _group_of(plan: Plan, kind: str) -> tuple[str, int]:
 
 def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[TiedParam, ...],
              tp_kinds: dict[str, str], expert_params: set[str], tp_traffic: list[Traffic],
-             moe_traffic: list[Traffic], device: DeviceModel, replay=None) -> Estimates:
+             moe_traffic: list[Traffic], device: DeviceModel, replay=None,
+             gradless: frozenset = frozenset()) -> Estimates:
     """Estimates for every global rank (pp outermost, tp innermost; a pipeline rank's dp × tp
     ranks hold the same shares, so they get equal numbers). `costs` (predict.action_costs, in
     seconds) time the schedule under `device`; `replay` (profile.replayed: the median
@@ -128,7 +143,7 @@ def estimate(plan: Plan, stages: list[StageSpec], schedule, costs, tied: tuple[T
     per_pp, sums = [], []
     for r in range(mesh.pp):
         mine = [st for st in stages if st.rank == r]
-        layout = rank_shards(plan, mine, tp_kinds, expert_params)
+        layout = rank_shards(plan, mine, tp_kinds, expert_params, gradless)
         actions = [a.stage for a in schedule.order[r]]
         est = _state_bytes(plan, layout, actions)
         est.rank, est.activation_bytes = r, int(peaks[r])
@@ -226,6 +241,7 @@ def _state_bytes(plan: Plan, layout: RankShards, order: Sequence[int]) -> RankEs
         gathers = 1 if z < 3 else _runs(order, {st for st, used in layout.uses.items()
                                                 if i in used})
         add(group, "allgather", gathers * full // n * per.param, gathers)
+    memory.append(MemoryBytes(layout.frozen * per.param, 0, 0))  # held whole, never stepped
     held = MemoryBytes(*(sum(getattr(m, f) for m in memory)
                          for f in ("params", "grads", "optimizer")))
 

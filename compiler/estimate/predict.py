@@ -510,17 +510,17 @@ def predicted(compiled, device: Optional[DeviceModel] = None) -> Prediction:
 
 def timing_of(plan: Plan, stages: list[StageSpec], schedule, work: list[StageWork],
               tp_traffic, moe_traffic, tp_kinds: dict[str, str], expert_params: set[str],
-              estimates) -> Timing:
+              estimates, gradless: frozenset = frozenset()) -> Timing:
     """A compiled plan's Timing: per stage the ring bytes of its DP reduction (the runtime's
-    ZeRO layout, estimates.rank_shards), per pipeline rank its optimizer's bytes and its
-    tied gradients' sums (Estimates.tied)."""
+    ZeRO layout, estimates.rank_shards; `gradless` parameters are never reduced nor stepped),
+    per pipeline rank its optimizer's bytes and its tied gradients' sums (Estimates.tied)."""
     from .estimates import rank_shards, state_bytes
     per, dp_bytes, opt_bytes, gathers = state_bytes(plan), [], [0.0] * plan.mesh.pp, []
     regathers, waits, tensors = [], [], [0] * plan.mesh.pp
     norm_bytes, norm_groups = [0.0] * plan.mesh.pp, [()] * plan.mesh.pp
     dp = plan.mesh.dp
     for st in stages:
-        layout = rank_shards(plan, [st], tp_kinds, expert_params)
+        layout = rank_shards(plan, [st], tp_kinds, expert_params, gradless)
         reduce, regather, *w = dp_ring_bytes(plan, layout)
         dp_bytes.append(reduce)
         regathers.append(regather)

@@ -185,3 +185,31 @@ def test_a_parameter_read_only_under_no_grad_is_never_stepped(spawn):
     verdict = judge(ref, results)
     assert verdict.within and verdict.grads_compared, verdict.render()
     assert len(set(ref.losses)) == STEPS
+
+
+def _frozen_memory_worker(rank, world, zero):
+    from pipeplan.backends.runtime.trainer import PipelineTrainer
+
+    plan = dataclasses.replace(_no_grad_plan(), zero=zero, train=dataclasses.replace(
+        _no_grad_plan().train, precision="fp32", steps=1))
+    trainer = PipelineTrainer.for_plan(plan)
+    trainer.step(0)
+    return trainer.param_bytes, trainer.grad_bytes, trainer.optimizer_bytes()
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_estimate_holds_weights_but_no_state_for_parameters_no_optimizer_steps(spawn, zero):
+    """NoGradIndexer's scorers get no gradient (trained frozen): every rank holds their
+    weights whole beside ZeRO's flat buffers, and no gradient or optimizer state for them. The
+    estimate's parameter, gradient and optimizer bytes equal what each rank's trainer holds
+    after its first step (the estimate counted none of the scorers' weights, and their
+    gradients and states, before)."""
+    from pipeplan.compiler import compile_plan
+
+    plan = dataclasses.replace(_no_grad_plan(), zero=zero, train=dataclasses.replace(
+        _no_grad_plan().train, precision="fp32", steps=1))
+    est = compile_plan(plan).estimates.ranks
+    held = spawn(_frozen_memory_worker, 2, zero, timeout=300)
+    for rank, (params, grads, optimizer) in enumerate(held):
+        assert (params, grads, optimizer) == (est[rank].param_bytes, est[rank].grad_bytes,
+                                              est[rank].optimizer_bytes), (rank, zero)
