@@ -547,8 +547,8 @@ def test_the_dispatcher_probe_times_the_runtimes_call_less_the_experts_own(monke
     capacity on one rank) the slower process's seconds, the median over DISPATCH_PAIRS
     pairs; `_dispatch_cost` runs compiler/parallel/ep_dispatch.routed_call (what the
     runtime's ExpertParallelExperts calls) and leaves out its experts' own time: an experts
-    module 200x costlier (a busy loop, in place) moves the measured dispatch by far less
-    than its own cost."""
+    module far costlier (a busy loop of 0.2 s a call, in place) moves the measured dispatch
+    by far less than its own cost (margins wide enough for a loaded machine)."""
     from pipeplan.compiler.estimate import cpu_probe
     from pipeplan.compiler.parallel.ep import ExpertShard
     pairs = iter([[(1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 6e-4), (2e-4, 1e-4, 3e-4, 4e-4, 5e-4, 6e-4)],
@@ -564,13 +564,13 @@ def test_the_dispatcher_probe_times_the_runtimes_call_less_the_experts_own(monke
 
     def costly(rows, index, weights):
         t = time.thread_time()
-        while time.thread_time() - t < 0.02:
+        while time.thread_time() - t < 0.2:
             pass
         return plain(rows, index, weights)
     cheap = cpu_probe._dispatch_cost(plain, one, None, cpu_probe.DISPATCH_CAPACITY)
     slow = cpu_probe._dispatch_cost(costly, one, None, cpu_probe.DISPATCH_CAPACITY)
-    assert 0 < cheap[0] < 0.02 and 0 < cheap[1] < 0.02
-    assert slow[0] < cheap[0] + 0.01
+    assert 0 < cheap[0] < 0.1 and 0 < cheap[1] < 0.1, cheap
+    assert slow[0] < cheap[0] + 0.1, (slow, cheap)
 
 
 def test_check_says_whether_each_rank_fits_the_named_devices_memory():
