@@ -13,9 +13,18 @@ under either name.
 Two rules, and the verdict names the one it applied:
 
 * `fp64` (the default of verify and the tests): both sides in float64, every
-  element within |a - b| <= atol + rtol * |b| with rtol 1e-9, atol 1e-12. No
-  exemptions: float64 rounding noise (~1e-16 relative) stays far below
-  Adam's eps, so nothing amplifies it to the tolerance.
+  element within |a - b| <= atol + rtol * |b| with rtol 1e-9, atol 1e-12.
+  Float64 rounding noise (~1e-16 relative) stays far below Adam's eps, so
+  nothing amplifies it to the tolerance -- except a gradient that is exactly
+  zero in exact arithmetic (a Linear's bias before a BatchNorm, which takes the
+  mean out): it comes out as rounding noise of the summed terms (~1e-17), which
+  AdamW's first steps scale by up to lr/eps (1e6 at lr 1e-2, eps 1e-8).
+* `fp64-adam-bound`: applied where `fp64` fails on parameters alone (every loss
+  and gradient within `fp64`): the parameter bound of the float32 rule below
+  with float64's eps, |dp_i| <= atol + rtol*|p_i| + K*eps64*A_i. For a
+  parameter with a healthy gradient A_i is ~lr-sized and the slack ~1e-15; for
+  one whose gradient is rounding noise it admits that noise's Adam step (1e-8
+  per unit of gradient scale), never an lr-sized move.
 * `fp32-adam-bound` (`verify --precision fp32`): float32 rounding differs
   between two correct implementations (summation order of DP chunks, TP
   partial sums), by up to ~K*eps32 times the scale of the summed terms; an
@@ -53,6 +62,7 @@ import torch
 FP64_RTOL, FP64_ATOL = 1e-9, 1e-12
 FP32_K = 64  # rounding steps of headroom per float32 operation chain (K*eps32 ~ 7.6e-6)
 EPS32 = torch.finfo(torch.float32).eps
+EPS64 = torch.finfo(torch.float64).eps
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,13 @@ class Rule:
     def describe(self) -> str:
         if not self.param_slack and not self.grad_slack:
             return f"rule {self.name}: every element within rtol={self.rtol:g}, atol={self.atol:g}"
+        if not self.grad_slack:  # fp64-adam-bound
+            return (f"rule {self.name}: every loss and gradient within rtol={self.rtol:g}, "
+                    f"atol={self.atol:g}; parameters also within {FP32_K}*eps64*A per "
+                    f"element, A = how far the optimizer moves it for a gradient error of "
+                    f"the step's max |g| (Adam: 2*lr*G/(sqrt(v)+eps) per step, from the "
+                    f"reference's v): a gradient that is zero in exact arithmetic comes out "
+                    f"as float64 rounding noise, which Adam's steps scale by up to lr/eps")
         said = (f"rule {self.name}: |diff| <= {FP32_K}*eps32*(|ref| + bound), per element; "
                 f"gradients: bound = max |g| of the step; parameters: bound = how far the "
                 f"optimizer moves each element for a gradient error of that size "
@@ -91,6 +108,14 @@ def fp32_rule(grad_scale: float, adam_reach: Mapping[str, torch.Tensor]) -> Rule
     grads = {n: torch.full((), k * grad_scale, dtype=torch.float64) for n in adam_reach}
     params = {n: k * a.double() for n, a in adam_reach.items()}
     return Rule("fp32-adam-bound", k, 0.0, params, grads)
+
+
+def fp64_adam_rule(adam_reach: Mapping[str, torch.Tensor]) -> Rule:
+    """`fp64` for losses and gradients; parameters also within K*eps64 of the optimizer's
+    reach A (module docstring, `fp64-adam-bound`)."""
+    k = FP32_K * EPS64
+    return Rule("fp64-adam-bound", FP64_RTOL, FP64_ATOL,
+                {n: k * a.double() for n, a in adam_reach.items()})
 
 
 def island_rule(fp32: Rule, nodes) -> Rule:

@@ -51,6 +51,12 @@ class ReferenceResult:
 
         return fp32_rule(self.grad_scale, self.reach)
 
+    def fp64_rule(self):
+        """The judge's float64 rule with the optimizer's reach on parameters (compare.py)."""
+        from .compare import fp64_adam_rule
+
+        return fp64_adam_rule(self.reach)
+
     def island_rule(self, nodes):
         """The float32 rule set by the model's own float32 `nodes` (compare.island_rule)."""
         from .compare import island_rule

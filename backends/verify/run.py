@@ -87,9 +87,11 @@ def dump_rank(path: str, rank: int, losses, trainer, grads: Optional[FirstStepGr
 
 def judge(ref, results, precision: str = "fp64", plan: Optional[Plan] = None):
     """The verdict (compare.Comparison) on every rank's `rank_result` against the reference
-    (reference.ReferenceResult), by the rule of `precision`; in fp64, where that fails and
-    the model of `plan` computes parts of itself in float32 (reference.float_islands, found
-    in its captured graph), by the float32 rule those nodes set (compare.py, `fp32-island`)."""
+    (reference.ReferenceResult), by the rule of `precision`; in fp64, where that fails on
+    parameters alone, by `fp64-adam-bound` (compare.py: the optimizer's reach over float64
+    rounding); where it still fails and the model of `plan` computes parts of itself in
+    float32 (reference.float_islands, found in its captured graph), by the float32 rule those
+    nodes set (compare.py, `fp32-island`)."""
     from .reference import float_islands
     from .compare import FP64, compare
 
@@ -103,6 +105,10 @@ def judge(ref, results, precision: str = "fp64", plan: Optional[Plan] = None):
                        grads_per_rank=[r["grads"] for r in results] if with_grads else None)
 
     verdict = by(rule)
+    if rule is FP64 and not verdict.within and not verdict.missing:
+        adam = by(ref.fp64_rule())  # losses and gradients still judged by fp64
+        if adam.within:
+            return adam
     if rule is FP64 and not verdict.within and not verdict.missing and plan is not None:
         islands = float_islands(plan)
         if islands:  # the model's own float32 nodes set the bound

@@ -16,6 +16,8 @@ import dataclasses
 import torch
 
 from pipeplan.backends.verify.compare import FP64, Rule, alias_map, compare
+from pipeplan.dsl.ast import (DataSpec, InputSpec, MeshSpec, ModelSpec, OptimizerSpec,
+                              PipelineSpec, Plan, TrainSpec)
 from pipeplan.backends.verify.reference import train_reference
 from pipeplan.backends.verify.run import judge
 
@@ -97,3 +99,36 @@ def test_fp64_pair_agrees_within_the_fp64_rule():
     assert a.params["lm_head.weight"].dtype == torch.float64
     verdict = judge(a, [_as_rank(b)])
     assert verdict.within and verdict.rule is FP64, verdict.render()
+
+
+def test_a_gradient_zero_in_exact_arithmetic_is_judged_through_adams_reach():
+    """tests/compiler/models.py's Centered: each block's bias cancels (its output centred over
+    the sequence), so its exact gradient is zero and the computed one is float64 rounding
+    noise (~1e-17), which AdamW's steps scale by up to lr/eps: the single-process reference
+    with 2 and with 4 microbatches (one function, another summation order) moves those biases
+    1.6e-11 apart, beyond `fp64`'s atol 1e-12, with every loss and gradient within it. The
+    judge applies `fp64-adam-bound`: EQUAL; yet an lr-sized move of that bias, or 2e-9 on a
+    weight with a healthy gradient, stays DIFFERENT."""
+    plan = Plan(model=ModelSpec("pipeplan.tests.compiler.models:Centered",
+                                inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),)),
+                data=DataSpec(seq_len=8, vocab=16, seed=7), mesh=MeshSpec(pp=1),
+                pipeline=PipelineSpec(schedule="1f1b", microbatches=2),
+                train=TrainSpec(steps=3, global_batch=8, seed=11, precision="fp64",
+                                optimizer=OptimizerSpec(name="adamw", lr=1e-2, weight_decay=0.1)))
+    four = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, microbatches=4))
+    a, b = train_reference(plan, 3), train_reference(four, 3)
+    strict = compare(a.losses, a.params, [b.losses], [b.params], rule=FP64,
+                     ref_grads=a.grads, grads_per_rank=[b.grads])
+    assert not strict.within and strict.worst_param.endswith(".bias"), strict.render()
+    assert strict.max_loss_diff < 1e-12 and strict.max_grad_diff < 1e-12
+    verdict = judge(a, [_as_rank(b)])
+    assert verdict.within and verdict.rule.name == "fp64-adam-bound", verdict.render()
+    bias, weight = strict.worst_param, "layers.0.weight"
+    for name, by in ((bias, 1e-4), (weight, 2e-9)):
+        broken = dict(b.params)
+        broken[name] = b.params[name].clone()
+        broken[name].view(-1)[0] += by
+        assert not judge(a, [dict(_as_rank(b), params=broken)]).within, name
+    # a gradient outside fp64 is never excused by the parameters' bound
+    grads = dict(b.grads, **{weight: b.grads[weight] * (1 + 1e-6)})
+    assert not judge(a, [dict(_as_rank(b), grads=grads)]).within
