@@ -364,6 +364,15 @@ class PipelineTrainer:
                 out.setdefault(name, p)
         return out
 
+    def named_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' buffers by their names in the unmodified model (running
+        statistics and other state a forward writes live here; never sharded)."""
+        out: dict[str, torch.Tensor] = {}
+        for s in sorted(self.runners):
+            for name, b in self.runners[s].module.named_buffers(remove_duplicate=False):
+                out.setdefault(name, b)
+        return out
+
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters at full shape by their names in the unmodified model.
 

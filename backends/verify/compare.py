@@ -2,8 +2,11 @@
 
 `pipeplan verify` and the equivalence tests both judge with `compare`. What
 must agree: every step's loss, every gradient after step 1 (as the optimizer
-sees it: reduced over DP, tied copies summed, clipped), and every parameter
-after the last step. Every reference parameter must be held by some rank (a
+sees it: reduced over DP, tied copies summed, clipped), every parameter
+after the last step, and every buffer the reference's training wrote (a
+BatchNorm's running statistics: state the trained model keeps; under the
+bounds below each may be off by the largest parameter slack x (1 + |value|),
+as it is computed from those parameters). Every reference parameter must be held by some rank (a
 run that silently dropped one is not equal), and every rank's copy is
 compared (DP replicas, tied copies on two pipeline ranks). Names go through
 the model's aliases: a weight shared by two modules (GPT-2's `wte.weight` is
@@ -75,6 +78,9 @@ class Rule:
     param_slack: Mapping[str, torch.Tensor] = field(default_factory=dict)  # by reference name
     grad_slack: Mapping[str, torch.Tensor] = field(default_factory=dict)
     because: tuple[str, ...] = ()  # the model's own float32 nodes that set it (fp32-island)
+    # buffers the forward writes (running statistics) are computed from the parameters: each
+    # may be off by as much as the parameters may, times (1 + |its value|)
+    buffer_slack: float = 0.0
 
     def describe(self) -> str:
         if not self.param_slack and not self.grad_slack:
@@ -85,11 +91,13 @@ class Rule:
                     f"element, A = how far the optimizer moves it for a gradient error of "
                     f"the step's max |g| (Adam: 2*lr*G/(sqrt(v)+eps) per step, from the "
                     f"reference's v): a gradient that is zero in exact arithmetic comes out "
-                    f"as float64 rounding noise, which Adam's steps scale by up to lr/eps")
+                    f"as float64 rounding noise, which Adam's steps scale by up to lr/eps; "
+                    f"buffers the forward writes within the largest such slack x (1 + |ref|)")
         said = (f"rule {self.name}: |diff| <= {FP32_K}*eps32*(|ref| + bound), per element; "
                 f"gradients: bound = max |g| of the step; parameters: bound = how far the "
                 f"optimizer moves each element for a gradient error of that size "
-                f"(Adam: 2*lr*G/(sqrt(v)+eps) per step, from the reference's v)")
+                f"(Adam: 2*lr*G/(sqrt(v)+eps) per step, from the reference's v); buffers "
+                f"the forward writes: the largest parameter bound x (1 + |ref|)")
         if self.because:
             shown = ", ".join(self.because[:6]) + (f" and {len(self.because) - 6} more"
                                                    if len(self.because) > 6 else "")
@@ -107,21 +115,25 @@ def fp32_rule(grad_scale: float, adam_reach: Mapping[str, torch.Tensor]) -> Rule
     k = FP32_K * EPS32
     grads = {n: torch.full((), k * grad_scale, dtype=torch.float64) for n in adam_reach}
     params = {n: k * a.double() for n, a in adam_reach.items()}
-    return Rule("fp32-adam-bound", k, 0.0, params, grads)
+    return Rule("fp32-adam-bound", k, 0.0, params, grads, buffer_slack=_largest(params))
+
+
+def _largest(slack: Mapping[str, torch.Tensor]) -> float:
+    return max((float(v.max()) for v in slack.values() if v.numel()), default=0.0)
 
 
 def fp64_adam_rule(adam_reach: Mapping[str, torch.Tensor]) -> Rule:
     """`fp64` for losses and gradients; parameters also within K*eps64 of the optimizer's
     reach A (module docstring, `fp64-adam-bound`)."""
     k = FP32_K * EPS64
-    return Rule("fp64-adam-bound", FP64_RTOL, FP64_ATOL,
-                {n: k * a.double() for n, a in adam_reach.items()})
+    params = {n: k * a.double() for n, a in adam_reach.items()}
+    return Rule("fp64-adam-bound", FP64_RTOL, FP64_ATOL, params, buffer_slack=_largest(params))
 
 
 def island_rule(fp32: Rule, nodes) -> Rule:
     """The float32 rule, applied because the model computes `nodes` in float32 itself."""
     return Rule("fp32-island", fp32.rtol, fp32.atol, fp32.param_slack, fp32.grad_slack,
-                tuple(nodes))
+                tuple(nodes), fp32.buffer_slack)
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,9 @@ class Comparison:
     worst_grad: str = ""
     grads_compared: bool = False
     rule: Rule = FP64
+    max_buffer_diff: float = 0.0  # buffers the reference's training wrote (running stats)
+    worst_buffer: str = ""
+    buffers_compared: bool = False
 
     def render(self) -> str:
         lines = [f"max |loss - reference loss|      = {self.max_loss_diff:.3e}"]
@@ -144,6 +159,10 @@ class Comparison:
                             "  (after step 1)"))
         lines.append(f"max |param - reference param|    = {self.max_param_diff:.3e}"
                      + (f"  ({self.worst_param})" if self.worst_param else ""))
+        if self.buffers_compared:
+            lines.append(f"max |buffer - reference buffer|  = {self.max_buffer_diff:.3e}"
+                         + (f"  ({self.worst_buffer}; buffers the forward writes)"
+                            if self.worst_buffer else "  (buffers the forward writes)"))
         if self.missing:
             lines.append(f"parameters no rank holds: {', '.join(self.missing)}")
         lines.append(self.rule.describe())
@@ -200,11 +219,16 @@ def compare(ref_losses: Sequence[float], ref_params: Mapping[str, torch.Tensor],
             rtol: float = FP64_RTOL, atol: float = FP64_ATOL, *,
             rule: Optional[Rule] = None, aliases: Optional[Mapping[str, str]] = None,
             ref_grads: Optional[Mapping[str, torch.Tensor]] = None,
-            grads_per_rank: Optional[Sequence[Mapping[str, torch.Tensor]]] = None
+            grads_per_rank: Optional[Sequence[Mapping[str, torch.Tensor]]] = None,
+            ref_buffers: Optional[Mapping[str, torch.Tensor]] = None,
+            buffers_per_rank: Optional[Sequence[Mapping[str, torch.Tensor]]] = None
             ) -> Comparison:
     """Judge a run. `rule` (default: uniform rtol/atol, the fp64 judge's values) overrides
     rtol/atol; `aliases` maps every name to its canonical name (`alias_map` of the model);
-    with `ref_grads` and `grads_per_rank` the gradients after step 1 are judged too."""
+    with `ref_grads` and `grads_per_rank` the gradients after step 1 are judged too; with
+    `ref_buffers` (the buffers the reference's training wrote: a BatchNorm's running
+    statistics, part of the trained model) every rank's copy of each, by the rule's rtol and
+    atol, and each must be held by some rank."""
     rule = rule or Rule("fp64" if (rtol, atol) == (FP64_RTOL, FP64_ATOL) else "uniform",
                         rtol, atol)
     aliases = dict(aliases or {})
@@ -226,5 +250,13 @@ def compare(ref_losses: Sequence[float], ref_params: Mapping[str, torch.Tensor],
                                                        rule.grad_slack)
         within &= ok
     missing = tuple(sorted({aliases.get(n, n) for n in ref_params} - held))
+    max_buf, worst_buf, bufs = 0.0, "", bool(ref_buffers) and buffers_per_rank is not None
+    if bufs:
+        mine = [{n: b for n, b in r.items() if n in ref_buffers} for r in buffers_per_rank]
+        slack = {n: rule.buffer_slack * (1 + b.double().abs()) for n, b in ref_buffers.items()
+                 } if rule.buffer_slack else {}
+        ok, max_buf, worst_buf, held_bufs = _compare_tensors(ref_buffers, mine, {}, rule, slack)
+        within &= ok
+        missing += tuple(sorted(set(ref_buffers) - held_bufs))
     return Comparison(max_loss, max_param, worst, missing, within and not missing,
-                      max_grad, worst_grad, grads, rule)
+                      max_grad, worst_grad, grads, rule, max_buf, worst_buf, bufs)

@@ -44,6 +44,7 @@ class ReferenceResult:
     grad_scale: float = 0.0  # max |gradient element| of step 1 (after clipping)
     reach: dict[str, torch.Tensor] = field(default_factory=dict)  # canonical name -> A_i
     notes: list[str] = field(default_factory=list)  # kernels switched for the precision
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the ones training wrote
 
     def fp32_rule(self):
         """The judge's float32 rule for this run (compare.py)."""
@@ -103,12 +104,16 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
     named = list(model.named_parameters(remove_duplicate=False))
     aliases = alias_map(model)
     reach = _Reach(optimizer, plan.train, dict(model.named_parameters()))
+    initial = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
     first_grads: dict[str, torch.Tensor] = {}
     grad_scale = 0.0
     first = data.concat([data.chunks(data.global_batch(plan, 0), plan.mesh.dp
                                      * plan.microbatches)[c] for c in groups[0]])
     with autocast():
         starts = reference_starts(plan, model, lambda: model(**first.inputs))
+    with torch.no_grad():  # that forward counted draws; the state it wrote is undone
+        for n, b in model.named_buffers(remove_duplicate=False):
+            b.copy_(initial[n])
     for step in range(steps):
         total = 0.0
         chunks = data.chunks(data.global_batch(plan, step), plan.mesh.dp * plan.microbatches)
@@ -134,8 +139,10 @@ def train_reference(plan: Plan, steps: int, model: torch.nn.Module | None = None
         losses.append(total)
         norms.append(float(norm))
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    written = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)
+               if not torch.equal(b, initial[n])}  # state the forward keeps (running stats)
     return ReferenceResult(losses, params, norms, first_grads, aliases, grad_scale,
-                           reach.total, kernel_notes(model))
+                           reach.total, kernel_notes(model), written)
 
 
 class _Reach:

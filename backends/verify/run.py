@@ -77,7 +77,8 @@ def rank_result(losses, trainer, grads: Optional[FirstStepGrads]) -> dict:
     full_grads = grads.full() if grads is not None else {}
     params = trainer.named_parameters()
     return {"losses": list(losses), "grads": {k: v.cpu() for k, v in full_grads.items()},
-            "params": {k: v.cpu() for k, v in params.items()}}
+            "params": {k: v.cpu() for k, v in params.items()},
+            "buffers": {k: v.detach().cpu().clone() for k, v in trainer.named_buffers().items()}}
 
 
 def dump_rank(path: str, rank: int, losses, trainer, grads: Optional[FirstStepGrads]) -> None:
@@ -102,7 +103,9 @@ def judge(ref, results, precision: str = "fp64", plan: Optional[Plan] = None):
         return compare(ref.losses, ref.params, [r["losses"] for r in results],
                        [r["params"] for r in results], rule=rule, aliases=ref.aliases,
                        ref_grads=ref.grads if with_grads else None,
-                       grads_per_rank=[r["grads"] for r in results] if with_grads else None)
+                       grads_per_rank=[r["grads"] for r in results] if with_grads else None,
+                       ref_buffers=ref.buffers,
+                       buffers_per_rank=[r.get("buffers", {}) for r in results])
 
     verdict = by(rule)
     if rule is FP64 and not verdict.within and not verdict.missing:

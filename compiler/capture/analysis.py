@@ -170,6 +170,11 @@ class MetaRun:
         self._saves: dict[str, Saved] = {}  # ... and what it saved
         self._ops = OpCounter(lambda t: id(t._base if t._base is not None else t)
                               in self._param_ids)
+        # the model's buffers its forward writes in place (a BatchNorm's running statistics)
+        self._ops.on_write = self._wrote
+        self._buffers = {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+        self._buffer_names: dict[int, str] = {}  # id(meta stand-in) -> buffer name
+        self.buffer_writes: set[str] = set()
 
     # ------------------------------------------------------------------ queries
     def value(self, node: fx.Node) -> Any:
@@ -325,7 +330,23 @@ class MetaRun:
                 self._param_ids.add(id(cached))
         if name and id(cached) in self._param_ids:
             self._param_names.setdefault(id(cached), name)
+        elif name in self._buffers:
+            self._buffer_names.setdefault(id(cached), name)
         return cached
+
+    def _wrote(self, func, args: tuple, kwargs: dict) -> None:
+        """Record the buffers among the arguments `func`'s schema marks written (or that
+        it writes without saying so: UNDECLARED_WRITES)."""
+        undeclared = UNDECLARED_WRITES[func](args) if func in UNDECLARED_WRITES else ()
+        for i, spec in enumerate(func._schema.arguments):
+            declared = spec.alias_info is not None and spec.alias_info.is_write
+            if not declared and i not in undeclared:
+                continue
+            t = args[i] if i < len(args) else kwargs.get(spec.name)
+            if isinstance(t, torch.Tensor):
+                name = self._buffer_names.get(id(t._base if t._base is not None else t))
+                if name is not None:
+                    self.buffer_writes.add(name)
 
     def renamed(self, old: str, new: str) -> None:
         """A node run as `old` is named `new` now (the model's own loss, renamed "loss"
@@ -411,6 +432,14 @@ class _NoFlops(contextlib.nullcontext):
         return 0
 
 
+# Ops whose schema does not mark an argument they write: op -> (args -> the indices written).
+# native_batch_norm updates running_mean and running_var (arguments 3, 4) in training mode
+# (argument 5), yet declares them read-only (functionalization special-cases it).
+UNDECLARED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: lambda a: (3, 4) if len(a) > 5 and a[5] else (),
+}
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched under it (after autograd's decompositions: the kernels
     a device runs one by one); `paused()` leaves out ops that are not the model's."""
@@ -422,6 +451,7 @@ class OpCounter(TorchDispatchMode):
         # id(a cast's output) -> (it, its input): both kept alive, so no later tensor takes
         # the id of a cast output that was freed (and its owner with it)
         self.copies: dict[int, tuple] = {}
+        self.on_write = None  # called with (func, args, kwargs) for every op that writes
 
     @contextlib.contextmanager
     def paused(self):
@@ -438,6 +468,9 @@ class OpCounter(TorchDispatchMode):
         if not self._paused:
             self.count += 1
             self.log.record(func, args, kwargs, out, self._is_param)
+            if self.on_write is not None and (func._schema.is_mutable
+                                              or func in UNDECLARED_WRITES):
+                self.on_write(func, args, kwargs)
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
             self.copies[id(out)] = (out, args[0])
         return out

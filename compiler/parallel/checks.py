@@ -19,6 +19,9 @@ whose refusal it moves forward:
   (backends/runtime/recompute.py's check, run on the compiled stage graphs);
 * parameters the captured forward never reads: no stage holds them, so no rank would
   train, keep or save them (verify calls such a run DIFFERENT: "parameters no rank holds");
+* buffers the forward writes (a BatchNorm's running statistics, part of the trained
+  model): each data-parallel or context-parallel rank would update its own from its own
+  share, and a recomputed forward would update them twice (verify compares them);
 * random draws the keyed draws (backends/runtime/draws.py) cannot make as the
   single-process run does: under inductor, tensor parallelism's compiled graphs,
   context parallelism, expert parallelism's grouped reference, attention dropout
@@ -36,7 +39,8 @@ from ...dsl.errors import Diagnostic, PlanError
 from ...errors import PipeplanError
 from ..compiled import StageSpec
 from ..capture.analysis import SDPA
-from ..recompute import check_no_inplace_on_inputs, draws_random, find_regions
+from ..recompute import check_no_inplace_on_inputs, draws_random, find_regions, \
+    recompute_mode
 from .cp import sdpa_arguments
 
 def check_plan_values(plan: Plan) -> None:
@@ -53,14 +57,18 @@ def check_checkpointable(plan: Plan) -> None:
         raise PlanError.at(plan, "train.checkpoint", "checkpoint every and keep must be >= 1")
 
 
-def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec]) -> None:
-    """Every runtime refusal that needs the model or the stage graphs."""
+def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec],
+                   buffer_writes: frozenset = frozenset()) -> None:
+    """Every runtime refusal that needs the model or the stage graphs. `buffer_writes`: the
+    buffers the captured forward writes in place (MetaRun.buffer_writes)."""
     if rewrites_stages(plan):
         check_parallel_model(plan, model)
     _check_every_parameter_read(plan, model, stages)
     rules = tuple(r for r in plan.recompute if r.mode != "none")
     if rules:
         _check_recompute(plan, rules, stages)
+    if buffer_writes:
+        _check_buffer_writes(plan, sorted(buffer_writes), rules)
     _check_random_draws(plan, stages)
 
 
@@ -80,6 +88,33 @@ def _check_every_parameter_read(plan: Plan, model: nn.Module, stages: Sequence[S
             "so they would be neither trained nor saved",
             "remove them from the model, or train on inputs the forward reads them for (e.g. "
             "a longer data.seq_len where a layer acts only on long sequences)")
+
+
+def _check_buffer_writes(plan: Plan, written: list[str], rules) -> None:
+    """Refuse what would leave the model's written buffers (running statistics) other than
+    single-process training leaves them: it updates them from every microbatch in turn;
+    data- or context-parallel ranks would each update their own copy from their own share
+    (torch's DDP keeps rank 0's), and a recomputed forward updates them a second time."""
+    shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4
+                                      else "")
+    said = f"the model's forward writes buffers in place ({shown}: state the trained model keeps)"
+    for key, n, what in (("mesh.dp", plan.mesh.dp, "data-parallel"),
+                         ("mesh.cp", plan.mesh.cp, "context-parallel")):
+        if n > 1:
+            raise PlanError.at(
+                plan, key, f"{said}; each of the {n} {what} ranks would update its own copy "
+                "from its own share of the batch, where single-process training updates them "
+                "from every microbatch in turn",
+                f"{key} = 1 (pipeline and tensor parallelism keep them exact), or a model "
+                "whose forward keeps no state (e.g. BatchNorm(track_running_stats=False))")
+    for name in written:
+        owner = name.rpartition(".")[0]
+        mode, module = recompute_mode(rules, owner)
+        if mode != "none":
+            raise PlanError.at(
+                plan, "recompute", f"{said}; recompute ({mode}) of `{module}` would run its "
+                f"forward twice per microbatch, updating `{name}` twice",
+                f"leave `{module}` out of the recompute rules")
 
 
 def rewrites_stages(plan: Plan) -> bool:

@@ -414,3 +414,21 @@ class Centered(nn.Module):
             h = layer(x)
             x = x + torch.tanh(h - h.mean(1, keepdim=True))
         return self.head(x)
+
+
+class Normed(nn.Module):
+    """A BatchNorm1d over the features after each block's Linear: its forward writes the
+    running statistics (and a counter), state the trained model keeps."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, layers: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.norms = nn.ModuleList(nn.BatchNorm1d(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer, norm in zip(self.layers, self.norms):
+            x = x + torch.tanh(norm(layer(x).transpose(1, 2)).transpose(1, 2))
+        return self.head(x)

@@ -167,3 +167,43 @@ def test_parameters_the_forward_never_reads_are_refused_at_the_model_line(tmp_pa
     (d,) = info.value.diagnostics
     assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests')
     assert "never reads 2 of its parameters: pool.weight, pool.bias" in d.message
+
+
+NORMED = """\
+model {
+  source = "pipeplan.tests.compiler.models:Normed"
+  inputs = { input_ids = int64[batch, seq] }
+  capture = CAPTURE
+}
+data = synthetic(seed = 0, vocab = 16, seq_len = 8)
+mesh { pp = 2 }
+pipeline { microbatches = 2 }
+train {
+  global_batch = 8
+}
+"""
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_buffers_the_forward_writes_are_refused_where_a_rank_would_update_its_own(
+        tmp_path, capture):
+    """tests/compiler/models.py's Normed (BatchNorm's running statistics, written in place by
+    its forward; fx keeps BatchNorm a leaf module, export inlines it): pp2 compiles; dp2 is
+    refused at `mesh.dp` (each rank would update its own copy from its share), a recompute
+    rule over a norm at its `recompute` line (the rerun forward updates them twice), naming
+    the buffers. A model that writes no buffer (the example GPT) is not refused."""
+    text = NORMED.replace("CAPTURE", capture)
+    assert compile_plan(parse_plan(text, str(tmp_path / "t.plan"))).stages
+    for changed, needle, said in (
+            (text.replace("mesh { pp = 2 }", "mesh { pp = 2  dp = 2 }"), "pp = 2  dp = |2",
+             "each of the 2 data-parallel ranks would update its own copy"),
+            (text.replace("train {", "recompute {\n  norms.* = selective\n}\ntrain {"),
+             "|recompute {", "recompute (selective) of `norms.0` would run its forward twice")):
+        with pytest.raises(PlanError) as info:
+            compile_plan(parse_plan(changed, str(tmp_path / "t.plan")))
+        (d,) = info.value.diagnostics
+        assert (d.span.line, d.span.col) == _position(changed, needle), d
+        assert "the model's forward writes buffers in place (norms.0.num_batches_tracked, " \
+               "norms.0.running_mean, norms.0.running_var" in d.message, d.message
+        assert said in d.message, d.message
+    assert compile_plan(parse_plan(DENSE, str(tmp_path / "d.plan"))).stages  # dp2, no buffers
