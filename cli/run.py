@@ -112,9 +112,12 @@ def _rank_argv(args, steps: int, dump_dir: str | None = None,
 
 
 def precompile(plan, source):
-    """Compile on the meta device as every rank will, so every compile-time check (a
-    PlanError at the plan line) runs before any process starts."""
-    return source.compile(plan, None)
+    """Compile on the meta device as every rank will, with every check `pipeplan check`
+    makes (initial weights drawable per module included: compile_for_check), so each
+    refusal (a PlanError at the plan line) comes before any process starts."""
+    from ..compiler import compile_for_check
+
+    return compile_for_check(plan, source.compile)
 
 
 def choose_resume(plan, resume_from: str | None = None) -> dict | None:

@@ -233,6 +233,46 @@ def test_bad_plan_is_a_one_line_error(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+UNRULED = """\
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):  # a drawn parameter and no reset_parameters()
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(16, 8), Scaled(), nn.Linear(8, 16)
+
+    def forward(self, input_ids):
+        return self.head(self.mid(self.emb(input_ids)))
+"""
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_run_and_verify_refuse_what_check_refuses_before_launching(tmp_path, command):
+    """A module whose drawn parameter no init rule writes is refused by `check` at the model
+    line; `run` and `verify` refused it only once every rank had started, in their setup
+    ("was not initialised"): they now make check's every refusal before launching."""
+    (tmp_path / "m.py").write_text(UNRULED)
+    plan = tmp_path / "p.plan"
+    plan.write_text('model {\n  source = "m.py:M"\n  inputs = { input_ids = int64[batch, seq] }'
+                    '\n}\ndata = synthetic(seed = 0, vocab = 16, seq_len = 8)\nmesh { pp = 2 }'
+                    '\npipeline { microbatches = 2 }\ntrain {\n  steps = 1\n  global_batch = 4\n}\n')
+    r = pipeplan(command, plan, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{plan}:2:12: error: module `mid` (Scaled) owns parameters scale" in r.stderr, r.stderr
+    assert "launching" not in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.heavy  # (37 s; CI runs the example as the README writes it, with --trace)
 def test_moe_example_trains(tmp_path):
