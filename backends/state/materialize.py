@@ -390,13 +390,17 @@ def materialize(model: nn.Module, seed: int, names: Optional[Iterable[str]] = No
 
 def buffer_value(model: nn.Module, name: str, device: torch.device | str,
                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """A skeleton buffer's constructor value on `device` (floating ones in `dtype`)."""
+    """A skeleton buffer's constructor value on `device`, in `dtype` (the compiled stage's
+    buffer's: compiler/estimate/precision.py `precision_dtype`) where both are floating or
+    both complex."""
     b = model.get_buffer(name)
     if b.device.type == "meta":
         raise PipeplanError(
             f"buffer `{name}` has no value: the constructor made it from a parameter (meta "
             "during construction); compute it in the module's reset_parameters() instead")
-    if dtype is not None and b.is_floating_point() and b.dtype != dtype:
+    if dtype is not None and b.dtype != dtype and (
+            (b.is_floating_point() and dtype.is_floating_point)
+            or (b.is_complex() and dtype.is_complex)):
         return b.to(device=torch.device(device), dtype=dtype)
     return b.to(torch.device(device))
 

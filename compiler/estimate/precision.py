@@ -26,11 +26,25 @@ def to_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     Models are built in their own dtype (float32 as a rule) under the plan's seed and then
     converted, so fp64 starts from the fp32 initial weights, identical on every process."""
     dtype = param_dtype(precision)
-    if dtype != torch.float32 and any(t.is_floating_point() and t.dtype != dtype
+    if dtype != torch.float32 and any(precision_dtype(t, dtype) != t.dtype
                                       for t in (*model.parameters(), *model.buffers())):
-        model.to(dtype)
+        model._apply(lambda t: t.to(precision_dtype(t, dtype)))
     exact_experts_kernels(model, dtype)
     return model
+
+
+_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
+def precision_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter or buffer takes in a model converted to `dtype`: a floating
+    one `dtype`, a complex one the complex type of `dtype` (a rotary table as torch.polar
+    makes it: `Module.to(torch.float64)` would keep its real part alone), others their own."""
+    if t.is_floating_point():
+        return dtype
+    if t.is_complex():
+        return _COMPLEX.get(dtype, t.dtype)
+    return t.dtype
 
 
 # Experts kernels of transformers (`experts_implementation`, transformers/integrations/moe.py)

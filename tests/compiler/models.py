@@ -432,3 +432,29 @@ class Normed(nn.Module):
         for layer, norm in zip(self.layers, self.norms):
             x = x + torch.tanh(norm(layer(x).transpose(1, 2)).transpose(1, 2))
         return self.head(x)
+
+
+class ComplexRotary(nn.Module):
+    """torchtitan's (and Meta's reference) Llama rotary in miniature: a complex64 table
+    `freqs_cis` (torch.polar) as a buffer, queries and keys rotated through
+    view_as_complex / view_as_real; the table's slice crosses the stages of a pipeline."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, layers: int = 2, seq: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        angles = torch.outer(torch.arange(2 * seq).float(),
+                             1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+        self.layers = nn.ModuleList(nn.Linear(dim, 2 * dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        freqs = self.freqs_cis[: input_ids.shape[1]]
+        for layer in self.layers:
+            q, k = layer(x).chunk(2, dim=-1)
+            q, k = (torch.view_as_real(torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))
+                                       * freqs).flatten(2).type_as(x) for t in (q, k))
+            x = x + torch.softmax(q @ k.transpose(1, 2), dim=-1) @ x
+        return self.head(x)
