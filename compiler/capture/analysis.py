@@ -170,11 +170,15 @@ class MetaRun:
         self._saves: dict[str, Saved] = {}  # ... and what it saved
         self._ops = OpCounter(lambda t: id(t._base if t._base is not None else t)
                               in self._param_ids)
-        # the model's buffers its forward writes in place (a BatchNorm's running statistics)
+        # the model's state its forward writes in place: buffers (a BatchNorm's running
+        # statistics), parameters (an Embedding's max_norm renormalising its rows)
         self._ops.on_write = self._wrote
         self._buffers = {n for n, _ in gm.named_buffers(remove_duplicate=False)}
-        self._buffer_names: dict[int, str] = {}  # id(meta stand-in) -> buffer name
-        self.buffer_writes: set[str] = set()
+        # storage of a parameter's or buffer's stand-in (held: _held) -> its name; by storage,
+        # since an op may write through an alias (F.embedding's max_norm renormalises a
+        # `weight.contiguous()`)
+        self._state_storages: dict[int, str] = {}
+        self.state_writes: set[str] = set()
 
     # ------------------------------------------------------------------ queries
     def value(self, node: fx.Node) -> Any:
@@ -330,13 +334,13 @@ class MetaRun:
                 self._param_ids.add(id(cached))
         if name and id(cached) in self._param_ids:
             self._param_names.setdefault(id(cached), name)
-        elif name in self._buffers:
-            self._buffer_names.setdefault(id(cached), name)
+        if name and (id(cached) in self._param_ids or name in self._buffers):
+            self._state_storages.setdefault(cached.untyped_storage()._cdata, name)
         return cached
 
     def _wrote(self, func, args: tuple, kwargs: dict) -> None:
-        """Record the buffers among the arguments `func`'s schema marks written (or that
-        it writes without saying so: UNDECLARED_WRITES)."""
+        """Record the buffers and parameters among the arguments `func`'s schema marks
+        written (or that it writes without saying so: UNDECLARED_WRITES)."""
         undeclared = UNDECLARED_WRITES[func](args) if func in UNDECLARED_WRITES else ()
         for i, spec in enumerate(func._schema.arguments):
             declared = spec.alias_info is not None and spec.alias_info.is_write
@@ -344,9 +348,9 @@ class MetaRun:
                 continue
             t = args[i] if i < len(args) else kwargs.get(spec.name)
             if isinstance(t, torch.Tensor):
-                name = self._buffer_names.get(id(t._base if t._base is not None else t))
+                name = self._state_storages.get(t.untyped_storage()._cdata)
                 if name is not None:
-                    self.buffer_writes.add(name)
+                    self.state_writes.add(name)
 
     def renamed(self, old: str, new: str) -> None:
         """A node run as `old` is named `new` now (the model's own loss, renamed "loss"

@@ -19,8 +19,8 @@ whose refusal it moves forward:
   (backends/runtime/recompute.py's check, run on the compiled stage graphs);
 * parameters the captured forward never reads: no stage holds them, so no rank would
   train, keep or save them (verify calls such a run DIFFERENT: "parameters no rank holds");
-* buffers the forward writes (a BatchNorm's running statistics, part of the trained
-  model): each data-parallel or context-parallel rank would update its own from its own
+* state the forward writes (a BatchNorm's running statistics, an Embedding's max_norm
+  rows, part of the trained model): each data-parallel or context-parallel rank would update its own from its own
   share, and a recomputed forward would update them twice (verify compares them);
 * random draws the keyed draws (backends/runtime/draws.py) cannot make as the
   single-process run does: under inductor, tensor parallelism's compiled graphs,
@@ -58,17 +58,17 @@ def check_checkpointable(plan: Plan) -> None:
 
 
 def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec],
-                   buffer_writes: frozenset = frozenset()) -> None:
-    """Every runtime refusal that needs the model or the stage graphs. `buffer_writes`: the
-    buffers the captured forward writes in place (MetaRun.buffer_writes)."""
+                   state_writes: frozenset = frozenset()) -> None:
+    """Every runtime refusal that needs the model or the stage graphs. `state_writes`: the
+    buffers and parameters the captured forward writes in place (MetaRun.state_writes)."""
     if rewrites_stages(plan):
         check_parallel_model(plan, model)
     _check_every_parameter_read(plan, model, stages)
     rules = tuple(r for r in plan.recompute if r.mode != "none")
     if rules:
         _check_recompute(plan, rules, stages)
-    if buffer_writes:
-        _check_buffer_writes(plan, sorted(buffer_writes), rules)
+    if state_writes:
+        _check_state_writes(plan, sorted(state_writes), rules)
     _check_random_draws(plan, stages)
 
 
@@ -90,14 +90,16 @@ def _check_every_parameter_read(plan: Plan, model: nn.Module, stages: Sequence[S
             "a longer data.seq_len where a layer acts only on long sequences)")
 
 
-def _check_buffer_writes(plan: Plan, written: list[str], rules) -> None:
-    """Refuse what would leave the model's written buffers (running statistics) other than
-    single-process training leaves them: it updates them from every microbatch in turn;
-    data- or context-parallel ranks would each update their own copy from their own share
-    (torch's DDP keeps rank 0's), and a recomputed forward updates them a second time."""
+def _check_state_writes(plan: Plan, written: list[str], rules) -> None:
+    """Refuse what would leave the state the model's forward writes (running statistics, an
+    Embedding's max_norm rows) other than single-process training leaves it: it updates it
+    from every microbatch in turn; data- or context-parallel ranks would each update their
+    own copy from their own share (torch's DDP keeps rank 0's buffers, and its replicas'
+    parameters part), and a recomputed forward updates it a second time."""
     shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4
                                       else "")
-    said = f"the model's forward writes buffers in place ({shown}: state the trained model keeps)"
+    said = (f"the model's forward writes its own state in place ({shown}: buffers or "
+            "parameters the trained model keeps)")
     for key, n, what in (("mesh.dp", plan.mesh.dp, "data-parallel"),
                          ("mesh.cp", plan.mesh.cp, "context-parallel")):
         if n > 1:

@@ -203,7 +203,36 @@ def test_buffers_the_forward_writes_are_refused_where_a_rank_would_update_its_ow
             compile_plan(parse_plan(changed, str(tmp_path / "t.plan")))
         (d,) = info.value.diagnostics
         assert (d.span.line, d.span.col) == _position(changed, needle), d
-        assert "the model's forward writes buffers in place (norms.0.num_batches_tracked, " \
-               "norms.0.running_mean, norms.0.running_var" in d.message, d.message
+        assert "the model's forward writes its own state in place (norms.0.num_batches_tracked"\
+               ", norms.0.running_mean, norms.0.running_var" in d.message, d.message
         assert said in d.message, d.message
     assert compile_plan(parse_plan(DENSE, str(tmp_path / "d.plan"))).stages  # dp2, no buffers
+
+
+class MaxNormed(torch.nn.Module):
+    """An Embedding with max_norm: its forward renormalises the rows it reads, in place, in
+    the parameter itself (through `weight.contiguous()`)."""
+
+    def __init__(self, vocab: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, 8, max_norm=1.0)
+        self.mid, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, vocab)
+
+    def forward(self, input_ids):
+        return self.head(torch.tanh(self.mid(self.emb(input_ids))))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_parameter_the_forward_writes_is_refused_under_data_parallel(tmp_path, capture):
+    """dp2 of an Embedding(max_norm) model verified DIFFERENT after check passed (each
+    replica renormalised its rows from its own tokens, and the replicas drifted apart): the
+    write is found on the parameter's storage and refused at `mesh.dp`; pp2 compiles."""
+    text = NORMED.replace("CAPTURE", capture).replace(
+        "pipeplan.tests.compiler.models:Normed", "pipeplan.tests.compiler.test_runtime_checks:MaxNormed")
+    assert compile_plan(parse_plan(text, str(tmp_path / "t.plan"))).stages
+    dp2 = text.replace("mesh { pp = 2 }", "mesh { pp = 2  dp = 2 }")
+    with pytest.raises(PlanError) as info:
+        compile_plan(parse_plan(dp2, str(tmp_path / "t.plan")))
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(dp2, "pp = 2  dp = |2"), d
+    assert "writes its own state in place (emb.weight: buffers or parameters" in d.message
