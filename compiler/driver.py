@@ -96,7 +96,8 @@ def compile_plan(plan: Plan, model: Optional[torch.nn.Module] = None, *,
                          [sum(t) for t in measured] if measured else None)
     stages = build_stages(traced.module, split, traced.run, traced.loss, set(blocks_of(model)),
                           _non_persistent_buffers(model))
-    check_runnable(plan, model, stages, frozenset(traced.run.state_writes))
+    check_runnable(plan, model, stages, frozenset(traced.run.state_writes),
+                   frozenset(traced.run.sparse_grads))
     _attach_costs(stages, split, costs, graph)
     _attach_activations(plan, stages, traced.run, costs, tp_kinds)
     check_tp_runs(plan, stages, graph, traced.run.values, experts, tp_kinds, rewrite)

@@ -172,7 +172,8 @@ class MetaRun:
                               in self._param_ids)
         # the model's state its forward writes in place: buffers (a BatchNorm's running
         # statistics), parameters (an Embedding's max_norm renormalising its rows)
-        self._ops.on_write = self._wrote
+        self._ops.on_state = self._touched
+        self.sparse_grads: set[str] = set()  # parameters a sparse gradient reaches
         self._buffers = {n for n, _ in gm.named_buffers(remove_duplicate=False)}
         # storage of a parameter's or buffer's stand-in (held: _held) -> its name; by storage,
         # since an op may write through an alias (F.embedding's max_norm renormalises a
@@ -338,6 +339,17 @@ class MetaRun:
             self._state_storages.setdefault(cached.untyped_storage()._cdata, name)
         return cached
 
+    def _touched(self, func, args: tuple, kwargs: dict) -> None:
+        """An op OpCounter.on_state watches: a write into the model's state (`_wrote`), or
+        an embedding asked for a sparse gradient of its weight (argument 4)."""
+        if func is torch.ops.aten.embedding.default:
+            weight = args[0]
+            name = self._state_storages.get(weight.untyped_storage()._cdata)
+            if name is not None and len(args) > 4 and args[4]:
+                self.sparse_grads.add(name)
+            return
+        self._wrote(func, args, kwargs)
+
     def _wrote(self, func, args: tuple, kwargs: dict) -> None:
         """Record the buffers and parameters among the arguments `func`'s schema marks
         written (or that it writes without saying so: UNDECLARED_WRITES)."""
@@ -455,7 +467,8 @@ class OpCounter(TorchDispatchMode):
         # id(a cast's output) -> (it, its input): both kept alive, so no later tensor takes
         # the id of a cast output that was freed (and its owner with it)
         self.copies: dict[int, tuple] = {}
-        self.on_write = None  # called with (func, args, kwargs) for every op that writes
+        # called with (func, args, kwargs) for every op that writes, and every embedding
+        self.on_state = None
 
     @contextlib.contextmanager
     def paused(self):
@@ -472,9 +485,10 @@ class OpCounter(TorchDispatchMode):
         if not self._paused:
             self.count += 1
             self.log.record(func, args, kwargs, out, self._is_param)
-            if self.on_write is not None and (func._schema.is_mutable
-                                              or func in UNDECLARED_WRITES):
-                self.on_write(func, args, kwargs)
+            if self.on_state is not None and (func._schema.is_mutable
+                                              or func in UNDECLARED_WRITES
+                                              or func is torch.ops.aten.embedding.default):
+                self.on_state(func, args, kwargs)
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
             self.copies[id(out)] = (out, args[0])
         return out

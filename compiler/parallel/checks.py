@@ -22,6 +22,8 @@ whose refusal it moves forward:
 * state the forward writes (a BatchNorm's running statistics, an Embedding's max_norm
   rows, part of the trained model): each data-parallel or context-parallel rank would update its own from its own
   share, and a recomputed forward would update them twice (verify compares them);
+* sparse gradients (an Embedding with sparse=True): the reductions, clipping and
+  optimizers take dense ones;
 * random draws the keyed draws (backends/runtime/draws.py) cannot make as the
   single-process run does: under inductor, tensor parallelism's compiled graphs,
   context parallelism, expert parallelism's grouped reference, attention dropout
@@ -58,9 +60,11 @@ def check_checkpointable(plan: Plan) -> None:
 
 
 def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec],
-                   state_writes: frozenset = frozenset()) -> None:
+                   state_writes: frozenset = frozenset(),
+                   sparse_grads: frozenset = frozenset()) -> None:
     """Every runtime refusal that needs the model or the stage graphs. `state_writes`: the
-    buffers and parameters the captured forward writes in place (MetaRun.state_writes)."""
+    buffers and parameters the captured forward writes in place (MetaRun.state_writes);
+    `sparse_grads`: the parameters it asks sparse gradients for (MetaRun.sparse_grads)."""
     if rewrites_stages(plan):
         check_parallel_model(plan, model)
     _check_every_parameter_read(plan, model, stages)
@@ -69,6 +73,12 @@ def check_runnable(plan: Plan, model: nn.Module, stages: Sequence[StageSpec],
         _check_recompute(plan, rules, stages)
     if state_writes:
         _check_state_writes(plan, sorted(state_writes), rules)
+    if sparse_grads:
+        raise PlanError.at(
+            plan, "model.source", f"the model asks sparse gradients for "
+            f"{', '.join(sorted(sparse_grads))} (an Embedding with sparse=True): the runtime's "
+            "gradient reductions, clipping and optimizers take dense gradients",
+            "construct the Embedding with sparse=False (the default)")
     _check_random_draws(plan, stages)
 
 

@@ -236,3 +236,25 @@ def test_a_parameter_the_forward_writes_is_refused_under_data_parallel(tmp_path,
     (d,) = info.value.diagnostics
     assert (d.span.line, d.span.col) == _position(dp2, "pp = 2  dp = |2"), d
     assert "writes its own state in place (emb.weight: buffers or parameters" in d.message
+
+
+class SparseEmbedded(MaxNormed):
+    """An Embedding asked for sparse gradients."""
+
+    def __init__(self, vocab: int = 16):
+        super().__init__(vocab)
+        self.emb = torch.nn.Embedding(vocab, 8, sparse=True)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_sparse_gradient_is_refused_at_the_model_line(tmp_path, capture):
+    """Embedding(sparse=True) passed check and every rank failed in its first backward (the
+    gradient norm of a sparse tensor): refused at the model line, naming the weight."""
+    text = NORMED.replace("CAPTURE", capture).replace(
+        "pipeplan.tests.compiler.models:Normed",
+        "pipeplan.tests.compiler.test_runtime_checks:SparseEmbedded")
+    with pytest.raises(PlanError) as info:
+        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
+    assert "asks sparse gradients for emb.weight (an Embedding with sparse=True)" in d.message
