@@ -20,8 +20,9 @@ whose refusal it moves forward:
 * parameters the captured forward never reads: no stage holds them, so no rank would
   train, keep or save them (verify calls such a run DIFFERENT: "parameters no rank holds");
 * state the forward writes (a BatchNorm's running statistics, an Embedding's max_norm
-  rows, part of the trained model): each data-parallel or context-parallel rank would update its own from its own
-  share, and a recomputed forward would update them twice (verify compares them);
+  rows, part of the trained model): each data-parallel or context-parallel rank would
+  update its own from its own share, and a recomputed forward would update them twice
+  (verify compares them);
 * sparse gradients (an Embedding with sparse=True): the reductions, clipping and
   optimizers take dense ones;
 * random draws the keyed draws (backends/runtime/draws.py) cannot make as the
@@ -117,8 +118,8 @@ def _check_state_writes(plan: Plan, written: list[str], rules) -> None:
                 plan, key, f"{said}; each of the {n} {what} ranks would update its own copy "
                 "from its own share of the batch, where single-process training updates them "
                 "from every microbatch in turn",
-                f"{key} = 1 (pipeline and tensor parallelism keep them exact), or a model "
-                "whose forward keeps no state (e.g. BatchNorm(track_running_stats=False))")
+                f"{key} = 1 (a pipeline keeps them as single-process training does), or a "
+                "model whose forward keeps no state (e.g. BatchNorm(track_running_stats=False))")
     for name in written:
         owner = name.rpartition(".")[0]
         mode, module = recompute_mode(rules, owner)

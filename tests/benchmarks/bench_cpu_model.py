@@ -244,23 +244,30 @@ def op_table(costs, less_waits: bool = False) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--cached"]:
-        argv = argv[1:]
-    else:  # probed afresh by the first compile or host_speed, the profiles reading it too
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plans", nargs="*", metavar="PLAN", help="plan files (default: the three "
+                   "example plans; --alone: the first)")
+    p.add_argument("--cached", action="store_true", help="the CPU profile ~/.cache/pipeplan "
+                   "holds, not one probed afresh")
+    p.add_argument("--alone", action="store_true", help="each stage timed alone, in one process")
+    p.add_argument("--repeat", type=int, default=3, help="profiles per plan (default 3)")
+    args = p.parse_args(argv)
+    if not args.cached:  # probed afresh by the first compile or host_speed, the profiles too
         os.environ["PIPEPLAN_CACHE"] = tempfile.mkdtemp(prefix="bench_cpu_probe_")
-    if argv[:1] == ["--alone"]:
-        for plan_path in argv[1:] or PLANS[:1]:
+    if args.alone:
+        for plan_path in args.plans or PLANS[:1]:
             alone(plan_path)
         return 0
     from pipeplan.compiler import compile_plan
     from pipeplan.compiler.estimate.device import device_model
     from pipeplan.compiler.estimate.optime import takes_input_grads
     from pipeplan.dsl import load_plan
-    repeat = 3
-    if argv[:1] == ["--repeat"]:
-        repeat, argv = int(argv[1]), argv[2:]
+    repeat = args.repeat
     worst, worst_cpu = 0.0, 0.0
-    for plan_path in argv or PLANS:
+    for plan_path in args.plans or PLANS:
         speeds = [host_speed()]
         with tempfile.TemporaryDirectory() as tmp:
             costs = median_of([measured(plan_path, os.path.join(tmp, f"costs{k}.json"))
