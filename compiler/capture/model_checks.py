@@ -8,9 +8,15 @@ starts) refuse the same plans at their plan line, every problem at once:
 * each recompute and leaf_modules pattern matches at least one module of the
   model (a pattern matching nothing would silently do nothing; experts.modules
   and the tensor lists are checked where they are used).
+
+And, around the capture (traced.py), that the forward leaves the modules' plain Python
+state as it found it (`python_state_watched`): a captured graph keeps the values it read
+while capturing, so a forward that counts its calls in an attribute would run as its first
+call forever.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Iterator
 
@@ -79,3 +85,49 @@ def _near(pattern: str, names: list[str]) -> str:
 
 def _key(plan: Plan, key: str, fallback: str) -> str:
     return key if key in plan.spans else fallback
+
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple)
+                                         and all(isinstance(v, _PLAIN) for v in value))
+
+
+@contextlib.contextmanager
+def python_state_watched(plan: Plan, model: torch.nn.Module):
+    """Around the capture: refuse, at the model line, a forward that set plain Python
+    attributes (numbers, strings, booleans, tuples of them) of the model's modules to other
+    values than they had -- a captured graph keeps the values it read while capturing.
+    Sets are seen through nn.Module.__setattr__ (torch.export puts a module's attributes
+    back afterwards, so comparing before and after would not see them)."""
+    mine = {id(m): path for path, m in model.named_modules()}
+    first: dict = {}  # (path, name) -> its value when the capture began
+    last: dict = {}  # (path, name) -> the last value set
+    original = torch.nn.Module.__setattr__
+
+    def watched(module, name, value):
+        path = mine.get(id(module))
+        if path is not None and _plain(value):
+            first.setdefault((path, name), vars(module).get(name, _plain))
+            last[(path, name)] = value
+        original(module, name, value)
+
+    torch.nn.Module.__setattr__ = watched
+    try:
+        yield
+    finally:
+        torch.nn.Module.__setattr__ = original
+    changed = [(k, first[k], v) for k, v in last.items() if v != first[k]]
+    if not changed:
+        return
+    shown = ", ".join(f"`{(p + '.') if p else ''}{a}` ({'unset' if b is _plain else repr(b)} "
+                      f"-> {c!r})" for (p, a), b, c in changed[:4])
+    raise PlanError.at(
+        plan, "model.source", f"the model's forward changes its own Python attributes: "
+        f"{shown} in one call; a captured graph keeps the values it read while capturing, "
+        "so every microbatch would run as that first call (the model computes otherwise)",
+        "keep such state in a buffer the forward writes in place (register_buffer), or "
+        "pass it to the forward as an input")

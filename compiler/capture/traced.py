@@ -17,6 +17,7 @@ from ...dsl.errors import PlanError
 from .analysis import MetaRun, MetaRunError
 from .blocks import blocks_of, module_path
 from .capture import capture
+from .model_checks import python_state_watched
 from .loss import LOSS_KINDS, TARGETS, append_loss, split_outputs
 
 
@@ -35,7 +36,8 @@ def trace_with_loss(plan: Plan, model: torch.nn.Module) -> TracedWithLoss:
         raise PlanError.at(plan, "model.loss", f"unknown loss {plan.model.loss!r}",
                            f"one of: {', '.join(LOSS_KINDS)}")
     example = example_inputs(plan)
-    captured = capture(plan, model, example)
+    with python_state_watched(plan, model):
+        captured = capture(plan, model, example)
     gm = captured.module
     run = MetaRun(gm, blocks=blocks_of(model))
     _propagate(plan, run, list(gm.graph.nodes), example)

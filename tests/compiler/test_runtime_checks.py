@@ -258,3 +258,37 @@ def test_a_sparse_gradient_is_refused_at_the_model_line(tmp_path, capture):
     (d,) = info.value.diagnostics
     assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
     assert "asks sparse gradients for emb.weight (an Embedding with sparse=True)" in d.message
+
+
+class CountsCalls(MaxNormed):
+    """A forward that counts its calls in a plain attribute and scales by it (a warm-up
+    inside the model), and sets another attribute to the value it already has."""
+
+    def __init__(self, vocab: int = 16):
+        super().__init__(vocab)
+        self.emb = torch.nn.Embedding(vocab, 8)
+        self.calls, self.ready = 0, True
+
+    def forward(self, input_ids):
+        self.calls += 1
+        self.ready = True
+        return super().forward(input_ids) * min(1.0, self.calls / 4)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_forward_changing_its_python_attributes_is_refused_at_the_model_line(
+        tmp_path, capture):
+    """check passed and verify said DIFFERENT (loss 9e-2 off by step 2): the captured graph
+    keeps `calls` at the value it read while capturing. Refused at the model line naming the
+    attribute, under export too (which puts the attribute back after tracing)."""
+    text = NORMED.replace("CAPTURE", capture).replace(
+        "pipeplan.tests.compiler.models:Normed",
+        "pipeplan.tests.compiler.test_runtime_checks:CountsCalls")
+    with pytest.raises(PlanError) as info:
+        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
+    assert "forward changes its own Python attributes: `calls` (0 -> 1) in one call" \
+        in d.message and "ready" not in d.message, d.message
+    assert torch.nn.Module.__setattr__ is not None and "watched" not in \
+        torch.nn.Module.__setattr__.__qualname__  # put back
