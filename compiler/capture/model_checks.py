@@ -100,7 +100,8 @@ def _plain(value) -> bool:
 def python_state_watched(plan: Plan, model: torch.nn.Module):
     """Around the capture: refuse, at the model line, a forward that set plain Python
     attributes (numbers, strings, booleans, tuples of them) of the model's modules to other
-    values than they had -- a captured graph keeps the values it read while capturing.
+    values than they had -- a captured graph keeps the values it read while capturing (one
+    the forward creates is taken for one-time setup, as lazily installed hooks mark it).
     Sets are seen through nn.Module.__setattr__ (torch.export puts a module's attributes
     back afterwards, so comparing before and after would not see them)."""
     mine = {id(m): path for path, m in model.named_modules()}
@@ -120,11 +121,14 @@ def python_state_watched(plan: Plan, model: torch.nn.Module):
         yield
     finally:
         torch.nn.Module.__setattr__ = original
-    changed = [(k, first[k], v) for k, v in last.items() if v != first[k]]
+    # an attribute the forward creates is taken for one-time setup (transformers installs its
+    # output-capturing hooks on the first call and marks it so); one it changes is state
+    changed = [(k, first[k], v) for k, v in last.items()
+               if first[k] is not _plain and v != first[k]]
     if not changed:
         return
-    shown = ", ".join(f"`{(p + '.') if p else ''}{a}` ({'unset' if b is _plain else repr(b)} "
-                      f"-> {c!r})" for (p, a), b, c in changed[:4])
+    shown = ", ".join(f"`{(p + '.') if p else ''}{a}` ({b!r} -> {c!r})"
+                      for (p, a), b, c in changed[:4])
     raise PlanError.at(
         plan, "model.source", f"the model's forward changes its own Python attributes: "
         f"{shown} in one call; a captured graph keeps the values it read while capturing, "
