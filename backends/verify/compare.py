@@ -6,8 +6,9 @@ sees it: reduced over DP, tied copies summed, clipped), every parameter
 after the last step, and every buffer the reference's training wrote (a
 BatchNorm's running statistics: state the trained model keeps; under the
 bounds below each may be off by the largest parameter slack x (1 + |value|),
-as it is computed from those parameters). Every reference parameter must be held by some rank (a
-run that silently dropped one is not equal), and every rank's copy is
+as it is computed from those parameters). Every reference parameter must be
+held by some rank (a run that silently dropped one is not equal), and every
+rank's copy is
 compared (DP replicas, tied copies on two pipeline ranks). Names go through
 the model's aliases: a weight shared by two modules (GPT-2's `wte.weight` is
 `lm_head.weight`; torch.export keeps only one of the names) counts as held

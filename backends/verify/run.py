@@ -112,8 +112,7 @@ def judge(ref, results, precision: str = "fp64", plan: Optional[Plan] = None):
         adam = by(ref.fp64_rule())  # losses and gradients still judged by fp64
         if adam.within:
             return adam
-    if rule is FP64 and not verdict.within and not verdict.missing and plan is not None:
-        islands = float_islands(plan)
+        islands = float_islands(plan) if plan is not None else []
         if islands:  # the model's own float32 nodes set the bound
             return by(ref.island_rule(islands))
     return verdict

@@ -87,8 +87,8 @@ def _key(plan: Plan, key: str, fallback: str) -> str:
     return key if key in plan.spans else fallback
 
 
-
 _PLAIN = (int, float, bool, str, type(None))
+_UNSET = object()  # an attribute the module did not have
 
 
 def _plain(value) -> bool:
@@ -112,7 +112,7 @@ def python_state_watched(plan: Plan, model: torch.nn.Module):
     def watched(module, name, value):
         path = mine.get(id(module))
         if path is not None and _plain(value):
-            first.setdefault((path, name), vars(module).get(name, _plain))
+            first.setdefault((path, name), vars(module).get(name, _UNSET))
             last[(path, name)] = value
         original(module, name, value)
 
@@ -124,7 +124,7 @@ def python_state_watched(plan: Plan, model: torch.nn.Module):
     # an attribute the forward creates is taken for one-time setup (transformers installs its
     # output-capturing hooks on the first call and marks it so); one it changes is state
     changed = [(k, first[k], v) for k, v in last.items()
-               if first[k] is not _plain and v != first[k]]
+               if first[k] is not _UNSET and v != first[k]]
     if not changed:
         return
     shown = ", ".join(f"`{(p + '.') if p else ''}{a}` ({b!r} -> {c!r})"

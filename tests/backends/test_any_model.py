@@ -216,20 +216,21 @@ def test_the_estimate_holds_weights_but_no_state_for_parameters_no_optimizer_ste
                                               est[rank].optimizer_bytes), (rank, zero)
 
 
-def _normed_plan() -> Plan:
+def _tiny_plan(model: str, capture: str, global_batch: int) -> Plan:
+    """tests/compiler/models.py's `model` at pp2 1F1B, float64, AdamW."""
     return Plan(
-        model=ModelSpec("pipeplan.tests.compiler.models:Normed", capture="fx",
+        model=ModelSpec(f"pipeplan.tests.compiler.models:{model}", capture=capture,
                         inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),)),
         data=DataSpec(seq_len=8, vocab=16, seed=7), mesh=MeshSpec(pp=2),
         pipeline=PipelineSpec(schedule="1f1b", microbatches=2),
-        train=TrainSpec(steps=STEPS, global_batch=8, seed=11, precision="fp64",
+        train=TrainSpec(steps=STEPS, global_batch=global_batch, seed=11, precision="fp64",
                         optimizer=OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1)))
 
 
-def _normed_worker(rank, world):
+def _tiny_worker(rank, world, *plan_args):
     from .judging import train_for_judge
 
-    return train_for_judge(_normed_plan(), STEPS)
+    return train_for_judge(_tiny_plan(*plan_args), STEPS)
 
 
 @pytest.mark.slow
@@ -241,8 +242,8 @@ def test_verify_judges_the_buffers_the_forward_writes(spawn):
     from pipeplan.backends.verify.reference import train_reference
     from pipeplan.backends.verify.run import judge
 
-    plan = _normed_plan()
-    results = spawn(_normed_worker, 2, timeout=300)
+    plan = _tiny_plan("Normed", "fx", 8)
+    results = spawn(_tiny_worker, 2, "Normed", "fx", 8, timeout=300)
     ref = train_reference(plan, STEPS)
     assert {f"norms.{i}.{b}" for i in range(4)
             for b in ("running_mean", "running_var", "num_batches_tracked")} == set(ref.buffers)
@@ -260,22 +261,6 @@ def test_verify_judges_the_buffers_the_forward_writes(spawn):
     assert not lost.within and lost.missing == ("norms.3.running_var",), lost.render()
 
 
-def _complex_plan() -> Plan:
-    return Plan(
-        model=ModelSpec("pipeplan.tests.compiler.models:ComplexRotary", capture="export",
-                        inputs=(InputSpec("input_ids", "int64", ("batch", "seq")),)),
-        data=DataSpec(seq_len=8, vocab=16, seed=7), mesh=MeshSpec(pp=2),
-        pipeline=PipelineSpec(schedule="1f1b", microbatches=2),
-        train=TrainSpec(steps=STEPS, global_batch=4, seed=11, precision="fp64",
-                        optimizer=OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1)))
-
-
-def _complex_worker(rank, world):
-    from .judging import train_for_judge
-
-    return train_for_judge(_complex_plan(), STEPS)
-
-
 @pytest.mark.slow
 def test_a_complex_rotary_table_keeps_its_imaginary_part_in_float64(spawn):
     """torchtitan's complex `freqs_cis` buffer: fp64 converted it with `Module.to(float64)`,
@@ -289,10 +274,10 @@ def test_a_complex_rotary_table_keeps_its_imaginary_part_in_float64(spawn):
     from pipeplan.compiler.estimate.precision import to_precision
     from pipeplan.tests.compiler.models import ComplexRotary
 
-    plan = _complex_plan()
+    plan = _tiny_plan("ComplexRotary", "export", 4)
     own = ComplexRotary().freqs_cis
     table = to_precision(build_model(plan), "fp64").freqs_cis
     assert table.dtype == torch.complex128 and torch.equal(table, own.to(torch.complex128))
-    results = spawn(_complex_worker, 2, timeout=300)
+    results = spawn(_tiny_worker, 2, "ComplexRotary", "export", 4, timeout=300)
     verdict = judge(train_reference(plan, STEPS), results, plan=plan)
     assert verdict.within and verdict.rule.name == "fp64", verdict.render()

@@ -184,6 +184,12 @@ train {
 """
 
 
+def _tiny(capture: str, model: str = "pipeplan.tests.compiler.models:Normed") -> str:
+    """NORMED's plan text with `model` captured by `capture`."""
+    return NORMED.replace("CAPTURE", capture).replace(
+        "pipeplan.tests.compiler.models:Normed", model)
+
+
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_buffers_the_forward_writes_are_refused_where_a_rank_would_update_its_own(
         tmp_path, capture):
@@ -192,7 +198,7 @@ def test_buffers_the_forward_writes_are_refused_where_a_rank_would_update_its_ow
     refused at `mesh.dp` (each rank would update its own copy from its share), a recompute
     rule over a norm at its `recompute` line (the rerun forward updates them twice), naming
     the buffers. A model that writes no buffer (the example GPT) is not refused."""
-    text = NORMED.replace("CAPTURE", capture)
+    text = _tiny(capture)
     assert compile_plan(parse_plan(text, str(tmp_path / "t.plan"))).stages
     for changed, needle, said in (
             (text.replace("mesh { pp = 2 }", "mesh { pp = 2  dp = 2 }"), "pp = 2  dp = |2",
@@ -227,8 +233,7 @@ def test_a_parameter_the_forward_writes_is_refused_under_data_parallel(tmp_path,
     """dp2 of an Embedding(max_norm) model verified DIFFERENT after check passed (each
     replica renormalised its rows from its own tokens, and the replicas drifted apart): the
     write is found on the parameter's storage and refused at `mesh.dp`; pp2 compiles."""
-    text = NORMED.replace("CAPTURE", capture).replace(
-        "pipeplan.tests.compiler.models:Normed", "pipeplan.tests.compiler.test_runtime_checks:MaxNormed")
+    text = _tiny(capture, "pipeplan.tests.compiler.test_runtime_checks:MaxNormed")
     assert compile_plan(parse_plan(text, str(tmp_path / "t.plan"))).stages
     dp2 = text.replace("mesh { pp = 2 }", "mesh { pp = 2  dp = 2 }")
     with pytest.raises(PlanError) as info:
@@ -250,9 +255,7 @@ class SparseEmbedded(MaxNormed):
 def test_a_sparse_gradient_is_refused_at_the_model_line(tmp_path, capture):
     """Embedding(sparse=True) passed check and every rank failed in its first backward (the
     gradient norm of a sparse tensor): refused at the model line, naming the weight."""
-    text = NORMED.replace("CAPTURE", capture).replace(
-        "pipeplan.tests.compiler.models:Normed",
-        "pipeplan.tests.compiler.test_runtime_checks:SparseEmbedded")
+    text = _tiny(capture, "pipeplan.tests.compiler.test_runtime_checks:SparseEmbedded")
     with pytest.raises(PlanError) as info:
         compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
     (d,) = info.value.diagnostics
@@ -284,9 +287,7 @@ def test_a_forward_changing_its_python_attributes_is_refused_at_the_model_line(
     """check passed and verify said DIFFERENT (loss 9e-2 off by step 2): the captured graph
     keeps `calls` at the value it read while capturing. Refused at the model line naming the
     attribute, under export too (which puts the attribute back after tracing)."""
-    text = NORMED.replace("CAPTURE", capture).replace(
-        "pipeplan.tests.compiler.models:Normed",
-        "pipeplan.tests.compiler.test_runtime_checks:CountsCalls")
+    text = _tiny(capture, "pipeplan.tests.compiler.test_runtime_checks:CountsCalls")
     with pytest.raises(PlanError) as info:
         compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
     (d,) = info.value.diagnostics
