@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ...dsl.ast import Plan
 from ...errors import PipeplanError
 from .agreement import check_agreement, compile_shared, plan_hash
+from .collector import between_steps
 from ..state.checkpoint import Checkpointer
 from ..state.checkpoint.lock import HELD_ENV, FolderLock
 from ..state.checkpoint.verify import resume_choice
@@ -168,26 +169,28 @@ def _train(plan: Plan, trainer: PipelineTrainer, env: RankEnv, opts: RunOptions,
     losses, timings, spans, cpu = [], [], [], []
     evaluate = plan.train.eval
     try:
-        for t in range(first, opts.steps):
-            where[0] = f"step {t + 1}"
-            report = trainer.step(t)
-            timings.append(report.timings)
-            spans.append(report.spans)
-            cpu.append((report.cpu_time, report.step_time))
-            losses.append(report.loss)
-            held = None
-            if evaluate is not None and (t + 1) % evaluate.every == 0:
-                where[0] = f"eval after step {t + 1}"
-                held = trainer.evaluate(evaluate.batches)
-            if progress:
-                progress.step(report, held)
-            elif report.sync_events and plan.sync.decoupled and trainer.topo.coords.pp == 0 \
-                    and trainer.topo.coords.tp == 0:  # each decoupled island's first rank
-                for e in report.sync_events:
-                    print(f"island {trainer.topo.coords.dp}: {e.describe()}", flush=True)
-            if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
-                where[0] = f"checkpoint after step {t + 1}"
-                checkpoints.save(t + 1)
+        with between_steps() as collect:  # collector.py: never inside a step
+            for t in range(first, opts.steps):
+                where[0] = f"step {t + 1}"
+                report = trainer.step(t)
+                timings.append(report.timings)
+                spans.append(report.spans)
+                cpu.append((report.cpu_time, report.step_time))
+                losses.append(report.loss)
+                held = None
+                if evaluate is not None and (t + 1) % evaluate.every == 0:
+                    where[0] = f"eval after step {t + 1}"
+                    held = trainer.evaluate(evaluate.batches)
+                if progress:
+                    progress.step(report, held)
+                elif report.sync_events and plan.sync.decoupled and trainer.topo.coords.pp == 0 \
+                        and trainer.topo.coords.tp == 0:  # each decoupled island's first rank
+                    for e in report.sync_events:
+                        print(f"island {trainer.topo.coords.dp}: {e.describe()}", flush=True)
+                if checkpoints and (t + 1) % plan.train.checkpoint.every == 0:
+                    where[0] = f"checkpoint after step {t + 1}"
+                    checkpoints.save(t + 1)
+                collect()
     finally:
         if progress:
             progress.close()
