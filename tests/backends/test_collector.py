@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from pipeplan.backends.runtime import worker
 from pipeplan.backends.runtime.trainer import PipelineTrainer
 
@@ -51,6 +53,7 @@ def _collections_by_place(rank, world):
     return {"losses": losses, "starts": starts, "after": after}
 
 
+@pytest.mark.slow
 def test_the_collector_runs_between_steps_never_inside_one(spawn):
     for r in spawn(_collections_by_place, 2):
         assert [place for _, place in r["starts"] if place] == [], \
