@@ -195,7 +195,8 @@ def time_stages(compiled, rank: int, group) -> None:
         runner = StageRunner(spec, module, last)
         runner.check_grads = False  # the hot path: the executor asks once per step
         rows = plan.train.global_batch // (plan.mesh.dp * plan.microbatches)
-        inputs = [torch.randint(0, 2, (rows, plan.data.seq_len)) if r.source == "batch" else
+        vocab = plan.data.vocab or 2  # every token of the vocabulary: a router sees them all
+        inputs = [torch.randint(0, vocab, (rows, plan.data.seq_len)) if r.source == "batch" else
                   torch.randn(outputs[r.name].shape) for r in spec.inputs]
         grads = None if last else [torch.randn(v.shape) for v in spec.outputs]
         steps = (("F", lambda: runner.forward(0, inputs)),) + (
