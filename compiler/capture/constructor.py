@@ -47,6 +47,7 @@ _OVERWRITES = frozenset({_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.def
                          _aten.copy_.default})
 
 _FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_LAYOUT = "layout"  # a write into part of a parameter not laid out as a fresh one is (where)
 
 
 def _storage(t) -> Optional[torch.UntypedStorage]:
@@ -76,24 +77,43 @@ def written(func, args, kwargs) -> Optional[torch.Tensor]:
 
 
 def write_entry(func, args, kwargs) -> tuple:
-    """One in-place write as (op, its other arguments, keyword arguments); an argument that
-    is a tensor (a copy from another value) is recorded as None: such a write cannot be
-    replayed from the record (`replayable`)."""
+    """One in-place write as (op, its other arguments, keyword arguments, where): an argument
+    that is a tensor (a copy from another value) is recorded as None: such a write cannot be
+    replayed from the record (`replayable`); `where` is None when the op wrote its whole
+    storage, else the written view's (size, stride, storage offset) -- `weight[0].zero_()`
+    writes one row, and replayed on the whole parameter it zeroed every row (stop 61)."""
     def plain(v):
         return None if isinstance(v, torch.Tensor) else v
+    target = written(func, args, kwargs)
+    where = None if target is None or _whole(target) else \
+        (tuple(target.shape), tuple(target.stride()), target.storage_offset())
     return (func, tuple(plain(a) for a in args[1:]),
-            tuple(sorted((k, plain(v)) for k, v in kwargs.items())))
+            tuple(sorted((k, plain(v)) for k, v in kwargs.items())), where)
 
 
 def replayable(entry: tuple) -> bool:
-    _, args, kwargs = entry
-    return None not in args and all(v is not None for _, v in kwargs)
+    _, args, kwargs, where = entry
+    return None not in args and all(v is not None for _, v in kwargs) and where != _LAYOUT
 
 
 def replay(entry: tuple, p: torch.Tensor) -> None:
-    """Run a recorded write on `p` (the caller seeds the random generator)."""
-    func, args, kwargs = entry
-    func(p, *args, **dict(kwargs))
+    """Run a recorded write on `p` (contiguous, as the caller made it; the caller seeds the
+    random generator), on the part of it the constructor wrote."""
+    func, args, kwargs, where = entry
+    func(p if where is None else p.as_strided(*where), *args, **dict(kwargs))
+
+
+def draws_whole(entries) -> bool:
+    """Do these writes make a parameter's value from nothing it held before: all replayable,
+    the first overwriting it whole by a random draw or a fill (MultiheadAttention's
+    constructor draws `in_proj_weight` by xavier_uniform_ in its private
+    `_reset_parameters()`, which no per-module rule calls)? Replayed, they draw it from the
+    constructor's distribution (backends/state/materialize.py)."""
+    if not entries or not all(map(replayable, entries)):
+        return False
+    func, _, _, where = entries[0]
+    return where is None and (func in _OVERWRITES
+                              or torch.Tag.nondeterministic_seeded in func.tags)
 
 
 def _whole(t: torch.Tensor) -> bool:
@@ -159,8 +179,16 @@ class Watch(TorchDispatchMode):
                  if p.is_meta]
         _FOUND[model] = ({n: self.kept[_key(p)][1] for n, p in named if _key(p) in self.kept
                           and self.kept[_key(p)][1].shape == p.shape},
-                         {n: self.writes[_key(p)][1] for n, p in named
+                         {n: _placed(p, self.writes[_key(p)][1]) for n, p in named
                           if _key(p) in self.writes})
+
+
+def _placed(p: torch.Tensor, entries: list) -> list:
+    """`entries` as replay places them on a fresh contiguous parameter: a partial write's
+    geometry is kept where `p` itself is laid out so, else marked unreplayable."""
+    if p.is_contiguous() and p.storage_offset() == 0:
+        return entries
+    return [e if e[3] is None else e[:3] + (_LAYOUT,) for e in entries]
 
 
 def constructor_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:

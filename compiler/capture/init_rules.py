@@ -187,7 +187,7 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
         steps = init_rule(model, module, path)
         missing = own if not steps else uncovered(model, module, path)
         if missing:
-            constants = _agreed_constants(plan) if constants is None else constants
+            constants = _constructor_kept(plan) if constants is None else constants
             untouched = own if not steps else (_unwritten(module, steps, whole=False) or [])
             missing = [n for n in missing
                        if n not in untouched or _joined(path, n) not in constants]
@@ -210,16 +210,20 @@ def _joined(path: str, leaf: str) -> str:
     return f"{path}.{leaf}" if path else leaf
 
 
-def _agreed_constants(plan: Plan) -> set[str]:
-    """The parameters two skeletons, built under different seeds, both hold as the same
-    constructor constant (constructor.py; the second build sees what its dispatch mode cannot,
-    such as numpy's random generator)."""
+def _constructor_kept(plan: Plan) -> set[str]:
+    """The parameters no rule writes that take their value from the constructor
+    (constructor.py): those two skeletons, built under different seeds, both hold as the same
+    constant (the second build sees what its dispatch mode cannot, such as numpy's random
+    generator), and those its recorded writes draw whole from nothing (`draws_whole`:
+    materialize.py replays them)."""
     import dataclasses
 
-    from .constructor import constructor_constants
+    from .constructor import constructor_constants, constructor_writes, draws_whole
     from .loading import load_skeleton
 
     other = dataclasses.replace(plan, train=dataclasses.replace(
         plan.train, seed=plan.train.seed + 1))
-    a, b = (constructor_constants(load_skeleton(p)) for p in (plan, other))
-    return {n for n, v in a.items() if n in b and torch.equal(v, b[n])}
+    skeleton = load_skeleton(plan)
+    a, b = constructor_constants(skeleton), constructor_constants(load_skeleton(other))
+    return {n for n, v in a.items() if n in b and torch.equal(v, b[n])} | \
+        {n for n, entries in constructor_writes(skeleton).items() if draws_whole(entries)}

@@ -348,6 +348,84 @@ def test_nanogpt_starts_from_its_constructors_distribution(tmp_path):
     _check_ranks(plan, ref, [0, 1])
 
 
+PARTS = """\
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self, vocab=64, dim=64, attention=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mid = nn.MultiheadAttention(dim, 4, batch_first=True) if attention else \\
+            nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+        if not attention:
+            with torch.no_grad():
+                self.head.weight[0].zero_()  # one row, after Linear's own init
+                self.mid.weight[:, :2].normal_(0, 5.0)  # two columns drawn again
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        if isinstance(self.mid, nn.MultiheadAttention):
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            return self.head(x + self.mid(x, x, x, attn_mask=mask, need_weights=False)[0])
+        return self.head(torch.tanh(self.mid(x)))
+"""
+
+
+def _parts(tmp_path, attention: bool):
+    """PARTS' model at pp2 and, separately, as its user builds it (no pipeplan code)."""
+    import importlib.util
+
+    (tmp_path / "parts.py").write_text(PARTS)
+    plan = plan_for(str(tmp_path / "parts.py") + ":M", pp=2, args={"attention": attention},
+                    capture="export")
+    spec = importlib.util.spec_from_file_location("parts_user", tmp_path / "parts.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    return plan, user.M(attention=attention)
+
+
+def test_a_constructor_write_into_part_of_a_parameter_is_replayed_on_that_part(tmp_path):
+    """The constructor zeroes one row of the head and draws two columns of `mid` again after
+    their rule (Linear's init) ran: replayed after the rule, each write was applied to the
+    whole parameter -- the head started all zeros, every column of `mid` at std 5: another
+    model than the user's, and verify, whose reference starts from the same draws, EQUAL.
+    Now each lands on the part it wrote. Against the user's own constructor: one zero row,
+    the columns' stds within 15%; the ranks' tensors are the reference's."""
+    plan, own = _parts(tmp_path, attention=False)
+    estimates_summary(plan)
+    ref = build_model(plan)
+    head = ref.head.weight.detach()
+    assert torch.equal(head[0], torch.zeros(64)) and bool((head[1:] != 0).all())
+    mid, user = ref.mid.weight.detach(), own.mid.weight.detach()
+    for cols in (slice(0, 2), slice(2, None)):
+        assert float(mid[:, cols].std() / user[:, cols].std()) == pytest.approx(1.0, abs=0.15)
+    _check_ranks(plan, ref, [0, 1])
+
+
+def test_multihead_attention_starts_from_its_constructors_distribution(tmp_path):
+    """torch's MultiheadAttention draws `in_proj_weight` (xavier) and zeroes its biases in a
+    private `_reset_parameters()` no per-module rule calls: check refused every model using
+    it. Its constructor's writes draw those parameters whole from nothing, so they are
+    replayed on each parameter (constructor.draws_whole). Against the user's constructor:
+    the stds within 10% (4k-12k elements each), the attention's biases zero; the ranks' tensors are the reference's."""
+    plan, own = _parts(tmp_path, attention=True)
+    estimates_summary(plan)  # accepted
+    ref = build_model(plan)
+    for name, p in own.named_parameters():
+        got, p = ref.get_parameter(name).detach(), p.detach()
+        if p.std() == 0:
+            assert torch.equal(got, p), name
+        elif p.numel() >= 4096:
+            assert float(got.std() / p.std()) == pytest.approx(1.0, abs=0.1), name
+        else:  # the head's 64 biases: uniform within Linear's bound
+            assert float(got.abs().max()) <= 64 ** -0.5 and float(got.std()) > 0, name
+    _check_ranks(plan, ref, [0, 1])
+
+
 @pytest.mark.parametrize("make, why", [
     ("torch.randn(d)", "drawn"), ("torch.empty(d)", "uninitialised"),
     ("torch.ones(d) + torch.rand(1)", "drawn"),
