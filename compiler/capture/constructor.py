@@ -25,7 +25,15 @@ read back by parameter name:
   `apply(_init_weights)` drew it at 0.02 -- the rest is replayed after the rule, so the
   parameter is drawn from the constructor's distribution.
 
-Both records are keyed by the parameter's meta storage and hold it, so no other storage can
+**Copies** (`constructor_copies`), on the meta build `pipeplan check` makes (loading.py's
+`_MetaBuild` reports every call to `Copies`): the parameters the constructor made by
+cloning a tensor it had drawn (an initialiser or a random factory) and wrote nothing into
+after -- `copy.deepcopy` of a module, as `nn.TransformerEncoder` clones the layer it is
+given, or `nn.Parameter(other.weight.clone())`. In the user's model they start equal to
+their source; drawn module by module (materialize.py) they would not: check refuses them
+(init_rules.check_init).
+
+Both records of the skeleton are keyed by the parameter's meta storage and hold it, so no other storage can
 take its address: a constructor that swaps its parameters' storages at the end
 (`model.double()` sets each `.data`) leaves them with no record at all -- no constant (check
 refuses what no rule writes, as before) and nothing replayed.
@@ -189,6 +197,68 @@ def _placed(p: torch.Tensor, entries: list) -> list:
     if p.is_contiguous() and p.storage_offset() == 0:
         return entries
     return [e if e[3] is None else e[:3] + (_LAYOUT,) for e in entries]
+
+
+_DRAWS = frozenset({"normal_", "uniform_", "trunc_normal_", "orthogonal_", "sparse_",
+                    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+                    "exponential_", "random_", "bernoulli_", "log_normal_", "cauchy_",
+                    "geometric_"})  # initialisers that draw (loading._FILLS' random ones)
+_RANDOM_FACTORIES = frozenset({"rand", "randn", "randint", "normal", "randperm", "rand_like",
+                               "randn_like", "randint_like"})
+_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+class Copies:
+    """Which meta storages the constructor cloned from a drawn one and did not write after
+    (see the module docstring); fed every call of the meta build (loading._MetaBuild)."""
+
+    def __init__(self):
+        self.drawn = weakref.WeakSet()  # storages an initialiser or random factory drew
+        self.copied: dict[int, tuple] = {}  # a clone's key -> (its storage, the source's)
+
+    def filled(self, name: str, t: torch.Tensor) -> None:
+        """An initialiser `name` on the meta tensor `t` (which the build does not run)."""
+        s = _storage(t)
+        if s is None:
+            return
+        self.copied.pop(s._cdata, None)  # written after the copy: its own value now
+        if name in _DRAWS:
+            self.drawn.add(s)
+        else:
+            self.drawn.discard(s)
+
+    def called(self, name: str, args: tuple, out) -> None:
+        """Any other call of the build, with its result."""
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _RANDOM_FACTORIES and isinstance(out, torch.Tensor) and out.is_meta:
+            self.drawn.add(_storage(out))
+        elif name == "clone" and first is not None and first.is_meta \
+                and _storage(first) in self.drawn and isinstance(out, torch.Tensor):
+            s = _storage(out)
+            self.copied[s._cdata] = (s, _storage(first))
+            self.drawn.add(s)
+        elif first is not None and first.is_meta and (
+                name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))):
+            s = _storage(first)  # an in-place op writes its first argument
+            if s is not None:
+                self.copied.pop(s._cdata, None)
+
+    def found(self, model: torch.nn.Module) -> None:
+        """Records `model`'s copied parameters by every name they have."""
+        if not self.copied:
+            return
+        named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+                 if p.is_meta]
+        first = {_key(p): n for n, p in reversed(named)}  # a storage's first name
+        _COPIES[model] = {n: first.get(self.copied[_key(p)][1]._cdata) for n, p in named
+                          if _key(p) in self.copied}
+
+
+def constructor_copies(model: torch.nn.Module) -> dict[str, Optional[str]]:
+    """name -> the parameter it is a copy of (None: a tensor outside the model), for each
+    parameter the constructor cloned from a drawn one and did not write after (`Copies`),
+    for a model `load_model` built on meta; empty for any other."""
+    return _COPIES.get(model, {})
 
 
 def constructor_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -176,6 +176,7 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
     module: a module owning parameters directly that no rule covers (none, or one that
     does not write them), unless its constructor made them constants of the code that no
     rule writes into (constructor.py: they keep the constructor's value)."""
+    _check_copies(plan, model)
     seen, constants = set(), None
     for path, module in model.named_modules():
         own = [n for n, p in module.named_parameters(recurse=False)]
@@ -204,6 +205,30 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
             f"give {kind} a reset_parameters() that initialises {', '.join(missing)}, or "
             f"an enclosing module (the model) an {INIT_HOOK}(self, module) method that "
             "does (see docs/runtime.md, Initial weights)")
+
+
+def _check_copies(plan: Plan, model: torch.nn.Module) -> None:
+    """Refuse parameters the constructor made as copies of drawn ones and did not draw again
+    (constructor.constructor_copies), outside any `_init_weights` hook (a model with one
+    redraws every module after construction, as Hugging Face's post_init does): in the
+    user's model they start equal to their source; drawn module by module they would not."""
+    from .constructor import constructor_copies
+
+    copies = {n: src for n, src in constructor_copies(model).items()
+              if init_owner(model, n.rpartition(".")[0]) is None}
+    if not copies:
+        return
+    names = sorted(copies)
+    sources = sorted({src or "a module outside the model" for src in copies.values()})
+    raise PlanError.at(
+        plan, "model.source",
+        f"the constructor made {len(names)} parameters ({', '.join(names[:3])}"
+        f"{', ...' if len(names) > 3 else ''}) as copies of drawn ones ({', '.join(sources[:2])}"
+        f"{', ...' if len(sources) > 2 else ''}: copy.deepcopy of a module, as "
+        "nn.TransformerEncoder clones its layer): in your model they start equal to their "
+        "source, and pipeplan draws each module on its own",
+        "construct each layer anew (a fresh module per layer), or give the model an "
+        f"{INIT_HOOK}(self, module) method (see docs/runtime.md, Initial weights)")
 
 
 def _joined(path: str, leaf: str) -> str:

@@ -24,14 +24,17 @@ import torch
 from ...dsl.ast import Plan
 from ...dsl.errors import PlanError
 from .budget import Budget, OverBudget
-from .constructor import Watch
+from .constructor import Copies, Watch
 from .model_checks import check_model_against_plan
 
 
 def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
     """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
-    model = _construct(plan, _on_meta if device == "meta" else (lambda: torch.device(device)))
+    copies = Copies()
+    model = _construct(plan, (lambda: _on_meta(copies)) if device == "meta" else
+                       (lambda: torch.device(device)))
     if device == "meta":
+        copies.found(model)
         _parameters_to_meta(model)
     check_model_against_plan(plan, model)
     return model
@@ -66,23 +69,28 @@ class _MetaBuild(torch.overrides.TorchFunctionMode):
     ~2 s of every rank's start-up.) Every other call goes through the construction budget
     (budget.py), in this one mode: a second would double the cost per call."""
 
-    def __init__(self, budget: Budget):
+    def __init__(self, budget: Budget, copies: Copies):
         super().__init__()
-        self.budget = budget
+        self.budget, self.copies = budget, copies
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _FILLS:
+        name = getattr(func, "__name__", "")
+        if name in _FILLS:
             t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
             if isinstance(t, torch.Tensor) and t.is_meta:
+                self.copies.filled(name, t)
                 return t
-        return self.budget.call(func, args, kwargs)
+        out = self.budget.call(func, args, kwargs)
+        self.copies.called(name, args, out)
+        return out
 
 
 @contextlib.contextmanager
-def _on_meta():
-    """Build on meta, bounded (budget.py); yields the Budget."""
-    with torch.device("meta"), Budget() as budget, _MetaBuild(budget):
+def _on_meta(copies: Copies):
+    """Build on meta, bounded (budget.py), the copies of drawn parameters recorded
+    (constructor.Copies); yields the Budget."""
+    with torch.device("meta"), Budget() as budget, _MetaBuild(budget, copies):
         yield budget
 
 

@@ -426,6 +426,69 @@ def test_multihead_attention_starts_from_its_constructors_distribution(tmp_path)
     _check_ranks(plan, ref, [0, 1])
 
 
+COPIES = """\
+import copy
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self, vocab=64, dim=16, how="deepcopy"):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        if how == "encoder":
+            self.layers = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+                dim, 2, 32, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False)
+        else:
+            block = nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim))
+            self.layers = nn.Sequential(*(copy.deepcopy(block) for _ in range(2)))
+            if how == "drawn again":
+                for layer in self.layers:
+                    layer[0].reset_parameters()
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        return self.head(self.layers(self.embed(input_ids)))
+
+
+class Hooked(M):  # its hook is its rule: every module drawn again after construction
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.data.normal_(0.0, 0.02)
+"""
+
+
+@pytest.mark.parametrize("how, refused", [
+    ("deepcopy", "layers.0.0.bias, layers.0.0.weight, layers.1.0.bias, ..."),
+    ("encoder", "layers.layers.0.linear1.bias, layers.layers.0.linear1.weight, "
+                "layers.layers.0.linear2.bias, ..."),
+    ("drawn again", None), ("hook", None)])
+def test_parameters_the_constructor_copied_from_drawn_ones_are_refused(tmp_path, how, refused):
+    """`copy.deepcopy` of a drawn block (nn.TransformerEncoder clones its layer so) makes
+    layers that start equal in the user's model; drawn module by module they started
+    independent, and check passed (a deep-copied Linear block) -- or refused the encoder for
+    another reason (MultiheadAttention's private init). Refused now, naming the copies (the
+    LayerNorms' ones are constants: equal either way, not named); accepted where the
+    constructor draws the copies again, or the model has an _init_weights hook (its rule
+    redraws every module, as Hugging Face's post_init does)."""
+    (tmp_path / "copies.py").write_text(COPIES)
+    plan = plan_for(str(tmp_path / "copies.py") + (":Hooked" if how == "hook" else ":M"),
+                    pp=2, args={"how": "deepcopy" if how == "hook" else how},
+                    capture="export")
+    if refused is None:
+        estimates_summary(plan)
+        return
+    with pytest.raises(PlanError) as e:
+        estimates_summary(plan)
+    assert f"made {4 if how == 'deepcopy' else 12} parameters ({refused})" in str(e.value)
+    assert "as copies of drawn ones (a module outside the model" in str(e.value)
+    assert "norm" not in str(e.value).split("hint")[0]
+
+
 @pytest.mark.parametrize("make, why", [
     ("torch.randn(d)", "drawn"), ("torch.empty(d)", "uninitialised"),
     ("torch.ones(d) + torch.rand(1)", "drawn"),
