@@ -29,7 +29,8 @@ from ..patterns import matches
 
 def check_model_against_plan(plan: Plan, model: torch.nn.Module) -> None:
     """Raise one PlanError listing every problem found (nothing when all is well)."""
-    problems = list(_inputs(plan, model)) + list(_patterns(plan, model))
+    problems = list(_inputs(plan, model)) + list(_patterns(plan, model)) + \
+        list(_derived(plan, model))
     if problems:
         raise PlanError([Diagnostic(msg, plan.span_of(key), hint) for key, msg, hint in problems],
                         plan.source_text or None, plan.sources)
@@ -58,6 +59,36 @@ def _inputs(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, str]
                    f"{cls}.forward needs '{name}', which model.inputs does not give",
                    f"add {name} = dtype[dims] to model.inputs (and say which data field it "
                    "reads in data's inputs = {...})")
+
+
+def _derived(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, str]]:
+    """A module holding, beside its parameters and buffers, a tensor made from a parameter
+    (computed from one: a grad_fn; or its storage: `.data`) is reparametrised by a forward
+    pre-hook that recomputes the tensor from the parameter (torch.nn.utils.prune,
+    spectral_norm, the old weight_norm). Check passed such a model and every rank failed in
+    setup (a non-leaf tensor cannot be deep-copied): refused at the model line."""
+    storages = {_storage_of(p) for p in model.parameters()} - {None}
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+                continue
+            if value.grad_fn is not None or value.requires_grad or \
+                    _storage_of(value) in storages:
+                where = f"module `{path}`" if path else "the model"
+                yield (_key(plan, "model.source", "model"),
+                       f"{where} ({type(module).__name__}) holds `{name}`, a tensor made from "
+                       "its parameters outside forward (a forward pre-hook recomputes it: "
+                       "torch.nn.utils.prune, spectral_norm, weight_norm's hooks): pipeplan "
+                       "cannot copy or shard it",
+                       "compute it inside the module's forward from its parameters, or make "
+                       "the reparametrisation permanent before training (prune.remove)")
+
+
+def _storage_of(t: torch.Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _patterns(plan: Plan, model: torch.nn.Module) -> Iterator[tuple[str, str, str]]:

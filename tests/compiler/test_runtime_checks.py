@@ -296,3 +296,51 @@ def test_a_forward_changing_its_python_attributes_is_refused_at_the_model_line(
         in d.message and "ready" not in d.message and "hooked" not in d.message, d.message
     assert torch.nn.Module.__setattr__ is not None and "watched" not in \
         torch.nn.Module.__setattr__.__qualname__  # put back
+
+
+class Reparametrised(torch.nn.Module):
+    """`mid` reparametrised by one of torch's hook-based utilities (`how`), which keep the
+    weight as a plain tensor attribute a forward pre-hook recomputes from a parameter; or
+    `how` = "hook": a forward hook scaling the output and a plain mask attribute (no
+    parameter behind either)."""
+
+    def __init__(self, vocab: int = 16, how: str = "prune"):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, 8)
+        self.mid, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, vocab)
+        if how == "prune":
+            import torch.nn.utils.prune as prune
+            prune.l1_unstructured(self.mid, "weight", amount=0.5)
+        elif how == "spectral_norm":
+            self.mid = torch.nn.utils.spectral_norm(self.mid)
+        elif how == "weight_norm":
+            import warnings
+            with warnings.catch_warnings():  # deprecated for the parametrization
+                warnings.simplefilter("ignore")
+                self.mid = torch.nn.utils.weight_norm(self.mid)
+        else:
+            self.mid.register_forward_hook(lambda m, i, o: o * 2.0)
+            self.mask = torch.ones(8)
+
+    def forward(self, input_ids):
+        return self.head(torch.tanh(self.mid(self.emb(input_ids))))
+
+
+@pytest.mark.parametrize("how", ["prune", "spectral_norm", "weight_norm", "hook"])
+def test_a_weight_recomputed_by_a_pre_hook_is_refused_at_the_model_line(tmp_path, how):
+    """torch.nn.utils.prune, spectral_norm and the old weight_norm keep `mid.weight` as a plain
+    tensor made from a parameter (computed from it, or its `.data`) that a forward pre-hook
+    recomputes: check passed, and every rank failed in setup (a non-leaf tensor cannot be
+    deep-copied). Refused at the model line naming the module and the attribute. A forward
+    hook and a plain tensor attribute made from no parameter compile."""
+    text = _tiny("fx", "pipeplan.tests.compiler.test_runtime_checks:Reparametrised").replace(
+        "  inputs", f'  args = {{ how = "{how}" }}\n  inputs')
+    if how == "hook":
+        assert compile_plan(parse_plan(text, str(tmp_path / "t.plan"))).stages
+        return
+    with pytest.raises(PlanError) as info:
+        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
+    assert "module `mid` (Linear) holds `weight`, a tensor made from its parameters" \
+        in d.message, d.message
