@@ -153,10 +153,11 @@ def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool
     values stay in `model`; without, each module's storage goes back to meta once its
     parameters are handed out. `source` supplies named tensors instead of the init."""
     from ...compiler.capture.constructor import Writes, constructor_constants, \
-        constructor_writes
+        constructor_writes, copy_leaders_of
     from ...compiler.capture.init_rules import init_rule
 
     constants, made = constructor_constants(model), constructor_writes(model)
+    leaders = copy_leaders_of(model)  # deep copies: the draw of the module they copy
     ruled: dict[int, list] = {}  # id(parameter) -> the writes its rule made, every holder
     params = dict(model.named_parameters(remove_duplicate=False))
     wanted = set(names)
@@ -191,7 +192,7 @@ def initial_values(model: nn.Module, seed: int, names: Iterable[str], keep: bool
                 if id(p) in key:
                     key[id(new)] = key.pop(id(p))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(module_seed(seed, path))
+            torch.manual_seed(module_seed(seed, leaders.get(path, path)))
             with Writes() as rule:
                 for step in init_rule(model, mod, path):
                     step()

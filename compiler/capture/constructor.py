@@ -156,11 +156,20 @@ class Watch(TorchDispatchMode):
         # parameter's `.data` swapped by `model.double()` frees its old one)
         self.kept: dict[int, tuple] = {}  # -> (the storage, the parameter's value)
         self.writes: dict[int, tuple] = {}  # -> (the storage, entries)
+        # a clone of a drawn parameter's key -> (its storage, the source's key, the source's
+        # writes then): the clone starts with the source's history (copy.deepcopy's)
+        self.copies: dict[int, tuple] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         target = written(func, args, kwargs)
+        if func is _aten.clone.default and isinstance(out, torch.Tensor) and out.is_meta \
+                and _key(args[0]) in self.writes:  # a clone starts with its source's history
+            history = list(self.writes[_key(args[0])][1])
+            self.writes[_key(out)] = (_storage(out), history)
+            if _storage(args[0]) in self.marked:  # a copy of a draw
+                self.copies[_key(out)] = (_storage(out), _key(args[0]), len(history))
         if target is not None and target.is_meta:
             self.kept.pop(_key(target), None)
             self.writes.setdefault(_key(target), (_storage(target), []))[1].append(
@@ -185,10 +194,16 @@ class Watch(TorchDispatchMode):
         """Records `model`'s kept constants and parameter writes, by every name they have."""
         named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
                  if p.is_meta]
+        untouched = {n: self.copies[_key(p)][1] for n, p in named if _key(p) in self.copies
+                     and len(self.writes[_key(p)][1]) == self.copies[_key(p)][2]}
+        changed = {src for _, src, n in self.copies.values() if len(self.writes[src][1]) > n}
+        drawn = {n for n, p in named if _storage(p) in self.marked}
+        leaders, _ = copy_leaders(model, untouched, drawn,
+                                  {_key(p): n for n, p in reversed(named)}, changed)
         _FOUND[model] = ({n: self.kept[_key(p)][1] for n, p in named if _key(p) in self.kept
                           and self.kept[_key(p)][1].shape == p.shape},
                          {n: _placed(p, self.writes[_key(p)][1]) for n, p in named
-                          if _key(p) in self.writes})
+                          if _key(p) in self.writes}, leaders)
 
 
 def _placed(p: torch.Tensor, entries: list) -> list:
@@ -215,13 +230,19 @@ class Copies:
     def __init__(self):
         self.drawn = weakref.WeakSet()  # storages an initialiser or random factory drew
         self.copied: dict[int, tuple] = {}  # a clone's key -> (its storage, the source's)
+        self.changed: set[int] = set()  # sources written after a clone was made of them
+
+    def _wrote(self, s) -> None:
+        self.copied.pop(s._cdata, None)  # written after the copy: its own value now
+        if any(src is s for _, src in self.copied.values()):
+            self.changed.add(s._cdata)
 
     def filled(self, name: str, t: torch.Tensor) -> None:
         """An initialiser `name` on the meta tensor `t` (which the build does not run)."""
         s = _storage(t)
         if s is None:
             return
-        self.copied.pop(s._cdata, None)  # written after the copy: its own value now
+        self._wrote(s)
         if name in _DRAWS:
             self.drawn.add(s)
         else:
@@ -241,33 +262,84 @@ class Copies:
                 name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))):
             s = _storage(first)  # an in-place op writes its first argument
             if s is not None:
-                self.copied.pop(s._cdata, None)
+                self._wrote(s)
 
     def found(self, model: torch.nn.Module) -> None:
-        """Records `model`'s copied parameters by every name they have."""
+        """Records the copies no draw reproduces (`copy_leaders`) by every name they have."""
         if not self.copied:
             return
         named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
                  if p.is_meta]
-        first = {_key(p): n for n, p in reversed(named)}  # a storage's first name
-        _COPIES[model] = {n: first.get(self.copied[_key(p)][1]._cdata) for n, p in named
-                          if _key(p) in self.copied}
+        untouched = {n: self.copied[_key(p)][1]._cdata for n, p in named
+                     if _key(p) in self.copied}
+        drawn = {n for n, p in named if _storage(p) in self.drawn}
+        _COPIES[model] = copy_leaders(model, untouched, drawn,
+                                      {_key(p): n for n, p in reversed(named)}, self.changed)[1]
+
+
+def copy_leaders(model: torch.nn.Module, copies: dict, drawn: set, source_names: dict,
+                 changed: set) -> tuple[dict, dict]:
+    """How copies are drawn as the constructor made them: (leaders, unreproducible).
+
+    `copies`: name -> its source's storage key, for each parameter cloned from a drawn one
+    and not written after; `drawn`: the names whose value is a draw (copies included);
+    `source_names`: storage key -> its first parameter name in the model; `changed`: sources
+    written after a clone was made. A module whose own drawn parameters are all copies
+    (the rest constants: a LayerNorm's ones, MultiheadAttention's zero biases) takes the draw
+    of its leader -- the module whose own parameters are its sources (copy.deepcopy of an
+    earlier layer), else the first module in model order copied from the same sources
+    (nn.TransformerEncoder's clones of a layer outside the model): materialize.py draws it
+    under the leader's seed, by the same rule (a deep copy has the same structure) and the
+    same history (a clone inherits its source's writes), so it takes the same values.
+    `leaders`: path -> leader path (where not itself). `unreproducible`: name -> its
+    source's name (None: outside the model) for the copies of a module that also holds a
+    parameter drawn on its own, or of a source written after the copy."""
+    leaders, first_of, bad = {}, {}, {}
+    for path, module in model.named_modules():
+        own = [(leaf, f"{path}.{leaf}" if path else leaf)
+               for leaf, p in module._parameters.items() if p is not None]
+        hit = [(leaf, n) for leaf, n in own if n in copies]
+        if not hit:
+            continue
+        sources = tuple((leaf, copies[n]) for leaf, n in hit)
+        names = [source_names.get(k) for _, k in sources]
+        inside = {n.rpartition(".")[0] for n in names if n is not None}
+        leader = None
+        if all(n in copies or n not in drawn for _, n in own) and \
+                not changed.intersection(k for _, k in sources):
+            if not inside:
+                leader = first_of.setdefault(sources, path)
+            elif len(inside) == 1 and None not in names:
+                (owner,) = inside
+                mine = [f"{owner}.{leaf}" if owner else leaf for leaf, _ in sources]
+                leader = owner if names == mine else None
+        if leader is None:
+            bad.update({n: source_names.get(copies[n]) for _, n in hit})
+        elif leader != path:
+            leaders[path] = leader
+    return leaders, bad
 
 
 def constructor_copies(model: torch.nn.Module) -> dict[str, Optional[str]]:
     """name -> the parameter it is a copy of (None: a tensor outside the model), for each
-    parameter the constructor cloned from a drawn one and did not write after (`Copies`),
-    for a model `load_model` built on meta; empty for any other."""
+    parameter the constructor cloned from a drawn one and did not write after whose value no
+    draw reproduces (`copy_leaders`), for a model `load_model` built on meta; empty for any
+    other."""
     return _COPIES.get(model, {})
+
+
+def copy_leaders_of(model: torch.nn.Module) -> dict[str, str]:
+    """path -> the module whose draw it takes (`copy_leaders`), for a skeleton."""
+    return _FOUND.get(model, ({}, {}, {}))[2]
 
 
 def constructor_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """name -> the constant value the constructor gave that parameter and nothing rewrote,
     for a skeleton (loading.load_skeleton); empty for any other model."""
-    return _FOUND.get(model, ({}, {}))[0]
+    return _FOUND.get(model, ({}, {}, {}))[0]
 
 
 def constructor_writes(model: torch.nn.Module) -> dict[str, list]:
     """name -> the in-place writes the constructor made on that parameter once registered
     (write_entry's), for a skeleton; empty for any other model."""
-    return _FOUND.get(model, ({}, {}))[1]
+    return _FOUND.get(model, ({}, {}, {}))[1]

@@ -208,10 +208,11 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
 
 
 def _check_copies(plan: Plan, model: torch.nn.Module) -> None:
-    """Refuse parameters the constructor made as copies of drawn ones and did not draw again
-    (constructor.constructor_copies), outside any `_init_weights` hook (a model with one
-    redraws every module after construction, as Hugging Face's post_init does): in the
-    user's model they start equal to their source; drawn module by module they would not."""
+    """Refuse parameters the constructor made as copies of drawn ones where no draw
+    reproduces them (constructor.copy_leaders: a module that also holds a parameter drawn
+    on its own after the copy, or a source written after it), outside any `_init_weights`
+    hook (a model with one redraws every module after construction, as Hugging Face's
+    post_init does): in the user's model they start equal to their source."""
     from .constructor import constructor_copies
 
     copies = {n: src for n, src in constructor_copies(model).items()
@@ -224,10 +225,11 @@ def _check_copies(plan: Plan, model: torch.nn.Module) -> None:
         plan, "model.source",
         f"the constructor made {len(names)} parameters ({', '.join(names[:3])}"
         f"{', ...' if len(names) > 3 else ''}) as copies of drawn ones ({', '.join(sources[:2])}"
-        f"{', ...' if len(sources) > 2 else ''}: copy.deepcopy of a module, as "
-        "nn.TransformerEncoder clones its layer): in your model they start equal to their "
-        "source, and pipeplan draws each module on its own",
-        "construct each layer anew (a fresh module per layer), or give the model an "
+        f"{', ...' if len(sources) > 2 else ''}: copy.deepcopy of a module), so in your model "
+        "they start equal to their source; pipeplan draws a copied module as its source only "
+        "where the module holds nothing drawn on its own and the source was not written "
+        "after the copy",
+        "draw the whole copied module again after copying it, or give the model an "
         f"{INIT_HOOK}(self, module) method (see docs/runtime.md, Initial weights)")
 
 

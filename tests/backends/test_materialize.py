@@ -433,60 +433,79 @@ from torch import nn
 
 
 class M(nn.Module):
-    def __init__(self, vocab=64, dim=16, how="deepcopy"):
+    def __init__(self, vocab=64, dim=64, how="deepcopy"):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         if how == "encoder":
             self.layers = nn.TransformerEncoder(nn.TransformerEncoderLayer(
-                dim, 2, 32, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False)
+                dim, 2, 128, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False)
         else:
             block = nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim))
-            self.layers = nn.Sequential(*(copy.deepcopy(block) for _ in range(2)))
+            layers = [block] + [copy.deepcopy(block) for _ in range(2)]
             if how == "drawn again":
-                for layer in self.layers:
+                for layer in layers[1:]:
                     layer[0].reset_parameters()
+            elif how == "weight drawn again":
+                layers[2][0].weight.data.normal_(0.0, 0.02)
+            self.layers = nn.Sequential(*layers)
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, input_ids):
         return self.head(self.layers(self.embed(input_ids)))
-
-
-class Hooked(M):  # its hook is its rule: every module drawn again after construction
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.data.normal_(0.0, 0.02)
 """
 
 
-@pytest.mark.parametrize("how, refused", [
-    ("deepcopy", "layers.0.0.bias, layers.0.0.weight, layers.1.0.bias, ..."),
-    ("encoder", "layers.layers.0.linear1.bias, layers.layers.0.linear1.weight, "
-                "layers.layers.0.linear2.bias, ..."),
-    ("drawn again", None), ("hook", None)])
-def test_parameters_the_constructor_copied_from_drawn_ones_are_refused(tmp_path, how, refused):
-    """`copy.deepcopy` of a drawn block (nn.TransformerEncoder clones its layer so) makes
-    layers that start equal in the user's model; drawn module by module they started
-    independent, and check passed (a deep-copied Linear block) -- or refused the encoder for
-    another reason (MultiheadAttention's private init). Refused now, naming the copies (the
-    LayerNorms' ones are constants: equal either way, not named); accepted where the
-    constructor draws the copies again, or the model has an _init_weights hook (its rule
-    redraws every module, as Hugging Face's post_init does)."""
+def _copies(tmp_path, how):
+    import importlib.util
+
     (tmp_path / "copies.py").write_text(COPIES)
-    plan = plan_for(str(tmp_path / "copies.py") + (":Hooked" if how == "hook" else ":M"),
-                    pp=2, args={"how": "deepcopy" if how == "hook" else how},
+    plan = plan_for(str(tmp_path / "copies.py") + ":M", pp=2, args={"how": how},
                     capture="export")
-    if refused is None:
-        estimates_summary(plan)
-        return
+    spec = importlib.util.spec_from_file_location("copies_user", tmp_path / "copies.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    return plan, user.M(how=how)
+
+
+@pytest.mark.parametrize("how, first, copy", [
+    ("deepcopy", "layers.0.", "layers.1."), ("deepcopy", "layers.0.", "layers.2."),
+    ("encoder", "layers.layers.0.", "layers.layers.1."), ("drawn again", "layers.0.", None)])
+def test_deep_copies_start_equal_as_the_constructor_made_them(tmp_path, how, first, copy):
+    """`copy.deepcopy` of a drawn block makes layers that start equal in the user's model
+    (nn.TransformerEncoder clones the layer it is given); each module was drawn on its own,
+    so the copied Linear blocks started independent after check passed, and the encoder was
+    refused. A module whose drawn parameters are all copies now takes its source's draw (its
+    seed, its rule, the source's write history): against the user's own constructor, the
+    copies equal their source exactly as the user's do, every std within 10%; the ranks'
+    tensors are the reference's (each pipeline rank draws its layers alone). Copies the
+    constructor draws again stay independent."""
+    plan, own = _copies(tmp_path, how)
+    estimates_summary(plan)  # accepted
+    ref = build_model(plan)
+    for name, p in own.named_parameters():
+        got, p = ref.get_parameter(name).detach(), p.detach()
+        if p.std() == 0:
+            assert torch.equal(got, p), name
+        elif p.numel() >= 4096:
+            assert float(got.std() / p.std()) == pytest.approx(1.0, abs=0.1), name
+        if copy is not None and name.startswith(copy):  # equal to its source, as the user's
+            source = first + name[len(copy):]
+            assert torch.equal(own.get_parameter(source), own.get_parameter(name)), name
+            assert torch.equal(ref.get_parameter(source), got), name
+    if copy is None:  # drawn again: independent, as the user's
+        assert not torch.equal(ref.layers[0][0].weight, ref.layers[1][0].weight)
+    _check_ranks(plan, ref, [0, 1])
+
+
+def test_a_copy_beside_a_parameter_drawn_on_its_own_is_refused(tmp_path):
+    """The third block's weight is drawn again after the copy, its bias is still the first
+    block's: no one draw gives both (the module's draw under its source's seed would copy
+    the weight too). Refused at check naming the bias."""
+    plan, _ = _copies(tmp_path, "weight drawn again")
     with pytest.raises(PlanError) as e:
         estimates_summary(plan)
-    assert f"made {4 if how == 'deepcopy' else 12} parameters ({refused})" in str(e.value)
-    assert "as copies of drawn ones (a module outside the model" in str(e.value)
-    assert "norm" not in str(e.value).split("hint")[0]
+    assert "made 1 parameters (layers.2.0.bias) as copies of drawn ones (layers.0.0.bias" \
+        in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("make, why", [
