@@ -230,12 +230,13 @@ class Copies:
     def __init__(self):
         self.drawn = weakref.WeakSet()  # storages an initialiser or random factory drew
         self.copied: dict[int, tuple] = {}  # a clone's key -> (its storage, the source's)
-        self.changed: set[int] = set()  # sources written after a clone was made of them
+        self.sources = weakref.WeakSet()  # storages cloned
+        self.changed = weakref.WeakSet()  # sources written after a clone was made of them
 
     def _wrote(self, s) -> None:
         self.copied.pop(s._cdata, None)  # written after the copy: its own value now
-        if any(src is s for _, src in self.copied.values()):
-            self.changed.add(s._cdata)
+        if s in self.sources:
+            self.changed.add(s)
 
     def filled(self, name: str, t: torch.Tensor) -> None:
         """An initialiser `name` on the meta tensor `t` (which the build does not run)."""
@@ -257,6 +258,7 @@ class Copies:
                 and _storage(first) in self.drawn and isinstance(out, torch.Tensor):
             s = _storage(out)
             self.copied[s._cdata] = (s, _storage(first))
+            self.sources.add(_storage(first))
             self.drawn.add(s)
         elif first is not None and first.is_meta and (
                 name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))):
@@ -274,7 +276,8 @@ class Copies:
                      if _key(p) in self.copied}
         drawn = {n for n, p in named if _storage(p) in self.drawn}
         _COPIES[model] = copy_leaders(model, untouched, drawn,
-                                      {_key(p): n for n, p in reversed(named)}, self.changed)[1]
+                                      {_key(p): n for n, p in reversed(named)},
+                                      {c._cdata for c in self.changed})[1]
 
 
 def copy_leaders(model: torch.nn.Module, copies: dict, drawn: set, source_names: dict,

@@ -30,6 +30,29 @@ def plan_for(source=GPT, pp=2, dp=1, seed=11, args=None, capture="auto"):
                 train=TrainSpec(steps=1, global_batch=4 * pp * dp, seed=seed))
 
 
+def _user_module(tmp_path, name: str, source: str):
+    """`source` written to tmp_path/<name>.py and imported as its user would (no pipeplan
+    code): the plan names that file."""
+    import importlib.util
+
+    (tmp_path / f"{name}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(f"{name}_user", tmp_path / f"{name}.py")
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    return user
+
+
+def _like_the_constructor(ref, own, least: int = 0) -> None:
+    """The reference model's initial weights against the user's own construction `own`:
+    constants equal; every drawn parameter of `least` elements or more at a std within 10%."""
+    for name, p in own.named_parameters():
+        got, p = ref.get_parameter(name).detach(), p.detach()
+        if p.std() == 0:
+            assert torch.equal(got, p), name  # LayerNorm's ones, zeros; the zero biases
+        elif p.numel() >= least:
+            assert float(got.std() / p.std()) == pytest.approx(1.0, abs=0.1), name
+
+
 def _check_ranks(plan, ref, pp_ranks):
     """Materialise pipeline ranks one after the other on one compiled plan: each gets exactly
     its estimate, the reference's tensors, and leaves the stages of the later ranks meta."""
@@ -329,21 +352,11 @@ def test_nanogpt_starts_from_its_constructors_distribution(tmp_path):
     rule's are now replayed after it. Against the user's own constructor on CPU: every
     parameter's std within 10% (4k-16k samples each), the constants equal; the ranks'
     tensors are the reference's."""
-    import importlib.util
-
-    (tmp_path / "nanogpt.py").write_text(NANOGPT)
     plan = plan_for(str(tmp_path / "nanogpt.py") + ":GPT", pp=2, args={})
+    user = _user_module(tmp_path, "nanogpt", NANOGPT)
     estimates_summary(plan)  # check: accepted
-    spec = importlib.util.spec_from_file_location("nanogpt_user", tmp_path / "nanogpt.py")
-    user = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(user)
     ref, own = build_model(plan), user.GPT()
-    for name, p in own.named_parameters():
-        got, p = ref.get_parameter(name).detach(), p.detach()
-        if p.std() == 0:
-            assert torch.equal(got, p), name  # LayerNorm's ones, zeros; the zero biases
-        else:
-            assert float(got.std() / p.std()) == pytest.approx(1.0, abs=0.1), name
+    _like_the_constructor(ref, own)
     assert float(ref.h[0].c_proj.weight.detach().std()) == pytest.approx(0.01, rel=0.1)  # not 0.02
     _check_ranks(plan, ref, [0, 1])
 
@@ -377,14 +390,9 @@ class M(nn.Module):
 
 def _parts(tmp_path, attention: bool):
     """PARTS' model at pp2 and, separately, as its user builds it (no pipeplan code)."""
-    import importlib.util
-
-    (tmp_path / "parts.py").write_text(PARTS)
+    user = _user_module(tmp_path, "parts", PARTS)
     plan = plan_for(str(tmp_path / "parts.py") + ":M", pp=2, args={"attention": attention},
                     capture="export")
-    spec = importlib.util.spec_from_file_location("parts_user", tmp_path / "parts.py")
-    user = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(user)
     return plan, user.M(attention=attention)
 
 
@@ -415,14 +423,9 @@ def test_multihead_attention_starts_from_its_constructors_distribution(tmp_path)
     plan, own = _parts(tmp_path, attention=True)
     estimates_summary(plan)  # accepted
     ref = build_model(plan)
-    for name, p in own.named_parameters():
-        got, p = ref.get_parameter(name).detach(), p.detach()
-        if p.std() == 0:
-            assert torch.equal(got, p), name
-        elif p.numel() >= 4096:
-            assert float(got.std() / p.std()) == pytest.approx(1.0, abs=0.1), name
-        else:  # the head's 64 biases: uniform within Linear's bound
-            assert float(got.abs().max()) <= 64 ** -0.5 and float(got.std()) > 0, name
+    _like_the_constructor(ref, own, least=4096)
+    bias = ref.head.bias.detach()  # the head's 64 biases: uniform within Linear's bound
+    assert float(bias.abs().max()) <= 64 ** -0.5 and float(bias.std()) > 0
     _check_ranks(plan, ref, [0, 1])
 
 
@@ -456,14 +459,9 @@ class M(nn.Module):
 
 
 def _copies(tmp_path, how):
-    import importlib.util
-
-    (tmp_path / "copies.py").write_text(COPIES)
+    user = _user_module(tmp_path, "copies", COPIES)
     plan = plan_for(str(tmp_path / "copies.py") + ":M", pp=2, args={"how": how},
                     capture="export")
-    spec = importlib.util.spec_from_file_location("copies_user", tmp_path / "copies.py")
-    user = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(user)
     return plan, user.M(how=how)
 
 
@@ -482,16 +480,12 @@ def test_deep_copies_start_equal_as_the_constructor_made_them(tmp_path, how, fir
     plan, own = _copies(tmp_path, how)
     estimates_summary(plan)  # accepted
     ref = build_model(plan)
+    _like_the_constructor(ref, own, least=4096)
     for name, p in own.named_parameters():
-        got, p = ref.get_parameter(name).detach(), p.detach()
-        if p.std() == 0:
-            assert torch.equal(got, p), name
-        elif p.numel() >= 4096:
-            assert float(got.std() / p.std()) == pytest.approx(1.0, abs=0.1), name
         if copy is not None and name.startswith(copy):  # equal to its source, as the user's
             source = first + name[len(copy):]
-            assert torch.equal(own.get_parameter(source), own.get_parameter(name)), name
-            assert torch.equal(ref.get_parameter(source), got), name
+            assert torch.equal(own.get_parameter(source), p), name
+            assert torch.equal(ref.get_parameter(source), ref.get_parameter(name)), name
     if copy is None:  # drawn again: independent, as the user's
         assert not torch.equal(ref.layers[0][0].weight, ref.layers[1][0].weight)
     _check_ranks(plan, ref, [0, 1])

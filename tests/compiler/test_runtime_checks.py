@@ -243,6 +243,15 @@ def test_a_parameter_the_forward_writes_is_refused_under_data_parallel(tmp_path,
     assert "writes its own state in place (emb.weight: buffers or parameters" in d.message
 
 
+def _refused_at_the_model_line(tmp_path, text: str) -> str:
+    """Compiling `text` raises one diagnostic, at the model's source: its message."""
+    with pytest.raises(PlanError) as info:
+        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
+    return d.message
+
+
 class SparseEmbedded(MaxNormed):
     """An Embedding asked for sparse gradients."""
 
@@ -256,11 +265,8 @@ def test_a_sparse_gradient_is_refused_at_the_model_line(tmp_path, capture):
     """Embedding(sparse=True) passed check and every rank failed in its first backward (the
     gradient norm of a sparse tensor): refused at the model line, naming the weight."""
     text = _tiny(capture, "pipeplan.tests.compiler.test_runtime_checks:SparseEmbedded")
-    with pytest.raises(PlanError) as info:
-        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
-    (d,) = info.value.diagnostics
-    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
-    assert "asks sparse gradients for emb.weight (an Embedding with sparse=True)" in d.message
+    said = _refused_at_the_model_line(tmp_path, text)
+    assert "asks sparse gradients for emb.weight (an Embedding with sparse=True)" in said
 
 
 class CountsCalls(MaxNormed):
@@ -288,12 +294,9 @@ def test_a_forward_changing_its_python_attributes_is_refused_at_the_model_line(
     keeps `calls` at the value it read while capturing. Refused at the model line naming the
     attribute, under export too (which puts the attribute back after tracing)."""
     text = _tiny(capture, "pipeplan.tests.compiler.test_runtime_checks:CountsCalls")
-    with pytest.raises(PlanError) as info:
-        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
-    (d,) = info.value.diagnostics
-    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
+    said = _refused_at_the_model_line(tmp_path, text)
     assert "forward changes its own Python attributes: `calls` (0 -> 1) in one call" \
-        in d.message and "ready" not in d.message and "hooked" not in d.message, d.message
+        in said and "ready" not in said and "hooked" not in said, said
     assert torch.nn.Module.__setattr__ is not None and "watched" not in \
         torch.nn.Module.__setattr__.__qualname__  # put back
 
@@ -338,9 +341,5 @@ def test_a_weight_recomputed_by_a_pre_hook_is_refused_at_the_model_line(tmp_path
     if how == "hook":
         assert compile_plan(parse_plan(text, str(tmp_path / "t.plan"))).stages
         return
-    with pytest.raises(PlanError) as info:
-        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
-    (d,) = info.value.diagnostics
-    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
     assert "module `mid` (Linear) holds `weight`, a tensor made from its parameters" \
-        in d.message, d.message
+        in _refused_at_the_model_line(tmp_path, text)
