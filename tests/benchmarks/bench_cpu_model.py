@@ -11,7 +11,7 @@ whenever it was): this VM's speed moves with its host over hours, and a profile 
 hours before measures another machine (the example GPT's CPU times at 1.16-1.33 of the
 prediction on a probe 8.5 hours old, 0.89-0.97 on one probed a minute before, stop 58).
 
-Each plan is profiled `--repeat` times (`pipeplan profile`, 2 warm-up + 4 measured steps,
+Each plan is profiled `--repeat` times (`pipeplan profile`, `--warmup` (2) + 4 measured steps,
 its ranks as local gloo processes; per stage and op the median of the runs: one run's slots
 move 10-15% from the next on a quiet 2-core machine) and compiled without a device section
 (the measured CPU); prints predicted and measured seconds per microbatch per stage and their
@@ -27,6 +27,13 @@ step and, the ranks sharing the cores, the CPU seconds per step of all their pro
 the floor counts (predict.shared_floor), beside the run's own (its "CPU on ..." line: the
 processes' CPU seconds per step, the step, the cores' busy share; median over the runs). On
 a loaded shared machine the measurement moves with the load: report what you get.
+
+`--warmup 40` for a dropless MoE (the MoE example): each expert's row count changes from
+call to call, and torch's CPU GELU (oneDNN) compiles a kernel, forward and backward, for
+each row count it has not met (a 256 KiB code buffer, mapped and faulted in: 30-130 page
+faults and 0.6-2.2 ms of system time per F or B in the first steps, gone after ~40 steps
+when its cache holds them; gdb on `mmap`, stop 62). The time model predicts the steady
+state; fixed shapes (the dense examples) are compiled once in the first step.
 
 `--alone`: no pipeline and no other ranks. Each stage runs F and its backward as the plan's
 schedule runs it (BW, or B then W) in this one process, one thread (under tensor or expert
@@ -57,11 +64,12 @@ CPU_LINE = re.compile(r"^CPU on .*: the ranks' processes ([0-9.]+) ms per step .
                       r"([0-9.]+) ms: the cores busy ([0-9.]+) of it$", re.M)
 
 
-def measured(plan: str, out: str) -> dict:
-    """The cost file of a `pipeplan profile` run, with the run's CPU line (its processes'
-    CPU seconds per step, the step's seconds, the cores' busy share) as "machine"."""
+def measured(plan: str, out: str, warmup: int = 2) -> dict:
+    """The cost file of a `pipeplan profile` run (`warmup` steps before the 4 it measures),
+    with the run's CPU line (its processes' CPU seconds per step, the step's seconds, the
+    cores' busy share) as "machine"."""
     run = subprocess.run([sys.executable, "-m", "pipeplan", "profile", plan, "-o", out,
-                          "--steps", "4", "--warmup", "2"], check=True, cwd=REPO,
+                          "--steps", "4", "--warmup", str(warmup)], check=True, cwd=REPO,
                          stdout=subprocess.PIPE, text=True)
     with open(out, encoding="utf-8") as f:
         costs = json.load(f)
@@ -255,6 +263,8 @@ def main(argv: list[str]) -> int:
                    "holds, not one probed afresh")
     p.add_argument("--alone", action="store_true", help="each stage timed alone, in one process")
     p.add_argument("--repeat", type=int, default=3, help="profiles per plan (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="steps each profile runs before the "
+                   "4 it measures (default 2; a dropless MoE's kernels need ~40, see above)")
     args = p.parse_args(argv)
     if not args.cached:  # probed afresh by the first compile or host_speed, the profiles too
         os.environ["PIPEPLAN_CACHE"] = tempfile.mkdtemp(prefix="bench_cpu_probe_")
@@ -271,8 +281,8 @@ def main(argv: list[str]) -> int:
     for plan_path in args.plans or PLANS:
         speeds = [host_speed()]
         with tempfile.TemporaryDirectory() as tmp:
-            costs = median_of([measured(plan_path, os.path.join(tmp, f"costs{k}.json"))
-                               for k in range(repeat)])
+            costs = median_of([measured(plan_path, os.path.join(tmp, f"costs{k}.json"),
+                                        args.warmup) for k in range(repeat)])
         speeds.append(host_speed())
         shared = compile_plan(load_plan(os.path.join(REPO, plan_path)))
         table = op_table(shared.estimates.simulation.costs)
@@ -288,7 +298,8 @@ def main(argv: list[str]) -> int:
             ops["B"] += r if takes_input_grads(st) else 0.0
             ops["W"] += r
             ops["BW"] += r
-        print(f"{plan_path}  ({costs.get('device')}; median of {repeat} profiles; CPU time "
+        print(f"{plan_path}  ({costs.get('device')}; median of {repeat} profiles after "
+              f"{args.warmup} warm-up steps each; CPU time "
               f"predicted: alone + each action's resume ({r * 1e3:.2f} ms) + posting as "
               f"measured shared)")
         print("stage  op | slot: predicted (ms)  measured (ms)  ratio | CPU time: predicted "
