@@ -194,6 +194,8 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
                        if n not in untouched or _joined(path, n) not in constants]
         if not missing:
             continue
+        if _parametrization(module):
+            _refuse_parametrization(plan, module, path, missing)
         said = (f"{where} ({kind}) owns parameters {', '.join(own)} but has no "
                 f"reset_parameters(), and no module around it has {INIT_HOOK}(module)"
                 if not steps else
@@ -205,6 +207,35 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
             f"give {kind} a reset_parameters() that initialises {', '.join(missing)}, or "
             f"an enclosing module (the model) an {INIT_HOOK}(self, module) method that "
             "does (see docs/runtime.md, Initial weights)")
+
+
+def _parametrization(module: torch.nn.Module) -> bool:
+    """Is `module` the list torch.nn.utils.parametrize keeps a parametrized tensor's
+    originals in (weight_norm, orthogonal, spectral_norm of torch.nn.utils.parametrizations,
+    register_parametrization)?"""
+    from torch.nn.utils.parametrize import ParametrizationList
+    return isinstance(module, ParametrizationList)
+
+
+def _refuse_parametrization(plan: Plan, module: torch.nn.Module, path: str,
+                            missing: list[str]) -> None:
+    """A parametrized tensor's originals: the constructor computed them from the layer's
+    own draw (the parametrization's right_inverse, as it was registered), which no
+    per-module rule replays; the hint names what the user can do (torch's
+    ParametrizationList takes no reset_parameters of theirs)."""
+    owner, _, tensor = path.rpartition(".parametrizations.")
+    kinds = ", ".join(type(m).__name__ for m in module)
+    raise PlanError.at(
+        plan, "model.source",
+        f"`{owner}.{tensor}` is parametrized ({kinds}, torch.nn.utils.parametrize): "
+        f"{', '.join(missing)} of module `{path}` {'was' if len(missing) == 1 else 'were'} "
+        f"computed by the constructor from `{owner}`'s own draw (through the "
+        "parametrization's right_inverse), which pipeplan does not replay, and no rule "
+        "initialises it: pipeplan cannot start the layer as your model does",
+        f"give the model an {INIT_HOOK}(self, module) method that initialises "
+        f"{', '.join(missing)} of each torch.nn.utils.parametrize.ParametrizationList, or "
+        "train without the parametrization (torch.nn.utils.parametrize."
+        "remove_parametrizations; see docs/runtime.md, Initial weights)")
 
 
 def _check_copies(plan: Plan, model: torch.nn.Module) -> None:

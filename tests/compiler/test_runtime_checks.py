@@ -343,3 +343,46 @@ def test_a_weight_recomputed_by_a_pre_hook_is_refused_at_the_model_line(tmp_path
         return
     assert "module `mid` (Linear) holds `weight`, a tensor made from its parameters" \
         in _refused_at_the_model_line(tmp_path, text)
+
+
+class ParametrizedNorm(torch.nn.Module):
+    """`mid.weight` parametrized by torch.nn.utils.parametrizations.weight_norm (its
+    originals computed from the Linear's draw at registration); with `init`, the model's
+    `_init_weights` draws them (the hint's remedy)."""
+
+    def __init__(self, vocab: int = 16, init: bool = False):
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+        self.emb = torch.nn.Embedding(vocab, 8)
+        self.mid, self.head = weight_norm(torch.nn.Linear(8, 8)), torch.nn.Linear(8, vocab)
+        if init:
+            self._init_weights = self._draw_originals
+
+    def _draw_originals(self, module):
+        from torch.nn.utils.parametrize import ParametrizationList
+        if isinstance(module, ParametrizationList):
+            for p in module.parameters():
+                torch.nn.init.normal_(p, 0.0, 0.3)
+
+    def forward(self, input_ids):
+        return self.head(torch.tanh(self.mid(self.emb(input_ids))))
+
+
+def test_a_parametrized_weight_is_refused_naming_the_parametrization(tmp_path):
+    """weight_norm of torch.nn.utils.parametrizations: the constructor computes `original0`
+    (the norm) from the Linear's own draw, which no per-module rule replays. Refused at the
+    model line naming the parametrized tensor, its parametrization and the original; the
+    hint (torch's ParametrizationList takes no reset_parameters of the user's) was "give
+    ParametrizationList a reset_parameters()". With an `_init_weights` that draws the
+    originals, the plan compiles."""
+    from pipeplan.compiler import compile_for_check
+    text = _tiny("fx", "pipeplan.tests.compiler.test_runtime_checks:ParametrizedNorm")
+    with pytest.raises(PlanError) as info:
+        compile_for_check(parse_plan(text, str(tmp_path / "t.plan")))
+    (d,) = info.value.diagnostics
+    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
+    assert "`mid.weight` is parametrized (_WeightNorm" in d.message, d.message
+    assert "original0 of module `mid.parametrizations.weight` was computed" in d.message
+    assert "ParametrizationList" in d.hint and "reset_parameters" not in d.hint, d.hint
+    text = text.replace("  inputs", "  args = { init = true }\n  inputs")
+    assert compile_for_check(parse_plan(text, str(tmp_path / "t.plan"))).stages
