@@ -82,7 +82,8 @@ class Budget:
     which the meta build's TorchFunctionMode routes every torch call to); raises OverBudget
     past a bound."""
 
-    def __init__(self):
+    def __init__(self, real: bool = False):
+        self.real = real  # the default device is CPU: size each factory call on meta first
         self.counts = Counts()
         machine = machine_memory_bytes()
         self.total_bound = _TOTAL_BOUND.get() or MAX_MODEL_BYTES
@@ -130,6 +131,16 @@ class Budget:
             self._add(func(*args, **{**kwargs, "device": "meta"}), args)
             self.check(pending=0)  # sized before it is allocated
             return func(*args, **kwargs)
+        if self.real and device is None and not any(isinstance(a, torch.Tensor)
+                                                    for a in args):
+            try:  # a factory on the default device (CPU): sized on meta first
+                with torch.device("meta"):
+                    sized = func(*args, **kwargs)
+            except Exception:
+                sized = None
+            if isinstance(sized, torch.Tensor) and sized.is_meta and self._add(sized, args):
+                self.check(pending=0)
+                self.counts.bytes -= self._last  # counted again once made
         out = func(*args, **kwargs)
         if self._add(out, args):
             self.check(pending=self._last)

@@ -29,15 +29,50 @@ from .model_checks import check_model_against_plan
 
 
 def load_model(plan: Plan, device: str = "meta") -> torch.nn.Module:
-    """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu")."""
+    """The plan's model, constructed with `plan.model.args` on `device` ("meta" or "cpu").
+
+    On meta, a constructor that reads a value of a tensor it computed (the stochastic-depth
+    idiom `torch.linspace(0, rate, depth).tolist()`, an `.item()`: no meta tensor has values)
+    fails; it is built again with only its parameters on meta, as the runtime builds it
+    (`load_skeleton`: every other tensor computed on CPU, bounded by the same budget),
+    then its buffers and tensor attributes moved to meta. A constructor that fails that way
+    too is reported with that error, the one it raises on CPU."""
     copies = Copies()
-    model = _construct(plan, (lambda: _on_meta(copies)) if device == "meta" else
-                       (lambda: torch.device(device)))
-    if device == "meta":
+    if device != "meta":
+        model = _construct(plan, lambda: torch.device(device))
+    else:
+        try:
+            model = _construct(plan, lambda: _on_meta(copies))
+        except PlanError as e:
+            if e.__cause__ is None:  # stopped by the budget, or not the constructor's error
+                raise
+            copies = Copies()
+            model = _construct(plan, lambda: _values_on_cpu(copies))
+            _tensors_to_meta(model)
         copies.found(model)
         _parameters_to_meta(model)
     check_model_against_plan(plan, model)
     return model
+
+
+@contextlib.contextmanager
+def _values_on_cpu(copies: Copies):
+    """The meta build for a constructor that reads values: parameters moved to meta as
+    they are registered (`_parameters_on_meta`), every other tensor computed on CPU, each
+    factory call sized on meta first by the budget (nothing allocated past a bound)."""
+    with Budget(real=True) as budget, _MetaBuild(budget, copies), _parameters_on_meta():
+        yield budget
+
+
+def _tensors_to_meta(model: torch.nn.Module) -> None:
+    """Buffers and plain tensor attributes (what the meta build makes meta) to meta."""
+    for module in model.modules():
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.device.type != "meta":
+                module._buffers[name] = b.to("meta")
+        for name, value in list(vars(module).items()):
+            if type(value) is torch.Tensor and value.device.type != "meta":
+                setattr(module, name, value.to("meta"))
 
 
 def _parameters_to_meta(model: torch.nn.Module) -> None:

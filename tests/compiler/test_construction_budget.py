@@ -42,8 +42,10 @@ from torch import nn
 class Big(nn.Module):
     """Allocates `n` float32 outside its parameters, `how` it is told to."""
 
-    def __init__(self, n: int, how: str):
+    def __init__(self, n: int, how: str, reads: bool = False):
         super().__init__()
+        if reads:  # a value read (no meta tensor has one): built with values on CPU
+            self.rates = torch.linspace(0, 0.1, 4).tolist()
         self.a = nn.Embedding(32, 8)
         self.b = nn.Linear(8, 32)
         try:  # a model's own `except Exception` must not swallow the stop
@@ -94,18 +96,23 @@ def _at_model_args(rc: int, err: str, model: str) -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("reads", [False, True])
 @pytest.mark.parametrize("how", ["buffer", "attribute", "cpu"])
-def test_a_constructor_allocating_past_the_machine_outside_parameters_is_refused(tmp_path, how):
+def test_a_constructor_allocating_past_the_machine_outside_parameters_is_refused(
+        tmp_path, how, reads):
+    """Also (`reads`) where the constructor reads a value first, so that it is built with
+    its values on CPU (loading.load_model): each factory is sized on meta before it runs."""
     n = 2 * machine_memory_bytes() // 4  # twice this machine's memory in float32
     (tmp_path / "m.py").write_text(MODEL)
-    plan = parse_plan(PLAN.format(source="m.py:Big", args=f'n = {n}, how = "{how}"'),
-                      str(tmp_path / "p.plan"))
+    args = f'n = {n}, how = "{how}"' + (", reads = true" if reads else "")
+    plan = parse_plan(PLAN.format(source="m.py:Big", args=args), str(tmp_path / "p.plan"))
     t = time.process_time()
     with pytest.raises(PlanError) as e:
         load_model(plan)
     assert time.process_time() - t < 2
     first = str(e.value).splitlines()[0]
-    assert first.startswith(f"{tmp_path / 'p.plan'}:4:10: error: Big(n={n}, how='{how}') was "
+    said = f"n={n}, how='{how}'" + (", reads=True" if reads else "")
+    assert first.startswith(f"{tmp_path / 'p.plan'}:4:10: error: Big({said}) was "
                             "stopped while it was being built: 2 modules, ")  # a and b, first
     gib = 2 * machine_memory_bytes() / 2**30
     assert f"{gib:,.2f} GiB of tensors created (0.00 GiB of them parameters)" in first, first
