@@ -153,12 +153,22 @@ def _construct(plan: Plan, context) -> torch.nn.Module:
                            "forward or as parameters (docs/runtime.md, Trust)") from None
     except (Exception, SystemExit) as e:  # the user's constructor failed: point at the args
         raise PlanError.at(plan, "model.args", f"{cls.__name__}({_fmt_args(args)}) failed: "
-                           f"{type(e).__name__}: {e}",
-                           "check the constructor arguments against the model's __init__") from e
+                           f"{type(e).__name__}: {e}", _READS_A_PARAMETER if "meta tensor" in
+                           str(e) else "check the constructor arguments against the model's "
+                           "__init__") from e
     if not isinstance(model, torch.nn.Module):
         raise PlanError.at(plan, "model.source", f"{cls.__name__} returned "
                            f"{type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+# A constructor that still reads a meta tensor's value with only its parameters on meta
+# (load_model's second build) reads one of its parameters (torch's orthogonal
+# parametrization checks the weight it is registered on).
+_READS_A_PARAMETER = ("the constructor reads the value of one of its parameters: pipeplan builds "
+                      "parameters without values (on the meta device) and draws them per "
+                      "module afterwards; compute what the constructor reads from constants, "
+                      "or read it in forward (docs/runtime.md, Initial weights)")
 
 
 def resolve_model_class(plan: Plan):

@@ -654,13 +654,15 @@ class Block(nn.Module):
 
 
 class M(nn.Module):
-    def __init__(self, vocab=64, dim=64, layers=4):
+    def __init__(self, vocab=64, dim=64, layers=4, parameter=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         rates = torch.linspace(0, 0.1, layers).tolist()  # stochastic depth's idiom (timm)
         scale = torch.tensor(float(dim)).rsqrt().item()
         self.layers = nn.Sequential(*(Block(dim, r, scale) for r in rates))
         self.head = nn.Linear(dim, vocab)
+        if parameter:  # a value of a parameter: none has one before pipeplan draws it
+            self.first = self.head.weight.abs().max().item()
 
     def forward(self, input_ids):
         return self.head(self.layers(self.embed(input_ids)))
@@ -688,3 +690,17 @@ def test_a_constructor_reading_values_it_computed_is_built_as_the_user_builds_it
     for name, b in own.named_buffers():
         assert torch.equal(ref.get_buffer(name), b), name
     _check_ranks(plan, ref, [0, 1])
+
+
+def test_a_constructor_reading_a_parameters_value_is_refused_saying_so(tmp_path):
+    """The same model reading a value of its own parameter while it is built: no build
+    without drawing every parameter gives one. Refused at the model's args, the hint saying
+    that (it said: check the constructor arguments against the model's __init__)."""
+    _user_module(tmp_path, "reads", READS)
+    plan = plan_for(str(tmp_path / "reads.py") + ":M", pp=2,
+                    args={"vocab": 64, "dim": 64, "layers": 4, "parameter": True})
+    with pytest.raises(PlanError) as e:
+        estimates_summary(plan)
+    (d,) = e.value.diagnostics
+    assert "cannot be called on meta tensors" in d.message, d.message
+    assert d.hint.startswith("the constructor reads the value of one of its parameters"), d.hint
