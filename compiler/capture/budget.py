@@ -124,23 +124,17 @@ class Budget:
         self.check()
 
     def call(self, func, args, kwargs):
-        """`func(*args, **kwargs)`, counted (the meta build's TorchFunctionMode calls it)."""
+        """`func(*args, **kwargs)`, counted (the meta build's TorchFunctionMode calls it). A
+        factory that would allocate for real (naming a real device, or on the default one
+        when it is CPU: `real`) is sized on meta before it runs."""
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type != "meta" and not any(
-                isinstance(a, torch.Tensor) for a in args):  # a factory naming a real device
-            self._add(func(*args, **{**kwargs, "device": "meta"}), args)
-            self.check(pending=0)  # sized before it is allocated
-            return func(*args, **kwargs)
-        if self.real and device is None and not any(isinstance(a, torch.Tensor)
-                                                    for a in args):
-            try:  # a factory on the default device (CPU): sized on meta first
-                with torch.device("meta"):
-                    sized = func(*args, **kwargs)
-            except Exception:
-                sized = None
-            if isinstance(sized, torch.Tensor) and sized.is_meta and self._add(sized, args):
-                self.check(pending=0)
-                self.counts.bytes -= self._last  # counted again once made
+        if not any(isinstance(a, torch.Tensor) for a in args) and (
+                torch.device(device).type != "meta" if device is not None else self.real):
+            sized = _sized_on_meta(func, args, kwargs)
+            if sized is not None:
+                self._add(sized, args)
+                self.check(pending=0)  # sized before it is allocated
+                return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if self._add(out, args):
             self.check(pending=self._last)
@@ -167,3 +161,13 @@ class Budget:
         if c.bytes - c.param_bytes - pending > self.other_bound:
             raise OverBudget(f"more than this machine's memory ({self.other_bound / GIB:,.1f} "
                              "GiB) outside parameters, which every rank builds on its CPU", c)
+
+
+def _sized_on_meta(func, args, kwargs):
+    """What `func` makes, made on meta (None where it makes no tensor there)."""
+    try:
+        with torch.device("meta"):
+            out = func(*args, **({**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
+    except Exception:
+        return None
+    return out if isinstance(out, torch.Tensor) and out.is_meta else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...dsl.ast import Plan
@@ -194,7 +195,7 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
                        if n not in untouched or _joined(path, n) not in constants]
         if not missing:
             continue
-        if _parametrization(module):
+        if isinstance(module, ParametrizationList):  # torch.nn.utils.parametrize's originals
             _refuse_parametrization(plan, module, path, missing)
         said = (f"{where} ({kind}) owns parameters {', '.join(own)} but has no "
                 f"reset_parameters(), and no module around it has {INIT_HOOK}(module)"
@@ -207,14 +208,6 @@ def check_init(plan: Plan, model: torch.nn.Module) -> None:
             f"give {kind} a reset_parameters() that initialises {', '.join(missing)}, or "
             f"an enclosing module (the model) an {INIT_HOOK}(self, module) method that "
             "does (see docs/runtime.md, Initial weights)")
-
-
-def _parametrization(module: torch.nn.Module) -> bool:
-    """Is `module` the list torch.nn.utils.parametrize keeps a parametrized tensor's
-    originals in (weight_norm, orthogonal, spectral_norm of torch.nn.utils.parametrizations,
-    register_parametrization)?"""
-    from torch.nn.utils.parametrize import ParametrizationList
-    return isinstance(module, ParametrizationList)
 
 
 def _refuse_parametrization(plan: Plan, module: torch.nn.Module, path: str,

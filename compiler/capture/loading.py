@@ -60,7 +60,8 @@ def _values_on_cpu(copies: Copies):
     """The meta build for a constructor that reads values: parameters moved to meta as
     they are registered (`_parameters_on_meta`), every other tensor computed on CPU, each
     factory call sized on meta first by the budget (nothing allocated past a bound)."""
-    with Budget(real=True) as budget, _MetaBuild(budget, copies), _parameters_on_meta():
+    with Budget(real=True) as budget, _MetaBuild(budget, copies), \
+            _parameters_on_meta(watch=False):
         yield budget
 
 
@@ -428,24 +429,31 @@ def load_skeleton(plan: Plan) -> torch.nn.Module:
 class _parameters_on_meta:
     """While active, every parameter a module registers is moved to the meta device at
     once, so the init the constructor runs on it afterwards costs nothing (the trick of
-    accelerate's `init_empty_weights(include_buffers=False)`), under constructor.Watch."""
+    accelerate's `init_empty_weights(include_buffers=False)`), under constructor.Watch
+    (`watch`: the skeleton's records; load_model's second build reads none)."""
+
+    def __init__(self, watch: bool = True):
+        self.watch = Watch() if watch else None
 
     def __enter__(self):
         self._orig = orig = torch.nn.Module.register_parameter
-        self.watch = watch = Watch()
+        watch = self.watch
 
         def register_parameter(module, name, param):
             orig(module, name, param)
             if param is not None and param.device.type != "meta":
                 moved = module._parameters[name] = torch.nn.Parameter(
                     param.to("meta"), requires_grad=param.requires_grad)
-                watch.register(param, moved)
+                if watch is not None:
+                    watch.register(param, moved)
 
         torch.nn.Module.register_parameter = register_parameter
-        watch.__enter__()
+        if watch is not None:
+            watch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.watch.__exit__(*exc)
+        if self.watch is not None:
+            self.watch.__exit__(*exc)
         torch.nn.Module.register_parameter = self._orig
         return False

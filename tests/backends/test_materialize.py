@@ -638,7 +638,6 @@ def test_a_parameter_swapped_by_the_constructor_inherits_no_other_record():
 
 
 READS = """\
-import math
 import torch
 from torch import nn
 

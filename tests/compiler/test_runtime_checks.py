@@ -245,11 +245,17 @@ def test_a_parameter_the_forward_writes_is_refused_under_data_parallel(tmp_path,
 
 def _refused_at_the_model_line(tmp_path, text: str) -> str:
     """Compiling `text` raises one diagnostic, at the model's source: its message."""
+    return _refusal_at_the_model_line(tmp_path, text).message
+
+
+def _refusal_at_the_model_line(tmp_path, text: str, compile=compile_plan):
+    """`compile` (compile_plan, or check's compile_for_check) of `text` raises one
+    diagnostic, at the model's source: that diagnostic."""
     with pytest.raises(PlanError) as info:
-        compile_plan(parse_plan(text, str(tmp_path / "t.plan")))
+        compile(parse_plan(text, str(tmp_path / "t.plan")))
     (d,) = info.value.diagnostics
     assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
-    return d.message
+    return d
 
 
 class SparseEmbedded(MaxNormed):
@@ -377,10 +383,7 @@ def test_a_parametrized_weight_is_refused_naming_the_parametrization(tmp_path):
     originals, the plan compiles."""
     from pipeplan.compiler import compile_for_check
     text = _tiny("fx", "pipeplan.tests.compiler.test_runtime_checks:ParametrizedNorm")
-    with pytest.raises(PlanError) as info:
-        compile_for_check(parse_plan(text, str(tmp_path / "t.plan")))
-    (d,) = info.value.diagnostics
-    assert (d.span.line, d.span.col) == _position(text, '"pipeplan.tests'), d
+    d = _refusal_at_the_model_line(tmp_path, text, compile_for_check)
     assert "`mid.weight` is parametrized (_WeightNorm" in d.message, d.message
     assert "original0 of module `mid.parametrizations.weight` was computed" in d.message
     assert "ParametrizationList" in d.hint and "reset_parameters" not in d.hint, d.hint
